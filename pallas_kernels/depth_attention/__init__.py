@@ -1,0 +1,29 @@
+"""Multi-stream depth attention (MSAR Eq. 9-17; AttnRes and MHAR as special cases)."""
+
+from pallas_kernels.depth_attention.api import (
+    depth_read,
+    phase1,
+    phase2,
+)
+from pallas_kernels.depth_attention.reference import (
+    SoftmaxState,
+    bank_size,
+    expand,
+    finalize,
+    fuse_gate,
+    fuse_mean,
+    key_rms,
+)
+
+__all__ = [
+    "SoftmaxState",
+    "bank_size",
+    "depth_read",
+    "expand",
+    "finalize",
+    "fuse_gate",
+    "fuse_mean",
+    "key_rms",
+    "phase1",
+    "phase2",
+]

@@ -1,0 +1,67 @@
+"""Public entry points of depth attention, with ``implementation=`` dispatch.
+
+``implementation``: ``"xla"`` (plain jnp, ``reference.py``), ``"pallas_tpu"``,
+``"pallas_gpu"``, or ``None`` (the best available for the platform, falling back
+to XLA). Kernels register themselves in ``_KERNELS``; until one exists for an
+implementation, asking for it explicitly raises ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+import jax
+
+from pallas_kernels.depth_attention import reference
+
+Implementation = Literal["xla", "pallas_tpu", "pallas_gpu"] | None
+_IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu")
+
+# op name -> implementation -> callable with the reference signature.
+_KERNELS: dict[str, dict[str, Callable]] = {"phase1": {}, "phase2": {}, "depth_read": {}}
+
+
+def register(op: str, implementation: str, fn: Callable) -> None:
+    """Register a kernel for ``op`` under ``implementation`` (used by kernel modules)."""
+    _KERNELS[op][implementation] = fn
+
+
+def _candidates(implementation: Implementation) -> list[str]:
+    if implementation is not None:
+        if implementation not in _IMPLEMENTATIONS:
+            raise ValueError(f"implementation={implementation!r}: must be one of {_IMPLEMENTATIONS} or None")
+        return [implementation]
+    platform = jax.default_backend()
+    preferred = {"tpu": ["pallas_tpu"], "gpu": ["pallas_gpu"]}.get(platform, [])
+    return [*preferred, "xla"]
+
+
+def _dispatch(op: str, implementation: Implementation, *args, **kwargs):
+    errors = []
+    for name in _candidates(implementation):
+        if name == "xla":
+            return getattr(reference, op)(*args, **kwargs)
+        fn = _KERNELS[op].get(name)
+        if fn is None:
+            errors.append(NotImplementedError(f"{op}: no {name} kernel registered"))
+            continue
+        try:
+            return fn(*args, **kwargs)
+        except NotImplementedError as e:  # a kernel may decline a shape; fall through
+            errors.append(e)
+    raise ExceptionGroup(f"{op}: no implementation could run", errors)
+
+
+def phase1(*args, implementation: Implementation = None, **kwargs) -> reference.SoftmaxState:
+    """Phase 1 of the two-phase read; see ``reference.phase1`` for the arguments."""
+    return _dispatch("phase1", implementation, *args, **kwargs)
+
+
+def phase2(*args, implementation: Implementation = None, **kwargs) -> jax.Array:
+    """Phase 2 of the two-phase read; see ``reference.phase2`` for the arguments."""
+    return _dispatch("phase2", implementation, *args, **kwargs)
+
+
+def depth_read(*args, implementation: Implementation = None, **kwargs):
+    """The direct read; see ``reference.depth_read`` for the arguments."""
+    return _dispatch("depth_read", implementation, *args, **kwargs)

@@ -1,0 +1,289 @@
+"""Plain-jnp multi-stream depth attention: the oracle of every kernel and the XLA path.
+
+One op family serves every depth-attention residual of the MSAR paper (seed 000):
+
+* **Expansion** (Eq. 9-10): a single-stream source ``x[B, T, d]`` becomes ``m``
+  streams. Stream ``r`` has a kernel size ``stream_kernels[r]``; ``0`` means the
+  identity stream, ``k > 0`` a causal depthwise convolution along tokens with
+  ``k`` taps ``c[delta] in R^d`` indexed by lag ``delta`` (``y_t = sum_delta
+  c[delta] * x[t - delta]``, zero before the sequence start and, with segment
+  ids, before a segment start). A source's conv bank stores the taps of all its
+  conv streams concatenated: ``bank[sum(stream_kernels), d]``.
+* **Per-stream depth attention** (Eq. 11-12, 17): stream ``r`` has its own query
+  ``w^{(r)} in R^d``. The key is the weightless RMS norm of the expanded source
+  over the full width ``d``; with ``heads = H`` the key and query are split into
+  ``H`` contiguous channel slices that each get their own softmax over sources
+  (MHAR, seed 004). Values are the expanded sources, not normalised.
+* **Two-phase computation** (seed 000 Sec. 3.4): ``phase1`` scores all completed
+  sources of a block against the queries of all the block's targets once and
+  keeps an online-softmax state per (target, stream, token, head); ``phase2``
+  merges one target's partial source into that state.
+
+AttnRes is ``stream_kernels=(0,)``, ``heads=1``; MHAR is ``stream_kernels=(0,)``,
+``heads=H``; MSAR is e.g. ``(0, 4, 8, 12)``; the no-conv ablation ``(0, 0, 0, 0)``.
+
+Everything is computed in float32 whatever the input dtype (SPEC preamble).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+
+# A finite stand-in for -inf: exp(NEG_LARGE - finite) underflows to exactly 0 and,
+# unlike -inf, never produces inf - inf = NaN inside a masked merge (NaN would leak
+# into gradients through jnp.where).
+NEG_LARGE = -1e30
+
+
+class SoftmaxState(NamedTuple):
+    """Online-softmax state per (stream, token, head); leading axes are free.
+
+    ``max`` and ``denom`` are ``[..., m, B, T, H]``; ``acc`` is ``[..., m, B, T, d]``
+    holding ``sum_i exp(s_i - max) * value_i`` (head ``h`` owns channels
+    ``h*d/H:(h+1)*d/H``).
+    """
+
+    max: jax.Array
+    denom: jax.Array
+    acc: jax.Array
+
+
+def bank_size(stream_kernels: Sequence[int]) -> int:
+    """Number of ``d``-vectors in one conv bank: the sum of the conv kernel sizes."""
+    return int(sum(stream_kernels))
+
+
+def key_rms(x: jax.Array, eps: float) -> jax.Array:
+    """Weightless RMS norm over the last axis, in float32."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _lag_masks(segment_ids: jax.Array | None, t_len: int, max_lag: int, batch: int):
+    """``masks[delta][b, t]`` is 1 where token ``t - delta`` is in the same sequence
+    segment as ``t`` (and exists)."""
+    t = jnp.arange(t_len)
+    masks = []
+    for delta in range(max_lag):
+        valid = jnp.broadcast_to(t >= delta, (batch, t_len))
+        if segment_ids is not None and delta > 0:
+            shifted = jnp.pad(segment_ids, ((0, 0), (delta, 0)), constant_values=-1)[:, :t_len]
+            valid = valid & (shifted == segment_ids)
+        masks.append(valid.astype(jnp.float32))
+    return masks
+
+
+def expand(
+    x: jax.Array,
+    bank: jax.Array | None,
+    stream_kernels: Sequence[int],
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
+    """Expand sources into streams (Eq. 10). ``x[..., B, T, d]``, ``bank[..., K, d]``.
+
+    Returns ``[..., m, B, T, d]`` in float32, with the leading axes of ``x`` and
+    ``bank`` broadcast together (one bank per source).
+    """
+    x = x.astype(jnp.float32)
+    batch, t_len = x.shape[-3], x.shape[-2]
+    max_lag = max([0, *stream_kernels])
+    masks = _lag_masks(segment_ids, t_len, max_lag, batch) if max_lag else []
+    shifted = {}
+
+    def shift(delta):
+        if delta not in shifted:
+            pad = [(0, 0)] * x.ndim
+            pad[-2] = (delta, 0)
+            xs = jnp.pad(x, pad)[..., :t_len, :] if delta else x
+            shifted[delta] = xs * masks[delta][..., None] if delta else xs
+        return shifted[delta]
+
+    streams = []
+    offset = 0
+    for kernel in stream_kernels:
+        if kernel == 0:
+            streams.append(x)
+            continue
+        taps = bank[..., offset : offset + kernel, :].astype(jnp.float32)
+        offset += kernel
+        y = 0.0
+        for delta in range(kernel):
+            y = y + taps[..., delta, None, None, :] * shift(delta)
+        streams.append(y)
+    return jnp.stack(streams, axis=-4)
+
+
+def _split_heads(x: jax.Array, heads: int) -> jax.Array:
+    return x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads)
+
+
+def scores(expanded: jax.Array, queries: jax.Array, heads: int, eps: float) -> jax.Array:
+    """Scores of expanded sources ``[..., m, B, T, d]`` against ``queries[m, d]``.
+
+    ``s = w . rms(E_r[x])`` per head slice (no 1/sqrt(d), SPEC 3); ``[..., m, B, T, H]``.
+    """
+    keys = _split_heads(key_rms(expanded, eps), heads)
+    q = _split_heads(queries.astype(jnp.float32), heads)  # [m, H, dh]
+    return jnp.einsum("...mbthe,mhe->...mbth", keys, q)
+
+
+def empty_state(shape_mbt: tuple, d: int, heads: int) -> SoftmaxState:
+    """The state of a softmax over no sources yet."""
+    m_b_t = tuple(shape_mbt)
+    return SoftmaxState(
+        max=jnp.full((*m_b_t, heads), NEG_LARGE, jnp.float32),
+        denom=jnp.zeros((*m_b_t, heads), jnp.float32),
+        acc=jnp.zeros((*m_b_t, d), jnp.float32),
+    )
+
+
+def merge(state: SoftmaxState, s: jax.Array, value: jax.Array, include: jax.Array | bool = True) -> SoftmaxState:
+    """Fold one source (scores ``s[..., H]``, value ``[..., d]``) into ``state``.
+
+    ``include`` (a boolean, may be traced) leaves the state unchanged when false:
+    an empty partial is omitted from the sum and the denominator (SPEC 2).
+    """
+    heads = s.shape[-1]
+    s = jnp.where(include, s, NEG_LARGE)
+    new_max = jnp.maximum(state.max, s)
+    keep = jnp.exp(state.max - new_max)
+    p = jnp.where(include, jnp.exp(s - new_max), 0.0)
+    acc = _split_heads(state.acc, heads) * keep[..., None] + p[..., None] * _split_heads(value, heads)
+    return SoftmaxState(
+        max=new_max,
+        denom=state.denom * keep + p,
+        acc=acc.reshape(state.acc.shape),
+    )
+
+
+def finalize(state: SoftmaxState) -> jax.Array:
+    """Retrieved streams ``z = acc / denom`` (Eq. 11), ``[..., m, B, T, d]`` float32."""
+    heads = state.denom.shape[-1]
+    z = _split_heads(state.acc, heads) / state.denom[..., None]
+    return z.reshape(state.acc.shape)
+
+
+def _source_valid(n: int, valid) -> jax.Array:
+    if valid is None:
+        return jnp.ones((n,), bool)
+    return jnp.asarray(valid, bool)
+
+
+def phase1(
+    sources: jax.Array,
+    banks: jax.Array | None,
+    queries: jax.Array,
+    valid: jax.Array | None = None,
+    *,
+    stream_kernels: Sequence[int],
+    heads: int = 1,
+    segment_ids: jax.Array | None = None,
+    eps: float = 1e-6,
+) -> SoftmaxState:
+    """Phase 1 (seed 000 Sec. 3.4): all completed sources against all targets' queries.
+
+    Args:
+      sources: ``[n, B, T, d]`` completed single-stream sources.
+      banks: ``[n, K, d]`` the conv bank of each source (``None`` if no conv stream).
+      queries: ``[S, m, d]`` the queries of the block's ``S`` targets.
+      valid: optional ``[n]`` booleans (may be traced); invalid sources are left out
+        of every softmax (a preallocated buffer not yet filled).
+    Returns:
+      A ``SoftmaxState`` with leading axis ``S``: ``max/denom [S, m, B, T, H]``,
+      ``acc [S, m, B, T, d]``. The expanded streams exist only transiently.
+    """
+    n = sources.shape[0]
+    ok = _source_valid(n, valid)
+    expanded = expand(sources, banks, stream_kernels, segment_ids)  # [n, m, B, T, d]
+    keys = _split_heads(key_rms(expanded, eps), heads)  # [n, m, B, T, H, dh]
+    q = _split_heads(queries.astype(jnp.float32), heads)  # [S, m, H, dh]
+    s = jnp.einsum("nmbthe,smhe->snmbth", keys, q)
+    s = jnp.where(ok[None, :, None, None, None, None], s, NEG_LARGE)
+    smax = jnp.max(s, axis=1)
+    p = jnp.exp(s - smax[:, None])
+    p = jnp.where(ok[None, :, None, None, None, None], p, 0.0)
+    denom = jnp.sum(p, axis=1)
+    acc = jnp.einsum("snmbth,nmbthe->smbthe", p, _split_heads(expanded, heads))
+    return SoftmaxState(max=smax, denom=denom, acc=acc.reshape(*acc.shape[:-2], -1))
+
+
+def phase2(
+    state: SoftmaxState,
+    partial: jax.Array,
+    bank: jax.Array | None,
+    query: jax.Array,
+    include_partial: jax.Array | bool = True,
+    *,
+    stream_kernels: Sequence[int],
+    heads: int = 1,
+    segment_ids: jax.Array | None = None,
+    eps: float = 1e-6,
+) -> jax.Array:
+    """Phase 2: merge one target's partial source into its phase-1 state.
+
+    ``state`` has no target axis (``[m, B, T, ...]``); ``partial[B, T, d]``,
+    ``bank[K, d]``, ``query[m, d]``. Returns the retrieved streams ``[m, B, T, d]``
+    (float32). With ``include_partial`` false (the first target of a block) the
+    result is phase 1 alone.
+    """
+    expanded = expand(partial, bank, stream_kernels, segment_ids)  # [m, B, T, d]
+    s = scores(expanded, query, heads, eps)
+    return finalize(merge(state, s, expanded, include_partial))
+
+
+def depth_read(
+    sources: jax.Array,
+    banks: jax.Array | None,
+    query: jax.Array,
+    valid: jax.Array | None = None,
+    *,
+    stream_kernels: Sequence[int],
+    heads: int = 1,
+    segment_ids: jax.Array | None = None,
+    eps: float = 1e-6,
+    return_weights: bool = False,
+):
+    """The direct definition (Eq. 11-12): one target's read over ``sources[n, B, T, d]``.
+
+    Returns the retrieved streams ``z[m, B, T, d]`` (float32) and, with
+    ``return_weights``, the depth-attention weights ``alpha[n, m, B, T, H]``
+    (zero for invalid sources; each (stream, token, head) sums to one).
+    """
+    n = sources.shape[0]
+    ok = _source_valid(n, valid)
+    expanded = expand(sources, banks, stream_kernels, segment_ids)  # [n, m, B, T, d]
+    s = scores(expanded, query, heads, eps)  # [n, m, B, T, H]
+    s = jnp.where(ok[:, None, None, None, None], s, NEG_LARGE)
+    alpha = jax.nn.softmax(s, axis=0)
+    alpha = jnp.where(ok[:, None, None, None, None], alpha, 0.0)
+    z = jnp.einsum("nmbth,nmbthe->mbthe", alpha, _split_heads(expanded, heads))
+    z = z.reshape(*z.shape[:-2], -1)
+    return (z, alpha) if return_weights else z
+
+
+def fuse_gate(z: jax.Array, w: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """mHC-style H_pre stream fusion (Eq. 13-14): ``h = sum_r g_r z^{(r)}``.
+
+    ``g = sigmoid(scale * (rms(flatten(Z)) @ w) + bias)`` with ``z[m, B, T, d]``,
+    ``w[m*d, m]``, scalar ``scale``, ``bias[m]``; the rms runs over all ``m*d``
+    entries. Returns ``[B, T, d]`` float32.
+    """
+    m = z.shape[0]
+    flat = jnp.moveaxis(z, 0, -2).reshape(*z.shape[1:-1], m * z.shape[-1])  # [B, T, m*d]
+    g = jax.nn.sigmoid(scale * (key_rms(flat, eps) @ w.astype(jnp.float32)) + bias)  # [B, T, m]
+    return jnp.einsum("btm,mbtd->btd", g, z)
+
+
+def stream_gate(z: jax.Array, w: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """The gate values ``g[B, T, m]`` of ``fuse_gate`` (for introspection)."""
+    m = z.shape[0]
+    flat = jnp.moveaxis(z, 0, -2).reshape(*z.shape[1:-1], m * z.shape[-1])
+    return jax.nn.sigmoid(scale * (key_rms(flat, eps) @ w.astype(jnp.float32)) + bias)
+
+
+def fuse_mean(z: jax.Array) -> jax.Array:
+    """Mean fusion (the w/o H_pre ablation, Table 2 row 7)."""
+    return jnp.mean(z, axis=0)
