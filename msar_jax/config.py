@@ -1,0 +1,168 @@
+"""Model configuration: the defaults, and validation with messages that name the field.
+
+Configs are ``ml_collections.ConfigDict`` trees (see ``configs/``). ``model_config()``
+returns the default model tree; ``validate(config)`` checks every rule up front and
+raises ``ConfigError`` naming the field, the value and the rule.
+
+Sizes follow SPEC notation: ``n_layers`` transformer layers, ``L = 2 * n_layers``
+residual sublayers, ``block_size`` (S) counts sublayers per block.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+MECHANISMS = ("vanilla", "mhc", "attnres", "msar", "mhar", "attnres_mhc")
+FUSIONS = ("gate", "mean")
+DTYPES = ("float32", "bfloat16", "float16")
+REMAT_POLICIES = ("none", "full", "save_dots", "save_layer_inputs")
+
+
+class ConfigError(ValueError):
+    """A config value broke a rule. The message names the field, the value and the rule."""
+
+    def __init__(self, field: str, value, rule: str):
+        self.field, self.value, self.rule = field, value, rule
+        super().__init__(f"config field {field!r} = {value!r}: {rule}")
+
+
+def residual_config() -> ml_collections.ConfigDict:
+    """Defaults of the residual mechanism (SPEC 1-8)."""
+    return ml_collections.ConfigDict(
+        dict(
+            name="msar",  # one of MECHANISMS
+            block_size=4,  # S, sublayers per block; 1 = Full mode (every output is a source)
+            streams=4,  # m (MSAR streams; mHC residual streams for mhc / attnres_mhc)
+            kernel_sizes=(4, 8, 12),  # MSAR conv kernel sizes, length m - 1 (Appendix A)
+            conv=True,  # False = the w/o Conv ablation: every stream is the identity
+            fusion="gate",  # "gate" (H_pre, Eq. 13-14) or "mean" (w/o H_pre ablation)
+            heads=8,  # MHAR channel heads H (d % H == 0)
+            eps=1e-6,  # weightless rms eps of every mechanism norm (> 0)
+            gate_scale_init=0.01,  # alpha^pre / mHC a_* init (Appendix A)
+            sinkhorn_iters=20,  # mHC Sinkhorn-Knopp iterations
+            two_phase=True,  # block reads through phase 1 + phase 2 (SPEC 5); False = direct
+            final_merge="residual",  # MSAR final: "residual" (h_L + v_L) or "sum" (all sources)
+            implementation="xla",  # depth-attention kernels: "xla", "pallas_tpu", "pallas_gpu", "auto"
+        )
+    )
+
+
+def moe_config() -> ml_collections.ConfigDict:
+    """DeepSeekMoE-style MLPs (SPEC 9, Table 3). Off by default."""
+    return ml_collections.ConfigDict(
+        dict(
+            enabled=False,
+            n_dense_layers=1,  # leading dense transformer layers
+            n_routed_experts=8,
+            n_shared_experts=1,
+            top_k=2,
+            expert_dim=64,
+            shared_expert_dim=64,
+            aux_loss_weight=0.001,  # load-balance loss coefficient
+        )
+    )
+
+
+def model_config() -> ml_collections.ConfigDict:
+    """Defaults of the backbone (SPEC 9) with its residual mechanism."""
+    return ml_collections.ConfigDict(
+        dict(
+            vocab_size=256,
+            d_model=64,
+            n_layers=4,
+            n_heads=4,
+            n_kv_heads=2,
+            head_dim=16,
+            mlp_dim=192,  # dense SwiGLU hidden width
+            tie_embeddings=False,
+            rope_theta=50000.0,
+            norm_eps=1e-5,
+            dtype="float32",  # activation dtype; parameters are always float32
+            init_std=0.02,
+            remat_policy="none",  # inside a block; blocks themselves are always rematerialised
+            max_seq_len=256,
+            moe=moe_config(),
+            residual=residual_config(),
+        )
+    )
+
+
+def _positive(field: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(field, value, "must be a positive integer")
+
+
+def validate(model: ml_collections.ConfigDict, prefix: str = "model") -> ml_collections.ConfigDict:
+    """Check every rule of the model config; raise ``ConfigError`` on the first broken one."""
+    f = lambda name: f"{prefix}.{name}"  # noqa: E731
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "mlp_dim", "max_seq_len"):
+        _positive(f(name), model[name])
+    if model.n_heads % model.n_kv_heads:
+        raise ConfigError(f("n_kv_heads"), model.n_kv_heads, f"must divide n_heads = {model.n_heads} (grouped-query attention)")
+    if model.dtype not in DTYPES:
+        raise ConfigError(f("dtype"), model.dtype, f"must be one of {DTYPES}")
+    if model.remat_policy not in REMAT_POLICIES:
+        raise ConfigError(f("remat_policy"), model.remat_policy, f"must be one of {REMAT_POLICIES}")
+    if not model.rope_theta > 0:
+        raise ConfigError(f("rope_theta"), model.rope_theta, "must be > 0")
+    if not model.norm_eps > 0:
+        raise ConfigError(f("norm_eps"), model.norm_eps, "must be > 0")
+
+    moe = model.moe
+    if moe.enabled:
+        for name in ("n_routed_experts", "top_k", "expert_dim"):
+            _positive(f(f"moe.{name}"), moe[name])
+        if not isinstance(moe.n_dense_layers, int) or not 0 <= moe.n_dense_layers <= model.n_layers:
+            raise ConfigError(f("moe.n_dense_layers"), moe.n_dense_layers, f"must be an integer in [0, n_layers = {model.n_layers}]")
+        if moe.top_k > moe.n_routed_experts:
+            raise ConfigError(f("moe.top_k"), moe.top_k, f"must be <= moe.n_routed_experts = {moe.n_routed_experts}")
+        if moe.n_shared_experts < 0:
+            raise ConfigError(f("moe.n_shared_experts"), moe.n_shared_experts, "must be >= 0")
+        if moe.n_shared_experts:
+            _positive(f("moe.shared_expert_dim"), moe.shared_expert_dim)
+
+    res = model.residual
+    r = lambda name: f(f"residual.{name}")  # noqa: E731
+    if res.name not in MECHANISMS:
+        raise ConfigError(r("name"), res.name, f"unknown residual mechanism; must be one of {MECHANISMS}")
+    _positive(r("block_size"), res.block_size)
+    if res.block_size != 1 and res.block_size % 2:
+        raise ConfigError(
+            r("block_size"), res.block_size,
+            "must be 1 (Full mode) or even: block boundaries fall between transformer layers",
+        )
+    _positive(r("streams"), res.streams)
+    kernels = tuple(res.kernel_sizes)
+    if res.name in ("msar",) and res.conv and len(kernels) != res.streams - 1:
+        raise ConfigError(
+            r("kernel_sizes"), kernels,
+            f"must hold streams - 1 = {res.streams - 1} kernel sizes (one per conv stream; stream 0 is the identity)",
+        )
+    if any((not isinstance(k, int)) or k <= 0 for k in kernels):
+        raise ConfigError(r("kernel_sizes"), kernels, "every kernel size must be a positive integer")
+    if res.name == "msar" and res.conv and kernels and max(kernels) > model.max_seq_len:
+        raise ConfigError(r("kernel_sizes"), kernels, f"a kernel may not exceed max_seq_len = {model.max_seq_len}")
+    if res.fusion not in FUSIONS:
+        raise ConfigError(r("fusion"), res.fusion, f"must be one of {FUSIONS}")
+    _positive(r("heads"), res.heads)
+    if res.name == "mhar" and model.d_model % res.heads:
+        raise ConfigError(r("heads"), res.heads, f"must divide d_model = {model.d_model} (MHAR channel heads)")
+    if not res.eps > 0:
+        raise ConfigError(r("eps"), res.eps, "must be > 0 (conv streams start at exactly zero)")
+    _positive(r("sinkhorn_iters"), res.sinkhorn_iters)
+    if res.final_merge not in ("residual", "sum"):
+        raise ConfigError(r("final_merge"), res.final_merge, "must be 'residual' or 'sum'")
+    if res.implementation not in ("xla", "pallas_tpu", "pallas_gpu", "auto"):
+        raise ConfigError(r("implementation"), res.implementation, "must be one of 'xla', 'pallas_tpu', 'pallas_gpu', 'auto'")
+    return model
+
+
+def n_sublayers(model) -> int:
+    """L: attention and MLP sublayers each count once."""
+    return 2 * model.n_layers
+
+
+def n_blocks(model) -> int:
+    """N = ceil(L / S) (SPEC 2); the last block may be shorter."""
+    s = model.residual.block_size
+    return -(-n_sublayers(model) // s)

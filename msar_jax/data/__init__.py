@@ -1,0 +1,88 @@
+"""Data for the training stack: bundled corpus, ``prepare``, tokenizers, grain pipeline.
+
+Quick start::
+
+    from msar_jax import data
+    meta = data.ensure_prepared()                 # bundled byte-level data in data_cache/
+    it = data.make_train_iterator(data.default_cache_dir(), "train", batch_size=8, seq_len=128, seed=0)
+    batch = next(it)                              # np.int32 [8, 129]
+
+The pipeline names (which import grain and jax) are loaded on first use, so
+``python -m msar_jax.data.prepare`` stays light. Note that the attribute
+``msar_jax.data.prepare`` is the *function*; the module is
+``importlib.import_module("msar_jax.data.prepare")``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
+# `python -m msar_jax.data.prepare` imports this package (which imports the
+# prepare module for the names below) before running the module as __main__;
+# runpy then warns that the module is already in sys.modules. That double
+# import is harmless here (the module has no import-time side effects).
+warnings.filterwarnings("ignore", category=RuntimeWarning,
+                        message=r".*'msar_jax\.data\.prepare' found in sys\.modules.*")
+
+from msar_jax.data.prepare import (
+    BUNDLED_PATH,
+    SPLIT_RULE,
+    default_cache_dir,
+    default_out_dir,
+    ensure_prepared,
+    is_val_document,
+    load_documents,
+    prepare,
+    read_meta,
+)
+from msar_jax.data.tokenizers import (
+    EOT_TOKEN,
+    BPETokenizer,
+    ByteTokenizer,
+    load_tokenizer,
+    tokenizers_available,
+)
+
+_PIPELINE_NAMES = (
+    "checkpoint_restore_args",
+    "checkpoint_save_args",
+    "make_eval_batches",
+    "make_global_batch",
+    "make_train_dataset",
+    "make_train_iterator",
+    "num_eval_batches",
+    "num_windows",
+    "open_tokens",
+    "restore_iterator_state",
+    "save_iterator_state",
+)
+
+__all__ = [
+    "BUNDLED_PATH",
+    "SPLIT_RULE",
+    "EOT_TOKEN",
+    "BPETokenizer",
+    "ByteTokenizer",
+    "default_cache_dir",
+    "default_out_dir",
+    "ensure_prepared",
+    "is_val_document",
+    "load_documents",
+    "load_tokenizer",
+    "prepare",
+    "read_meta",
+    "tokenizers_available",
+    *_PIPELINE_NAMES,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PIPELINE_NAMES:
+        return getattr(importlib.import_module("msar_jax.data.pipeline"), name)
+    raise AttributeError(f"module 'msar_jax.data' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PIPELINE_NAMES))

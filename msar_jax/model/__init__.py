@@ -1,0 +1,1 @@
+"""The pre-norm decoder backbone (SPEC 9)."""

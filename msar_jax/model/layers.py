@@ -1,0 +1,164 @@
+"""Backbone sublayers as pure functions of stacked parameters (SPEC 9).
+
+Each ``f_l(h) = out_proj(op(RMSNorm_l(h)))`` includes its own pre-norm (SPEC notation).
+Parameters live in ``nnx.Param``s stacked over layers (leading ``layers`` axis,
+see ``Backbone``); the stack code slices one layer's pure arrays and calls
+``attention``, ``dense_mlp`` or ``moe_mlp`` on them. Intermediates are tagged with
+``checkpoint_name`` so a remat policy can be chosen by name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from msar_jax.sharding import constrain
+
+ACT = ("batch", "length", "embed")
+
+
+class SequenceContext(NamedTuple):
+    """Per-token integer metadata shared by every sublayer (a pytree)."""
+
+    positions: jax.Array  # [B, T] int32
+    segment_ids: jax.Array | None  # [B, T] int32, or None for one sequence per row
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm with a weight, computed in float32, returned in ``x.dtype``."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * weight).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding (rotate-half form) on ``x[B, T, heads, head_dim]``."""
+    half = x.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions.astype(jnp.float32)[..., None] * freq  # [B, T, half]
+    cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def attention(p: dict, h: jax.Array, ctx: SequenceContext, cfg) -> jax.Array:
+    """Grouped-query causal self-attention with RoPE; packed segments never attend across."""
+    dtype = h.dtype
+    x = rms_norm(h, p["norm"], cfg.norm_eps)
+    q = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, p["wq"].astype(dtype)), "attn_q")
+    k = checkpoint_name(jnp.einsum("btd,dkh->btkh", x, p["wk"].astype(dtype)), "attn_k")
+    v = checkpoint_name(jnp.einsum("btd,dkh->btkh", x, p["wv"].astype(dtype)), "attn_v")
+    q = rope(q, ctx.positions, cfg.rope_theta)
+    k = rope(k, ctx.positions, cfg.rope_theta)
+    mask = None
+    if ctx.segment_ids is not None:
+        same = ctx.segment_ids[:, :, None] == ctx.segment_ids[:, None, :]
+        mask = same[:, None, :, :]  # [B, 1, T, T]
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]))
+    out = checkpoint_name(out, "attn_context")
+    y = jnp.einsum("btnh,nhd->btd", out, p["wo"].astype(dtype))
+    return constrain(checkpoint_name(y, "attn_out"), ACT)
+
+
+def _swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    dtype = x.dtype
+    hidden = jax.nn.silu(x @ w_gate.astype(dtype)) * (x @ w_up.astype(dtype))
+    hidden = checkpoint_name(hidden, "mlp_hidden")
+    return hidden @ w_down.astype(dtype)
+
+
+def dense_mlp(p: dict, h: jax.Array, cfg) -> jax.Array:
+    """SwiGLU MLP sublayer."""
+    x = rms_norm(h, p["norm"], cfg.norm_eps)
+    return constrain(checkpoint_name(_swiglu(x, p["w_gate"], p["w_up"], p["w_down"]), "mlp_out"), ACT)
+
+
+def moe_mlp(p: dict, h: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
+    """DeepSeekMoE-style sublayer: shared experts plus top-k routed experts.
+
+    Softmax router over all experts; the top-k probabilities (not renormalised) weight
+    the routed experts (SPEC 9 decision). Routed tokens are grouped by expert and run
+    through ``jax.lax.ragged_dot``, so each token costs only its k experts. Returns the
+    output and the load-balance loss ``E * sum_e f_e * P_e`` (f_e: fraction of routed
+    assignments to expert e, P_e: mean router probability of e).
+    """
+    moe = cfg.moe
+    dtype = h.dtype
+    b, t, d = h.shape
+    x = rms_norm(h, p["norm"], cfg.norm_eps)
+    flat = x.reshape(b * t, d)
+    logits = flat.astype(jnp.float32) @ p["router"]
+    probs = jax.nn.softmax(logits, axis=-1)  # [BT, E]
+    top_p, top_e = jax.lax.top_k(probs, moe.top_k)  # [BT, k]
+    n_e = moe.n_routed_experts
+
+    assign = top_e.reshape(-1)  # [BT*k]
+    order = jnp.argsort(assign, stable=True)
+    token_of = order // moe.top_k
+    routed_in = flat[token_of]  # tokens grouped by expert
+    group_sizes = jnp.bincount(assign, length=n_e).astype(jnp.int32)
+    gate = jax.lax.ragged_dot(routed_in, p["experts_gate"].astype(dtype), group_sizes)
+    up = jax.lax.ragged_dot(routed_in, p["experts_up"].astype(dtype), group_sizes)
+    hidden = checkpoint_name(jax.nn.silu(gate) * up, "moe_hidden")
+    routed_out = jax.lax.ragged_dot(hidden, p["experts_down"].astype(dtype), group_sizes)  # [BT*k, d]
+    weights = top_p.reshape(-1)[order].astype(dtype)
+    out = jnp.zeros_like(flat).at[token_of].add(routed_out * weights[:, None])
+
+    if moe.n_shared_experts:
+        out = out + _swiglu(flat, p["shared_gate"], p["shared_up"], p["shared_down"])
+
+    frac = group_sizes.astype(jnp.float32) / (b * t * moe.top_k)
+    aux = n_e * jnp.sum(frac * jnp.mean(probs, axis=0))
+    y = out.reshape(b, t, d)
+    return constrain(checkpoint_name(y, "mlp_out"), ACT), aux
+
+
+def _param(rngs: nnx.Rngs, shape, axes, std, fan_in_axis=None):
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), logical_axes=axes)
+
+
+class AttentionStack(nnx.Module):
+    """Attention parameters of ``n`` layers, stacked on a leading ``layers`` axis."""
+
+    def __init__(self, cfg, n: int, rngs: nnx.Rngs):
+        d, nh, nk, hd, std = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.init_std
+        self.norm = nnx.Param(jnp.ones((n, d)), logical_axes=("layers", "embed"))
+        self.wq = _param(rngs, (n, d, nh, hd), ("layers", "embed", "heads", "head_dim"), std)
+        self.wk = _param(rngs, (n, d, nk, hd), ("layers", "embed", "kv_heads", "head_dim"), std)
+        self.wv = _param(rngs, (n, d, nk, hd), ("layers", "embed", "kv_heads", "head_dim"), std)
+        self.wo = _param(rngs, (n, nh, hd, d), ("layers", "heads", "head_dim", "embed"), std)
+
+
+class DenseMLPStack(nnx.Module):
+    """SwiGLU MLP parameters of ``n`` layers."""
+
+    def __init__(self, cfg, n: int, rngs: nnx.Rngs):
+        d, f, std = cfg.d_model, cfg.mlp_dim, cfg.init_std
+        self.norm = nnx.Param(jnp.ones((n, d)), logical_axes=("layers", "embed"))
+        self.w_gate = _param(rngs, (n, d, f), ("layers", "embed", "mlp"), std)
+        self.w_up = _param(rngs, (n, d, f), ("layers", "embed", "mlp"), std)
+        self.w_down = _param(rngs, (n, f, d), ("layers", "mlp", "embed"), std)
+
+
+class MoEStack(nnx.Module):
+    """MoE MLP parameters of ``n`` layers: router, routed experts, shared experts."""
+
+    def __init__(self, cfg, n: int, rngs: nnx.Rngs):
+        moe, d, std = cfg.moe, cfg.d_model, cfg.init_std
+        e, fe = moe.n_routed_experts, moe.expert_dim
+        self.norm = nnx.Param(jnp.ones((n, d)), logical_axes=("layers", "embed"))
+        self.router = _param(rngs, (n, d, e), ("layers", "embed", "experts"), std)
+        self.experts_gate = _param(rngs, (n, e, d, fe), ("layers", "experts", "embed", "mlp"), std)
+        self.experts_up = _param(rngs, (n, e, d, fe), ("layers", "experts", "embed", "mlp"), std)
+        self.experts_down = _param(rngs, (n, e, fe, d), ("layers", "experts", "mlp", "embed"), std)
+        if moe.n_shared_experts:
+            fs = moe.shared_expert_dim * moe.n_shared_experts
+            self.shared_gate = _param(rngs, (n, d, fs), ("layers", "embed", "mlp"), std)
+            self.shared_up = _param(rngs, (n, d, fs), ("layers", "embed", "mlp"), std)
+            self.shared_down = _param(rngs, (n, fs, d), ("layers", "mlp", "embed"), std)

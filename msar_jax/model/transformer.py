@@ -1,0 +1,109 @@
+"""The pre-norm decoder with a pluggable residual mechanism (SPEC 1, 9).
+
+``Transformer`` is an ``nnx.Module`` that owns every parameter (float32, each with
+``logical_axes`` metadata) and whose ``__call__`` is a pure function of them: the
+embedding ``e = v_0``, the depth stack of L sublayers driven by the residual
+mechanism named in the config, the final RMSNorm (with weight) and the LM head.
+Use it functionally at jit boundaries: ``graphdef, params = nnx.split(model, nnx.Param)``
+outside, ``nnx.merge(graphdef, params)(tokens)`` inside.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+
+from msar_jax import config as config_lib
+from msar_jax.model import layers
+from msar_jax.model.layers import SequenceContext
+from msar_jax.residuals import make_mechanism
+from msar_jax.sharding import constrain
+from msar_jax.stack import DepthStack
+
+
+def pure(module: nnx.Module) -> dict:
+    """The module's parameters as a plain nested dict of arrays."""
+    return nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+
+def layer_kinds(cfg) -> tuple[str, ...]:
+    """MLP kind of every transformer layer: leading dense layers, then MoE (SPEC 9)."""
+    if not cfg.moe.enabled:
+        return ("dense",) * cfg.n_layers
+    k = cfg.moe.n_dense_layers
+    return ("dense",) * k + ("moe",) * (cfg.n_layers - k)
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ml_collections.ConfigDict, rngs: nnx.Rngs):
+        config_lib.validate(cfg)
+        self.cfg = ml_collections.FrozenConfigDict(cfg)
+        cfg = self.cfg
+        d, v, std = cfg.d_model, cfg.vocab_size, cfg.init_std
+        kinds = layer_kinds(cfg)
+        self.embedding = nnx.Param(std * jax.random.normal(rngs.params(), (v, d)), logical_axes=("vocab", "embed"))
+        self.attn = layers.AttentionStack(cfg, cfg.n_layers, rngs)
+        n_dense, n_moe = kinds.count("dense"), kinds.count("moe")
+        self.dense = nnx.data(layers.DenseMLPStack(cfg, n_dense, rngs) if n_dense else None)
+        self.moe = nnx.data(layers.MoEStack(cfg, n_moe, rngs) if n_moe else None)
+        self.residual = make_mechanism(cfg, rngs)
+        self.final_norm = nnx.Param(jnp.ones((d,)), logical_axes=("embed",))
+        self.lm_head = nnx.data(None)
+        if not cfg.tie_embeddings:
+            self.lm_head = nnx.Param(std * jax.random.normal(rngs.params(), (d, v)), logical_axes=("embed", "vocab"))
+
+    def _sublayer(self, kind, params, h, ctx):
+        cfg = self.cfg
+        if kind == "attn":
+            return layers.attention(params, h, ctx, cfg), jnp.zeros((), jnp.float32)
+        if kind == "dense":
+            return layers.dense_mlp(params, h, cfg), jnp.zeros((), jnp.float32)
+        return layers.moe_mlp(params, h, cfg)
+
+    def stack(self) -> DepthStack:
+        return DepthStack(self.residual, self._sublayer, layer_kinds(self.cfg), self.cfg.remat_policy)
+
+    def __call__(self, tokens, segment_ids=None, positions=None, collect_weights: bool = False):
+        """Logits ``[B, T, V]`` (float32) and a dict with ``aux_loss`` (MoE load balance,
+        already weighted) and, with ``collect_weights``, per-sublayer depth weights."""
+        cfg = self.cfg
+        dtype = jnp.dtype(cfg.dtype)
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        ctx = SequenceContext(positions=positions, segment_ids=segment_ids)
+        e = constrain(jnp.take(self.embedding[...], tokens, axis=0).astype(dtype), layers.ACT)
+        layer_params = {"attn": pure(self.attn)}
+        if self.dense is not None:
+            layer_params["dense"] = pure(self.dense)
+        if self.moe is not None:
+            layer_params["moe"] = pure(self.moe)
+        hidden, per_sublayer = self.stack()(pure(self.residual), layer_params, e, ctx, collect_weights)
+        x = layers.rms_norm(hidden, self.final_norm[...], cfg.norm_eps)
+        head = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
+        logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
+        aux = {"aux_loss": cfg.moe.aux_loss_weight * jnp.sum(per_sublayer["aux_loss"]) if cfg.moe.enabled else 0.0}
+        if collect_weights and "depth_weights" in per_sublayer:
+            aux["depth_weights"] = per_sublayer["depth_weights"]
+        return logits, aux
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> jax.Array:
+    """Mean next-token cross entropy in nats (float32)."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    if mask is None:
+        return jnp.mean(nll)
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def lm_loss(model: Transformer, batch: jax.Array, segment_ids=None) -> tuple[jax.Array, dict]:
+    """Loss of a ``[B, T+1]`` token window: next-token cross entropy plus the MoE aux loss."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    seg = None if segment_ids is None else segment_ids[:, :-1]
+    logits, aux = model(inputs, segment_ids=seg)
+    ce = cross_entropy(logits, targets)
+    return ce + aux["aux_loss"], {"cross_entropy": ce, "aux_loss": aux["aux_loss"]}

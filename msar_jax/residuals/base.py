@@ -1,0 +1,144 @@
+"""The residual-mechanism protocol shared by every mechanism of the MSAR paper.
+
+A mechanism decides what each sublayer reads (``h_l``) and how each sublayer output
+``v_l`` is recorded. The stack (``msar_jax.stack``) drives it; the transformer never
+looks at a mechanism's name. All protocol methods are pure functions of explicit
+arrays: ``g`` the mechanism's global parameters, ``p`` one sublayer's parameters
+(sliced from arrays stacked over the L sublayers), ``state`` a ``DepthState``.
+
+Per sublayer l (1-based) the stack calls::
+
+    bctx = begin_block(g, p_block, state, pos)   # at the first sublayer of each block
+    h, aux = read(g, p, state, bctx_j, pos, ctx)
+    v = f_l(h)
+    state = write(g, p, state, v, aux, pos, ctx)
+    state = end_block(g, state, pos)              # after the last sublayer of each block
+
+and at the end ``finish(g, state, ctx)`` gives the final hidden state that goes to the
+final RMSNorm and the LM head.
+
+``DepthState.sources`` is the preallocated ``[N+1, B, T, d]`` buffer of single-stream
+block summaries ``b_0..b_N`` (``b_0`` the embedding); it is append-only, which is what
+lets the stack keep one copy of it for the backward pass (linear memory in depth).
+Everything else a mechanism carries goes in ``DepthState.carry``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from msar_jax import config as config_lib
+from msar_jax.model.layers import SequenceContext
+
+
+class DepthState(NamedTuple):
+    """What flows between sublayers: append-only ``sources`` and a per-step ``carry``."""
+
+    sources: jax.Array | None  # [N+1, B, T, d] block summaries, or None
+    carry: Any  # mechanism-specific pytree of float arrays
+
+
+class Position(NamedTuple):
+    """Where sublayer ``l`` sits in the block partition (SPEC 2). Values may be traced."""
+
+    sublayer: jax.Array  # l, 1-based
+    block: jax.Array  # n, 0-based index of the block B_{n+1} containing l
+    index_in_block: jax.Array  # j, 0-based
+    first_in_block: jax.Array  # bool: the partial is empty
+    n_completed: jax.Array  # completed sources b_0..b_n available: n + 1
+
+
+def position(l, block_size: int) -> Position:
+    """The block position of 1-based sublayer ``l`` for block size ``S``."""
+    l = jnp.asarray(l, jnp.int32)
+    n = (l - 1) // block_size
+    j = (l - 1) % block_size
+    return Position(sublayer=l, block=n, index_in_block=j, first_in_block=j == 0, n_completed=n + 1)
+
+
+class ResidualMechanism(nnx.Module):
+    """Base class: holds the mechanism's ``nnx.Param``s and implements the protocol.
+
+    Subclasses set ``per_sublayer`` (names of parameters stacked over the L sublayers;
+    every other parameter is global) and override the protocol methods. The defaults
+    implement a mechanism with no block structure.
+    """
+
+    per_sublayer: tuple[str, ...] = ()
+    uses_sources: bool = False
+
+    def __init__(self, model_cfg, rngs: nnx.Rngs):
+        self.d = model_cfg.d_model
+        self.n_sublayers = config_lib.n_sublayers(model_cfg)
+        self.dtype = jnp.dtype(model_cfg.dtype)
+        self.res_cfg = model_cfg.residual
+
+    # ----- structure -----
+    @property
+    def block_size(self) -> int:
+        """Sublayers per block S; mechanisms without blocks use one transformer layer."""
+        return 2
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.n_sublayers // self.block_size)
+
+    def split_params(self, params: dict) -> tuple[dict, dict]:
+        """Split a pure parameter dict into (global, stacked-per-sublayer)."""
+        glob = {k: v for k, v in params.items() if k not in self.per_sublayer}
+        per = {k: v for k, v in params.items() if k in self.per_sublayer}
+        return glob, per
+
+    # ----- protocol -----
+    def start(self, g: dict, e: jax.Array, ctx: SequenceContext) -> DepthState:
+        raise NotImplementedError
+
+    def begin_block(self, g: dict, p_block: dict, state: DepthState, pos: Position, ctx: SequenceContext):
+        """Work shared by all targets of a block (two-phase phase 1). ``None`` if none."""
+        return None
+
+    def read(self, g, p, state: DepthState, bctx, pos: Position, ctx: SequenceContext, want_weights: bool = False):
+        raise NotImplementedError
+
+    def write(self, g, p, state: DepthState, v: jax.Array, aux, pos: Position, ctx: SequenceContext) -> DepthState:
+        raise NotImplementedError
+
+    def end_block(self, g, state: DepthState, pos: Position) -> DepthState:
+        return state
+
+    def finish(self, g, state: DepthState, ctx: SequenceContext) -> jax.Array:
+        raise NotImplementedError
+
+    def weights_shape(self) -> tuple[int, ...] | None:
+        """Shape of the token-averaged depth weights ``read`` returns with ``want_weights``."""
+        return None
+
+
+_REGISTRY: dict[str, type[ResidualMechanism]] = {}
+
+
+def register(name: str):
+    """Class decorator: make a mechanism available to configs under ``name``."""
+
+    def wrap(cls):
+        _REGISTRY[name] = cls
+        cls.name = name
+        return cls
+
+    return wrap
+
+
+def make_mechanism(model_cfg, rngs: nnx.Rngs) -> ResidualMechanism:
+    """Build the mechanism named by ``model_cfg.residual.name``."""
+    name = model_cfg.residual.name
+    if name not in _REGISTRY:
+        raise config_lib.ConfigError("model.residual.name", name, f"unknown residual mechanism; registered: {sorted(_REGISTRY)}")
+    return _REGISTRY[name](model_cfg, rngs)
+
+
+def registered() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))

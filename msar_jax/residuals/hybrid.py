@@ -1,0 +1,70 @@
+"""AttnRes + mHC hybrid (Table 2 row 4; SPEC 7).
+
+Keeps both states: the AttnRes block summaries (with its own block size) and the
+mHC ``m``-stream state. Layer input = AttnRes read + mHC ``H_pre`` read; after the
+sublayer, ``v_l`` is added to the AttnRes partial and written into the mHC state.
+Final hidden = AttnRes final read + ``sum_i X_i`` (SPEC 7 decision).
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from msar_jax.residuals.attnres import AttnRes
+from msar_jax.residuals.base import DepthState, ResidualMechanism, register
+from msar_jax.residuals.mhc import MHC
+
+
+@register("attnres_mhc")
+class AttnResMHC(ResidualMechanism):
+    uses_sources = True
+
+    def __init__(self, model_cfg, rngs: nnx.Rngs):
+        super().__init__(model_cfg, rngs)
+        self.attnres = AttnRes(model_cfg, rngs)
+        self.mhc = MHC(model_cfg, rngs)
+
+    @property
+    def block_size(self):
+        return self.attnres.block_size
+
+    def split_params(self, params):
+        ga, pa = self.attnres.split_params(params["attnres"])
+        gm, pm = self.mhc.split_params(params["mhc"])
+        return {"attnres": ga, "mhc": gm}, {"attnres": pa, "mhc": pm}
+
+    @staticmethod
+    def _parts(state):
+        return DepthState(state.sources, state.carry[0]), DepthState(None, state.carry[1])
+
+    def start(self, g, e, ctx):
+        a, m = self.attnres.start(g["attnres"], e, ctx), self.mhc.start(g["mhc"], e, ctx)
+        return DepthState(a.sources, (a.carry, m.carry))
+
+    def begin_block(self, g, p_block, state, pos, ctx):
+        a, _ = self._parts(state)
+        return self.attnres.begin_block(g["attnres"], p_block["attnres"], a, pos, ctx)
+
+    def read(self, g, p, state, bctx, pos, ctx, want_weights=False):
+        a, m = self._parts(state)
+        h_a, aux_a = self.attnres.read(g["attnres"], p["attnres"], a, bctx, pos, ctx, want_weights)
+        h_m, aux_m = self.mhc.read(g["mhc"], p["mhc"], m, None, pos, ctx)
+        return h_a + h_m, {"attnres": aux_a, "mhc": aux_m, "weights": aux_a["weights"]}
+
+    def write(self, g, p, state, v, aux, pos, ctx):
+        a, m = self._parts(state)
+        a = self.attnres.write(g["attnres"], p["attnres"], a, v, aux["attnres"], pos, ctx)
+        m = self.mhc.write(g["mhc"], p["mhc"], m, v, aux["mhc"], pos, ctx)
+        return DepthState(a.sources, (a.carry, m.carry))
+
+    def end_block(self, g, state, pos):
+        a, m = self._parts(state)
+        a = self.attnres.end_block(g["attnres"], a, pos)
+        return DepthState(a.sources, (a.carry, m.carry))
+
+    def finish(self, g, state, ctx):
+        a, m = self._parts(state)
+        return self.attnres.finish(g["attnres"], a, ctx) + self.mhc.finish(g["mhc"], m, ctx)
+
+    def weights_shape(self):
+        return self.attnres.weights_shape()

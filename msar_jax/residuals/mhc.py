@@ -1,0 +1,102 @@
+"""Manifold-constrained Hyper-Connections (mHC; Xie et al. 2025; seed 000 Eq. 3-5; SPEC 6).
+
+State ``X[B, T, m, d]`` per token starts as m copies of the embedding. Per sublayer::
+
+    x = flatten(X);  mix = (x @ phi) / sqrt(mean(x^2) + 1e-6)
+    H_pre = sigmoid(a_pre mix[:m] + b[:m]);  H_post = 2 sigmoid(a_post mix[m:2m] + b[m:2m])
+    C = SinkhornKnopp(a_res mix[2m:] + b[2m:]) (20 passes);  H_res = C^T
+    h = sum_i H_pre_i X_i;  X' = H_res X + H_post v^T
+
+Final hidden = sum_i X_i (SPEC 6 decision). Parameters per sublayer:
+``md(m^2+2m) + m^2+2m + 3`` (Appendix C Eq. 19). All coefficient maths in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from msar_jax.residuals.base import DepthState, ResidualMechanism, register
+
+SINKHORN_EPS = 1e-6
+
+
+def sinkhorn(logits: jax.Array, iters: int, eps: float = SINKHORN_EPS) -> jax.Array:
+    """Sinkhorn-Knopp as in DeepSeek's reference (SPEC 6); ``logits[..., m, m]``.
+
+    Pass 1: a max-subtracted row softmax (+eps), then a column normalisation; passes
+    2..iters: row then column normalisation, ``eps`` in every denominator. The
+    returned ``C`` has columns summing to one (up to eps); apply ``H_res = C^T``.
+    Rematerialised: unrolled autodiff would store ~40 m^2 floats per token.
+    """
+
+    @jax.checkpoint
+    def run(x):
+        c = jax.nn.softmax(x, axis=-1) + eps
+        c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+        for _ in range(iters - 1):
+            c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+            c = c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+        return c
+
+    return run(logits.astype(jnp.float32))
+
+
+def mhc_coefficients(p: dict, x_state: jax.Array, iters: int):
+    """H_pre ``[B,T,m]``, H_post ``[B,T,m]`` and C ``[B,T,m,m]`` from the state ``X[B,T,m,d]``."""
+    b, t, m, d = x_state.shape
+    x = x_state.astype(jnp.float32).reshape(b, t, m * d)
+    inv_rms = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    mix = (x @ p["phi"]) * inv_rms  # [B, T, m^2 + 2m]
+    a_pre, a_post, a_res = p["scale"][0], p["scale"][1], p["scale"][2]
+    h_pre = jax.nn.sigmoid(a_pre * mix[..., :m] + p["bias"][:m])
+    h_post = 2.0 * jax.nn.sigmoid(a_post * mix[..., m : 2 * m] + p["bias"][m : 2 * m])
+    res = (a_res * mix[..., 2 * m :] + p["bias"][2 * m :]).reshape(b, t, m, m)
+    return h_pre, h_post, sinkhorn(res, iters)
+
+
+def mhc_read(p: dict, x_state: jax.Array, iters: int = 20):
+    """Functional mHC read: ``h = sum_i H_pre_i X_i`` plus (H_post, C) for the write."""
+    h_pre, h_post, c = mhc_coefficients(p, x_state, iters)
+    h = jnp.einsum("btm,btmd->btd", h_pre, x_state.astype(jnp.float32))
+    return h.astype(x_state.dtype), (h_post, c)
+
+
+def mhc_write(x_state: jax.Array, v: jax.Array, coeffs) -> jax.Array:
+    """``X'_i = sum_j C[j, i] X_j + H_post_i v`` (H_res = C^T)."""
+    h_post, c = coeffs
+    xf = x_state.astype(jnp.float32)
+    new = jnp.einsum("btji,btjd->btid", c, xf) + h_post[..., None] * v.astype(jnp.float32)[:, :, None, :]
+    return new.astype(x_state.dtype)
+
+
+@register("mhc")
+class MHC(ResidualMechanism):
+    per_sublayer = ("phi", "bias", "scale")
+
+    def __init__(self, model_cfg, rngs: nnx.Rngs):
+        super().__init__(model_cfg, rngs)
+        m, d, L = self.res_cfg.streams, self.d, self.n_sublayers
+        self.m = m
+        width = m * m + 2 * m
+        self.phi = nnx.Param(
+            jax.random.normal(rngs.params(), (L, m * d, width), jnp.float32) / jnp.sqrt(m * d),
+            logical_axes=("sublayers", "stream_features", None),
+        )
+        self.bias = nnx.Param(jnp.zeros((L, width), jnp.float32), logical_axes=("sublayers", None))
+        self.scale = nnx.Param(
+            jnp.full((L, 3), self.res_cfg.gate_scale_init, jnp.float32), logical_axes=("sublayers", None)
+        )
+
+    def start(self, g, e, ctx):
+        return DepthState(sources=None, carry=jnp.repeat(e[:, :, None, :], self.m, axis=2))
+
+    def read(self, g, p, state, bctx, pos, ctx, want_weights=False):
+        return mhc_read(p, state.carry, self.res_cfg.sinkhorn_iters)
+
+    def write(self, g, p, state, v, aux, pos, ctx):
+        return DepthState(sources=None, carry=mhc_write(state.carry, v, aux))
+
+    def finish(self, g, state, ctx):
+        return jnp.sum(state.carry.astype(jnp.float32), axis=2).astype(state.carry.dtype)

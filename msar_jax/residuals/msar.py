@@ -1,0 +1,101 @@
+"""Multi-Stream Attention Residuals (MSAR; seed 000 Sec. 3.2-3.4, Eq. 9-17; Appendix C).
+
+Every single-stream source (embedding, completed block summaries, the current
+block's partial) is expanded on demand into ``m`` streams by causal depthwise
+convolutions along tokens (Eq. 9-10): stream 0 is the identity, stream ``r >= 1``
+has kernel size ``kappa_r`` (default 4, 8, 12). Each stream has its own
+zero-initialised query and softmax over sources (Eq. 11-12, 17); an mHC-style
+``H_pre`` gate fuses the ``m`` retrieved streams (Eq. 13-14)::
+
+    g = sigmoid(a_l * (rms(flatten(Z_l)) @ W_l) + b_l),   h_l = sum_r g_r z_l^{(r)}
+
+Conv banks (Appendix C): the embedding uses bank 0, completed summary ``b_j`` bank
+``e_j = max(B_j) = j*S``, the partial ``p_l`` bank ``l-1``; banks are global
+parameters ``[L, sum(kappa), d]``, zero-initialised, no bias. The last output is
+merged without expansion: final hidden = ``h_L + v_L`` (SPEC 4).
+
+Parameters (Eq. 20): ``L[(m^2 + m + sum kappa) d + m + 1]``; ``L(44 d + 5)`` at the default.
+
+Ablations by config (Table 2): ``conv=False`` (every stream the identity, m queries
+kept), ``fusion="mean"`` (no W, a, b), any ``streams`` with its ``kernel_sizes``, any
+``block_size`` (1 = Full MSAR).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from msar_jax.residuals.attnres import BlockDepthAttention
+from msar_jax.residuals.base import DepthState, register
+from pallas_kernels.depth_attention import reference as depth_ref
+
+
+def msar_read(
+    sources, banks, queries, gate=None, valid=None, *, kernel_sizes=(4, 8, 12), conv=True,
+    segment_ids=None, eps=1e-6, return_weights=False,
+):
+    """Functional MSAR read of one target (Eq. 10-14) for use inside any model.
+
+    Args:
+      sources: ``[n, B, T, d]`` single-stream sources (embedding, summaries, partial).
+      banks: ``[n, sum(kernel_sizes), d]`` each source's conv bank (ignored if ``conv=False``).
+      queries: ``[m, d]`` the target's per-stream pseudo-queries.
+      gate: ``(W[m*d, m], a, b[m])`` for the H_pre gate, or ``None`` for mean fusion.
+      valid: optional ``[n]`` mask of the sources that exist.
+    Returns:
+      ``h[B, T, d]`` (sources' dtype), and with ``return_weights`` the depth weights
+      ``alpha[n, m, B, T]`` and the retrieved streams ``z[m, B, T, d]``.
+    """
+    m = queries.shape[0]
+    kernels = (0, *kernel_sizes) if conv else (0,) * m
+    z, alpha = depth_ref.depth_read(
+        sources, banks if conv else None, queries, valid, stream_kernels=kernels, heads=1,
+        segment_ids=segment_ids, eps=eps, return_weights=True,
+    )
+    h = depth_ref.fuse_mean(z) if gate is None else depth_ref.fuse_gate(z, *gate, eps=eps)
+    h = h.astype(sources.dtype)
+    return (h, alpha[..., 0], z) if return_weights else h
+
+
+@register("msar")
+class MSAR(BlockDepthAttention):
+    def __init__(self, model_cfg, rngs: nnx.Rngs):
+        super().__init__(model_cfg, rngs)
+        cfg, L, d = self.res_cfg, self.n_sublayers, self.d
+        m = self.n_streams = cfg.streams
+        self.kernel_sizes = tuple(cfg.kernel_sizes) if cfg.conv else ()
+        names = ["queries"]
+        self.queries = nnx.Param(jnp.zeros((L, m, d), jnp.float32), logical_axes=("sublayers", "streams", "embed"))
+        if cfg.fusion == "gate":
+            names += ["gate_w", "gate_a", "gate_b"]
+            w = jax.random.normal(rngs.params(), (L, m * d, m), jnp.float32) / jnp.sqrt(m * d)
+            self.gate_w = nnx.Param(w, logical_axes=("sublayers", "stream_features", "streams"))
+            self.gate_a = nnx.Param(jnp.full((L,), cfg.gate_scale_init, jnp.float32), logical_axes=("sublayers",))
+            self.gate_b = nnx.Param(jnp.zeros((L, m), jnp.float32), logical_axes=("sublayers", "streams"))
+        if self.kernel_sizes:
+            k = sum(self.kernel_sizes)
+            self.conv_banks = nnx.Param(jnp.zeros((L, k, d), jnp.float32), logical_axes=("sublayers", "taps", "embed"))
+        self.per_sublayer = tuple(names)
+
+    @property
+    def stream_kernels(self):
+        return (0, *self.kernel_sizes) if self.kernel_sizes else (0,) * self.n_streams
+
+    def init_carry(self, e):
+        return {"partial": jnp.zeros_like(e), "last": jnp.zeros_like(e)}
+
+    def fuse(self, p, z):
+        if self.res_cfg.fusion == "mean":
+            return depth_ref.fuse_mean(z)
+        return depth_ref.fuse_gate(z, p["gate_w"], p["gate_a"], p["gate_b"], eps=self.res_cfg.eps)
+
+    def write(self, g, p, state, v, aux, pos, ctx):
+        carry = {**state.carry, "partial": state.carry["partial"] + v, "last": aux["h"] + v}
+        return DepthState(state.sources, carry)
+
+    def finish(self, g, state, ctx):
+        if self.res_cfg.final_merge == "sum":
+            return jnp.sum(state.sources.astype(jnp.float32), axis=0).astype(state.sources.dtype)
+        return state.carry["last"]

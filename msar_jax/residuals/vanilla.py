@@ -1,0 +1,29 @@
+"""Standard residual: h_{l+1} = h_l + v_l, h_1 = e (seed 000 Eq. 1-2, SPEC 1)."""
+
+from __future__ import annotations
+
+import jax
+
+from msar_jax.residuals.base import DepthState, ResidualMechanism, register
+
+
+def vanilla_read(h: jax.Array) -> jax.Array:
+    """The functional read of a standard residual: the running sum itself."""
+    return h
+
+
+@register("vanilla")
+class Vanilla(ResidualMechanism):
+    """No parameters; the carry is the running hidden state."""
+
+    def start(self, g, e, ctx):
+        return DepthState(sources=None, carry=e)
+
+    def read(self, g, p, state, bctx, pos, ctx, want_weights=False):
+        return vanilla_read(state.carry), None
+
+    def write(self, g, p, state, v, aux, pos, ctx):
+        return DepthState(sources=None, carry=state.carry + v)
+
+    def finish(self, g, state, ctx):
+        return state.carry

@@ -1,0 +1,278 @@
+"""The depth stack: an outer scan over blocks and an inner scan over each block's layers.
+
+Structure (issue 2): the block summaries live in one preallocated ``[N+1, B, T, d]``
+buffer written with dynamic updates. The outer ``lax.scan`` runs over *units*: a
+unit is one block of ``S/2`` transformer layers for an even block size ``S`` (the
+completed summaries are fixed for the whole unit, so phase 1 of the two-phase read
+runs once at its start), or one transformer layer holding two one-sublayer blocks
+in Full mode (``S = 1``). Inside a unit an inner ``lax.scan`` runs over its layers
+(carry: the mechanism's partial sum and read state).
+
+Memory (linear in depth): a plain scan would save its carry, the whole summary
+buffer, once per unit for the backward pass, which is quadratic in depth. The
+buffer is append-only, so ``_append_only_scan`` keeps a single copy (the final
+buffer) plus the small per-unit carries; its backward walks the units in reverse,
+rematerialises each unit from the final buffer masked to the entries that existed
+when the unit ran, and pulls the cotangents through. Mechanisms without a buffer
+(Vanilla, mHC) use a plain per-unit rematerialised scan.
+
+Units whose layers are not all of one MLP kind (a dense leading layer inside an
+MoE stack) and a shorter last block are run as their own scan groups, so every
+scan is homogeneous.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from msar_jax.model.layers import SequenceContext
+from msar_jax.residuals.base import DepthState, ResidualMechanism, position
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_layer_inputs": jax.checkpoint_policies.save_only_these_names("sublayer_input"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """A run of consecutive transformer layers [first_layer, first_layer + len(kinds))."""
+
+    index: int
+    first_layer: int
+    kinds: tuple[str, ...]  # MLP kind of each layer ("dense" or "moe")
+
+    def signature(self):
+        return self.kinds
+
+
+def plan_units(layer_kinds: tuple[str, ...], block_size: int) -> list[Unit]:
+    """Split the layers into scan units (one block, or one layer in Full mode)."""
+    per_unit = 1 if block_size == 1 else block_size // 2
+    units = []
+    for u, start in enumerate(range(0, len(layer_kinds), per_unit)):
+        units.append(Unit(u, start, tuple(layer_kinds[start : start + per_unit])))
+    return units
+
+
+def group_units(units: list[Unit]) -> list[list[Unit]]:
+    """Consecutive units with identical layer kinds form one homogeneous scan."""
+    groups: list[list[Unit]] = []
+    for unit in units:
+        if groups and groups[-1][-1].signature() == unit.signature():
+            groups[-1].append(unit)
+        else:
+            groups.append([unit])
+    return groups
+
+
+def _segments(kinds: tuple[str, ...]) -> tuple[tuple[str, int, int], ...]:
+    """Runs of equal kinds inside a unit: (kind, offset, count)."""
+    out = []
+    for i, k in enumerate(kinds):
+        if out and out[-1][0] == k:
+            out[-1] = (k, out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((k, i, 1))
+    return tuple(out)
+
+
+def _take(stack, index: np.ndarray):
+    """Rows ``index`` (any shape) of every leaf of ``stack``; a reshape when contiguous."""
+    flat = index.reshape(-1)
+    if flat.size and np.array_equal(flat, np.arange(flat[0], flat[0] + flat.size)):
+        sl = slice(int(flat[0]), int(flat[0]) + flat.size)
+        return jax.tree.map(lambda a: a[sl].reshape(*index.shape, *a.shape[1:]), stack)
+    return jax.tree.map(lambda a: jnp.take(a, jnp.asarray(index), axis=0), stack)
+
+
+# --------------------------------------------------------------------------------------
+# The append-only scan (linear memory in depth).
+# --------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _append_only_scan(unit_fn, valid_count, state0, xs, consts, ctx, unit_ids):
+    def body(state, inp):
+        x, u = inp
+        return unit_fn(state, x, consts, ctx, u)
+
+    return jax.lax.scan(body, state0, (xs, unit_ids))
+
+
+def _append_only_fwd(unit_fn, valid_count, state0, xs, consts, ctx, unit_ids):
+    def body(state, inp):
+        x, u = inp
+        new_state, y = unit_fn(state, x, consts, ctx, u)
+        return new_state, (y, state.carry)
+
+    final, (ys, carries_in) = jax.lax.scan(body, state0, (xs, unit_ids))
+    # Only the final buffer is kept: every earlier buffer is a masked prefix of it.
+    return (final, ys), (final.sources, carries_in, xs, consts, ctx, unit_ids)
+
+
+def _append_only_bwd(unit_fn, valid_count, res, cotangents):
+    sources_final, carries_in, xs, consts, ctx, unit_ids = res
+    d_final, d_ys = cotangents
+    rows = jnp.arange(sources_final.shape[0]).reshape(-1, *([1] * (sources_final.ndim - 1)))
+
+    def body(acc, inp):
+        d_sources, d_carry, d_consts = acc
+        carry_in, x, u, d_y = inp
+        # The buffer as it was when unit u started: entries written later are zeroed.
+        sources_in = jnp.where(rows < valid_count(u), sources_final, jnp.zeros_like(sources_final))
+        state_in = DepthState(sources_in, carry_in)
+        _, vjp = jax.vjp(lambda st, xx, cc: unit_fn(st, xx, cc, ctx, u), state_in, x, consts)
+        d_state, d_x, d_c = vjp((DepthState(d_sources, d_carry), d_y))
+        d_consts = jax.tree.map(jnp.add, d_consts, d_c)
+        return (d_state.sources, d_state.carry, d_consts), d_x
+
+    init = (d_final.sources, d_final.carry, jax.tree.map(jnp.zeros_like, consts))
+    (d_sources0, d_carry0, d_consts), d_xs = jax.lax.scan(
+        body, init, (carries_in, xs, unit_ids, d_ys), reverse=True
+    )
+    return DepthState(d_sources0, d_carry0), d_xs, d_consts, None, None
+
+
+_append_only_scan.defvjp(_append_only_fwd, _append_only_bwd)
+
+
+def _remat_scan(unit_fn, state0, xs, consts, ctx, unit_ids):
+    @jax.checkpoint
+    def body(state, inp):
+        x, u = inp
+        return unit_fn(state, x, consts, ctx, u)
+
+    return jax.lax.scan(body, state0, (xs, unit_ids))
+
+
+# --------------------------------------------------------------------------------------
+# The stack.
+# --------------------------------------------------------------------------------------
+
+SublayerFn = Callable[[str, Any, jax.Array, SequenceContext], tuple[jax.Array, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthStack:
+    """Runs L sublayers under a residual mechanism.
+
+    ``sublayer_fn(kind, params, h, ctx) -> (v, aux_loss)`` applies one sublayer
+    ``f_l`` (kind ``"attn"``, ``"dense"`` or ``"moe"``) to its input ``h``.
+    """
+
+    mechanism: ResidualMechanism
+    sublayer_fn: SublayerFn
+    layer_kinds: tuple[str, ...]
+    remat_policy: str = "none"
+    # False: a plain rematerialised scan over units (saves the buffer per unit: quadratic
+    # memory in depth). Kept as the reference the append-only scan is tested against.
+    memory_lean: bool = True
+
+    def __call__(self, mech_params: dict, layer_params: dict, e: jax.Array, ctx: SequenceContext, collect_weights=False):
+        """Returns ``(final_hidden, per_sublayer)``; ``per_sublayer["aux_loss"]`` is ``[L]``
+        and, with ``collect_weights``, ``per_sublayer["depth_weights"]`` holds each read's
+        token-averaged depth weights ``[L, sources, streams]``."""
+        mech = self.mechanism
+        g, per_sub = mech.split_params(mech_params)
+        n_layers = len(self.layer_kinds)
+        # Per-sublayer mechanism parameters as [n_layers, 2, ...] (attention, MLP).
+        per_layer = jax.tree.map(lambda a: a.reshape(n_layers, 2, *a.shape[1:]), per_sub)
+        state = mech.start(g, e, ctx)
+        ys_all = []
+        for group in group_units(plan_units(self.layer_kinds, mech.block_size)):
+            state, ys = self._run_group(group, g, per_layer, layer_params, state, ctx, collect_weights)
+            ys_all.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), ys))  # [units*layers*2, ...]
+        per_sublayer = jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *ys_all)
+        return mech.finish(g, state, ctx), per_sublayer
+
+    # ----- one homogeneous group of units -----
+    def _run_group(self, group, g, per_layer, layer_params, state, ctx, collect_weights):
+        mech = self.mechanism
+        kinds = group[0].kinds
+        segments = _segments(kinds)
+        first = np.array([u.first_layer for u in group])
+        layer_idx = first[:, None] + np.arange(len(kinds))[None, :]  # [U, P]
+        kind_offset = {k: self.layer_kinds.index(k) for k in set(self.layer_kinds)}
+        xs = {
+            "mech": _take(per_layer, layer_idx),
+            "attn": _take(layer_params["attn"], layer_idx),
+            "mlp": tuple(
+                _take(layer_params[k], layer_idx[:, off : off + cnt] - kind_offset[k]) for k, off, cnt in segments
+            ),
+            "layer": jnp.asarray(layer_idx, jnp.int32),
+        }
+        unit_ids = jnp.asarray([u.index for u in group], jnp.int32)
+        S = mech.block_size
+        blocks_per_unit = 2 if S == 1 else 1
+        unit_fn = functools.partial(self._unit, segments=segments, collect_weights=collect_weights)
+        if state.sources is None or not self.memory_lean:
+            return _remat_scan(unit_fn, state, xs, g, ctx, unit_ids)
+        valid_count = lambda u: 1 + u * blocks_per_unit  # noqa: E731  (buffer entries filled at unit start)
+        return _append_only_scan(unit_fn, valid_count, state, xs, g, ctx, unit_ids)
+
+    def _unit(self, state, x, g, ctx, u, *, segments, collect_weights):
+        """One unit: phase 1 for the block (S even), then the inner scans over layers."""
+        mech = self.mechanism
+        S = mech.block_size
+        full_mode = S == 1
+        bctx = None
+        if not full_mode:
+            first_l = 2 * x["layer"][0] + 1
+            p_block = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), x["mech"])  # [2P, ...]
+            bctx = mech.begin_block(g, p_block, state, position(first_l, S), ctx)
+            if bctx is not None:  # per-layer slices [P, 2, ...] for the inner scan
+                bctx = jax.tree.map(lambda a: a.reshape(-1, 2, *a.shape[1:]), bctx)
+        ys = []
+        for seg_i, (kind, off, cnt) in enumerate(segments):
+            sl = lambda a: a[off : off + cnt]  # noqa: E731
+            inner_xs = (
+                jax.tree.map(sl, x["attn"]),
+                x["mlp"][seg_i],
+                jax.tree.map(sl, x["mech"]),
+                None if bctx is None else jax.tree.map(sl, bctx),
+                x["layer"][off : off + cnt],
+            )
+            step = functools.partial(self._layer, g=g, ctx=ctx, kind=kind, collect_weights=collect_weights)
+            if self.remat_policy != "none":
+                step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat_policy])
+            state, y = jax.lax.scan(step, state, inner_xs)
+            ys.append(y)
+        if not full_mode:
+            last_l = 2 * x["layer"][-1] + 2
+            state = mech.end_block(g, state, position(last_l, S))
+        return state, jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *ys)
+
+    def _layer(self, state, inp, *, g, ctx, kind, collect_weights):
+        """One transformer layer: the attention sublayer, then the MLP sublayer."""
+        attn_p, mlp_p, mech_p, bctx, layer = inp
+        mech = self.mechanism
+        S = mech.block_size
+        aux_losses, weights = [], []
+        for sub, (sub_kind, params) in enumerate((("attn", attn_p), (kind, mlp_p))):
+            pos = position(2 * layer + sub + 1, S)
+            p = jax.tree.map(lambda a: a[sub], mech_p)
+            b = None if bctx is None else jax.tree.map(lambda a: a[sub], bctx)
+            if S == 1:
+                b = mech.begin_block(g, jax.tree.map(lambda a: a[None], p), state, pos, ctx)
+            h, aux = mech.read(g, p, state, b, pos, ctx, want_weights=collect_weights)
+            h = jax.ad_checkpoint.checkpoint_name(h, "sublayer_input")
+            v, aux_loss = self.sublayer_fn(sub_kind, params, h, ctx)
+            state = mech.write(g, p, state, v, aux, pos, ctx)
+            if S == 1:
+                state = mech.end_block(g, state, pos)
+            aux_losses.append(aux_loss)
+            if collect_weights and aux is not None and aux.get("weights") is not None:
+                weights.append(aux["weights"])
+        y = {"aux_loss": jnp.stack(aux_losses)}
+        if weights:
+            y["depth_weights"] = jnp.stack(weights)
+        return state, y
