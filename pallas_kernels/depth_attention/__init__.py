@@ -4,6 +4,7 @@ from pallas_kernels.depth_attention.api import (
     depth_read,
     phase1,
     phase2,
+    phase2_fused,
 )
 from pallas_kernels.depth_attention.reference import (
     SoftmaxState,
@@ -26,4 +27,5 @@ __all__ = [
     "key_rms",
     "phase1",
     "phase2",
+    "phase2_fused",
 ]

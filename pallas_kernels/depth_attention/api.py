@@ -18,7 +18,7 @@ Implementation = Literal["xla", "pallas_tpu", "pallas_gpu"] | None
 _IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu")
 
 # op name -> implementation -> callable with the reference signature.
-_KERNELS: dict[str, dict[str, Callable]] = {"phase1": {}, "phase2": {}, "depth_read": {}}
+_KERNELS: dict[str, dict[str, Callable]] = {"phase1": {}, "phase2": {}, "phase2_fused": {}, "depth_read": {}}
 
 
 def register(op: str, implementation: str, fn: Callable) -> None:
@@ -36,7 +36,27 @@ def _candidates(implementation: Implementation) -> list[str]:
     return [*preferred, "xla"]
 
 
+def _load_kernels() -> None:
+    """Import the kernel modules once (they register themselves); missing Pallas
+    back ends are skipped, so the XLA path always works."""
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    import importlib
+
+    for module in ("pallas_tpu", "pallas_gpu"):
+        try:
+            importlib.import_module(f"pallas_kernels.depth_attention.{module}")
+        except ImportError:  # pragma: no cover - a jax build without that Pallas back end
+            pass
+
+
+_LOADED = False
+
+
 def _dispatch(op: str, implementation: Implementation, *args, **kwargs):
+    _load_kernels()
     errors = []
     for name in _candidates(implementation):
         if name == "xla":
@@ -60,6 +80,11 @@ def phase1(*args, implementation: Implementation = None, **kwargs) -> reference.
 def phase2(*args, implementation: Implementation = None, **kwargs) -> jax.Array:
     """Phase 2 of the two-phase read; see ``reference.phase2`` for the arguments."""
     return _dispatch("phase2", implementation, *args, **kwargs)
+
+
+def phase2_fused(*args, implementation: Implementation = None, **kwargs) -> jax.Array:
+    """Phase 2 with the stream fusion folded in (``h[B, T, d]``); see ``reference.phase2_fused``."""
+    return _dispatch("phase2_fused", implementation, *args, **kwargs)
 
 
 def depth_read(*args, implementation: Implementation = None, **kwargs):

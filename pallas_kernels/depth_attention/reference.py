@@ -287,3 +287,33 @@ def stream_gate(z: jax.Array, w: jax.Array, scale: jax.Array, bias: jax.Array, e
 def fuse_mean(z: jax.Array) -> jax.Array:
     """Mean fusion (the w/o H_pre ablation, Table 2 row 7)."""
     return jnp.mean(z, axis=0)
+
+
+def phase2_fused(
+    state: SoftmaxState,
+    partial: jax.Array,
+    bank: jax.Array | None,
+    query: jax.Array,
+    include_partial: jax.Array | bool = True,
+    gate: tuple | None = None,
+    *,
+    stream_kernels: Sequence[int],
+    heads: int = 1,
+    segment_ids: jax.Array | None = None,
+    eps: float = 1e-6,
+    gate_eps: float = 1e-6,
+) -> jax.Array:
+    """Phase 2 followed by stream fusion: ``h[B, T, d]`` float32.
+
+    ``gate = (w, scale, bias)`` applies ``fuse_gate`` (H_pre, Eq. 13-14); ``gate=None``
+    applies ``fuse_mean``. The fused kernels compute this without writing the ``m``
+    retrieved streams.
+    """
+    z = phase2(
+        state, partial, bank, query, include_partial,
+        stream_kernels=stream_kernels, heads=heads, segment_ids=segment_ids, eps=eps,
+    )
+    if gate is None:
+        return fuse_mean(z)
+    w, scale, bias = gate
+    return fuse_gate(z, w, scale, bias, gate_eps)

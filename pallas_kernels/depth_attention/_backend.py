@@ -1,0 +1,57 @@
+"""Builds the registered ops of one Pallas back end from ``fused.py`` and ``vjp.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.depth_attention import fused, tiling, vjp
+
+
+def build(backend: str, native_platform: str):
+    """``backend``: ``"triton"`` or ``"tpu"`` (tile heuristics and the halo load).
+
+    Off ``native_platform`` the kernels run in Pallas interpret mode (CPU tests);
+    then the halo is always built from the previous tile (see ``fused.py``).
+    Keyword options accepted by every op: ``interpret`` (bool) and ``tiles``
+    (a ``tiling.Tiles``); ``phase2_fused`` also ``out_dtype``.
+    """
+
+    def setup(d, heads, stream_kernels, n_targets, opts):
+        opts = dict(opts)
+        interpret = opts.pop("interpret", jax.default_backend() != native_platform)
+        tiles = opts.pop("tiles", None) or tiling.choose_tiles(
+            d=d, heads=heads, max_kernel=max([1, *stream_kernels]), n_targets=n_targets, backend=backend
+        )
+        window = backend if not interpret else "interpret"
+        if window != "triton" and tiles.block_t < max(stream_kernels) - 1:
+            tiles = dataclasses.replace(tiles, block_t=tiling._next_pow2(max(stream_kernels) - 1))
+        return dict(tiles=tiles, backend=window, interpret=interpret), opts
+
+    def p1_forward(sources, banks, queries, valid, segment_ids, static):
+        kw, rest = setup(sources.shape[-1], static.heads, static.stream_kernels, queries.shape[0], static.kernel_opts)
+        if rest:
+            raise TypeError(f"phase1: unknown options {sorted(rest)}")
+        return fused.phase1_forward(
+            sources, banks, queries, valid, stream_kernels=static.stream_kernels, heads=static.heads,
+            segment_ids=segment_ids, eps=static.eps, **kw,
+        )
+
+    def p2_forward(state, partial, bank, query, include, gate, segment_ids, static):
+        kw, rest = setup(partial.shape[-1], static.heads, static.stream_kernels, 1, static.kernel_opts)
+        out_dtype = rest.pop("out_dtype", jnp.float32)
+        if rest:
+            raise TypeError(f"phase2: unknown options {sorted(rest)}")
+        return fused.phase2_forward(
+            state, partial, bank, query, include, gate, fuse=static.fuse, stream_kernels=static.stream_kernels,
+            heads=static.heads, segment_ids=segment_ids, eps=static.eps, gate_eps=static.gate_eps,
+            out_dtype=out_dtype, **kw,
+        )
+
+    return (
+        vjp.make_phase1(p1_forward),
+        vjp.make_phase2(p2_forward, fused=False),
+        vjp.make_phase2(p2_forward, fused=True),
+    )

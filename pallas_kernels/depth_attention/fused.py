@@ -1,0 +1,419 @@
+"""Fused expansion + scoring + mixing kernels shared by the TPU and GPU back ends.
+
+Expansion (Eq. 10) is fused into both kernels, so no expanded stream ``E_r[x]`` is
+ever written to memory; it exists only as a ``block_t x block_d`` tile in registers
+or VMEM. Each read is split into two Pallas calls with a tiny XLA step between them:
+
+1. ``scores`` (grid ``(B, T/block_t)``): per token tile, loop over sources and channel
+   chunks, expand each chunk for every stream, and accumulate the raw dot products
+   with all ``S*m`` queries (per head) and the stream's sum of squares. Writes
+   ``dots[S, n, m, B, T, H]`` and ``sumsq[n, m, B, T]`` (``S*n*m*H + n*m`` floats per
+   token, against ``n*d`` read).
+2. XLA: ``score = dot * rsqrt(sumsq/d + eps)``, the softmax over sources (phase 1) or
+   the online-softmax merge with the phase-1 state (phase 2). Only per-(stream,
+   token, head) scalars.
+3. ``mix`` (grid ``(B, T/block_t, d/block_d)``): re-expand each source chunk and sum
+   ``p * E`` into the ``S`` targets' accumulators (phase 1) or into ``a * acc +
+   b * E`` (phase 2), optionally folding the stream fusion (gate or mean) in so the
+   ``m`` retrieved streams are never written (``h[B, T, d]``). The gate needs the rms
+   and ``Z @ W`` over all ``m*d`` entries first: a ``stats`` pass of the same kernel
+   writes per-chunk partial sums, XLA finishes the gate, then the ``gate`` pass.
+
+The sources are read twice from HBM per read (scores, mix): they are the small term
+of the byte count (``N/S`` per sublayer against ``m`` state streams).
+
+The causal conv needs ``max_kernel - 1`` earlier tokens. Two ways to get them:
+
+* ``backend="triton"``: one masked load per lag at ``t0 - delta`` (rows before the
+  sequence start are masked; the overlapping rows hit L1).
+* otherwise (Mosaic TPU, and every interpret mode): load the current and the previous
+  token tile, concatenate, and slice statically; needs ``block_t >= max_kernel - 1``.
+  (Interpret mode mis-reads a slice that starts before row 0, so it uses this path.)
+
+T is padded to a multiple of ``block_t`` by the wrapper when it is ragged.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.depth_attention import reference
+from pallas_kernels.depth_attention.tiling import Tiles
+
+F32 = jnp.float32
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+class _Window:
+    """Lag-shifted ``[block_t, width]`` views of rows ``t0 - delta ... t0 + bt - 1 - delta``
+    of a ``[T, width]``-indexable ref region, zero before row 0."""
+
+    def __init__(self, ref, lead: tuple, t0, bt: int, cs, backend: str, fill=0.0, dtype=F32, width=None):
+        self.ref, self.lead, self.t0, self.bt, self.cs, self.width = ref, lead, t0, bt, cs, width
+        self.backend, self.fill, self.dtype = backend, fill, dtype
+        self._cat = None
+        self._cache = {}
+
+    def _idx(self, start):
+        rows = pl.ds(start, self.bt)
+        return (*self.lead, rows) if self.cs is None else (*self.lead, rows, self.cs)
+
+    def shift(self, delta: int):
+        if delta in self._cache:
+            return self._cache[delta]
+        if delta == 0:
+            v = self.ref[self._idx(self.t0)].astype(self.dtype)
+        elif self.backend == "triton":
+            from jax.experimental.pallas import triton as pltriton
+
+            rows = self.t0 - delta + jax.lax.broadcasted_iota(jnp.int32, (self.bt,), 0)
+            ok = rows >= 0
+            if self.width is not None:
+                ok = jnp.broadcast_to(ok[:, None], (self.bt, self.width))
+            v = pltriton.load(self.ref.at[self._idx(self.t0 - delta)], mask=ok, other=self.fill).astype(self.dtype)
+        else:
+            if self._cat is None:
+                cur = self.shift(0)
+                prev = self.ref[self._idx(jnp.maximum(self.t0 - self.bt, 0))].astype(self.dtype)
+                prev = jnp.where(self.t0 > 0, prev, jnp.asarray(self.fill, self.dtype))
+                self._cat = jnp.concatenate([prev, cur], axis=0)
+            v = self._cat[self.bt - delta : 2 * self.bt - delta]
+        self._cache[delta] = v
+        return v
+
+
+def _lag_masks(seg_ref, t0, bt: int, max_lag: int, backend: str):
+    """``masks[delta]`` ``[bt, 1]`` float: token ``t - delta`` exists and shares ``t``'s segment."""
+    rows = t0 + jax.lax.broadcasted_iota(jnp.int32, (bt,), 0)
+    win = _Window(seg_ref, (), t0, bt, None, backend, fill=-1, dtype=jnp.int32) if seg_ref is not None else None
+    masks = []
+    for delta in range(max_lag):
+        ok = rows - delta >= 0
+        if win is not None and delta > 0:
+            ok = ok & (win.shift(delta) == win.shift(0))
+        masks.append(ok.astype(F32)[:, None])
+    return masks
+
+
+def _stream_layout(stream_kernels: Sequence[int]):
+    """(kernel, first tap index in the bank) per stream."""
+    out, off = [], 0
+    for k in stream_kernels:
+        out.append((k, off))
+        off += k
+    return out
+
+
+def _expand_chunk(win: _Window, bank_ref, bank_lead: tuple, cs, kernel: int, offset: int, masks):
+    """One stream of one source chunk, ``[bt, bd]`` float32 (Eq. 10)."""
+    if kernel == 0:
+        return win.shift(0)
+    y = None
+    for delta in range(kernel):
+        idx = (*bank_lead, offset + delta) if cs is None else (*bank_lead, offset + delta, cs)
+        tap = bank_ref[idx].astype(F32)[None, :]
+        term = tap * win.shift(delta)
+        if delta:
+            term = term * masks[delta]
+        y = term if y is None else y + term
+    return y
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, backend):
+    """Raw per-head dots with all queries and the sum of squares of every expanded chunk."""
+    it = iter(refs)
+    x_ref = next(it)  # [n, Tp, d]
+    bank_ref = next(it) if has_bank else None  # [n, K, d]
+    q_ref = next(it)  # [S, m, d]
+    seg_ref = next(it) if has_seg else None  # [Tp]
+    dots_ref = next(it)  # [S, n, m, bt, H]
+    ss_ref = next(it)  # [n, m, bt]
+    m = len(stream_kernels)
+    layout = _stream_layout(stream_kernels)
+    t0 = pl.program_id(1) * bt
+    max_lag = max([1, *stream_kernels])
+    masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
+    dh = d // heads
+    zero = jnp.zeros((bt,), F32)
+
+    def source_body(i, carry):
+        ss = [zero] * m
+        for h in range(heads):
+
+            def chunk_body(c, carry):
+                ss, dots = carry
+                c0 = h * dh + c * bd
+                cs = pl.ds(pl.multiple_of(c0, bd), bd)
+                win = _Window(x_ref, (i,), t0, bt, cs, backend, width=bd)
+                ss, dots = list(ss), [list(row) for row in dots]
+                for r, (kernel, off) in enumerate(layout):
+                    e = _expand_chunk(win, bank_ref, (i,), cs, kernel, off, masks)
+                    ss[r] = ss[r] + jnp.sum(e * e, axis=1)
+                    for s in range(n_targets):
+                        q = q_ref[s, r, cs].astype(F32)[None, :]
+                        dots[s][r] = dots[s][r] + jnp.sum(e * q, axis=1)
+                return ss, dots
+
+            dots0 = [[zero] * m for _ in range(n_targets)]
+            ss, dots = jax.lax.fori_loop(0, dh // bd, chunk_body, (ss, dots0))
+            for s in range(n_targets):
+                for r in range(m):
+                    dots_ref[s, i, r, :, h] = dots[s][r]
+        for r in range(m):
+            ss_ref[i, r, :] = ss[r]
+        return carry
+
+    jax.lax.fori_loop(0, n, source_body, 0)
+
+
+def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, has_base, mode, backend):
+    """``z[s, r] = a * base + sum_i p[s, i, r] * E_r[x_i]`` on one chunk, then by ``mode``:
+    ``acc`` writes z; ``mean``/``gate`` write ``h = sum_r g_r z_r``; ``stats`` writes the
+    chunk's ``sum z^2`` and ``z @ W`` partials (the gate's inputs)."""
+    it = iter(refs)
+    x_ref = next(it)  # [n, Tp, bd]
+    bank_ref = next(it) if has_bank else None  # [n, K, bd]
+    p_ref = next(it)  # [S, n, m, bt, H]
+    base_ref = next(it) if has_base else None  # [S, m, bt, bd]
+    a_ref = next(it) if has_base else None  # [S, m, bt, H]
+    g_ref = next(it) if mode == "gate" else None  # [bt, m]
+    w_ref = next(it) if mode == "stats" else None  # [m, bd, m]
+    seg_ref = next(it) if has_seg else None  # [Tp]
+    outs = list(it)
+    m = len(stream_kernels)
+    layout = _stream_layout(stream_kernels)
+    t0 = pl.program_id(1) * bt
+    head = (pl.program_id(2) * bd) // (d // heads)
+    max_lag = max([1, *stream_kernels])
+    masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
+    zero = jnp.zeros((bt, bd), F32)
+    h_acc = zero
+    sq = jnp.zeros((bt,), F32)
+    zw = [jnp.zeros((bt,), F32)] * m
+
+    for r, (kernel, off) in enumerate(layout):
+
+        def source_body(i, accs, kernel=kernel, off=off, r=r):
+            win = _Window(x_ref, (i,), t0, bt, slice(None), backend, width=bd)
+            e = _expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
+            return [accs[s] + p_ref[s, i, r, :, head][:, None] * e for s in range(n_targets)]
+
+        accs = jax.lax.fori_loop(0, n, source_body, [zero] * n_targets)
+        for s in range(n_targets):
+            z = accs[s]
+            if has_base:
+                z = z + a_ref[s, r, :, head][:, None] * base_ref[s, r, :, :].astype(F32)
+            if mode == "acc":
+                outs[0][s, r, :, :] = z.astype(outs[0].dtype)
+            elif mode == "mean":
+                h_acc = h_acc + z * (1.0 / m)
+            elif mode == "gate":
+                h_acc = h_acc + g_ref[:, r][:, None] * z
+            else:  # stats
+                sq = sq + jnp.sum(z * z, axis=1)
+                for j in range(m):
+                    zw[j] = zw[j] + jnp.sum(z * w_ref[r, :, j].astype(F32)[None, :], axis=1)
+    if mode in ("mean", "gate"):
+        outs[0][...] = h_acc.astype(outs[0].dtype)
+    elif mode == "stats":
+        outs[0][...] = sq
+        for j in range(m):
+            outs[1][:, j] = zw[j]
+
+
+# --------------------------------------------------------------------------- calls
+
+
+def _pad_t(x, axis: int, t_pad: int, value=0):
+    extra = t_pad - x.shape[axis]
+    if extra == 0:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, extra)
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _call_kwargs(backend: str, tiles: Tiles, interpret, semantics):
+    if backend == "triton":
+        from jax.experimental.pallas import triton as pltriton
+
+        return dict(
+            compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+            interpret=interpret,
+        )
+    from jax.experimental.pallas import tpu as pltpu
+
+    return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics), interpret=interpret)
+
+
+def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, backend, interpret):
+    """``x[n, B, Tp, d]`` -> ``dots[S, n, m, B, Tp, H]``, ``sumsq[n, m, B, Tp]`` (float32)."""
+    n, batch, t_pad, d = x.shape
+    n_targets, m = queries.shape[:2]
+    bt, bd = tiles.block_t, tiles.block_d_scores
+    has_bank = banks is not None and any(stream_kernels)
+    has_seg = seg is not None
+    in_specs = [pl.BlockSpec((n, None, t_pad, d), lambda b, t: (0, b, 0, 0))]
+    args = [x]
+    if has_bank:
+        in_specs.append(pl.BlockSpec(banks.shape, lambda b, t: (0, 0, 0)))
+        args.append(banks)
+    in_specs.append(pl.BlockSpec(queries.shape, lambda b, t: (0, 0, 0)))
+    args.append(queries)
+    if has_seg:
+        in_specs.append(pl.BlockSpec((None, t_pad), lambda b, t: (b, 0)))
+        args.append(seg)
+    kernel = functools.partial(
+        _scores_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d,
+        bt=bt, bd=bd, has_bank=has_bank, has_seg=has_seg, backend=backend,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, t_pad // bt),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((n_targets, n, m, None, bt, heads), lambda b, t: (0, 0, 0, b, t, 0)),
+            pl.BlockSpec((n, m, None, bt), lambda b, t: (0, 0, b, t)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((n_targets, n, m, batch, t_pad, heads), F32),
+            jax.ShapeDtypeStruct((n, m, batch, t_pad), F32),
+        ],
+        name="depth_attention_scores",
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel")),
+    )(*args)
+
+
+def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, stream_kernels, heads, tiles: Tiles,
+             backend, interpret, out_dtype=F32):
+    """See ``_mix_kernel``. ``p[S, n, m, B, Tp, H]``; ``base[S, m, B, Tp, d]``; ``a`` like ``p``
+    without ``n``; ``gate[B, Tp, m]``; ``w[m, d, m]``."""
+    n, batch, t_pad, d = x.shape
+    n_targets, m = p.shape[0], p.shape[2]
+    bt, bd = tiles.block_t, tiles.block_d_mix
+    has_bank = banks is not None and any(stream_kernels)
+    has_seg = seg is not None
+    has_base = base is not None
+    nc = d // bd
+    in_specs = [pl.BlockSpec((n, None, t_pad, bd), lambda b, t, c: (0, b, 0, c))]
+    args = [x]
+    if has_bank:
+        in_specs.append(pl.BlockSpec((n, banks.shape[1], bd), lambda b, t, c: (0, 0, c)))
+        args.append(banks)
+    in_specs.append(pl.BlockSpec((n_targets, n, m, None, bt, heads), lambda b, t, c: (0, 0, 0, b, t, 0)))
+    args.append(p)
+    if has_base:
+        in_specs.append(pl.BlockSpec((n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c)))
+        in_specs.append(pl.BlockSpec((n_targets, m, None, bt, heads), lambda b, t, c: (0, 0, b, t, 0)))
+        args += [base, a]
+    if mode == "gate":
+        in_specs.append(pl.BlockSpec((None, bt, m), lambda b, t, c: (b, t, 0)))
+        args.append(gate)
+    if mode == "stats":
+        in_specs.append(pl.BlockSpec((m, bd, m), lambda b, t, c: (0, c, 0)))
+        args.append(w)
+    if has_seg:
+        in_specs.append(pl.BlockSpec((None, t_pad), lambda b, t, c: (b, 0)))
+        args.append(seg)
+    if mode == "acc":
+        out_specs = [pl.BlockSpec((n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c))]
+        out_shape = [jax.ShapeDtypeStruct((n_targets, m, batch, t_pad, d), out_dtype)]
+    elif mode in ("mean", "gate"):
+        out_specs = [pl.BlockSpec((None, bt, bd), lambda b, t, c: (b, t, c))]
+        out_shape = [jax.ShapeDtypeStruct((batch, t_pad, d), out_dtype)]
+    else:
+        out_specs = [
+            pl.BlockSpec((None, bt, None), lambda b, t, c: (b, t, c)),
+            pl.BlockSpec((None, bt, None, m), lambda b, t, c: (b, t, c, 0)),
+        ]
+        out_shape = [
+            jax.ShapeDtypeStruct((batch, t_pad, nc), F32),
+            jax.ShapeDtypeStruct((batch, t_pad, nc, m), F32),
+        ]
+    kernel = functools.partial(
+        _mix_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d, bt=bt,
+        bd=bd, has_bank=has_bank, has_seg=has_seg, has_base=has_base, mode=mode, backend=backend,
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, t_pad // bt, nc),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        name=f"depth_attention_mix_{mode}",
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+    )(*args)
+    return out[0] if len(out) == 1 else out
+
+
+# --------------------------------------------------------------------------- reads
+
+
+def _prepare(t_len, segment_ids, tiles):
+    t_pad = -(-t_len // tiles.block_t) * tiles.block_t
+    seg = None if segment_ids is None else _pad_t(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
+    return t_pad, seg
+
+
+def phase1_forward(sources, banks, queries, valid=None, *, stream_kernels, heads, segment_ids, eps, tiles,
+                   backend, interpret) -> reference.SoftmaxState:
+    """Fused phase 1; same contract as ``reference.phase1``."""
+    n, _, t_len, d = sources.shape
+    t_pad, seg = _prepare(t_len, segment_ids, tiles)
+    x = _pad_t(sources, 2, t_pad)
+    kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)
+    dots, sumsq = scores_call(x, banks, queries, seg, **kw)
+    s = dots * jax.lax.rsqrt(sumsq / d + eps)[None, ..., None]  # [S, n, m, B, Tp, H]
+    ok = reference._source_valid(n, valid)[None, :, None, None, None, None]
+    s = jnp.where(ok, s, reference.NEG_LARGE)
+    smax = jnp.max(s, axis=1)
+    p = jnp.where(ok, jnp.exp(s - smax[:, None]), 0.0)
+    denom = jnp.sum(p, axis=1)
+    acc = mix_call(x, banks, p, seg, mode="acc", **kw)
+    cut = lambda a: a[..., :t_len, :]  # noqa: E731
+    return reference.SoftmaxState(max=cut(smax), denom=cut(denom), acc=cut(acc))
+
+
+def phase2_forward(state, partial, bank, query, include_partial=True, gate_params=None, *, fuse, stream_kernels,
+                   heads, segment_ids, eps, gate_eps, tiles, backend, interpret, out_dtype=F32):
+    """Fused phase 2. ``fuse=None`` returns ``z[m, B, T, d]`` like ``reference.phase2``;
+    ``"mean"`` / ``"gate"`` return ``h[B, T, d]`` (``fuse_mean`` / ``fuse_gate`` of it)."""
+    batch, t_len, d = partial.shape
+    m = query.shape[0]
+    t_pad, seg = _prepare(t_len, segment_ids, tiles)
+    x = _pad_t(partial, 1, t_pad)[None]
+    banks = None if bank is None else bank[None]
+    kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)
+    dots, sumsq = scores_call(x, banks, query[None], seg, **kw)
+    s = dots[0, 0] * jax.lax.rsqrt(sumsq[0] / d + eps)[..., None]  # [m, B, Tp, H]
+    pmax = _pad_t(state.max, 2, t_pad)
+    pden = _pad_t(state.denom, 2, t_pad, 1.0)
+    include = jnp.asarray(include_partial, bool)
+    s = jnp.where(include, s, reference.NEG_LARGE)
+    new_max = jnp.maximum(pmax, s)
+    keep = jnp.exp(pmax - new_max)
+    pnew = jnp.where(include, jnp.exp(s - new_max), 0.0)
+    denom = pden * keep + pnew
+    a = (keep / denom)[None]
+    b = (pnew / denom)[None, None]
+    base = _pad_t(state.acc, 2, t_pad)[None]
+    mix = functools.partial(mix_call, x, banks, b, seg, base=base, a=a, **kw)
+    if fuse is None:
+        return mix(mode="acc", out_dtype=out_dtype)[0, :, :, :t_len]
+    if fuse == "mean":
+        return mix(mode="mean", out_dtype=out_dtype)[:, :t_len]
+    w, scale, bias = gate_params
+    sq, zw = mix(mode="stats", w=w.reshape(m, d, m))
+    inv = jax.lax.rsqrt(jnp.sum(sq, axis=-1) / (m * d) + gate_eps)  # [B, Tp]
+    g = jax.nn.sigmoid(scale * (inv[..., None] * jnp.sum(zw, axis=2)) + bias)  # [B, Tp, m]
+    return mix(mode="gate", gate=g, out_dtype=out_dtype)[:, :t_len]

@@ -1,0 +1,66 @@
+"""Block-size heuristics of the fused depth-attention kernels.
+
+Two tile sizes matter (see ``fused.py`` for the kernel layout):
+
+* ``block_t``: tokens per program. The causal conv of a token tile reads a halo of
+  ``max_kernel - 1`` earlier tokens; the TPU/interpret path builds that halo from the
+  previous tile, so it needs ``block_t >= max_kernel - 1``. The Triton path loads each
+  lag with its own masked load (the rows overlap and hit L1), so any power of two works.
+* ``block_d``: channels per chunk. It must divide the head width ``d / heads`` (a chunk
+  lies inside one head, so its softmax weights are one value per token) and be a power
+  of two for Triton. The mix kernel keeps ``S`` accumulators of ``block_t x block_d``
+  float32 values live, so ``S * block_t * block_d`` is what bounds it on GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    block_t: int  # tokens per program (all kernels)
+    block_d_scores: int  # channel chunk of the scoring loop
+    block_d_mix: int  # channel chunk (grid axis) of the mixing kernel
+    num_warps: int = 4  # Triton only
+    num_stages: int = 1  # Triton only
+
+
+def _next_pow2(x: int) -> int:
+    p = 1
+    while p < x:
+        p *= 2
+    return p
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """Largest power of two that divides ``n`` and is at most ``cap``."""
+    p = 1
+    while p * 2 <= cap and n % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+def choose_tiles(*, d: int, heads: int, max_kernel: int, n_targets: int, backend: str) -> Tiles:
+    """Tile sizes for one call. ``backend`` is ``"triton"`` or ``"tpu"`` (also interpret)."""
+    if d % heads:
+        raise ValueError(f"d={d} is not divisible by heads={heads}")
+    dh = d // heads
+    halo = max(max_kernel - 1, 1)
+    if backend == "triton":
+        block_t = 16
+        # S accumulators of block_t x block_d fp32 per program: keep them near 8K values.
+        mix_cap = max(16, 8192 // (block_t * max(n_targets, 1)))
+        return Tiles(
+            block_t=block_t,
+            block_d_scores=_pow2_divisor(dh, 128),
+            block_d_mix=_pow2_divisor(dh, mix_cap),
+            num_warps=4,
+            num_stages=1,
+        )
+    block_t = max(8, _next_pow2(halo))
+    return Tiles(
+        block_t=block_t,
+        block_d_scores=_pow2_divisor(dh, 512),
+        block_d_mix=_pow2_divisor(dh, 512),
+    )

@@ -1,0 +1,130 @@
+"""``jax.custom_vjp`` wrappers of the fused reads.
+
+The forward runs a fused kernel (``fused.py``); the residuals are only the inputs
+(sources, banks, queries, state, gate parameters: nothing of size ``m*d`` per source
+is saved). The backward RECOMPUTES the expansions, key norms and softmax weights from
+those inputs and differentiates the plain-jnp reference (``reference.py``) in XLA.
+
+Status (honest): the backward is XLA recomputation, not yet a Pallas kernel. It is
+exact (it is the oracle's own gradient) and stores nothing between forward and
+backward beyond the inputs, but inside the backward XLA materialises the expanded
+streams transiently.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.depth_attention import reference
+
+
+class Static(NamedTuple):
+    """Hashable static configuration of one read."""
+
+    stream_kernels: tuple
+    heads: int
+    eps: float
+    gate_eps: float
+    fuse: str | None  # phase2 only: None (streams), "mean", "gate"
+    kernel_opts: tuple  # forwarded to the forward kernel as keyword arguments
+
+
+def _as_float(x):
+    return None if x is None else jnp.asarray(x, jnp.float32)
+
+
+def make_phase1(forward: Callable) -> Callable:
+    """``forward(sources, banks, queries, valid, segment_ids, static) -> SoftmaxState``."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def op(static, sources, banks, queries, valid, segment_ids):
+        return forward(sources, banks, queries, valid, segment_ids, static)
+
+    def fwd(static, sources, banks, queries, valid, segment_ids):
+        out = forward(sources, banks, queries, valid, segment_ids, static)
+        return out, (sources, banks, queries, valid, segment_ids)
+
+    def bwd(static, res, ct):
+        sources, banks, queries, valid, segment_ids = res
+
+        def f(x, b, q):
+            return reference.phase1(
+                x, b, q, valid, stream_kernels=static.stream_kernels, heads=static.heads,
+                segment_ids=segment_ids, eps=static.eps,
+            )
+
+        _, vjp = jax.vjp(f, sources, banks, queries)
+        return (*vjp(ct), None, None)
+
+    op.defvjp(fwd, bwd)
+
+    def phase1(sources, banks, queries, valid=None, *, stream_kernels, heads=1, segment_ids=None, eps=1e-6, **opts):
+        static = Static(tuple(stream_kernels), heads, float(eps), 0.0, None, tuple(sorted(opts.items())))
+        valid = None if valid is None else jnp.asarray(valid, bool)
+        banks = banks if any(stream_kernels) else None
+        return op(static, sources, banks, queries, valid, segment_ids)
+
+    return phase1
+
+
+def make_phase2(forward: Callable, *, fused: bool) -> Callable:
+    """``forward(state, partial, bank, query, include, gate, segment_ids, static)``.
+
+    ``fused=False`` gives the ``reference.phase2`` signature (returns ``z[m, B, T, d]``);
+    ``fused=True`` the ``reference.phase2_fused`` one (returns ``h[B, T, d]``).
+    """
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def op(static, state, partial, bank, query, include, gate, segment_ids):
+        return forward(state, partial, bank, query, include, gate, segment_ids, static)
+
+    def fwd(static, state, partial, bank, query, include, gate, segment_ids):
+        out = forward(state, partial, bank, query, include, gate, segment_ids, static)
+        return out, (state, partial, bank, query, include, gate, segment_ids)
+
+    def bwd(static, res, ct):
+        state, partial, bank, query, include, gate, segment_ids = res
+        kw = dict(stream_kernels=static.stream_kernels, heads=static.heads, segment_ids=segment_ids, eps=static.eps)
+
+        def f(st, x, b, q, g):
+            if static.fuse is None:
+                return reference.phase2(st, x, b, q, include, **kw)
+            return reference.phase2_fused(st, x, b, q, include, g, gate_eps=static.gate_eps, **kw)
+
+        _, vjp = jax.vjp(f, state, partial, bank, query, gate)
+        ct = ct.astype(jnp.float32)  # the kernel may write h in a narrower dtype
+        g_state, g_x, g_b, g_q, g_gate = vjp(ct)
+        return g_state, g_x, g_b, g_q, None, g_gate, None
+
+    op.defvjp(fwd, bwd)
+
+    def prep(state, bank, include_partial, stream_kernels):
+        state = reference.SoftmaxState(*(jnp.asarray(a, jnp.float32) for a in state))
+        bank = bank if any(stream_kernels) else None
+        return state, bank, jnp.asarray(include_partial, bool)
+
+    if not fused:
+
+        def phase2(state, partial, bank, query, include_partial=True, *, stream_kernels, heads=1, segment_ids=None,
+                   eps=1e-6, **opts):
+            static = Static(tuple(stream_kernels), heads, float(eps), 0.0, None, tuple(sorted(opts.items())))
+            state, bank, include = prep(state, bank, include_partial, stream_kernels)
+            return op(static, state, partial, bank, query, include, None, segment_ids)
+
+        return phase2
+
+    def phase2_fused(state, partial, bank, query, include_partial=True, gate=None, *, stream_kernels, heads=1,
+                     segment_ids=None, eps=1e-6, gate_eps=1e-6, **opts):
+        fuse = "mean" if gate is None else "gate"
+        static = Static(tuple(stream_kernels), heads, float(eps), float(gate_eps), fuse, tuple(sorted(opts.items())))
+        state, bank, include = prep(state, bank, include_partial, stream_kernels)
+        if gate is not None:
+            w, scale, bias = gate
+            gate = (_as_float(w), _as_float(scale), _as_float(bias))
+        return op(static, state, partial, bank, query, include, gate, segment_ids)
+
+    return phase2_fused
