@@ -61,28 +61,32 @@ PHASE1_CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", PHASE1_CASES, ids=[c[0] for c in PHASE1_CASES])
+def _impl_params(cases):
+    """Each case runs with one implementation by default (they share the kernel body and
+    differ in tiling), alternating; the other combination is marked slow."""
+    out = []
+    for j, case in enumerate(cases):
+        for k, impl in enumerate(IMPLS):
+            marks = () if (j + k) % 2 == 0 else (pytest.mark.slow,)
+            out.append(pytest.param(impl, case, marks=marks, id=f"{case[0]}-{impl}"))
+    return out
+
+
+@pytest.mark.parametrize("impl,case", _impl_params(PHASE1_CASES))
 def test_phase1_forward_and_grads(impl, case):
     _, n, batch, t_len, d, n_targets, kernels, heads, valid, cut = case
     sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, kernels)
     seg = None if cut is None else _segments(batch, t_len, cut)
     valid = None if valid is None else jnp.asarray(valid)
     kw = dict(stream_kernels=kernels, heads=heads, segment_ids=seg)
-    got = api.phase1(sources, banks, queries, valid, implementation=impl, **kw)
-    want = reference.phase1(sources, banks, queries, valid, **kw)
+    def run(fn):
+        out, vjp = jax.vjp(lambda x, b, q: fn(x, b, q, valid, **kw), sources, banks, queries)
+        return out, vjp(jax.tree.map(lambda a: _rnd(9, a.shape), out))
+
+    got, got_grads = run(lambda *a, **k: api.phase1(*a, implementation=impl, **k))
+    want, want_grads = run(reference.phase1)
     _check_tree(got, want, F32_TOL)
-
-    cts = jax.tree.map(lambda a: _rnd(9, a.shape), want)
-
-    def loss(fn):
-        def f(x, b, q):
-            return sum(jnp.sum(o * c) for o, c in zip(fn(x, b, q, valid, **kw), cts))
-
-        return jax.grad(f, argnums=(0, 1, 2) if banks is not None else (0, 2))
-
-    fn = lambda *a, **k: api.phase1(*a, implementation=impl, **k)  # noqa: E731
-    _check_tree(loss(fn)(sources, banks, queries), loss(reference.phase1)(sources, banks, queries), F32_TOL)
+    _check_tree(got_grads, want_grads, F32_TOL)  # sources, banks, queries
 
 
 def _phase2_inputs(batch, t_len, d, kernels, heads, seed=10):
@@ -107,8 +111,7 @@ PHASE2_CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", PHASE2_CASES, ids=[c[0] for c in PHASE2_CASES])
+@pytest.mark.parametrize("impl,case", _impl_params(PHASE2_CASES))
 def test_phase2_forward_and_grads(impl, case):
     _, batch, t_len, d, kernels, heads, include, cut, fuse = case
     state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
@@ -123,17 +126,20 @@ def test_phase2_forward_and_grads(impl, case):
             st, x, b, q, include, g_or_none(g), implementation=impl, **k
         )
         ref = lambda st, x, b, q, g, **k: reference.phase2_fused(st, x, b, q, include, g_or_none(g), **k)  # noqa: E731
-    args = (state, partial, bank, query, gate)
-    got, want = fn(*args, **kw), ref(*args, **kw)
+    args = (state, partial, bank, query, gate if fuse == "gate" else None)
+
+    def run(f):
+        out, vjp = jax.vjp(lambda *a: f(*a, **kw), *args)
+        return out, vjp(_rnd(99, out.shape))
+
+    got, got_grads = run(fn)
+    want, want_grads = run(ref)
     _check_tree(got, want, F32_TOL)
-
-    ct = _rnd(99, want.shape)
-    argnums = tuple(i for i, a in enumerate(args) if a is not None and (fuse == "gate" or i != 4))
-    grad = lambda f: jax.grad(lambda *a: jnp.sum(f(*a, **kw) * ct), argnums=argnums)(*args)  # noqa: E731
-    _check_tree(grad(fn), grad(ref), F32_TOL)
+    # state (max, denom, acc), partial, bank, query and the gate's (w, scale, bias)
+    _check_tree(got_grads, want_grads, F32_TOL)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [IMPLS[1], pytest.param(IMPLS[0], marks=pytest.mark.slow)])
 def test_bf16_sources(impl):
     kernels = (0, 4, 8, 12)
     sources, banks, queries = _phase1_inputs(3, 1, 24, 64, 2, kernels, dtype=jnp.bfloat16)
@@ -171,7 +177,7 @@ def test_dispatch_falls_back_to_xla_on_cpu():
     _check_tree(got, reference.phase1(sources, banks, queries, **kw), 1e-7)
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.integers(1, 3),
     t_len=st.integers(1, 40),
@@ -186,7 +192,7 @@ def test_random_shapes(n, t_len, heads, kernels, n_targets, cut, seed):
     sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, kernels, seed)
     seg = _segments(batch, t_len, min(cut, t_len))
     kw = dict(stream_kernels=kernels, heads=heads, segment_ids=seg)
-    _check_tree(api.phase1(sources, banks, queries, implementation="pallas_tpu", **kw),
+    _check_tree(api.phase1(sources, banks, queries, implementation="pallas_gpu", **kw),
                 reference.phase1(sources, banks, queries, **kw), F32_TOL)
     state = jax.tree.map(lambda a: a[-1], reference.phase1(sources, banks, queries, **kw))
     partial = _rnd(seed + 50, (batch, t_len, d))
