@@ -1,0 +1,207 @@
+"""Timing harness of the depth-attention reads: fused kernels against the XLA reference.
+
+Usage (on the GPU machine): ``python3 -m pallas_kernels.depth_attention.bench``
+(``--small`` for a CPU smoke run of the harness itself, interpret mode).
+
+Per-sublayer amortised time = (phase 1 of a block + S phase-2 calls) / S, forward and
+forward+backward (each op timed separately: the backward of phase 2 and of phase 1
+with independent random cotangents). Each figure is the median of >= 20 timed
+repetitions after warm-up; a repetition dispatches ``inner`` calls back to back and
+blocks once, so host dispatch overlaps device work. Also measured in the same call:
+the device copy bandwidth (bytes read + written), from which the bandwidth floor of
+this design's byte count is computed; and the compiled peak temporary memory of the
+forward+backward (``memory_analysis``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.depth_attention import api, reference
+
+
+def timeit(fn, *args, reps=25, inner=5, warmup=2):
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times), times
+
+
+def copy_bandwidth(nbytes=2 << 30):
+    x = jax.random.normal(jax.random.key(0), (nbytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a + jnp.bfloat16(1))
+    t, _ = timeit(f, x, reps=21)
+    return 2 * nbytes / t  # bytes read + written per second
+
+
+def design_bytes(n, batch, t_len, d, m, n_targets, heads, src_bytes=2, out_bytes=2):
+    """Fewest bytes per sublayer of this design (each input read once, each output
+    written once): phase 1 reads n sources and writes S float32 states (acc + max +
+    denom), amortised over S; phase 2 reads one state and the partial and writes h."""
+    tok = batch * t_len
+    state = m * tok * (d + 2 * heads) * 4
+    p1 = n * tok * d * src_bytes + n_targets * state
+    p2 = state + tok * d * src_bytes + tok * d * out_bytes
+    fwd = p1 / n_targets + p2
+    # backward (recomputing): p1 reads sources + d_state, writes d_sources;
+    # p2 reads d_h, partial and state, writes d_state and d_partial.
+    b1 = 2 * n * tok * d * src_bytes + n_targets * state
+    b2 = tok * d * out_bytes + tok * d * src_bytes + 2 * state + tok * d * src_bytes
+    return fwd, fwd + b1 / n_targets + b2
+
+
+def table6_bytes(n, batch, t_len, d, m, n_targets, elem_bytes=2):
+    """Table 6's (N/S + 4m + 5) d per token per sublayer, in elements of ``elem_bytes``."""
+    return (n / n_targets + 4 * m + 5) * d * batch * t_len * elem_bytes
+
+
+def make_inputs(n, batch, t_len, d, n_targets, kernels, heads, dtype, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 10)
+    m, k = len(kernels), reference.bank_size(kernels)
+    sources = jax.random.normal(ks[0], (n, batch, t_len, d), dtype)
+    banks = 0.3 * jax.random.normal(ks[1], (n, max(k, 1), d), jnp.float32) if k else None
+    queries = jax.random.normal(ks[2], (n_targets, m, d), jnp.float32)
+    partial = jax.random.normal(ks[3], (batch, t_len, d), dtype)
+    bank = 0.3 * jax.random.normal(ks[4], (max(k, 1), d), jnp.float32) if k else None
+    query = jax.random.normal(ks[5], (m, d), jnp.float32)
+    gate = (
+        jax.random.normal(ks[6], (m * d, m), jnp.float32) / (m * d) ** 0.5,
+        jnp.float32(0.01),
+        jnp.zeros((m,), jnp.float32),
+    )
+    return sources, banks, queries, partial, bank, query, gate
+
+
+def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, impl, bw, log, reps, inner,
+               with_bwd=True, check=True):
+    m = len(kernels)
+    sources, banks, queries, partial, bank, query, gate = make_inputs(
+        n, batch, t_len, d, n_targets, kernels, heads, dtype
+    )
+    gate = gate if m > 1 else None  # AttnRes / MHAR: no stream fusion (mean of one stream)
+    kw = dict(stream_kernels=kernels, heads=heads)
+    out_dtype = dtype
+
+    def p1(impl_):
+        if impl_ == "xla":
+            return jax.jit(lambda x, b, q: reference.phase1(x, b, q, **kw))
+        return jax.jit(lambda x, b, q: api.phase1(x, b, q, implementation=impl_, **kw))
+
+    def p2(impl_):
+        if impl_ == "xla":
+            return jax.jit(lambda st, x, b, q, g: reference.phase2_fused(st, x, b, q, True, g, **kw).astype(out_dtype))
+        return jax.jit(lambda st, x, b, q, g: api.phase2_fused(st, x, b, q, True, g, implementation=impl_,
+                                                                out_dtype=out_dtype, **kw))
+
+    def grad_p1(f):
+        def loss(x, b, q, ct):
+            out = f(x, b, q)
+            return jnp.sum(out.acc * ct) + jnp.sum(out.max) + jnp.sum(out.denom)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2) if banks is not None else (0, 2)))
+
+    def grad_p2(f):
+        def loss(st, x, b, q, g, ct):
+            return jnp.sum(f(st, x, b, q, g).astype(jnp.float32) * ct)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4) if banks is not None else (0, 1, 3, 4)))
+
+    res = {"name": name, "impl": impl}
+    state_ref = p1("xla")(sources, banks, queries)
+    state1 = jax.tree.map(lambda a: a[1], state_ref)
+    if check:
+        st = p1(impl)(sources, banks, queries)
+        res["p1_rel_err"] = float(jnp.max(jnp.abs(st.acc / st.denom[..., :1] - state_ref.acc / state_ref.denom[..., :1])))
+        h = p2(impl)(state1, partial, bank, query, gate).astype(jnp.float32)
+        h_ref = p2("xla")(state1, partial, bank, query, gate).astype(jnp.float32)
+        res["p2_max_abs_err"] = float(jnp.max(jnp.abs(h - h_ref)))
+        res["p2_ref_max"] = float(jnp.max(jnp.abs(h_ref)))
+    for who in ("xla", impl):
+        t1, _ = timeit(p1(who), sources, banks, queries, reps=reps, inner=inner)
+        t2, _ = timeit(p2(who), state1, partial, bank, query, gate, reps=reps, inner=inner)
+        res[f"{who}_p1_ms"], res[f"{who}_p2_ms"] = t1 * 1e3, t2 * 1e3
+        res[f"{who}_fwd_ms"] = (t1 + n_targets * t2) / n_targets * 1e3
+        if with_bwd:
+            ct1 = jnp.ones_like(state_ref.acc)
+            ct2 = jnp.ones((batch, t_len, d), jnp.float32)
+            g1, g2 = grad_p1(p1(who)), grad_p2(p2(who))
+            t1b, _ = timeit(g1, sources, banks, queries, ct1, reps=reps, inner=max(1, inner // 2))
+            t2b, _ = timeit(g2, state1, partial, bank, query, gate, ct2, reps=reps, inner=max(1, inner // 2))
+            res[f"{who}_p1_fb_ms"], res[f"{who}_p2_fb_ms"] = t1b * 1e3, t2b * 1e3
+            res[f"{who}_fb_ms"] = (t1b + n_targets * t2b) / n_targets * 1e3
+            try:
+                m1 = g1.lower(sources, banks, queries, ct1).compile().memory_analysis()
+                m2 = g2.lower(state1, partial, bank, query, gate, ct2).compile().memory_analysis()
+                res[f"{who}_p1_fb_temp_GiB"] = m1.temp_size_in_bytes / 2**30
+                res[f"{who}_p2_fb_temp_GiB"] = m2.temp_size_in_bytes / 2**30
+            except Exception as e:  # noqa: BLE001
+                res[f"{who}_mem_error"] = repr(e)[:200]
+        log(json.dumps(res))
+    fwd_b, fb_b = design_bytes(n, batch, t_len, d, m, n_targets, heads, jnp.dtype(dtype).itemsize,
+                               jnp.dtype(out_dtype).itemsize)
+    res["floor_fwd_ms"] = fwd_b / bw * 1e3
+    res["floor_fb_ms"] = fb_b / bw * 1e3
+    res["table6_fwd_ms"] = table6_bytes(n, batch, t_len, d, m, n_targets) / bw * 1e3
+    log(json.dumps(res))
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--small", action="store_true", help="CPU smoke run of the harness")
+    ap.add_argument("--no-bwd", action="store_true")
+    args = ap.parse_args()
+    out_dir = os.environ.get("OUT", ".")
+    log_path = os.path.join(out_dir, "bench_log.jsonl")
+
+    def log(line):
+        print(line, flush=True)
+        with open(log_path, "a") as f:
+            f.write(line + "\n")
+
+    log(json.dumps({"device": str(jax.devices()[0]), "kind": jax.devices()[0].device_kind, "jax": jax.__version__}))
+    if args.small:
+        shapes = dict(n=3, batch=1, t_len=32, d=64, n_targets=2)
+        impl, reps, inner = "pallas_gpu", 3, 1
+        bw = 1e10
+    else:
+        shapes = dict(n=9, batch=8, t_len=2048, d=2048, n_targets=8)
+        impl, reps, inner = "pallas_gpu", 25, 5
+        bw = copy_bandwidth()
+    log(json.dumps({"copy_bandwidth_TBps": bw / 1e12}))
+    rows = []
+    for name, kernels, heads in (("msar_m4_k4-8-12", (0, 4, 8, 12), 1), ("attnres", (0,), 1)):
+        try:
+            rows.append(run_config(name, kernels=kernels, heads=heads, dtype=jnp.bfloat16, impl=impl, bw=bw,
+                                   log=log, reps=reps, inner=inner, with_bwd=not args.no_bwd, **shapes))
+        except Exception as e:  # noqa: BLE001 - keep measuring the other configs
+            log(json.dumps({"name": name, "error": repr(e)[:2000]}))
+    print("\n== per-sublayer amortised, ms (median of >= 20 reps) ==")
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; shapes {shapes}")
+    for r in rows:
+        for mode, key in (("fwd", "fwd_ms"), ("fwd+bwd", "fb_ms")):
+            k, x = f"{impl}_{key}", f"xla_{key}"
+            if k not in r:
+                continue
+            floor = r["floor_fwd_ms" if mode == "fwd" else "floor_fb_ms"]
+            print(f"{r['name']:>16} {mode:>8}: kernel {r[k]:8.3f}  xla {r[x]:8.3f}  floor {floor:7.3f}  "
+                  f"kernel/xla {r[k] / r[x]:5.2f}  floor/kernel {floor / r[k]:5.2f}")
+        print(f"{r['name']:>16} parts: " + ", ".join(f"{k}={v:.3f}" for k, v in r.items()
+                                                      if isinstance(v, float) and ("p1" in k or "p2" in k)))
+
+
+if __name__ == "__main__":
+    main()
