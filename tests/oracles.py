@@ -404,15 +404,19 @@ def run(name, e, fs, params, **kw):
 # --------------------------------------------------------------------------------------
 
 
-def toy_sublayers(layer_params) -> list:
-    """``f_l(h) = tanh(h @ W_l)`` per token; odd l use ``attn.w[(l-1)//2]``, even l
-    ``dense.w[(l-2)//2]`` (the stack's attention/MLP interleaving)."""
+def toy_sublayers(layer_params, layer_kinds=None) -> list:
+    """``f_l(h) = tanh(h @ W_l)`` per token; odd l use ``attn.w[(l-1)//2]``, even l the MLP
+    of layer ``i = (l-2)//2``: ``<kind>.w[i - first layer of that kind]`` (the stack's
+    attention/MLP interleaving; MLP parameters are stacked per kind)."""
     wa = np.asarray(layer_params["attn"]["w"], np.float64)
-    wd = np.asarray(layer_params["dense"]["w"], np.float64)
+    n_layers = wa.shape[0]
+    kinds = tuple(layer_kinds) if layer_kinds is not None else ("dense",) * n_layers
     fs = []
-    for layer in range(wa.shape[0]):
+    for layer in range(n_layers):
+        k = kinds[layer]
+        wm = np.asarray(layer_params[k]["w"][layer - kinds.index(k)], np.float64)
         fs.append(lambda h, w=wa[layer]: np.tanh(h @ w))
-        fs.append(lambda h, w=wd[layer]: np.tanh(h @ w))
+        fs.append(lambda h, w=wm: np.tanh(h @ w))
     return fs
 
 
@@ -475,11 +479,12 @@ def toy_sublayer_fn(kind, params, h, ctx):
     return jnp.tanh(h @ params["w"]), jnp.zeros((), jnp.float32)
 
 
-def toy_layer_params(rng, n_layers, d):
-    return {
-        "attn": {"w": (rng.standard_normal((n_layers, d, d)) / math.sqrt(d)).astype(np.float32)},
-        "dense": {"w": (rng.standard_normal((n_layers, d, d)) / math.sqrt(d)).astype(np.float32)},
-    }
+def toy_layer_params(rng, n_layers, d, layer_kinds=None):
+    kinds = tuple(layer_kinds) if layer_kinds is not None else ("dense",) * n_layers
+    out = {"attn": {"w": (rng.standard_normal((n_layers, d, d)) / math.sqrt(d)).astype(np.float32)}}
+    for k in dict.fromkeys(kinds):
+        out[k] = {"w": (rng.standard_normal((kinds.count(k), d, d)) / math.sqrt(d)).astype(np.float32)}
+    return out
 
 
 def to_f64(tree):

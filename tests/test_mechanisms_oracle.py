@@ -36,8 +36,9 @@ GRAD_RTOL = 2e-4  # directional derivative, float32 autodiff vs float64 central 
 
 
 class Case:
-    def __init__(self, cid, name, n_layers=2, T=7, seg=False, grad=False, lean_check=False, **res):
+    def __init__(self, cid, name, n_layers=2, T=7, seg=False, grad=False, lean_check=False, kinds=None, **res):
         self.id, self.name, self.n_layers, self.T, self.seg = cid, name, n_layers, T, seg
+        self.kinds = tuple(kinds) if kinds else ("dense",) * n_layers
         self.grad, self.lean_check, self.res = grad, lean_check, res
 
     def __repr__(self):
@@ -49,11 +50,11 @@ CASES = [
     Case("mhc", "mhc", grad=True, streams=4),
     Case("mhc_m2", "mhc", streams=2),
     # AttnRes: blocks of 2 and 4, Full, L = 6 not divisible by S = 4.
-    Case("attnres_S2_L6", "attnres", n_layers=3, grad=True, block_size=2),
+    Case("attnres_S2_L6", "attnres", n_layers=3, block_size=2),
     Case("attnres_S4", "attnres", block_size=4),
     Case("attnres_S4_direct", "attnres", block_size=4, two_phase=False),
     Case("attnres_S1_full", "attnres", block_size=1),
-    Case("attnres_S4_L6", "attnres", n_layers=3, block_size=4),
+    Case("attnres_S4_L6", "attnres", n_layers=3, grad=True, block_size=4),
     Case("attnres_S4_L6_direct", "attnres", n_layers=3, block_size=4, two_phase=False),
     # MHAR.
     Case("mhar_H2_S2", "mhar", grad=True, block_size=2, heads=2),
@@ -75,6 +76,9 @@ CASES = [
     Case("msar_m8_short", "msar", T=9, seg=True, block_size=4, streams=8, kernel_sizes=(2, 4, 6, 8, 10, 12, 16)),
     Case("msar_T5_short", "msar", T=5, block_size=2),
     Case("msar_final_sum", "msar", block_size=2, final_merge="sum"),
+    # A dense leading layer then "moe" layers (same toy sublayer): the stack splits units
+    # by MLP kind and slices each kind's parameter stack from its first layer.
+    Case("msar_S4_mixed_kinds", "msar", n_layers=4, grad=True, kinds=("dense", "moe", "moe", "moe"), block_size=4),
     # AttnRes + mHC hybrid.
     Case("attnres_mhc_S2", "attnres_mhc", grad=True, lean_check=True, block_size=2, streams=4),
     Case("attnres_mhc_S4_direct", "attnres_mhc", block_size=4, streams=4, two_phase=False),
@@ -100,7 +104,7 @@ class Built:
         rng = np.random.default_rng(zlib.crc32(case.id.encode()))
         pure = nnx.to_pure_dict(nnx.state(self.mech, nnx.Param))
         self.mech_params = oracles.randomize_params(pure, rng, D)
-        self.layer_params = oracles.toy_layer_params(rng, case.n_layers, D)
+        self.layer_params = oracles.toy_layer_params(rng, case.n_layers, D, case.kinds)
         self.e = rng.standard_normal((B, case.T, D)).astype(np.float32)
         self.seg = _segments(case.T) if case.seg else None
         self.cot = rng.standard_normal((B, case.T, D)).astype(np.float32)
@@ -111,10 +115,10 @@ class Built:
         mp = oracles.to_f64(self.mech_params if mech_params is None else mech_params)
         lp = oracles.to_f64(self.layer_params if layer_params is None else layer_params)
         e = np.asarray(self.e if e is None else e, np.float64)
-        return oracles.run(self.case.name, e, oracles.toy_sublayers(lp), mp, **self.okw)
+        return oracles.run(self.case.name, e, oracles.toy_sublayers(lp, self.case.kinds), mp, **self.okw)
 
     def stack(self, memory_lean=True):
-        return DepthStack(self.mech, oracles.toy_sublayer_fn, ("dense",) * self.case.n_layers, "none", memory_lean)
+        return DepthStack(self.mech, oracles.toy_sublayer_fn, self.case.kinds, "none", memory_lean)
 
     def forward_fn(self):
         stack = self.stack()
