@@ -43,6 +43,7 @@ def residual_config() -> ml_collections.ConfigDict:
             two_phase=True,  # block reads through phase 1 + phase 2 (SPEC 5); False = direct
             final_merge="residual",  # MSAR final: "residual" (h_L + v_L) or "sum" (all sources)
             implementation="xla",  # depth-attention kernels: "xla", "pallas_tpu", "pallas_gpu", "auto"
+            read_chunks=1,  # XLA path: run each depth read over this many batch slices (bounds its memory)
         )
     )
 
@@ -150,6 +151,7 @@ def validate(model: ml_collections.ConfigDict, prefix: str = "model") -> ml_coll
     if not res.eps > 0:
         raise ConfigError(r("eps"), res.eps, "must be > 0 (conv streams start at exactly zero)")
     _positive(r("sinkhorn_iters"), res.sinkhorn_iters)
+    _positive(r("read_chunks"), res.read_chunks)
     if res.final_merge not in ("residual", "sum"):
         raise ConfigError(r("final_merge"), res.final_merge, "must be 'residual' or 'sum'")
     if res.implementation not in ("xla", "pallas_tpu", "pallas_gpu", "auto"):

@@ -15,6 +15,8 @@ Parameters: ``(L+1) d`` (Appendix C Eq. 19).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -37,6 +39,54 @@ def attnres_read(sources, query, valid=None, *, heads=1, eps=1e-6, return_weight
     return (h, alpha[:, 0]) if return_weights else h
 
 
+def _recomputed(read_fn, *args, batch_axes, out_batch_axis: int, chunks: int = 1, segment_ids=None):
+    """Run a depth read so the backward pass recomputes it instead of storing its
+    expanded streams and normalised keys (m times the sources): the XLA path's
+    counterpart of the kernels' recomputing backward (seed 000 Sec. 3.4).
+
+    With ``chunks > 1`` the batch is processed in that many sequential slices, each
+    rematerialised on its own, which bounds the transient memory of the read to
+    ``1 / chunks`` (``model.residual.read_chunks``; reads are independent per row).
+    """
+    remat = lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)  # noqa: E731
+    if chunks == 1:
+        return remat(lambda *a: read_fn(*a, segment_ids=segment_ids))(*args)
+    batch = segment_ids.shape[0] if segment_ids is not None else None
+    leaves, treedef = jax.tree.flatten(args)
+    axes = []  # one batch axis (or None) per leaf: an int applies to every leaf of its argument
+    for arg, ax in zip(args, batch_axes):
+        n_leaves = len(jax.tree.leaves(arg))
+        axes += list(ax) if isinstance(ax, tuple) else [ax] * n_leaves
+    assert len(axes) == len(leaves), (len(axes), len(leaves))
+
+    def split(x, ax):
+        x = jnp.moveaxis(x, ax, 0)
+        return x.reshape(chunks, x.shape[0] // chunks, *x.shape[1:])
+
+    for x, ax in zip(leaves, axes):
+        if ax is not None:
+            batch = x.shape[ax]
+    if batch % chunks:
+        raise ValueError(f"model.residual.read_chunks = {chunks} must divide the batch size {batch}")
+    chunked = [split(x, ax) for x, ax in zip(leaves, axes) if ax is not None]
+    seg = None if segment_ids is None else split(segment_ids, 0)
+
+    def one(inp):
+        sliced, seg_c = inp
+        it = iter(sliced)
+        rebuilt = [next(it) if ax is not None else x for x, ax in zip(leaves, axes)]
+        a = jax.tree.unflatten(treedef, [jnp.moveaxis(x, 0, ax) if ax is not None else x for x, ax in zip(rebuilt, axes)])
+        return read_fn(*a, segment_ids=seg_c)
+
+    out = jax.lax.map(remat(one), (chunked, seg))
+
+    def merge(y):
+        y = jnp.moveaxis(y, 0, out_batch_axis)  # [.., chunks, B/chunks, ..]
+        return y.reshape(*y.shape[:out_batch_axis], -1, *y.shape[out_batch_axis + 2 :])
+
+    return jax.tree.map(merge, out)
+
+
 class BlockDepthAttention(ResidualMechanism):
     """Depth attention over block summaries with a partial of the current block."""
 
@@ -57,8 +107,11 @@ class BlockDepthAttention(ResidualMechanism):
         impl = self.res_cfg.implementation
         return None if impl == "auto" else impl
 
-    def _kw(self, ctx):
-        return dict(stream_kernels=self.stream_kernels, heads=self.heads, segment_ids=ctx.segment_ids, eps=self.res_cfg.eps)
+    def _kw(self):
+        return dict(stream_kernels=self.stream_kernels, heads=self.heads, eps=self.res_cfg.eps)
+
+    def _op(self, op):
+        return functools.partial(op, implementation=self.implementation, **self._kw())
 
     # ----- banks: a source uses the bank of the newest output it contains (Appendix C) -----
     def source_banks(self, g) -> jax.Array | None:
@@ -88,9 +141,10 @@ class BlockDepthAttention(ResidualMechanism):
     def begin_block(self, g, p_block, state, pos, ctx):
         if not self.res_cfg.two_phase or self.block_size == 1:
             return None
-        return depth_api.phase1(
-            state.sources, self.source_banks(g), p_block["queries"], self._completed_valid(pos),
-            implementation=self.implementation, **self._kw(ctx),
+        return _recomputed(
+            self._op(depth_api.phase1), state.sources, self.source_banks(g), p_block["queries"],
+            self._completed_valid(pos), batch_axes=(1, None, None, None), out_batch_axis=2,
+            chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
         )
 
     def retrieve(self, g, p, state, bctx, pos, ctx, want_weights=False):
@@ -98,9 +152,10 @@ class BlockDepthAttention(ResidualMechanism):
         partial = state.carry["partial"]
         include_partial = jnp.logical_not(pos.first_in_block)
         if bctx is not None and not want_weights:
-            z = depth_api.phase2(
-                bctx, partial, self.partial_bank(g, pos), p["queries"], include_partial,
-                implementation=self.implementation, **self._kw(ctx),
+            z = _recomputed(
+                self._op(depth_api.phase2), bctx, partial, self.partial_bank(g, pos), p["queries"], include_partial,
+                batch_axes=((1, 1, 1), 0, None, None, None), out_batch_axis=1,
+                chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
             )
             return z, None
         sources = jnp.concatenate([state.sources, partial[None]], axis=0)
@@ -108,9 +163,16 @@ class BlockDepthAttention(ResidualMechanism):
         if banks is not None:
             banks = jnp.concatenate([banks, self.partial_bank(g, pos)[None]], axis=0)
         valid = jnp.concatenate([self._completed_valid(pos), include_partial[None]])
-        z, alpha = depth_ref.depth_read(sources, banks, p["queries"], valid, return_weights=True, **self._kw(ctx))
-        weights = jnp.mean(alpha, axis=(2, 3, 4)) if want_weights else None  # [N+2, m]
-        return z, weights
+        if want_weights:
+            z, alpha = depth_ref.depth_read(
+                sources, banks, p["queries"], valid, return_weights=True, segment_ids=ctx.segment_ids, **self._kw()
+            )
+            return z, jnp.mean(alpha, axis=(2, 3, 4))  # [N+2, m]
+        z = _recomputed(
+            self._op(depth_api.depth_read), sources, banks, p["queries"], valid, batch_axes=(1, None, None, None),
+            out_batch_axis=1, chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
+        )
+        return z, None
 
     def fuse(self, p, z):
         return z[0]

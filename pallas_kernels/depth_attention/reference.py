@@ -90,17 +90,7 @@ def expand(
     x = x.astype(jnp.float32)
     batch, t_len = x.shape[-3], x.shape[-2]
     max_lag = max([0, *stream_kernels])
-    masks = _lag_masks(segment_ids, t_len, max_lag, batch) if max_lag else []
-    shifted = {}
-
-    def shift(delta):
-        if delta not in shifted:
-            pad = [(0, 0)] * x.ndim
-            pad[-2] = (delta, 0)
-            xs = jnp.pad(x, pad)[..., :t_len, :] if delta else x
-            shifted[delta] = xs * masks[delta][..., None] if delta else xs
-        return shifted[delta]
-
+    masks = jnp.stack(_lag_masks(segment_ids, t_len, max_lag, batch)) if max_lag else None
     streams = []
     offset = 0
     for kernel in stream_kernels:
@@ -109,11 +99,65 @@ def expand(
             continue
         taps = bank[..., offset : offset + kernel, :].astype(jnp.float32)
         offset += kernel
-        y = 0.0
-        for delta in range(kernel):
-            y = y + taps[..., delta, None, None, :] * shift(delta)
-        streams.append(y)
+        streams.append(causal_conv(x, taps, masks[:kernel]))
     return jnp.stack(streams, axis=-4)
+
+
+def _shift(x: jax.Array, delta: int) -> jax.Array:
+    """``out[..., t, :] = x[..., t - delta, :]`` (zero for t < delta)."""
+    if delta == 0:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[-2] = (delta, 0)
+    return jnp.pad(x, pad)[..., : x.shape[-2], :]
+
+
+def _unshift(x: jax.Array, delta: int) -> jax.Array:
+    """The transpose of ``_shift``: ``out[..., t, :] = x[..., t + delta, :]`` (zero past the end)."""
+    if delta == 0:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[-2] = (0, delta)
+    return jnp.pad(x, pad)[..., delta:, :]
+
+
+@jax.custom_vjp
+def causal_conv(x: jax.Array, taps: jax.Array, masks: jax.Array) -> jax.Array:
+    """Causal depthwise conv ``y_t = sum_delta taps[delta] * mask_delta[t] * x[t - delta]``.
+
+    ``x[..., B, T, d]``, ``taps[..., k, d]`` (lag-indexed, leading axes broadcast with
+    ``x``'s), ``masks[k, B, T]`` (1 where token ``t - delta`` is in ``t``'s segment).
+    The custom backward keeps only the inputs: autodiff of the sum of shifted
+    products would store the k shifted copies of ``x``.
+    """
+    y = 0.0
+    for delta in range(taps.shape[-2]):
+        y = y + taps[..., delta, None, None, :] * (masks[delta][..., None] * _shift(x, delta))
+    return y
+
+
+def _causal_conv_fwd(x, taps, masks):
+    return causal_conv(x, taps, masks), (x, taps, masks)
+
+
+def _causal_conv_bwd(res, dy):
+    x, taps, masks = res
+    dx = jnp.zeros(jnp.broadcast_shapes(x.shape, dy.shape), dy.dtype)
+    dtaps = []
+    lead = taps.ndim - 2  # leading (per-source) axes of taps
+    for delta in range(taps.shape[-2]):
+        masked = dy * masks[delta][..., None]
+        dx = dx + _unshift(taps[..., delta, None, None, :] * masked, delta)
+        prod = masked * _shift(x, delta)  # [..., B, T, d]
+        extra = prod.ndim - 3 - lead  # broadcast axes of x not in taps
+        dtaps.append(jnp.sum(prod, axis=tuple(range(extra)) + (-3, -2)))
+    dx = jnp.sum(dx, axis=tuple(range(dx.ndim - x.ndim))) if dx.ndim > x.ndim else dx
+    dtaps = jnp.stack(dtaps, axis=-2)
+    dtaps = jnp.sum(dtaps, axis=tuple(range(dtaps.ndim - taps.ndim))) if dtaps.ndim > taps.ndim else dtaps
+    return dx.reshape(x.shape), dtaps.reshape(taps.shape), jnp.zeros_like(masks)
+
+
+causal_conv.defvjp(_causal_conv_fwd, _causal_conv_bwd)
 
 
 def _split_heads(x: jax.Array, heads: int) -> jax.Array:
