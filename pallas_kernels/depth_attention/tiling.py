@@ -9,7 +9,9 @@ Two tile sizes matter (see ``fused.py`` for the kernel layout):
 * ``block_d``: channels per chunk. It must divide the head width ``d / heads`` (a chunk
   lies inside one head, so its softmax weights are one value per token) and be a power
   of two for Triton. The mix kernel keeps ``S`` accumulators of ``block_t x block_d``
-  float32 values live, so ``S * block_t * block_d`` is what bounds it on GPU.
+  float32 values live; the scoring kernel keeps up to ``max_kernel`` lag-shifted tiles
+  live across the streams, so wide scoring chunks spill (run 2: 128 -> 32 channels took
+  phase-1 scoring from 11.0 to 6.8 ms at 4 warps).
 """
 
 from __future__ import annotations
@@ -48,16 +50,12 @@ def choose_tiles(*, d: int, heads: int, max_kernel: int, n_targets: int, backend
     dh = d // heads
     halo = max(max_kernel - 1, 1)
     if backend == "triton":
-        block_t = 16
-        # S accumulators of block_t x block_d fp32 per program: keep them near 8K values.
-        mix_cap = max(16, 8192 // (block_t * max(n_targets, 1)))
-        return Tiles(
-            block_t=block_t,
-            block_d_scores=_pow2_divisor(dh, 128),
-            block_d_mix=_pow2_divisor(dh, mix_cap),
-            num_warps=4,
-            num_stages=1,
-        )
+        # Best of 6 tilings timed on the H200 at the issue's shape (BENCHMARKS.md, run 2):
+        # phase 1 (S = 8 targets) 16 x 64 scoring chunks, 16 x 128 mixing chunks, 8 warps;
+        # phase 2 (one target) 16 x 32 chunks, 4 warps, 2 stages.
+        if n_targets > 1:
+            return Tiles(16, _pow2_divisor(dh, 64), _pow2_divisor(dh, 128), num_warps=8, num_stages=1)
+        return Tiles(16, _pow2_divisor(dh, 32), _pow2_divisor(dh, 32), num_warps=4, num_stages=2)
     block_t = max(8, _next_pow2(halo))
     return Tiles(
         block_t=block_t,
