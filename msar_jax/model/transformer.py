@@ -70,7 +70,15 @@ class Transformer(nnx.Module):
         already weighted) and, with ``collect_weights``, per-sublayer depth weights."""
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, sequence length]; got shape {tokens.shape}")
         b, t = tokens.shape
+        if t < 1:
+            raise ValueError(f"sequence length {t}: must be >= 1")
+        if t > cfg.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds model.max_seq_len = {cfg.max_seq_len}")
+        if segment_ids is not None and segment_ids.shape != tokens.shape:
+            raise ValueError(f"segment_ids shape {segment_ids.shape} must equal tokens shape {tokens.shape}")
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         ctx = SequenceContext(positions=positions, segment_ids=segment_ids)

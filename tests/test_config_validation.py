@@ -1,0 +1,81 @@
+"""Config errors are caught up front, and each message names the field, the value and the rule."""
+
+import pytest
+
+from msar_jax import config as config_lib
+from msar_jax.configs import load_config
+
+
+def _model(**changes):
+    cfg = config_lib.model_config()
+    for key, value in changes.items():
+        node = cfg
+        *path, leaf = key.split(".")
+        for p in path:
+            node = node[p]
+        node[leaf] = value
+    return cfg
+
+
+CASES = [
+    ({"residual.name": "densenet"}, "model.residual.name", "unknown residual mechanism"),
+    ({"residual.streams": 3}, "model.residual.kernel_sizes", "streams - 1 = 2"),
+    ({"residual.kernel_sizes": (4, 8)}, "model.residual.kernel_sizes", "streams - 1 = 3"),
+    ({"residual.kernel_sizes": (4, 0, 12)}, "model.residual.kernel_sizes", "positive integer"),
+    ({"d_model": 0}, "model.d_model", "positive integer"),
+    ({"n_layers": -2}, "model.n_layers", "positive integer"),
+    ({"n_heads": 4, "n_kv_heads": 3}, "model.n_kv_heads", "must divide n_heads"),
+    ({"residual.name": "mhar", "residual.heads": 5}, "model.residual.heads", "must divide d_model"),
+    ({"residual.heads": 0}, "model.residual.heads", "positive integer"),
+    ({"moe.enabled": True, "moe.top_k": 9, "moe.n_routed_experts": 8}, "model.moe.top_k", "<= moe.n_routed_experts"),
+    ({"max_seq_len": 0}, "model.max_seq_len", "positive integer"),
+    ({"residual.block_size": 3}, "model.residual.block_size", "1 (Full mode) or even"),
+    ({"residual.block_size": 0}, "model.residual.block_size", "positive integer"),
+    ({"residual.eps": 0.0}, "model.residual.eps", "> 0"),
+    ({"residual.fusion": "max"}, "model.residual.fusion", "one of"),
+    ({"dtype": "int8"}, "model.dtype", "one of"),
+    ({"residual.read_chunks": 0}, "model.residual.read_chunks", "positive integer"),
+]
+
+
+@pytest.mark.parametrize("changes,field,rule", CASES, ids=[c[1] + ":" + str(list(c[0].values())[-1]) for c in CASES])
+def test_bad_values_name_field_value_and_rule(changes, field, rule):
+    with pytest.raises(config_lib.ConfigError) as err:
+        config_lib.validate(_model(**changes))
+    message = str(err.value)
+    assert err.value.field == field
+    assert field in message and rule in message
+    assert repr(err.value.value) in message
+
+
+def test_default_and_shipped_configs_are_valid():
+    config_lib.validate(config_lib.model_config())
+    for name in ("vanilla", "mhc", "attnres", "msar", "mhar", "attnres_mhc"):
+        for size in ("tiny", "paper_18b", "scaling_2"):
+            cfg = load_config(f"configs/{name}.py:size={size}")
+            assert cfg.model.residual.name == name
+
+
+def test_config_argument_errors():
+    with pytest.raises(config_lib.ConfigError, match="unknown key"):
+        load_config("configs/msar.py:sise=tiny")
+    with pytest.raises(config_lib.ConfigError, match="must be one of"):
+        load_config("configs/msar.py:size=enormous")
+    with pytest.raises(config_lib.ConfigError, match="must be a int"):
+        load_config("configs/msar.py:block_size=four")
+    with pytest.raises(config_lib.ConfigError, match="no such config field"):
+        load_config("configs/msar.py", {"model.dmodel": 3})
+    # A valid override still goes through validation.
+    with pytest.raises(config_lib.ConfigError, match="model.residual.block_size"):
+        load_config("configs/msar.py", {"model.residual.block_size": 5})
+
+
+def test_sequence_shorter_than_one_is_rejected():
+    from flax import nnx
+    import jax.numpy as jnp
+
+    from msar_jax.model.transformer import Transformer
+
+    model = Transformer(config_lib.model_config(), nnx.Rngs(0))
+    with pytest.raises(ValueError, match="sequence length"):
+        model(jnp.zeros((2, 0), jnp.int32))
