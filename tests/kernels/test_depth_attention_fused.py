@@ -177,7 +177,7 @@ def test_dispatch_falls_back_to_xla_on_cpu():
     _check_tree(got, reference.phase1(sources, banks, queries, **kw), 1e-7)
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     n=st.integers(1, 3),
     t_len=st.integers(1, 40),
