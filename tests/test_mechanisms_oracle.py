@@ -48,26 +48,21 @@ class Case:
 CASES = [
     Case("vanilla", "vanilla", n_layers=3, grad=True),
     Case("mhc", "mhc", grad=True, streams=4),
-    Case("mhc_m2", "mhc", streams=2),
     # AttnRes: blocks of 2 and 4, Full, L = 6 not divisible by S = 4.
     Case("attnres_S2_L6", "attnres", n_layers=3, block_size=2),
-    Case("attnres_S4", "attnres", block_size=4),
-    Case("attnres_S4_direct", "attnres", block_size=4, two_phase=False),
     Case("attnres_S1_full", "attnres", block_size=1),
     Case("attnres_S4_L6", "attnres", n_layers=3, grad=True, block_size=4),
     Case("attnres_S4_L6_direct", "attnres", n_layers=3, block_size=4, two_phase=False),
     # MHAR.
-    Case("mhar_H2_S2", "mhar", grad=True, block_size=2, heads=2),
+    Case("mhar_H2_S2", "mhar", block_size=2, heads=2),
     Case("mhar_H2_S2_direct", "mhar", block_size=2, heads=2, two_phase=False),
     Case("mhar_H4_S4", "mhar", block_size=4, heads=4),
     Case("mhar_H4_S1_full", "mhar", block_size=1, heads=4),
     # MSAR: default, Full, S = 2, ablations, m = 2 / 8, short sequences, packed segments.
     Case("msar_S4_L8_seg", "msar", n_layers=4, T=9, seg=True, grad=True, lean_check=True, block_size=4),
-    Case("msar_S4_L8", "msar", n_layers=4, block_size=4),
     Case("msar_S4_L8_seg_direct", "msar", n_layers=4, T=9, seg=True, block_size=4, two_phase=False),
     Case("msar_S1_full_seg", "msar", T=9, seg=True, grad=True, lean_check=True, block_size=1),
     Case("msar_S2", "msar", block_size=2),
-    Case("msar_S2_direct", "msar", block_size=2, two_phase=False),
     Case("msar_S4_L6", "msar", n_layers=3, block_size=4),
     Case("msar_S4_L6_direct", "msar", n_layers=3, block_size=4, two_phase=False),
     Case("msar_noconv", "msar", block_size=2, conv=False),
@@ -78,9 +73,9 @@ CASES = [
     Case("msar_final_sum", "msar", block_size=2, final_merge="sum"),
     # A dense leading layer then "moe" layers (same toy sublayer): the stack splits units
     # by MLP kind and slices each kind's parameter stack from its first layer.
-    Case("msar_S4_mixed_kinds", "msar", n_layers=4, grad=True, kinds=("dense", "moe", "moe", "moe"), block_size=4),
+    Case("msar_S4_mixed_kinds", "msar", n_layers=4, kinds=("dense", "moe", "moe", "moe"), block_size=4),
     # AttnRes + mHC hybrid.
-    Case("attnres_mhc_S2", "attnres_mhc", grad=True, lean_check=True, block_size=2, streams=4),
+    Case("attnres_mhc_S2", "attnres_mhc", grad=True, block_size=2, streams=4),
     Case("attnres_mhc_S4_direct", "attnres_mhc", block_size=4, streams=4, two_phase=False),
 ]
 
