@@ -17,6 +17,7 @@ Compiled functions are cached per case; compile options favour compile speed.
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import jax
@@ -63,6 +64,7 @@ CASES = [
     Case("msar_S4_L8_seg_direct", "msar", n_layers=4, T=9, seg=True, block_size=4, two_phase=False),
     Case("msar_S1_full_seg", "msar", T=9, seg=True, grad=True, lean_check=True, block_size=1),
     Case("msar_S2", "msar", block_size=2),
+    Case("msar_S8_one_block", "msar", block_size=8),  # S > L: N = 1, only b_0 completed
     Case("msar_S4_L6", "msar", n_layers=3, block_size=4),
     Case("msar_S4_L6_direct", "msar", n_layers=3, block_size=4, two_phase=False),
     Case("msar_noconv", "msar", block_size=2, conv=False),
@@ -77,6 +79,7 @@ CASES = [
     # AttnRes + mHC hybrid.
     Case("attnres_mhc_S2", "attnres_mhc", grad=True, block_size=2, streams=4),
     Case("attnres_mhc_S4_direct", "attnres_mhc", block_size=4, streams=4, two_phase=False),
+    Case("attnres_mhc_S1_full", "attnres_mhc", block_size=1, streams=4),
 ]
 
 
@@ -115,6 +118,7 @@ class Built:
     def stack(self, memory_lean=True):
         return DepthStack(self.mech, oracles.toy_sublayer_fn, self.case.kinds, "none", memory_lean)
 
+    @functools.cached_property
     def forward_fn(self):
         stack = self.stack()
 
@@ -169,7 +173,7 @@ def test_forward_matches_oracle(case):
     if case.grad or case.lean_check:
         out = lean_vjp(case)[0]
     else:
-        out = np.asarray(b.forward_fn()(*b.args()))
+        out = np.asarray(b.forward_fn(*b.args()))
     want = b.oracle()
     err = rel_err(out, want)
     assert err < FWD_RTOL, f"{case.id}: final hidden differs from the float64 oracle, rel err {err:.3e}"
@@ -241,3 +245,23 @@ def test_memory_lean_scan_equals_plain_scan(case):
         a, p = flat_lean[k], flat_plain[k]
         err = float(np.max(np.abs(a - p)) / max(np.max(np.abs(p)), 1e-30))
         assert err < 1e-5, f"{case.id}: gradient {'/'.join(k)} differs between the scans, rel err {err:.3e}"
+
+
+TWO_PHASE_PAIRS = [
+    ("attnres_S4_L6", "attnres_S4_L6_direct"),
+    ("mhar_H2_S2", "mhar_H2_S2_direct"),
+    ("msar_S4_L6", "msar_S4_L6_direct"),
+    ("msar_S4_L8_seg", "msar_S4_L8_seg_direct"),
+]
+
+
+@pytest.mark.parametrize("pair", TWO_PHASE_PAIRS, ids=lambda p: p[0])
+def test_two_phase_stack_equals_direct_stack(pair):
+    """SPEC 5: the two-phase path gives the direct path's final hidden to float32
+    rounding, with the same parameters (reuses both cases' compiled functions)."""
+    by_id = {c.id: c for c in CASES}
+    tp, direct = built(by_id[pair[0]]), built(by_id[pair[1]])
+    out_tp = lean_vjp(tp.case)[0] if (tp.case.grad or tp.case.lean_check) else np.asarray(tp.forward_fn(*tp.args()))
+    out_direct = np.asarray(direct.forward_fn(*tp.args()))
+    err = rel_err(out_tp, out_direct)
+    assert err < 1e-5, f"{pair}: two-phase vs direct rel err {err:.3e}"
