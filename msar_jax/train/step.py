@@ -1,0 +1,124 @@
+"""The train state, the jitted train step and the eval step.
+
+The state is a plain dict ``{"step": int32[], "params": pure dict, "opt_state": optax state}``
+(pure dicts checkpoint cleanly with orbax and load without the model code). The model is
+rebuilt inside the jitted functions from the static ``graphdef`` and the params
+(``nnx.split`` outside, ``nnx.merge`` inside), so the step is a pure function of arrays.
+
+``train_step(state, batch) -> (state, metrics)`` is jitted with the state donated. It guards
+against non-finite values: if the loss, the gradient norm or the update norm is NaN or Inf the
+*old* state is returned unchanged (with ``metrics["finite"] = False``), so the bad update never
+reaches the params and the loop can stop with the last good state in hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+
+from msar_jax.model.transformer import Transformer, cross_entropy, lm_loss
+
+# XLA options for every jit made here; tests set FAST_COMPILE (CPU compile about 2x faster).
+COMPILER_OPTIONS: dict | None = None
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+@dataclass(frozen=True)
+class ModelDef:
+    """What turns a params dict back into a ``Transformer`` (static; safe to close over)."""
+
+    graphdef: Any
+    template: Any  # abstract nnx.State with the param structure
+
+    def merge(self, params) -> Transformer:
+        state = jax.tree.map(lambda x: x, self.template)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state)
+
+
+def init_model(model_cfg: ml_collections.ConfigDict, seed: int) -> tuple[ModelDef, dict]:
+    """Build the model with ``nnx.Rngs(seed)``; return its definition and float32 params."""
+    model = Transformer(model_cfg, nnx.Rngs(seed))
+    graphdef, state = nnx.split(model, nnx.Param)
+    template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    return ModelDef(graphdef, template), nnx.to_pure_dict(state)
+
+
+def abstract_model(model_cfg: ml_collections.ConfigDict) -> tuple[ModelDef, dict]:
+    """Like ``init_model`` but allocates nothing (params are ``ShapeDtypeStruct``)."""
+    model = nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0)))
+    graphdef, state = nnx.split(model, nnx.Param)
+    template = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    return ModelDef(graphdef, template), nnx.to_pure_dict(template)
+
+
+def init_state(params, tx: optax.GradientTransformation) -> dict:
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+
+def abstract_state(model_cfg, tx: optax.GradientTransformation) -> dict:
+    """``ShapeDtypeStruct`` tree of the train state (the orbax restore target)."""
+    _, params = abstract_model(model_cfg)
+    return jax.eval_shape(lambda p: init_state(p, tx), params)
+
+
+def make_train_step(model_def: ModelDef, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule) -> Callable:
+    """The jitted, state-donating train step."""
+
+    def loss_fn(params, batch):
+        loss, parts = lm_loss(model_def.merge(params), batch)
+        return loss, parts
+
+    def train_step(state, batch):
+        (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        grad_norm = optax.global_norm(grads)
+        update_norm = optax.global_norm(updates)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
+        new = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
+        # Never let a non-finite update through: keep the old state (select, fused by XLA).
+        new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+        metrics = {
+            "loss": loss,
+            "cross_entropy": parts["cross_entropy"],
+            "aux_loss": jnp.asarray(parts["aux_loss"], jnp.float32),
+            "grad_norm": grad_norm,
+            "update_norm": update_norm,
+            "param_norm": optax.global_norm(new["params"]),
+            "lr": schedule(state["step"]),
+            "finite": finite,
+        }
+        return new, metrics
+
+    return jax.jit(train_step, donate_argnums=0, compiler_options=COMPILER_OPTIONS)
+
+
+def make_eval_step(model_def: ModelDef) -> Callable:
+    """Jitted ``(params, batch[B, T+1]) -> mean next-token cross entropy`` (nats)."""
+
+    def eval_step(params, batch):
+        logits, _ = model_def.merge(params)(batch[:, :-1])
+        return cross_entropy(logits, batch[:, 1:])
+
+    return jax.jit(eval_step, compiler_options=COMPILER_OPTIONS)
+
+
+_CACHE: dict = {}
+
+
+def compiled_steps(config, model_def: ModelDef, tx, schedule) -> tuple[Callable, Callable]:
+    """``(train_step, eval_step)`` for ``config``, shared by every run in this process with the
+    same model, optimizer and step count (a notebook or a test that trains twice compiles once)."""
+    key = (config.model.to_json(), config.optim.to_json(), int(config.train.steps), str(COMPILER_OPTIONS))
+    if key not in _CACHE:
+        _CACHE.clear()  # keep one: compiled executables hold memory
+        _CACHE[key] = (make_train_step(model_def, tx, schedule), make_eval_step(model_def))
+    return _CACHE[key]

@@ -1,0 +1,335 @@
+"""The training loop: ``train(config, workdir) -> result dict`` and its command line.
+
+    python -m msar_jax.train --config=configs/msar.py:size=tiny --workdir=runs/msar_tiny
+    python -m msar_jax.train --config=configs/ablations/m8.py:smoke=1 --workdir=/tmp/smoke --config.optim.lr=1e-3
+
+From a notebook::
+
+    from msar_jax.configs import load_config
+    from msar_jax.train import train
+    result = train(load_config("configs/msar.py:size=tiny"), "runs/msar_tiny")
+
+What a run does (config sections: configs/common.py):
+
+* data: ``msar_jax.data.ensure_prepared`` (built on first use), a shuffled grain iterator of
+  ``[train.batch_size, seq_len + 1]`` windows seeded with ``train.seed``;
+* every step: the jitted, donated train step (``step.py``); the loss, grad/update/param
+  norms, learning rate, step time, tokens/s and MFU (training FLOPs per token from
+  ``msar_jax.accounting``; ``None`` where the chip's peak is unknown, e.g. CPU) go to
+  ``<workdir>/metrics.jsonl`` (and TensorBoard) and the tqdm bar shows the live loss and tokens/s;
+* every ``train.eval_every`` steps and at the end: validation loss over ``train.eval_batches``
+  in-order val batches, and bits per byte (``loss / ln 2 / bytes per token``);
+* every ``checkpoint.every`` steps, at the end, at ``max_steps`` and on SIGTERM / SIGINT: an
+  orbax checkpoint (train state + data-iterator position), asynchronous, newest
+  ``checkpoint.keep`` kept. A run on a workdir that has checkpoints resumes from the newest
+  (``checkpoint.resume``), bit-for-bit on CPU: same params, optimizer state and batches;
+* SIGTERM / SIGINT: finish the current step, save, return ``stopped="SIGTERM"`` (a second
+  SIGINT interrupts at once);
+* a NaN or Inf loss (or gradient / update norm): the step's update is not applied, nothing is
+  saved, in-flight saves finish, and ``NonFiniteLossError`` names the step and the last good
+  checkpoint;
+* at the end: the learned depth-attention weights on one val batch (``introspection.py``) in
+  ``<workdir>/depth_weights.{npz,json}`` (mechanisms with depth attention only).
+
+The workdir also gets ``config.json`` (the resolved config).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+import ml_collections
+import numpy as np
+
+from msar_jax import accounting, data
+from msar_jax import config as config_lib
+from msar_jax.config import ConfigError
+from msar_jax.train import introspection
+from msar_jax.train.checkpoint import Checkpointer
+from msar_jax.train.metrics import MetricsLogger, Throughput
+from msar_jax.train.optim import make_optimizer, validate_optim
+from msar_jax.train.step import compiled_steps, init_model, init_state
+
+TOKENIZERS = ("bytes", "bpe")
+
+
+class NonFiniteLossError(RuntimeError):
+    """A train step produced a NaN or Inf; ``step`` is the step that failed (1-based)."""
+
+    def __init__(self, step: int, message: str):
+        self.step = step
+        super().__init__(message)
+
+
+def _nonneg_int(field, value):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(field, value, "must be an integer >= 0")
+
+
+def _pos_int(field, value):
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(field, value, "must be a positive integer")
+
+
+def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Check the model and the training sections; raise ``ConfigError`` naming the field."""
+    for section in ("model", "train", "optim", "data", "checkpoint"):
+        if section not in config:
+            raise ConfigError(section, None, "missing section (build configs with configs/common.make_config)")
+    config_lib.validate(config.model)
+    _pos_int("seq_len", config.seq_len)
+    if config.seq_len > config.model.max_seq_len:
+        raise ConfigError("seq_len", config.seq_len, f"must be <= model.max_seq_len = {config.model.max_seq_len}")
+    t = config.train
+    for name in ("steps", "batch_size", "log_every", "eval_batches"):
+        _pos_int(f"train.{name}", t[name])
+    for name in ("seed", "eval_every", "eval_batch_size"):
+        _nonneg_int(f"train.{name}", t[name])
+    validate_optim(config.optim)
+    if config.optim.warmup_steps > t.steps:
+        raise ConfigError("optim.warmup_steps", config.optim.warmup_steps, f"must be <= train.steps = {t.steps}")
+    if config.data.tokenizer not in TOKENIZERS:
+        raise ConfigError("data.tokenizer", config.data.tokenizer, f"must be one of {TOKENIZERS}")
+    _nonneg_int("data.vocab_size", config.data.vocab_size)
+    _nonneg_int("checkpoint.every", config.checkpoint.every)
+    _pos_int("checkpoint.keep", config.checkpoint.keep)
+    return config
+
+
+def prepare_data(config) -> tuple[Path, dict]:
+    """The prepared data folder of ``config.data`` (built if missing) and its meta."""
+    d = config.data
+    vocab = d.vocab_size or None
+    out = Path(d.dir) if d.dir else data.default_out_dir(d.source, d.tokenizer, vocab)
+    meta = data.ensure_prepared(out, source=d.source, tokenizer=d.tokenizer, vocab_size=vocab)
+    if meta["tokenizer"]["vocab_size"] > config.model.vocab_size:
+        raise ConfigError("model.vocab_size", config.model.vocab_size,
+                          f"must be >= the data's vocabulary ({meta['tokenizer']['vocab_size']}, {out})")
+    return out, meta
+
+
+def evaluate(eval_step, params, data_dir, config, meta) -> dict:
+    """Mean validation loss over the first ``train.eval_batches`` val batches, and bits per byte."""
+    bs = config.train.eval_batch_size or config.train.batch_size
+    losses = [float(eval_step(params, jax.device_put(b)))
+              for b in data.make_eval_batches(data_dir, bs, config.seq_len, max_batches=config.train.eval_batches)]
+    loss = float(np.mean(losses))
+    bytes_per_token = meta.get("bytes_per_token", {}).get("val")
+    bpb = loss / math.log(2) / bytes_per_token if bytes_per_token else None
+    return {"val_loss": loss, "val_bpb": bpb, "val_tokens": len(losses) * bs * config.seq_len}
+
+
+class _SignalStop:
+    """SIGTERM / SIGINT set a flag that the loop checks after each step."""
+
+    def __init__(self, enabled: bool):
+        self.received = None
+        self.previous = {}
+        if not enabled:
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+
+    def _handle(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C stops at once
+        self.received = signal.Signals(signum).name
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_steps: int | None = None,
+          batch_hook: Callable[[int, np.ndarray], np.ndarray] | None = None,
+          step_hook: Callable[[int, dict], None] | None = None,
+          handle_signals: bool = True) -> dict:
+    """Train ``config`` in ``workdir`` (resuming from its newest checkpoint); return a summary.
+
+    Args:
+      max_steps: stop (and checkpoint) once this many steps are done; the schedule still
+        spans ``train.steps``. ``None`` = ``train.steps``.
+      batch_hook: ``(step, batch) -> batch`` applied to each host batch before the step
+        (tests use it to inject faults); ``step`` is the 1-based step about to run.
+      step_hook: ``(step, record)`` called after each completed step with its metrics.
+      handle_signals: install the SIGTERM / SIGINT handlers (main thread only).
+
+    Returns a dict: ``step`` (steps done), ``stopped`` ("done", "max_steps", "SIGTERM" or
+    "SIGINT"), ``losses`` ([step, loss] of the steps run in this call), ``final_loss``,
+    ``val_loss``, ``val_bpb``, ``unigram_val_nats``, ``checkpoint_step``, ``resumed_from``,
+    ``wall_time_s``, ``tokens_per_s`` (mean after the first step), ``workdir``, ``depth_weights``
+    (path prefix or None), ``data_dir``.
+    """
+    t_start = time.perf_counter()
+    validate(config)
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2), encoding="utf-8")
+    t = config.train
+    total = t.steps
+    end = total if max_steps is None else min(max_steps, total)
+
+    data_dir, meta = prepare_data(config)
+    tx, schedule = make_optimizer(config.optim, total)
+    model_def, params = init_model(config.model, t.seed)
+    state = init_state(params, tx)
+    iterator = data.make_train_iterator(data_dir, "train", t.batch_size, config.seq_len, t.seed)
+
+    ckpt = Checkpointer(workdir, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+    resumed_from = None
+    if config.checkpoint.resume and ckpt.latest_step() is not None:
+        state, _ = ckpt.restore(state, iterator)
+        resumed_from = int(state["step"])
+    start = int(state["step"])
+
+    train_step, eval_step = compiled_steps(config, model_def, tx, schedule)
+    try:
+        flops_per_token = accounting.account(config)["flops"]["train"]["model_total"]
+    except Exception:  # accounting is informative only; never block a run on it
+        flops_per_token = None
+    peak = accounting.peak_flops(jax.devices()[0])
+    tokens_per_step = t.batch_size * config.seq_len
+    throughput = Throughput(tokens_per_step, flops_per_token, peak)
+    logger = MetricsLogger(workdir, tensorboard=t.tensorboard)
+    stop = _SignalStop(handle_signals)
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=end, initial=start, disable=not t.progress, desc=f"train {config.model.residual.name}",
+               unit="step", dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+    losses, speeds = [], []
+    last_eval = None
+    stopped = "done" if end == total else "max_steps"
+    step = start
+    failure = None
+
+    def save(reason):
+        return ckpt.save(step, state, iterator, {"step": step, "reason": reason, "time": time.time(),
+                                                 "loss": losses[-1][1] if losses else None})
+
+    try:
+        throughput.start()
+        while step < end:
+            batch = next(iterator)
+            if batch_hook is not None:
+                batch = batch_hook(step + 1, batch)
+            state, m = train_step(state, jax.device_put(batch))
+            m = jax.device_get(m)
+            speed = throughput.tick()
+            if not bool(m["finite"]):
+                failure = NonFiniteLossError(
+                    step + 1,
+                    f"non-finite training values at step {step + 1} (loss={float(m['loss'])}, "
+                    f"grad_norm={float(m['grad_norm'])}, update_norm={float(m['update_norm'])}); the update "
+                    f"was not applied and nothing was saved; last good checkpoint: "
+                    f"{ckpt.latest_step()} in {ckpt.directory}",
+                )
+                break
+            step += 1
+            loss = float(m["loss"])
+            losses.append([step, loss])
+            if step > start + 1:
+                speeds.append(speed["tokens_per_s"])
+            record = {k: float(v) for k, v in m.items() if k != "finite"} | speed
+            if step % t.log_every == 0 or step == end:
+                logger.write("train", step, record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed['tokens_per_s']:,.0f}", refresh=False)
+            if step_hook is not None:
+                step_hook(step, record)
+            if (t.eval_every and step % t.eval_every == 0) or step == total:
+                last_eval = {"step": step, **evaluate(eval_step, state["params"], data_dir, config, meta)}
+                logger.write("eval", step, {k: v for k, v in last_eval.items() if k != "step"})
+                bar.write(f"step {step}: val loss {last_eval['val_loss']:.4f}"
+                          + (f" ({last_eval['val_bpb']:.3f} bits/byte)" if last_eval["val_bpb"] else ""))
+                throughput.start()  # do not charge the evaluation to the next step
+            if config.checkpoint.every and step % config.checkpoint.every == 0:
+                save("periodic")
+                throughput.start()
+            if stop.received:
+                stopped = stop.received
+                bar.write(f"{stop.received} received: saving a checkpoint at step {step} and stopping")
+                break
+        if failure is None:
+            if last_eval is None or last_eval["step"] != step:
+                last_eval = {"step": step, **evaluate(eval_step, state["params"], data_dir, config, meta)}
+                logger.write("eval", step, {k: v for k, v in last_eval.items() if k != "step"})
+            save(stopped)
+    finally:
+        bar.close()
+        stop.restore()
+        ckpt.close()  # waits for in-flight (good) saves
+        logger.close()
+
+    if failure is not None:
+        raise failure
+
+    depth_path = None
+    if t.depth_weights and step > 0:
+        batch = next(iter(data.make_eval_batches(data_dir, min(t.eval_batch_size or t.batch_size, 8),
+                                                 config.seq_len, max_batches=1)))
+        weights = introspection.depth_weights(model_def, state["params"], batch)
+        if weights is not None:
+            depth_path = str(workdir / "depth_weights")
+            introspection.save(weights, depth_path, config, step)
+
+    return {
+        "workdir": str(workdir),
+        "data_dir": str(data_dir),
+        "step": step,
+        "stopped": stopped,
+        "resumed_from": resumed_from,
+        "losses": losses,
+        "final_loss": losses[-1][1] if losses else None,
+        "val_loss": last_eval["val_loss"] if last_eval else None,
+        "val_bpb": last_eval["val_bpb"] if last_eval else None,
+        "unigram_val_nats": meta.get("unigram_entropy", {}).get("val_nats_per_token"),
+        "checkpoint_step": step,
+        "tokens_per_s": float(np.mean(speeds)) if speeds else None,
+        "wall_time_s": time.perf_counter() - t_start,
+        "depth_weights": depth_path,
+    }
+
+
+def main() -> None:
+    """``python -m msar_jax.train --config=PATH[:ARGS] --workdir=DIR [--config.a.b=V ...] [--max_steps=N]``."""
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    from msar_jax.configs import REPO_ROOT
+
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))  # config files import configs.common
+    config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/msar.py:size=tiny (or :smoke=1).",
+                                    lock_config=True)
+    flags.DEFINE_string("workdir", None, "Run folder: logs, checkpoints (resumed from if present), plots.")
+    flags.DEFINE_integer("max_steps", None, "Stop after this many steps (the schedule still spans train.steps).")
+    flags.mark_flags_as_required(["config", "workdir"])
+    FLAGS = flags.FLAGS
+
+    def run(argv):
+        from absl import logging
+
+        logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        try:
+            result = train(FLAGS.config, FLAGS.workdir, max_steps=FLAGS.max_steps)
+        except (ConfigError, NonFiniteLossError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(1)
+        summary = {k: v for k, v in result.items() if k != "losses"}
+        print(json.dumps(summary, indent=2))
+
+    app.run(run)
