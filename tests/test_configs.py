@@ -1,0 +1,101 @@
+"""Every shipped config builds, validates, and runs one train step at its smoke size.
+
+Configs whose smoke model is the same (e.g. configs/scaling/msar.py and configs/msar.py) share
+one compilation: the step's loss is cached by the model config.
+"""
+
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from msar_jax import accounting
+from msar_jax.configs import REPO_ROOT, load_config
+from msar_jax.train import optim, step, validate
+
+CONFIG_FILES = sorted(
+    str(p.relative_to(REPO_ROOT))
+    for pattern in ("configs/*.py", "configs/ablations/*.py", "configs/scaling/*.py")
+    for p in REPO_ROOT.glob(pattern)
+    if p.name not in ("common.py", "__init__.py")
+)
+_LOSSES: dict = {}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fast_compile():
+    old = step.COMPILER_OPTIONS
+    step.COMPILER_OPTIONS = step.FAST_COMPILE
+    yield
+    step.COMPILER_OPTIONS = old
+
+
+def test_every_family_is_shipped():
+    names = {pathlib.Path(f).stem for f in CONFIG_FILES if f.count("/") == 1}
+    assert {"vanilla", "mhc", "attnres", "msar", "mhar", "attnres_mhc"} <= names
+    ablations = {pathlib.Path(f).stem for f in CONFIG_FILES if "/ablations/" in f}
+    assert ablations == {"no_conv", "mean_fusion", "m2", "m8", "full", "s2", "s8"}
+    scaling = {pathlib.Path(f).stem for f in CONFIG_FILES if "/scaling/" in f}
+    assert scaling == {"vanilla", "mhc", "attnres", "msar"}
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES)
+def test_default_size_builds_and_accounts(path):
+    config = validate(load_config(path))
+    report = accounting.account(config)
+    assert report["flops"]["train"]["model_total"] > 0
+    assert config.train.steps > 0 and config.optim.lr > 0
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES)
+def test_smoke_size_runs_one_train_step(path):
+    config = validate(load_config(f"{path}:smoke=1"))
+    assert config.smoke and config.seq_len == 32 and config.train.batch_size == 2
+    key = config.model.to_json()
+    if key not in _LOSSES:
+        tx, schedule = optim.make_optimizer(config.optim, config.train.steps)
+        model_def, params = step.init_model(config.model, 0)
+        train_step = step.make_train_step(model_def, tx, schedule)
+        batch = np.random.default_rng(0).integers(0, 256, (2, config.seq_len + 1), dtype=np.int32)
+        state, metrics = train_step(step.init_state(params, tx), batch)
+        assert bool(metrics["finite"]) and int(state["step"]) == 1
+        _LOSSES[key] = float(metrics["loss"])
+    assert np.isfinite(_LOSSES[key]) and abs(_LOSSES[key] - np.log(256)) < 1.0
+
+
+def test_ablation_rows():
+    get = lambda name: load_config(f"configs/ablations/{name}.py").model.residual  # noqa: E731
+    assert get("no_conv").conv is False and get("no_conv").block_size == 4
+    assert get("mean_fusion").fusion == "mean"
+    assert (get("m2").streams, tuple(get("m2").kernel_sizes)) == (2, (4,))
+    assert (get("m8").streams, tuple(get("m8").kernel_sizes)) == (8, (2, 4, 6, 8, 10, 12, 16))
+    assert [get(n).block_size for n in ("full", "s2", "s8")] == [1, 2, 8]
+    assert all(get(n).name == "msar" for n in ("no_conv", "mean_fusion", "m2", "m8", "full", "s2", "s8"))
+    # The argument string still overrides a pinned value.
+    assert load_config("configs/ablations/no_conv.py:block_size=8").model.residual.block_size == 8
+
+
+def test_sizes_and_smoke_keep_residual_settings():
+    counts = {s: accounting.param_counts(load_config(f"configs/msar.py:size={s}").model)["total"]
+              for s in ("small", "base")}
+    assert 25e6 <= counts["small"] <= 50e6
+    assert 300e6 <= counts["base"] <= 400e6
+    big = load_config("configs/msar.py:size=paper_28b,smoke=1")
+    assert big.model.moe.enabled and big.model.d_model == 32 and big.model.residual.block_size == 8
+    m8 = load_config("configs/ablations/m8.py:smoke=1").model.residual
+    assert m8.streams == 8 and max(m8.kernel_sizes) == 16
+
+
+def test_scaling_ladder_matches_budgets_across_mechanisms():
+    for rung, blocks in zip(range(1, 5), (8, 8, 8, 7)):
+        budgets = set()
+        for mech in ("vanilla", "mhc", "attnres", "msar"):
+            c = load_config(f"configs/scaling/{mech}.py:size=ladder_{rung}")
+            budgets.add(c.train.steps * c.train.batch_size * c.seq_len)
+            if mech in ("attnres", "msar"):
+                s = c.model.residual.block_size
+                assert -(-2 * c.model.n_layers // s) == blocks
+        assert len(budgets) == 1
+    layers = [load_config(f"configs/scaling/msar.py:size=ladder_{r}").model.n_layers for r in range(1, 5)]
+    assert layers == [15, 23, 15, 28]  # Table 4 depths
