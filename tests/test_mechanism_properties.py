@@ -319,6 +319,7 @@ def _model_cfg(name, dtype="float32"):
     return cfg
 
 
+DEPTH_MECHS = ("attnres", "mhar", "msar", "attnres_mhc")  # mechanisms with depth-attention weights
 GRAD_MECHS = ["msar", "attnres_mhc"]  # every mechanism's gradients are also checked in
 # test_mechanisms_oracle.py against the float64 oracle; here through the real sublayers.
 
@@ -346,7 +347,10 @@ def _model(name, dtype="float32"):
 
     @functools.partial(jax.jit, compiler_options=oracles.FAST_COMPILE)
     def logits_seg(params, tokens, seg):
-        return nnx.merge(graphdef, params)(tokens, segment_ids=seg)[0]
+        """Logits and the token-averaged depth weights (None for vanilla / mHC). With
+        ``collect_weights`` the reads take the direct path (SPEC 5 says it is equal)."""
+        logits, aux = nnx.merge(graphdef, params)(tokens, segment_ids=seg, collect_weights=name in DEPTH_MECHS)
+        return logits, aux.get("depth_weights")
 
     return graphdef, params, loss_grad, logits_seg
 
@@ -363,7 +367,7 @@ def _one_segment(tokens):
 def _base_logits(name):
     _, params, _, logits_seg = _model(name)
     tokens = _tokens(20)
-    return tokens, np.asarray(logits_seg(params, tokens, _one_segment(tokens)))
+    return tokens, np.asarray(logits_seg(params, tokens, _one_segment(tokens))[0])
 
 
 @pytest.mark.parametrize("name", list(MODEL_MECHS))
@@ -375,7 +379,7 @@ def test_causality(name):
     for t in (0, 3, 6):
         other = tokens.copy()
         other[:, t + 1 :] = (other[:, t + 1 :] + 1 + _rng(t).integers(0, V - 1, other[:, t + 1 :].shape)) % V
-        logits2 = np.asarray(logits_seg(params, other, _one_segment(other)))
+        logits2 = np.asarray(logits_seg(params, other, _one_segment(other))[0])
         np.testing.assert_allclose(logits2[:, : t + 1], logits[:, : t + 1], rtol=0, atol=1e-5, err_msg=f"{name} t={t}")
         assert np.max(np.abs(logits2[:, t + 1 :] - logits[:, t + 1 :])) > 1e-3
 
@@ -389,26 +393,45 @@ def test_packed_segments_are_independent(name):
     cut = 4
     seg = np.zeros_like(tokens)
     seg[0, cut:] = 1  # row 0: two packed sequences; row 1: one
-    base = np.asarray(logits_seg(params, tokens, seg))
+    base = np.asarray(logits_seg(params, tokens, seg)[0])
     second = tokens.copy()
     second[0, cut:] = (second[0, cut:] + 7) % V
-    out = np.asarray(logits_seg(params, second, seg))
+    out = np.asarray(logits_seg(params, second, seg)[0])
     np.testing.assert_allclose(out[0, :cut], base[0, :cut], rtol=0, atol=1e-5, err_msg=f"{name}: segment 1 saw segment 2")
     first = tokens.copy()
     first[0, :cut] = (first[0, :cut] + 7) % V
-    out = np.asarray(logits_seg(params, first, seg))
+    out = np.asarray(logits_seg(params, first, seg)[0])
     np.testing.assert_allclose(out[0, cut:], base[0, cut:], rtol=0, atol=1e-5, err_msg=f"{name}: segment 2 saw segment 1")
     assert np.max(np.abs(out[0, :cut] - base[0, :cut])) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["attnres", "mhar", "msar", "attnres_mhc"])
+@pytest.mark.parametrize("name", list(MODEL_MECHS))
+def test_collect_weights_works_for_every_mechanism(name):
+    """``Transformer.__call__(collect_weights=True)`` is part of the model's API for any
+    mechanism (SPEC: the transformer never looks at a mechanism's name): depth
+    mechanisms return ``[L, N+2, m]`` weights, the others none. Traced only (eval_shape)."""
+    cfg = _model_cfg(name)
+    graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(0)), nnx.Param)
+    tokens = jnp.asarray(_tokens(41))
+    logits, aux = jax.eval_shape(lambda p, t: nnx.merge(graphdef, p)(t, collect_weights=True), params, tokens)
+    assert logits.shape == (*tokens.shape, V)
+    if name in DEPTH_MECHS:
+        L, S = 2 * cfg.n_layers, cfg.residual.block_size
+        m = cfg.residual.streams if name == "msar" else 1
+        assert aux["depth_weights"].shape == (L, -(-L // S) + 2, m)
+    else:
+        assert "depth_weights" not in aux
+
+
+@pytest.mark.parametrize("name", DEPTH_MECHS)
 def test_fresh_model_depth_weights_uniform(name):
     """Zero-initialised queries: every read's depth weights are uniform over the sources
     that exist (b_0..b_n, plus the partial unless l is first in its block), zero for the
     others, and each stream's weights sum to one."""
     cfg = _model_cfg(name)
-    model = Transformer(cfg, nnx.Rngs(1))
-    weights = np.asarray(model(jnp.asarray(_tokens(40)), collect_weights=True)[1]["depth_weights"])
+    _, fresh = nnx.split(Transformer(cfg, nnx.Rngs(1)), nnx.Param)  # the same structure as _model(name)
+    tokens = _tokens(40)
+    weights = np.asarray(_model(name)[3](fresh, tokens, _one_segment(tokens))[1])
     L, S = 2 * cfg.n_layers, cfg.residual.block_size
     N = -(-L // S)
     m = cfg.residual.streams if name == "msar" else 1
@@ -468,7 +491,7 @@ def test_model_gradients_finite_and_match_finite_differences(name):
 def test_bfloat16_forward_close_to_float32(name):
     _, params, _, logits_seg = _model(name, "bfloat16")
     tokens, targets, loss32, logits32, _ = _base_run(name)
-    logits16 = np.asarray(logits_seg(params, tokens, _one_segment(tokens)), np.float32)
+    logits16 = np.asarray(logits_seg(params, tokens, _one_segment(tokens))[0], np.float32)
     assert np.all(np.isfinite(logits16))
     scale = max(1.0, float(np.max(np.abs(logits32))))
     assert np.max(np.abs(logits16 - logits32)) < 5e-2 * scale
