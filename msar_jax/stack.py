@@ -109,18 +109,26 @@ def _append_only_scan(unit_fn, valid_count, state0, xs, consts, ctx, unit_ids):
 
 
 def _append_only_fwd(unit_fn, valid_count, state0, xs, consts, ctx, unit_ids):
+    start_carry = getattr(unit_fn, "block_start_carry", None)
+
     def body(state, inp):
         x, u = inp
         new_state, y = unit_fn(state, x, consts, ctx, u)
-        return new_state, (y, state.carry)
+        return new_state, (y, None if start_carry is not None else state.carry)
 
     final, (ys, carries_in) = jax.lax.scan(body, state0, (xs, unit_ids))
-    # Only the final buffer is kept: every earlier buffer is a masked prefix of it.
-    return (final, ys), (final.sources, carries_in, xs, consts, ctx, unit_ids)
+    # Only the final buffer is kept: every earlier buffer is a masked prefix of it. The
+    # carry entering each unit is kept only when it is not known in advance.
+    return (final, ys), (final.sources, carries_in, xs, consts, ctx, unit_ids, state0.carry)
 
 
 def _append_only_bwd(unit_fn, valid_count, res, cotangents):
-    sources_final, carries_in, xs, consts, ctx, unit_ids = res
+    sources_final, carries_in, xs, consts, ctx, unit_ids, carry0 = res
+    start_carry = getattr(unit_fn, "block_start_carry", None)
+    if start_carry is not None:
+        n_units = unit_ids.shape[0]
+        known = start_carry(carry0)
+        carries_in = jax.tree.map(lambda a: jnp.broadcast_to(a, (n_units, *a.shape)), known)
     d_final, d_ys = cotangents
     rows = jnp.arange(sources_final.shape[0]).reshape(-1, *([1] * (sources_final.ndim - 1)))
 
@@ -143,6 +151,18 @@ def _append_only_bwd(unit_fn, valid_count, res, cotangents):
 
 
 _append_only_scan.defvjp(_append_only_fwd, _append_only_bwd)
+
+
+class _UnitFn:
+    """A unit function plus, when the mechanism knows it, the carry every unit starts from."""
+
+    def __init__(self, fn, mechanism):
+        self.fn = fn
+        probe = mechanism.block_start_carry
+        self.block_start_carry = None if type(mechanism).block_start_carry is ResidualMechanism.block_start_carry else probe
+
+    def __call__(self, *args):
+        return self.fn(*args)
 
 
 def _remat_scan(unit_fn, state0, xs, consts, ctx, unit_ids):
@@ -213,7 +233,7 @@ class DepthStack:
         unit_ids = jnp.asarray([u.index for u in group], jnp.int32)
         S = mech.block_size
         blocks_per_unit = 2 if S == 1 else 1
-        unit_fn = functools.partial(self._unit, segments=segments, collect_weights=collect_weights)
+        unit_fn = _UnitFn(functools.partial(self._unit, segments=segments, collect_weights=collect_weights), mech)
         if state.sources is None or not self.memory_lean:
             return _remat_scan(unit_fn, state, xs, g, ctx, unit_ids)
         valid_count = lambda u: 1 + u * blocks_per_unit  # noqa: E731  (buffer entries filled at unit start)

@@ -185,6 +185,11 @@ class BlockDepthAttention(ResidualMechanism):
     def write(self, g, p, state, v, aux, pos, ctx):
         return DepthState(state.sources, {**state.carry, "partial": state.carry["partial"] + v})
 
+    def block_start_carry(self, carry):
+        # Every block starts with an empty partial; MSAR's "last" is written before it is
+        # read in every block, so its incoming value does not matter either.
+        return jax.tree.map(jnp.zeros_like, carry)
+
     def end_block(self, g, state, pos):
         sources = jax.lax.dynamic_update_index_in_dim(state.sources, state.carry["partial"], pos.block + 1, axis=0)
         carry = {**state.carry, "partial": jnp.zeros_like(state.carry["partial"])}

@@ -110,6 +110,12 @@ class ResidualMechanism(nnx.Module):
     def end_block(self, g, state: DepthState, pos: Position) -> DepthState:
         return state
 
+    def block_start_carry(self, carry):
+        """The carry every block starts from, if it is known without the data (e.g. an
+        empty partial), else ``None``. When known, the stack does not store the carry of
+        each block for the backward pass (one ``[B, T, d]`` per block saved)."""
+        return None
+
     def finish(self, g, state: DepthState, ctx: SequenceContext) -> jax.Array:
         raise NotImplementedError
 
