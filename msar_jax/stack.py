@@ -290,7 +290,7 @@ class DepthStack:
             if S == 1:
                 state = mech.end_block(g, state, pos)
             aux_losses.append(aux_loss)
-            if collect_weights and aux is not None and aux.get("weights") is not None:
+            if collect_weights and isinstance(aux, dict) and aux.get("weights") is not None:
                 weights.append(aux["weights"])
         y = {"aux_loss": jnp.stack(aux_losses)}
         if weights:
