@@ -33,6 +33,8 @@ from msar_jax import config as config_lib
 def depth_weights(model_def, params, batch) -> np.ndarray | None:
     """Token-averaged depth weights ``[L, N+2, m]`` of the model on ``batch`` ([B, T+1] or [B, T])."""
     tokens = jnp.asarray(batch)
+    if model_def.merge(params).residual.weights_shape() is None:
+        return None  # no depth attention (vanilla, mHC)
 
     @jax.jit
     def forward(params, tokens):

@@ -42,7 +42,8 @@ def plot_loss(source: str | os.PathLike, out: str | os.PathLike, baseline: float
         k = max(1, len(loss) // 25)
         if k > 1:
             smooth = np.convolve(loss, np.ones(k) / k, mode="valid")
-            ax.plot(steps[k - 1:], smooth, color="tab:blue", lw=1.5, label=f"train loss ({k}-step mean)")
+            ax.plot(steps[k // 2: k // 2 + len(smooth)], smooth, color="tab:blue", lw=1.5,
+                    label=f"train loss ({k}-step centred mean)")
     if evals:
         ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", color="tab:orange",
                 label="validation loss")

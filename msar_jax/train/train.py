@@ -279,7 +279,11 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
     if t.depth_weights and step > 0:
         batch = next(iter(data.make_eval_batches(data_dir, min(t.eval_batch_size or t.batch_size, 8),
                                                  config.seq_len, max_batches=1)))
-        weights = introspection.depth_weights(model_def, state["params"], batch)
+        try:
+            weights = introspection.depth_weights(model_def, state["params"], batch)
+        except Exception as e:  # introspection must never cost a finished run
+            print(f"warning: depth-attention introspection failed: {e!r}", file=sys.stderr)
+            weights = None
         if weights is not None:
             depth_path = str(workdir / "depth_weights")
             introspection.save(weights, depth_path, config, step)
