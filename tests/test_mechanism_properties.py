@@ -470,27 +470,32 @@ def test_model_gradients_finite_and_match_finite_differences(name):
         "mechanism": [i for i, p in enumerate(paths) if "residual" in p],
         "backbone": [i for i, p in enumerate(paths) if "residual" not in p],
     }
-    if name == "vanilla":
-        del groups["mechanism"]
     eps = 2e-3
     for group, idx in groups.items():
+        # Half the autodiff gradient's direction (so the derivative stands well above the
+        # float32 noise of the differences), half a random direction (so an error along
+        # the gradient's orthogonal complement shows too).
+        gnorm = np.sqrt(sum(float(np.sum(np.asarray(flat_g[i], np.float64) ** 2)) for i in idx))
+        r = {i: rng.standard_normal(np.shape(flat_p[i])) for i in idx}
+        rnorm = np.sqrt(sum(float(np.sum(x * x)) for x in r.values()))
         u = [np.zeros(np.shape(p), np.float32) for p in flat_p]
         for i in idx:
-            u[i] = rng.standard_normal(np.shape(flat_p[i])).astype(np.float32)
-        norm = np.sqrt(sum(float(np.sum(x * x)) for x in u))
-        u = [x / norm for x in u]
+            u[i] = (np.asarray(flat_g[i], np.float64) / gnorm + r[i] / rnorm).astype(np.float32)
+        norm = np.sqrt(sum(float(np.sum(x.astype(np.float64) ** 2)) for x in u))
+        u = [x / np.float32(norm) for x in u]
         ad = sum(float(np.sum(np.asarray(g, np.float64) * x)) for g, x in zip(flat_g, u))
         shifted = lambda s: jax.tree.unflatten(treedef, [p + s * x for p, x in zip(flat_p, u)])  # noqa: E731
         fd = (float(loss_grad(shifted(eps), tokens, targets)[0]) - float(loss_grad(shifted(-eps), tokens, targets)[0])) / (2 * eps)
-        gnorm = np.sqrt(sum(float(np.sum(np.asarray(flat_g[i], np.float64) ** 2)) for i in idx))
-        assert abs(ad) > 1e-3 * gnorm, f"{name}/{group}: degenerate direction"
-        assert abs(ad - fd) <= 2e-2 * abs(ad) + 2e-4, f"{name}/{group}: autodiff {ad:.6e} vs finite differences {fd:.6e}"
+        assert abs(ad) > 0.3 * gnorm, f"{name}/{group}: degenerate direction"
+        assert abs(ad - fd) <= 3e-3 * abs(ad) + 1e-4, f"{name}/{group}: autodiff {ad:.6e} vs finite differences {fd:.6e}"
 
 
 @pytest.mark.parametrize("name", ["mhc", "msar", "attnres_mhc"])
 def test_bfloat16_forward_close_to_float32(name):
     _, params, _, logits_seg = _model(name, "bfloat16")
-    tokens, targets, loss32, logits32, _ = _base_run(name)
+    tokens, logits32 = _base_logits(name)
+    targets = _tokens(21)
+    loss32 = float(cross_entropy(jnp.asarray(logits32), jnp.asarray(targets)))
     logits16 = np.asarray(logits_seg(params, tokens, _one_segment(tokens))[0], np.float32)
     assert np.all(np.isfinite(logits16))
     scale = max(1.0, float(np.max(np.abs(logits32))))
