@@ -1,0 +1,412 @@
+"""Table 2 (seed 000 §4.4): every ablation row, several seeds, one command.
+
+    python -m msar_jax.experiments.ablation --size=small --seeds=3 --workdir=runs/ablation_small
+    python -m msar_jax.experiments.ablation --size=small --seeds=3 --workdir=W --rows=vanilla,attnres,msar
+    python -m msar_jax.experiments.ablation --size=tiny --seeds=2 --rows=vanilla,msar --steps=3 --workdir=/tmp/abl
+    python -m msar_jax.experiments.ablation --workdir=W --report_only      # aggregate what is there
+
+What it does
+------------
+* Rows (``ROWS``, Table 2 order): ``vanilla mhc attnres attnres_mhc msar no_conv mean_fusion m2 m8
+  full s2 s8``, each a config file of ``configs/`` at ``size=--size``.
+* Seeds ``0..seeds-1``. ``train.seed`` sets both the parameter init and the data order
+  (``msar_jax.train``), so every row sees **the same batches in the same order** for a given
+  seed; differences between rows are paired by seed.
+* Each (row, seed) trains in ``W/<row>/seed<k>/`` with ``msar_jax.train.train``. A run is
+  **finished** when ``W/<row>/seed<k>/final.json`` says ``"finished": true`` for the requested
+  step count (written only after ``train`` returns ``stopped="done"``); finished runs are skipped.
+  Any other run is (re)started by the training loop, which resumes from the newest checkpoint in
+  its folder (a crashed or SIGTERM-stopped run continues where it left off). A run that raises
+  (e.g. a non-finite loss) writes ``error.txt``, is reported as failed and the others still run;
+  the command then exits with status 1.
+* ``--shard=i/n`` runs only every n-th (row, seed) pair starting at i (one process per GPU);
+  ``--report_only`` trains nothing and aggregates the finished runs.
+* Outputs in ``W``: ``results.json`` (per row: per-seed losses, mean/std, paired differences to
+  Vanilla and AttnRes with standard errors, accounting overheads, tokens/s, the paper's value),
+  ``table.md`` (the markdown table), ``curves.png`` (validation and training loss of every row,
+  mean over seeds), ``depth_weights_<row>.png`` (Figure 4 heatmaps of each depth-attention row,
+  seed 0) and ``mixing_matrices.png`` (Figure 5, see ``plots.py``).
+
+Statistics: the loss of a run is its final validation loss (``train.eval_batches`` in-order val
+batches after the last step; the bundled corpus is repeated many times at ``size=small``, so
+the training loss would measure memorisation). Mean and sample standard deviation (ddof = 1)
+over seeds; the paired difference ``row - ref`` per common seed, its mean and standard error
+``std(ddof=1) / sqrt(n)`` (``null`` with one seed). Overheads from ``msar_jax.accounting`` at the
+run's config: residual parameters (and % of Vanilla's activated parameters) and training FLOPs
+overhead in % of Vanilla (including and excluding the LM head). tokens/s: median over the logged
+steps after the first (so compilation is excluded), mean over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+FINAL_NAME = "final.json"
+
+# name -> (config file, Table 2 label, paper Pile loss)
+ROWS: dict[str, tuple[str, str, float]] = {
+    "vanilla": ("configs/vanilla.py", "Vanilla", 1.898),
+    "mhc": ("configs/mhc.py", "mHC", 1.871),
+    "attnres": ("configs/attnres.py", "AttnRes", 1.867),
+    "attnres_mhc": ("configs/attnres_mhc.py", "AttnRes + mHC", 1.861),
+    "msar": ("configs/msar.py", "MSAR (default)", 1.847),
+    "no_conv": ("configs/ablations/no_conv.py", "w/o Conv", 1.862),
+    "mean_fusion": ("configs/ablations/mean_fusion.py", "w/o H_pre (mean)", 1.851),
+    "m2": ("configs/ablations/m2.py", "m = 2", 1.850),
+    "m8": ("configs/ablations/m8.py", "m = 8", 1.846),
+    "full": ("configs/ablations/full.py", "Full MSAR (S = 1)", 1.843),
+    "s2": ("configs/ablations/s2.py", "S = 2", 1.845),
+    "s8": ("configs/ablations/s8.py", "S = 8", 1.852),
+}
+REFERENCES = ("vanilla", "attnres")
+
+
+# --------------------------------------------------------------------------------------------
+# One run: skip if finished, else train (the loop resumes from the run's checkpoint)
+# --------------------------------------------------------------------------------------------
+
+
+def parse_overrides(items) -> dict:
+    """``["optim.lr=1e-3", "train.batch_size=8"]`` -> dict with JSON-parsed values (else strings)."""
+    out = {}
+    for item in items or ():
+        if "=" not in item:
+            raise SystemExit(f"--set {item!r}: expected key=value")
+        key, value = item.split("=", 1)
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def build_config(spec: str, seed: int, steps: int | None = None, overrides: dict | None = None, quiet: bool = True):
+    """``load_config(spec)`` with ``train.seed`` and optionally ``train.steps`` set (warmup clipped)."""
+    from msar_jax.configs import load_config
+
+    over = {"train.seed": int(seed)}
+    if quiet:
+        over["train.progress"] = False
+    config = load_config(spec, {**over, **(overrides or {})})
+    if steps is not None:
+        with config.unlocked():
+            config.train.steps = int(steps)
+            config.optim.warmup_steps = min(int(config.optim.warmup_steps), int(steps))
+    for key, value in (overrides or {}).items():  # explicit overrides win over the clipping
+        config.update_from_flattened_dict({key: value})
+    return config
+
+
+def read_final(run_dir) -> dict | None:
+    path = Path(run_dir) / FINAL_NAME
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def is_finished(run_dir, steps: int | None = None) -> bool:
+    final = read_final(run_dir)
+    if not final or not final.get("finished"):
+        return False
+    return steps is None or int(final.get("step", -1)) == int(steps)
+
+
+def _median_tokens_per_s(run_dir) -> float | None:
+    from msar_jax.train.metrics import read_jsonl
+
+    try:
+        recs = read_jsonl(run_dir, "train")
+    except OSError:
+        return None
+    vals = [r["tokens_per_s"] for r in recs if r["step"] > 1 and isinstance(r.get("tokens_per_s"), (int, float))
+            and math.isfinite(r["tokens_per_s"])]
+    return float(np.median(vals)) if vals else None
+
+
+def _final_train_loss(run_dir, window: int = 10) -> float | None:
+    from msar_jax.train.metrics import read_jsonl
+
+    try:
+        recs = [r for r in read_jsonl(run_dir, "train") if isinstance(r.get("loss"), (int, float))]
+    except OSError:
+        return None
+    return float(np.mean([r["loss"] for r in recs[-window:]])) if recs else None
+
+
+def accounting_summary(config) -> dict:
+    from msar_jax import accounting
+
+    rep = accounting.account(config)
+    p, f = rep["params"], rep["flops"]
+    return {
+        "residual_params": int(p["residual"]),
+        "residual_params_pct": float(p["residual_pct_of_vanilla_activated"]),
+        "params_total": int(p["total"]),
+        "flops_per_token_train": float(f["train"]["model_total"]),
+        "flops_per_token_train_excl_lm_head": float(f["train"]["model_excl_lm_head"]),
+        "flops_overhead_pct_incl_lm_head": float(f["overhead_pct_incl_lm_head"]),
+        "flops_overhead_pct_excl_lm_head": float(f["overhead_pct_excl_lm_head"]),
+        "streams": int(rep["dims"]["streams"]),
+        "block_size": int(rep["dims"]["block_size"]),
+        "n_blocks": int(rep["dims"]["n_blocks"]),
+    }
+
+
+def run_one(config, run_dir, *, label: str = "", train_fn=None, log=print) -> dict:
+    """Train ``config`` in ``run_dir`` unless finished; return ``final.json``'s content plus ``status``.
+
+    ``status``: ``"skipped"`` (already finished), ``"trained"``, ``"stopped"`` (SIGTERM / SIGINT:
+    not finished, rerun to resume) or ``"failed"`` (the exception is in ``error.txt``).
+    """
+    run_dir = Path(run_dir)
+    steps = int(config.train.steps)
+    if is_finished(run_dir, steps):
+        return {**read_final(run_dir), "status": "skipped"}
+    final = read_final(run_dir)
+    if final and final.get("finished"):
+        raise SystemExit(f"{run_dir} finished at step {final.get('step')} but {steps} steps were asked for; "
+                         "use another workdir (a finished schedule cannot be extended)")
+    if train_fn is None:
+        from msar_jax.train import train as train_fn
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log(f"[{time.strftime('%H:%M:%S')}] train {label or run_dir} ({steps} steps)")
+    try:
+        result = train_fn(config, run_dir)
+    except Exception as e:  # keep going with the other runs; the error is recorded
+        (run_dir / "error.txt").write_text(traceback.format_exc(), encoding="utf-8")
+        log(f"  FAILED: {e!r} (see {run_dir / 'error.txt'})")
+        return {"finished": False, "status": "failed", "error": repr(e)}
+    if result["stopped"] != "done":
+        log(f"  stopped at step {result['step']} ({result['stopped']}); rerun to resume")
+        return {"finished": False, "status": "stopped", "step": result["step"]}
+    summary = {
+        "finished": True,
+        "step": int(result["step"]),
+        "steps": steps,
+        "seed": int(config.train.seed),
+        "mechanism": config.model.residual.name,
+        "size": config.get("size"),
+        "val_loss": result["val_loss"],
+        "val_bpb": result["val_bpb"],
+        "final_train_loss": _final_train_loss(run_dir),
+        "tokens_per_s": _median_tokens_per_s(run_dir),
+        "tokens": steps * int(config.train.batch_size) * int(config.seq_len),
+        "wall_time_s": result["wall_time_s"],
+        "resumed_from": result["resumed_from"],
+        "depth_weights": result.get("depth_weights"),
+        "accounting": accounting_summary(config),
+        "time": time.time(),
+    }
+    tmp = run_dir / (FINAL_NAME + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2), encoding="utf-8")
+    os.replace(tmp, run_dir / FINAL_NAME)  # atomic: a crash never leaves a half-written marker
+    (run_dir / "error.txt").unlink(missing_ok=True)
+    log(f"  val loss {summary['val_loss']:.4f}  ({summary['wall_time_s']:.0f}s)")
+    return {**summary, "status": "trained"}
+
+
+# --------------------------------------------------------------------------------------------
+# Statistics
+# --------------------------------------------------------------------------------------------
+
+
+def mean_std(values) -> tuple[float | None, float | None]:
+    v = np.asarray([x for x in values if x is not None], np.float64)
+    if v.size == 0:
+        return None, None
+    return float(v.mean()), (float(v.std(ddof=1)) if v.size > 1 else None)
+
+
+def paired_difference(row: dict[int, float], ref: dict[int, float]) -> dict:
+    """``row - ref`` over the seeds both have: per-seed values, mean, std and standard error."""
+    seeds = sorted(set(row) & set(ref))
+    diffs = [row[s] - ref[s] for s in seeds]
+    mean, std = mean_std(diffs)
+    se = std / math.sqrt(len(diffs)) if std is not None else None
+    return {"seeds": seeds, "per_seed": diffs, "mean": mean, "std": std, "se": se, "n": len(diffs)}
+
+
+def aggregate(workdir, rows, seeds, size: str, steps: int | None, overrides: dict | None) -> dict:
+    """Read every finished run of ``rows`` x ``seeds`` and build ``results.json``'s content."""
+    workdir = Path(workdir)
+    out = {"size": size, "steps": steps, "seeds": list(seeds), "overrides": overrides or {},
+           "loss": "final validation loss (nats/token)", "rows": {}, "created": time.time()}
+    losses: dict[str, dict[int, float]] = {}
+    for name in rows:
+        spec, label, paper = ROWS[name]
+        per_seed, runs = {}, {}
+        for seed in seeds:
+            final = read_final(workdir / name / f"seed{seed}")
+            if final and final.get("finished"):
+                per_seed[seed] = float(final["val_loss"])
+                runs[seed] = final
+        losses[name] = per_seed
+        mean, std = mean_std(per_seed.values())
+        acc = next(iter(runs.values()))["accounting"] if runs else None
+        if acc is None:
+            try:
+                acc = accounting_summary(build_config(f"{spec}:size={size}", 0, steps, overrides))
+            except Exception:  # informative only
+                acc = None
+        tps = [r.get("tokens_per_s") for r in runs.values() if r.get("tokens_per_s")]
+        out["rows"][name] = {
+            "label": label, "config": f"{spec}:size={size}", "paper_loss": paper,
+            "paper_diff_vs_vanilla": round(paper - ROWS["vanilla"][2], 3),
+            "paper_diff_vs_attnres": round(paper - ROWS["attnres"][2], 3),
+            "n_seeds": len(per_seed), "per_seed": {str(s): v for s, v in per_seed.items()},
+            "mean": mean, "std": std,
+            "train_loss_mean": mean_std([r.get("final_train_loss") for r in runs.values()])[0],
+            "tokens_per_s": float(np.mean(tps)) if tps else None,
+            "accounting": acc,
+        }
+    for name in rows:
+        for ref in REFERENCES:
+            if ref in losses and name != ref:
+                out["rows"][name][f"diff_vs_{ref}"] = paired_difference(losses[name], losses[ref])
+    return out
+
+
+def _f(x, spec=".4f", none="-"):
+    return none if x is None else format(x, spec)
+
+
+def _pm(mean, err, spec=".4f"):
+    if mean is None:
+        return "-"
+    return f"{mean:{spec}}" + (f" ± {err:{spec}}" if err is not None else "")
+
+
+def markdown_table(results: dict) -> str:
+    rows = results["rows"]
+    lines = [
+        f"Table 2 reproduction: size={results['size']}, steps={results['steps'] or 'config default'}, "
+        f"seeds={results['seeds']}. Loss: {results['loss']}; mean ± std over seeds. Differences are "
+        "paired by seed (mean ± standard error); negative = better than the reference. Overheads from "
+        "msar_jax.accounting at this config (ΔP: residual parameters, % of Vanilla's activated "
+        "parameters; ΔF: training FLOPs, % of Vanilla incl. / excl. the LM head). Paper: 10B MoE, Pile loss.",
+        "",
+        "| Row | m | S | seeds | val loss | Δ vs Vanilla | Δ vs AttnRes | ΔP | ΔP % | ΔF % (incl./excl. head) "
+        "| tokens/s | paper loss | paper Δ vs Vanilla |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        acc = r.get("accounting") or {}
+        m = {"vanilla": "–", "attnres": "1"}.get(name, acc.get("streams", "-"))
+        s = "–" if name in ("vanilla", "mhc") else acc.get("block_size", "-")
+        dv, da = r.get("diff_vs_vanilla"), r.get("diff_vs_attnres")
+        cells = [
+            f"{r['label']} (`{name}`)", str(m), str(s), str(r["n_seeds"]), _pm(r["mean"], r["std"]),
+            _pm(dv["mean"], dv["se"]) if dv else "–", _pm(da["mean"], da["se"]) if da else "–",
+            f"{acc['residual_params']:,}" if acc else "-", _f(acc.get("residual_params_pct"), ".3f"),
+            f"{_f(acc.get('flops_overhead_pct_incl_lm_head'), '.2f')} / {_f(acc.get('flops_overhead_pct_excl_lm_head'), '.2f')}",
+            _f(r.get("tokens_per_s"), ",.0f"), f"{r['paper_loss']:.3f}", f"{r['paper_diff_vs_vanilla']:+.3f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(workdir, results: dict, *, figure5: bool = True, fig5_steps: int = 0, log=print) -> dict:
+    """``results.json``, ``table.md`` and the PNGs in ``workdir``; returns the paths written."""
+    from msar_jax.experiments import plots
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    paths = {"results": workdir / "results.json", "table": workdir / "table.md"}
+    paths["results"].write_text(json.dumps(results, indent=2), encoding="utf-8")
+    paths["table"].write_text(markdown_table(results), encoding="utf-8")
+    try:
+        curves = plots.plot_training_curves(workdir, list(results["rows"]), results["seeds"], workdir / "curves.png",
+                                            labels={k: v["label"] for k, v in results["rows"].items()})
+        if curves:
+            paths["curves"] = Path(curves)
+        for name in results["rows"]:
+            png = plots.plot_run_depth_weights(workdir / name, results["seeds"], workdir / f"depth_weights_{name}.png")
+            if png:
+                paths[f"depth_weights_{name}"] = Path(png)
+        if figure5:
+            paths["figure5"] = Path(plots.plot_mixing_matrices(workdir / "mixing_matrices.png", train_steps=fig5_steps))
+    except Exception as e:  # plots never cost the table
+        log(f"warning: plotting failed: {e!r}")
+    return paths
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+def _parse_list(text: str | None, allowed) -> list[str]:
+    if not text or text == "all":
+        return list(allowed)
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in allowed]
+    if bad:
+        raise SystemExit(f"unknown rows {bad}; known: {list(allowed)}")
+    return items
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m msar_jax.experiments.ablation", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--size", default="small", help="config size (configs/common.py SIZES): tiny, small, base, ...")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
+    ap.add_argument("--rows", default="all", help=f"comma-separated subset of {','.join(ROWS)}")
+    ap.add_argument("--steps", type=int, default=None, help="override train.steps (warmup clipped to it)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override, e.g. --set train.batch_size=8 (repeatable; JSON values)")
+    ap.add_argument("--shard", default="0/1", help="i/n: run only the i-th of every n (row, seed) pairs")
+    ap.add_argument("--report_only", action="store_true", help="train nothing; aggregate finished runs")
+    ap.add_argument("--no_figure5", action="store_true", help="skip the Figure 5 mixing-matrix plot")
+    ap.add_argument("--fig5_steps", type=int, default=0,
+                    help="Figure 5: train the L=4 models this many CPU steps first (0 = perturbed init)")
+    args = ap.parse_args(argv)
+
+    from absl import logging as absl_logging
+
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    rows = _parse_list(args.rows, ROWS)
+    seeds = list(range(args.seeds))
+    overrides = parse_overrides(args.set)
+    shard_i, shard_n = (int(x) for x in args.shard.split("/"))
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    statuses = []
+    if not args.report_only:
+        # Row-major: the seeds of a row run back to back, so they share one compiled train / eval
+        # step (msar_jax.train.step caches the last one). Run --seeds=1 first for a quick full
+        # table; a later --seeds=3 skips the finished seed-0 runs.
+        pairs = [(row, seed) for row in rows for seed in seeds]
+        for k, (row, seed) in enumerate(pairs):
+            if k % shard_n != shard_i:
+                continue
+            spec = f"{ROWS[row][0]}:size={args.size}"
+            config = build_config(spec, seed, args.steps, overrides)
+            res = run_one(config, workdir / row / f"seed{seed}", label=f"{row} seed {seed} [{spec}]")
+            statuses.append((row, seed, res["status"]))
+    results = aggregate(workdir, rows, seeds, args.size, args.steps, overrides)
+    results["last_invocation"] = {"trained": sum(s == "trained" for *_, s in statuses),
+                                  "skipped": sum(s == "skipped" for *_, s in statuses),
+                                  "failed": [f"{r}/seed{s}" for r, s, st in statuses if st == "failed"],
+                                  "stopped": [f"{r}/seed{s}" for r, s, st in statuses if st == "stopped"]}
+    paths = write_outputs(workdir, results, figure5=not args.no_figure5, fig5_steps=args.fig5_steps)
+    print(markdown_table(results))
+    print(json.dumps(results["last_invocation"]))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 1 if results["last_invocation"]["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
