@@ -1,0 +1,233 @@
+"""Device mesh, the one logical-axis rules table, and sharded parameters and train state.
+
+The mesh has four named axes (MaxText style), each with a degree from the config
+(``-1`` = whatever is left of the device count):
+
+* ``data``: data parallel (batch rows; parameters replicated);
+* ``stage``: pipeline stages (``msar_jax.parallel.pipeline``); data parallel elsewhere;
+* ``fsdp``: batch rows *and* the ``embed`` dimension of every parameter (ZeRO-3 style:
+  parameters, gradients and optimizer state are split; XLA all-gathers them per use);
+* ``tensor``: Megatron tensor parallel (attention heads, MLP hidden, vocabulary).
+
+Every parameter carries ``logical_axes`` metadata (``msar_jax.model.layers``) and every
+activation is tagged with ``msar_jax.sharding.constrain(x, names)``. ``RULES`` is the single
+table mapping those logical names to mesh axes; ``spec_for`` turns names into a
+``PartitionSpec`` for one array (an axis that does not divide the dimension, or that an
+earlier dimension already uses, is dropped so every spec is valid). ``use_mesh`` installs
+the mesh (``jax.set_mesh``) and the rules (``msar_jax.sharding.axis_rules``) together.
+
+Parameters are created sharded: ``init_sharded_state`` runs the initialiser under
+``jax.jit(out_shardings=...)`` so no device ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Sequence
+
+import jax
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+from msar_jax import sharding as sharding_lib
+from msar_jax.config import ConfigError
+
+MESH_AXES = ("data", "stage", "fsdp", "tensor")  # outer (slow links) to inner (fast links)
+
+# The one rules table: logical name -> mesh axes (MaxText's logical_axis_rules).
+RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "stage", "fsdp")),  # without a pipeline the stage axis is data parallel
+    ("length", None),
+    ("embed", "fsdp"),
+    ("mlp", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("vocab", "tensor"),
+    ("experts", None),
+    ("layers", None),
+    ("sublayers", None),
+    ("streams", None),
+    ("stream_features", None),
+    ("taps", None),
+    ("sources", None),
+    ("stage", "stage"),
+)
+
+# Under a pipeline the batch is split into microbatches that flow through the stages: the
+# stage axis no longer splits the batch.
+PIPELINE_RULES: tuple[tuple[str, Any], ...] = tuple(
+    (name, ("data", "fsdp")) if name == "batch" else (name, axes) for name, axes in RULES
+)
+
+
+def rules_for(parallel_cfg: ml_collections.ConfigDict | None) -> tuple:
+    """The rules table for a parallel config (pipeline rules when it has stages > 1)."""
+    if parallel_cfg is not None and parallel_cfg.pipeline.stages > 1:
+        return PIPELINE_RULES
+    return RULES
+
+
+def parallel_config() -> ml_collections.ConfigDict:
+    """Defaults of the ``parallel`` config section: mesh degrees and the pipeline."""
+    return ml_collections.ConfigDict(dict(
+        mesh=dict(data=-1, stage=1, fsdp=1, tensor=1),  # degrees; one of them may be -1 (the rest)
+        pipeline=dict(
+            stages=1,  # pipeline stages (= mesh.stage degree); 1 = no pipeline
+            repeats=1,  # circular (virtual) stages per device; 1 = GPipe
+            microbatches=1,  # microbatches per global batch; a multiple of stages
+            cache=True,  # circular: keep received block summaries, send only the new ones
+        ),
+        distributed=dict(
+            initialize="auto",  # "auto" (when the environment names a cluster), "always", "never"
+        ),
+    ))
+
+
+def mesh_degrees(mesh_cfg, n_devices: int) -> tuple[int, ...]:
+    """Per-axis degrees in ``MESH_AXES`` order with ``-1`` resolved; raises ``ConfigError``."""
+    degrees = []
+    for name in MESH_AXES:
+        value = mesh_cfg[name]
+        if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
+            raise ConfigError(f"parallel.mesh.{name}", value, "must be a positive integer or -1 (the rest)")
+        degrees.append(value)
+    auto = [i for i, v in enumerate(degrees) if v == -1]
+    if len(auto) > 1:
+        raise ConfigError("parallel.mesh", dict(mesh_cfg), "at most one axis may be -1")
+    fixed = math.prod(v for v in degrees if v != -1)
+    if auto:
+        if n_devices % fixed:
+            raise ConfigError(f"parallel.mesh.{MESH_AXES[auto[0]]}", -1,
+                              f"the other degrees multiply to {fixed}, which does not divide {n_devices} devices")
+        degrees[auto[0]] = n_devices // fixed
+    if math.prod(degrees) != n_devices:
+        raise ConfigError("parallel.mesh", dict(zip(MESH_AXES, degrees)),
+                          f"degrees multiply to {math.prod(degrees)} but there are {n_devices} devices")
+    return tuple(degrees)
+
+
+def make_mesh(mesh_cfg, devices: Sequence | None = None) -> jax.sharding.Mesh:
+    """``jax.make_mesh`` over ``devices`` (default all) with ``MESH_AXES`` and Auto axis types
+    (sharding is propagated by XLA from the parameter/batch shardings and ``constrain``)."""
+    devices = list(jax.devices() if devices is None else devices)
+    degrees = mesh_degrees(mesh_cfg, len(devices))
+    return jax.make_mesh(degrees, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: jax.sharding.Mesh, rules=RULES):
+    """Activate ``mesh`` (``jax.set_mesh``) and the logical rules (``constrain``) together."""
+    with jax.set_mesh(mesh), sharding_lib.axis_rules(rules):
+        yield
+
+
+def spec_for(names: Sequence[str | None], shape: Sequence[int], mesh: jax.sharding.Mesh,
+             rules=RULES) -> PartitionSpec:
+    """The ``PartitionSpec`` of one array from its logical axis names.
+
+    Mesh axes of size 1 are left out, and so is any axis whose size does not divide the
+    dimension (e.g. ``kv_heads = 1`` under ``tensor = 2``: that dimension is replicated).
+    """
+    if len(names) != len(shape):
+        raise ValueError(f"logical axes {tuple(names)} do not match shape {tuple(shape)}")
+    raw = sharding_lib.logical_to_spec(names, rules)
+    out = []
+    for dim, axes in zip(shape, raw):
+        flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        keep, prod = [], 1
+        for a in flat:
+            size = mesh.shape.get(a, 1)
+            if size > 1 and dim % (prod * size) == 0:
+                keep.append(a)
+                prod *= size
+        out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
+    return PartitionSpec(*out)
+
+
+def logical_sharding(names, shape, mesh, rules=RULES) -> NamedSharding:
+    return NamedSharding(mesh, spec_for(names, shape, mesh, rules))
+
+
+def param_shardings(model_cfg, mesh: jax.sharding.Mesh, rules=RULES) -> dict:
+    """A pure dict (the structure of ``nnx.to_pure_dict`` of the params) of ``NamedSharding``s
+    built from every parameter's ``logical_axes`` through the rules table."""
+    from msar_jax.model.transformer import Transformer
+
+    model = nnx.eval_shape(lambda: Transformer(model_cfg, nnx.Rngs(0)))
+    state = nnx.state(model, nnx.Param)
+
+    def one(var):
+        axes = var.get_metadata().get("logical_axes")
+        shape = var.value.shape
+        if axes is None:  # an unannotated parameter is replicated
+            axes = (None,) * len(shape)
+        return logical_sharding(axes, shape, mesh, rules)
+
+    return nnx.to_pure_dict(jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def _path_names(path) -> tuple:
+    out = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                out.append(getattr(k, attr))
+                break
+    return tuple(out)
+
+
+def state_shardings(abstract_state: Any, params_sh: dict, mesh: jax.sharding.Mesh) -> Any:
+    """Shardings of a train state: every leaf whose key path ends with a parameter's path
+    and has its shape (params, AdamW moments, ...) gets that parameter's sharding; the rest
+    (step counters, scalars) is replicated."""
+    by_path = {_path_names(p): s for p, s in jax.tree_util.tree_flatten_with_path(params_sh)[0]}
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def one(path, leaf):
+        names = _path_names(path)
+        for i in range(len(names)):
+            sh = by_path.get(names[i:])
+            if sh is not None and len(sh.spec) <= len(getattr(leaf, "shape", ())):
+                return sh
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(one, abstract_state)
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, batch_size: int, rules=RULES) -> NamedSharding:
+    """Sharding of a ``[B, T]`` token batch: rows over the rules table's batch axes."""
+    return logical_sharding(("batch", "length"), (batch_size, 1), mesh, rules)
+
+
+def init_sharded_state(model_cfg, tx, mesh: jax.sharding.Mesh, seed: int, rules=RULES):
+    """``(model_def, state, state_shardings)``: the train state created directly in its
+    shardings (``jax.jit(out_shardings=...)``), never whole on one device."""
+    from msar_jax.train.step import abstract_model, init_model, init_state
+
+    model_def, abstract_params = abstract_model(model_cfg)
+    psh = param_shardings(model_cfg, mesh, rules)
+    abstract = jax.eval_shape(lambda p: init_state(p, tx), abstract_params)
+    ssh = state_shardings(abstract, psh, mesh)
+    with use_mesh(mesh, rules):
+        state = jax.jit(lambda: init_state(init_model(model_cfg, seed)[1], tx), out_shardings=ssh)()
+    return model_def, state, ssh
+
+
+def describe(mesh: jax.sharding.Mesh) -> str:
+    return " x ".join(f"{n}={s}" for n, s in mesh.shape.items())
+
+
+def local_batch_rows(global_batch: int) -> int:
+    """Rows of a global batch this process feeds (``make_global_batch`` assembles them)."""
+    if global_batch % jax.process_count():
+        raise ConfigError("train.batch_size", global_batch,
+                          f"must be divisible by the process count {jax.process_count()}")
+    return global_batch // jax.process_count()
+
+
+def to_numpy(tree):
+    return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
