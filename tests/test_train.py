@@ -236,3 +236,23 @@ def test_cli_trains_and_writes_outputs(tmp_path):
     assert (tmp_path / "metrics.jsonl").exists() and (tmp_path / "checkpoints").is_dir()
     bad = subprocess.run(cmd[:-1] + ["--config.optim.lrr=1e-3"], cwd=REPO_ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "lrr" in bad.stderr
+
+
+def test_depth_weight_introspection_and_plots(tmp_path):
+    from msar_jax.train import introspection, plots
+
+    config = smoke_config(**{"train.depth_weights": True, "checkpoint.every": 0})
+    result = train(config, tmp_path, max_steps=3)  # same train.steps as the other tests: no recompile
+    weights, info = introspection.load(result["depth_weights"])
+    n_blocks = 1  # smoke: 2 layers, L = 4 sublayers, S = 4
+    assert weights.shape == (4, n_blocks + 2, 4) and info["step"] == 3
+    assert info["sources"] == ["emb", "b1", "partial"] and info["reads"][:2] == ["L1 attn", "L1 mlp"]
+    np.testing.assert_allclose(weights.sum(axis=1), 1.0, atol=1e-5)  # a softmax over sources per stream
+    again, _, step_number = introspection.from_checkpoint(tmp_path)
+    assert step_number == 3
+    np.testing.assert_allclose(again, weights, atol=1e-6)  # same params, same first val batch
+    loss_png = plots.plot_loss(tmp_path, tmp_path / "loss.png", baseline=result["unigram_val_nats"])
+    depth_png = plots.plot_depth_weights(weights, tmp_path / "depth.png", config, 3)
+    for png in (loss_png, depth_png):
+        assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "depth_weights.json").exists()

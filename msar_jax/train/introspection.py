@@ -30,19 +30,33 @@ import numpy as np
 from msar_jax import config as config_lib
 
 
+_FORWARD: dict = {}  # one compiled forward, reused for the same model (graphdef)
+
+
 def depth_weights(model_def, params, batch) -> np.ndarray | None:
     """Token-averaged depth weights ``[L, N+2, m]`` of the model on ``batch`` ([B, T+1] or [B, T])."""
     tokens = jnp.asarray(batch)
     if model_def.merge(params).residual.weights_shape() is None:
         return None  # no depth attention (vanilla, mHC)
+    key = model_def.graphdef
+    if key not in _FORWARD:
+        _FORWARD.clear()
 
-    @jax.jit
-    def forward(params, tokens):
-        _, aux = model_def.merge(params)(tokens, collect_weights=True)
-        return aux.get("depth_weights")
+        def forward(params, tokens):
+            _, aux = model_def.merge(params)(tokens, collect_weights=True)
+            return aux.get("depth_weights")
 
-    out = forward(params, tokens[:, :-1] if tokens.shape[1] > 1 else tokens)
+        _FORWARD[key] = jax.jit(forward)
+    out = _FORWARD[key](params, tokens[:, :-1] if tokens.shape[1] > 1 else tokens)
     return None if out is None else np.asarray(jax.device_get(out), np.float32)
+
+
+def default_batch(data_dir, config):
+    """The batch a run's introspection uses: the first val windows (at most 8)."""
+    from msar_jax import data
+
+    bs = min(config.train.eval_batch_size or config.train.batch_size, 8)
+    return next(iter(data.make_eval_batches(data_dir, bs, config.seq_len, max_batches=1)))
 
 
 def source_labels(model_cfg, n_sources: int) -> list[str]:
@@ -91,7 +105,6 @@ def load_run_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
 
 def from_checkpoint(workdir: str | os.PathLike, batch=None, step: int | None = None):
     """``(weights, config, step)`` from a run's checkpoint, on ``batch`` (default: the first val batch)."""
-    from msar_jax import data
     from msar_jax.train.checkpoint import restore_params
     from msar_jax.train.optim import make_optimizer
     from msar_jax.train.step import abstract_model, abstract_state
@@ -104,7 +117,7 @@ def from_checkpoint(workdir: str | os.PathLike, batch=None, step: int | None = N
         from msar_jax.train.train import prepare_data
 
         data_dir, _ = prepare_data(config)
-        batch = next(iter(data.make_eval_batches(data_dir, 4, config.seq_len, max_batches=1)))
+        batch = default_batch(data_dir, config)
     return depth_weights(model_def, params, batch), config, step
 
 

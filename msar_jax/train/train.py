@@ -277,8 +277,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
 
     depth_path = None
     if t.depth_weights and step > 0:
-        batch = next(iter(data.make_eval_batches(data_dir, min(t.eval_batch_size or t.batch_size, 8),
-                                                 config.seq_len, max_batches=1)))
+        batch = introspection.default_batch(data_dir, config)
         try:
             weights = introspection.depth_weights(model_def, state["params"], batch)
         except Exception as e:  # introspection must never cost a finished run
