@@ -21,7 +21,6 @@ import functools
 import zlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
