@@ -64,7 +64,12 @@ def key_rms(x: jax.Array, eps: float) -> jax.Array:
 
 def _lag_masks(segment_ids: jax.Array | None, t_len: int, max_lag: int, batch: int):
     """``masks[delta][b, t]`` is 1 where token ``t - delta`` is in the same sequence
-    segment as ``t`` (and exists)."""
+    segment as ``t`` (and exists).
+
+    Segment ids must be contiguous runs with an id that is not reused later in the row
+    (what packing produces): membership is decided by equal ids, as in the attention
+    mask, so a reused id would let the convolution reach across the segments between.
+    """
     t = jnp.arange(t_len)
     masks = []
     for delta in range(max_lag):
