@@ -212,3 +212,9 @@ def test_ablation_tiny_smoke_skip_and_resume(tmp_path, monkeypatch):
     assert again["last_invocation"] == {"trained": 0, "skipped": 4, "failed": [], "stopped": []}
     assert (tmp_path / "vanilla" / "seed0" / "final.json").read_text() == before
     assert again["rows"]["attnres"]["per_seed"] == results["rows"]["attnres"]["per_seed"]
+
+
+def test_scaling_profile_needs_three_scales():
+    c = np.array([0.3, 1.0])
+    with pytest.raises(ValueError, match="fixed --E"):
+        scaling.fit_all({"vanilla": (c, 2 + c ** -0.3), "msar": (c, 1.9 + c ** -0.3)}, "profile")

@@ -34,7 +34,8 @@ runs), fit each method's OLS line as above and add up the residual sums of squar
 ``log2(L - E)``; take the E with the smallest total (then refined by golden-section search
 between the neighbouring grid points). That E is then held fixed for every method, as in the
 paper. If the optimum sits on the boundary of the interval (E = 0 or E -> min L: the data do not
-determine E), the report says so; then pass a fixed value with ``--E=<float>``. With exact
+determine E), the report says so; then pass a fixed value with ``--E=<float>``. With fewer than
+three rungs per method every E fits exactly, so the rule refuses and asks for a fixed E. With exact
 power-law data the profile recovers the true E (tests).
 
 Outputs (``--out``, default the workdir): ``scaling_results.json`` (points, E and how it was
@@ -106,6 +107,9 @@ def profile_E(points: dict[str, tuple], grid: int = 2000) -> dict:
 
     ``points``: ``{method: (C, loss)}``. Returns ``{"E", "rss", "boundary", "interval"}``.
     """
+    if max(len(c) for c, _ in points.values()) < 3:
+        # two points per method are fitted exactly by any E: the profile is flat
+        raise ValueError("the shared-E profile needs >= 3 points (scales) for some method; pass a fixed --E")
     min_loss = min(float(np.min(l)) for _, l in points.values())
     hi = (1.0 - 1e-3) * min_loss
 
@@ -316,7 +320,11 @@ def main(argv=None) -> int:
     if not points:
         print("no finished runs / points to fit", file=sys.stderr)
         return 1
-    report = report_from_points(points, E, args.loss)
+    try:
+        report = report_from_points(points, E, args.loss)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     paths = write_report(report, out_dir)
     print(markdown(report))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
