@@ -218,3 +218,10 @@ def test_scaling_profile_needs_three_scales():
     c = np.array([0.3, 1.0])
     with pytest.raises(ValueError, match="fixed --E"):
         scaling.fit_all({"vanilla": (c, 2 + c ** -0.3), "msar": (c, 1.9 + c ** -0.3)}, "profile")
+
+
+def test_ablation_dry_run_small_plans_every_row(tmp_path, capsys):
+    assert ablation.main([f"--workdir={tmp_path}", "--size=small", "--seeds=3", "--dry_run"]) == 0
+    out = capsys.readouterr().out
+    assert all(row in out for row in ablation.ROWS) and "steps=3000" in out
+    assert not (tmp_path / "results.json").exists()

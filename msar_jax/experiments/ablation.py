@@ -20,7 +20,8 @@ What it does
   (e.g. a non-finite loss) writes ``error.txt``, is reported as failed and the others still run;
   the command then exits with status 1.
 * ``--shard=i/n`` runs only every n-th (row, seed) pair starting at i (one process per GPU);
-  ``--report_only`` trains nothing and aggregates the finished runs.
+  ``--report_only`` trains nothing and aggregates the finished runs (runs whose step count
+  differs from the requested one are left out); ``--dry_run`` prints the plan and exits.
 * Outputs in ``W``: ``results.json`` (per row: per-seed losses, mean/std, paired differences to
   Vanilla and AttnRes with standard errors, accounting overheads, tokens/s, the paper's value),
   ``table.md`` (the markdown table), ``curves.png`` (validation and training loss of every row,
@@ -247,9 +248,17 @@ def aggregate(workdir, rows, seeds, size: str, steps: int | None, overrides: dic
     for name in rows:
         spec, label, paper = ROWS[name]
         per_seed, runs = {}, {}
+        try:
+            expected = int(build_config(f"{spec}:size={size}", 0, steps, overrides).train.steps)
+        except Exception:
+            expected = None
         for seed in seeds:
             final = read_final(workdir / name / f"seed{seed}")
             if final and final.get("finished"):
+                if expected is not None and int(final.get("steps", final.get("step", -1))) != expected:
+                    print(f"warning: {workdir / name / f'seed{seed}'} ran {final.get('steps')} steps, not {expected}; "
+                          "left out", file=sys.stderr)
+                    continue
                 per_seed[seed] = float(final["val_loss"])
                 runs[seed] = final
         losses[name] = per_seed
@@ -369,6 +378,8 @@ def main(argv=None) -> int:
                     help="config override, e.g. --set train.batch_size=8 (repeatable; JSON values)")
     ap.add_argument("--shard", default="0/1", help="i/n: run only the i-th of every n (row, seed) pairs")
     ap.add_argument("--report_only", action="store_true", help="train nothing; aggregate finished runs")
+    ap.add_argument("--dry_run", action="store_true",
+                    help="print the planned runs (config, tokens, accounting, finished or not) and exit")
     ap.add_argument("--no_figure5", action="store_true", help="skip the Figure 5 mixing-matrix plot")
     ap.add_argument("--fig5_steps", type=int, default=0,
                     help="Figure 5: train the L=4 models this many CPU steps first (0 = perturbed init)")
@@ -384,6 +395,17 @@ def main(argv=None) -> int:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     statuses = []
+    if args.dry_run:
+        for row in rows:
+            spec = f"{ROWS[row][0]}:size={args.size}"
+            cfg = build_config(spec, 0, args.steps, overrides)
+            acc = accounting_summary(cfg)
+            t = cfg.train
+            done = [s for s in seeds if is_finished(workdir / row / f"seed{s}", t.steps)]
+            print(f"{row:12s} {spec:45s} steps={t.steps} tokens={t.steps * t.batch_size * cfg.seq_len / 1e6:.1f}M "
+                  f"params={acc['params_total'] / 1e6:.2f}M dP={acc['residual_params']:,} "
+                  f"dF={acc['flops_overhead_pct_incl_lm_head']:.2f}% finished seeds={done}")
+        return 0
     if not args.report_only:
         # Row-major: the seeds of a row run back to back, so they share one compiled train / eval
         # step (msar_jax.train.step caches the last one). Run --seeds=1 first for a quick full
