@@ -69,11 +69,16 @@ def abstract_state(model_cfg, tx: optax.GradientTransformation) -> dict:
 
 
 def make_train_step(model_def: ModelDef, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule) -> Callable:
-    """The jitted, state-donating train step."""
+                    schedule: optax.Schedule, loss: Callable | None = None) -> Callable:
+    """The jitted, state-donating train step.
+
+    ``loss(model, batch) -> (loss, {"cross_entropy", "aux_loss"})`` replaces ``lm_loss``
+    (the pipelined loss of ``msar_jax.parallel.pipeline`` uses it); the unjitted step is
+    ``make_train_step(...).__wrapped__`` (to re-jit with explicit shardings)."""
+    model_loss = lm_loss if loss is None else loss
 
     def loss_fn(params, batch):
-        loss, parts = lm_loss(model_def.merge(params), batch)
+        loss, parts = model_loss(model_def.merge(params), batch)
         return loss, parts
 
     def train_step(state, batch):

@@ -1,0 +1,184 @@
+"""Compile-only check of a config on a mesh: lower and compile the train step, print memory.
+
+    python -m msar_jax.compile_check --config=configs/msar.py:size=paper_28b --mesh=data=2,fsdp=4
+    python -m msar_jax.compile_check --config=configs/msar.py:size=paper_28b --mesh=fsdp=8 \\
+        --pipeline=stages=4,microbatches=8 --mesh=stage=4,fsdp=2 --batch_size=16 --seq_len=8192
+    python -m msar_jax.compile_check --config=configs/msar.py:size=paper_28b --topology=v5e:4x4 --mesh=fsdp=16
+
+Nothing is allocated: the train state and the batch are ``ShapeDtypeStruct``s carrying their
+shardings (the rules table of ``msar_jax.parallel.mesh``), the step is
+``jax.jit(...).lower(...).compile()`` and ``compiled.memory_analysis()`` gives the bytes per
+device (arguments = params + optimizer state + batch, outputs, temporaries). Without
+``--topology`` the devices are fake CPU devices (``--xla_force_host_platform_device_count``,
+set before jax is imported), so the numbers are the CPU compiler's, a proxy for an accelerator's.
+With ``--topology`` (e.g. ``v5e:2x4``, ``v5p:2x2x2``) it asks
+``jax.experimental.topologies.get_topology_desc`` for TPU devices, which needs libtpu; the
+error is printed if that is not available.
+
+Flags: ``--config=path.py:arg`` (as training), ``--config.a.b=v`` overrides, ``--mesh=axis=deg,...``
+(unnamed axes are 1; at most one ``-1``), ``--pipeline=stages=S,repeats=R,microbatches=M,cache=0|1``,
+``--batch_size`` (default: the config's, capped to the smallest valid batch unless ``--full_batch``),
+``--seq_len``, ``--devices`` (number of fake CPU devices; default the mesh size), ``--hlo=path``
+(write the optimised HLO text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+GIB = 1024**3
+
+
+def _parse_kv(text: str | None) -> dict:
+    out: dict = {}
+    for item in (text or "").split(","):
+        if not item:
+            continue
+        if "=" not in item:
+            raise SystemExit(f"expected key=value, got {item!r}")
+        k, v = item.split("=", 1)
+        out[k] = int(v)
+    return out
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(prog="python -m msar_jax.compile_check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--mesh", default="", help="e.g. data=2,fsdp=4 (unnamed axes 1)")
+    ap.add_argument("--pipeline", default="", help="e.g. stages=4,microbatches=8,repeats=2,cache=1")
+    ap.add_argument("--batch_size", type=int, default=0)
+    ap.add_argument("--full_batch", action="store_true", help="use the config's global batch size")
+    ap.add_argument("--seq_len", type=int, default=0)
+    ap.add_argument("--devices", type=int, default=0)
+    ap.add_argument("--topology", default="", help="TPU topology for AOT (needs libtpu), e.g. v5e:2x4")
+    ap.add_argument("--hlo", default="", help="write the compiled HLO text here")
+    ap.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
+    args, rest = ap.parse_known_args(argv)
+    overrides = {}
+    for item in rest:
+        if not item.startswith("--config.") or "=" not in item:
+            raise SystemExit(f"unknown argument {item!r}")
+        key, value = item[len("--config."):].split("=", 1)
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            pass
+        overrides[key] = value
+    return args, overrides
+
+
+def mesh_dict(text: str) -> dict:
+    from msar_jax.parallel.mesh import MESH_AXES
+
+    given = _parse_kv(text)
+    unknown = set(given) - set(MESH_AXES)
+    if unknown:
+        raise SystemExit(f"--mesh: unknown axes {sorted(unknown)}; axes are {MESH_AXES}")
+    return {a: given.get(a, 1) for a in MESH_AXES}
+
+
+def main(argv=None) -> dict:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    mesh_cfg = mesh_dict(args.mesh)
+    n_dev = args.devices or (math.prod(mesh_cfg.values()) if -1 not in mesh_cfg.values() else 8)
+    if not args.topology and "jax" not in sys.modules:
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n_dev}".strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    from msar_jax.configs import load_config
+    from msar_jax.parallel import mesh as mesh_lib
+    from msar_jax.parallel import pipeline as pipeline_lib
+    from msar_jax.train import step as step_lib
+    from msar_jax.train.optim import make_optimizer
+
+    config = load_config(args.config, overrides)
+    model_cfg = config.model
+    pcfg = mesh_lib.parallel_config()
+    pcfg.mesh.update(mesh_cfg)
+    pcfg.pipeline.update(_parse_kv(args.pipeline))
+
+    if args.topology:
+        from jax.experimental import topologies
+
+        try:
+            topo = topologies.get_topology_desc(args.topology, platform="tpu")
+        except Exception as e:  # libtpu missing or the name unknown: say what happened
+            print(f"--topology={args.topology}: get_topology_desc failed: {type(e).__name__}: {e}")
+            raise SystemExit(2)
+        devices = topo.devices
+    else:
+        devices = jax.devices()[:n_dev]
+    mesh = mesh_lib.make_mesh(pcfg.mesh, devices)
+    rules = mesh_lib.rules_for(pcfg)
+    seq_len = args.seq_len or config.seq_len
+    batch_axes = mesh.shape["data"] * mesh.shape["fsdp"] * (1 if pcfg.pipeline.stages > 1 else mesh.shape["stage"])
+    min_batch = batch_axes * max(1, pcfg.pipeline.microbatches)
+    batch = args.batch_size or (config.train.batch_size if args.full_batch else min_batch)
+    pipeline_lib.validate(pcfg, model_cfg, batch, mesh)
+
+    tx, schedule = make_optimizer(config.optim, config.train.steps)
+    model_def, abstract_params = step_lib.abstract_model(model_cfg)
+    psh = mesh_lib.param_shardings(model_cfg, mesh, rules)
+    abstract = jax.eval_shape(lambda p: step_lib.init_state(p, tx), abstract_params)
+    ssh = mesh_lib.state_shardings(abstract, psh, mesh)
+    bsh = mesh_lib.batch_sharding(mesh, batch, rules)
+    state_in = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, ssh)
+    batch_in = jax.ShapeDtypeStruct((batch, seq_len + 1), jax.numpy.int32, sharding=bsh)
+    n_params = sum(math.prod(a.shape) for a in jax.tree.leaves(abstract_params))
+
+    raw_step = pipeline_lib.train_step_fn(model_def, tx, schedule, pcfg, mesh, model_cfg)
+    step = jax.jit(raw_step, in_shardings=(ssh, bsh), out_shardings=(ssh, None), donate_argnums=0)
+    t0 = time.time()
+    with mesh_lib.use_mesh(mesh, rules):
+        lowered = step.lower(state_in, batch_in)
+    t1 = time.time()
+    compiled = lowered.compile()
+    t2 = time.time()
+    mem = compiled.memory_analysis()
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+              "generated_code_size_in_bytes")
+    report = {
+        "config": args.config,
+        "mesh": dict(mesh.shape),
+        "pipeline": dict(pcfg.pipeline),
+        "platform": devices[0].platform,
+        "devices": len(devices),
+        "batch_size": batch,
+        "seq_len": seq_len,
+        "params": n_params,
+        "lower_s": round(t1 - t0, 2),
+        "compile_s": round(t2 - t1, 2),
+        "memory_per_device": {f: getattr(mem, f, None) for f in fields} if mem is not None else None,
+    }
+    if mem is not None:
+        peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+        report["memory_per_device"]["peak_estimate_bytes"] = peak
+    if args.hlo:
+        with open(args.hlo, "w") as f:
+            f.write(compiled.as_text())
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"config   {args.config}  ({n_params / 1e9:.3f} B params)")
+        print(f"mesh     {mesh_lib.describe(mesh)} on {len(devices)} {devices[0].platform} devices; "
+              f"pipeline {dict(pcfg.pipeline)}")
+        print(f"batch    {batch} x {seq_len} tokens; lower {t1 - t0:.1f} s, compile {t2 - t1:.1f} s")
+        if mem is None:
+            print("memory_analysis() returned None on this backend")
+        else:
+            print("per-device memory (compiled.memory_analysis()):")
+            for f in fields:
+                print(f"  {f:32s} {getattr(mem, f, 0) / GIB:10.3f} GiB")
+            print(f"  {'peak estimate (args+out-alias+temp)':32s} {peak / GIB:10.3f} GiB")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,496 @@
+"""SPMD pipeline parallelism over the ``stage`` mesh axis (GPipe and circular), MaxText style.
+
+Layout. The transformer layers are split into ``V = stages x repeats`` *virtual stages* of
+``Lps = n_layers / V`` consecutive layers; virtual stage ``v = r * stages + s`` runs on stage
+``s`` in repeat ``r`` (circular pipeline; ``repeats = 1`` is GPipe). Parameters stay in the
+model's canonical ``[n_layers, ...]`` layout (so a checkpoint loads under any stage count);
+inside the step they are viewed as ``[repeats, stages, Lps, ...]`` and the ``stages`` dim
+is sharded on the ``stage`` mesh axis. The embedding, the final norm and the LM head run
+outside the pipeline (replicated over ``stage``).
+
+Schedule. One ``lax.scan`` over ``microbatches x repeats + stages - 1`` iterations, each
+rematerialised (``jax.checkpoint``: only the loop state is saved per iteration). In
+iteration ``i`` stage ``s`` works on visit ``k = i - s`` (microbatch ``k % M``, repeat
+``k // M``); the stage function is ``jax.vmap``-ed over the stages a device holds, and the
+stage outputs move one stage on with ``lax.ppermute`` on the ``stage`` axis inside
+``jax.shard_map`` that is manual over ``stage`` only (``axis_names={"stage"}``): FSDP and
+tensor parallelism on the other axes keep working inside. Stage 0 takes a fresh microbatch
+in repeat 0 and, in later repeats, the output the last stage sent round the ring (kept in a
+per-microbatch buffer until it is needed, since ``M >= stages``).
+
+The carry that crosses a stage boundary (a "hop") is a pytree, per mechanism:
+
+* Vanilla: the hidden stream ``h`` (``d`` per token);
+* mHC: its ``m``-stream state ``X`` (``m d`` per token);
+* AttnRes, MHAR, MSAR: the single-stream block summaries produced so far (a window of
+  ``W`` of them) and, only when some stage boundary falls inside a block, the current
+  partial sum. MSAR's ``m`` expanded streams are never formed outside a read, so nothing of
+  size ``m`` crosses a boundary; its ``last`` (``h_L + v_L``, used only by the final merge)
+  stays local. The embedding ``b_0`` never travels: every stage has the embeddings.
+
+Cross-stage caching (seed 000 Sec. 3.4, after AttnRes; circular pipelines): a stage keeps,
+per microbatch, the summaries it already holds from its previous visit, so a later visit
+receives only those produced since, by the previous ``stages - 1`` virtual stages. Without
+caching a hop carries every summary the receiving stage needs (``W = N_before(V - 1)``).
+``Plan.hop_vectors`` gives the analytic count; ``tests/test_pipeline.py`` checks it against
+the operands of the compiled HLO's collective-permutes.
+
+Inside a stage the sublayers run one at a time through the residual mechanism's protocol
+(direct depth reads; block ends applied where a block ends, which may be in the middle of a
+stage) in a ``lax.scan`` over the stage's layers, so the stage program is the same for every
+stage. Limits: every pipelined layer must have the same MLP kind (an MoE model with leading
+dense layers is not pipelined); memory of the loop state is not yet linear in depth (see
+docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from msar_jax.config import ConfigError
+from msar_jax.model import layers
+from msar_jax.model.layers import SequenceContext
+from msar_jax.model.transformer import cross_entropy, layer_kinds, pure
+from msar_jax.residuals.base import DepthState, ResidualMechanism, position
+from msar_jax.sharding import constrain
+
+AXIS = "stage"
+
+
+# --------------------------------------------------------------------------------------
+# The plan: static structure and the analytic hop size.
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    stages: int
+    repeats: int
+    microbatches: int
+    n_layers: int
+    block_size: int  # S in sublayers (mechanisms without sources: 2, unused)
+    uses_sources: bool
+    n_sources: int  # N + 1 buffer entries (0 without sources)
+    cache: bool
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.stages * self.repeats
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.n_layers // self.virtual_stages
+
+    @property
+    def iterations(self) -> int:
+        return self.microbatches * self.repeats + self.stages - 1
+
+    @property
+    def caching(self) -> bool:
+        return self.cache and self.repeats > 1 and self.uses_sources
+
+    def completed_before(self, v: int) -> int:
+        """Index of the newest completed block summary when virtual stage ``v`` starts."""
+        return (2 * self.layers_per_stage * v) // self.block_size
+
+    @property
+    def window(self) -> int:
+        """Block summaries per hop (``W``)."""
+        if not self.uses_sources:
+            return 0
+        V, S = self.virtual_stages, self.stages
+        hi = self.completed_before
+        if not self.caching:
+            return max((hi(v) for v in range(1, V)), default=0)
+        return max((hi(v) - (hi(v - S + 1) if v >= S else 0) for v in range(1, V)), default=0)
+
+    @property
+    def send_partial(self) -> bool:
+        """True when some stage boundary falls inside a block (the partial is not empty)."""
+        return self.uses_sources and any(
+            (2 * self.layers_per_stage * v) % self.block_size for v in range(1, self.virtual_stages)
+        )
+
+    def hop_vectors(self, mechanism: str, streams: int = 4) -> int:
+        """Vectors of ``d`` numbers per token in one hop (the analytic count)."""
+        if mechanism == "vanilla":
+            return 1
+        if mechanism == "mhc":
+            return streams
+        block = self.window + int(self.send_partial)
+        if mechanism == "attnres_mhc":
+            return block + streams
+        if mechanism == "msar_naive":  # what sending MSAR's expanded streams would cost
+            return streams * block
+        return block
+
+
+def make_plan(pcfg, model_cfg, mechanism: ResidualMechanism | None = None) -> Plan:
+    p = pcfg.pipeline
+    from msar_jax import config as config_lib
+
+    name = model_cfg.residual.name
+    uses_sources = name in ("attnres", "msar", "mhar", "attnres_mhc")
+    S = model_cfg.residual.block_size if uses_sources else 2
+    n_sources = config_lib.n_blocks(model_cfg) + 1 if uses_sources else 0
+    return Plan(stages=p.stages, repeats=p.repeats, microbatches=p.microbatches, n_layers=model_cfg.n_layers,
+                block_size=S, uses_sources=uses_sources, n_sources=n_sources, cache=bool(p.cache))
+
+
+def validate(pcfg, model_cfg, batch_size: int, mesh: jax.sharding.Mesh | None = None) -> None:
+    """Check the pipeline config against the model, the batch and the mesh (``ConfigError``)."""
+    p = pcfg.pipeline
+    for name in ("stages", "repeats", "microbatches"):
+        v = p[name]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"parallel.pipeline.{name}", v, "must be a positive integer")
+    if p.stages == 1:
+        if p.repeats != 1:
+            raise ConfigError("parallel.pipeline.repeats", p.repeats, "must be 1 without a pipeline (stages = 1)")
+        return
+    if model_cfg.n_layers % (p.stages * p.repeats):
+        raise ConfigError("model.n_layers", model_cfg.n_layers,
+                          f"must divide into pipeline.stages x pipeline.repeats = {p.stages} x {p.repeats} "
+                          "equal virtual stages")
+    if p.microbatches % p.stages:
+        raise ConfigError("parallel.pipeline.microbatches", p.microbatches,
+                          f"must be a multiple of pipeline.stages = {p.stages}")
+    if batch_size % p.microbatches:
+        raise ConfigError("train.batch_size", batch_size,
+                          f"must be divisible by parallel.pipeline.microbatches = {p.microbatches}")
+    kinds = set(layer_kinds(model_cfg))
+    if len(kinds) > 1:
+        raise ConfigError("model.moe.n_dense_layers", model_cfg.moe.n_dense_layers,
+                          "the pipeline needs every layer to have the same MLP kind (0 or n_layers dense layers)")
+    if mesh is not None:
+        degree = mesh.shape[AXIS]
+        if p.stages % degree:
+            raise ConfigError("parallel.mesh.stage", degree, f"must divide parallel.pipeline.stages = {p.stages}")
+        rows = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+        mb = batch_size // p.microbatches
+        if mb % rows:
+            raise ConfigError("train.batch_size", batch_size,
+                              f"a microbatch of {mb} rows must be divisible by data x fsdp = {rows}")
+
+
+# --------------------------------------------------------------------------------------
+# Hops: which parts of the depth state cross a stage boundary.
+# --------------------------------------------------------------------------------------
+
+_STAGE_LOCAL_CARRY = ("last",)  # MSAR's h_L + v_L: needed only by the final merge
+
+
+def _carry_key(path) -> str:
+    return jax.tree_util.keystr(path)
+
+
+def _leaf_name(path) -> str | None:
+    last = path[-1] if path else None
+    return getattr(last, "key", None)
+
+
+def hop_carry(carry, send_partial: bool) -> dict:
+    """The part of a mechanism's carry that crosses a stage boundary, keyed by tree path."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(carry)[0]:
+        name = _leaf_name(path)
+        if name in _STAGE_LOCAL_CARRY or (name == "partial" and not send_partial):
+            continue
+        out[_carry_key(path)] = leaf
+    return out
+
+
+def merge_carry(template, received: dict):
+    """``template`` (a fresh carry) with the received leaves put back in place."""
+    leaves = [received.get(_carry_key(path), leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(template)[0]]
+    return jax.tree.unflatten(jax.tree.structure(template), leaves)
+
+
+def _pad_front(buf, w):
+    return jnp.concatenate([jnp.zeros((w, *buf.shape[1:]), buf.dtype), buf], axis=0)
+
+
+def read_window(sources, hi, w: int):
+    """Summaries ``hi - w + 1 .. hi`` of ``sources`` (rows before 0 read as zeros)."""
+    return jax.lax.dynamic_slice_in_dim(_pad_front(sources, w), hi + 1, w, axis=0)
+
+
+def write_window(sources, window, hi):
+    """Put ``window`` (summaries ``hi - w + 1 .. hi``) into ``sources``; ``b_0`` is kept."""
+    w = window.shape[0]
+    out = jax.lax.dynamic_update_slice_in_dim(_pad_front(sources, w), window, hi + 1, axis=0)[w:]
+    return out.at[0].set(sources[0])
+
+
+# --------------------------------------------------------------------------------------
+# The stage program.
+# --------------------------------------------------------------------------------------
+
+
+def _select(pred, a, b):
+    return jax.tree.map(lambda x, y: jnp.where(pred, x, y), a, b)
+
+
+def _index(tree, i):
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, axis=0, keepdims=False), tree)
+
+
+def _set(tree, i, value, pred):
+    return jax.tree.map(
+        lambda a, x: jax.lax.dynamic_update_index_in_dim(
+            a, jnp.where(pred, x, jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)), i, 0), tree, value)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stage:
+    """Runs one virtual stage's layers on a depth state (same program for every stage)."""
+
+    plan: Plan
+    mech: Any
+    sublayer_fn: Any
+    kind: str
+    n_sublayers: int
+
+    def run_layers(self, g, params, state, first_layer, ctx):
+        mech, S, L = self.mech, self.plan.block_size, self.n_sublayers
+        has_blocks = type(mech).end_block is not ResidualMechanism.end_block
+        layer_ids = first_layer + jnp.arange(self.plan.layers_per_stage, dtype=jnp.int32)
+
+        def layer(state, inp):
+            attn_p, mlp_p, mech_p, layer_id = inp
+            aux_losses = []
+            for sub, (kind, sp) in enumerate((("attn", attn_p), (self.kind, mlp_p))):
+                l = 2 * layer_id + sub + 1
+                pos = position(l, S)
+                p = jax.tree.map(lambda a: a[sub], mech_p)
+                h, aux = mech.read(g, p, state, None, pos, ctx)
+                h = jax.ad_checkpoint.checkpoint_name(h, "sublayer_input")
+                v, aux_loss = self.sublayer_fn(kind, sp, h, ctx)
+                state = mech.write(g, p, state, v, aux, pos, ctx)
+                if has_blocks:  # a block ends here (possibly in the middle of a stage)
+                    ends = (pos.index_in_block == S - 1) | (l == L)
+                    state = _select(ends, mech.end_block(g, state, pos), state)
+                aux_losses.append(aux_loss)
+            return state, jnp.stack(aux_losses)
+
+        xs = (params["attn"], params["mlp"], params["mech"], layer_ids)
+        state, aux = jax.lax.scan(layer, state, xs)
+        return state, jnp.sum(aux)
+
+    def visit(self, s, i, hop_in, circ, cache, stage_params, g, e_all, ctx_all):
+        """Stage ``s`` in iteration ``i``: returns (hop out, circ, cache, final hidden, aux loss)."""
+        plan, mech = self.plan, self.mech
+        M, R, n_stages = plan.microbatches, plan.repeats, plan.stages
+        k = i - s
+        valid = (k >= 0) & (k < M * R)
+        kc = jnp.clip(k, 0, M * R - 1)
+        mb, r = kc % M, kc // M
+        v = r * n_stages + s
+        if circ is not None:  # stage 0 banks what the last stage sent round the ring
+            kp = i - n_stages
+            store = (s == 0) & (kp >= 0) & (kp < M * (R - 1))
+            circ = _set(circ, jnp.clip(kp, 0, M * R - 1) % M, hop_in, store)
+            hop_in = _select(s == 0, _index(circ, mb), hop_in)
+        e = _index(e_all, mb)
+        ctx = SequenceContext(*_index(tuple(ctx_all), mb))
+        fresh = v == 0
+        start = mech.start(g, e, ctx)
+        sources = start.sources
+        if plan.uses_sources:
+            if cache is not None:
+                sources = _index(cache, mb).at[0].set(e)
+            if plan.window:
+                sources = write_window(sources, hop_in["summaries"], plan_hi(plan, v))
+        carry = _select(fresh, start.carry, merge_carry(start.carry, hop_in["carry"]))
+        state = DepthState(sources, carry)
+        params = _index(stage_params, r)
+        state, aux_loss = self.run_layers(g, params, state, v * plan.layers_per_stage, ctx)
+        hop_out = {"carry": hop_carry(state.carry, plan.send_partial)}
+        if plan.uses_sources and plan.window:
+            hop_out["summaries"] = read_window(state.sources, plan_hi(plan, v + 1), plan.window)
+        if cache is not None:
+            cache = _set(cache, mb, state.sources, valid)
+        last = valid & (v == plan.virtual_stages - 1)
+        final = jnp.where(last, mech.finish(g, state, ctx), 0)
+        return hop_out, circ, cache, final, jnp.where(valid, aux_loss, 0.0)
+
+
+def plan_hi(plan: Plan, v):
+    return (2 * plan.layers_per_stage * v) // plan.block_size
+
+
+def _varying(tree):
+    return jax.tree.map(lambda x: jax.lax.pcast(x, (AXIS,), to="varying"), tree)
+
+
+def run_pipeline(plan: Plan, mech, sublayer_fn, kind, g, stage_params, e_mb, ctx_mb, mesh):
+    """The pipelined depth stack: ``e_mb[M, mb, T, d]`` -> (final hidden ``[M, mb, T, d]``,
+    summed aux loss). ``stage_params`` leaves are ``[repeats, stages, Lps, ...]``."""
+    degree = mesh.shape[AXIS]
+    local = plan.stages // degree
+    perm = [(j, (j + 1) % degree) for j in range(degree)]
+    stage = _Stage(plan, mech, sublayer_fn, kind, 2 * plan.n_layers)
+
+    def shift(x):  # the last local stage's output goes to the next device's first stage
+        moved = jax.lax.ppermute(x[local - 1:], AXIS, perm)
+        return moved if local == 1 else jnp.concatenate([moved, x[: local - 1]], axis=0)
+
+    def body(stage_params, g, e_mb, ctx_mb):
+        stage_params = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), stage_params)  # [local, R, Lps, ...]
+        s_ids = jax.lax.axis_index(AXIS) * local + jnp.arange(local, dtype=jnp.int32)
+        ctx0 = SequenceContext(*_index(tuple(ctx_mb), 0))
+        template = stage_hop_template(plan, mech, g, e_mb[0], ctx0)
+        zeros = lambda tree, lead: jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), tree)  # noqa: E731
+        loop = {"hop": zeros(template, (local,))}
+        loop["circ"] = zeros(template, (local, plan.microbatches)) if plan.repeats > 1 else None
+        loop["cache"] = (jnp.zeros((local, plan.microbatches, plan.n_sources, *e_mb.shape[1:]), e_mb.dtype)
+                         if plan.caching else None)
+        loop = _varying(loop)
+
+        @jax.checkpoint
+        def iteration(loop, i):
+            visit = jax.vmap(stage.visit, in_axes=(0, None, 0, 0, 0, 0, None, None, None))
+            hop, circ, cache, final, aux = visit(s_ids, i, loop["hop"], loop["circ"], loop["cache"],
+                                                 stage_params, g, e_mb, ctx_mb)
+            hop = jax.tree.map(shift, hop)
+            return {"hop": hop, "circ": circ, "cache": cache}, (jnp.sum(final, axis=0), jnp.sum(aux))
+
+        _, (finals, aux) = jax.lax.scan(iteration, loop, jnp.arange(plan.iterations, dtype=jnp.int32))
+        finals = finals[(plan.repeats - 1) * plan.microbatches + plan.stages - 1:]
+        return jax.lax.psum(finals, AXIS), jax.lax.psum(jnp.sum(aux), AXIS)
+
+    stage_spec = jax.tree.map(lambda _: P(None, AXIS), stage_params)
+    rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(stage_spec, rep(g), P(), rep(tuple(ctx_mb))),
+                       out_specs=(P(), P()), axis_names={AXIS}, check_vma=True)
+    return fn(stage_params, g, e_mb, tuple(ctx_mb))
+
+
+def stage_hop_template(plan, mech, g, e, ctx):
+    start = mech.start(g, e, ctx)
+    hop = {"carry": hop_carry(start.carry, plan.send_partial)}
+    if plan.uses_sources and plan.window:
+        hop["summaries"] = jnp.zeros((plan.window, *e.shape), e.dtype)
+    return hop
+
+
+# --------------------------------------------------------------------------------------
+# The pipelined model and train step.
+# --------------------------------------------------------------------------------------
+
+
+def _to_microbatches(x, M):
+    """``[B, ...] -> [M, B/M, ...]``; microbatch m holds rows m, m + M, ... (a contiguous
+    data-parallel shard of the batch keeps rows of every microbatch)."""
+    return jnp.swapaxes(x.reshape(x.shape[0] // M, M, *x.shape[1:]), 0, 1)
+
+
+def _from_microbatches(x):
+    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def stage_params(model, plan: Plan) -> tuple[dict, dict, str]:
+    """(global mechanism params, stage-stacked params ``[R, stages, Lps, ...]``, MLP kind)."""
+    R, S_p, Lps = plan.repeats, plan.stages, plan.layers_per_stage
+    kind = layer_kinds(model.cfg)[0]
+    mlp = model.dense if kind == "dense" else model.moe
+    g, per_sub = model.residual.split_params(pure(model.residual))
+    per_layer = jax.tree.map(lambda a: a.reshape(plan.n_layers, 2, *a.shape[1:]), per_sub)
+    stacked = {"attn": pure(model.attn), "mlp": pure(mlp), "mech": per_layer}
+    stacked = jax.tree.map(lambda a: a.reshape(R, S_p, Lps, *a.shape[1:]), stacked)
+    stacked = jax.tree.map(lambda a: constrain(a, (None, "stage", *([None] * (a.ndim - 2)))), stacked)
+    return g, stacked, kind
+
+
+def pipelined_forward(model, tokens, plan: Plan, mesh, segment_ids=None, positions=None):
+    """Logits ``[B, T, V]`` and ``{"aux_loss"}``, like ``Transformer.__call__``, with the
+    depth stack run as the pipeline."""
+    cfg = model.cfg
+    dtype = jnp.dtype(cfg.dtype)
+    b, t = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    e = constrain(jnp.take(model.embedding[...], tokens, axis=0).astype(dtype), layers.ACT)
+    M = plan.microbatches
+    e_mb = _to_microbatches(e, M)
+    ctx_mb = SequenceContext(_to_microbatches(positions, M),
+                             None if segment_ids is None else _to_microbatches(segment_ids, M))
+    g, stacked, kind = stage_params(model, plan)
+    final, aux_loss = run_pipeline(plan, model.residual, model._sublayer, kind, g, stacked, e_mb, ctx_mb, mesh)
+    hidden = constrain(_from_microbatches(final), layers.ACT)
+    x = layers.rms_norm(hidden, model.final_norm[...], cfg.norm_eps)
+    head = model.embedding[...].T if model.lm_head is None else model.lm_head[...]
+    logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
+    aux = {"aux_loss": cfg.moe.aux_loss_weight * aux_loss if cfg.moe.enabled else 0.0}
+    return logits, aux
+
+
+def pipelined_lm_loss(plan: Plan, mesh):
+    """``loss(model, batch[B, T+1]) -> (loss, parts)`` through the pipeline (cf. ``lm_loss``)."""
+
+    def loss(model, batch, segment_ids=None):
+        seg = None if segment_ids is None else segment_ids[:, :-1]
+        logits, aux = pipelined_forward(model, batch[:, :-1], plan, mesh, segment_ids=seg)
+        ce = cross_entropy(logits, batch[:, 1:])
+        return ce + aux["aux_loss"], {"cross_entropy": ce, "aux_loss": aux["aux_loss"]}
+
+    return loss
+
+
+def train_step_fn(model_def, tx, schedule, pcfg, mesh, model_cfg):
+    """The unjitted train step (``msar_jax.train.step``) with the pipelined loss when
+    ``pcfg.pipeline.stages > 1``."""
+    from msar_jax.train.step import make_train_step
+
+    loss = None
+    if pcfg is not None and pcfg.pipeline.stages > 1:
+        loss = pipelined_lm_loss(make_plan(pcfg, model_cfg), mesh)
+    return make_train_step(model_def, tx, schedule, loss=loss).__wrapped__
+
+
+# --------------------------------------------------------------------------------------
+# Reading hops back from compiled HLO.
+# --------------------------------------------------------------------------------------
+
+_HLO_SHAPE = r"\b(f32|bf16|f16|f64|s32|u32|pred)\[([0-9,]*)\]"
+_HLO_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "pred": 1}
+
+
+def collective_permutes(hlo: str) -> list[dict]:
+    """Every collective-permute of compiled HLO text: ``{"shapes": [(dtype, shape), ...],
+    "pairs": source_target_pairs, "op_name": the jax op it came from}``. Its result shapes
+    equal its operand shapes (an asynchronous ``-start`` op is read from its result tuple)."""
+    import re
+
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"=\s*(.*?)\s+collective-permute(-start)?\(", line)
+        if m is None:
+            continue
+        shapes = [(t, tuple(int(x) for x in dims.split(",") if x)) for t, dims in re.findall(_HLO_SHAPE, m.group(1))]
+        if m.group(2):  # start ops return (operand, result, ...): keep the operand
+            shapes = shapes[:1]
+        pairs = re.search(r"source_target_pairs=(\{[0-9{},]*\})", line)
+        name = re.search(r'op_name="([^"]*)"', line)
+        out.append({"shapes": shapes, "pairs": pairs.group(1) if pairs else "",
+                    "op_name": name.group(1) if name else ""})
+    return out
+
+
+def hlo_hop_bytes(hlo: str) -> list[int]:
+    """Bytes per device of each hop in compiled HLO: the collective-permutes of one
+    ``ppermute`` of the hop pytree (same jax op, same direction) summed; the forward hop and
+    its transpose in the backward pass are separate entries."""
+    groups: dict = {}
+    for op in collective_permutes(hlo):
+        key = (op["op_name"], op["pairs"])
+        groups[key] = groups.get(key, 0) + sum(_HLO_BYTES[t] * math.prod(s) for t, s in op["shapes"])
+    return list(groups.values())
