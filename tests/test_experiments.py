@@ -225,3 +225,21 @@ def test_ablation_dry_run_small_plans_every_row(tmp_path, capsys):
     out = capsys.readouterr().out
     assert all(row in out for row in ablation.ROWS) and "steps=3000" in out
     assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_scaling_train_path_cpu(tmp_path):
+    """--train over three rungs (2 steps each, shrunk batch and sequence), fit with a fixed E;
+    a second call trains nothing and refits the same points."""
+    args = [f"--workdir={tmp_path}", "--train", "--methods=vanilla,attnres", "--rungs=ladder_1,ladder_2,ladder_3",
+            "--steps=2", "--E=0.5", "--set", "train.batch_size=2", "--set", "seq_len=32", "--set",
+            "train.eval_batches=1", "--set", "train.tensorboard=false", "--set", "train.depth_weights=false"]
+    assert scaling.main(args) == 0
+    rep = json.loads((tmp_path / "scaling_results.json").read_text())
+    assert rep["reference"]["rung"] == "ladder_3" and set(rep["fits"]) == {"vanilla", "attnres"}
+    assert max(rep["points_by_method"]["vanilla"]["C"]) == pytest.approx(1.0)
+    assert min(rep["points_by_method"]["attnres"]["C"]) > 0 and (tmp_path / "scaling.png").is_file()
+    mtimes = {p: p.stat().st_mtime for p in tmp_path.glob("*/*/final.json")}
+    assert len(mtimes) == 6
+    assert scaling.main(args) == 0
+    assert {p: p.stat().st_mtime for p in tmp_path.glob("*/*/final.json")} == mtimes

@@ -418,6 +418,8 @@ def main(argv=None) -> int:
             config = build_config(spec, seed, args.steps, overrides)
             res = run_one(config, workdir / row / f"seed{seed}", label=f"{row} seed {seed} [{spec}]")
             statuses.append((row, seed, res["status"]))
+            if res["status"] == "stopped":  # SIGTERM / SIGINT: saved; stop here, rerun to resume
+                break
     results = aggregate(workdir, rows, seeds, args.size, args.steps, overrides)
     results["last_invocation"] = {"trained": sum(s == "trained" for *_, s in statuses),
                                   "skipped": sum(s == "skipped" for *_, s in statuses),

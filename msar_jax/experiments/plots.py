@@ -38,7 +38,6 @@ seconds) when asked. The token averages use one val batch.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import numpy as np

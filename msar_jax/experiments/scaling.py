@@ -313,8 +313,10 @@ def main(argv=None) -> int:
             for k, (m, r) in enumerate(pairs):
                 if k % shard_n == shard_i:
                     spec = f"{METHODS[m][0]}:size={r}"
-                    run_one(build_config(spec, args.seed, args.steps, overrides), Path(args.workdir) / m / r,
-                            label=f"{m} {r} [{spec}]")
+                    res = run_one(build_config(spec, args.seed, args.steps, overrides), Path(args.workdir) / m / r,
+                                  label=f"{m} {r} [{spec}]")
+                    if res["status"] == "stopped":  # SIGTERM / SIGINT: saved; rerun to resume
+                        return 1
         points = collect_points(args.workdir, methods, rungs, args.loss)
         out_dir = args.out or args.workdir
     if not points:
