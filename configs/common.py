@@ -128,8 +128,11 @@ def checkpoint_config() -> ml_collections.ConfigDict:
 # Training defaults per size: {section: {field: value}}. Learning rates and batch sizes of the
 # paper sizes are Table 3 / Table 4's; their step counts are placeholders (token budgets are not
 # published). Ladder: Table 4's batch sizes / 4 at T = 1024 and twice Table 4's rates (widths are
-# ~8x smaller); steps give the same ~20 tokens per non-embedding parameter at every rung, and the
-# same budget for every mechanism at a rung (Appendix B: "matched training-token budgets").
+# ~8x smaller); steps give ~5 tokens per non-embedding parameter at every rung (a quarter of
+# Chinchilla's 20, so that each rung trains on one H200 in minutes: Vanilla small runs at ~600k
+# tokens/s there, MSAR on the XLA path ~6x slower until the fused kernels land; BENCHMARKS.md),
+# and the same budget for every mechanism at a rung (Appendix B: "matched training-token budgets").
+# For longer budgets raise train.steps, by the same factor for every mechanism.
 TRAIN_SIZES = {
     "tiny": dict(train=dict(steps=500, batch_size=16, eval_every=100, eval_batches=8),
                  optim=dict(lr=3e-3, warmup_steps=50), checkpoint=dict(every=250)),
@@ -151,15 +154,15 @@ TRAIN_SIZES = {
                       optim=dict(lr=4.82e-4, warmup_steps=500), checkpoint=dict(every=1000)),
     "scaling_4": dict(train=dict(steps=20000, batch_size=384, eval_every=1000, eval_batches=20),
                       optim=dict(lr=3.97e-4, warmup_steps=500), checkpoint=dict(every=1000)),
-    # ~2.9M / 4.5M / 11.8M / 22M non-embedding parameters -> 60M / 90M / 240M / 450M tokens.
-    "ladder_1": dict(train=dict(steps=1465, batch_size=40, eval_every=250, eval_batches=20),
-                     optim=dict(lr=1.39e-3, warmup_steps=100), checkpoint=dict(every=500)),
-    "ladder_2": dict(train=dict(steps=1690, batch_size=52, eval_every=250, eval_batches=20),
-                     optim=dict(lr=1.15e-3, warmup_steps=100), checkpoint=dict(every=500)),
-    "ladder_3": dict(train=dict(steps=3255, batch_size=72, eval_every=500, eval_batches=20),
-                     optim=dict(lr=9.6e-4, warmup_steps=200), checkpoint=dict(every=1000)),
-    "ladder_4": dict(train=dict(steps=4580, batch_size=96, eval_every=500, eval_batches=20),
-                     optim=dict(lr=7.9e-4, warmup_steps=250), checkpoint=dict(every=1000)),
+    # ~3.0M / 4.6M / 11.9M / 22.2M non-embedding parameters -> 16M / 24M / 61M / 113M tokens.
+    "ladder_1": dict(train=dict(steps=390, batch_size=40, eval_every=100, eval_batches=20),
+                     optim=dict(lr=1.39e-3, warmup_steps=30), checkpoint=dict(every=200)),
+    "ladder_2": dict(train=dict(steps=450, batch_size=52, eval_every=150, eval_batches=20),
+                     optim=dict(lr=1.15e-3, warmup_steps=40), checkpoint=dict(every=250)),
+    "ladder_3": dict(train=dict(steps=830, batch_size=72, eval_every=200, eval_batches=20),
+                     optim=dict(lr=9.6e-4, warmup_steps=60), checkpoint=dict(every=400)),
+    "ladder_4": dict(train=dict(steps=1150, batch_size=96, eval_every=250, eval_batches=20),
+                     optim=dict(lr=7.9e-4, warmup_steps=80), checkpoint=dict(every=500)),
 }
 
 # smoke=1: a CPU smoke run of any config. The residual settings (mechanism, S, m, kernels,
