@@ -58,6 +58,9 @@ def parse_args(argv):
     ap.add_argument("--topology", default="", help="TPU topology for AOT (needs libtpu), e.g. v5e:2x4")
     ap.add_argument("--hlo", default="", help="write the compiled HLO text here")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
+    ap.add_argument("--hop_table", action="store_true",
+                    help="instead: bytes per pipeline hop per token from compiled HLO (4 and 8 stages, "
+                         "GPipe and circular, with and without caching) for the config's stage/block structure")
     args, rest = ap.parse_known_args(argv)
     overrides = {}
     for item in rest:
@@ -72,9 +75,10 @@ def parse_args(argv):
     return args, overrides
 
 
-def mesh_dict(text: str) -> dict:
-    from msar_jax.parallel.mesh import MESH_AXES
+MESH_AXES = ("data", "stage", "fsdp", "tensor")  # = msar_jax.parallel.mesh.MESH_AXES (jax not yet imported)
 
+
+def mesh_dict(text: str) -> dict:
     given = _parse_kv(text)
     unknown = set(given) - set(MESH_AXES)
     if unknown:
@@ -84,6 +88,8 @@ def mesh_dict(text: str) -> dict:
 
 def main(argv=None) -> dict:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.hop_table:
+        return hop_table(args, overrides)
     mesh_cfg = mesh_dict(args.mesh)
     n_dev = args.devices or (math.prod(mesh_cfg.values()) if -1 not in mesh_cfg.values() else 8)
     if not args.topology and "jax" not in sys.modules:
@@ -178,6 +184,65 @@ def main(argv=None) -> dict:
                 print(f"  {f:32s} {getattr(mem, f, 0) / GIB:10.3f} GiB")
             print(f"  {'peak estimate (args+out-alias+temp)':32s} {peak / GIB:10.3f} GiB")
     return report
+
+
+def hop_table(args, overrides) -> list[dict]:
+    """Bytes per hop per token, read from the compiled HLO's collective-permutes, beside the
+    analytic count, for Vanilla, mHC, AttnRes and MSAR at the config's depth, width, block
+    size and dtype split into 4 and 8 stages (GPipe and 2-repeat circular, caching on/off).
+
+    A proxy keeps what decides the hop (layers, block size, d, m, dtype) and shrinks the
+    rest (2 heads of 16, MLP width 64, vocabulary 256, dense MLPs instead of MoE, T = 16,
+    one row per microbatch), so the forward compiles in seconds on CPU. Hop bytes per token
+    do not depend on what was shrunk. MSAR "naive" (sending the m expanded streams) is
+    analytic only."""
+    if "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import numpy as np
+
+    from msar_jax.configs import load_config
+    from msar_jax.parallel import mesh as mesh_lib
+    from msar_jax.parallel import pipeline as pipeline_lib
+    from msar_jax.train import step as step_lib
+
+    base = load_config(args.config, overrides).model
+    seq, rows = 16, []
+    proxy = {"model.n_heads": 2, "model.n_kv_heads": 1, "model.head_dim": 16, "model.mlp_dim": 64,
+             "model.vocab_size": 256, "model.moe.enabled": False, "model.max_seq_len": max(seq, 16)}
+    spec = args.config.partition(":")[2]
+    for mech in ("vanilla", "mhc", "attnres", "msar"):
+        cfg = load_config(f"configs/{mech}.py:{spec}", {**overrides, **proxy}).model
+        m, d = cfg.residual.streams, cfg.d_model
+        itemsize = np.dtype(jax.numpy.dtype(cfg.dtype)).itemsize
+        model_def, params = step_lib.abstract_model(cfg)
+        for stages, repeats, cache in ((4, 1, True), (4, 2, False), (4, 2, True), (8, 1, True), (8, 2, False),
+                                       (8, 2, True)):
+            if mech in ("vanilla", "mhc") and repeats > 1 and cache:
+                continue  # nothing to cache
+            pcfg = mesh_lib.parallel_config()
+            pcfg.pipeline.update(dict(stages=stages, repeats=repeats, microbatches=stages, cache=cache))
+            pcfg.mesh.update(dict(data=1, stage=stages))
+            mesh = mesh_lib.make_mesh(pcfg.mesh, jax.devices()[:stages])
+            plan = pipeline_lib.make_plan(pcfg, cfg)
+            loss = pipeline_lib.pipelined_lm_loss(plan, mesh)
+            tokens = jax.ShapeDtypeStruct((stages, seq + 1), jax.numpy.int32)
+            with mesh_lib.use_mesh(mesh, mesh_lib.PIPELINE_RULES):
+                lowered = jax.jit(lambda p, b: loss(model_def.merge(p), b)[0]).lower(params, tokens)
+                hlo = lowered.compile().as_text()
+            hops = pipeline_lib.hlo_hop_bytes(hlo)
+            low_ops = pipeline_lib.lowered_hop_bytes(lowered.as_text())
+            analytic = plan.hop_vectors(mech, m) * d * itemsize
+            row = dict(mechanism=mech, stages=stages, repeats=repeats, cache=cache and plan.caching,
+                       window=plan.window, partial=plan.send_partial,
+                       hlo_bytes_per_token=(max(hops) / seq if hops else 0),
+                       lowered_bytes_per_token=sum(low_ops) / seq, analytic_bytes_per_token=analytic,
+                       naive_msar_bytes_per_token=(plan.hop_vectors("msar_naive", m) * d * itemsize
+                                                   if mech == "msar" else None))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
 
 
 if __name__ == "__main__":

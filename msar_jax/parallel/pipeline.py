@@ -365,7 +365,10 @@ def run_pipeline(plan: Plan, mech, sublayer_fn, kind, g, stage_params, e_mb, ctx
 
         _, (finals, aux) = jax.lax.scan(iteration, loop, jnp.arange(plan.iterations, dtype=jnp.int32))
         finals = finals[(plan.repeats - 1) * plan.microbatches + plan.stages - 1:]
-        return jax.lax.psum(finals, AXIS), jax.lax.psum(jnp.sum(aux), AXIS)
+        # Only the last stage's entries are non-zero, so a float32 sum is exact; it also avoids
+        # an XLA CPU compiler crash on bfloat16 all-reduces here ("Invalid binary opcode copy").
+        finals = jax.lax.psum(finals.astype(jnp.float32), AXIS).astype(finals.dtype)
+        return finals, jax.lax.psum(jnp.sum(aux), AXIS)
 
     stage_spec = jax.tree.map(lambda _: P(None, AXIS), stage_params)
     rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
@@ -494,3 +497,23 @@ def hlo_hop_bytes(hlo: str) -> list[int]:
         key = (op["op_name"], op["pairs"])
         groups[key] = groups.get(key, 0) + sum(_HLO_BYTES[t] * math.prod(s) for t, s in op["shapes"])
     return list(groups.values())
+
+
+_MLIR_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "i32": 4, "ui32": 4, "i1": 1}
+
+
+def lowered_hop_bytes(stablehlo: str) -> list[int]:
+    """Bytes per device of each ``stablehlo.collective_permute`` of a *lowered* program, in
+    the program's own dtypes (a backend may widen them when compiling: XLA:CPU sends bf16
+    collective-permutes as f32)."""
+    import re
+
+    out = []
+    for line in stablehlo.splitlines():
+        if "stablehlo.collective_permute" not in line:
+            continue
+        m = re.search(r":\s*\(tensor<([0-9x]*)x?([a-z0-9]+)>\)\s*->", line)
+        if m:
+            dims = [int(x) for x in m.group(1).split("x") if x]
+            out.append(_MLIR_BYTES[m.group(2)] * math.prod(dims))
+    return out
