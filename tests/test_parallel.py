@@ -125,3 +125,65 @@ def test_mesh_config_errors():
         mesh_lib.make_mesh(dict(data=1, stage=1, fsdp=0, tensor=1))
     mesh = mesh_lib.make_mesh(dict(data=-1, stage=1, fsdp=2, tensor=1))
     assert dict(mesh.shape) == dict(data=4, stage=1, fsdp=2, tensor=1)
+
+
+def test_checkpoint_restores_under_another_mesh(tmp_path):
+    """Params saved (orbax) from a 2-stage pipeline x fsdp 4 mesh load into an fsdp 2 x data 4
+    mesh without a pipeline, and into one device: identical values, identical outputs."""
+    import orbax.checkpoint as ocp
+
+    from msar_jax.parallel import pipeline as pl
+
+    cfg = load_config(f"configs/attnres.py:smoke=1,seq_len={T}", {"model.n_layers": 4, "model.d_model": 16})
+    tokens = _batches(1)[0][:, :T]
+    pcfg = mesh_lib.parallel_config()
+    pcfg.pipeline.update(dict(stages=2, microbatches=2))
+    pcfg.mesh.update(dict(data=1, stage=2, fsdp=4, tensor=1))
+    mesh_a = mesh_lib.make_mesh(pcfg.mesh)
+    rules_a = mesh_lib.rules_for(pcfg)
+    tx, _ = make_optimizer(cfg.optim, cfg.train.steps)
+    model_def, state, _ = mesh_lib.init_sharded_state(cfg.model, tx, mesh_a, 0, rules_a)
+    params_a = state["params"]
+    plan = pl.make_plan(pcfg, cfg.model)
+    with mesh_lib.use_mesh(mesh_a, rules_a):
+        logits_a = jax.jit(lambda p, t: pl.pipelined_forward(model_def.merge(p), t, plan, mesh_a)[0])(params_a, tokens)
+
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "params", params_a)
+    ckpt.wait_until_finished()
+
+    mesh_b = mesh_lib.make_mesh(dict(data=4, stage=1, fsdp=2, tensor=1))
+    psh_b = mesh_lib.param_shardings(cfg.model, mesh_b)
+    target = mesh_lib.sharded_abstract(step_lib.abstract_model(cfg.model)[1], psh_b)
+    params_b = ckpt.restore(tmp_path / "params", target)
+    assert params_b["attn"]["wq"].sharding.is_equivalent_to(psh_b["attn"]["wq"], 4)
+    for a, b in zip(jax.tree.leaves(mesh_lib.to_numpy(params_a)), jax.tree.leaves(mesh_lib.to_numpy(params_b))):
+        np.testing.assert_array_equal(a, b)
+    with mesh_lib.use_mesh(mesh_b):
+        logits_b = jax.jit(lambda p, t: model_def.merge(p)(t)[0])(params_b, tokens)
+    np.testing.assert_allclose(np.asarray(logits_b), np.asarray(logits_a), rtol=1e-5, atol=1e-5)
+
+    mesh_c = mesh_lib.make_mesh(dict(data=1, stage=1, fsdp=1, tensor=1), jax.devices()[:1])
+    target_c = mesh_lib.sharded_abstract(step_lib.abstract_model(cfg.model)[1], mesh_lib.param_shardings(cfg.model, mesh_c))
+    params_c = ckpt.restore(tmp_path / "params", target_c)
+    logits_c = jax.jit(lambda p, t: model_def.merge(p)(t)[0])(params_c, tokens)
+    np.testing.assert_allclose(np.asarray(logits_c), np.asarray(logits_b), rtol=1e-6, atol=1e-6)
+
+
+def test_multihost_detection_and_global_batch():
+    from msar_jax.parallel import multihost
+
+    assert multihost.cluster_detected({}) is None
+    assert multihost.cluster_detected({"SLURM_NTASKS": "1"}) is None
+    assert multihost.cluster_detected({"SLURM_NTASKS": "4"}) == "SLURM_NTASKS"
+    assert multihost.cluster_detected({"TPU_WORKER_HOSTNAMES": "a,b"}) == "TPU_WORKER_HOSTNAMES"
+    assert multihost.cluster_detected({"JAX_COORDINATOR_ADDRESS": "h:1234"}) == "JAX_COORDINATOR_ADDRESS"
+    assert multihost.maybe_initialize("auto", {}) is False
+    assert multihost.maybe_initialize("never", {"SLURM_NTASKS": "4"}) is False
+    with pytest.raises(ConfigError, match="parallel.distributed.initialize"):
+        multihost.maybe_initialize("sometimes", {})
+    mesh = mesh_lib.make_mesh(dict(data=2, stage=1, fsdp=4, tensor=1))
+    rows = _batches(1)[0]
+    batch = multihost.global_batch(rows, mesh)
+    assert batch.shape == rows.shape and len(batch.sharding.device_set) == 8
+    np.testing.assert_array_equal(np.asarray(batch), rows)

@@ -231,3 +231,9 @@ def local_batch_rows(global_batch: int) -> int:
 
 def to_numpy(tree):
     return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+
+
+def sharded_abstract(abstract_tree: Any, shardings: Any) -> Any:
+    """``ShapeDtypeStruct``s carrying ``shardings``: an orbax restore target that loads a
+    checkpoint straight into this mesh's layout (whatever mesh it was saved from)."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_tree, shardings)
