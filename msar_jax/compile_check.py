@@ -145,7 +145,11 @@ def main(argv=None) -> dict:
     with mesh_lib.use_mesh(mesh, rules):
         lowered = step.lower(state_in, batch_in)
     t1 = time.time()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except Exception as e:  # e.g. RESOURCE_EXHAUSTED from a TPU topology: the answer we came for
+        print(f"compile failed after {time.time() - t1:.1f} s: {type(e).__name__}: {e}")
+        raise SystemExit(3)
     t2 = time.time()
     mem = compiled.memory_analysis()
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
