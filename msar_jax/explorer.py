@@ -22,22 +22,25 @@ display of the expansion and ``explain`` checks that they sum to ``expand``'s ou
   model sublayer by sublayer through the mechanism's own protocol (``read``/``write``/
   ``end_block``) and records every read's sources (embedding, completed block summaries, the
   current block's partial), banks, queries and gate, and the model's ``h``.
-* ``explain(read, stream, token)``, ``plot_grid``, ``show``, ``interactive`` (ipywidgets when
+* ``explain(read, stream, token)``, ``plot_grid``, ``plot_streams``, ``show``, ``summary``,
+  ``magnitude_limit`` (one colour limit over a scene), ``interactive`` (ipywidgets when
   installed, else ``None``).
 
 **Training and checkpoints** (``quickstart.ipynb``, ``depth_patterns.ipynb``): ``quick_config``,
-``plot_losses``, ``restore`` / ``evaluate_restored`` (val loss from the checkpoint's params),
-``find_checkpoint`` / ``ensure_checkpoint``.
+``new_run_folder``, ``plot_losses``, ``restore`` / ``evaluate_params`` / ``evaluate_restored``
+(val loss from a checkpoint's params), ``find_checkpoint`` / ``ensure_checkpoint``,
+``fast_compile`` (the test suite's XLA options, for tiny CI runs).
 
 **Depth patterns** (``depth_patterns.ipynb``): ``plot_depth_heatmaps`` (Figure 4: per stream,
 pre-attention and pre-MLP reads), ``gate_values`` (the H_pre stream-gate values ``g`` per read,
 token-averaged), ``stream_divergence`` (Jensen-Shannon divergence between the streams' depth
-distributions per read).
+distributions per read), ``capture_depth_weights`` (cross-check of the introspection weights).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -141,14 +144,24 @@ class Explanation:
     stream_name: str
 
 
+@functools.partial(jax.jit, static_argnames=("kernel_sizes", "eps"))
+def _jit_read(sources, banks, queries, gate, valid, *, kernel_sizes, eps):
+    return msar_read(sources, banks, queries, gate, valid, kernel_sizes=kernel_sizes, conv=bool(kernel_sizes),
+                     eps=eps, return_weights=True)
+
+
+@functools.partial(jax.jit, static_argnames=("stream_kernels",))
+def _jit_expand(sources, banks, *, stream_kernels):
+    return depth_ref.expand(sources, banks, stream_kernels)
+
+
 def library_read(read: ReadInputs):
     """``msar_read`` of ``read`` (batch of one): ``h[T, d]``, ``alpha[n, m, T]``, ``z[m, T, d]``."""
     banks = None if read.banks is None else jnp.asarray(read.banks, jnp.float32)
-    h, alpha, z = msar_read(
+    h, alpha, z = _jit_read(
         jnp.asarray(read.sources, jnp.float32)[:, None], banks, jnp.asarray(read.queries, jnp.float32),
         None if read.gate is None else tuple(jnp.asarray(x, jnp.float32) for x in read.gate),
-        jnp.asarray(read.valid), kernel_sizes=read.kernel_sizes or (), conv=bool(read.kernel_sizes),
-        eps=read.eps, return_weights=True,
+        jnp.asarray(read.valid), kernel_sizes=tuple(read.kernel_sizes or ()), eps=float(read.eps),
     )
     return np.asarray(h[0]), np.asarray(alpha[:, :, 0]), np.asarray(z[:, 0])
 
@@ -156,8 +169,8 @@ def library_read(read: ReadInputs):
 def library_expand(read: ReadInputs) -> np.ndarray:
     """``expand`` of every source: ``[n, m, T, d]``."""
     banks = None if read.banks is None else jnp.asarray(read.banks, jnp.float32)
-    return np.asarray(depth_ref.expand(jnp.asarray(read.sources, jnp.float32)[:, None], banks,
-                                       read.stream_kernels))[:, :, 0]
+    return np.asarray(_jit_expand(jnp.asarray(read.sources, jnp.float32)[:, None], banks,
+                                  stream_kernels=tuple(read.stream_kernels)))[:, :, 0]
 
 
 def stream_taps(read: ReadInputs, stream: int) -> np.ndarray:
