@@ -63,3 +63,34 @@ def test_notebook_stored_without_outputs(name):
 def test_notebook_runs(name, runs_dir):
     env = dict(TINY, MSAR_NOTEBOOK_RUNS=str(runs_dir), MSAR_NOTEBOOK_SEARCH=str(runs_dir), JAX_PLATFORMS="cpu")
     _run(name, env)
+
+
+@pytest.mark.parametrize("arg", ["smoke=1,block_size=1", "smoke=1,conv=0,fusion=mean"])
+def test_capture_reproduces_the_model(arg):
+    """``explorer.capture`` (which the explorer and depth-patterns notebooks use) reproduces the
+    model's logits, every read's ``h`` through ``msar_read`` and the introspection weights, also
+    for Full MSAR and the no-conv / mean-fusion ablations the notebooks do not run."""
+    import jax
+    import numpy as np
+
+    from msar_jax import explorer
+    from msar_jax.configs import load_config
+    from msar_jax.train.step import init_model
+
+    cfg = load_config(f"configs/msar.py:{arg}")
+    model_def, params = init_model(cfg.model, 0)
+    leaves, tree = jax.tree.flatten(params)  # queries, banks start at zero: perturb everything
+    key = jax.random.PRNGKey(1)
+    params = jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(jax.random.fold_in(key, i), x.shape)
+                                       for i, x in enumerate(leaves)])
+    tokens = jax.random.randint(key, (2, 12), 0, 256)
+    cap = explorer.capture(model_def, params, tokens, cfg)
+    logits, aux = model_def.merge(params)(tokens, collect_weights=True)
+    np.testing.assert_allclose(cap.logits, np.asarray(logits), atol=1e-4)
+    np.testing.assert_allclose(explorer.capture_depth_weights(cap), np.asarray(aux["depth_weights"]), atol=1e-5)
+    scene = explorer.CapturedScene(cap, batch_row=1)
+    for target in scene.targets:
+        for stream in range(len(scene.stream_names)):
+            e = explorer.explain(scene.read(target), stream, 7)  # asserts h, z and expand agree
+            assert abs(e.weights.sum() - 1.0) < 1e-5
+    assert (explorer.gate_values(cap) is None) == ("fusion=mean" in arg)
