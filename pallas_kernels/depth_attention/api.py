@@ -12,7 +12,7 @@ from typing import Callable, Literal
 
 import jax
 
-from pallas_kernels.depth_attention import reference
+from pallas_kernels.depth_attention import reference, xla_streaming
 
 Implementation = Literal["xla", "pallas_tpu", "pallas_gpu"] | None
 _IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu")
@@ -60,6 +60,9 @@ def _dispatch(op: str, implementation: Implementation, *args, **kwargs):
     errors = []
     for name in _candidates(implementation):
         if name == "xla":
+            if op in ("phase1", "depth_read") and not kwargs.get("return_weights"):
+                # One source in flight at a time, recomputing backward (xla_streaming.py).
+                return getattr(xla_streaming, op)(*args, **kwargs)
             return getattr(reference, op)(*args, **kwargs)
         fn = _KERNELS[op].get(name)
         if fn is None:
