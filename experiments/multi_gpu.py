@@ -1,0 +1,250 @@
+"""Multi-GPU layouts of one config: data parallel, FSDP and the 2-stage pipeline (issue 6).
+
+Trains the same model from the same init on the same batches under each layout and reports
+the median step time, tokens/s, the scaling efficiency against one device, the loss after N
+steps, and for pipeline layouts the bytes per hop read from the compiled HLO and a bubble
+estimate::
+
+    python experiments/multi_gpu.py --config=configs/msar.py:size=small --steps=30 \
+        --layouts=single,dp2,fsdp2,pp2_gpipe,pp2_circular,pp2_circular_cache --json=out.json
+
+CPU smoke run (2 fake devices)::
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \
+    python experiments/multi_gpu.py --config=configs/msar.py:smoke=1 --override=model.n_layers=4 \
+        --batch_size=4 --microbatches=2 --steps=2 --skip=1 --fast_compile
+
+Layouts (the global batch is the same in all of them):
+
+* ``single``: one device (``jax.devices()[:1]``), every mesh degree 1;
+* ``dp2``: ``data=2`` (rows split, parameters replicated, gradients all-reduced);
+* ``fsdp2``: ``fsdp=2`` (rows and every parameter's ``embed`` dim split, ZeRO-3);
+* ``pp2_gpipe``: ``stage=2``, ``stages=2, repeats=1``, ``--microbatches`` M;
+* ``pp2_circular``: ``stages=2, repeats=--repeats`` (R virtual stages per device), no cache;
+* ``pp2_circular_cache``: the same with cross-stage caching of block summaries.
+
+Method:
+
+* data: synthetic uniform random tokens ``[B, T+1]`` (numpy, ``--data_seed``), one fresh batch
+  per step, identical across layouts; parameters from ``init_sharded_state(seed=--seed)``;
+* timing: each step is ``jax.block_until_ready``-ed; the median over steps after ``--skip``
+  (compile is done ahead with ``lower().compile()`` and reported separately);
+* scaling efficiency: ``t_single / (n_devices * t_layout)`` at the same global batch;
+* hop bytes: ``pipeline.hlo_hop_bytes`` of the compiled HLO (bytes per device of each
+  ``ppermute`` of the hop pytree; forward and backward are separate entries; the table shows
+  the largest) and ``pipeline.lowered_hop_bytes`` of the lowered StableHLO (program dtypes);
+* depth read: ``--read=reference`` (default) uses the vectorised XLA reference in every layout,
+  since the streaming XLA read fails to trace inside the pipeline (``use_reference_read``);
+* bubble: theory ``(S-1)/(R*M+S-1)``; "measured" is ``1 - (t_single / S) / t_pipe``, i.e. the
+  step time lost against a perfect S-way split of the one-device step. It is an upper bound on
+  the bubble: it also holds the hop transfers, the per-iteration rematerialisation and loop
+  overhead of the pipeline, and the final merge every stage evaluates (docs/scaling.md, limits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from msar_jax.configs import load_config  # noqa: E402
+from msar_jax.data import make_global_batch  # noqa: E402
+from msar_jax.parallel import mesh as mesh_lib  # noqa: E402
+from msar_jax.parallel import pipeline as pl  # noqa: E402
+from msar_jax.train import step as step_lib  # noqa: E402
+from msar_jax.train.optim import make_optimizer  # noqa: E402
+
+ALL_LAYOUTS = ("single", "dp2", "fsdp2", "pp2_gpipe", "pp2_circular", "pp2_circular_cache")
+
+
+def layout_config(name: str, microbatches: int, repeats: int):
+    """(parallel config, number of devices) of a layout name."""
+    pcfg = mesh_lib.parallel_config()
+    ones = dict(data=1, stage=1, fsdp=1, tensor=1)
+    if name == "single":
+        pcfg.mesh.update(ones)
+        return pcfg, 1
+    if name == "dp2":
+        pcfg.mesh.update(dict(ones, data=2))
+        return pcfg, 2
+    if name == "fsdp2":
+        pcfg.mesh.update(dict(ones, fsdp=2))
+        return pcfg, 2
+    if name.startswith("pp2_"):
+        kind = name[len("pp2_"):]
+        if kind not in ("gpipe", "circular", "circular_cache"):
+            raise ValueError(f"unknown layout {name!r}")
+        pcfg.mesh.update(dict(ones, stage=2))
+        pcfg.pipeline.update(dict(stages=2, microbatches=microbatches,
+                                  repeats=1 if kind == "gpipe" else repeats, cache=kind == "circular_cache"))
+        return pcfg, 2
+    raise ValueError(f"unknown layout {name!r}; known: {', '.join(ALL_LAYOUTS)}")
+
+
+def use_reference_read() -> None:
+    """Route the XLA path's ``phase1``/``depth_read`` to the vectorised reference instead of
+    ``xla_streaming`` (commit 59be62d). The streaming scan's initial carry is not marked varying
+    over ``stage``, so under the pipeline's ``shard_map(check_vma=True)`` tracing fails with
+    "scan body function carry input and carry output must have equal types ... state.max";
+    using the reference for *every* layout keeps the comparison like for like."""
+    from pallas_kernels.depth_attention import api
+
+    api.xla_streaming = api.reference
+
+
+def run_layout(name: str, config, batches: list, args) -> dict:
+    pcfg, n_dev = layout_config(name, args.microbatches, args.repeats)
+    if len(jax.devices()) < n_dev:
+        raise RuntimeError(f"layout {name} needs {n_dev} devices, have {len(jax.devices())}")
+    mesh = mesh_lib.make_mesh(pcfg.mesh, jax.devices()[:n_dev])
+    rules = mesh_lib.rules_for(pcfg)
+    model_cfg = config.model
+    B, T1 = batches[0].shape
+    pl.validate(pcfg, model_cfg, B, mesh)
+    tx, schedule = make_optimizer(config.optim, config.train.steps)
+    model_def, state, ssh = mesh_lib.init_sharded_state(model_cfg, tx, mesh, args.seed, rules)
+    bsh = mesh_lib.batch_sharding(mesh, B, rules)
+    raw = pl.train_step_fn(model_def, tx, schedule, pcfg, mesh, model_cfg)
+    step = jax.jit(raw, in_shardings=(ssh, bsh), out_shardings=(ssh, None), donate_argnums=0)
+    global_batches = [make_global_batch(b, sharding=bsh) for b in batches]
+
+    t0 = time.perf_counter()
+    with mesh_lib.use_mesh(mesh, rules):
+        lowered = step.lower(state, global_batches[0])
+        compiled = lowered.compile(step_lib.FAST_COMPILE if args.fast_compile else None)
+    compile_s = time.perf_counter() - t0
+
+    row = {"layout": name, "devices": n_dev, "mesh": dict(mesh.shape), "pipeline": dict(pcfg.pipeline),
+           "batch_size": B, "seq_len": T1 - 1, "compile_s": round(compile_s, 2)}
+    if pcfg.pipeline.stages > 1:
+        plan = pl.make_plan(pcfg, model_cfg)
+        hops = pl.hlo_hop_bytes(compiled.as_text())
+        low = pl.lowered_hop_bytes(lowered.as_text())
+        mb_tokens = (B // plan.microbatches) * (T1 - 1)
+        row.update(hlo_hop_bytes=hops, lowered_hop_bytes=low,
+                   hop_bytes=max(hops) if hops else 0,
+                   hop_bytes_per_token=(max(hops) / mb_tokens if hops else 0.0),
+                   caching=plan.caching, iterations=plan.iterations,
+                   bubble_theory=(plan.stages - 1) / (plan.repeats * plan.microbatches + plan.stages - 1))
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        row["peak_estimate_bytes"] = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                         - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
+
+    times, losses = [], []
+    for gb in global_batches:
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, gb)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t0)
+        losses.append(float(metrics["loss"]))
+    timed = times[args.skip:]
+    median = statistics.median(timed)
+    row.update(step_times_s=[round(t, 6) for t in times], losses=losses, median_step_s=median,
+               tokens_per_s=B * (T1 - 1) / median, final_loss=losses[-1], steps_timed=len(timed))
+    del state, compiled
+    return row
+
+
+def summarise(rows: list[dict]) -> None:
+    single = next((r for r in rows if r["layout"] == "single"), None)
+    for r in rows:
+        if single is None:
+            continue
+        r["speedup"] = single["median_step_s"] / r["median_step_s"]
+        r["scaling_efficiency"] = r["speedup"] / r["devices"]
+        r["loss_delta_vs_single"] = r["final_loss"] - single["final_loss"]
+        if "bubble_theory" in r:
+            stages = r["pipeline"]["stages"]
+            r["bubble_measured_upper"] = 1.0 - (single["median_step_s"] / stages) / r["median_step_s"]
+
+
+def table(rows: list[dict]) -> str:
+    f = lambda x, fmt: "n/a" if x is None else format(x, fmt)  # noqa: E731
+    out = ["| layout | devices | median step (ms) | tokens/s | speedup | scaling eff. | final loss | "
+           "loss - single | bubble theory | bubble measured (upper) | hop bytes (HLO, max) | hop B/token | compile (s) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pp = "bubble_theory" in r
+        out.append(
+            f"| {r['layout']} | {r['devices']} | {1e3 * r['median_step_s']:.1f} | {r['tokens_per_s']:,.0f} | "
+            f"{f(r.get('speedup'), '.2f')} | {f(r.get('scaling_efficiency'), '.1%')} | {r['final_loss']:.4f} | "
+            f"{f(r.get('loss_delta_vs_single'), '+.4f')} | {f(r.get('bubble_theory') if pp else None, '.3f')} | "
+            f"{f(r.get('bubble_measured_upper') if pp else None, '.3f')} | "
+            f"{f(r.get('hop_bytes') if pp else None, ',d')} | {f(r.get('hop_bytes_per_token') if pp else None, ',.0f')} | "
+            f"{r['compile_s']:.1f} |")
+    return "\n".join(out)
+
+
+def parse_overrides(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/msar.py:size=small")
+    ap.add_argument("--layouts", default=",".join(ALL_LAYOUTS))
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--skip", type=int, default=5, help="steps left out of the median (warm-up)")
+    ap.add_argument("--batch_size", type=int, default=None, help="global batch (default: the config's)")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2, help="virtual stages per device of the circular layouts")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data_seed", type=int, default=1)
+    ap.add_argument("--override", action="append", default=[], help="key=value config override (repeatable)")
+    ap.add_argument("--fast_compile", action="store_true", help="XLA CPU fast-compile options (tests)")
+    ap.add_argument("--read", choices=("reference", "default"), default="reference",
+                    help="XLA depth read: 'reference' (vectorised; every layout) or 'default' (the api's "
+                         "dispatch, i.e. the streaming scan, which fails inside the pipeline's shard_map)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.read == "reference":
+        use_reference_read()
+    if args.steps <= args.skip:
+        ap.error(f"--steps ({args.steps}) must exceed --skip ({args.skip})")
+
+    overrides = {"train.steps": args.steps, **parse_overrides(args.override)}
+    config = load_config(args.config, overrides)
+    config.optim.warmup_steps = min(config.optim.warmup_steps, args.steps)  # as gpu_train_baseline.py
+    B = args.batch_size or config.train.batch_size
+    T = config.seq_len
+    rng = np.random.default_rng(args.data_seed)
+    batches = [rng.integers(0, config.model.vocab_size, (B, T + 1), dtype=np.int32) for _ in range(args.steps)]
+
+    devices = jax.devices()
+    print(f"devices: {len(devices)} x {devices[0].device_kind} ({devices[0].platform}); config {args.config}; "
+          f"batch {B} x {T}; steps {args.steps} (median of {args.steps - args.skip}); "
+          f"microbatches {args.microbatches}, repeats {args.repeats}", flush=True)
+    rows = []
+    for name in args.layouts.split(","):
+        try:
+            rows.append(run_layout(name, config, batches, args))
+            brief = {k: v for k, v in rows[-1].items() if k not in ("step_times_s", "losses")}
+            print(json.dumps(brief), flush=True)
+        except Exception as e:  # record and go on: one failing layout must not lose the others
+            print(json.dumps({"layout": name, "error": f"{type(e).__name__}: {e}"[:2000]}), flush=True)
+    summarise(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print()
+    print(table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
