@@ -139,6 +139,8 @@ def run_layout(name: str, config, batches: list, args) -> dict:
         row["peak_estimate_bytes"] = int(mem.argument_size_in_bytes + mem.output_size_in_bytes
                                          - mem.alias_size_in_bytes + mem.temp_size_in_bytes)
 
+    if args.compile_only:
+        return row
     times, losses = [], []
     for gb in global_batches:
         t0 = time.perf_counter()
@@ -157,7 +159,7 @@ def run_layout(name: str, config, batches: list, args) -> dict:
 def summarise(rows: list[dict]) -> None:
     single = next((r for r in rows if r["layout"] == "single"), None)
     for r in rows:
-        if single is None:
+        if single is None or "median_step_s" not in r or "median_step_s" not in single:
             continue
         r["speedup"] = single["median_step_s"] / r["median_step_s"]
         r["scaling_efficiency"] = r["speedup"] / r["devices"]
@@ -174,6 +176,12 @@ def table(rows: list[dict]) -> str:
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pp = "bubble_theory" in r
+        if "median_step_s" not in r:  # --compile_only
+            out.append(f"| {r['layout']} | {r['devices']} | - | - | - | - | - | - | "
+                       f"{f(r.get('bubble_theory') if pp else None, '.3f')} | - | "
+                       f"{f(r.get('hop_bytes') if pp else None, ',d')} | "
+                       f"{f(r.get('hop_bytes_per_token') if pp else None, ',.0f')} | {r['compile_s']:.1f} |")
+            continue
         out.append(
             f"| {r['layout']} | {r['devices']} | {1e3 * r['median_step_s']:.1f} | {r['tokens_per_s']:,.0f} | "
             f"{f(r.get('speedup'), '.2f')} | {f(r.get('scaling_efficiency'), '.1%')} | {r['final_loss']:.4f} | "
@@ -207,6 +215,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data_seed", type=int, default=1)
     ap.add_argument("--override", action="append", default=[], help="key=value config override (repeatable)")
+    ap.add_argument("--compile_only", action="store_true",
+                    help="lower and compile each layout (hop bytes, memory) without training")
     ap.add_argument("--fast_compile", action="store_true", help="XLA CPU fast-compile options (tests)")
     ap.add_argument("--read", choices=("reference", "default"), default="reference",
                     help="XLA depth read: 'reference' (vectorised; every layout) or 'default' (the api's "
@@ -215,7 +225,7 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     if args.read == "reference":
         use_reference_read()
-    if args.steps <= args.skip:
+    if args.steps <= args.skip and not args.compile_only:
         ap.error(f"--steps ({args.steps}) must exceed --skip ({args.skip})")
 
     overrides = {"train.steps": args.steps, **parse_overrides(args.override)}
