@@ -50,13 +50,8 @@ def _forward(sources, banks, queries, valid, segment_ids, stream_kernels, heads,
     s_len, m, d = queries.shape
     b, t = sources.shape[1], sources.shape[2]
     q = queries.astype(jnp.float32)
-    state0 = ref.SoftmaxState(
-        max=jnp.full((s_len, m, b, t, heads), ref.NEG_LARGE, jnp.float32),
-        denom=jnp.zeros((s_len, m, b, t, heads), jnp.float32),
-        acc=jnp.zeros((s_len, m, b, t, d), jnp.float32),
-    )
 
-    def body(state, inp):
+    def fold(state, inp):
         x, bank, ok = inp
         e = ref.expand(x, bank, stream_kernels, segment_ids)  # [m, B, T, d]
         k, _ = _keys(e, eps)
@@ -67,7 +62,16 @@ def _forward(sources, banks, queries, valid, segment_ids, stream_kernels, heads,
         acc = _split(state.acc, heads) * keep[..., None] + p[..., None] * _split(e, heads)[None]
         return ref.SoftmaxState(new_max, state.denom * keep + p, acc.reshape(state.acc.shape)), None
 
-    state, _ = jax.lax.scan(body, state0, (sources, banks, valid))
+    empty = ref.SoftmaxState(
+        max=jnp.full((s_len, m, b, t, heads), ref.NEG_LARGE, jnp.float32),
+        denom=jnp.zeros((s_len, m, b, t, heads), jnp.float32),
+        acc=jnp.zeros((s_len, m, b, t, d), jnp.float32),
+    )
+    # The first source is folded outside the scan so the carry takes the sharding /
+    # manual-axis ("varying") type of the data, as scans inside shard_map require.
+    state, _ = fold(empty, (sources[0], banks[0], valid[0]))
+    if sources.shape[0] > 1:
+        state, _ = jax.lax.scan(fold, state, (sources[1:], banks[1:], valid[1:]))
     return state
 
 
@@ -106,7 +110,13 @@ def _phase1_bwd(stream_kernels, heads, eps, res, g):
         dx, dbank = expand_vjp(d_e)
         return dq, (dx, dbank)
 
-    dq, (dx, dbanks) = jax.lax.scan(body, jnp.zeros_like(q), (sources, banks, valid))
+    # As in the forward, the first source is peeled off so the scan carry has the data's type.
+    dq, (dx0, dbank0) = body(jnp.zeros_like(q), (sources[0], banks[0], valid[0]))
+    dx, dbanks = dx0[None], dbank0[None]
+    if sources.shape[0] > 1:
+        dq, (dx_rest, dbanks_rest) = jax.lax.scan(body, dq, (sources[1:], banks[1:], valid[1:]))
+        dx = jnp.concatenate([dx, dx_rest], axis=0)
+        dbanks = jnp.concatenate([dbanks, dbanks_rest], axis=0)
     return (dx.astype(sources.dtype), None if banks is None else dbanks.astype(banks.dtype),
             dq.astype(queries.dtype), None, None)
 

@@ -174,7 +174,8 @@ def test_dispatch_falls_back_to_xla_on_cpu():
     sources, banks, queries = _phase1_inputs(2, 1, 8, 32, 1, kernels)
     kw = dict(stream_kernels=kernels)
     got = api.phase1(sources, banks, queries, **kw)  # implementation=None on CPU -> xla
-    _check_tree(got, reference.phase1(sources, banks, queries, **kw), 1e-7)
+    # The XLA path streams over sources (xla_streaming.py): the same state up to float32 rounding.
+    _check_tree(got, reference.phase1(sources, banks, queries, **kw), 1e-5)
 
 
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow])
