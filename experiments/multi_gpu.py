@@ -33,8 +33,9 @@ Method:
 * hop bytes: ``pipeline.hlo_hop_bytes`` of the compiled HLO (bytes per device of each
   ``ppermute`` of the hop pytree; forward and backward are separate entries; the table shows
   the largest) and ``pipeline.lowered_hop_bytes`` of the lowered StableHLO (program dtypes);
-* depth read: ``--read=reference`` (default) uses the vectorised XLA reference in every layout,
-  since the streaming XLA read fails to trace inside the pipeline (``use_reference_read``);
+* depth read: ``--read=default`` (the api's streaming XLA read, as in training) or
+  ``--read=reference`` (the vectorised XLA reference, ``use_reference_read``); the streaming read
+  traces inside the pipeline since its scan carry takes the data's varying type;
 * bubble: theory ``(S-1)/(R*M+S-1)``; "measured" is ``1 - (t_single / S) / t_pipe``, i.e. the
   step time lost against a perfect S-way split of the one-device step. It is an upper bound on
   the bubble: it also holds the hop transfers, the per-iteration rematerialisation and loop
@@ -91,10 +92,7 @@ def layout_config(name: str, microbatches: int, repeats: int):
 
 def use_reference_read() -> None:
     """Route the XLA path's ``phase1``/``depth_read`` to the vectorised reference instead of
-    ``xla_streaming`` (commit 59be62d). The streaming scan's initial carry is not marked varying
-    over ``stage``, so under the pipeline's ``shard_map(check_vma=True)`` tracing fails with
-    "scan body function carry input and carry output must have equal types ... state.max";
-    using the reference for *every* layout keeps the comparison like for like."""
+    ``xla_streaming`` (``--read=reference``), for comparing the two reads in every layout."""
     from pallas_kernels.depth_attention import api
 
     api.xla_streaming = api.reference
@@ -218,7 +216,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--compile_only", action="store_true",
                     help="lower and compile each layout (hop bytes, memory) without training")
     ap.add_argument("--fast_compile", action="store_true", help="XLA CPU fast-compile options (tests)")
-    ap.add_argument("--read", choices=("reference", "default"), default="reference",
+    ap.add_argument("--read", choices=("reference", "default"), default="default",
                     help="XLA depth read: 'reference' (vectorised; every layout) or 'default' (the api's "
                          "dispatch, i.e. the streaming scan, which fails inside the pipeline's shard_map)")
     ap.add_argument("--json", default=None)
