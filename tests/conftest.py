@@ -9,3 +9,18 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def fast_train_compile():
+    """Compile the training step without XLA's expensive CPU optimisation passes (about half
+    the compile time; used by the training, config and experiment tests)."""
+    from msar_jax.train import step
+
+    old = step.COMPILER_OPTIONS
+    step.COMPILER_OPTIONS = step.FAST_COMPILE
+    yield
+    step.COMPILER_OPTIONS = old

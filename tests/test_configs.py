@@ -6,7 +6,6 @@ one compilation: the step's loss is cached by the model config.
 
 import pathlib
 
-import jax
 import numpy as np
 import pytest
 
@@ -23,12 +22,7 @@ CONFIG_FILES = sorted(
 _LOSSES: dict = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compile():
-    old = step.COMPILER_OPTIONS
-    step.COMPILER_OPTIONS = step.FAST_COMPILE
-    yield
-    step.COMPILER_OPTIONS = old
+pytestmark = pytest.mark.usefixtures("fast_train_compile")
 
 
 def test_every_family_is_shipped():

@@ -9,15 +9,9 @@ import numpy as np
 import pytest
 
 from msar_jax.experiments import ablation, plots, scaling, tables
-from msar_jax.train import step
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compile():
-    old = step.COMPILER_OPTIONS
-    step.COMPILER_OPTIONS = step.FAST_COMPILE
-    yield
-    step.COMPILER_OPTIONS = old
+pytestmark = pytest.mark.usefixtures("fast_train_compile")
 
 
 # ---------------------------------------------------------------- scaling law (Eq. 18)

@@ -24,12 +24,7 @@ from msar_jax.train.checkpoint import Checkpointer
 from msar_jax.train.metrics import read_jsonl
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _fast_compile():
-    old = step.COMPILER_OPTIONS
-    step.COMPILER_OPTIONS = step.FAST_COMPILE
-    yield
-    step.COMPILER_OPTIONS = old
+pytestmark = pytest.mark.usefixtures("fast_train_compile")
 
 
 def smoke_config(**overrides):
