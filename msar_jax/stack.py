@@ -283,6 +283,7 @@ class DepthStack:
             b = None if bctx is None else jax.tree.map(lambda a: a[sub], bctx)
             if S == 1:
                 b = mech.begin_block(g, jax.tree.map(lambda a: a[None], p), state, pos, ctx)
+                b = None if b is None else jax.tree.map(lambda a: a[0], b)  # the one target of the block
             h, aux = mech.read(g, p, state, b, pos, ctx, want_weights=collect_weights)
             h = jax.ad_checkpoint.checkpoint_name(h, "sublayer_input")
             v, aux_loss = self.sublayer_fn(sub_kind, params, h, ctx)

@@ -139,7 +139,10 @@ class BlockDepthAttention(ResidualMechanism):
         return jnp.arange(self.n_blocks + 1) < pos.n_completed
 
     def begin_block(self, g, p_block, state, pos, ctx):
-        if not self.res_cfg.two_phase or self.block_size == 1:
+        # Full mode (S = 1) runs the same two phases: phase 1 of the one target over the
+        # completed sources, phase 2 (partial empty) only finalises and fuses; that keeps the
+        # fused gate's recomputing backward (``phase2_fused``) on every read.
+        if not self.res_cfg.two_phase:
             return None
         return _recomputed(
             self._op(depth_api.phase1), state.sources, self.source_banks(g), p_block["queries"],
@@ -174,12 +177,32 @@ class BlockDepthAttention(ResidualMechanism):
         )
         return z, None
 
+    def gate(self, p) -> tuple | None:
+        """``(W, a, b)`` of the H_pre stream gate (Eq. 13-14), or ``None`` for the mean over
+        streams (with one stream, AttnRes and MHAR, the mean is the stream itself)."""
+        return None
+
     def fuse(self, p, z):
-        return z[0]
+        gate = self.gate(p)
+        if gate is None:
+            return depth_ref.fuse_mean(z)
+        return depth_ref.fuse_gate(z, *gate, eps=self.res_cfg.eps)
 
     def read(self, g, p, state, bctx, pos, ctx, want_weights=False):
+        dtype = state.carry["partial"].dtype
+        if bctx is not None and not want_weights:
+            # Phase 2 and the stream fusion in one op: the m retrieved streams are never an
+            # output, and its backward recomputes them in closed form (xla_streaming).
+            h = _recomputed(
+                functools.partial(self._op(depth_api.phase2_fused), gate_eps=self.res_cfg.eps),
+                bctx, state.carry["partial"], self.partial_bank(g, pos), p["queries"],
+                jnp.logical_not(pos.first_in_block), self.gate(p),
+                batch_axes=((1, 1, 1), 0, None, None, None, None), out_batch_axis=0,
+                chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
+            ).astype(dtype)
+            return h, {"h": h, "weights": None}
         z, weights = self.retrieve(g, p, state, bctx, pos, ctx, want_weights)
-        h = self.fuse(p, z).astype(state.carry["partial"].dtype)
+        h = self.fuse(p, z).astype(dtype)
         return h, {"h": h, "weights": weights}
 
     def write(self, g, p, state, v, aux, pos, ctx):

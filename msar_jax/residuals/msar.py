@@ -86,10 +86,10 @@ class MSAR(BlockDepthAttention):
     def init_carry(self, e):
         return {"partial": jnp.zeros_like(e), "last": jnp.zeros_like(e)}
 
-    def fuse(self, p, z):
+    def gate(self, p):
         if self.res_cfg.fusion == "mean":
-            return depth_ref.fuse_mean(z)
-        return depth_ref.fuse_gate(z, p["gate_w"], p["gate_a"], p["gate_b"], eps=self.res_cfg.eps)
+            return None
+        return p["gate_w"], p["gate_a"], p["gate_b"]
 
     def write(self, g, p, state, v, aux, pos, ctx):
         carry = {**state.carry, "partial": state.carry["partial"] + v, "last": aux["h"] + v}

@@ -60,7 +60,7 @@ def _dispatch(op: str, implementation: Implementation, *args, **kwargs):
     errors = []
     for name in _candidates(implementation):
         if name == "xla":
-            if op in ("phase1", "depth_read") and not kwargs.get("return_weights"):
+            if op in ("phase1", "phase2_fused", "depth_read") and not kwargs.get("return_weights"):
                 # One source in flight at a time, recomputing backward (xla_streaming.py).
                 return getattr(xla_streaming, op)(*args, **kwargs)
             return getattr(reference, op)(*args, **kwargs)

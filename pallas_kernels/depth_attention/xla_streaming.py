@@ -161,3 +161,152 @@ def depth_read(
     state = phase1(sources, banks, query[None], valid, stream_kernels=stream_kernels, heads=heads,
                    segment_ids=segment_ids, eps=eps)
     return ref.finalize(jax.tree.map(lambda a: a[0], state))
+
+
+# ----------------------------------------------------------------------------------------
+# Phase 2 with the stream fusion, closed-form recomputing backward.
+#
+# Forward (per head; c, q, D', acc' as in ``reference.merge``):
+#   e = expand(partial), k = rms(e), s = q_r . k (per head), M' = max(M, s),
+#   c = exp(M - M'), p = exp(s - M') (0 when the partial is excluded),
+#   D' = c D + p, acc' = c A + p e, z = acc' / D', h = sum_r g_r z_r with
+#   g = sigmoid(a * rms_{m d}(Z) @ W + b) (Eq. 13-14) or g_r = 1/m (mean fusion).
+# Backward from dh:
+#   gate:    dg = dh . z_r, dlogit = dg g (1 - g), dy = a r_z dlogit, d r_z = a sum(dlogit y),
+#            dz_r = g_r dh + [W dy]_r - d r_z r_z^3 z_r / (m d)   (r_z = rms over all m d entries)
+#   finalize: dacc' = dz / D', dD' = -sum_d(dz z) / D'
+#   merge:   dA = c dacc', dD = c dD', dM = sum(dA A) + dD D = c p sum(dz (A - e D)) / D'^2,
+#            ds = p (dD' + sum_d dacc' e), de = p dacc'
+#   keys:    de += r (dk - k mean_d(k dk)) with dk = ds q (per head)
+#   expand:  its own vjp gives d partial and d bank.
+# Only the inputs are kept between forward and backward; the backward holds a handful of
+# [m, B, T, d] float32 arrays at once (autodiff of the reference keeps about twice as many,
+# plus the gate's transposed copies).
+# ----------------------------------------------------------------------------------------
+
+
+def _gate_forward(z, gate, gate_eps):
+    """``(h, saved)`` for ``z[m, B, T, d]``; ``gate=None`` is mean fusion."""
+    m, d = z.shape[0], z.shape[-1]
+    if gate is None:
+        return jnp.mean(z, axis=0), None
+    w, scale, bias = gate
+    w3 = w.astype(jnp.float32).reshape(m, d, m)  # rows of W in flatten(Z) order: stream-major
+    rz = jax.lax.rsqrt(jnp.sum(z * z, axis=(0, 3)) / (m * d) + gate_eps)  # [B, T]
+    y = jnp.einsum("mbtd,mdk->btk", z, w3)  # [B, T, m], before the rms
+    g = jax.nn.sigmoid(scale * rz[..., None] * y + bias)
+    h = jnp.einsum("btm,mbtd->btd", g, z)
+    return h, (w3, scale, rz, y, g)
+
+
+def _gate_backward(z, dh, gate, saved):
+    """``(dz, d_gate)`` of ``_gate_forward``."""
+    m, d = z.shape[0], z.shape[-1]
+    if gate is None:
+        return jnp.broadcast_to(dh / m, z.shape), None
+    w3, scale, rz, y, g = saved
+    dg = jnp.einsum("btd,mbtd->btm", dh, z)
+    dlogit = dg * g * (1.0 - g)  # [B, T, m]
+    d_bias = jnp.sum(dlogit, axis=(0, 1))
+    d_scale = jnp.sum(dlogit * rz[..., None] * y)
+    dy = scale * rz[..., None] * dlogit  # through logit = a * rz * y
+    d_rz = scale * jnp.sum(dlogit * y, axis=-1)  # [B, T]
+    # rz = (sum z^2 / (m d) + eps)^(-1/2): d rz / d z = -rz^3 z / (m d)
+    coef = -d_rz * rz**3 / (m * d)  # [B, T]
+    dz = g.transpose(2, 0, 1)[..., None] * dh[None] + jnp.einsum("btk,mdk->mbtd", dy, w3) + coef[..., None] * z
+    d_w = jnp.einsum("mbtd,btk->mdk", z, dy).reshape(m * d, m)
+    return dz, (d_w, d_scale.reshape(jnp.shape(gate[1])), d_bias)
+
+
+def _phase2_forward(state, partial, bank, query, include, gate, segment_ids, stream_kernels, heads, eps, gate_eps):
+    q = query.astype(jnp.float32)
+    e = ref.expand(partial, bank, stream_kernels, segment_ids)  # [m, B, T, d]
+    k, r = _keys(e, eps)
+    s = jnp.where(include, jnp.einsum("mbthe,mhe->mbth", _split(k, heads), _split(q, heads)), ref.NEG_LARGE)
+    new_max = jnp.maximum(state.max, s)
+    keep = jnp.exp(state.max - new_max)
+    p = jnp.where(include, jnp.exp(s - new_max), 0.0)
+    denom = state.denom * keep + p
+    acc = _split(state.acc, heads) * keep[..., None] + p[..., None] * _split(e, heads)
+    z = (acc / denom[..., None]).reshape(e.shape)
+    h, saved = _gate_forward(z, gate, gate_eps)
+    return h, (e, k, r, keep, p, denom, z, saved)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _phase2_fused(state, partial, bank, query, include, gate, segment_ids, stream_kernels, heads, eps, gate_eps):
+    return _phase2_forward(state, partial, bank, query, include, gate, segment_ids, stream_kernels, heads, eps,
+                           gate_eps)[0]
+
+
+def _phase2_fused_fwd(state, partial, bank, query, include, gate, segment_ids, stream_kernels, heads, eps, gate_eps):
+    h = _phase2_fused(state, partial, bank, query, include, gate, segment_ids, stream_kernels, heads, eps, gate_eps)
+    return h, (state, partial, bank, query, include, gate, segment_ids)
+
+
+def _phase2_fused_bwd(stream_kernels, heads, eps, gate_eps, res, dh):
+    state, partial, bank, query, include, gate, segment_ids = res
+    dh = dh.astype(jnp.float32)
+
+    def expand(xx, bb):
+        return ref.expand(xx, bb, stream_kernels, segment_ids)
+
+    e, expand_vjp = jax.vjp(expand, partial, bank)
+    # Recompute the forward from the expansion (the same ops as _phase2_forward).
+    q = query.astype(jnp.float32)
+    k, r = _keys(e, eps)
+    qh = _split(q, heads)
+    s = jnp.where(include, jnp.einsum("mbthe,mhe->mbth", _split(k, heads), qh), ref.NEG_LARGE)
+    new_max = jnp.maximum(state.max, s)
+    keep = jnp.exp(state.max - new_max)
+    p = jnp.where(include, jnp.exp(s - new_max), 0.0)
+    denom = state.denom * keep + p
+    eh = _split(e, heads)
+    z = ((_split(state.acc, heads) * keep[..., None] + p[..., None] * eh) / denom[..., None]).reshape(e.shape)
+    _, saved = _gate_forward(z, gate, gate_eps)
+
+    dz, d_gate = _gate_backward(z, dh, gate, saved)
+    d_acc_new = _split(dz, heads) / denom[..., None]  # [m, B, T, H, dh]
+    d_denom_new = -jnp.sum(_split(dz * z, heads), axis=-1) / denom  # [m, B, T, H]
+    d_acc = (d_acc_new * keep[..., None]).reshape(e.shape)
+    d_denom = d_denom_new * keep
+    # dM = sum(dA A) + dD D (shift invariance) = c p sum(dz (A - e D)) / D'^2: the same value
+    # without the cancellation, so it is exactly 0 when the partial is excluded (p = 0).
+    a_minus_ed = _split(state.acc, heads) - eh * state.denom[..., None]
+    d_max = keep * p * jnp.sum(_split(dz, heads) * a_minus_ed, axis=-1) / (denom * denom)
+    ds = p * (d_denom_new + jnp.sum(d_acc_new * eh, axis=-1))  # [m, B, T, H]
+    d_e = (p[..., None] * d_acc_new).reshape(e.shape)
+    dk = (ds[..., None] * qh[:, None, None]).reshape(e.shape)
+    d_e = d_e + r * (dk - k * jnp.mean(k * dk, axis=-1, keepdims=True))
+    d_query = jnp.einsum("mbth,mbthe->mhe", ds, _split(k, heads)).reshape(query.shape)
+    d_partial, d_bank = expand_vjp(d_e)
+    d_state = ref.SoftmaxState(d_max, d_denom, d_acc)
+    return (d_state, d_partial.astype(partial.dtype), d_bank.astype(bank.dtype), d_query.astype(query.dtype), None, d_gate, None)
+
+
+_phase2_fused.defvjp(_phase2_fused_fwd, _phase2_fused_bwd)
+
+
+def phase2_fused(
+    state: ref.SoftmaxState,
+    partial: jax.Array,
+    bank: jax.Array | None,
+    query: jax.Array,
+    include_partial: jax.Array | bool = True,
+    gate: tuple | None = None,
+    *,
+    stream_kernels: Sequence[int],
+    heads: int = 1,
+    segment_ids: jax.Array | None = None,
+    eps: float = 1e-6,
+    gate_eps: float = 1e-6,
+) -> jax.Array:
+    """``reference.phase2_fused`` with a closed-form, recomputing backward (same arguments and result)."""
+    state = ref.SoftmaxState(*(jnp.asarray(a, jnp.float32) for a in state))
+    if bank is None:
+        bank = jnp.zeros((0, partial.shape[-1]), jnp.float32)
+    if gate is not None:
+        gate = tuple(jnp.asarray(a, jnp.float32) for a in gate)
+    include = jnp.asarray(include_partial, bool)
+    return _phase2_fused(state, partial, bank, query, include, gate, segment_ids, tuple(stream_kernels), heads,
+                         float(eps), float(gate_eps))
