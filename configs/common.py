@@ -11,7 +11,9 @@ overridden on the command line with ``--config.model.d_model=128`` or ``--config
 
 Top-level fields: ``size``, ``seq_len``, ``model`` (``msar_jax.config.model_config``), and the
 training sections ``train``, ``optim``, ``data``, ``checkpoint`` (``train_config()`` etc. below;
-their per-size defaults are in ``TRAIN_SIZES``; checked by ``msar_jax.train.validate``).
+their per-size defaults are in ``TRAIN_SIZES``; checked by ``msar_jax.train.validate``), and
+``parallel`` (mesh degrees, pipeline, multi-host start-up: ``msar_jax.parallel.config``; one
+device by default, e.g. ``--config.parallel.mesh.fsdp=4``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import ml_collections
 
 from msar_jax import config as config_lib
+from msar_jax.parallel.config import parallel_config
 
 # Backbone sizes. tiny: CPU in minutes; small: ~25-50M parameters; base: ~350M.
 # paper_*: Table 3 (10B ablation model, 18B and 28B main models); scaling_*: Table 4.
@@ -255,6 +258,7 @@ def make_config(mechanism: str, arg: str | None = None, default_size: str = "tin
     config.optim = optim_config()
     config.data = data_config()
     config.checkpoint = checkpoint_config()
+    config.parallel = parallel_config()  # one device unless set (msar_jax/parallel/config.py)
     for section, values in TRAIN_SIZES.get(size, {}).items():
         config[section].update(values)
     if smoke:

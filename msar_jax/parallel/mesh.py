@@ -1,7 +1,8 @@
 """Device mesh, the one logical-axis rules table, and sharded parameters and train state.
 
-The mesh has four named axes (MaxText style), each with a degree from the config
-(``-1`` = whatever is left of the device count):
+The mesh has four named axes (MaxText style), each with a degree from the config's
+``parallel.mesh`` (``msar_jax.parallel.config``; ``-1`` = whatever is left of the device count;
+``select_devices`` picks the devices a run uses):
 
 * ``data``: data parallel (batch rows; parameters replicated);
 * ``stage``: pipeline stages (``msar_jax.parallel.pipeline``); data parallel elsewhere;
@@ -34,8 +35,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from msar_jax import sharding as sharding_lib
 from msar_jax.config import ConfigError
-
-MESH_AXES = ("data", "stage", "fsdp", "tensor")  # outer (slow links) to inner (fast links)
+from msar_jax.parallel.config import MESH_AXES, check_degrees, parallel_config  # noqa: F401 (re-exported)
 
 # The one rules table: logical name -> mesh axes (MaxText's logical_axis_rules).
 RULES: tuple[tuple[str, Any], ...] = (
@@ -71,33 +71,10 @@ def rules_for(parallel_cfg: ml_collections.ConfigDict | None) -> tuple:
     return RULES
 
 
-def parallel_config() -> ml_collections.ConfigDict:
-    """Defaults of the ``parallel`` config section: mesh degrees and the pipeline."""
-    return ml_collections.ConfigDict(dict(
-        mesh=dict(data=-1, stage=1, fsdp=1, tensor=1),  # degrees; one of them may be -1 (the rest)
-        pipeline=dict(
-            stages=1,  # pipeline stages (= mesh.stage degree); 1 = no pipeline
-            repeats=1,  # circular (virtual) stages per device; 1 = GPipe
-            microbatches=1,  # microbatches per global batch; a multiple of stages
-            cache=True,  # circular: keep received block summaries, send only the new ones
-        ),
-        distributed=dict(
-            initialize="auto",  # "auto" (when the environment names a cluster), "always", "never"
-        ),
-    ))
-
-
 def mesh_degrees(mesh_cfg, n_devices: int) -> tuple[int, ...]:
     """Per-axis degrees in ``MESH_AXES`` order with ``-1`` resolved; raises ``ConfigError``."""
-    degrees = []
-    for name in MESH_AXES:
-        value = mesh_cfg[name]
-        if not isinstance(value, int) or isinstance(value, bool) or (value < 1 and value != -1):
-            raise ConfigError(f"parallel.mesh.{name}", value, "must be a positive integer or -1 (the rest)")
-        degrees.append(value)
+    degrees = list(check_degrees(mesh_cfg))
     auto = [i for i, v in enumerate(degrees) if v == -1]
-    if len(auto) > 1:
-        raise ConfigError("parallel.mesh", dict(mesh_cfg), "at most one axis may be -1")
     fixed = math.prod(v for v in degrees if v != -1)
     if auto:
         if n_devices % fixed:
@@ -108,6 +85,26 @@ def mesh_degrees(mesh_cfg, n_devices: int) -> tuple[int, ...]:
         raise ConfigError("parallel.mesh", dict(zip(MESH_AXES, degrees)),
                           f"degrees multiply to {math.prod(degrees)} but there are {n_devices} devices")
     return tuple(degrees)
+
+
+def select_devices(mesh_cfg, devices: Sequence | None = None) -> list:
+    """The devices a run with these degrees uses (default pool ``jax.devices()``): all of them
+    when an axis is ``-1`` or the degrees multiply to their number; the first ``prod(degrees)``
+    when that is smaller and this is a single process; ``ConfigError`` naming ``parallel.mesh``
+    when the degrees need more devices than there are, or leave some of a multi-process run out."""
+    devices = list(jax.devices() if devices is None else devices)
+    degrees = check_degrees(mesh_cfg)
+    if -1 in degrees:
+        return devices
+    n = math.prod(degrees)
+    given = dict(zip(MESH_AXES, degrees))
+    if n > len(devices):
+        raise ConfigError("parallel.mesh", given, f"degrees multiply to {n} but there are only {len(devices)} devices")
+    if n < len(devices) and jax.process_count() > 1:
+        raise ConfigError("parallel.mesh", given,
+                          f"degrees multiply to {n} but a run of {jax.process_count()} processes must use all "
+                          f"{len(devices)} devices (set one axis to -1)")
+    return devices[:n]
 
 
 def make_mesh(mesh_cfg, devices: Sequence | None = None) -> jax.sharding.Mesh:

@@ -48,7 +48,8 @@ def cluster_detected(environ: Mapping[str, str] | None = None) -> str | None:
 def maybe_initialize(mode: str = "auto", environ: Mapping[str, str] | None = None) -> bool:
     """Call ``jax.distributed.initialize`` per ``parallel.distributed.initialize``:
     ``"auto"`` when ``cluster_detected``, ``"always"``, or ``"never"``. Must run before
-    anything touches the devices. Returns whether it initialised.
+    anything touches the devices. Returns whether it initialised (``False`` also when
+    ``jax.distributed`` already is).
 
     With ``JAX_COORDINATOR_ADDRESS`` (host:port), ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``
     set, those are passed explicitly (a hand-launched GPU cluster); otherwise JAX's cluster
@@ -58,6 +59,8 @@ def maybe_initialize(mode: str = "auto", environ: Mapping[str, str] | None = Non
         raise ConfigError("parallel.distributed.initialize", mode, "must be 'auto', 'always' or 'never'")
     environ = os.environ if environ is None else environ
     if mode == "never" or (mode == "auto" and cluster_detected(environ) is None):
+        return False
+    if jax.distributed.is_initialized():  # a second run in the same processes (a notebook, a sweep)
         return False
     kwargs = {}
     if environ.get("JAX_COORDINATOR_ADDRESS"):
