@@ -119,11 +119,27 @@ def make_eval_step(model_def: ModelDef) -> Callable:
 _CACHE: dict = {}
 
 
-def compiled_steps(config, model_def: ModelDef, tx, schedule) -> tuple[Callable, Callable]:
+def compiled_steps(config, model_def: ModelDef, tx, schedule, layout=None) -> tuple[Callable, Callable]:
     """``(train_step, eval_step)`` for ``config``, shared by every run in this process with the
-    same model, optimizer and step count (a notebook or a test that trains twice compiles once)."""
-    key = (config.model.to_json(), config.optim.to_json(), int(config.train.steps), str(COMPILER_OPTIONS))
+    same model, optimizer, step count and layout (a notebook or a test that trains twice
+    compiles once).
+
+    ``layout`` (``msar_jax.parallel.layout.Layout``): ``None`` or a single-device layout gives
+    the plain jitted steps above (arrays on the default device); any other layout gives its
+    sharded steps (``Layout.train_step`` / ``Layout.eval_step``), each called inside the layout's
+    mesh and rules table. Both take ``(state, batch)`` / ``(params, batch)`` with the batch a
+    device array (``Layout.global_batch`` / ``global_eval_batch``; ``jax.device_put`` for the plain
+    steps)."""
+    sharded = layout is not None and not layout.single_device
+    key = (config.model.to_json(), config.optim.to_json(), int(config.train.steps), str(COMPILER_OPTIONS),
+           layout.key if sharded else None)
     if key not in _CACHE:
         _CACHE.clear()  # keep one: compiled executables hold memory
-        _CACHE[key] = (make_train_step(model_def, tx, schedule), make_eval_step(model_def))
+        if sharded:
+            _, _, ssh = layout.abstract_state(config.model, tx)
+            train_step = layout.bind(layout.train_step(model_def, tx, schedule, config.model, ssh, COMPILER_OPTIONS))
+            eval_step = layout.bind(layout.eval_step(model_def, config.model, COMPILER_OPTIONS), layout.eval_rules)
+            _CACHE[key] = (train_step, eval_step)
+        else:
+            _CACHE[key] = (make_train_step(model_def, tx, schedule), make_eval_step(model_def))
     return _CACHE[key]

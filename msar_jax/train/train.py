@@ -2,6 +2,11 @@
 
     python -m msar_jax.train --config=configs/msar.py:size=tiny --workdir=runs/msar_tiny
     python -m msar_jax.train --config=configs/ablations/m8.py:smoke=1 --workdir=/tmp/smoke --config.optim.lr=1e-3
+    python -m msar_jax.train --config=configs/msar.py:size=small --workdir=runs/msar_small_fsdp4 \
+        --config.parallel.mesh.fsdp=4
+    python -m msar_jax.train --config=configs/msar.py:size=small --workdir=runs/msar_small_pp2 \
+        --config.parallel.mesh.stage=2 --config.parallel.mesh.data=-1 \
+        --config.parallel.pipeline.stages=2 --config.parallel.pipeline.microbatches=4
 
 From a notebook::
 
@@ -11,8 +16,21 @@ From a notebook::
 
 What a run does (config sections: configs/common.py):
 
+* devices (the ``parallel`` section, ``msar_jax.parallel.config``): ``jax.distributed.initialize``
+  first when the environment names a cluster (``multihost.maybe_initialize``); then the mesh
+  ``data x stage x fsdp x tensor`` (``jax.make_mesh``; one device by default, ``-1`` = the rest),
+  checked up front against the devices, the model and the batch (``ConfigError`` naming the field:
+  degrees vs device count, batch divisible by the batch axes and by the microbatches, layers by
+  stages x repeats) and printed once (``mesh: ...`` on stderr). On one device the state lives on
+  the default device as always; on a mesh it is created sharded (``mesh.init_sharded_state``), the
+  train step is jitted with the state's shardings in and out, and with ``parallel.pipeline.stages
+  > 1`` its loss is the pipeline's (``msar_jax.parallel.pipeline``). The eval step is always the
+  sequential forward on the same (sharded) params, its batch split over ``data x stage x fsdp``
+  (``msar_jax.parallel.layout`` says why);
 * data: ``msar_jax.data.ensure_prepared`` (built on first use), a shuffled grain iterator of
-  ``[train.batch_size, seq_len + 1]`` windows seeded with ``train.seed``;
+  ``[train.batch_size, seq_len + 1]`` windows seeded with ``train.seed``; each process reads its
+  ``batch_size / process_count`` rows and the global batch is assembled from them
+  (``multihost.global_batch``);
 * every step: the jitted, donated train step (``step.py``); the loss, grad/update/param
   norms, learning rate, step time, tokens/s and MFU (training FLOPs per token from
   ``msar_jax.accounting``; ``None`` where the chip's peak is unknown, e.g. CPU) go to
@@ -22,7 +40,10 @@ What a run does (config sections: configs/common.py):
 * every ``checkpoint.every`` steps, at the end, at ``max_steps`` and on SIGTERM / SIGINT: an
   orbax checkpoint (train state + data-iterator position), asynchronous, newest
   ``checkpoint.keep`` kept. A run on a workdir that has checkpoints resumes from the newest
-  (``checkpoint.resume``), bit-for-bit on CPU: same params, optimizer state and batches;
+  (``checkpoint.resume``), bit-for-bit on CPU: same params, optimizer state and batches. The
+  checkpoint holds the state in its canonical layout, so a run may resume under another mesh
+  (other degrees, another device count, with or without the pipeline): orbax loads it straight
+  into the new shardings;
 * SIGTERM / SIGINT: finish the current step, save, return ``stopped="SIGTERM"`` (a second
   SIGINT interrupts at once);
 * a NaN or Inf loss (or gradient / update norm): the step's update is not applied, nothing is
@@ -31,7 +52,8 @@ What a run does (config sections: configs/common.py):
 * at the end: the learned depth-attention weights on one val batch (``introspection.py``) in
   ``<workdir>/depth_weights.{npz,json}`` (mechanisms with depth attention only).
 
-The workdir also gets ``config.json`` (the resolved config).
+The workdir also gets ``config.json`` (the resolved config). In a multi-process run process 0
+writes the logs and the progress bar; every process takes part in the checkpoints.
 """
 
 from __future__ import annotations
@@ -52,6 +74,9 @@ import numpy as np
 from msar_jax import accounting, data
 from msar_jax import config as config_lib
 from msar_jax.config import ConfigError
+from msar_jax.parallel import layout as layout_lib
+from msar_jax.parallel import multihost
+from msar_jax.parallel.config import parallel_config
 from msar_jax.train import introspection
 from msar_jax.train.checkpoint import Checkpointer
 from msar_jax.train.metrics import MetricsLogger, Throughput
@@ -101,7 +126,23 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _nonneg_int("data.vocab_size", config.data.vocab_size)
     _nonneg_int("checkpoint.every", config.checkpoint.every)
     _pos_int("checkpoint.keep", config.checkpoint.keep)
+    # The parallel section without devices (mesh degrees, pipeline vs layers / batch); the
+    # mesh itself is checked against the devices in train() (layout.make_layout).
+    layout_lib.validate(parallel_section(config), config.model, t.batch_size)
     return config
+
+
+def parallel_section(config) -> ml_collections.ConfigDict:
+    """``config.parallel``, or the defaults (one device) for a config made without one."""
+    return config.parallel if "parallel" in config else parallel_config()
+
+
+def make_layout(config) -> layout_lib.Layout:
+    """The run's mesh (``parallel`` section) over this process's view of the devices, checked
+    against the devices, the model and the batch (``ConfigError`` naming the field)."""
+    t = config.train
+    return layout_lib.make_layout(parallel_section(config), config.model, t.batch_size,
+                                  eval_batch_size=t.eval_batch_size or t.batch_size)
 
 
 def prepare_data(config) -> tuple[Path, dict]:
@@ -116,15 +157,28 @@ def prepare_data(config) -> tuple[Path, dict]:
     return out, meta
 
 
-def evaluate(eval_step, params, data_dir, config, meta) -> dict:
-    """Mean validation loss over the first ``train.eval_batches`` val batches, and bits per byte."""
+def evaluate(eval_step, params, data_dir, config, meta, put: Callable = jax.device_put) -> dict:
+    """Mean validation loss over the first ``train.eval_batches`` val batches, and bits per byte.
+
+    ``put`` turns this process's rows of a batch into the step's input (``Layout.global_eval_batch``
+    under a mesh); every process reads its share of each global batch."""
     bs = config.train.eval_batch_size or config.train.batch_size
-    losses = [float(eval_step(params, jax.device_put(b)))
+    losses = [float(eval_step(params, put(b)))
               for b in data.make_eval_batches(data_dir, bs, config.seq_len, max_batches=config.train.eval_batches)]
     loss = float(np.mean(losses))
     bytes_per_token = meta.get("bytes_per_token", {}).get("val")
     bpb = loss / math.log(2) / bytes_per_token if bytes_per_token else None
     return {"val_loss": loss, "val_bpb": bpb, "val_tokens": len(losses) * bs * config.seq_len}
+
+
+class _NoLogger:
+    """The metrics logger of a process other than 0 (process 0 writes the run's logs)."""
+
+    def write(self, kind, step, values):
+        return values
+
+    def close(self):
+        pass
 
 
 class _SignalStop:
@@ -169,45 +223,66 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
     "SIGINT"), ``losses`` ([step, loss] of the steps run in this call), ``final_loss``,
     ``val_loss``, ``val_bpb``, ``unigram_val_nats``, ``checkpoint_step``, ``resumed_from``,
     ``wall_time_s``, ``tokens_per_s`` (mean after the first step), ``workdir``, ``depth_weights``
-    (path prefix or None), ``data_dir``.
+    (path prefix or None), ``data_dir``, ``mesh`` (axis -> degree) and ``pipeline`` (the
+    ``parallel.pipeline`` settings, or None without a pipeline).
     """
     t_start = time.perf_counter()
     validate(config)
+    pcfg = parallel_section(config)
+    multihost.maybe_initialize(pcfg.distributed.initialize)  # before anything touches the devices
+    layout = make_layout(config)
+    primary = jax.process_index() == 0
+    if primary:
+        print(f"mesh: {layout.describe()}", file=sys.stderr, flush=True)
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2), encoding="utf-8")
+    if primary:
+        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2), encoding="utf-8")
     t = config.train
     total = t.steps
     end = total if max_steps is None else min(max_steps, total)
 
     data_dir, meta = prepare_data(config)
     tx, schedule = make_optimizer(config.optim, total)
-    model_def, params = init_model(config.model, t.seed)
-    state = init_state(params, tx)
-    iterator = data.make_train_iterator(data_dir, "train", t.batch_size, config.seq_len, t.seed)
-
+    # This process's rows of every global batch (all of them on a single process).
+    iterator = multihost.train_iterator(data_dir, t.batch_size, config.seq_len, t.seed)
     ckpt = Checkpointer(workdir, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+    resume = config.checkpoint.resume and ckpt.latest_step() is not None
+    if layout.single_device:  # the plain path: arrays on the default device
+        model_def, params = init_model(config.model, t.seed)
+        state = init_state(params, tx)
+        put_batch, put_eval_batch = jax.device_put, jax.device_put
+    else:  # created (or restored) in the layout's shardings, never whole on one device
+        if resume:
+            model_def, state, _ = layout.restore_target(config.model, tx)
+        else:
+            model_def, state, _ = layout.init_state(config.model, tx, t.seed)
+        put_batch, put_eval_batch = layout.global_batch, layout.global_eval_batch
+
     resumed_from = None
-    if config.checkpoint.resume and ckpt.latest_step() is not None:
+    if resume:  # into this layout, whatever mesh the checkpoint was written under
         state, _ = ckpt.restore(state, iterator)
         resumed_from = int(state["step"])
     start = int(state["step"])
 
-    train_step, eval_step = compiled_steps(config, model_def, tx, schedule)
+    train_step, eval_step = compiled_steps(config, model_def, tx, schedule, layout)
     try:
         flops_per_token = accounting.account(config)["flops"]["train"]["model_total"]
     except Exception:  # accounting is informative only; never block a run on it
         flops_per_token = None
     peak = accounting.peak_flops(jax.devices()[0])
+    if peak is not None:
+        peak *= layout.mesh.size  # the whole mesh works on one step
     tokens_per_step = t.batch_size * config.seq_len
     throughput = Throughput(tokens_per_step, flops_per_token, peak)
-    logger = MetricsLogger(workdir, tensorboard=t.tensorboard)
+    logger = MetricsLogger(workdir, tensorboard=t.tensorboard) if primary else _NoLogger()
     stop = _SignalStop(handle_signals)
 
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=end, initial=start, disable=not t.progress, desc=f"train {config.model.residual.name}",
-               unit="step", dynamic_ncols=True, mininterval=0.5, file=sys.stderr)
+    bar = tqdm(total=end, initial=start, disable=not (t.progress and primary),
+               desc=f"train {config.model.residual.name}", unit="step", dynamic_ncols=True, mininterval=0.5,
+               file=sys.stderr)
     losses, speeds = [], []
     last_eval = None
     stopped = "done" if end == total else "max_steps"
@@ -224,7 +299,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
             batch = next(iterator)
             if batch_hook is not None:
                 batch = batch_hook(step + 1, batch)
-            state, m = train_step(state, jax.device_put(batch))
+            state, m = train_step(state, put_batch(batch))
             m = jax.device_get(m)
             speed = throughput.tick()
             if not bool(m["finite"]):
@@ -249,7 +324,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
             if step_hook is not None:
                 step_hook(step, record)
             if (t.eval_every and step % t.eval_every == 0) or step == total:
-                last_eval = {"step": step, **evaluate(eval_step, state["params"], data_dir, config, meta)}
+                last_eval = {"step": step, **evaluate(eval_step, state["params"], data_dir, config, meta, put_eval_batch)}
                 logger.write("eval", step, {k: v for k, v in last_eval.items() if k != "step"})
                 bar.write(f"step {step}: val loss {last_eval['val_loss']:.4f}"
                           + (f" ({last_eval['val_bpb']:.3f} bits/byte)" if last_eval["val_bpb"] else ""))
@@ -263,7 +338,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
                 break
         if failure is None:
             if last_eval is None or last_eval["step"] != step:
-                last_eval = {"step": step, **evaluate(eval_step, state["params"], data_dir, config, meta)}
+                last_eval = {"step": step, **evaluate(eval_step, state["params"], data_dir, config, meta, put_eval_batch)}
                 logger.write("eval", step, {k: v for k, v in last_eval.items() if k != "step"})
             save(stopped)
     finally:
@@ -276,7 +351,10 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
         raise failure
 
     depth_path = None
-    if t.depth_weights and step > 0:
+    if t.depth_weights and step > 0 and jax.process_count() > 1:
+        print("note: depth-attention introspection is skipped in a multi-process run "
+              "(python -m msar_jax.train.introspection reads it from the checkpoint)", file=sys.stderr)
+    elif t.depth_weights and step > 0:
         batch = introspection.default_batch(data_dir, config)
         try:
             weights = introspection.depth_weights(model_def, state["params"], batch)
@@ -302,6 +380,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
         "tokens_per_s": float(np.mean(speeds)) if speeds else None,
         "wall_time_s": time.perf_counter() - t_start,
         "depth_weights": depth_path,
+        "mesh": dict(layout.mesh.shape),
+        "pipeline": dict(pcfg.pipeline) if layout.pipelined else None,
     }
 
 
