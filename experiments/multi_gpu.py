@@ -57,7 +57,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from msar_jax.configs import load_config  # noqa: E402
-from msar_jax.data import make_global_batch  # noqa: E402
+from msar_jax.parallel import layout as layout_lib  # noqa: E402
 from msar_jax.parallel import mesh as mesh_lib  # noqa: E402
 from msar_jax.parallel import pipeline as pl  # noqa: E402
 from msar_jax.train import step as step_lib  # noqa: E402
@@ -102,20 +102,18 @@ def run_layout(name: str, config, batches: list, args) -> dict:
     pcfg, n_dev = layout_config(name, args.microbatches, args.repeats)
     if len(jax.devices()) < n_dev:
         raise RuntimeError(f"layout {name} needs {n_dev} devices, have {len(jax.devices())}")
-    mesh = mesh_lib.make_mesh(pcfg.mesh, jax.devices()[:n_dev])
-    rules = mesh_lib.rules_for(pcfg)
     model_cfg = config.model
     B, T1 = batches[0].shape
-    pl.validate(pcfg, model_cfg, B, mesh)
+    # The training loop's layout (msar_jax.parallel.layout): mesh, checks, sharded state and step.
+    layout = layout_lib.make_layout(pcfg, model_cfg, B, devices=jax.devices()[:n_dev])
+    mesh = layout.mesh
     tx, schedule = make_optimizer(config.optim, config.train.steps)
-    model_def, state, ssh = mesh_lib.init_sharded_state(model_cfg, tx, mesh, args.seed, rules)
-    bsh = mesh_lib.batch_sharding(mesh, B, rules)
-    raw = pl.train_step_fn(model_def, tx, schedule, pcfg, mesh, model_cfg)
-    step = jax.jit(raw, in_shardings=(ssh, bsh), out_shardings=(ssh, None), donate_argnums=0)
-    global_batches = [make_global_batch(b, sharding=bsh) for b in batches]
+    model_def, state, ssh = layout.init_state(model_cfg, tx, args.seed)
+    step = layout.train_step(model_def, tx, schedule, model_cfg, ssh)
+    global_batches = [layout.global_batch(b) for b in batches]
 
     t0 = time.perf_counter()
-    with mesh_lib.use_mesh(mesh, rules):
+    with layout.context():
         lowered = step.lower(state, global_batches[0])
         compiled = lowered.compile(step_lib.FAST_COMPILE if args.fast_compile else None)
     compile_s = time.perf_counter() - t0
