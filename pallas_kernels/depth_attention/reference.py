@@ -197,7 +197,7 @@ def merge(state: SoftmaxState, s: jax.Array, value: jax.Array, include: jax.Arra
     """
     heads = s.shape[-1]
     s = jnp.where(include, s, NEG_LARGE)
-    new_max = jnp.maximum(state.max, s)
+    new_max = jax.lax.stop_gradient(jnp.maximum(state.max, s))  # a shift: no gradient (see phase1)
     keep = jnp.exp(state.max - new_max)
     p = jnp.where(include, jnp.exp(s - new_max), 0.0)
     acc = _split_heads(state.acc, heads) * keep[..., None] + p[..., None] * _split_heads(value, heads)
@@ -251,7 +251,9 @@ def phase1(
     q = _split_heads(queries.astype(jnp.float32), heads)  # [S, m, H, dh]
     s = jnp.einsum("nmbthe,smhe->snmbth", keys, q)
     s = jnp.where(ok[None, :, None, None, None, None], s, NEG_LARGE)
-    smax = jnp.max(s, axis=1)
+    # The max is a stabilising shift with no gradient (as in flash attention): every consumer
+    # of the state is invariant to it, and the closed-form backwards rely on that convention.
+    smax = jax.lax.stop_gradient(jnp.max(s, axis=1))
     p = jnp.exp(s - smax[:, None])
     p = jnp.where(ok[None, :, None, None, None, None], p, 0.0)
     denom = jnp.sum(p, axis=1)

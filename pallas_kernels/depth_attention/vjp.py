@@ -2,13 +2,15 @@
 
 The forward runs a fused kernel (``fused.py``); the residuals are only the inputs
 (sources, banks, queries, state, gate parameters: nothing of size ``m*d`` per source
-is saved). The backward RECOMPUTES the expansions, key norms and softmax weights from
-those inputs and differentiates the plain-jnp reference (``reference.py``) in XLA.
+is saved) and phase 1's running max. The backward RECOMPUTES the expansions, key norms
+and softmax weights from those inputs in XLA, in closed form and one source at a time
+(``xla_streaming``: phase 1's streaming backward, phase 2 + gate's fused backward).
 
-Status (honest): the backward is XLA recomputation, not yet a Pallas kernel. It is
-exact (it is the oracle's own gradient) and stores nothing between forward and
-backward beyond the inputs, but inside the backward XLA materialises the expanded
-streams transiently.
+Status (honest): the backward is XLA recomputation, not yet a Pallas kernel. It is exact
+(tested against autodiff of the reference) and stores nothing between forward and
+backward beyond the inputs; inside the backward XLA holds one source's ``m`` expanded
+streams at a time. The unfused ``phase2`` (streams out) still differentiates the
+reference.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.depth_attention import reference
+from pallas_kernels.depth_attention import reference, xla_streaming
 
 
 class Static(NamedTuple):
@@ -46,19 +48,19 @@ def make_phase1(forward: Callable) -> Callable:
 
     def fwd(static, sources, banks, queries, valid, segment_ids):
         out = forward(sources, banks, queries, valid, segment_ids, static)
-        return out, (sources, banks, queries, valid, segment_ids)
+        return out, (sources, banks, queries, valid, segment_ids, out)
 
     def bwd(static, res, ct):
-        sources, banks, queries, valid, segment_ids = res
-
-        def f(x, b, q):
-            return reference.phase1(
-                x, b, q, valid, stream_kernels=static.stream_kernels, heads=static.heads,
-                segment_ids=segment_ids, eps=static.eps,
-            )
-
-        _, vjp = jax.vjp(f, sources, banks, queries)
-        return (*vjp(ct), None, None)
+        sources, banks, queries, valid, segment_ids, state = res
+        n, d = sources.shape[0], sources.shape[-1]
+        ok = jnp.ones((n,), bool) if valid is None else valid
+        bank_arr = jnp.zeros((n, 0, d), jnp.float32) if banks is None else banks
+        ct = reference.SoftmaxState(*(jnp.asarray(a, jnp.float32) for a in ct))
+        dx, dbanks, dq, _, _ = xla_streaming.phase1_backward(
+            sources, bank_arr, queries, ok, segment_ids, state.max, ct,
+            stream_kernels=static.stream_kernels, heads=static.heads, eps=static.eps,
+        )
+        return dx, None if banks is None else dbanks, dq, None, None
 
     op.defvjp(fwd, bwd)
 
@@ -88,17 +90,21 @@ def make_phase2(forward: Callable, *, fused: bool) -> Callable:
 
     def bwd(static, res, ct):
         state, partial, bank, query, include, gate, segment_ids = res
+        if static.fuse is not None:
+            bank_arr = jnp.zeros((0, partial.shape[-1]), jnp.float32) if bank is None else bank
+            g_state, g_x, g_b, g_q, _, g_gate, _ = xla_streaming._phase2_fused_bwd(
+                static.stream_kernels, static.heads, static.eps, static.gate_eps,
+                (state, partial, bank_arr, query, include, gate, segment_ids), ct,
+            )
+            return g_state, g_x, None if bank is None else g_b, g_q, None, g_gate, None
         kw = dict(stream_kernels=static.stream_kernels, heads=static.heads, segment_ids=segment_ids, eps=static.eps)
 
-        def f(st, x, b, q, g):
-            if static.fuse is None:
-                return reference.phase2(st, x, b, q, include, **kw)
-            return reference.phase2_fused(st, x, b, q, include, g, gate_eps=static.gate_eps, **kw)
+        def f(st, x, b, q):
+            return reference.phase2(st, x, b, q, include, **kw)
 
-        _, vjp = jax.vjp(f, state, partial, bank, query, gate)
-        ct = ct.astype(jnp.float32)  # the kernel may write h in a narrower dtype
-        g_state, g_x, g_b, g_q, g_gate = vjp(ct)
-        return g_state, g_x, g_b, g_q, None, g_gate, None
+        _, vjp = jax.vjp(f, state, partial, bank, query)
+        g_state, g_x, g_b, g_q = vjp(ct.astype(jnp.float32))
+        return g_state, g_x, g_b, g_q, None, None, None
 
     op.defvjp(fwd, bwd)
 

@@ -12,10 +12,11 @@ with one source in flight at a time:
   is kept) and forms its gradients in closed form.
 
 Backward of the state ``(M, D, A)`` with ``M = max_i s_i``, ``p_i = exp(s_i - M)``,
-``D = sum_i p_i``, ``A = sum_i p_i v_i`` (per head): every consumer is invariant to a
-common shift of ``M`` together with ``(D, A)`` scaled by ``exp(-shift)``, so
-``g_M = g_A . A + g_D D`` and the max's own path cancels exactly; what is left is
-``ds_i = p_i (g_D + g_A . v_i)`` and ``dv_i = p_i g_A``. The key is ``k = rms(E) =
+``D = sum_i p_i``, ``A = sum_i p_i v_i`` (per head): ``M`` is a stabilising shift and
+carries no gradient (``reference.phase1`` stops it, as flash attention does; every
+consumer, ``finalize`` / ``merge`` / phase 2, is invariant to the shift, so their
+gradients are the exact ones), which leaves ``ds_i = p_i (g_D + g_A . v_i)`` and
+``dv_i = p_i g_A``. The key is ``k = rms(E) =
 E r``; ``dE = r (dk - k mean(k dk))`` plus the value path; the expansion's own vjp gives
 the source and bank gradients.
 """
@@ -87,6 +88,14 @@ def _phase1_fwd(sources, banks, queries, valid, segment_ids, stream_kernels, hea
 
 def _phase1_bwd(stream_kernels, heads, eps, res, g):
     sources, banks, queries, valid, segment_ids, smax = res
+    return phase1_backward(sources, banks, queries, valid, segment_ids, smax, g,
+                           stream_kernels=stream_kernels, heads=heads, eps=eps)
+
+
+def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, stream_kernels, heads, eps):
+    """Closed-form gradients ``(d sources, d banks, d queries, None, None)`` of phase 1, one
+    source at a time; ``smax`` is the forward's running max, ``g`` the cotangent of the state
+    (its ``max`` part is ignored: the max carries no gradient)."""
     g_denom, g_acc = g.denom, _split(g.acc, heads)  # [S, m, B, T, H], [S, m, B, T, H, dh]
     q = queries.astype(jnp.float32)
     qh = _split(q, heads)  # [S, m, H, dh]

@@ -32,8 +32,15 @@ def _rel(a, b):
 
 
 def _check_tree(got, want, tol):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    leaves = list(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
+    scale = max(float(np.max(np.abs(np.asarray(w, np.float64)))) for _, w in leaves)
+    for g, w in leaves:
         assert g.shape == w.shape
+        if not np.any(np.asarray(g)):
+            # A gradient that is zero analytically (the max of an excluded partial's merge)
+            # comes out exactly 0 in closed form and as rounding noise from autodiff.
+            assert float(np.max(np.abs(np.asarray(w, np.float64)))) < tol * scale
+            continue
         assert _rel(g, w) < tol, _rel(g, w)
 
 

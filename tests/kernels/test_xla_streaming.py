@@ -101,6 +101,10 @@ def test_streaming_phase2_fused_matches_reference(kernels, heads, segments, incl
     assert len(flat_got) == len(flat_want)
     for g, w in zip(flat_got, flat_want):
         assert g.shape == w.shape
-        assert _rel(g, w) < 2e-5 or float(jnp.max(jnp.abs(g - w))) == 0.0, (g.shape, _rel(g, w))
+        if not jnp.any(g):  # zero analytically (excluded partial): exact 0 here, rounding noise there
+            scale = max(float(jnp.max(jnp.abs(x))) for x in flat_want)
+            assert float(jnp.max(jnp.abs(w))) < 2e-5 * scale
+            continue
+        assert _rel(g, w) < 2e-5, (g.shape, _rel(g, w))
     # The state's gradient is not trivially zero (the merge path is exercised).
     assert float(jnp.max(jnp.abs(jax.tree.leaves(g_got[0])[2]))) > 0
