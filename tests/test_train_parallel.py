@@ -19,6 +19,7 @@ import pytest
 
 from msar_jax.config import ConfigError
 from msar_jax.configs import REPO_ROOT, load_config
+from msar_jax.parallel import pipeline as pl
 from msar_jax.train import optim, step, train
 from msar_jax.train.checkpoint import Checkpointer, restore_params
 
@@ -85,12 +86,17 @@ def saved_param_spec(workdir, *path):
 
 
 @pytest.mark.parametrize("name", ["dp4", "pp2_dp2", "fsdp4"])  # fsdp4 last: test_resume reuses its compile
-def test_layout_matches_single_device(name, tmp_path_factory, capsys):
+def test_layout_matches_single_device(name, tmp_path_factory, capsys, monkeypatch):
     ref = reference(tmp_root=tmp_path_factory.mktemp("ref"))
     assert losses(ref)[-1] < losses(ref)[0] - 0.1  # it learns: the numbers compared below are not constants
+    traced = []  # the pipelined loss is what the train step traces (not the sequential one)
+    make_loss = pl.pipelined_lm_loss
+    monkeypatch.setattr(pl, "pipelined_lm_loss",
+                        lambda plan, mesh: (lambda *a, **k: traced.append(plan) or make_loss(plan, mesh)(*a, **k)))
     workdir = tmp_path_factory.mktemp(name)
     capsys.readouterr()
     result = train(config(mesh=LAYOUTS[name]), workdir, handle_signals=False)
+    assert [(p.stages, p.microbatches) for p in traced] == ([(2, 2)] if name.startswith("pp") else [])
     assert result["mesh"] == LAYOUTS[name]
     assert (result["pipeline"] is not None) == name.startswith("pp")
     assert_same_run(result, ref)

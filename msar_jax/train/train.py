@@ -289,6 +289,9 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
     step = start
     failure = None
 
+    def run_eval():
+        return {"step": step, **evaluate(eval_step, state["params"], data_dir, config, meta, put_eval_batch)}
+
     def save(reason):
         return ckpt.save(step, state, iterator, {"step": step, "reason": reason, "time": time.time(),
                                                  "loss": losses[-1][1] if losses else None})
@@ -324,7 +327,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
             if step_hook is not None:
                 step_hook(step, record)
             if (t.eval_every and step % t.eval_every == 0) or step == total:
-                last_eval = {"step": step, **evaluate(eval_step, state["params"], data_dir, config, meta, put_eval_batch)}
+                last_eval = run_eval()
                 logger.write("eval", step, {k: v for k, v in last_eval.items() if k != "step"})
                 bar.write(f"step {step}: val loss {last_eval['val_loss']:.4f}"
                           + (f" ({last_eval['val_bpb']:.3f} bits/byte)" if last_eval["val_bpb"] else ""))
@@ -338,7 +341,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
                 break
         if failure is None:
             if last_eval is None or last_eval["step"] != step:
-                last_eval = {"step": step, **evaluate(eval_step, state["params"], data_dir, config, meta, put_eval_batch)}
+                last_eval = run_eval()
                 logger.write("eval", step, {k: v for k, v in last_eval.items() if k != "step"})
             save(stopped)
     finally:
