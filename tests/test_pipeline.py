@@ -113,6 +113,51 @@ def test_pipeline_equals_sequential(case):
     _assert_equal(mechanism, n_layers, _run(case), 2 * microbatches)
 
 
+# ----- MoE with a leading dense layer (run before the pipeline) -----
+
+MOE = {"model.moe.enabled": True, "model.moe.n_dense_layers": 1, "model.moe.n_routed_experts": 4,
+       "model.moe.top_k": 2, "model.moe.expert_dim": 16, "model.moe.shared_expert_dim": 16}
+
+
+@pytest.mark.slow  # ~90 s on 2 CPU cores (two compiles of an MoE model)
+def test_moe_with_leading_dense_layer_equals_sequential():
+    """1 dense + 4 MoE layers, 2 stages of 2 MoE layers (the first stage boundary falls inside
+    a block), 2 microbatches. The pipeline averages the load-balance loss over microbatches,
+    so the reference is the full-batch cross entropy plus the mean of the microbatches' aux
+    losses; loss, both parts and every gradient must match (fp32)."""
+    n_layers, stages, M = 5, 2, 2
+    cfg = load_config(f"configs/msar.py:smoke=1,seq_len={T}", {"model.n_layers": n_layers, "model.d_model": D, **MOE})
+    model_def, params = step_lib.init_model(cfg.model, 0)
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(params))))
+    params = jax.tree.map(lambda a: a + 0.05 * jax.random.normal(next(keys), a.shape), params)
+    tokens = np.random.default_rng(0).integers(0, 256, (2 * M, T + 1)).astype(np.int32)
+
+    def reference(p):
+        model = model_def.merge(p)
+        ce = lm_loss(model, tokens)[1]["cross_entropy"]
+        aux = jnp.mean(jnp.stack([lm_loss(model, tokens[m::M])[1]["aux_loss"] for m in range(M)]))
+        return ce + aux, {"cross_entropy": ce, "aux_loss": aux}
+
+    (ref_loss, ref_parts), ref_grads = jax.jit(jax.value_and_grad(reference, has_aux=True),
+                                               compiler_options=FAST)(params)
+    pcfg = _pcfg(stages, M)
+    mesh = mesh_lib.make_mesh(pcfg.mesh, jax.devices()[:stages])
+    pl.validate(pcfg, cfg.model, tokens.shape[0], mesh)
+    plan = pl.make_plan(pcfg, cfg.model)
+    assert plan.first_layer == 1 and plan.layers_per_stage == 2 and plan.send_partial
+    loss = pl.pipelined_lm_loss(plan, mesh)
+    with mesh_lib.use_mesh(mesh, mesh_lib.PIPELINE_RULES):
+        fn = jax.jit(jax.value_and_grad(lambda p: loss(model_def.merge(p), tokens), has_aux=True))
+        (value, parts), grads = fn.lower(params).compile(FAST)(params)
+    assert float(ref_parts["aux_loss"]) > 0
+    for key in ("cross_entropy", "aux_loss"):
+        np.testing.assert_allclose(parts[key], ref_parts[key], rtol=1e-6, atol=1e-6, err_msg=key)
+    np.testing.assert_allclose(value, ref_loss, rtol=1e-6, atol=1e-6)
+    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads)):
+        scale = max(1.0, float(jnp.max(jnp.abs(r))))
+        np.testing.assert_allclose(g, r, rtol=0, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
+
+
 # ----- the collective-permutes of the compiled HLO -----
 
 
@@ -141,7 +186,8 @@ def test_mhc_hop_carries_its_streams():
 
 
 def test_hop_window_with_and_without_cache():
-    cfg = load_config("configs/msar.py:size=paper_28b")
+    # The 28B layout with dense MLPs (its MoE's leading dense layer would run before the pipeline).
+    cfg = load_config("configs/msar.py:size=paper_28b", {"model.moe.enabled": False})
     rows = {}
     for stages, repeats in ((4, 1), (4, 2), (8, 1), (8, 2), (8, 4)):
         for cache in (False, True):
@@ -177,3 +223,12 @@ def test_pipeline_config_errors():
         pl.validate(_pcfg(3, 3), load_config("configs/msar.py:smoke=1", {"model.n_layers": 3}).model, 6, mesh)
     with pytest.raises(ConfigError, match="parallel.mesh"):
         mesh_lib.make_mesh(dict(data=3, stage=2, fsdp=1, tensor=1))
+    # MoE: the leading dense layers run before the pipeline; the rest must split evenly.
+    moe4 = load_config("configs/msar.py:smoke=1", {"model.n_layers": 4, **MOE}).model
+    with pytest.raises(ConfigError, match="model.n_layers.*1 leading dense"):
+        pl.validate(_pcfg(2, 2), moe4, 4, mesh)  # 3 MoE layers into 2 stages
+    moe5 = load_config("configs/msar.py:smoke=1", {"model.n_layers": 5, **MOE}).model
+    pl.validate(_pcfg(2, 2), moe5, 16, mesh)
+    assert pl.make_plan(_pcfg(2, 2), moe5).first_layer == 1
+    all_moe = load_config("configs/msar.py:smoke=1", {"model.n_layers": 4, **MOE, "model.moe.n_dense_layers": 0}).model
+    assert pl.make_plan(_pcfg(2, 2), all_moe).first_layer == 0

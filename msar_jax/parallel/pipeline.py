@@ -8,15 +8,19 @@ inside the step they are viewed as ``[repeats, stages, Lps, ...]`` and the ``sta
 is sharded on the ``stage`` mesh axis. The embedding, the final norm and the LM head run
 outside the pipeline (replicated over ``stage``).
 
-Schedule. One ``lax.scan`` over ``microbatches x repeats + stages - 1`` iterations, each
-rematerialised (``jax.checkpoint``: only the loop state is saved per iteration). In
+Schedule. One scan over ``microbatches x repeats + stages - 1`` iterations, each
+rematerialised in the backward (``buffered_scan``: only the hop is saved per iteration; the
+per-microbatch buffers below are append-only / write-once and are rebuilt from their final
+values, so backward memory is linear in depth and in microbatches). In
 iteration ``i`` stage ``s`` works on visit ``k = i - s`` (microbatch ``k % M``, repeat
 ``k // M``); the stage function is ``jax.vmap``-ed over the stages a device holds, and the
 stage outputs move one stage on with ``lax.ppermute`` on the ``stage`` axis inside
 ``jax.shard_map`` that is manual over ``stage`` only (``axis_names={"stage"}``): FSDP and
 tensor parallelism on the other axes keep working inside. Stage 0 takes a fresh microbatch
 in repeat 0 and, in later repeats, the output the last stage sent round the ring (kept in a
-per-microbatch buffer until it is needed, since ``M >= stages``).
+write-once buffer of visits until it is needed, since ``M >= stages``). An MoE model's leading
+dense layers run before the pipeline on the whole batch; their depth state enters virtual
+stage 0 (``Plan.first_layer``).
 
 The carry that crosses a stage boundary (a "hop") is a pytree, per mechanism:
 
@@ -37,10 +41,9 @@ the operands of the compiled HLO's collective-permutes.
 
 Inside a stage the sublayers run one at a time through the residual mechanism's protocol
 (direct depth reads; block ends applied where a block ends, which may be in the middle of a
-stage) in a ``lax.scan`` over the stage's layers, so the stage program is the same for every
-stage. Limits: every pipelined layer must have the same MLP kind (an MoE model with leading
-dense layers is not pipelined); memory of the loop state is not yet linear in depth (see
-docs/scaling.md).
+stage) in a scan over the stage's layers, so the stage program is the same for every stage
+(a ``buffered_scan`` too: the backward keeps one summary buffer per stage and one carry per
+layer). Limits: docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class Plan:
     uses_sources: bool
     n_sources: int  # N + 1 buffer entries (0 without sources)
     cache: bool
+    first_layer: int = 0  # leading layers run before the pipeline (an MoE model's dense layers)
 
     @property
     def virtual_stages(self) -> int:
@@ -87,7 +91,7 @@ class Plan:
 
     @property
     def layers_per_stage(self) -> int:
-        return self.n_layers // self.virtual_stages
+        return (self.n_layers - self.first_layer) // self.virtual_stages
 
     @property
     def iterations(self) -> int:
@@ -99,7 +103,7 @@ class Plan:
 
     def completed_before(self, v: int) -> int:
         """Index of the newest completed block summary when virtual stage ``v`` starts."""
-        return (2 * self.layers_per_stage * v) // self.block_size
+        return (2 * (self.first_layer + self.layers_per_stage * v)) // self.block_size
 
     @property
     def window(self) -> int:
@@ -116,7 +120,8 @@ class Plan:
     def send_partial(self) -> bool:
         """True when some stage boundary falls inside a block (the partial is not empty)."""
         return self.uses_sources and any(
-            (2 * self.layers_per_stage * v) % self.block_size for v in range(1, self.virtual_stages)
+            (2 * (self.first_layer + self.layers_per_stage * v)) % self.block_size
+            for v in range(1, self.virtual_stages)
         )
 
     def hop_vectors(self, mechanism: str, streams: int = 4) -> int:
@@ -142,7 +147,15 @@ def make_plan(pcfg, model_cfg, mechanism: ResidualMechanism | None = None) -> Pl
     S = model_cfg.residual.block_size if uses_sources else 2
     n_sources = config_lib.n_blocks(model_cfg) + 1 if uses_sources else 0
     return Plan(stages=p.stages, repeats=p.repeats, microbatches=p.microbatches, n_layers=model_cfg.n_layers,
-                block_size=S, uses_sources=uses_sources, n_sources=n_sources, cache=bool(p.cache))
+                block_size=S, uses_sources=uses_sources, n_sources=n_sources, cache=bool(p.cache),
+                first_layer=leading_layers(model_cfg))
+
+
+def leading_layers(model_cfg) -> int:
+    """Layers run before the pipeline: an MoE model's leading dense layers (every pipelined
+    layer then has the same MLP kind); 0 when every layer has one kind."""
+    kinds = layer_kinds(model_cfg)
+    return 0 if len(set(kinds)) == 1 else kinds.index(kinds[-1])
 
 
 def validate(pcfg, model_cfg, batch_size: int, mesh: jax.sharding.Mesh | None = None) -> None:
@@ -156,9 +169,11 @@ def validate(pcfg, model_cfg, batch_size: int, mesh: jax.sharding.Mesh | None = 
         if p.repeats != 1:
             raise ConfigError("parallel.pipeline.repeats", p.repeats, "must be 1 without a pipeline (stages = 1)")
         return
-    if model_cfg.n_layers % (p.stages * p.repeats):
+    lead = leading_layers(model_cfg)
+    if (model_cfg.n_layers - lead) % (p.stages * p.repeats):
+        what = f"minus its {lead} leading dense layers (run before the pipeline) " if lead else ""
         raise ConfigError("model.n_layers", model_cfg.n_layers,
-                          f"must divide into pipeline.stages x pipeline.repeats = {p.stages} x {p.repeats} "
+                          f"{what}must divide into pipeline.stages x pipeline.repeats = {p.stages} x {p.repeats} "
                           "equal virtual stages")
     if p.microbatches % p.stages:
         raise ConfigError("parallel.pipeline.microbatches", p.microbatches,
@@ -166,10 +181,6 @@ def validate(pcfg, model_cfg, batch_size: int, mesh: jax.sharding.Mesh | None = 
     if batch_size % p.microbatches:
         raise ConfigError("train.batch_size", batch_size,
                           f"must be divisible by parallel.pipeline.microbatches = {p.microbatches}")
-    kinds = set(layer_kinds(model_cfg))
-    if len(kinds) > 1:
-        raise ConfigError("model.moe.n_dense_layers", model_cfg.moe.n_dense_layers,
-                          "the pipeline needs every layer to have the same MLP kind (0 or n_layers dense layers)")
     if mesh is not None:
         degree = mesh.shape[AXIS]
         if p.stages % degree:
@@ -249,6 +260,71 @@ def _set(tree, i, value, pred):
             a, jnp.where(pred, x, jax.lax.dynamic_index_in_dim(a, i, 0, keepdims=False)), i, 0), tree, value)
 
 
+# --------------------------------------------------------------------------------------
+# A scan whose big state is restorable from its final value (memory linear in depth).
+# --------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def buffered_scan(step, restore, small0, bufs0, consts, xs, ids, statics):
+    """``lax.scan`` of ``step(small, bufs, consts, x, id, statics) -> (small, bufs, y)`` over
+    ``(xs, ids)``, returning ``(small, bufs, ys)``; differentiable in ``small0``, ``bufs0``,
+    ``consts`` and ``xs`` (``ids`` and ``statics`` are integer data).
+
+    ``bufs`` is the big part of the loop state: ``restore(bufs_final, id, statics)`` must give
+    ``bufs`` as they were when the step with ``id`` started (e.g. an append-only buffer
+    masked to the rows written so far). The backward pass then keeps one copy of ``bufs``
+    (the final one) plus ``small`` once per step, instead of the whole state per step, and
+    rematerialises each step from the restored state in reverse (``stack._append_only_scan``
+    generalised). ``bufs`` may be ``None``: a rematerialised scan that saves ``small`` only."""
+
+    def body(carry, inp):
+        small, bufs = carry
+        small, bufs, y = step(small, bufs, consts, inp[0], inp[1], statics)
+        return (small, bufs), y
+
+    (small, bufs), ys = jax.lax.scan(body, (small0, bufs0), (xs, ids))
+    return small, bufs, ys
+
+
+def _buffered_fwd(step, restore, small0, bufs0, consts, xs, ids, statics):
+    def body(carry, inp):
+        small, bufs = carry
+        new_small, bufs, y = step(small, bufs, consts, inp[0], inp[1], statics)
+        return (new_small, bufs), (y, small)
+
+    (small, bufs), (ys, smalls_in) = jax.lax.scan(body, (small0, bufs0), (xs, ids))
+    return (small, bufs, ys), (smalls_in, bufs, consts, xs, ids, statics)
+
+
+def _buffered_bwd(step, restore, res, cotangents):
+    smalls_in, bufs_final, consts, xs, ids, statics = res
+    d_small, d_bufs, d_ys = cotangents
+
+    def body(acc, inp):
+        d_small, d_bufs, d_consts = acc
+        small_in, x, i, d_y = inp
+        bufs_in = restore(bufs_final, i, statics)
+        _, vjp = jax.vjp(lambda sm, bf, cs, xx: step(sm, bf, cs, xx, i, statics), small_in, bufs_in, consts, x)
+        d_sm, d_bf, d_cs, d_x = vjp((d_small, d_bufs, d_y))
+        return (d_sm, d_bf, jax.tree.map(jnp.add, d_consts, d_cs)), d_x
+
+    init = (d_small, d_bufs, jax.tree.map(jnp.zeros_like, consts))
+    (d_small0, d_bufs0, d_consts), d_xs = jax.lax.scan(body, init, (smalls_in, xs, ids, d_ys), reverse=True)
+    return d_small0, d_bufs0, d_consts, d_xs, None, None
+
+
+buffered_scan.defvjp(_buffered_fwd, _buffered_bwd)
+
+
+def _rows_below(buf, count, axis=0):
+    """``buf`` with the rows ``>= count`` along ``axis`` zeroed (``count`` broadcasts over the
+    leading dims)."""
+    rows = jnp.arange(buf.shape[axis]).reshape(-1, *([1] * (buf.ndim - axis - 1)))
+    count = jnp.reshape(count, (*jnp.shape(count), *([1] * (buf.ndim - jnp.ndim(count)))))
+    return jnp.where(rows < count, buf, jnp.zeros_like(buf))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Stage:
     """Runs one virtual stage's layers on a depth state (same program for every stage)."""
@@ -262,10 +338,12 @@ class _Stage:
     def run_layers(self, g, params, state, first_layer, ctx):
         mech, S, L = self.mech, self.plan.block_size, self.n_sublayers
         has_blocks = type(mech).end_block is not ResidualMechanism.end_block
-        layer_ids = first_layer + jnp.arange(self.plan.layers_per_stage, dtype=jnp.int32)
+        n = jax.tree.leaves(params["attn"])[0].shape[0]
+        layer_ids = first_layer + jnp.arange(n, dtype=jnp.int32)
 
-        def layer(state, inp):
-            attn_p, mlp_p, mech_p, layer_id = inp
+        def layer(carry, sources, g, inp, layer_id, ctx):
+            attn_p, mlp_p, mech_p = inp
+            state = DepthState(sources, carry)
             aux_losses = []
             for sub, (kind, sp) in enumerate((("attn", attn_p), (self.kind, mlp_p))):
                 l = 2 * layer_id + sub + 1
@@ -279,14 +357,25 @@ class _Stage:
                     ends = (pos.index_in_block == S - 1) | (l == L)
                     state = _select(ends, mech.end_block(g, state, pos), state)
                 aux_losses.append(aux_loss)
-            return state, jnp.stack(aux_losses)
+            return state.carry, state.sources, jnp.stack(aux_losses)
 
-        xs = (params["attn"], params["mlp"], params["mech"], layer_ids)
-        state, aux = jax.lax.scan(layer, state, xs)
-        return state, jnp.sum(aux)
+        def restore(sources, layer_id, ctx):  # the summaries completed before layer_id
+            return None if sources is None else _rows_below(sources, 1 + (2 * layer_id) // S)
 
-    def visit(self, s, i, hop_in, circ, cache, stage_params, g, e_all, ctx_all):
-        """Stage ``s`` in iteration ``i``: returns (hop out, circ, cache, final hidden, aux loss)."""
+        # The summary buffer is append-only: the backward keeps the stage's final buffer and
+        # one carry per layer, and rematerialises each layer in reverse.
+        xs = (params["attn"], params["mlp"], params["mech"])
+        carry, sources, aux = buffered_scan(layer, restore, state.carry, state.sources, g, xs, layer_ids, ctx)
+        return DepthState(sources, carry), jnp.sum(aux)
+
+    def visit(self, s, i, hop_in, circ, cache, stage_params, g, e_all, ctx_all, prefix=None):
+        """Stage ``s`` in iteration ``i``: returns (hop out, circ, cache, final hidden, aux loss).
+
+        ``circ[k]`` (stage 0, circular): the hop the last stage sent for visit ``k`` (written
+        once, in iteration ``k + stages``; read by visit ``k + M``). ``cache[mb]``: the
+        summaries this stage holds for microbatch ``mb`` after its latest visit (rows past the
+        newest completed summary are zero). Both are written so that ``restore_buffers``
+        rebuilds them, at any iteration, from their final values."""
         plan, mech = self.plan, self.mech
         M, R, n_stages = plan.microbatches, plan.repeats, plan.stages
         k = i - s
@@ -297,43 +386,66 @@ class _Stage:
         if circ is not None:  # stage 0 banks what the last stage sent round the ring
             kp = i - n_stages
             store = (s == 0) & (kp >= 0) & (kp < M * (R - 1))
-            circ = _set(circ, jnp.clip(kp, 0, M * R - 1) % M, hop_in, store)
-            hop_in = _select(s == 0, _index(circ, mb), hop_in)
+            circ = _set(circ, jnp.clip(kp, 0, M * (R - 1) - 1), hop_in, store)
+            hop_in = _select(s == 0, _index(circ, jnp.clip(kc - M, 0, M * (R - 1) - 1)), hop_in)
         e = _index(e_all, mb)
         ctx = SequenceContext(*_index(tuple(ctx_all), mb))
         fresh = v == 0
         start = mech.start(g, e, ctx)
+        if prefix is not None:  # the state after the layers run before the pipeline
+            pre = _index(prefix, mb)
+            start = DepthState(None if start.sources is None else start.sources.at[: pre.sources.shape[0]].set(pre.sources),
+                               pre.carry)
         sources = start.sources
         if plan.uses_sources:
             if cache is not None:
                 sources = _index(cache, mb).at[0].set(e)
             if plan.window:
                 sources = write_window(sources, hop_in["summaries"], plan_hi(plan, v))
+            sources = jnp.where(fresh, start.sources, sources)
         carry = _select(fresh, start.carry, merge_carry(start.carry, hop_in["carry"]))
         state = DepthState(sources, carry)
         params = _index(stage_params, r)
-        state, aux_loss = self.run_layers(g, params, state, v * plan.layers_per_stage, ctx)
+        state, aux_loss = self.run_layers(g, params, state, plan.first_layer + v * plan.layers_per_stage, ctx)
         hop_out = {"carry": hop_carry(state.carry, plan.send_partial)}
         if plan.uses_sources and plan.window:
             hop_out["summaries"] = read_window(state.sources, plan_hi(plan, v + 1), plan.window)
         if cache is not None:
-            cache = _set(cache, mb, state.sources, valid)
+            cache = _set(cache, mb, _rows_below(state.sources, plan_hi(plan, v + 1) + 1), valid)
         last = valid & (v == plan.virtual_stages - 1)
         final = jnp.where(last, mech.finish(g, state, ctx), 0)
         return hop_out, circ, cache, final, jnp.where(valid, aux_loss, 0.0)
 
 
+def restore_buffers(plan: Plan, bufs: dict, i, s_ids) -> dict:
+    """``_Stage.visit``'s buffers (final values, ``[local, ...]``) as they were when iteration
+    ``i`` started, for the local stages ``s_ids``."""
+    M, R, n_stages = plan.microbatches, plan.repeats, plan.stages
+    out = dict(bufs)
+    if bufs.get("circ") is not None:  # visits k < i - stages have been banked
+        count = jnp.broadcast_to(jnp.clip(i - n_stages, 0, M * (R - 1)), s_ids.shape)
+        out["circ"] = jax.tree.map(lambda a: _rows_below(a, count, axis=1), bufs["circ"])
+    if bufs.get("cache") is not None:  # after visit r of (s, mb), in iteration s + mb + r M
+        mb = jnp.arange(M, dtype=jnp.int32)
+        r_last = jnp.minimum((i - s_ids[:, None] - mb[None, :] - 1) // M, R - 1)  # [local, M]
+        count = jnp.where(r_last >= 0, plan_hi(plan, r_last * n_stages + s_ids[:, None] + 1) + 1, 0)
+        out["cache"] = _rows_below(bufs["cache"], count, axis=2)
+    return out
+
+
 def plan_hi(plan: Plan, v):
-    return (2 * plan.layers_per_stage * v) // plan.block_size
+    return (2 * (plan.first_layer + plan.layers_per_stage * v)) // plan.block_size
 
 
 def _varying(tree):
     return jax.tree.map(lambda x: jax.lax.pcast(x, (AXIS,), to="varying"), tree)
 
 
-def run_pipeline(plan: Plan, mech, sublayer_fn, kind, g, stage_params, e_mb, ctx_mb, mesh):
+def run_pipeline(plan: Plan, mech, sublayer_fn, kind, g, stage_params, e_mb, ctx_mb, mesh, prefix=None):
     """The pipelined depth stack: ``e_mb[M, mb, T, d]`` -> (final hidden ``[M, mb, T, d]``,
-    summed aux loss). ``stage_params`` leaves are ``[repeats, stages, Lps, ...]``."""
+    summed aux loss). ``stage_params`` leaves are ``[repeats, stages, Lps, ...]``. ``prefix``
+    (with ``plan.first_layer``): the ``DepthState`` after the leading layers, per microbatch
+    (``[M, ...]``; its sources hold only the summaries completed so far)."""
     degree = mesh.shape[AXIS]
     local = plan.stages // degree
     perm = [(j, (j + 1) % degree) for j in range(degree)]
@@ -343,27 +455,36 @@ def run_pipeline(plan: Plan, mech, sublayer_fn, kind, g, stage_params, e_mb, ctx
         moved = jax.lax.ppermute(x[local - 1:], AXIS, perm)
         return moved if local == 1 else jnp.concatenate([moved, x[: local - 1]], axis=0)
 
-    def body(stage_params, g, e_mb, ctx_mb):
+    def body(stage_params, g, e_mb, ctx_mb, prefix):
         stage_params = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), stage_params)  # [local, R, Lps, ...]
         s_ids = jax.lax.axis_index(AXIS) * local + jnp.arange(local, dtype=jnp.int32)
         ctx0 = SequenceContext(*_index(tuple(ctx_mb), 0))
         template = stage_hop_template(plan, mech, g, e_mb[0], ctx0)
         zeros = lambda tree, lead: jax.tree.map(lambda a: jnp.zeros((*lead, *a.shape), a.dtype), tree)  # noqa: E731
-        loop = {"hop": zeros(template, (local,))}
-        loop["circ"] = zeros(template, (local, plan.microbatches)) if plan.repeats > 1 else None
-        loop["cache"] = (jnp.zeros((local, plan.microbatches, plan.n_sources, *e_mb.shape[1:]), e_mb.dtype)
-                         if plan.caching else None)
-        loop = _varying(loop)
+        hop0 = zeros(template, (local,))
+        bufs0 = {"circ": zeros(template, (local, plan.microbatches * (plan.repeats - 1))) if plan.repeats > 1 else None,
+                 "cache": (jnp.zeros((local, plan.microbatches, plan.n_sources, *e_mb.shape[1:]), e_mb.dtype)
+                           if plan.caching else None)}
+        # Everything differentiable is made varying over ``stage`` once here, so the backward
+        # accumulates its cotangents locally and reduces them once (at this cast's transpose).
+        hop0, bufs0, g, e_mb, prefix = _varying((hop0, bufs0, g, e_mb, prefix))
 
-        @jax.checkpoint
-        def iteration(loop, i):
-            visit = jax.vmap(stage.visit, in_axes=(0, None, 0, 0, 0, 0, None, None, None))
-            hop, circ, cache, final, aux = visit(s_ids, i, loop["hop"], loop["circ"], loop["cache"],
-                                                 stage_params, g, e_mb, ctx_mb)
+        def iteration(hop, bufs, consts, _, i, statics):
+            stage_params, g, e_mb, prefix = consts
+            ctx_mb, s_ids = statics
+            visit = jax.vmap(stage.visit, in_axes=(0, None, 0, 0, 0, 0, None, None, None, None))
+            hop, circ, cache, final, aux = visit(s_ids, i, hop, bufs["circ"], bufs["cache"],
+                                                 stage_params, g, e_mb, ctx_mb, prefix)
             hop = jax.tree.map(shift, hop)
-            return {"hop": hop, "circ": circ, "cache": cache}, (jnp.sum(final, axis=0), jnp.sum(aux))
+            return hop, {"circ": circ, "cache": cache}, (jnp.sum(final, axis=0), jnp.sum(aux))
 
-        _, (finals, aux) = jax.lax.scan(iteration, loop, jnp.arange(plan.iterations, dtype=jnp.int32))
+        def restore(bufs, i, statics):
+            return restore_buffers(plan, bufs, i, statics[1])
+
+        # The per-microbatch buffers are rebuilt from their final values in the backward: per
+        # iteration only the hop is saved (memory linear in depth and in microbatches).
+        _, _, (finals, aux) = buffered_scan(iteration, restore, hop0, bufs0, (stage_params, g, e_mb, prefix), None,
+                                            jnp.arange(plan.iterations, dtype=jnp.int32), (ctx_mb, s_ids))
         finals = finals[(plan.repeats - 1) * plan.microbatches + plan.stages - 1:]
         # Only the last stage's entries are non-zero, so a float32 sum is exact; it also avoids
         # an XLA CPU compiler crash on bfloat16 all-reduces here ("Invalid binary opcode copy").
@@ -372,9 +493,9 @@ def run_pipeline(plan: Plan, mech, sublayer_fn, kind, g, stage_params, e_mb, ctx
 
     stage_spec = jax.tree.map(lambda _: P(None, AXIS), stage_params)
     rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(stage_spec, rep(g), P(), rep(tuple(ctx_mb))),
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(stage_spec, rep(g), P(), rep(tuple(ctx_mb)), rep(prefix)),
                        out_specs=(P(), P()), axis_names={AXIS}, check_vma=True)
-    return fn(stage_params, g, e_mb, tuple(ctx_mb))
+    return fn(stage_params, g, e_mb, tuple(ctx_mb), prefix)
 
 
 def stage_hop_template(plan, mech, g, e, ctx):
@@ -400,17 +521,24 @@ def _from_microbatches(x):
     return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
-def stage_params(model, plan: Plan) -> tuple[dict, dict, str]:
-    """(global mechanism params, stage-stacked params ``[R, stages, Lps, ...]``, MLP kind)."""
-    R, S_p, Lps = plan.repeats, plan.stages, plan.layers_per_stage
-    kind = layer_kinds(model.cfg)[0]
+def stage_params(model, plan: Plan) -> tuple[dict, dict, str, dict | None]:
+    """(global mechanism params, stage-stacked params ``[R, stages, Lps, ...]``, their MLP
+    kind, the leading layers' params ``[first_layer, ...]`` or ``None``)."""
+    R, S_p, Lps, K = plan.repeats, plan.stages, plan.layers_per_stage, plan.first_layer
+    kind = layer_kinds(model.cfg)[-1]
     mlp = model.dense if kind == "dense" else model.moe
     g, per_sub = model.residual.split_params(pure(model.residual))
     per_layer = jax.tree.map(lambda a: a.reshape(plan.n_layers, 2, *a.shape[1:]), per_sub)
-    stacked = {"attn": pure(model.attn), "mlp": pure(mlp), "mech": per_layer}
+    attn = pure(model.attn)
+    lead = None
+    if K:  # the leading dense layers: model.dense holds exactly them, model.moe the rest
+        lead = {"attn": jax.tree.map(lambda a: a[:K], attn), "mlp": pure(model.dense),
+                "mech": jax.tree.map(lambda a: a[:K], per_layer)}
+        attn, per_layer = jax.tree.map(lambda a: a[K:], (attn, per_layer))
+    stacked = {"attn": attn, "mlp": pure(mlp), "mech": per_layer}
     stacked = jax.tree.map(lambda a: a.reshape(R, S_p, Lps, *a.shape[1:]), stacked)
     stacked = jax.tree.map(lambda a: constrain(a, (None, "stage", *([None] * (a.ndim - 2)))), stacked)
-    return g, stacked, kind
+    return g, stacked, kind, lead
 
 
 def pipelined_forward(model, tokens, plan: Plan, mesh, segment_ids=None, positions=None):
@@ -426,8 +554,23 @@ def pipelined_forward(model, tokens, plan: Plan, mesh, segment_ids=None, positio
     e_mb = _to_microbatches(e, M)
     ctx_mb = SequenceContext(_to_microbatches(positions, M),
                              None if segment_ids is None else _to_microbatches(segment_ids, M))
-    g, stacked, kind = stage_params(model, plan)
-    final, aux_loss = run_pipeline(plan, model.residual, model._sublayer, kind, g, stacked, e_mb, ctx_mb, mesh)
+    g, stacked, kind, lead = stage_params(model, plan)
+    prefix, lead_aux = None, 0.0
+    if lead is not None:  # the leading dense layers, on the whole batch, before the pipeline
+        mech = model.residual
+        ctx = SequenceContext(positions, segment_ids)
+        runner = _Stage(plan, mech, model._sublayer, "dense", 2 * plan.n_layers)
+        state, lead_aux = runner.run_layers(g, lead, mech.start(g, e, ctx), 0, ctx)
+        if state.sources is not None:  # only the summaries completed so far travel
+            state = DepthState(state.sources[: plan_hi(plan, 0) + 1], state.carry)
+        prefix = DepthState(None if state.sources is None else jax.vmap(_to_microbatches, (0, None), 1)(state.sources, M),
+                            jax.tree.map(lambda a: _to_microbatches(a, M), state.carry))
+    final, aux_loss = run_pipeline(plan, model.residual, model._sublayer, kind, g, stacked, e_mb, ctx_mb, mesh,
+                                   prefix)
+    # The MoE load-balance loss is a function of the batch a layer routes: the pipeline gets
+    # it per microbatch and averages (as gradient accumulation would); the leading layers
+    # run on the whole batch.
+    aux_loss = aux_loss / M + lead_aux
     hidden = constrain(_from_microbatches(final), layers.ACT)
     x = layers.rms_norm(hidden, model.final_norm[...], cfg.norm_eps)
     head = model.embedding[...].T if model.lm_head is None else model.lm_head[...]
