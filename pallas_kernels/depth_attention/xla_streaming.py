@@ -227,11 +227,11 @@ def _gate_backward(z, dh, gate, saved):
     return dz, (d_w, d_scale.reshape(jnp.shape(gate[1])), d_bias)
 
 
-def _phase2_forward(state, partial, bank, query, include, gate, segment_ids, stream_kernels, heads, eps, gate_eps):
-    q = query.astype(jnp.float32)
-    e = ref.expand(partial, bank, stream_kernels, segment_ids)  # [m, B, T, d]
+def _merge_and_gate(state, e, query, include, gate, heads, eps, gate_eps):
+    """From the partial's expansion ``e[m, B, T, d]``: ``h`` and what the backward needs."""
     k, r = _keys(e, eps)
-    s = jnp.where(include, jnp.einsum("mbthe,mhe->mbth", _split(k, heads), _split(q, heads)), ref.NEG_LARGE)
+    qh = _split(query.astype(jnp.float32), heads)
+    s = jnp.where(include, jnp.einsum("mbthe,mhe->mbth", _split(k, heads), qh), ref.NEG_LARGE)
     new_max = jnp.maximum(state.max, s)
     keep = jnp.exp(state.max - new_max)
     p = jnp.where(include, jnp.exp(s - new_max), 0.0)
@@ -239,13 +239,13 @@ def _phase2_forward(state, partial, bank, query, include, gate, segment_ids, str
     acc = _split(state.acc, heads) * keep[..., None] + p[..., None] * _split(e, heads)
     z = (acc / denom[..., None]).reshape(e.shape)
     h, saved = _gate_forward(z, gate, gate_eps)
-    return h, (e, k, r, keep, p, denom, z, saved)
+    return h, (k, r, qh, keep, p, denom, z, saved)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def _phase2_fused(state, partial, bank, query, include, gate, segment_ids, stream_kernels, heads, eps, gate_eps):
-    return _phase2_forward(state, partial, bank, query, include, gate, segment_ids, stream_kernels, heads, eps,
-                           gate_eps)[0]
+    e = ref.expand(partial, bank, stream_kernels, segment_ids)  # [m, B, T, d]
+    return _merge_and_gate(state, e, query, include, gate, heads, eps, gate_eps)[0]
 
 
 def _phase2_fused_fwd(state, partial, bank, query, include, gate, segment_ids, stream_kernels, heads, eps, gate_eps):
@@ -261,19 +261,8 @@ def _phase2_fused_bwd(stream_kernels, heads, eps, gate_eps, res, dh):
         return ref.expand(xx, bb, stream_kernels, segment_ids)
 
     e, expand_vjp = jax.vjp(expand, partial, bank)
-    # Recompute the forward from the expansion (the same ops as _phase2_forward).
-    q = query.astype(jnp.float32)
-    k, r = _keys(e, eps)
-    qh = _split(q, heads)
-    s = jnp.where(include, jnp.einsum("mbthe,mhe->mbth", _split(k, heads), qh), ref.NEG_LARGE)
-    new_max = jnp.maximum(state.max, s)
-    keep = jnp.exp(state.max - new_max)
-    p = jnp.where(include, jnp.exp(s - new_max), 0.0)
-    denom = state.denom * keep + p
+    _, (k, r, qh, keep, p, denom, z, saved) = _merge_and_gate(state, e, query, include, gate, heads, eps, gate_eps)
     eh = _split(e, heads)
-    z = ((_split(state.acc, heads) * keep[..., None] + p[..., None] * eh) / denom[..., None]).reshape(e.shape)
-    _, saved = _gate_forward(z, gate, gate_eps)
-
     dz, d_gate = _gate_backward(z, dh, gate, saved)
     d_acc_new = _split(dz, heads) / denom[..., None]  # [m, B, T, H, dh]
     d_denom_new = -jnp.sum(_split(dz * z, heads), axis=-1) / denom  # [m, B, T, H]
