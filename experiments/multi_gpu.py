@@ -1,4 +1,4 @@
-"""Multi-GPU layouts of one config: data parallel, FSDP and the 2-stage pipeline (issue 6).
+"""Multi-GPU layouts of one config: data parallel, FSDP and the N-stage pipeline (issue 6).
 
 Trains the same model from the same init on the same batches under each layout and reports
 the median step time, tokens/s, the scaling efficiency against one device, the loss after N
@@ -14,14 +14,15 @@ CPU smoke run (2 fake devices)::
     python experiments/multi_gpu.py --config=configs/msar.py:smoke=1 --override=model.n_layers=4 \
         --batch_size=4 --microbatches=2 --steps=2 --skip=1 --fast_compile
 
-Layouts (the global batch is the same in all of them):
+Layouts (the global batch is the same in all of them; N is the number of devices, the first N
+of ``jax.devices()``; the default list is the 2-device one, e.g. add ``pp4_gpipe`` on 4 GPUs):
 
 * ``single``: one device (``jax.devices()[:1]``), every mesh degree 1;
-* ``dp2``: ``data=2`` (rows split, parameters replicated, gradients all-reduced);
-* ``fsdp2``: ``fsdp=2`` (rows and every parameter's ``embed`` dim split, ZeRO-3);
-* ``pp2_gpipe``: ``stage=2``, ``stages=2, repeats=1``, ``--microbatches`` M;
-* ``pp2_circular``: ``stages=2, repeats=--repeats`` (R virtual stages per device), no cache;
-* ``pp2_circular_cache``: the same with cross-stage caching of block summaries.
+* ``dp<N>``: ``data=N`` (rows split, parameters replicated, gradients all-reduced);
+* ``fsdp<N>``: ``fsdp=N`` (rows and every parameter's ``embed`` dim split, ZeRO-3);
+* ``pp<N>_gpipe``: ``stage=N``, ``stages=N, repeats=1``, ``--microbatches`` M;
+* ``pp<N>_circular``: ``stages=N, repeats=--repeats`` (R virtual stages per device), no cache;
+* ``pp<N>_circular_cache``: the same with cross-stage caching of block summaries.
 
 Method:
 
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -64,30 +66,34 @@ from msar_jax.train import step as step_lib  # noqa: E402
 from msar_jax.train.optim import make_optimizer  # noqa: E402
 
 ALL_LAYOUTS = ("single", "dp2", "fsdp2", "pp2_gpipe", "pp2_circular", "pp2_circular_cache")
+PIPELINE_KINDS = ("gpipe", "circular", "circular_cache")
+LAYOUT_RULE = ("'single', 'dp<N>', 'fsdp<N>' or 'pp<N>_<kind>' with N >= 2 devices and kind one of "
+               + ", ".join(PIPELINE_KINDS) + " (e.g. pp4_circular_cache: 4 stages)")
 
 
 def layout_config(name: str, microbatches: int, repeats: int):
-    """(parallel config, number of devices) of a layout name."""
+    """(parallel config, number of devices) of a layout name: ``single``, ``dp<N>``,
+    ``fsdp<N>``, ``pp<N>_gpipe``, ``pp<N>_circular`` (R = ``repeats``, no cache) or
+    ``pp<N>_circular_cache``."""
     pcfg = mesh_lib.parallel_config()
     ones = dict(data=1, stage=1, fsdp=1, tensor=1)
-    if name == "single":
+    match = re.fullmatch(r"(single)|(dp|fsdp)(\d+)|pp(\d+)_(\w+)", name)
+    if match is None or (match.group(5) is not None and match.group(5) not in PIPELINE_KINDS):
+        raise ValueError(f"unknown layout {name!r}: must be {LAYOUT_RULE}")
+    if match.group(1):
         pcfg.mesh.update(ones)
         return pcfg, 1
-    if name == "dp2":
-        pcfg.mesh.update(dict(ones, data=2))
-        return pcfg, 2
-    if name == "fsdp2":
-        pcfg.mesh.update(dict(ones, fsdp=2))
-        return pcfg, 2
-    if name.startswith("pp2_"):
-        kind = name[len("pp2_"):]
-        if kind not in ("gpipe", "circular", "circular_cache"):
-            raise ValueError(f"unknown layout {name!r}")
-        pcfg.mesh.update(dict(ones, stage=2))
-        pcfg.pipeline.update(dict(stages=2, microbatches=microbatches,
-                                  repeats=1 if kind == "gpipe" else repeats, cache=kind == "circular_cache"))
-        return pcfg, 2
-    raise ValueError(f"unknown layout {name!r}; known: {', '.join(ALL_LAYOUTS)}")
+    n = int(match.group(3) or match.group(4))
+    if n < 2:
+        raise ValueError(f"layout {name!r}: N = {n}; must be {LAYOUT_RULE}")
+    if match.group(2):
+        pcfg.mesh.update(dict(ones, **{"data" if match.group(2) == "dp" else "fsdp": n}))
+        return pcfg, n
+    kind = match.group(5)
+    pcfg.mesh.update(dict(ones, stage=n))
+    pcfg.pipeline.update(dict(stages=n, microbatches=microbatches,
+                              repeats=1 if kind == "gpipe" else repeats, cache=kind == "circular_cache"))
+    return pcfg, n
 
 
 def use_reference_read() -> None:
@@ -215,8 +221,8 @@ def main(argv=None) -> list[dict]:
                     help="lower and compile each layout (hop bytes, memory) without training")
     ap.add_argument("--fast_compile", action="store_true", help="XLA CPU fast-compile options (tests)")
     ap.add_argument("--read", choices=("reference", "default"), default="default",
-                    help="XLA depth read: 'reference' (vectorised; every layout) or 'default' (the api's "
-                         "dispatch, i.e. the streaming scan, which fails inside the pipeline's shard_map)")
+                    help="XLA depth read: 'reference' (vectorised) or 'default' (the api's dispatch: the "
+                         "streaming scan on CPU, the Pallas kernels where the platform has them)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.read == "reference":

@@ -30,8 +30,13 @@ def test_layout_configs(multi_gpu):
     assert (pcfg.pipeline.repeats, pcfg.pipeline.cache) == (2, False)
     pcfg, _ = multi_gpu.layout_config("pp2_circular_cache", 8, 2)
     assert (pcfg.pipeline.repeats, pcfg.pipeline.cache) == (2, True)
-    with pytest.raises(ValueError):
-        multi_gpu.layout_config("tp2", 8, 2)
+    pcfg, n = multi_gpu.layout_config("pp4_circular_cache", 8, 2)
+    assert n == 4 and (pcfg.mesh.stage, pcfg.pipeline.stages, pcfg.pipeline.repeats, pcfg.pipeline.cache) == (4, 4, 2, True)
+    pcfg, n = multi_gpu.layout_config("dp8", 8, 2)
+    assert n == 8 and pcfg.mesh.data == 8 and pcfg.mesh.fsdp == 1
+    for bad in ("tp2", "pp2_zigzag", "dp1", "pp0_gpipe", "fsdp"):
+        with pytest.raises(ValueError, match="must be 'single'"):
+            multi_gpu.layout_config(bad, 8, 2)
 
 
 def test_smoke_run(multi_gpu, monkeypatch, capsys, tmp_path):
