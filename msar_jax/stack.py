@@ -248,7 +248,8 @@ class DepthStack:
         if not full_mode:
             first_l = 2 * x["layer"][0] + 1
             p_block = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), x["mech"])  # [2P, ...]
-            bctx = mech.begin_block(g, p_block, state, position(first_l, S), ctx)
+            with jax.named_scope("depth_begin_block"):
+                bctx = mech.begin_block(g, p_block, state, position(first_l, S), ctx)
             if bctx is not None:  # per-layer slices [P, 2, ...] for the inner scan
                 bctx = jax.tree.map(lambda a: a.reshape(-1, 2, *a.shape[1:]), bctx)
         ys = []
@@ -268,7 +269,8 @@ class DepthStack:
             ys.append(y)
         if not full_mode:
             last_l = 2 * x["layer"][-1] + 2
-            state = mech.end_block(g, state, position(last_l, S))
+            with jax.named_scope("depth_end_block"):
+                state = mech.end_block(g, state, position(last_l, S))
         return state, jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *ys)
 
     def _layer(self, state, inp, *, g, ctx, kind, collect_weights):
@@ -281,15 +283,19 @@ class DepthStack:
             pos = position(2 * layer + sub + 1, S)
             p = jax.tree.map(lambda a: a[sub], mech_p)
             b = None if bctx is None else jax.tree.map(lambda a: a[sub], bctx)
-            if S == 1:
-                b = mech.begin_block(g, jax.tree.map(lambda a: a[None], p), state, pos, ctx)
-                b = None if b is None else jax.tree.map(lambda a: a[0], b)  # the one target of the block
-            h, aux = mech.read(g, p, state, b, pos, ctx, want_weights=collect_weights)
+            # The named scopes label the profile (experiments/profile_step.py); no numeric effect.
+            with jax.named_scope("depth_read"):
+                if S == 1:
+                    b = mech.begin_block(g, jax.tree.map(lambda a: a[None], p), state, pos, ctx)
+                    b = None if b is None else jax.tree.map(lambda a: a[0], b)  # the one target of the block
+                h, aux = mech.read(g, p, state, b, pos, ctx, want_weights=collect_weights)
             h = jax.ad_checkpoint.checkpoint_name(h, "sublayer_input")
-            v, aux_loss = self.sublayer_fn(sub_kind, params, h, ctx)
-            state = mech.write(g, p, state, v, aux, pos, ctx)
-            if S == 1:
-                state = mech.end_block(g, state, pos)
+            with jax.named_scope(f"sublayer_{sub_kind}"):
+                v, aux_loss = self.sublayer_fn(sub_kind, params, h, ctx)
+            with jax.named_scope("depth_write"):
+                state = mech.write(g, p, state, v, aux, pos, ctx)
+                if S == 1:
+                    state = mech.end_block(g, state, pos)
             aux_losses.append(aux_loss)
             if collect_weights and isinstance(aux, dict) and aux.get("weights") is not None:
                 weights.append(aux["weights"])

@@ -82,16 +82,18 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         ctx = SequenceContext(positions=positions, segment_ids=segment_ids)
-        e = constrain(jnp.take(self.embedding[...], tokens, axis=0).astype(dtype), layers.ACT)
+        with jax.named_scope("embed"):  # scopes label profiles (experiments/profile_step.py)
+            e = constrain(jnp.take(self.embedding[...], tokens, axis=0).astype(dtype), layers.ACT)
         layer_params = {"attn": pure(self.attn)}
         if self.dense is not None:
             layer_params["dense"] = pure(self.dense)
         if self.moe is not None:
             layer_params["moe"] = pure(self.moe)
         hidden, per_sublayer = self.stack()(pure(self.residual), layer_params, e, ctx, collect_weights)
-        x = layers.rms_norm(hidden, self.final_norm[...], cfg.norm_eps)
-        head = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
+        with jax.named_scope("lm_head"):
+            x = layers.rms_norm(hidden, self.final_norm[...], cfg.norm_eps)
+            head = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
+            logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
         aux = {"aux_loss": cfg.moe.aux_loss_weight * jnp.sum(per_sublayer["aux_loss"]) if cfg.moe.enabled else 0.0}
         if collect_weights and "depth_weights" in per_sublayer:
             aux["depth_weights"] = per_sublayer["depth_weights"]
@@ -100,8 +102,9 @@ class Transformer(nnx.Module):
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> jax.Array:
     """Mean next-token cross entropy in nats (float32)."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    with jax.named_scope("cross_entropy"):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     if mask is None:
         return jnp.mean(nll)
     mask = mask.astype(jnp.float32)

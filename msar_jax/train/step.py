@@ -83,8 +83,9 @@ def make_train_step(model_def: ModelDef, tx: optax.GradientTransformation,
 
     def train_step(state, batch):
         (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+        with jax.named_scope("optimizer"):  # labels profiles (experiments/profile_step.py)
+            updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+            params = optax.apply_updates(state["params"], updates)
         grad_norm = optax.global_norm(grads)
         update_norm = optax.global_norm(updates)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)

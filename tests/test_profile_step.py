@@ -1,0 +1,65 @@
+"""experiments/profile_step.py: op attribution rules, and a traced CPU step attributed to the
+model's named scopes."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "profile_step.py"
+
+
+@pytest.fixture(scope="module")
+def prof():
+    spec = importlib.util.spec_from_file_location("profile_step_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("op_name, part, pass_", [
+    ("jit(train_step)/jvp()/while/body/eval_jaxpr/depth_read/mul", "depth_read", "forward"),
+    ("jit(train_step)/transpose(jvp(cross_entropy))/jit(log_softmax)", "cross_entropy", "backward"),
+    ("jit(train_step)/jvp(cross_entropy)/jit(log_softmax)/reduce_max", "cross_entropy", "forward"),
+    ("jit(train_step)/transpose(jvp())/while/body/eval_jaxpr/transpose(jvp(depth_begin_block))"
+     "/jvp(depth_begin_block)/checkpoint/while/body/add", "depth_begin_block", "recompute"),
+    ("jit(train_step)/transpose(jvp())/while/body/eval_jaxpr/jvp()/while/body/sublayer_attn/dot_general",
+     "sublayer_attn", "recompute"),
+    ("jit(train_step)/transpose(jvp())/x/transpose(jvp(jvp()))/checkpoint/sublayer_dense/rsqrt",
+     "sublayer_dense", "backward"),
+    ("jit(train_step)/optimizer/mul", "optimizer", "other"),
+    ("jit(train_step)/depth_reader_not_a_scope/mul", "other", "other"),
+    ("", "other", "other"),
+])
+def test_attribution_rules(prof, op_name, part, pass_):
+    assert (prof.part_of(op_name), prof.pass_of(op_name)) == (part, pass_)
+
+
+def test_hlo_kinds(prof):
+    def f(a, b):
+        return jnp.tanh(a @ b).sum() + jnp.transpose(a).sum()
+
+    text = jax.jit(f).lower(jnp.ones((64, 64)), jnp.ones((64, 64))).compile().as_text()
+    hlo = prof.parse_hlo(text)
+    comps = hlo["__computations__"]
+    kinds = {prof.kind_of(info, comps) for name, info in hlo.items() if name != "__computations__"}
+    assert "matmul" in kinds
+    assert prof.kind_of(None, comps) == "other"
+
+
+def test_profile_tiny_attnres(prof, tmp_path):
+    rows = prof.main(["configs/attnres.py:size=tiny", "--steps=1", "--warmup=0", "--top=3",
+                      f"--trace_root={tmp_path}", f"--json={tmp_path / 'p.json'}",
+                      "--set", "train.batch_size=4", "--set", "seq_len=64"])
+    (row,) = rows
+    assert row["busy_ms_per_step"] > 0 and row["median_step_ms"] > 0
+    assert row["unmatched_share"] < 0.05  # trace ops are found in the compiled HLO
+    parts = {key.split("|")[0] for key in row["parts"]}
+    assert {"depth_read", "sublayer_attn", "sublayer_dense", "lm_head"} <= parts
+    assert sum(row["parts"].values()) == pytest.approx(sum(row["kinds"].values()), rel=1e-9)
+    assert sum(row["kinds"].values()) == pytest.approx(row["busy_ms_per_step"], rel=1e-9)
+    assert (tmp_path / "p.json").exists()
