@@ -81,6 +81,7 @@ def train_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         steps=500,  # total optimizer steps; the LR schedule is laid out over this many
         batch_size=16,  # global batch (sequences of seq_len + 1 tokens)
+        grad_accum=1,  # microbatches per optimizer step (gradient accumulation): batch_size / grad_accum rows per pass
         seed=0,  # parameter init and data-order seed
         log_every=1,  # metrics record every K steps (JSONL / TensorBoard); the progress bar is live
         eval_every=100,  # validation loss (and bits per byte) every K steps and at the end; 0 = only at the end

@@ -18,6 +18,10 @@ Layouts (the global batch is the same in all of them; N is the number of devices
 of ``jax.devices()``; the default list is the 2-device one, e.g. add ``pp4_gpipe`` on 4 GPUs):
 
 * ``single``: one device (``jax.devices()[:1]``), every mesh degree 1;
+* ``accum``: one device, the batch run as ``--microbatches`` microbatches with gradient
+  accumulation (``train.grad_accum``): the pipeline's microbatch size without the pipeline, so
+  ``1 - (t_accum / S) / t_pipe`` separates the pipeline's own overhead from small-microbatch
+  inefficiency;
 * ``dp<N>``: ``data=N`` (rows split, parameters replicated, gradients all-reduced);
 * ``fsdp<N>``: ``fsdp=N`` (rows and every parameter's ``embed`` dim split, ZeRO-3);
 * ``pp<N>_gpipe``: ``stage=N``, ``stages=N, repeats=1``, ``--microbatches`` M;
@@ -65,9 +69,9 @@ from msar_jax.parallel import pipeline as pl  # noqa: E402
 from msar_jax.train import step as step_lib  # noqa: E402
 from msar_jax.train.optim import make_optimizer  # noqa: E402
 
-ALL_LAYOUTS = ("single", "dp2", "fsdp2", "pp2_gpipe", "pp2_circular", "pp2_circular_cache")
+ALL_LAYOUTS = ("single", "accum", "dp2", "fsdp2", "pp2_gpipe", "pp2_circular", "pp2_circular_cache")
 PIPELINE_KINDS = ("gpipe", "circular", "circular_cache")
-LAYOUT_RULE = ("'single', 'dp<N>', 'fsdp<N>' or 'pp<N>_<kind>' with N >= 2 devices and kind one of "
+LAYOUT_RULE = ("'single', 'accum', 'dp<N>', 'fsdp<N>' or 'pp<N>_<kind>' with N >= 2 devices and kind one of "
                + ", ".join(PIPELINE_KINDS) + " (e.g. pp4_circular_cache: 4 stages)")
 
 
@@ -77,7 +81,7 @@ def layout_config(name: str, microbatches: int, repeats: int):
     ``pp<N>_circular_cache``."""
     pcfg = mesh_lib.parallel_config()
     ones = dict(data=1, stage=1, fsdp=1, tensor=1)
-    match = re.fullmatch(r"(single)|(dp|fsdp)(\d+)|pp(\d+)_(\w+)", name)
+    match = re.fullmatch(r"(single|accum)|(dp|fsdp)(\d+)|pp(\d+)_(\w+)", name)
     if match is None or (match.group(5) is not None and match.group(5) not in PIPELINE_KINDS):
         raise ValueError(f"unknown layout {name!r}: must be {LAYOUT_RULE}")
     if match.group(1):
@@ -111,11 +115,12 @@ def run_layout(name: str, config, batches: list, args) -> dict:
     model_cfg = config.model
     B, T1 = batches[0].shape
     # The training loop's layout (msar_jax.parallel.layout): mesh, checks, sharded state and step.
-    layout = layout_lib.make_layout(pcfg, model_cfg, B, devices=jax.devices()[:n_dev])
+    grad_accum = args.microbatches if name == "accum" else 1
+    layout = layout_lib.make_layout(pcfg, model_cfg, B, devices=jax.devices()[:n_dev], grad_accum=grad_accum)
     mesh = layout.mesh
     tx, schedule = make_optimizer(config.optim, config.train.steps)
     model_def, state, ssh = layout.init_state(model_cfg, tx, args.seed)
-    step = layout.train_step(model_def, tx, schedule, model_cfg, ssh)
+    step = layout.train_step(model_def, tx, schedule, model_cfg, ssh, grad_accum=grad_accum)
     global_batches = [layout.global_batch(b) for b in batches]
 
     t0 = time.perf_counter()
@@ -125,7 +130,7 @@ def run_layout(name: str, config, batches: list, args) -> dict:
     compile_s = time.perf_counter() - t0
 
     row = {"layout": name, "devices": n_dev, "mesh": dict(mesh.shape), "pipeline": dict(pcfg.pipeline),
-           "batch_size": B, "seq_len": T1 - 1, "compile_s": round(compile_s, 2)}
+           "grad_accum": grad_accum, "batch_size": B, "seq_len": T1 - 1, "compile_s": round(compile_s, 2)}
     if pcfg.pipeline.stages > 1:
         plan = pl.make_plan(pcfg, model_cfg)
         hops = pl.hlo_hop_bytes(compiled.as_text())
@@ -160,6 +165,7 @@ def run_layout(name: str, config, batches: list, args) -> dict:
 
 def summarise(rows: list[dict]) -> None:
     single = next((r for r in rows if r["layout"] == "single"), None)
+    accum = next((r for r in rows if r["layout"] == "accum"), None)
     for r in rows:
         if single is None or "median_step_s" not in r or "median_step_s" not in single:
             continue
@@ -169,18 +175,21 @@ def summarise(rows: list[dict]) -> None:
         if "bubble_theory" in r:
             stages = r["pipeline"]["stages"]
             r["bubble_measured_upper"] = 1.0 - (single["median_step_s"] / stages) / r["median_step_s"]
+            if accum is not None and "median_step_s" in accum:  # against the same microbatch size
+                r["bubble_measured_vs_accum"] = 1.0 - (accum["median_step_s"] / stages) / r["median_step_s"]
 
 
 def table(rows: list[dict]) -> str:
     f = lambda x, fmt: "n/a" if x is None else format(x, fmt)  # noqa: E731
     out = ["| layout | devices | median step (ms) | tokens/s | speedup | scaling eff. | final loss | "
-           "loss - single | bubble theory | bubble measured (upper) | hop bytes (HLO, max) | hop B/token | compile (s) |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "loss - single | bubble theory | bubble measured (upper) | bubble vs accum | hop bytes (HLO, max) | "
+           "hop B/token | compile (s) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         pp = "bubble_theory" in r
         if "median_step_s" not in r:  # --compile_only
             out.append(f"| {r['layout']} | {r['devices']} | - | - | - | - | - | - | "
-                       f"{f(r.get('bubble_theory') if pp else None, '.3f')} | - | "
+                       f"{f(r.get('bubble_theory') if pp else None, '.3f')} | - | - | "
                        f"{f(r.get('hop_bytes') if pp else None, ',d')} | "
                        f"{f(r.get('hop_bytes_per_token') if pp else None, ',.0f')} | {r['compile_s']:.1f} |")
             continue
@@ -189,6 +198,7 @@ def table(rows: list[dict]) -> str:
             f"{f(r.get('speedup'), '.2f')} | {f(r.get('scaling_efficiency'), '.1%')} | {r['final_loss']:.4f} | "
             f"{f(r.get('loss_delta_vs_single'), '+.4f')} | {f(r.get('bubble_theory') if pp else None, '.3f')} | "
             f"{f(r.get('bubble_measured_upper') if pp else None, '.3f')} | "
+            f"{f(r.get('bubble_measured_vs_accum') if pp else None, '.3f')} | "
             f"{f(r.get('hop_bytes') if pp else None, ',d')} | {f(r.get('hop_bytes_per_token') if pp else None, ',.0f')} | "
             f"{r['compile_s']:.1f} |")
     return "\n".join(out)

@@ -32,6 +32,8 @@ def test_layout_configs(multi_gpu):
     assert (pcfg.pipeline.repeats, pcfg.pipeline.cache) == (2, True)
     pcfg, n = multi_gpu.layout_config("pp4_circular_cache", 8, 2)
     assert n == 4 and (pcfg.mesh.stage, pcfg.pipeline.stages, pcfg.pipeline.repeats, pcfg.pipeline.cache) == (4, 4, 2, True)
+    pcfg, n = multi_gpu.layout_config("accum", 8, 2)
+    assert n == 1 and pcfg.mesh.data == 1 and pcfg.pipeline.stages == 1
     pcfg, n = multi_gpu.layout_config("dp8", 8, 2)
     assert n == 8 and pcfg.mesh.data == 8 and pcfg.mesh.fsdp == 1
     for bad in ("tp2", "pp2_zigzag", "dp1", "pp0_gpipe", "fsdp"):
@@ -46,14 +48,16 @@ def test_smoke_run(multi_gpu, monkeypatch, capsys, tmp_path):
     rows = multi_gpu.main([
         "--config=configs/msar.py:smoke=1", "--override=model.n_layers=4", "--batch_size=4",
         "--microbatches=2", "--steps=2", "--skip=1", "--fast_compile",
-        "--layouts=single,pp2_circular_cache", f"--json={tmp_path / 'out.json'}"])
-    assert [r["layout"] for r in rows] == ["single", "pp2_circular_cache"]
+        "--layouts=single,accum,pp2_circular_cache", f"--json={tmp_path / 'out.json'}"])
+    assert [r["layout"] for r in rows] == ["single", "accum", "pp2_circular_cache"]
+    assert rows[1]["grad_accum"] == 2 and rows[0]["grad_accum"] == 1
     single = rows[0]
     for r in rows:
         assert r["median_step_s"] > 0 and r["tokens_per_s"] > 0
         assert abs(r["final_loss"] - single["final_loss"]) < 1e-4, r["layout"]  # fp32 smoke model
         assert r["scaling_efficiency"] == pytest.approx(r["speedup"] / r["devices"])
-    pp = rows[1]
+    pp = rows[2]
+    assert "bubble_measured_vs_accum" in pp
     assert pp["hop_bytes"] > 0 and pp["hlo_hop_bytes"] and pp["lowered_hop_bytes"]
     assert pp["bubble_theory"] == pytest.approx(1 / 5)  # (S-1)/(R M + S-1), S = R = M = 2
     assert "bubble_measured_upper" in pp and pp["caching"]

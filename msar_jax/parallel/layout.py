@@ -41,19 +41,28 @@ from msar_jax.parallel import pipeline as pl
 
 
 def validate(pcfg, model_cfg, batch_size: int, mesh: jax.sharding.Mesh | None = None,
-             eval_batch_size: int | None = None) -> None:
+             eval_batch_size: int | None = None, grad_accum: int = 1) -> None:
     """Check a ``parallel`` section against the model and the batch and, given a mesh, against
     the mesh: ``ConfigError(field, value, rule)``. Without a mesh only what needs no devices."""
     pconfig.check(pcfg)
     pl.validate(pcfg, model_cfg, batch_size, mesh)  # layers / stages / microbatches / MLP kinds
+    pipelined = pcfg.pipeline.stages > 1
+    if grad_accum != 1 and pipelined:
+        raise ConfigError("train.grad_accum", grad_accum,
+                          f"must be 1 with a {pcfg.pipeline.stages}-stage pipeline (it splits the batch itself: "
+                          "parallel.pipeline.microbatches)")
     if mesh is None:
         return
-    pipelined = pcfg.pipeline.stages > 1
     names = ("data", "fsdp") if pipelined else ("data", "stage", "fsdp")
     rows = math.prod(mesh.shape[n] for n in names)
     if batch_size % rows:
         raise ConfigError("train.batch_size", batch_size,
                           f"must be divisible by the batch axes {' x '.join(names)} = {rows} of the mesh "
+                          f"{mesh_lib.describe(mesh)}")
+    if (batch_size // grad_accum) % rows:
+        raise ConfigError("train.grad_accum", grad_accum,
+                          f"each microbatch (train.batch_size / grad_accum = {batch_size} / {grad_accum}) must be "
+                          f"divisible by the batch axes {' x '.join(names)} = {rows} of the mesh "
                           f"{mesh_lib.describe(mesh)}")
     if eval_batch_size is not None:
         eval_rows = math.prod(mesh.shape[n] for n in ("data", "stage", "fsdp"))
@@ -67,11 +76,11 @@ def validate(pcfg, model_cfg, batch_size: int, mesh: jax.sharding.Mesh | None = 
 
 
 def make_layout(pcfg, model_cfg, batch_size: int, eval_batch_size: int | None = None,
-                devices: Sequence | None = None) -> "Layout":
+                devices: Sequence | None = None, grad_accum: int = 1) -> "Layout":
     """The mesh of ``pcfg`` over ``devices`` (default: ``mesh.select_devices``), validated."""
-    validate(pcfg, model_cfg, batch_size)  # the device-free checks first: clearer errors
+    validate(pcfg, model_cfg, batch_size, grad_accum=grad_accum)  # the device-free checks first: clearer errors
     mesh = mesh_lib.make_mesh(pcfg.mesh, mesh_lib.select_devices(pcfg.mesh, devices))
-    validate(pcfg, model_cfg, batch_size, mesh, eval_batch_size)
+    validate(pcfg, model_cfg, batch_size, mesh, eval_batch_size, grad_accum=grad_accum)
     return Layout(pcfg, mesh)
 
 
@@ -171,10 +180,11 @@ class Layout:
     # ---------------------------------------------------------------- steps
 
     def train_step(self, model_def, tx, schedule, model_cfg, state_shardings,
-                   compiler_options: dict | None = None):
+                   compiler_options: dict | None = None, grad_accum: int = 1):
         """The train step jitted for this layout (not bound to the context: call it, or
-        ``lower`` it, inside ``context()``, or wrap it with ``bind``)."""
-        raw = pl.train_step_fn(model_def, tx, schedule, self.pcfg, self.mesh, model_cfg)
+        ``lower`` it, inside ``context()``, or wrap it with ``bind``). ``grad_accum``:
+        microbatches per step (``msar_jax.train.step``; not with a pipeline)."""
+        raw = pl.train_step_fn(model_def, tx, schedule, self.pcfg, self.mesh, model_cfg, grad_accum=grad_accum)
         bsh = self.batch_sharding(self.mesh.size)  # the spec does not depend on the (valid) row count
         return jax.jit(raw, in_shardings=(state_shardings, bsh), out_shardings=(state_shardings, self.replicated),
                        donate_argnums=0, compiler_options=compiler_options)

@@ -591,15 +591,19 @@ def pipelined_lm_loss(plan: Plan, mesh):
     return loss
 
 
-def train_step_fn(model_def, tx, schedule, pcfg, mesh, model_cfg):
+def train_step_fn(model_def, tx, schedule, pcfg, mesh, model_cfg, grad_accum: int = 1):
     """The unjitted train step (``msar_jax.train.step``) with the pipelined loss when
-    ``pcfg.pipeline.stages > 1``."""
+    ``pcfg.pipeline.stages > 1``. ``grad_accum > 1`` is refused with a pipeline: the
+    pipeline already splits the batch (``parallel.pipeline.microbatches``)."""
     from msar_jax.train.step import make_train_step
 
     loss = None
     if pcfg is not None and pcfg.pipeline.stages > 1:
+        if grad_accum != 1:
+            raise ValueError(f"train.grad_accum = {grad_accum} with a {pcfg.pipeline.stages}-stage pipeline: "
+                             "must be 1; set parallel.pipeline.microbatches instead")
         loss = pipelined_lm_loss(make_plan(pcfg, model_cfg), mesh)
-    return make_train_step(model_def, tx, schedule, loss=loss).__wrapped__
+    return make_train_step(model_def, tx, schedule, loss=loss, grad_accum=grad_accum).__wrapped__
 
 
 # --------------------------------------------------------------------------------------

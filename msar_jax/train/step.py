@@ -9,6 +9,13 @@ rebuilt inside the jitted functions from the static ``graphdef`` and the params
 against non-finite values: if the loss, the gradient norm or the update norm is NaN or Inf the
 *old* state is returned unchanged (with ``metrics["finite"] = False``), so the bad update never
 reaches the params and the loop can stop with the last good state in hand.
+
+Gradient accumulation (``train.grad_accum = M``): the ``[B, T+1]`` batch is split into M
+microbatches of ``B/M`` rows, taken with stride M (microbatch k holds rows ``k, k+M, ...``, so
+a batch sharded over data-parallel devices stays evenly sharded in every microbatch), and a
+``lax.scan`` sums their float32 gradients; the loss, its parts and the gradient are the means
+over microbatches, which equals the full-batch mean cross entropy. Activation memory is that
+of ``B/M`` rows; the optimizer runs once per step.
 """
 
 from __future__ import annotations
@@ -69,20 +76,47 @@ def abstract_state(model_cfg, tx: optax.GradientTransformation) -> dict:
 
 
 def make_train_step(model_def: ModelDef, tx: optax.GradientTransformation,
-                    schedule: optax.Schedule, loss: Callable | None = None) -> Callable:
+                    schedule: optax.Schedule, loss: Callable | None = None, grad_accum: int = 1) -> Callable:
     """The jitted, state-donating train step.
 
     ``loss(model, batch) -> (loss, {"cross_entropy", "aux_loss"})`` replaces ``lm_loss``
     (the pipelined loss of ``msar_jax.parallel.pipeline`` uses it); the unjitted step is
-    ``make_train_step(...).__wrapped__`` (to re-jit with explicit shardings)."""
+    ``make_train_step(...).__wrapped__`` (to re-jit with explicit shardings).
+    ``grad_accum``: microbatches per step (module docstring)."""
     model_loss = lm_loss if loss is None else loss
+    if not isinstance(grad_accum, int) or grad_accum < 1:
+        raise ValueError(f"grad_accum = {grad_accum!r}: must be a positive integer")
 
     def loss_fn(params, batch):
         loss, parts = model_loss(model_def.merge(params), batch)
         return loss, parts
 
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def accumulated_grad(params, batch):
+        rows = batch.shape[0]
+        if rows % grad_accum:
+            raise ValueError(f"batch of {rows} rows does not split into grad_accum = {grad_accum} microbatches")
+        micro = batch.reshape(rows // grad_accum, grad_accum, *batch.shape[1:]).swapaxes(0, 1)
+
+        def body(acc, mb):
+            (loss, parts), grads = grad_fn(params, mb)
+            out = (loss, parts, jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+            return jax.tree.map(jnp.add, acc, out), None
+
+        zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+            lambda: (lambda o: (o[0][0], o[0][1], jax.tree.map(lambda g: g.astype(jnp.float32), o[1])))(
+                grad_fn(params, micro[0]))))
+        (loss, parts, grads), _ = jax.lax.scan(body, zeros, micro)
+        mean = lambda x: x / grad_accum  # noqa: E731
+        grads = jax.tree.map(lambda g, p: mean(g).astype(p.dtype), grads, params)
+        return (mean(loss), jax.tree.map(mean, parts)), grads
+
     def train_step(state, batch):
-        (loss, parts), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
+        if grad_accum == 1:
+            (loss, parts), grads = grad_fn(state["params"], batch)
+        else:
+            (loss, parts), grads = accumulated_grad(state["params"], batch)
         with jax.named_scope("optimizer"):  # labels profiles (experiments/profile_step.py)
             updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
@@ -132,15 +166,17 @@ def compiled_steps(config, model_def: ModelDef, tx, schedule, layout=None) -> tu
     device array (``Layout.global_batch`` / ``global_eval_batch``; ``jax.device_put`` for the plain
     steps)."""
     sharded = layout is not None and not layout.single_device
-    key = (config.model.to_json(), config.optim.to_json(), int(config.train.steps), str(COMPILER_OPTIONS),
+    accum = int(config.train.get("grad_accum", 1))
+    key = (config.model.to_json(), config.optim.to_json(), int(config.train.steps), accum, str(COMPILER_OPTIONS),
            layout.key if sharded else None)
     if key not in _CACHE:
         _CACHE.clear()  # keep one: compiled executables hold memory
         if sharded:
             _, _, ssh = layout.abstract_state(config.model, tx)
-            train_step = layout.bind(layout.train_step(model_def, tx, schedule, config.model, ssh, COMPILER_OPTIONS))
+            train_step = layout.bind(layout.train_step(model_def, tx, schedule, config.model, ssh, COMPILER_OPTIONS,
+                                                       grad_accum=accum))
             eval_step = layout.bind(layout.eval_step(model_def, config.model, COMPILER_OPTIONS), layout.eval_rules)
             _CACHE[key] = (train_step, eval_step)
         else:
-            _CACHE[key] = (make_train_step(model_def, tx, schedule), make_eval_step(model_def))
+            _CACHE[key] = (make_train_step(model_def, tx, schedule, grad_accum=accum), make_eval_step(model_def))
     return _CACHE[key]

@@ -118,6 +118,11 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
         _pos_int(f"train.{name}", t[name])
     for name in ("seed", "eval_every", "eval_batch_size"):
         _nonneg_int(f"train.{name}", t[name])
+    grad_accum = t.get("grad_accum", 1)
+    _pos_int("train.grad_accum", grad_accum)
+    if t.batch_size % grad_accum:
+        raise ConfigError("train.grad_accum", grad_accum,
+                          f"must divide train.batch_size = {t.batch_size} (microbatches of equal size)")
     validate_optim(config.optim)
     if config.optim.warmup_steps > t.steps:
         raise ConfigError("optim.warmup_steps", config.optim.warmup_steps, f"must be <= train.steps = {t.steps}")
@@ -128,7 +133,7 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     _pos_int("checkpoint.keep", config.checkpoint.keep)
     # The parallel section without devices (mesh degrees, pipeline vs layers / batch); the
     # mesh itself is checked against the devices in train() (layout.make_layout).
-    layout_lib.validate(parallel_section(config), config.model, t.batch_size)
+    layout_lib.validate(parallel_section(config), config.model, t.batch_size, grad_accum=grad_accum)
     return config
 
 
@@ -142,7 +147,8 @@ def make_layout(config) -> layout_lib.Layout:
     against the devices, the model and the batch (``ConfigError`` naming the field)."""
     t = config.train
     return layout_lib.make_layout(parallel_section(config), config.model, t.batch_size,
-                                  eval_batch_size=t.eval_batch_size or t.batch_size)
+                                  eval_batch_size=t.eval_batch_size or t.batch_size,
+                                  grad_accum=t.get("grad_accum", 1))
 
 
 def prepare_data(config) -> tuple[Path, dict]:
