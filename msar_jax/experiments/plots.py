@@ -84,7 +84,7 @@ def plot_training_curves(workdir, rows, seeds, out, labels: dict | None = None) 
     workdir = Path(workdir)
     fig, (ax_v, ax_t) = plt.subplots(1, 2, figsize=(13, 4.8))
     colors = plt.get_cmap("tab10").colors
-    drawn = 0
+    drawn, late = 0, []
     for k, row in enumerate(rows):
         dirs = [workdir / row / f"seed{s}" for s in seeds if is_finished(workdir / row / f"seed{s}")]
         if not dirs:
@@ -101,12 +101,16 @@ def plot_training_curves(workdir, rows, seeds, out, labels: dict | None = None) 
                 tr = np.convolve(tr, np.ones(w) / w, mode="valid")
                 steps = steps[w - 1:]
             ax_t.plot(steps, tr, color=color, ls=style, lw=1.2, label=label)
+            late.extend(tr[len(tr) // 4:])  # past the initial drop, where the rows differ
         drawn += 1
     if not drawn:
         plt.close(fig)
         return None
     ax_v.set_title("validation loss (mean over seeds)")
-    ax_t.set_title("training loss (moving mean, mean over seeds)")
+    ax_t.set_title("training loss (moving mean, mean over seeds; y range fits the last 3/4)")
+    if late:  # the first steps' drop from ~5 nats would flatten the differences between rows
+        lo, hi = float(np.min(late)), float(np.max(late))
+        ax_t.set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
     for ax in (ax_v, ax_t):
         ax.set_xlabel("step")
         ax.set_ylabel("loss (nats / token)")
