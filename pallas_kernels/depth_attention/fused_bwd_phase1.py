@@ -1,0 +1,357 @@
+"""Pallas backward kernels of phase 1 (the gradients of ``xla_streaming.phase1_backward``).
+
+Math (per source ``i``, stream ``r``, token, head ``h``; see ``xla_streaming``'s docstring).
+The expansion ``E = E_r[x_i]`` (Eq. 10: the identity for ``kernel = 0``, otherwise the
+causal depthwise conv ``E[t] = sum_delta c_r[delta] mask_delta[t] x_i[t - delta]``), the
+inverse rms ``rho = rsqrt(mean_d(E^2) + eps)`` over the full width, the key ``k = rho E``,
+the score ``s_{s,h} = <k_h, q_{s,r,h}>``, ``p = exp(s - M)`` (``M``: the forward's running
+max, a shift without gradient; ``p = 0`` for an invalid source). With the state cotangent
+``(g_D, g_A)``::
+
+    ds_{s,h}  = p_{s,h} (g_D{s,h} + <g_A{s,r,h}, E_h>)
+    dE        = sum_s p_{s,h} g_A{s,r}                     (value path, dv = p g_A)
+              + rho (dk - k mean_d(k dk)),  dk_h = sum_s ds_{s,h} q_{s,r,h}   (key path)
+
+Every per-channel quantity of the key path reduces to per-token scalars:
+``mean_d(k dk) = (1/d) sum_{s,h} ds_{s,h} s_{s,h}`` (the dots are the scores), so::
+
+    dE[c]  = sum_s P_s g_A{s,r}[c] + sum_s DSR_s q_{s,r}[c] - W E[c]
+    P = p,  DSR = ds rho,  W = rho^2 (1/d) sum_{s,h} ds s
+    dq_{s,r}[c] = sum_{i, b, t} DSR_s E[c]
+
+and the expansion's transpose gives the source and bank gradients::
+
+    d x_i[t]       = sum_r [kernel_r = 0] dE_r[t] + sum_delta H_delta[t + delta]
+    H_delta[u]     = sum_{r: kernel_r > delta} c_r[delta] mask_delta[u] dE_r[u]
+    d c_r[delta]   = sum_{b, t} mask_delta[t] dE_r[t] x_i[t - delta]
+
+(the identity streams add into ``H_0``). Nothing of size ``m*d`` per token is ever written:
+``E`` is recomputed from ``x`` and the bank inside each kernel, three times in all.
+
+Passes (all float32 inside):
+
+1. ``fused.scores_call`` (grid ``(B, T/bt)``): raw per-head dots with all ``S*m`` queries and
+   each stream's sum of squares. Writes ``(S*n*m*H + n*m)`` floats per token. Needed for
+   ``rho`` (over the full ``d``) and ``s``, hence ``p``.
+2. ``gdots`` (grid ``(B, T/bt, d/bd)``, like ``fused``'s mix kernel: streams outside, sources
+   inside): the value-path term ``<g_A{s,r}, E_{i,r}>`` per channel chunk, ``g_A`` loaded once
+   per program. Writes ``S*n*m*(d/bd)`` floats per token (chunk partials; XLA sums them into
+   heads). It is a separate pass because ``ds`` needs the full head width before any ``dE``
+   channel can be formed.
+3. XLA: ``p``, ``ds``, ``P``, ``DSR``, ``W`` (per-token scalars only).
+4. ``grads`` (grid ``(B, d/bd, n)``: one source, one batch row and one channel chunk per
+   program): walks the token tiles IN REVERSE, recomputes ``E`` per tile, forms ``dE`` per
+   stream, folds it into ``H_delta`` and applies the transposed conv. ``H_delta[u]`` lands on
+   row ``u - delta``, i.e. in this tile or, for its first ``delta`` rows, the previous one: that
+   part (the "spill", one ``bt x bd`` tile) rides in the loop carry to the next iteration, so
+   each ``d x`` tile is stored exactly once. The bank gradient (``K`` chunk vectors) and the
+   query gradient (``S*m`` chunk vectors) accumulate in the carry and are written once per
+   program (``[n, B, K, d]`` and ``[n, B, S, m, d]`` partials, summed in XLA). Writes
+   ``n*d`` values per token (``d x``, in the sources' dtype) plus those per-program partials.
+   Sources are the innermost grid axis so the ``n`` programs that read the same ``g_A``
+   chunk run together and share it through L2 (``g_A`` comes from HBM about once).
+
+Bytes per token written to HBM (float32 scalars, ``nc = d / bd``):
+``4 (S n m H + n m)`` (1) ``+ 4 S n m nc`` (2) ``+ 4 (2 S n m H + n m)`` (3) ``+ n d sizeof(x)``
+(4, plus ``4 n B (K + S m) d`` per call). Reads: ``x`` three times (``n d``), ``g_A`` twice
+(``S m d``: passes 2 and 4), the scalars once.
+
+Row shifts (the halo of ``E`` and the transposed conv): ``E`` uses ``fused._Window`` (masked
+loads at ``t0 - delta`` on Triton, previous-tile concatenate elsewhere). The transposed conv
+shifts VALUES (``H_delta`` of this tile, already in registers) by ``delta`` rows: on Triton,
+which has no value-level slicing or general concatenate, as a product with a 0/1 shift
+matrix (``[bt, bt] @ [bt, bd]``, IEEE float32 so it is exact); elsewhere with
+concatenate + static slice. Both need ``block_t >= max_kernel - 1`` (the spill reaches one
+tile back only); Triton's dot also needs ``block_t, block_d >= 16``. The shift costs
+``2 (max_kernel - 1) block_t`` float32 FMAs per token and channel (CUDA cores, not tensor
+cores); ``TF32_TF32_F32_X3`` would be the faster, almost exact alternative.
+
+Tiles: passes 2 and 4 use ``tiles.block_d_mix`` as their chunk (it must divide the head
+width). Pass 4 keeps ``max_kernel`` ``H_delta`` tiles and up to ``max_kernel`` lag-shifted
+source tiles live, so on Triton it wants narrower chunks than the forward mix (untuned).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.depth_attention import fused, reference
+from pallas_kernels.depth_attention.fused import (
+    F32, _call_kwargs, _expand_chunk, _lag_masks, _pad_t, _stream_layout, _Window,
+)
+from pallas_kernels.depth_attention.tiling import Tiles
+
+
+def _dot_shift(backend: str) -> bool:
+    """Whether the transposed conv shifts rows with a 0/1 matrix product (Triton) instead of a
+    concatenate + slice (Mosaic TPU, interpret). A function so tests can force the Triton way
+    through the interpret path."""
+    return backend == "triton"
+
+
+# --------------------------------------------------------------------------- pass 2
+
+
+def _gdots_kernel(*refs, stream_kernels, n, n_targets, bt, has_bank, has_seg, backend):
+    """``out[s, i, r, t] = <g_A[s, r, t, chunk], E_r[x_i][t, chunk]>`` for one chunk."""
+    it = iter(refs)
+    x_ref = next(it)  # [n, Tp, bd]
+    bank_ref = next(it) if has_bank else None  # [n, K, bd]
+    ga_ref = next(it)  # [S, m, bt, bd]
+    seg_ref = next(it) if has_seg else None  # [Tp]
+    out_ref = next(it)  # [S, n, m, bt]
+    t0 = pl.program_id(1) * bt
+    max_lag = max([1, *stream_kernels])
+    masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
+    for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
+        ga = [ga_ref[s, r, :, :].astype(F32) for s in range(n_targets)]
+
+        def source_body(i, carry, kernel=kernel, off=off, r=r, ga=ga):
+            win = _Window(x_ref, (i,), t0, bt, slice(None), backend, width=ga[0].shape[1])
+            e = _expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
+            for s in range(n_targets):
+                out_ref[s, i, r, :] = jnp.sum(ga[s] * e, axis=1)
+            return carry
+
+        jax.lax.fori_loop(0, n, source_body, 0)
+
+
+def gdots_call(x, banks, g_acc, seg, *, stream_kernels, tiles: Tiles, backend, interpret):
+    """``x[n, B, Tp, d]``, ``g_acc[S, m, B, Tp, d]`` -> ``[S, n, m, B, Tp, d/bd]`` chunk partials
+    of ``<g_A{s,r}, E_r[x_i]>`` (float32)."""
+    n, batch, t_pad, d = x.shape
+    n_targets, m = g_acc.shape[:2]
+    bt, bd = tiles.block_t, tiles.block_d_mix
+    has_bank = banks is not None and any(stream_kernels)
+    has_seg = seg is not None
+    nc = d // bd
+    in_specs = [pl.BlockSpec((n, None, t_pad, bd), lambda b, t, c: (0, b, 0, c))]
+    args = [x]
+    if has_bank:
+        in_specs.append(pl.BlockSpec((n, banks.shape[1], bd), lambda b, t, c: (0, 0, c)))
+        args.append(banks)
+    in_specs.append(pl.BlockSpec((n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c)))
+    args.append(g_acc)
+    if has_seg:
+        in_specs.append(pl.BlockSpec((None, t_pad), lambda b, t, c: (b, 0)))
+        args.append(seg)
+    kernel = functools.partial(
+        _gdots_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, bt=bt, has_bank=has_bank,
+        has_seg=has_seg, backend=backend,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, t_pad // bt, nc),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((n_targets, n, m, None, bt, None), lambda b, t, c: (0, 0, 0, b, t, c)),
+        out_shape=jax.ShapeDtypeStruct((n_targets, n, m, batch, t_pad, nc), F32),
+        name="depth_attention_bwd1_gdots",
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+    )(*args)
+
+
+# --------------------------------------------------------------------------- pass 4
+
+
+def _shift_up(h, delta: int, bt: int, use_dot: bool):
+    """``out[t] = h[t + delta]`` (zero past the tile's end)."""
+    if use_dot:
+        rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
+        cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
+        a = (cols == rows + delta).astype(F32)
+        return jnp.dot(a, h, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
+    return jnp.concatenate([h, jnp.zeros_like(h)], axis=0)[delta : delta + bt]
+
+
+def _spill(h, delta: int, bt: int, use_dot: bool):
+    """The previous tile's rows: ``out[t] = h[t + delta - bt]`` (zero where that is before 0)."""
+    if use_dot:
+        rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
+        cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
+        a = (cols == rows + (delta - bt)).astype(F32)
+        return jnp.dot(a, h, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
+    return jnp.concatenate([jnp.zeros_like(h), h], axis=0)[delta : delta + bt]
+
+
+def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, has_seg, backend, use_dot):
+    """One (batch row, channel chunk, source): ``d x`` tiles in reverse order, the bank and query
+    gradient partials at the end (see the module docstring)."""
+    it = iter(refs)
+    x_ref = next(it)  # [Tp, bd]
+    bank_ref = next(it) if has_bank else None  # [K, bd]
+    q_ref = next(it)  # [S, m, bd]
+    ga_ref = next(it)  # [S, m, Tp, bd]
+    p_ref = next(it)  # [S, m, Tp] (this chunk's head)
+    dsr_ref = next(it)  # [S, m, Tp]
+    w_ref = next(it)  # [m, Tp]
+    seg_ref = next(it) if has_seg else None  # [Tp]
+    dx_ref = next(it)  # [Tp, bd]
+    dbank_ref = next(it) if has_bank else None  # [K, bd]
+    dq_ref = next(it)  # [S, m, bd]
+    m = len(stream_kernels)
+    layout = _stream_layout(stream_kernels)
+    n_taps = sum(stream_kernels)
+    max_lag = max([1, *stream_kernels])
+    zero_row = jnp.zeros((bd,), F32)
+    zero_tile = jnp.zeros((bt, bd), F32)
+    q = [[q_ref[s, r, :].astype(F32)[None, :] for r in range(m)] for s in range(n_targets)]
+    bank = [bank_ref[k, :].astype(F32)[None, :] for k in range(n_taps)] if has_bank else []
+
+    def tile_body(j, carry):
+        spill_in, dbank, dq = carry
+        dbank, dq = list(dbank), [list(row) for row in dq]
+        t0 = pl.multiple_of((n_tiles - 1 - j) * bt, bt)
+        rows = pl.ds(t0, bt)
+        masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
+        win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
+        hs = [zero_tile] * max_lag  # H_delta of this tile
+        for r, (kernel, off) in enumerate(layout):
+            e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
+            de = -w_ref[r, rows][:, None] * e
+            for s in range(n_targets):
+                dsr = dsr_ref[s, r, rows][:, None]
+                de = de + p_ref[s, r, rows][:, None] * ga_ref[s, r, rows, :].astype(F32) + dsr * q[s][r]
+                dq[s][r] = dq[s][r] + jnp.sum(dsr * e, axis=0)
+            if kernel == 0:
+                hs[0] = hs[0] + de
+                continue
+            for delta in range(kernel):
+                g = de if delta == 0 else de * masks[delta]
+                dbank[off + delta] = dbank[off + delta] + jnp.sum(g * win.shift(delta), axis=0)
+                hs[delta] = hs[delta] + bank[off + delta] * g
+        dx = hs[0] + spill_in
+        spill_out = zero_tile
+        for delta in range(1, max_lag):
+            dx = dx + _shift_up(hs[delta], delta, bt, use_dot)
+            spill_out = spill_out + _spill(hs[delta], delta, bt, use_dot)
+        dx_ref[rows, :] = dx.astype(dx_ref.dtype)
+        return spill_out, dbank, dq
+
+    carry = (zero_tile, [zero_row] * n_taps, [[zero_row] * m for _ in range(n_targets)])
+    _, dbank, dq = jax.lax.fori_loop(0, n_tiles, tile_body, carry)
+    for k in range(n_taps if has_bank else 0):
+        dbank_ref[k, :] = dbank[k]
+    for s in range(n_targets):
+        for r in range(m):
+            dq_ref[s, r, :] = dq[s][r]
+
+
+def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, heads, tiles: Tiles, backend, interpret,
+               out_dtype):
+    """``x[n, B, Tp, d]``, ``g_acc[S, m, B, Tp, d]``, ``p``/``dsr`` ``[S, n, m, B, H, Tp]``,
+    ``w[n, m, B, Tp]`` -> ``d x[n, B, Tp, d]``, ``d banks`` partials ``[n, B, K, d]`` (or None),
+    ``d queries`` partials ``[n, B, S, m, d]``."""
+    n, batch, t_pad, d = x.shape
+    n_targets, m = queries.shape[:2]
+    bt, bd = tiles.block_t, tiles.block_d_mix
+    dh = d // heads
+    if dh % bd:
+        raise ValueError(f"block_d={bd} must divide the head width {dh}")
+    max_kernel = max([1, *stream_kernels])
+    if bt < max_kernel - 1:
+        raise ValueError(f"block_t={bt} < max_kernel - 1 = {max_kernel - 1}: the transposed conv spills one tile back")
+    use_dot = _dot_shift(backend)
+    if backend == "triton" and (bt < 16 or bd < 16) and max_kernel > 1:
+        raise ValueError(f"the Triton row shift is a dot: block_t={bt} and block_d={bd} must be >= 16")
+    has_bank = banks is not None and any(stream_kernels)
+    has_seg = seg is not None
+    nc = d // bd
+    head = lambda c: (c * bd) // dh  # noqa: E731
+    in_specs = [pl.BlockSpec((None, None, t_pad, bd), lambda b, c, i: (i, b, 0, c))]
+    args = [x]
+    if has_bank:
+        in_specs.append(pl.BlockSpec((None, banks.shape[1], bd), lambda b, c, i: (i, 0, c)))
+        args.append(banks)
+    in_specs += [
+        pl.BlockSpec((n_targets, m, bd), lambda b, c, i: (0, 0, c)),
+        pl.BlockSpec((n_targets, m, None, t_pad, bd), lambda b, c, i: (0, 0, b, 0, c)),
+        pl.BlockSpec((n_targets, None, m, None, None, t_pad), lambda b, c, i: (0, i, 0, b, head(c), 0)),
+        pl.BlockSpec((n_targets, None, m, None, None, t_pad), lambda b, c, i: (0, i, 0, b, head(c), 0)),
+        pl.BlockSpec((None, m, None, t_pad), lambda b, c, i: (i, 0, b, 0)),
+    ]
+    args += [queries, g_acc, p, dsr, w]
+    if has_seg:
+        in_specs.append(pl.BlockSpec((None, t_pad), lambda b, c, i: (b, 0)))
+        args.append(seg)
+    out_specs = [pl.BlockSpec((None, None, t_pad, bd), lambda b, c, i: (i, b, 0, c))]
+    out_shape = [jax.ShapeDtypeStruct((n, batch, t_pad, d), out_dtype)]
+    if has_bank:
+        out_specs.append(pl.BlockSpec((None, None, banks.shape[1], bd), lambda b, c, i: (i, b, 0, c)))
+        out_shape.append(jax.ShapeDtypeStruct((n, batch, banks.shape[1], d), F32))
+    out_specs.append(pl.BlockSpec((None, None, n_targets, m, bd), lambda b, c, i: (i, b, 0, 0, c)))
+    out_shape.append(jax.ShapeDtypeStruct((n, batch, n_targets, m, d), F32))
+    kernel = functools.partial(
+        _grads_kernel, stream_kernels=tuple(stream_kernels), n_targets=n_targets, bt=bt, bd=bd,
+        n_tiles=t_pad // bt, has_bank=has_bank, has_seg=has_seg, backend=backend, use_dot=use_dot,
+    )
+    out = pl.pallas_call(
+        kernel,
+        grid=(batch, nc, n),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        name="depth_attention_bwd1_grads",
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+    )(*args)
+    if has_bank:
+        return out[0], out[1], out[2]
+    return out[0], None, out[1]
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, stream_kernels: Sequence[int], heads,
+                    eps, tiles: Tiles, backend, interpret):
+    """Gradients ``(d sources, d banks or None, d queries)`` of phase 1: the values of
+    ``xla_streaming.phase1_backward(...)[:3]`` (``banks``: ``[n, K, d]`` or None without conv;
+    ``valid``: ``[n]`` or None; ``smax``: the forward's running max; ``g``: the state cotangent,
+    its ``max`` ignored)."""
+    n, batch, t_len, d = sources.shape
+    n_targets, m = queries.shape[:2]
+    stream_kernels = tuple(stream_kernels)
+    t_pad, seg = fused._prepare(t_len, segment_ids, tiles)
+    x = _pad_t(sources, 2, t_pad)
+    conv_banks = banks if (banks is not None and any(stream_kernels)) else None
+    kw = dict(stream_kernels=stream_kernels, tiles=tiles, backend=backend, interpret=interpret)
+
+    # pass 1: per-head dots and sums of squares -> rho, s, p
+    dots, sumsq = fused.scores_call(x, conv_banks, queries, seg, heads=heads, **kw)
+    rho = jax.lax.rsqrt(sumsq / d + eps)  # [n, m, B, Tp]
+    s = dots * rho[None, ..., None]  # [S, n, m, B, Tp, H]
+    ok = reference._source_valid(n, valid)[None, :, None, None, None, None]
+    real = (jnp.arange(t_pad) < t_len)[:, None]  # padded tokens: p = 0 (their s is arbitrary)
+    smax_p = _pad_t(jnp.asarray(smax, F32), 3, t_pad)
+    p = jnp.where(ok & real, jnp.exp(jnp.where(ok & real, s - smax_p[:, None], 0.0)), 0.0)
+
+    # pass 2: the value-path dots <g_A, E> (chunk partials summed into heads)
+    g_denom = _pad_t(jnp.asarray(g.denom, F32), 3, t_pad)
+    g_acc = _pad_t(jnp.asarray(g.acc, F32), 3, t_pad)
+    gd = gdots_call(x, conv_banks, g_acc, seg, **kw)  # [S, n, m, B, Tp, nc]
+    gd = jnp.sum(gd.reshape(*gd.shape[:-1], heads, -1), axis=-1)  # [S, n, m, B, Tp, H]
+
+    # pass 3 (XLA): the per-token coefficients of dE
+    ds = p * (g_denom[:, None] + gd)
+    dsr = ds * rho[None, ..., None]
+    w = rho * rho * jnp.sum(ds * s, axis=(0, 5)) / d  # [n, m, B, Tp]
+    to_heads_major = lambda a: jnp.moveaxis(a, -1, -2)  # noqa: E731  [S, n, m, B, H, Tp]
+
+    # pass 4: dE, transposed conv, bank and query gradients
+    dx, dbank, dq = grads_call(
+        x, conv_banks, queries, g_acc, to_heads_major(p), to_heads_major(dsr), w, seg, heads=heads,
+        out_dtype=sources.dtype, **kw,
+    )
+    d_sources = dx[:, :, :t_len]
+    d_queries = jnp.sum(dq, axis=(0, 1)).astype(queries.dtype)
+    if banks is None:
+        d_banks = None
+    elif dbank is None:
+        d_banks = jnp.zeros_like(banks)
+    else:
+        d_banks = jnp.sum(dbank, axis=1).astype(banks.dtype)
+    return d_sources, d_banks, d_queries
