@@ -62,11 +62,22 @@ def main():
     ap.add_argument("--skip", type=int, default=20, help="steps excluded from the timing (compile, warm-up)")
     ap.add_argument("--workroot", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for every config, e.g. model.residual.implementation=auto (repeatable)")
     args = ap.parse_args()
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--set {item!r}: must be KEY=VALUE")
+        try:
+            overrides[key] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[key] = value
     workroot = Path(args.workroot or tempfile.mkdtemp(prefix="baseline_"))
     rows = []
     for spec in args.configs:
-        rows.append(run(spec, args.steps, args.skip, workroot, {}))
+        rows.append(run(spec, args.steps, args.skip, workroot, overrides))
         print(json.dumps(rows[-1]), flush=True)
     print(f"\ndevice: {jax.devices()[0].device_kind}; steps={args.steps}, timed steps {args.skip + 1}..{args.steps}")
     print("| config | params | tokens/step | median step (ms) | tokens/s | MFU | final train loss | peak memory (GiB) |")

@@ -111,7 +111,10 @@ class BlockDepthAttention(ResidualMechanism):
         return dict(stream_kernels=self.stream_kernels, heads=self.heads, eps=self.res_cfg.eps)
 
     def _op(self, op):
-        return functools.partial(op, implementation=self.implementation, **self._kw())
+        kw = self._kw()
+        if self.implementation != "xla":  # the Pallas kernels' backward (the XLA path has one)
+            kw["backward"] = self.res_cfg.get("kernel_backward", "xla")
+        return functools.partial(op, implementation=self.implementation, **kw)
 
     # ----- banks: a source uses the bank of the newest output it contains (Appendix C) -----
     def source_banks(self, g) -> jax.Array | None:

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.depth_attention import fused, tiling, vjp
+from pallas_kernels.depth_attention import fused, fused_bwd_phase1, tiling, vjp
 
 
 def build(backend: str, native_platform: str):
@@ -15,12 +15,14 @@ def build(backend: str, native_platform: str):
 
     Off ``native_platform`` the kernels run in Pallas interpret mode (CPU tests);
     then the halo is always built from the previous tile (see ``fused.py``).
-    Keyword options accepted by every op: ``interpret`` (bool) and ``tiles``
-    (a ``tiling.Tiles``); ``phase2_fused`` also ``out_dtype``.
+    Keyword options accepted by every op: ``interpret`` (bool), ``tiles`` (a
+    ``tiling.Tiles``) and ``backward`` (``"xla"``, the default, or ``"pallas"``: see
+    ``vjp.py``); ``phase2_fused`` also ``out_dtype``.
     """
 
     def setup(d, heads, stream_kernels, n_targets, opts):
         opts = dict(opts)
+        opts.pop("backward", None)  # read by vjp.py's backward
         interpret = opts.pop("interpret", jax.default_backend() != native_platform)
         tiles = opts.pop("tiles", None) or tiling.choose_tiles(
             d=d, heads=heads, max_kernel=max([1, *stream_kernels]), n_targets=n_targets, backend=backend
@@ -50,8 +52,15 @@ def build(backend: str, native_platform: str):
             out_dtype=out_dtype, **kw,
         )
 
+    def p1_backward(sources, banks, queries, valid, segment_ids, smax, ct, static):
+        kw, _ = setup(sources.shape[-1], static.heads, static.stream_kernels, queries.shape[0], static.kernel_opts)
+        return fused_bwd_phase1.phase1_backward(
+            sources, banks, queries, valid, segment_ids, smax, ct, stream_kernels=static.stream_kernels,
+            heads=static.heads, eps=static.eps, **kw,
+        )
+
     return (
-        vjp.make_phase1(p1_forward),
+        vjp.make_phase1(p1_forward, p1_backward),
         vjp.make_phase2(p2_forward, fused=False),
         vjp.make_phase2(p2_forward, fused=True),
     )

@@ -60,6 +60,8 @@ def _dispatch(op: str, implementation: Implementation, *args, **kwargs):
     errors = []
     for name in _candidates(implementation):
         if name == "xla":
+            # A kernel option: which backward the Pallas kernels use. The XLA path has one.
+            kwargs.pop("backward", None)
             if op in ("phase1", "phase2_fused", "depth_read") and not kwargs.get("return_weights"):
                 # One source in flight at a time, recomputing backward (xla_streaming.py).
                 return getattr(xla_streaming, op)(*args, **kwargs)

@@ -6,11 +6,18 @@ is saved) and phase 1's running max. The backward RECOMPUTES the expansions, key
 and softmax weights from those inputs in XLA, in closed form and one source at a time
 (``xla_streaming``: phase 1's streaming backward, phase 2 + gate's fused backward).
 
-Status (honest): the backward is XLA recomputation, not yet a Pallas kernel. It is exact
-(tested against autodiff of the reference) and stores nothing between forward and
-backward beyond the inputs; inside the backward XLA holds one source's ``m`` expanded
-streams at a time. The unfused ``phase2`` (streams out) still differentiates the
-reference.
+Backward implementations, chosen per call by the ``backward`` option (default ``"xla"``):
+
+* ``"xla"``: XLA recomputation in closed form (``xla_streaming``); exact (tested against
+  autodiff of the reference); inside the backward XLA holds one source's ``m`` expanded
+  streams at a time.
+* ``"pallas"``: the Pallas backward kernels of the back end (``fused_bwd_phase1`` for phase
+  1, ``fused_bwd_phase2`` for the fused phase 2 once present), which recompute expansions,
+  norms and the merged streams inside the kernels and write no ``m*d``-per-token temporary.
+  Tested against the XLA backward in interpret mode; it stays opt-in until it is measured
+  on the GPU (BENCHMARKS.md).
+
+The unfused ``phase2`` (streams out) differentiates the reference in both cases.
 """
 
 from __future__ import annotations
@@ -39,8 +46,20 @@ def _as_float(x):
     return None if x is None else jnp.asarray(x, jnp.float32)
 
 
-def make_phase1(forward: Callable) -> Callable:
-    """``forward(sources, banks, queries, valid, segment_ids, static) -> SoftmaxState``."""
+BACKWARDS = ("xla", "pallas")
+
+
+def backward_choice(static: Static) -> str:
+    choice = dict(static.kernel_opts).get("backward", "xla")
+    if choice not in BACKWARDS:
+        raise ValueError(f"backward={choice!r}: must be one of {BACKWARDS}")
+    return choice
+
+
+def make_phase1(forward: Callable, kernel_backward: Callable | None = None) -> Callable:
+    """``forward(sources, banks, queries, valid, segment_ids, static) -> SoftmaxState``;
+    ``kernel_backward(sources, banks, queries, valid, segment_ids, smax, ct, static) ->
+    (d sources, d banks, d queries)``, used with the ``backward="pallas"`` option."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def op(static, sources, banks, queries, valid, segment_ids):
@@ -53,9 +72,15 @@ def make_phase1(forward: Callable) -> Callable:
     def bwd(static, res, ct):
         sources, banks, queries, valid, segment_ids, state = res
         n, d = sources.shape[0], sources.shape[-1]
+        ct = reference.SoftmaxState(*(jnp.asarray(a, jnp.float32) for a in ct))
+        if backward_choice(static) == "pallas":
+            if kernel_backward is None:
+                raise ValueError("backward='pallas': this back end has no phase-1 backward kernel")
+            dx, dbanks, dq = kernel_backward(sources, banks, queries, valid, segment_ids, state.max, ct, static)
+            return (dx.astype(sources.dtype), None if banks is None else dbanks.astype(banks.dtype),
+                    dq.astype(queries.dtype), None, None)
         ok = jnp.ones((n,), bool) if valid is None else valid
         bank_arr = jnp.zeros((n, 0, d), jnp.float32) if banks is None else banks
-        ct = reference.SoftmaxState(*(jnp.asarray(a, jnp.float32) for a in ct))
         dx, dbanks, dq, _, _ = xla_streaming.phase1_backward(
             sources, bank_arr, queries, ok, segment_ids, state.max, ct,
             stream_kernels=static.stream_kernels, heads=static.heads, eps=static.eps,

@@ -224,3 +224,25 @@ def test_gpu_triton_matches_reference():
         state, partial, bank, query, gate = _phase2_inputs(2, 200, 256, kernels, 2)
         h = api.phase2_fused(state, partial, bank, query, True, gate, implementation="pallas_gpu", **kw)
         _check_tree(h, reference.phase2_fused(state, partial, bank, query, True, gate, **kw), 1e-4)
+
+
+@pytest.mark.parametrize("case", [PHASE1_CASES[0], PHASE1_CASES[1]], ids=lambda c: c[0])
+def test_phase1_pallas_backward_through_the_op(case):
+    """``backward="pallas"`` routes the custom_vjp's backward to ``fused_bwd_phase1``: the op's
+    gradients equal autodiff of the reference (the kernels alone: test_fused_bwd_phase1.py)."""
+    _, n, batch, t_len, d, n_targets, kernels, heads, valid, cut = case
+    sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, kernels)
+    seg = None if cut is None else _segments(batch, t_len, cut)
+    valid = None if valid is None else jnp.asarray(valid)
+    kw = dict(stream_kernels=kernels, heads=heads, segment_ids=seg)
+
+    def run(fn):
+        out, vjp = jax.vjp(lambda x, b, q: fn(x, b, q, valid, **kw), sources, banks, queries)
+        return out, vjp(jax.tree.map(lambda a: _rnd(9, a.shape), out))
+
+    got, got_grads = run(lambda *a, **k: api.phase1(*a, implementation="pallas_tpu", backward="pallas", **k))
+    want, want_grads = run(reference.phase1)
+    _check_tree(got, want, F32_TOL)
+    _check_tree(got_grads, want_grads, F32_TOL)
+    with pytest.raises(ValueError, match="backward='fast'"):
+        run(lambda *a, **k: api.phase1(*a, implementation="pallas_tpu", backward="fast", **k))
