@@ -86,7 +86,7 @@ def make_inputs(n, batch, t_len, d, n_targets, kernels, heads, dtype, seed=0):
 
 
 def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, impl, bw, log, reps, inner,
-               with_bwd=True, check=True, p1_opts=None, p2_opts=None):
+               with_bwd=True, check=True, p1_opts=None, p2_opts=None, time_xla=True):
     m = len(kernels)
     sources, banks, queries, partial, bank, query, gate = make_inputs(
         n, batch, t_len, d, n_targets, kernels, heads, dtype
@@ -132,7 +132,7 @@ def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, im
         h = p2(impl)(state1, partial, bank, query, gate).astype(jnp.float32)
         res["p2_max_abs_err"] = float(jnp.max(jnp.abs(h - h_ref)))
         res["p2_ref_max"] = float(jnp.max(jnp.abs(h_ref)))
-    for who in ("xla", impl):
+    for who in ("xla", impl) if time_xla else (impl,):
         t1, _ = timeit(p1(who), sources, banks, queries, reps=reps, inner=inner)
         t2, _ = timeit(p2(who), state1, partial, bank, query, gate, reps=reps, inner=inner)
         res[f"{who}_p1_ms"], res[f"{who}_p2_ms"] = t1 * 1e3, t2 * 1e3
@@ -214,6 +214,8 @@ def main():
     ap.add_argument("--small", action="store_true", help="CPU smoke run of the harness")
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time each kernel alone for several tilings")
+    ap.add_argument("--backward", choices=("xla", "pallas", "both"), default="xla",
+                    help="the kernels' backward: closed-form XLA, the Pallas backward kernels, or both")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", ".")
     log_path = os.path.join(out_dir, "bench_log.jsonl")
@@ -251,12 +253,24 @@ def main():
         opts = dict(p1_opts={"tiles": b1["_tiles"]}, p2_opts={"tiles": b2["_tiles"]})
         log(json.dumps({"best_p1": b1["tiles"], "best_p2": b2["tiles"]}))
     rows = []
+    backwards = ("xla", "pallas") if args.backward == "both" else (args.backward,)
     for name, kernels, heads in (("msar_m4_k4-8-12", (0, 4, 8, 12), 1), ("attnres", (0,), 1)):
-        try:
-            rows.append(run_config(name, kernels=kernels, heads=heads, dtype=jnp.bfloat16, impl=impl, bw=bw,
-                                   log=log, reps=reps, inner=inner, with_bwd=not args.no_bwd, **shapes, **opts))
-        except Exception as e:  # noqa: BLE001 - keep measuring the other configs
-            log(json.dumps({"name": name, "error": repr(e)[:2000]}))
+        xla_row = None
+        for backward in backwards:
+            run_opts = {k: dict(v, backward=backward) for k, v in
+                        {"p1_opts": opts.get("p1_opts", {}), "p2_opts": opts.get("p2_opts", {})}.items()}
+            try:
+                row = run_config(f"{name}[bwd={backward}]", kernels=kernels, heads=heads, dtype=jnp.bfloat16,
+                                 impl=impl, bw=bw, log=log, reps=reps, inner=inner, with_bwd=not args.no_bwd,
+                                 time_xla=xla_row is None, **shapes, **run_opts)
+            except Exception as e:  # noqa: BLE001 - keep measuring the other configs
+                log(json.dumps({"name": name, "backward": backward, "error": repr(e)[:2000]}))
+                continue
+            if xla_row is None:
+                xla_row = row
+            else:  # the XLA reference was timed once per config
+                row.update({k: v for k, v in xla_row.items() if k.startswith("xla_")})
+            rows.append(row)
     print("\n== per-sublayer amortised, ms (median of >= 20 reps) ==")
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; shapes {shapes}")
     for r in rows:
