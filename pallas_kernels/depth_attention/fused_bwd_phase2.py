@@ -1,0 +1,528 @@
+"""Pallas backward of the fused phase-2 depth read with stream fusion (``phase2_fused``).
+
+Computes exactly the gradients of ``xla_streaming._phase2_fused_bwd`` (the closed forms are
+in that module's docstring and in the block comment above ``_gate_forward``), but without
+ever writing an ``[m, B, T, d]`` float32 temporary to HBM other than the unavoidable output
+``d_state.acc``. Everything of width ``m*d`` per token -- the expansions ``E_r = conv_r(x)``
+(Eq. 10), the keys ``k_r = rms(E_r)``, the merged streams ``z_r = a A_r + b E_r`` and their
+cotangents ``dz_r`` -- is recomputed inside the kernels, one ``block_t x block_d`` tile at a
+time, from the inputs (partial ``x``, conv bank, query, phase-1 state, gate, ``dh``). Only
+per-token scalars travel between the passes.
+
+Notation (per stream ``r``, token ``t``, head ``h``; ``A, D, M`` the phase-1 state):
+``s = q_r . k_r`` (per head), ``M' = max(M, s)``, ``c = exp(M - M')``, ``p = exp(s - M')``
+(0 when the partial is excluded), ``D' = c D + p``, ``a = c / D'``, ``b = p / D'``,
+``z_r = a A_r + b E_r`` (Eq. 11 merged online), ``h = sum_r g_r z_r`` with the H_pre gate
+``g = sigmoid(scale * rz * y + bias)``, ``rz = rms_{m d}(Z)^-1``, ``y = flatten(Z) @ W``
+(Eq. 13-14), or ``g_r = 1/m`` (mean fusion).
+
+The passes (``tiles`` as in ``fused.py``; ``nc = d / block_d`` channel chunks):
+
+0. ``fused.scores_call`` (grid ``B x T/bt``): the raw per-head dots ``q_r . E_r`` and
+   ``sum E_r^2`` (the key norm is over the full ``d``, so it must be a separate reduction
+   before anything else). XLA redoes the forward's online-softmax merge on these
+   ``[m, B, T, H]`` scalars: ``c, p, D', a, b`` and the key's inverse rms ``rk``.
+   Writes ``m (H + 1)`` floats per token.
+1. ``_stats_kernel`` (gate only; grid ``B x T/bt x nc``): recomputes ``z_r`` per chunk and
+   writes per-chunk partials of the gate's forward statistics ``sum z^2`` and
+   ``y_j = sum z_r W[r, :, j]`` together with the backward's ``dg_r = <dh, z_r>``: all three
+   only need ``z`` and ``dh``, so one recompute serves the forward gate statistics and the
+   first backward reduction. Writes ``nc (1 + 2m)`` floats per token.
+   XLA finishes the gate backward on ``[B, T, m]`` scalars: ``dlogit = dg g (1 - g)``,
+   ``d_bias``, ``d_scale``, ``dy = scale rz dlogit``, ``coef = -scale (dlogit . y) rz^3 / (m d)``.
+2. ``_dstate_kernel`` (grid ``B x T/bt x nc``): recomputes ``z_r`` and
+   ``dz_r = g_r dh + sum_j W[r, :, j] dy_j + coef z_r`` (``dh / m`` for mean fusion), writes
+   ``d_acc = a dz`` (the state's value cotangent, unavoidable: ``m d`` floats per token) and
+   per-chunk partials of the three per-head reductions the scalar cotangents need:
+   ``S1 = sum dz z``, ``Sm = sum dz (A - E D)``, ``Ss = sum dz (E - z)``
+   (``3 m nc`` floats per token). XLA (step "5"): ``d_denom = -c S1 / D'``,
+   ``d_max = c p Sm / D'^2`` (exactly 0 for an excluded partial, no cancellation),
+   ``ds = b Ss`` and the key-norm coefficients ``u = rk ds`` (per head) and
+   ``v = -rk^3 / d sum_h ds_h (q_r . E_r)_h`` (the rms is over all ``d`` channels, so its
+   term is one scalar per token): ``d_E_r = b dz_r + u q_r + v E_r``.
+3. ``_dinput_kernel`` (grid ``B x nc``; each program loops over the T tiles IN REVERSE):
+   recomputes ``E_r``, ``z_r``, ``dz_r`` and ``d_E_r`` per tile and applies the transpose
+   of the causal depthwise conv (Eq. 10),
+   ``d_x[t] = sum_r sum_delta c_r[delta] mask_delta[t + delta] d_E_r[t + delta]``,
+   whose rows ``t + delta`` reach into the NEXT tile: since the loop runs backwards, the
+   part of the current tile's contribution that lands in the previous tile (at most
+   ``max_kernel - 1 <= block_t`` rows) is kept in the loop carry. The same loop
+   accumulates ``d_bank[delta] = sum_t mask_delta d_E_r[t] x[t - delta]``,
+   ``d_query_r = sum_t u E_r`` and ``d_W[r, :, j] = sum_t z_r dy_j`` in registers, written
+   once per program as ``[B, ...]`` partials that XLA sums. Writes ``d`` floats per token.
+
+The row shift of the transposed conv: on the interpret / TPU path a concatenate and static
+slices (as ``fused._Window`` builds its halo); on the Triton path, where value-level
+concatenates and slices do not lower, a product with a 0/1 shift matrix built from iotas
+(``jnp.dot`` at HIGHEST precision lowers to an IEEE float32 ``tl.dot``, which is exact for a
+matrix with at most one 1 per row). Every other lag is a ref load (``fused._Window``).
+
+HBM traffic per token, in float32 words (banks, queries and ``W`` are per-program constants
+and not counted; ``nc = d / block_d``): the partial ``x`` is read by every pass (4 times
+with the gate, 3 with mean fusion; plus the conv halo, which hits cache), the state ``A``
+and ``dh`` (``(m + 1) d``) by passes 1-3 (3 times with the gate, 2 without), and
+``O(m H)`` per-token scalars. Writes: ``m d`` (``d_acc``, an output) ``+ d``
+(``d_partial``, an output) ``+ m (H + 1)`` (pass 0) ``+ 3 m nc`` (pass 2) ``+ nc (1 + 2 m)``
+(pass 1, gate only), plus the XLA steps' ``O(m H)`` per-token scalars. Nothing of size
+``m d`` per token is written besides ``d_acc``; the XLA closed form holds several
+``[m, B, T, d]`` float32 arrays (``E``, keys, ``z``, ``dz``, ``d_E``) at once.
+
+TPU note: pass 3 maps whole-T blocks (``[T, block_d]`` of ``x``, ``dh`` and ``m`` of ``A``)
+per program, which is free on the Triton path (refs are pointers) but sits in VMEM on
+Mosaic; a long-sequence TPU version would page the T tiles with a sequential grid axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.depth_attention import reference, tiling
+from pallas_kernels.depth_attention.fused import (
+    F32,
+    _call_kwargs,
+    _expand_chunk,
+    _lag_masks,
+    _pad_t,
+    _stream_layout,
+    _Window,
+    scores_call,
+)
+
+# --------------------------------------------------------------------------- in-kernel helpers
+
+
+def _col(v):
+    """``[bt]`` -> ``[bt, 1]`` (a per-token scalar against a ``[bt, bd]`` tile)."""
+    return v[:, None]
+
+
+def _dz(r, m, dh, z, gate_vals, w_ref, w_rows):
+    """``dz_r = g_r dh + sum_j W[r, :, j] dy_j + coef z_r`` on one tile (``dh / m`` without
+    the gate). ``gate_vals = (g[bt, m] loader, dy loader, coef[bt])``; ``w_rows`` indexes
+    the chunk's rows of ``W``."""
+    if gate_vals is None:
+        return dh * (1.0 / m)
+    g_of, dy_of, coef = gate_vals
+    dz = _col(g_of(r)) * dh + _col(coef) * z
+    for j in range(m):
+        dz = dz + w_ref[r, w_rows, j].astype(F32)[None, :] * _col(dy_of(j))
+    return dz
+
+
+def _shift_rows(g, delta: int, bt: int, how: str):
+    """``(within, spill)`` for the transposed conv: ``within[i] = g[i + delta]`` (0 past the
+    tile) and ``spill[i] = g[i + delta - bt]`` (rows of the PREVIOUS tile, 0 where
+    ``i + delta < bt``)."""
+    if how == "concat":
+        zero = jnp.zeros_like(g)
+        cat = jnp.concatenate([zero, g, zero], axis=0)
+        return cat[bt + delta : 2 * bt + delta], cat[delta : bt + delta]
+    row = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
+    up = (col == row + delta).astype(F32)
+    back = (col == row + delta - bt).astype(F32)
+    hi = jax.lax.Precision.HIGHEST
+    return (jnp.dot(up, g, precision=hi, preferred_element_type=F32),
+            jnp.dot(back, g, precision=hi, preferred_element_type=F32))
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def _stats_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, backend):
+    """Pass 1: per-chunk ``sum z^2``, ``z @ W`` (the gate's forward statistics) and
+    ``dg_r = <dh, z_r>`` (the gate's first backward reduction), from recomputed ``z``."""
+    it = iter(refs)
+    x_ref = next(it)  # [Tp, bd]
+    bank_ref = next(it) if has_bank else None  # [K, bd]
+    a_ref, b_ref = next(it), next(it)  # [m, bt, H]
+    acc_ref = next(it)  # [m, bt, bd]
+    dh_ref = next(it)  # [bt, bd]
+    w_ref = next(it)  # [m, bd, m]
+    seg_ref = next(it) if has_seg else None  # [Tp]
+    sq_ref, zw_ref, dg_ref = it  # [bt], [bt, m], [bt, m]
+    m = len(stream_kernels)
+    t0 = pl.program_id(1) * bt
+    head = (pl.program_id(2) * bd) // (d // heads)
+    masks = _lag_masks(seg_ref, t0, bt, max([1, *stream_kernels]), backend)
+    win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
+    dh = dh_ref[...].astype(F32)
+    sq = jnp.zeros((bt,), F32)
+    zw = [jnp.zeros((bt,), F32)] * m
+    for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
+        e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
+        z = _col(a_ref[r, :, head]) * acc_ref[r, :, :].astype(F32) + _col(b_ref[r, :, head]) * e
+        sq = sq + jnp.sum(z * z, axis=1)
+        for j in range(m):
+            zw[j] = zw[j] + jnp.sum(z * w_ref[r, :, j].astype(F32)[None, :], axis=1)
+        dg_ref[:, r] = jnp.sum(dh * z, axis=1)
+    sq_ref[...] = sq
+    for j in range(m):
+        zw_ref[:, j] = zw[j]
+
+
+def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, has_gate, backend):
+    """Pass 2: ``d_acc = a dz`` and per-chunk partials of ``sum dz z``, ``sum dz (A - E D)``,
+    ``sum dz (E - z)`` (per stream and token; summed per head in XLA)."""
+    it = iter(refs)
+    x_ref = next(it)  # [Tp, bd]
+    bank_ref = next(it) if has_bank else None  # [K, bd]
+    a_ref, b_ref, dold_ref = next(it), next(it), next(it)  # [m, bt, H]
+    acc_ref = next(it)  # [m, bt, bd]
+    dh_ref = next(it)  # [bt, bd]
+    if has_gate:
+        g_ref, dy_ref, coef_ref, w_ref = next(it), next(it), next(it), next(it)  # [bt, m] x2, [bt], [m, bd, m]
+    else:
+        w_ref = None
+    seg_ref = next(it) if has_seg else None  # [Tp]
+    dacc_ref, s1_ref, sm_ref, ss_ref = it  # [m, bt, bd], [m, bt] x3
+    m = len(stream_kernels)
+    t0 = pl.program_id(1) * bt
+    head = (pl.program_id(2) * bd) // (d // heads)
+    masks = _lag_masks(seg_ref, t0, bt, max([1, *stream_kernels]), backend)
+    win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
+    dh = dh_ref[...].astype(F32)
+    gate_vals = None
+    if has_gate:
+        gate_vals = (lambda r: g_ref[:, r], lambda j: dy_ref[:, j], coef_ref[...])
+    for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
+        e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
+        a = _col(a_ref[r, :, head])
+        acc = acc_ref[r, :, :].astype(F32)
+        z = a * acc + _col(b_ref[r, :, head]) * e
+        dz = _dz(r, m, dh, z, gate_vals, w_ref, slice(None))
+        dacc_ref[r, :, :] = a * dz
+        s1_ref[r, :] = jnp.sum(dz * z, axis=1)
+        sm_ref[r, :] = jnp.sum(dz * (acc - e * _col(dold_ref[r, :, head])), axis=1)
+        ss_ref[r, :] = jnp.sum(dz * (e - z), axis=1)
+
+
+def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, has_seg, has_gate, backend, shift):
+    """Pass 3: one (batch row, channel chunk) per program, T tiles in reverse. Recomputes
+    ``d_E_r = b dz_r + u q_r + v E_r`` per tile, applies the transposed conv (``d_x``) and
+    accumulates the bank, query and gate-weight gradients in the loop carry."""
+    it = iter(refs)
+    x_ref = next(it)  # [Tp, bd]
+    bank_ref = next(it) if has_bank else None  # [K, bd]
+    q_ref = next(it)  # [m, bd]
+    a_ref, b_ref, u_ref = next(it), next(it), next(it)  # [m, Tp, H]
+    v_ref = next(it)  # [m, Tp]
+    acc_ref = next(it)  # [m, Tp, bd]
+    dh_ref = next(it)  # [Tp, bd]
+    if has_gate:
+        g_ref, dy_ref, coef_ref, w_ref = next(it), next(it), next(it), next(it)  # [Tp, m] x2, [Tp], [m, bd, m]
+    else:
+        w_ref = None
+    seg_ref = next(it) if has_seg else None  # [Tp]
+    dx_ref = next(it)  # [Tp, bd]
+    dq_ref = next(it)  # [m, bd]
+    dbank_ref = next(it) if has_bank else None  # [K, bd]
+    dw_ref = next(it) if has_gate else None  # [m, bd, m]
+    m = len(stream_kernels)
+    layout = _stream_layout(stream_kernels)
+    n_taps = sum(stream_kernels)
+    max_lag = max([1, *stream_kernels])
+    head = (pl.program_id(1) * bd) // (d // heads)
+    q = [q_ref[r, :].astype(F32)[None, :] for r in range(m)]
+
+    def body(i, carry):
+        spill, dq, dbank, dw = carry
+        dq, dbank, dw = list(dq), list(dbank), [list(row) for row in dw]
+        t0 = pl.multiple_of((n_tiles - 1 - i) * bt, bt)
+        rows = pl.ds(t0, bt)
+        masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
+        win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
+        dh = dh_ref[rows, :].astype(F32)
+        gate_vals = None
+        if has_gate:
+            dy_cols = [dy_ref[rows, j] for j in range(m)]
+            gate_vals = (lambda r: g_ref[rows, r], lambda j: dy_cols[j], coef_ref[rows])
+        taps_d = [None] * max_lag  # sum_r c_r[delta] d_E_r, before the lag mask
+        for r, (kernel, off) in enumerate(layout):
+            e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
+            b = _col(b_ref[r, rows, head])
+            z = _col(a_ref[r, rows, head]) * acc_ref[r, rows, :].astype(F32) + b * e
+            dz = _dz(r, m, dh, z, gate_vals, w_ref, slice(None))
+            u = _col(u_ref[r, rows, head])
+            de = b * dz + u * q[r] + _col(v_ref[r, rows]) * e
+            dq[r] = dq[r] + jnp.sum(u * e, axis=0)
+            if has_gate:
+                for j in range(m):
+                    dw[r][j] = dw[r][j] + jnp.sum(z * _col(dy_cols[j]), axis=0)
+            if kernel == 0:
+                taps_d[0] = de if taps_d[0] is None else taps_d[0] + de
+                continue
+            for delta in range(kernel):
+                masked = de * masks[delta] if delta else de
+                dbank[off + delta] = dbank[off + delta] + jnp.sum(masked * win.shift(delta), axis=0)
+                term = bank_ref[off + delta, :].astype(F32)[None, :] * de
+                taps_d[delta] = term if taps_d[delta] is None else taps_d[delta] + term
+        # transposed conv: d_x[t] = sum_delta mask_delta[t + delta] taps_d[delta][t + delta]
+        dx = spill + taps_d[0]
+        new_spill = jnp.zeros((bt, bd), F32)
+        for delta in range(1, max_lag):
+            if taps_d[delta] is None:
+                continue
+            within, back = _shift_rows(taps_d[delta] * masks[delta], delta, bt, shift)
+            dx = dx + within
+            new_spill = new_spill + back
+        dx_ref[rows, :] = dx.astype(dx_ref.dtype)
+        return new_spill, dq, dbank, dw
+
+    zero_d = jnp.zeros((bd,), F32)
+    carry = (jnp.zeros((bt, bd), F32), [zero_d] * m, [zero_d] * n_taps,
+             [[zero_d] * m for _ in range(m)] if has_gate else [])
+    _, dq, dbank, dw = jax.lax.fori_loop(0, n_tiles, body, carry)
+    for r in range(m):
+        dq_ref[r, :] = dq[r]
+        if has_gate:
+            for j in range(m):
+                dw_ref[r, :, j] = dw[r][j]
+    for k in range(n_taps if has_bank else 0):
+        dbank_ref[k, :] = dbank[k]
+
+
+# --------------------------------------------------------------------------- calls
+
+
+def _common(stream_kernels, heads, d, tiles, backend):
+    return dict(stream_kernels=tuple(stream_kernels), heads=heads, d=d, bt=tiles.block_t, bd=tiles.block_d_mix,
+                backend=backend)
+
+
+def _stats_call(x, bank, a, b, acc, dh, w3, seg, *, stream_kernels, heads, tiles, backend, interpret):
+    batch, t_pad, d = x.shape
+    m = len(stream_kernels)
+    bt, bd = tiles.block_t, tiles.block_d_mix
+    nc = d // bd
+    has_bank, has_seg = bank is not None, seg is not None
+    specs = [pl.BlockSpec((None, t_pad, bd), lambda i, t, c: (i, 0, c))]
+    args = [x]
+    if has_bank:
+        specs.append(pl.BlockSpec((bank.shape[0], bd), lambda i, t, c: (0, c)))
+        args.append(bank)
+    scal = pl.BlockSpec((m, None, bt, heads), lambda i, t, c: (0, i, t, 0))
+    specs += [scal, scal, pl.BlockSpec((m, None, bt, bd), lambda i, t, c: (0, i, t, c)),
+              pl.BlockSpec((None, bt, bd), lambda i, t, c: (i, t, c)),
+              pl.BlockSpec((m, bd, m), lambda i, t, c: (0, c, 0))]
+    args += [a, b, acc, dh, w3]
+    if has_seg:
+        specs.append(pl.BlockSpec((None, t_pad), lambda i, t, c: (i, 0)))
+        args.append(seg)
+    kernel = functools.partial(_stats_kernel, has_bank=has_bank, has_seg=has_seg,
+                               **_common(stream_kernels, heads, d, tiles, backend))
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, t_pad // bt, nc),
+        in_specs=specs,
+        out_specs=[
+            pl.BlockSpec((None, bt, None), lambda i, t, c: (i, t, c)),
+            pl.BlockSpec((None, bt, None, m), lambda i, t, c: (i, t, c, 0)),
+            pl.BlockSpec((None, bt, None, m), lambda i, t, c: (i, t, c, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, t_pad, nc), F32),
+            jax.ShapeDtypeStruct((batch, t_pad, nc, m), F32),
+            jax.ShapeDtypeStruct((batch, t_pad, nc, m), F32),
+        ],
+        name="depth_attention_phase2_bwd_stats",
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+    )(*args)
+
+
+def _dstate_call(x, bank, a, b, dold, acc, dh, gate_in, seg, *, stream_kernels, heads, tiles, backend, interpret):
+    batch, t_pad, d = x.shape
+    m = len(stream_kernels)
+    bt, bd = tiles.block_t, tiles.block_d_mix
+    nc = d // bd
+    has_bank, has_seg, has_gate = bank is not None, seg is not None, gate_in is not None
+    specs = [pl.BlockSpec((None, t_pad, bd), lambda i, t, c: (i, 0, c))]
+    args = [x]
+    if has_bank:
+        specs.append(pl.BlockSpec((bank.shape[0], bd), lambda i, t, c: (0, c)))
+        args.append(bank)
+    scal = pl.BlockSpec((m, None, bt, heads), lambda i, t, c: (0, i, t, 0))
+    specs += [scal, scal, scal, pl.BlockSpec((m, None, bt, bd), lambda i, t, c: (0, i, t, c)),
+              pl.BlockSpec((None, bt, bd), lambda i, t, c: (i, t, c))]
+    args += [a, b, dold, acc, dh]
+    if has_gate:
+        g, dy, coef, w3 = gate_in
+        per_tok = pl.BlockSpec((None, bt, m), lambda i, t, c: (i, t, 0))
+        specs += [per_tok, per_tok, pl.BlockSpec((None, bt), lambda i, t, c: (i, t)),
+                  pl.BlockSpec((m, bd, m), lambda i, t, c: (0, c, 0))]
+        args += [g, dy, coef, w3]
+    if has_seg:
+        specs.append(pl.BlockSpec((None, t_pad), lambda i, t, c: (i, 0)))
+        args.append(seg)
+    kernel = functools.partial(_dstate_kernel, has_bank=has_bank, has_seg=has_seg, has_gate=has_gate,
+                               **_common(stream_kernels, heads, d, tiles, backend))
+    red = pl.BlockSpec((m, None, bt, None), lambda i, t, c: (0, i, t, c))
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, t_pad // bt, nc),
+        in_specs=specs,
+        out_specs=[pl.BlockSpec((m, None, bt, bd), lambda i, t, c: (0, i, t, c)), red, red, red],
+        out_shape=[jax.ShapeDtypeStruct((m, batch, t_pad, d), F32)]
+        + [jax.ShapeDtypeStruct((m, batch, t_pad, nc), F32)] * 3,
+        name="depth_attention_phase2_bwd_state",
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+    )(*args)
+
+
+def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_kernels, heads, tiles, backend,
+                 interpret, shift):
+    batch, t_pad, d = x.shape
+    m = len(stream_kernels)
+    bt, bd = tiles.block_t, tiles.block_d_mix
+    nc = d // bd
+    has_bank, has_seg, has_gate = bank is not None, seg is not None, gate_in is not None
+    specs = [pl.BlockSpec((None, t_pad, bd), lambda i, c: (i, 0, c))]
+    args = [x]
+    if has_bank:
+        specs.append(pl.BlockSpec((bank.shape[0], bd), lambda i, c: (0, c)))
+        args.append(bank)
+    scal = pl.BlockSpec((m, None, t_pad, heads), lambda i, c: (0, i, 0, 0))
+    specs += [pl.BlockSpec((m, bd), lambda i, c: (0, c)), scal, scal, scal,
+              pl.BlockSpec((m, None, t_pad), lambda i, c: (0, i, 0)),
+              pl.BlockSpec((m, None, t_pad, bd), lambda i, c: (0, i, 0, c)),
+              pl.BlockSpec((None, t_pad, bd), lambda i, c: (i, 0, c))]
+    args += [query, a, b, u, v, acc, dh]
+    if has_gate:
+        g, dy, coef, w3 = gate_in
+        per_tok = pl.BlockSpec((None, t_pad, m), lambda i, c: (i, 0, 0))
+        specs += [per_tok, per_tok, pl.BlockSpec((None, t_pad), lambda i, c: (i, 0)),
+                  pl.BlockSpec((m, bd, m), lambda i, c: (0, c, 0))]
+        args += [g, dy, coef, w3]
+    if has_seg:
+        specs.append(pl.BlockSpec((None, t_pad), lambda i, c: (i, 0)))
+        args.append(seg)
+    out_specs = [pl.BlockSpec((None, t_pad, bd), lambda i, c: (i, 0, c)),
+                 pl.BlockSpec((None, m, bd), lambda i, c: (i, 0, c))]
+    out_shape = [jax.ShapeDtypeStruct((batch, t_pad, d), F32), jax.ShapeDtypeStruct((batch, m, d), F32)]
+    if has_bank:
+        out_specs.append(pl.BlockSpec((None, bank.shape[0], bd), lambda i, c: (i, 0, c)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, bank.shape[0], d), F32))
+    if has_gate:
+        out_specs.append(pl.BlockSpec((None, m, bd, m), lambda i, c: (i, 0, c, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, m, d, m), F32))
+    kernel = functools.partial(_dinput_kernel, n_tiles=t_pad // bt, has_bank=has_bank, has_seg=has_seg,
+                               has_gate=has_gate, shift=shift, **_common(stream_kernels, heads, d, tiles, backend))
+    outs = pl.pallas_call(
+        kernel,
+        grid=(batch, nc),
+        in_specs=specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        name="depth_attention_phase2_bwd_inputs",
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel")),
+    )(*args)
+    dx, dq = outs[0], outs[1]
+    rest = list(outs[2:])
+    dbank = rest.pop(0) if has_bank else None
+    dw = rest.pop(0) if has_gate else None
+    return dx, dq, dbank, dw
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def phase2_fused_backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps,
+                          gate_eps, tiles, backend, interpret):
+    """Gradients of ``reference.phase2_fused`` (same values as ``xla_streaming._phase2_fused_bwd``).
+
+    Returns ``(d_state, d_partial, d_bank, d_query, d_gate)``: ``d_state`` a
+    ``reference.SoftmaxState(max, denom, acc)`` (float32), ``d_bank`` ``None`` when ``bank``
+    is, ``d_gate`` ``(d_W[m d, m], d_scale, d_bias[m])`` or ``None`` (mean fusion).
+    ``backend``: ``"triton"``, ``"tpu"`` or ``"interpret"`` (as in ``fused.py``).
+    """
+    return _backward(state, partial, bank, query, include, gate, segment_ids, dh, stream_kernels=stream_kernels,
+                     heads=heads, eps=eps, gate_eps=gate_eps, tiles=tiles, backend=backend, interpret=interpret,
+                     shift="dot" if backend == "triton" else "concat")
+
+
+def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps, gate_eps,
+              tiles, backend, interpret, shift):
+    """``phase2_fused_backward`` with the transposed conv's row shift chosen explicitly
+    (``"dot"``: the Triton formulation; the tests also run it in interpret mode)."""
+    stream_kernels = tuple(stream_kernels)
+    batch, t_len, d = partial.shape
+    m = len(stream_kernels)
+    max_lag = max([1, *stream_kernels])
+    if tiles.block_t < max_lag - 1:  # the carry of the reverse loop (and the halo) span one tile
+        tiles = dataclasses.replace(tiles, block_t=tiling._next_pow2(max_lag - 1))
+    bt, bd = tiles.block_t, tiles.block_d_mix
+    if (d // heads) % bd:
+        raise ValueError(f"block_d_mix={bd} must divide the head width {d // heads}")
+    if backend == "triton" and shift == "dot" and max_lag > 1 and min(bt, bd) < 16:
+        # tl.dot needs every dimension >= 16 (the shift matrices are [bt, bt] @ [bt, bd]).
+        raise NotImplementedError(f"Triton phase-2 backward needs block_t, block_d >= 16 (got {bt}, {bd})")
+    t_pad = -(-t_len // bt) * bt
+    nc = d // bd
+    seg = None if segment_ids is None else _pad_t(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
+    has_bank = bank is not None and any(stream_kernels)
+    kbank = bank.astype(F32) if has_bank else None
+    x = _pad_t(partial, 1, t_pad)
+    g_h = _pad_t(jnp.asarray(dh, F32), 1, t_pad)
+    q = query.astype(F32)
+    kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)
+    valid = (jnp.arange(t_pad) < t_len).astype(F32)  # [Tp]
+
+    # Pass 0: the forward's per-token scalars (scores, online-softmax merge).
+    dots, sumsq = scores_call(x[None], None if kbank is None else kbank[None], q[None], seg, **kw)
+    dots, sumsq = dots[0, 0], sumsq[0]  # [m, B, Tp, H], [m, B, Tp]
+    rk = jax.lax.rsqrt(sumsq / d + eps)
+    include = jnp.asarray(include, bool)
+    s = jnp.where(include, dots * rk[..., None], reference.NEG_LARGE)
+    pmax = _pad_t(state.max.astype(F32), 2, t_pad)
+    dold = _pad_t(state.denom.astype(F32), 2, t_pad, 1.0)
+    acc = _pad_t(state.acc.astype(F32), 2, t_pad)
+    new_max = jnp.maximum(pmax, s)
+    keep = jnp.exp(pmax - new_max)
+    p = jnp.where(include, jnp.exp(s - new_max), 0.0)
+    denom = dold * keep + p
+    a, b = keep / denom, p / denom
+
+    # Pass 1 + XLA: the gate's statistics and its backward on [B, Tp, m] scalars.
+    gate_in, d_gate = None, None
+    if gate is not None:
+        w, scale, bias = gate
+        w3 = jnp.asarray(w, F32).reshape(m, d, m)
+        scale_f, bias_f = jnp.asarray(scale, F32), jnp.asarray(bias, F32)
+        sq, zw, dg = _stats_call(x, kbank, a, b, acc, g_h, w3, seg, **kw)
+        rz = jax.lax.rsqrt(jnp.sum(sq, axis=-1) / (m * d) + gate_eps)  # [B, Tp]
+        y = jnp.sum(zw, axis=2)  # [B, Tp, m]
+        g = jax.nn.sigmoid(scale_f * rz[..., None] * y + bias_f)
+        dlogit = jnp.sum(dg, axis=2) * g * (1.0 - g) * valid[None, :, None]
+        d_bias = jnp.sum(dlogit, axis=(0, 1))
+        d_scale = jnp.sum(dlogit * rz[..., None] * y)
+        dy = scale_f * rz[..., None] * dlogit
+        coef = -scale_f * jnp.sum(dlogit * y, axis=-1) * rz**3 / (m * d)
+        gate_in = (g * valid[None, :, None], dy, coef, w3)
+        d_gate = [None, d_scale.reshape(jnp.shape(scale)), d_bias]
+
+    # Pass 2 + XLA: d_acc and the per-head reductions -> d_denom, d_max, ds, key-norm coefficients.
+    d_acc, s1, sm, ss = _dstate_call(x, kbank, a, b, dold, acc, g_h, gate_in, seg, **kw)
+    per_head = lambda v: jnp.sum(v.reshape(m, batch, t_pad, heads, nc // heads), axis=-1)  # noqa: E731
+    d_denom = -keep * per_head(s1) / denom
+    d_max = keep * p * per_head(sm) / (denom * denom)
+    ds = b * per_head(ss)  # [m, B, Tp, H]
+    u = rk[..., None] * ds
+    v = -(rk**3) / d * jnp.sum(ds * dots, axis=-1)  # [m, B, Tp]
+
+    # Pass 3: d_partial (transposed conv, reverse T loop), d_bank, d_query, d_W.
+    dx, dq, dbank, dw = _dinput_call(x, kbank, q, a, b, u, v, acc, g_h, gate_in, seg, shift=shift, **kw)
+
+    cut = lambda t: t[..., :t_len, :]  # noqa: E731
+    d_state = reference.SoftmaxState(cut(d_max), cut(d_denom), cut(d_acc))
+    d_bank = None
+    if bank is not None:
+        d_bank = (jnp.sum(dbank, axis=0) if has_bank else jnp.zeros(bank.shape, F32)).astype(bank.dtype)
+    if d_gate is not None:
+        d_gate[0] = jnp.sum(dw, axis=0).reshape(m * d, m)
+        d_gate = tuple(d_gate)
+    return (d_state, dx[:, :t_len].astype(partial.dtype), d_bank, jnp.sum(dq, axis=0).astype(query.dtype), d_gate)
