@@ -30,7 +30,7 @@ def loss_and_grads(mechanism, implementation, kernel_backward="xla"):
 
 
 @pytest.mark.parametrize("mechanism, implementation, kernel_backward", [
-    ("msar", "pallas_tpu", "xla"),
+    pytest.param("msar", "pallas_tpu", "xla", marks=pytest.mark.slow),  # the kernels' XLA backward
     ("msar", "pallas_gpu", "pallas"),
     ("attnres", "pallas_tpu", "pallas"),
 ])

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.depth_attention import fused, fused_bwd_phase1, tiling, vjp
+from pallas_kernels.depth_attention import fused, fused_bwd_phase1, fused_bwd_phase2, tiling, vjp
 
 
 def build(backend: str, native_platform: str):
@@ -59,8 +59,16 @@ def build(backend: str, native_platform: str):
             heads=static.heads, eps=static.eps, **kw,
         )
 
+    def p2_backward(state, partial, bank, query, include, gate, segment_ids, dh, static):
+        kw, _ = setup(partial.shape[-1], static.heads, static.stream_kernels, 1, static.kernel_opts)
+        return fused_bwd_phase2.phase2_fused_backward(
+            state, partial, bank, query, include, gate if static.fuse == "gate" else None, segment_ids,
+            jnp.asarray(dh, jnp.float32), stream_kernels=static.stream_kernels, heads=static.heads, eps=static.eps,
+            gate_eps=static.gate_eps, **kw,
+        )
+
     return (
         vjp.make_phase1(p1_forward, p1_backward),
         vjp.make_phase2(p2_forward, fused=False),
-        vjp.make_phase2(p2_forward, fused=True),
+        vjp.make_phase2(p2_forward, fused=True, kernel_backward=p2_backward),
     )

@@ -12,7 +12,7 @@ Backward implementations, chosen per call by the ``backward`` option (default ``
   autodiff of the reference); inside the backward XLA holds one source's ``m`` expanded
   streams at a time.
 * ``"pallas"``: the Pallas backward kernels of the back end (``fused_bwd_phase1`` for phase
-  1, ``fused_bwd_phase2`` for the fused phase 2 once present), which recompute expansions,
+  1, ``fused_bwd_phase2`` for the fused phase 2), which recompute expansions,
   norms and the merged streams inside the kernels and write no ``m*d``-per-token temporary.
   Tested against the XLA backward in interpret mode; it stays opt-in until it is measured
   on the GPU (BENCHMARKS.md).
@@ -98,8 +98,10 @@ def make_phase1(forward: Callable, kernel_backward: Callable | None = None) -> C
     return phase1
 
 
-def make_phase2(forward: Callable, *, fused: bool) -> Callable:
-    """``forward(state, partial, bank, query, include, gate, segment_ids, static)``.
+def make_phase2(forward: Callable, *, fused: bool, kernel_backward: Callable | None = None) -> Callable:
+    """``forward(state, partial, bank, query, include, gate, segment_ids, static)``;
+    ``kernel_backward(state, partial, bank, query, include, gate, segment_ids, dh, static) ->
+    (d state, d partial, d bank, d query, d gate)`` (fused only, ``backward="pallas"``).
 
     ``fused=False`` gives the ``reference.phase2`` signature (returns ``z[m, B, T, d]``);
     ``fused=True`` the ``reference.phase2_fused`` one (returns ``h[B, T, d]``).
@@ -115,6 +117,13 @@ def make_phase2(forward: Callable, *, fused: bool) -> Callable:
 
     def bwd(static, res, ct):
         state, partial, bank, query, include, gate, segment_ids = res
+        if static.fuse is not None and backward_choice(static) == "pallas":
+            if kernel_backward is None:
+                raise ValueError("backward='pallas': this back end has no phase-2 backward kernel")
+            g_state, g_x, g_b, g_q, g_gate = kernel_backward(
+                state, partial, bank, query, include, gate, segment_ids, ct, static)
+            return (g_state, g_x.astype(partial.dtype), None if bank is None else g_b.astype(bank.dtype),
+                    g_q.astype(query.dtype), None, g_gate, None)
         if static.fuse is not None:
             bank_arr = jnp.zeros((0, partial.shape[-1]), jnp.float32) if bank is None else bank
             g_state, g_x, g_b, g_q, _, g_gate, _ = xla_streaming._phase2_fused_bwd(

@@ -246,3 +246,23 @@ def test_phase1_pallas_backward_through_the_op(case):
     _check_tree(got_grads, want_grads, F32_TOL)
     with pytest.raises(ValueError, match="backward='fast'"):
         run(lambda *a, **k: api.phase1(*a, implementation="pallas_tpu", backward="fast", **k))
+
+
+@pytest.mark.parametrize("case", [PHASE2_CASES[0], PHASE2_CASES[2]], ids=lambda c: c[0])
+def test_phase2_fused_pallas_backward_through_the_op(case):
+    """``backward="pallas"`` routes phase 2 + gate's backward to ``fused_bwd_phase2``: the op's
+    gradients (state, partial, bank, query, gate) equal autodiff of the reference."""
+    _, batch, t_len, d, kernels, heads, include, cut, fuse = case
+    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
+    seg = None if cut is None else _segments(batch, t_len, cut)
+    kw = dict(stream_kernels=kernels, heads=heads, segment_ids=seg)
+    gate = gate if fuse == "gate" else None
+
+    def run(f):
+        out, vjp = jax.vjp(lambda st, x, b, q, g: f(st, x, b, q, include, g, **kw), state, partial, bank, query, gate)
+        return out, vjp(_rnd(99, out.shape))
+
+    got, got_grads = run(lambda *a, **k: api.phase2_fused(*a, implementation="pallas_tpu", backward="pallas", **k))
+    want, want_grads = run(reference.phase2_fused)
+    _check_tree(got, want, F32_TOL)
+    _check_tree(got_grads, want_grads, 2e-5)
