@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 
 from msar_jax import accounting
-from msar_jax.configs import load_config
+from msar_jax.configs import load_config, parse_overrides
 from msar_jax.train import train
 
 
@@ -65,15 +65,10 @@ def main():
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override for every config, e.g. model.residual.implementation=auto (repeatable)")
     args = ap.parse_args()
-    overrides = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            ap.error(f"--set {item!r}: must be KEY=VALUE")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
+    try:
+        overrides = parse_overrides(args.set)
+    except ValueError as e:
+        ap.error(str(e))
     workroot = Path(args.workroot or tempfile.mkdtemp(prefix="baseline_"))
     rows = []
     for spec in args.configs:

@@ -62,7 +62,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from msar_jax.configs import load_config  # noqa: E402
+from msar_jax.configs import load_config, parse_overrides  # noqa: E402
 from msar_jax.parallel import layout as layout_lib  # noqa: E402
 from msar_jax.parallel import mesh as mesh_lib  # noqa: E402
 from msar_jax.parallel import pipeline as pl  # noqa: E402
@@ -202,17 +202,6 @@ def table(rows: list[dict]) -> str:
             f"{f(r.get('hop_bytes') if pp else None, ',d')} | {f(r.get('hop_bytes_per_token') if pp else None, ',.0f')} | "
             f"{r['compile_s']:.1f} |")
     return "\n".join(out)
-
-
-def parse_overrides(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 def main(argv=None) -> list[dict]:

@@ -53,7 +53,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from msar_jax.configs import load_config  # noqa: E402
+from msar_jax.configs import load_config, parse_overrides  # noqa: E402
 from msar_jax.parallel import layout as layout_lib  # noqa: E402
 from msar_jax.parallel import mesh as mesh_lib  # noqa: E402
 from msar_jax.train.optim import make_optimizer  # noqa: E402
@@ -295,15 +295,10 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         ap.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
-    overrides = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            ap.error(f"--set {item!r}: must be key=value")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
+    try:
+        overrides = parse_overrides(args.set)
+    except ValueError as e:
+        ap.error(str(e))
     trace_root = Path(args.trace_root or tempfile.mkdtemp(prefix="profile_"))
     trace_root.mkdir(parents=True, exist_ok=True)
     rows = []

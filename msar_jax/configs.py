@@ -1,12 +1,14 @@
 """Load a config file the way ``--config=path.py:arg`` does, without absl flags.
 
 ``load_config("configs/msar.py:size=small")`` returns the locked ``ConfigDict``;
-``overrides={"model.d_model": 128}`` sets fields (an unknown field is an error).
+``overrides={"model.d_model": 128}`` sets fields (an unknown field is an error);
+``parse_overrides(["model.d_model=128"])`` builds that dict from command-line ``KEY=VALUE``s.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 import sys
 
@@ -38,3 +40,18 @@ def load_config(spec: str, overrides: dict | None = None) -> ml_collections.Conf
             raise config_lib.ConfigError(key, value, f"no such config field ({e})") from None
     config_lib.validate(config.model)
     return config
+
+
+def parse_overrides(items) -> dict:
+    """``["optim.lr=1e-3", "model.residual.implementation=auto"]`` -> ``{key: value}``; values
+    are JSON-parsed where they parse (numbers, booleans, lists), else kept as strings."""
+    out = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r}: must be KEY=VALUE (e.g. train.batch_size=8)")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out

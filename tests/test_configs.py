@@ -93,3 +93,15 @@ def test_scaling_ladder_matches_budgets_across_mechanisms():
         assert len(budgets) == 1
     layers = [load_config(f"configs/scaling/msar.py:size=ladder_{r}").model.n_layers for r in range(1, 5)]
     assert layers == [15, 23, 15, 28]  # Table 4 depths
+
+
+def test_parse_overrides():
+    from msar_jax.configs import parse_overrides
+
+    got = parse_overrides(["train.batch_size=8", "optim.lr=1e-3", "model.residual.implementation=auto",
+                           "model.residual.kernel_sizes=[4, 8]", "train.progress=false"])
+    assert got == {"train.batch_size": 8, "optim.lr": 1e-3, "model.residual.implementation": "auto",
+                   "model.residual.kernel_sizes": [4, 8], "train.progress": False}
+    for bad in ("train.batch_size", "=3"):
+        with pytest.raises(ValueError, match="KEY=VALUE"):
+            parse_overrides([bad])

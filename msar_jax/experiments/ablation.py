@@ -77,17 +77,14 @@ REFERENCES = ("vanilla", "attnres")
 
 
 def parse_overrides(items) -> dict:
-    """``["optim.lr=1e-3", "train.batch_size=8"]`` -> dict with JSON-parsed values (else strings)."""
-    out = {}
-    for item in items or ():
-        if "=" not in item:
-            raise SystemExit(f"--set {item!r}: expected key=value")
-        key, value = item.split("=", 1)
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
+    """``--set KEY=VALUE`` items -> overrides (``msar_jax.configs.parse_overrides``); a malformed
+    item ends the command with its message."""
+    from msar_jax import configs
+
+    try:
+        return configs.parse_overrides(items)
+    except ValueError as e:
+        raise SystemExit(f"--set: {e}") from None
 
 
 def build_config(spec: str, seed: int, steps: int | None = None, overrides: dict | None = None, quiet: bool = True):
