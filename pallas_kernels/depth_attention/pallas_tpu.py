@@ -1,10 +1,16 @@
 """Mosaic TPU implementation: ``pl.pallas_call`` with BlockSpecs and
 ``pltpu.CompilerParams(dimension_semantics=...)`` (kernels in ``fused.py``).
 
-Verified only in interpret mode (no TPU here). Known limit for real TPUs: the
-source BlockSpec spans the whole token axis of one batch row (``[n, T, d]`` per
-program in the scores kernel), which overflows VMEM at long T; a TPU-tuned version
-would DMA ``block_t + halo`` rows per program instead.
+Verified only in interpret mode (no TPU here). **It does not lower for a real TPU yet**
+(checked on CPU with ``jit(...).lower(lowering_platforms=("tpu",))``, 2026-11-29): Mosaic
+wants the last two dimensions of every block either equal to the array's or divisible by
+8 and 128, and several blocks here put a squeezed batch row or a channel-chunk index in
+those places (``sumsq`` ``(n, m, None, bt)``, the segment ids ``(None, T)``, the gate
+statistics ``(None, bt, None)``). A trailing singleton axis fixes the BlockSpecs (e.g.
+``sumsq[n, m, B, T, 1]``); the kernel bodies' 1-D per-token vectors and cross-lane sums
+would then meet Mosaic's own layout rules. Also: the source BlockSpec spans the whole token
+axis of one batch row (``[n, T, d]`` per program in the scores kernel), which overflows VMEM
+at long T; a TPU-tuned version would DMA ``block_t + halo`` rows per program instead.
 """
 
 from __future__ import annotations
