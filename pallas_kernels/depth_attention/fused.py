@@ -62,6 +62,8 @@ class _Window:
         self._cache = {}
 
     def _idx(self, start):
+        if self.backend != "triton":  # starts are whole tiles here; Mosaic must see it (aligned loads)
+            start = pl.multiple_of(start, self.bt)
         rows = pl.ds(start, self.bt)
         return (*self.lead, rows) if self.cs is None else (*self.lead, rows, self.cs)
 
@@ -92,7 +94,9 @@ class _Window:
 def _lag_masks(seg_ref, t0, bt: int, max_lag: int, backend: str):
     """``masks[delta]`` ``[bt, 1]`` float: token ``t - delta`` exists and shares ``t``'s segment."""
     rows = t0 + jax.lax.broadcasted_iota(jnp.int32, (bt,), 0)
-    win = _Window(seg_ref, (), t0, bt, None, backend, fill=-1, dtype=jnp.int32) if seg_ref is not None else None
+    # seg_ref is [Tp] or [Tp, 1] (tokens on sublanes, as Mosaic wants them: see scores_call)
+    col = 0 if seg_ref is not None and len(seg_ref.shape) == 2 else None
+    win = _Window(seg_ref, (), t0, bt, col, backend, fill=-1, dtype=jnp.int32) if seg_ref is not None else None
     masks = []
     for delta in range(max_lag):
         ok = rows - delta >= 0
@@ -170,7 +174,7 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
                 for r in range(m):
                     dots_ref[s, i, r, :, h] = dots[s][r]
         for r in range(m):
-            ss_ref[i, r, :] = ss[r]
+            ss_ref[i, r, :, 0] = ss[r]
         return carry
 
     jax.lax.fori_loop(0, n, source_body, 0)
@@ -194,6 +198,16 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
     layout = _stream_layout(stream_kernels)
     t0 = pl.program_id(1) * bt
     head = (pl.program_id(2) * bd) // (d // heads)
+
+    def head_col(ref, lead):
+        """``ref[*lead, :, head]`` (``[bt]``): this chunk's head column of a ``[..., bt, H]`` ref."""
+        if heads == 1:
+            return ref[(*lead, slice(None), 0)]
+        if backend == "triton":
+            return ref[(*lead, slice(None), head)]
+        # Mosaic cannot load at a dynamic lane index: load the row of heads, pick by a one-hot sum.
+        onehot = (jax.lax.broadcasted_iota(jnp.int32, (1, heads), 1) == head).astype(F32)
+        return jnp.sum(ref[(*lead, slice(None), slice(None))] * onehot, axis=1)
     max_lag = max([1, *stream_kernels])
     masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
     zero = jnp.zeros((bt, bd), F32)
@@ -206,13 +220,13 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
         def source_body(i, accs, kernel=kernel, off=off, r=r):
             win = _Window(x_ref, (i,), t0, bt, slice(None), backend, width=bd)
             e = _expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
-            return [accs[s] + p_ref[s, i, r, :, head][:, None] * e for s in range(n_targets)]
+            return [accs[s] + head_col(p_ref, (s, i, r))[:, None] * e for s in range(n_targets)]
 
         accs = jax.lax.fori_loop(0, n, source_body, [zero] * n_targets)
         for s in range(n_targets):
             z = accs[s]
             if has_base:
-                z = z + a_ref[s, r, :, head][:, None] * base_ref[s, r, :, :].astype(F32)
+                z = z + head_col(a_ref, (s, r))[:, None] * base_ref[s, r, :, :].astype(F32)
             if mode == "acc":
                 outs[0][s, r, :, :] = z.astype(outs[0].dtype)
             elif mode == "mean":
@@ -226,7 +240,7 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
     if mode in ("mean", "gate"):
         outs[0][...] = h_acc.astype(outs[0].dtype)
     elif mode == "stats":
-        outs[0][...] = sq
+        outs[0][:, 0] = sq
         for j in range(m):
             outs[1][:, j] = zw[j]
 
@@ -270,28 +284,29 @@ def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, 
         args.append(banks)
     in_specs.append(pl.BlockSpec(queries.shape, lambda b, t: (0, 0, 0)))
     args.append(queries)
-    if has_seg:
-        in_specs.append(pl.BlockSpec((None, t_pad), lambda b, t: (b, 0)))
-        args.append(seg)
+    if has_seg:  # [B, Tp, 1]: Mosaic TPU wants a block's last two dims whole (or 8 x 128-aligned)
+        in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, t: (b, 0, 0)))
+        args.append(seg[:, :, None])
     kernel = functools.partial(
         _scores_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d,
         bt=bt, bd=bd, has_bank=has_bank, has_seg=has_seg, backend=backend,
     )
-    return pl.pallas_call(
+    dots, sumsq = pl.pallas_call(
         kernel,
         grid=(batch, t_pad // bt),
         in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((n_targets, n, m, None, bt, heads), lambda b, t: (0, 0, 0, b, t, 0)),
-            pl.BlockSpec((n, m, None, bt), lambda b, t: (0, 0, b, t)),
+            pl.BlockSpec((n, m, None, bt, 1), lambda b, t: (0, 0, b, t, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((n_targets, n, m, batch, t_pad, heads), F32),
-            jax.ShapeDtypeStruct((n, m, batch, t_pad), F32),
+            jax.ShapeDtypeStruct((n, m, batch, t_pad, 1), F32),
         ],
         name="depth_attention_scores",
         **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel")),
     )(*args)
+    return dots, sumsq[..., 0]
 
 
 def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, stream_kernels, heads, tiles: Tiles,
@@ -322,9 +337,9 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
     if mode == "stats":
         in_specs.append(pl.BlockSpec((m, bd, m), lambda b, t, c: (0, c, 0)))
         args.append(w)
-    if has_seg:
-        in_specs.append(pl.BlockSpec((None, t_pad), lambda b, t, c: (b, 0)))
-        args.append(seg)
+    if has_seg:  # [B, Tp, 1], as in scores_call
+        in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, t, c: (b, 0, 0)))
+        args.append(seg[:, :, None])
     if mode == "acc":
         out_specs = [pl.BlockSpec((n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c))]
         out_shape = [jax.ShapeDtypeStruct((n_targets, m, batch, t_pad, d), out_dtype)]
@@ -332,13 +347,15 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
         out_specs = [pl.BlockSpec((None, bt, bd), lambda b, t, c: (b, t, c))]
         out_shape = [jax.ShapeDtypeStruct((batch, t_pad, d), out_dtype)]
     else:
+        # [B, nc, Tp, 1] and [B, nc, Tp, m]: the token tile and a full trailing dim last (Mosaic's
+        # block-shape rule); returned below as [B, Tp, nc] and [B, Tp, nc, m]
         out_specs = [
-            pl.BlockSpec((None, bt, None), lambda b, t, c: (b, t, c)),
-            pl.BlockSpec((None, bt, None, m), lambda b, t, c: (b, t, c, 0)),
+            pl.BlockSpec((None, None, bt, 1), lambda b, t, c: (b, c, t, 0)),
+            pl.BlockSpec((None, None, bt, m), lambda b, t, c: (b, c, t, 0)),
         ]
         out_shape = [
-            jax.ShapeDtypeStruct((batch, t_pad, nc), F32),
-            jax.ShapeDtypeStruct((batch, t_pad, nc, m), F32),
+            jax.ShapeDtypeStruct((batch, nc, t_pad, 1), F32),
+            jax.ShapeDtypeStruct((batch, nc, t_pad, m), F32),
         ]
     kernel = functools.partial(
         _mix_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d, bt=bt,
@@ -353,6 +370,8 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
         name=f"depth_attention_mix_{mode}",
         **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
+    if mode == "stats":
+        return out[0][..., 0].transpose(0, 2, 1), out[1].transpose(0, 2, 1, 3)
     return out[0] if len(out) == 1 else out
 
 

@@ -1,16 +1,20 @@
 """Mosaic TPU implementation: ``pl.pallas_call`` with BlockSpecs and
 ``pltpu.CompilerParams(dimension_semantics=...)`` (kernels in ``fused.py``).
 
-Verified only in interpret mode (no TPU here). **It does not lower for a real TPU yet**
-(checked on CPU with ``jit(...).lower(lowering_platforms=("tpu",))``, 2026-11-29): Mosaic
-wants the last two dimensions of every block either equal to the array's or divisible by
-8 and 128, and several blocks here put a squeezed batch row or a channel-chunk index in
-those places (``sumsq`` ``(n, m, None, bt)``, the segment ids ``(None, T)``, the gate
-statistics ``(None, bt, None)``). A trailing singleton axis fixes the BlockSpecs (e.g.
-``sumsq[n, m, B, T, 1]``); the kernel bodies' 1-D per-token vectors and cross-lane sums
-would then meet Mosaic's own layout rules. Also: the source BlockSpec spans the whole token
-axis of one batch row (``[n, T, d]`` per program in the scores kernel), which overflows VMEM
-at long T; a TPU-tuned version would DMA ``block_t + halo`` rows per program instead.
+Run here in interpret mode (no TPU). The forward kernels also **compile for a TPU v5p with
+libtpu's ahead-of-time compiler on this CPU machine** (2026-11-29; command in BENCHMARKS.md,
+"Session 3"): MSAR with segments and the gate, AttnRes, MHAR, no-conv; phase 1 and phase 2,
+forward and with the default XLA backward. What that took (fused.py): token-tile starts
+marked ``pl.multiple_of`` (Mosaic proves aligned loads), the segment ids and the gate
+statistics laid out with tokens on sublanes and a whole trailing dim (Mosaic's block-shape
+rule: last two block dims whole or 8 x 128-aligned), and the per-head softmax weights read
+as a row of heads and picked by a one-hot sum (no dynamic lane index). The Pallas backward
+kernels (``backward="pallas"``) do not lower for Mosaic yet (their own BlockSpecs break the
+same rule). ``tests/kernels/test_triton_lowering.py`` checks the Mosaic lowering on every
+run (without libtpu). Known limit: the source BlockSpec spans the whole token axis of one
+batch row (``[n, T, d]`` per program in the scores kernel), which overflows VMEM at long T;
+a TPU-tuned version would DMA ``block_t + halo`` rows per program instead. Nothing here
+has run on a TPU.
 """
 
 from __future__ import annotations

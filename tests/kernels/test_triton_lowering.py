@@ -64,3 +64,38 @@ def test_kernels_lower_to_triton(h200, kernels, heads, segments, backward, calls
     text = _lower(jax.grad(loss2, argnums=argnums), *args)
     # forward: scores + gate stats + gated mix; the Pallas backward adds 4 passes
     assert text.count(TRITON_CALL) == calls[1]
+
+
+@pytest.mark.parametrize("kernels, heads, segments", [((0, 4, 8, 12), 1, True), ((0,), 2, False),
+                                                      ((0, 0, 0), 2, True)], ids=["msar", "mhar", "no_conv"])
+def test_tpu_kernels_lower_for_mosaic(kernels, heads, segments):
+    """The TPU variant (forward kernels; the default XLA backward) passes Pallas' Mosaic lowering
+    for a TPU v5p (block shapes, aligned loads) under an abstract TPU mesh, on this CPU. The full
+    Mosaic compile needs libtpu: BENCHMARKS.md gives the command and its result."""
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="TPU v5p", num_cores=1,
+                                                                        platform="tpu"))
+    n, batch, t_len, d, n_targets, m = 3, 2, 64, 256, 2, len(kernels)
+    sds = jax.ShapeDtypeStruct
+    seg = sds((batch, t_len), jnp.int32) if segments else None
+    banks = sds((n, sum(kernels), d), jnp.float32) if sum(kernels) else None
+    kw = dict(stream_kernels=kernels, heads=heads, implementation="pallas_tpu", interpret=False)
+
+    def loss1(x, b, q, sg):
+        state = api.phase1(x, b, q, segment_ids=sg, **kw)
+        return jnp.sum(state.acc) + jnp.sum(state.denom)
+
+    def loss2(st, x, b, q, g, sg):
+        return jnp.sum(api.phase2_fused(st, x, b, q, True, g, segment_ids=sg, **kw))
+
+    f32 = lambda *shape: sds(shape, jnp.float32)  # noqa: E731
+    state = reference.SoftmaxState(f32(m, batch, t_len, heads), f32(m, batch, t_len, heads), f32(m, batch, t_len, d))
+    gate = (f32(m * d, m), f32(), f32(m))
+    with jax.sharding.use_abstract_mesh(mesh):
+        for fn, args in ((jax.grad(loss1, argnums=(0, 2)), (f32(n, batch, t_len, d), banks, f32(n_targets, m, d), seg)),
+                         (jax.grad(loss2, argnums=(0, 1, 3)),
+                          (state, f32(batch, t_len, d), None if banks is None else f32(sum(kernels), d), f32(m, d),
+                           gate, seg))):
+            text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+            assert "tpu_custom_call" in text

@@ -1,0 +1,82 @@
+"""Compile the TPU depth-attention kernels for a TPU v5p ahead of time, on a CPU machine.
+
+Needs libtpu (not a project dependency)::
+
+    pip install --target /tmp/libtpu libtpu==0.0.48.1
+    PYTHONPATH=/tmp/libtpu python experiments/tpu_kernels_aot.py
+
+For each mechanism case it lowers and compiles, with Mosaic, phase 1 and phase 2 (+ gate or
+mean fusion), forward and forward+backward (the default XLA backward), and prints ``ok`` or
+the compiler's error. ``tests/kernels/test_triton_lowering.py`` checks the Mosaic lowering
+(without libtpu) on every test run; this also runs Mosaic's compiler.
+"""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from pallas_kernels.depth_attention import api, reference  # noqa: E402
+
+topo = topologies.get_topology_desc("v5p:2x2x1", platform="tpu")
+mesh = jax.sharding.Mesh([topo.devices[0]], ("x",))
+rep = NamedSharding(mesh, P())
+failures = 0
+
+
+def sds(shape, dt=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dt, sharding=rep)
+
+
+def comp(name, fn, *args):
+    global failures
+    t0 = time.time()
+    try:
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            low = jax.jit(fn).trace(*args).lower()
+        low.compile()
+        print(f"    {name}: ok ({time.time() - t0:.1f} s)")
+    except Exception as e:  # noqa: BLE001 - report every case
+        failures += 1
+        print(f"    {name}: FAIL {type(e).__name__}: {str(e)[:700]}")
+
+
+def run(kernels, heads, segments, fuse, t_len=64, d=256):
+    n, batch, n_targets, m, k = 3, 2, 2, len(kernels), sum(kernels)
+    print(f"{topo.devices[0].device_kind}: kernels={kernels} heads={heads} segments={segments} fusion={fuse}")
+    seg = sds((batch, t_len), jnp.int32) if segments else None
+    kw = dict(stream_kernels=kernels, heads=heads, implementation="pallas_tpu", interpret=False)
+    banks = sds((n, k, d)) if k else None
+
+    def loss1(x, b, q, sg):
+        st = api.phase1(x, b, q, segment_ids=sg, **kw)
+        return jnp.sum(st.acc) + jnp.sum(st.denom)
+
+    args1 = (sds((n, batch, t_len, d)), banks, sds((n_targets, m, d)), seg)
+    comp("phase 1 forward", lambda x, b, q, sg: api.phase1(x, b, q, segment_ids=sg, **kw), *args1)
+    comp("phase 1 forward+backward", jax.grad(loss1, argnums=(0, 2)), *args1)
+    state = reference.SoftmaxState(sds((m, batch, t_len, heads)), sds((m, batch, t_len, heads)),
+                                   sds((m, batch, t_len, d)))
+    gate = (sds((m * d, m)), sds(()), sds((m,))) if fuse == "gate" else None
+    bank = sds((k, d)) if k else None
+
+    def fwd2(st, x, b, q, g, sg):
+        return api.phase2_fused(st, x, b, q, True, g, segment_ids=sg, **kw)
+
+    args2 = (state, sds((batch, t_len, d)), bank, sds((m, d)), gate, seg)
+    comp("phase 2 forward", fwd2, *args2)
+    comp("phase 2 forward+backward", jax.grad(lambda *a: jnp.sum(fwd2(*a)), argnums=(0, 1, 3)), *args2)
+
+
+run((0, 4, 8, 12), 1, True, "gate")
+run((0,), 1, False, "mean")
+run((0,), 2, True, "mean")
+run((0, 0, 0), 2, False, "gate")
+sys.exit(1 if failures else 0)
