@@ -237,3 +237,28 @@ def test_scaling_train_path_cpu(tmp_path):
     assert len(mtimes) == 6
     assert scaling.main(args) == 0
     assert {p: p.stat().st_mtime for p in tmp_path.glob("*/*/final.json")} == mtimes
+
+
+def test_scaling_token_scale_keeps_budgets_matched_and_scales_the_loop():
+    from msar_jax.experiments.ablation import build_config
+
+    for rung in scaling.RUNGS:
+        full = build_config(f"configs/scaling/vanilla.py:size={rung}", 0)
+        budgets, steps = set(), set()
+        for m, (cfg, _) in scaling.METHODS.items():
+            c = scaling.scale_token_budget(build_config(f"{cfg}:size={rung}", 0), 0.2)
+            budgets.add(c.train.steps * c.train.batch_size * c.seq_len)
+            steps.add(c.train.steps)
+            assert c.train.steps == round(full.train.steps * 0.2)
+            assert c.optim.warmup_steps == max(1, round(full.optim.warmup_steps * 0.2))
+            assert 1 <= c.train.eval_every <= c.train.steps and c.checkpoint.every <= c.train.steps
+        assert len(budgets) == 1 and len(steps) == 1
+    c = scaling.scale_token_budget(build_config("configs/scaling/msar.py:size=ladder_1", 0), 0.001,
+                                   {"train.eval_every": 7})
+    assert c.train.steps == 1 and c.optim.warmup_steps == 1 and c.train.eval_every == 7
+    with pytest.raises(ValueError, match="token_scale"):
+        scaling.scale_token_budget(c, 0.0)
+    with pytest.raises(SystemExit):
+        scaling.main(["--workdir=/nonexistent", "--train", "--token_scale=-1"])
+    with pytest.raises(SystemExit):
+        scaling.main(["--workdir=/nonexistent", "--train", "--token_scale=0.5", "--steps=3"])

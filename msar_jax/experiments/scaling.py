@@ -4,6 +4,7 @@
     python -m msar_jax.experiments.scaling --workdir=runs/scaling              # fit the finished runs
     python -m msar_jax.experiments.scaling --results=points.json --out=DIR     # fit given points
     python -m msar_jax.experiments.scaling --workdir=W --E=0.72                # a fixed E instead of the rule
+    python -m msar_jax.experiments.scaling --workdir=W --train --token_scale=0.2  # 1/5 of every budget
 
 Runs: ``METHODS`` (Vanilla, mHC, AttnRes, MSAR; ``configs/scaling/<method>.py``) x ``RUNGS``
 (``ladder_1..ladder_4``: Table 4's depths and layers per block at ~8x smaller width,
@@ -160,6 +161,24 @@ def fit_all(points: dict[str, tuple], E: float | str = "profile") -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+def scale_token_budget(config, fraction: float, overrides: dict | None = None):
+    """``config`` trained on ``fraction`` of its token budget: ``train.steps``, the warmup, the eval and
+    the checkpoint intervals are scaled alike (each at least 1), batch and sequence length kept, so
+    the budgets stay matched across methods at a rung. Explicit ``overrides`` still win."""
+    if not (fraction > 0 and math.isfinite(fraction)):
+        raise ValueError(f"token_scale={fraction}: must be a positive finite fraction")
+    steps = max(1, round(int(config.train.steps) * fraction))
+    with config.unlocked():
+        config.train.steps = steps
+        config.optim.warmup_steps = min(steps, max(1, round(int(config.optim.warmup_steps) * fraction)))
+        config.train.eval_every = min(steps, max(1, round(int(config.train.eval_every) * fraction)))
+        if int(config.checkpoint.every) > 0:
+            config.checkpoint.every = min(steps, max(1, round(int(config.checkpoint.every) * fraction)))
+    for key, value in (overrides or {}).items():
+        config.update_from_flattened_dict({key: value})
+    return config
+
+
 def collect_points(workdir, methods=METHODS, rungs=RUNGS, loss: str = "val") -> list[dict]:
     """``[{"method", "rung", "loss", "flops", "tokens"}]`` of the finished runs in ``workdir``."""
     from msar_jax.experiments.ablation import read_final
@@ -285,6 +304,9 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="all", help=f"comma-separated subset of {','.join(METHODS)}")
     ap.add_argument("--rungs", default="all", help=f"comma-separated subset of {','.join(RUNGS)}")
     ap.add_argument("--steps", type=int, default=None, help="override train.steps at every rung (smoke)")
+    ap.add_argument("--token_scale", type=float, default=None,
+                    help="train every rung for this fraction of its token budget (steps, warmup, eval and "
+                         "checkpoint intervals scaled alike; budgets stay matched across methods)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shard", default="0/1", help="i/n: train only the i-th of every n runs")
@@ -292,6 +314,10 @@ def main(argv=None) -> int:
     ap.add_argument("--E", default="profile", help="'profile' (shared-E rule, see above) or a fixed float")
     args = ap.parse_args(argv)
     E = args.E if args.E == "profile" else float(args.E)
+    if args.token_scale is not None and not (args.token_scale > 0 and math.isfinite(args.token_scale)):
+        ap.error(f"--token_scale={args.token_scale}: must be a positive finite fraction of each rung's budget")
+    if args.token_scale is not None and args.steps is not None:
+        ap.error("--token_scale and --steps both set the step count: give one")
     methods = list(METHODS) if args.methods == "all" else args.methods.split(",")
     rungs = list(RUNGS) if args.rungs == "all" else args.rungs.split(",")
     if args.results:
@@ -313,8 +339,10 @@ def main(argv=None) -> int:
             for k, (m, r) in enumerate(pairs):
                 if k % shard_n == shard_i:
                     spec = f"{METHODS[m][0]}:size={r}"
-                    res = run_one(build_config(spec, args.seed, args.steps, overrides), Path(args.workdir) / m / r,
-                                  label=f"{m} {r} [{spec}]")
+                    config = build_config(spec, args.seed, args.steps, overrides)
+                    if args.token_scale is not None:
+                        config = scale_token_budget(config, args.token_scale, overrides)
+                    res = run_one(config, Path(args.workdir) / m / r, label=f"{m} {r} [{spec}]")
                     if res["status"] == "stopped":  # SIGTERM / SIGINT: saved; rerun to resume
                         return 1
         points = collect_points(args.workdir, methods, rungs, args.loss)
