@@ -33,6 +33,7 @@ def loss_and_grads(mechanism, implementation, kernel_backward="xla"):
     pytest.param("msar", "pallas_tpu", "xla", marks=pytest.mark.slow),  # the kernels' XLA backward
     ("msar", "pallas_gpu", "pallas"),
     ("attnres", "pallas_tpu", "pallas"),
+    pytest.param("msar", "pallas_gpu", "auto", marks=pytest.mark.slow),  # Pallas phase 2, XLA phase 1
 ])
 def test_kernel_path_matches_xla_path(mechanism, implementation, kernel_backward):
     want_loss, want = loss_and_grads(mechanism, "xla")
@@ -42,3 +43,23 @@ def test_kernel_path_matches_xla_path(mechanism, implementation, kernel_backward
     scale = max(float(np.max(np.abs(w))) for w in flat_want)
     for g, w in zip(flat_got, flat_want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("mechanism, phase2_fused_backward", [("msar", "pallas"), ("attnres", "xla"), ("mhar", "xla")])
+def test_auto_kernel_backward_picks_pallas_only_for_multi_stream_fused_phase2(mechanism, phase2_fused_backward):
+    from flax import nnx
+
+    from msar_jax.residuals import make_mechanism
+    from pallas_kernels.depth_attention import api as depth_api
+
+    cfg = load_config(f"configs/{mechanism}.py:smoke=1", {"model.residual.implementation": "pallas_gpu"})
+    assert cfg.model.residual.kernel_backward == "auto"  # the default
+    mech = make_mechanism(cfg.model, nnx.Rngs(0))
+    assert mech._kernel_backward(depth_api.phase2_fused) == phase2_fused_backward
+    for op in (depth_api.phase1, depth_api.phase2, depth_api.depth_read):
+        assert mech._kernel_backward(op) == "xla"
+    assert mech._op(depth_api.phase2_fused).keywords["backward"] == phase2_fused_backward
+    for choice in ("xla", "pallas"):
+        cfg.model.residual.kernel_backward = choice
+        mech = make_mechanism(cfg.model, nnx.Rngs(0))
+        assert {mech._kernel_backward(op) for op in (depth_api.phase1, depth_api.phase2_fused)} == {choice}

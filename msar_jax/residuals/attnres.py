@@ -110,10 +110,21 @@ class BlockDepthAttention(ResidualMechanism):
     def _kw(self):
         return dict(stream_kernels=self.stream_kernels, heads=self.heads, eps=self.res_cfg.eps)
 
+    def _kernel_backward(self, op) -> str:
+        """Which backward ``op``'s Pallas kernels use. ``"auto"`` takes the one measured faster on
+        the H200 (BENCHMARKS.md, kernels, session 4): the Pallas backward for the fused phase 2
+        + stream fusion with several streams (MSAR: 7.1 against 10.4 ms per sublayer, 14x less
+        temporary memory), the closed-form XLA backward everywhere else (MSAR phase 1: 56
+        against 156 ms per block; AttnRes: equal or faster)."""
+        choice = self.res_cfg.get("kernel_backward", "xla")
+        if choice != "auto":
+            return choice
+        return "pallas" if op is depth_api.phase2_fused and len(self.stream_kernels) > 1 else "xla"
+
     def _op(self, op):
         kw = self._kw()
         if self.implementation != "xla":  # the Pallas kernels' backward (the XLA path has one)
-            kw["backward"] = self.res_cfg.get("kernel_backward", "xla")
+            kw["backward"] = self._kernel_backward(op)
         return functools.partial(op, implementation=self.implementation, **kw)
 
     # ----- banks: a source uses the bank of the newest output it contains (Appendix C) -----
