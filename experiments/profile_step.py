@@ -23,7 +23,7 @@ needed) and attributes every device op to
 Usage (GPU)::
 
     python experiments/profile_step.py configs/vanilla.py:size=base configs/attnres.py:size=base \\
-        configs/msar.py:size=base --steps 3 --warmup 2 --json prof.json --top 25
+        configs/msar.py:size=base --steps 3 --warmup 2 --json prof.json --top 25 [--hlo_dir hlo/]
 
 CPU smoke (the test suite runs this)::
 
@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import gzip
 import json
 import os
 import re
@@ -235,7 +236,8 @@ def attribute(events, hlo: dict, module_hint: str, steps: int) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def profile_config(spec: str, steps: int, warmup: int, trace_root: Path, overrides: dict) -> dict:
+def profile_config(spec: str, steps: int, warmup: int, trace_root: Path, overrides: dict,
+                   hlo_dir: Path | None = None) -> dict:
     config = load_config(spec, {"train.steps": max(steps + warmup, 2), **overrides})
     config.optim.warmup_steps = min(config.optim.warmup_steps, config.train.steps)
     pcfg = mesh_lib.parallel_config()
@@ -252,7 +254,12 @@ def profile_config(spec: str, steps: int, warmup: int, trace_root: Path, overrid
     with layout.context():
         compiled = step.lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t0
-    hlo = parse_hlo(compiled.as_text())
+    hlo_text = compiled.as_text()
+    if hlo_dir is not None:  # the compiled module, to look up the ops the report names
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", spec).strip("_")
+        with gzip.open(hlo_dir / f"{slug}.hlo.txt.gz", "wt", encoding="utf-8") as fh:
+            fh.write(hlo_text)
+    hlo = parse_hlo(hlo_text)
     wall = []
     for i in range(warmup + steps):  # timed without the profiler
         t0 = time.perf_counter()
@@ -303,6 +310,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--trace_root", default=None, help="where the raw traces go (default: a temp dir)")
     ap.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--hlo_dir", default=None,
+                    help="also write each config's compiled HLO here (<config>.hlo.txt.gz): the report's op names")
     args = ap.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         ap.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
@@ -315,7 +324,11 @@ def main(argv=None) -> list[dict]:
     rows = []
     for spec in args.configs:
         print(f"[{time.strftime('%H:%M:%S')}] profiling {spec}", flush=True)
-        rows.append(profile_config(spec, args.steps, args.warmup, trace_root, overrides))
+        hlo_dir = None
+        if args.hlo_dir:
+            hlo_dir = Path(args.hlo_dir)
+            hlo_dir.mkdir(parents=True, exist_ok=True)
+        rows.append(profile_config(spec, args.steps, args.warmup, trace_root, overrides, hlo_dir))
         print(report(rows[-1], args.top), flush=True)
         if args.json:  # after every config: a later failure or timeout keeps the earlier rows
             Path(args.json).write_text(json.dumps(rows, indent=1))

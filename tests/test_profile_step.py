@@ -53,7 +53,7 @@ def test_hlo_kinds(prof):
 
 def test_profile_tiny_attnres(prof, tmp_path):
     rows = prof.main(["configs/attnres.py:size=tiny", "--steps=1", "--warmup=0", "--top=3",
-                      f"--trace_root={tmp_path}", f"--json={tmp_path / 'p.json'}",
+                      f"--trace_root={tmp_path}", f"--json={tmp_path / 'p.json'}", f"--hlo_dir={tmp_path / 'hlo'}",
                       "--set", "train.batch_size=4", "--set", "seq_len=64"])
     (row,) = rows
     assert row["busy_ms_per_step"] > 0 and row["median_step_ms"] > 0
@@ -63,3 +63,8 @@ def test_profile_tiny_attnres(prof, tmp_path):
     assert sum(row["parts"].values()) == pytest.approx(sum(row["kinds"].values()), rel=1e-9)
     assert sum(row["kinds"].values()) == pytest.approx(row["busy_ms_per_step"], rel=1e-9)
     assert (tmp_path / "p.json").exists()
+    import gzip
+
+    (hlo_file,) = (tmp_path / "hlo").glob("*.hlo.txt.gz")
+    hlo_text = gzip.open(hlo_file, "rt").read()
+    assert "HloModule" in hlo_text and row["top_ops"][0]["op"] in hlo_text  # the report's ops are in it
