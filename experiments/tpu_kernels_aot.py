@@ -6,9 +6,12 @@ Needs libtpu (not a project dependency)::
     PYTHONPATH=/tmp/libtpu python experiments/tpu_kernels_aot.py
 
 For each mechanism case it lowers and compiles, with Mosaic, phase 1 and phase 2 (+ gate or
-mean fusion), forward and forward+backward (the default XLA backward), and prints ``ok`` or
-the compiler's error. ``tests/kernels/test_triton_lowering.py`` checks the Mosaic lowering
-(without libtpu) on every test run; this also runs Mosaic's compiler.
+mean fusion), forward, forward+backward with the default XLA backward, and forward+backward
+with the Pallas backward kernels (``backward="pallas"``: ``fused_bwd_phase1`` /
+``fused_bwd_phase2``), and prints ``ok`` or the compiler's error for each (6 compiles per
+case, 24 in all; the exit status is 1 if any fails). ``tests/kernels/test_triton_lowering.py``
+checks the Mosaic lowering of the same variants (without libtpu) on every test run; this also
+runs Mosaic's compiler.
 """
 
 import sys
@@ -53,30 +56,37 @@ def run(kernels, heads, segments, fuse, t_len=64, d=256):
     print(f"{topo.devices[0].device_kind}: kernels={kernels} heads={heads} segments={segments} fusion={fuse}")
     seg = sds((batch, t_len), jnp.int32) if segments else None
     kw = dict(stream_kernels=kernels, heads=heads, implementation="pallas_tpu", interpret=False)
+    kw_pallas = dict(kw, backward="pallas")
     banks = sds((n, k, d)) if k else None
 
-    def loss1(x, b, q, sg):
+    def loss1(x, b, q, sg, kw=kw):
         st = api.phase1(x, b, q, segment_ids=sg, **kw)
         return jnp.sum(st.acc) + jnp.sum(st.denom)
 
     args1 = (sds((n, batch, t_len, d)), banks, sds((n_targets, m, d)), seg)
     comp("phase 1 forward", lambda x, b, q, sg: api.phase1(x, b, q, segment_ids=sg, **kw), *args1)
-    comp("phase 1 forward+backward", jax.grad(loss1, argnums=(0, 2)), *args1)
+    comp("phase 1 forward+backward (XLA backward)", jax.grad(loss1, argnums=(0, 2)), *args1)
+    comp("phase 1 forward+backward (Pallas backward)",
+         jax.grad(lambda *a: loss1(*a, kw=kw_pallas), argnums=(0, 2)), *args1)
     state = reference.SoftmaxState(sds((m, batch, t_len, heads)), sds((m, batch, t_len, heads)),
                                    sds((m, batch, t_len, d)))
     gate = (sds((m * d, m)), sds(()), sds((m,))) if fuse == "gate" else None
     bank = sds((k, d)) if k else None
 
-    def fwd2(st, x, b, q, g, sg):
+    def fwd2(st, x, b, q, g, sg, kw=kw):
         return api.phase2_fused(st, x, b, q, True, g, segment_ids=sg, **kw)
 
     args2 = (state, sds((batch, t_len, d)), bank, sds((m, d)), gate, seg)
     comp("phase 2 forward", fwd2, *args2)
-    comp("phase 2 forward+backward", jax.grad(lambda *a: jnp.sum(fwd2(*a)), argnums=(0, 1, 3)), *args2)
+    comp("phase 2 forward+backward (XLA backward)",
+         jax.grad(lambda *a: jnp.sum(fwd2(*a)), argnums=(0, 1, 3)), *args2)
+    comp("phase 2 forward+backward (Pallas backward)",
+         jax.grad(lambda *a: jnp.sum(fwd2(*a, kw=kw_pallas)), argnums=(0, 1, 3)), *args2)
 
 
 run((0, 4, 8, 12), 1, True, "gate")
 run((0,), 1, False, "mean")
 run((0,), 2, True, "mean")
 run((0, 0, 0), 2, False, "gate")
+print(f"{failures} failure(s)")
 sys.exit(1 if failures else 0)

@@ -69,6 +69,15 @@ cores); ``TF32_TF32_F32_X3`` would be the faster, almost exact alternative.
 Tiles: passes 2 and 4 use ``tiles.block_d_mix`` as their chunk (it must divide the head
 width). Pass 4 keeps ``max_kernel`` ``H_delta`` tiles and up to ``max_kernel`` lag-shifted
 source tiles live, so on Triton it wants narrower chunks than the forward mix (untuned).
+
+TPU (Mosaic): the kernels lower and compile for a TPU v5p (``experiments/tpu_kernels_aot.py``;
+nothing has run on a TPU). As in ``fused.py``, every per-token array has the tokens on the
+sublane (second-to-last) axis and a whole trailing dim, to meet Mosaic's block-shape rule
+(last two block dims whole or 8 x 128-aligned): the segment ids as ``[B, Tp, 1]``, pass 2's
+output as ``[S, n, m, B, nc, Tp, 1]`` (transposed back to ``[..., Tp, nc]`` in XLA), pass 4's
+``p``, ``DSR`` as ``[S, n, m, B, H, Tp, 1]`` (the chunk's head chosen by the index map) and
+``W`` as ``[n, m, B, Tp, 1]``. Token-tile starts are ``pl.multiple_of(.., block_t)`` (aligned
+loads). Pass 4 maps whole-T blocks per program (VMEM on Mosaic; see ``fused_bwd_phase2``).
 """
 
 from __future__ import annotations
@@ -103,8 +112,8 @@ def _gdots_kernel(*refs, stream_kernels, n, n_targets, bt, has_bank, has_seg, ba
     x_ref = next(it)  # [n, Tp, bd]
     bank_ref = next(it) if has_bank else None  # [n, K, bd]
     ga_ref = next(it)  # [S, m, bt, bd]
-    seg_ref = next(it) if has_seg else None  # [Tp]
-    out_ref = next(it)  # [S, n, m, bt]
+    seg_ref = next(it) if has_seg else None  # [Tp, 1]
+    out_ref = next(it)  # [S, n, m, bt, 1]
     t0 = pl.program_id(1) * bt
     max_lag = max([1, *stream_kernels])
     masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
@@ -115,7 +124,7 @@ def _gdots_kernel(*refs, stream_kernels, n, n_targets, bt, has_bank, has_seg, ba
             win = _Window(x_ref, (i,), t0, bt, slice(None), backend, width=ga[0].shape[1])
             e = _expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
             for s in range(n_targets):
-                out_ref[s, i, r, :] = jnp.sum(ga[s] * e, axis=1)
+                out_ref[s, i, r, :, 0] = jnp.sum(ga[s] * e, axis=1)
             return carry
 
         jax.lax.fori_loop(0, n, source_body, 0)
@@ -137,22 +146,25 @@ def gdots_call(x, banks, g_acc, seg, *, stream_kernels, tiles: Tiles, backend, i
         args.append(banks)
     in_specs.append(pl.BlockSpec((n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c)))
     args.append(g_acc)
-    if has_seg:
-        in_specs.append(pl.BlockSpec((None, t_pad), lambda b, t, c: (b, 0)))
-        args.append(seg)
+    if has_seg:  # [B, Tp, 1]: tokens on sublanes, a whole trailing dim (Mosaic's block-shape rule)
+        in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, t, c: (b, 0, 0)))
+        args.append(seg[:, :, None])
     kernel = functools.partial(
         _gdots_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, bt=bt, has_bank=has_bank,
         has_seg=has_seg, backend=backend,
     )
-    return pl.pallas_call(
+    # [S, n, m, B, nc, Tp, 1]: the token tile and a whole trailing dim last (Mosaic's block-shape
+    # rule); returned as [S, n, m, B, Tp, nc]
+    out = pl.pallas_call(
         kernel,
         grid=(batch, t_pad // bt, nc),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((n_targets, n, m, None, bt, None), lambda b, t, c: (0, 0, 0, b, t, c)),
-        out_shape=jax.ShapeDtypeStruct((n_targets, n, m, batch, t_pad, nc), F32),
+        out_specs=pl.BlockSpec((n_targets, n, m, None, None, bt, 1), lambda b, t, c: (0, 0, 0, b, c, t, 0)),
+        out_shape=jax.ShapeDtypeStruct((n_targets, n, m, batch, nc, t_pad, 1), F32),
         name="depth_attention_bwd1_gdots",
         **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
+    return jnp.swapaxes(out[..., 0], -1, -2)
 
 
 # --------------------------------------------------------------------------- pass 4
@@ -186,10 +198,10 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
     bank_ref = next(it) if has_bank else None  # [K, bd]
     q_ref = next(it)  # [S, m, bd]
     ga_ref = next(it)  # [S, m, Tp, bd]
-    p_ref = next(it)  # [S, m, Tp] (this chunk's head)
-    dsr_ref = next(it)  # [S, m, Tp]
-    w_ref = next(it)  # [m, Tp]
-    seg_ref = next(it) if has_seg else None  # [Tp]
+    p_ref = next(it)  # [S, m, Tp, 1] (this chunk's head)
+    dsr_ref = next(it)  # [S, m, Tp, 1]
+    w_ref = next(it)  # [m, Tp, 1]
+    seg_ref = next(it) if has_seg else None  # [Tp, 1]
     dx_ref = next(it)  # [Tp, bd]
     dbank_ref = next(it) if has_bank else None  # [K, bd]
     dq_ref = next(it)  # [S, m, bd]
@@ -212,10 +224,10 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
         hs = [zero_tile] * max_lag  # H_delta of this tile
         for r, (kernel, off) in enumerate(layout):
             e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
-            de = -w_ref[r, rows][:, None] * e
+            de = -w_ref[r, rows, 0][:, None] * e
             for s in range(n_targets):
-                dsr = dsr_ref[s, r, rows][:, None]
-                de = de + p_ref[s, r, rows][:, None] * ga_ref[s, r, rows, :].astype(F32) + dsr * q[s][r]
+                dsr = dsr_ref[s, r, rows, 0][:, None]
+                de = de + p_ref[s, r, rows, 0][:, None] * ga_ref[s, r, rows, :].astype(F32) + dsr * q[s][r]
                 dq[s][r] = dq[s][r] + jnp.sum(dsr * e, axis=0)
             if kernel == 0:
                 hs[0] = hs[0] + de
@@ -243,8 +255,10 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
 
 def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, heads, tiles: Tiles, backend, interpret,
                out_dtype):
-    """``x[n, B, Tp, d]``, ``g_acc[S, m, B, Tp, d]``, ``p``/``dsr`` ``[S, n, m, B, H, Tp]``,
-    ``w[n, m, B, Tp]`` -> ``d x[n, B, Tp, d]``, ``d banks`` partials ``[n, B, K, d]`` (or None),
+    """``x[n, B, Tp, d]``, ``g_acc[S, m, B, Tp, d]``, ``p``/``dsr`` ``[S, n, m, B, H, Tp, 1]``,
+    ``w[n, m, B, Tp, 1]`` (per-token scalars: tokens on sublanes and a whole trailing dim, as
+    Mosaic's block-shape rule wants them) -> ``d x[n, B, Tp, d]``, ``d banks`` partials
+    ``[n, B, K, d]`` (or None),
     ``d queries`` partials ``[n, B, S, m, d]``."""
     n, batch, t_pad, d = x.shape
     n_targets, m = queries.shape[:2]
@@ -270,14 +284,14 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
     in_specs += [
         pl.BlockSpec((n_targets, m, bd), lambda b, c, i: (0, 0, c)),
         pl.BlockSpec((n_targets, m, None, t_pad, bd), lambda b, c, i: (0, 0, b, 0, c)),
-        pl.BlockSpec((n_targets, None, m, None, None, t_pad), lambda b, c, i: (0, i, 0, b, head(c), 0)),
-        pl.BlockSpec((n_targets, None, m, None, None, t_pad), lambda b, c, i: (0, i, 0, b, head(c), 0)),
-        pl.BlockSpec((None, m, None, t_pad), lambda b, c, i: (i, 0, b, 0)),
+        pl.BlockSpec((n_targets, None, m, None, None, t_pad, 1), lambda b, c, i: (0, i, 0, b, head(c), 0, 0)),
+        pl.BlockSpec((n_targets, None, m, None, None, t_pad, 1), lambda b, c, i: (0, i, 0, b, head(c), 0, 0)),
+        pl.BlockSpec((None, m, None, t_pad, 1), lambda b, c, i: (i, 0, b, 0, 0)),
     ]
     args += [queries, g_acc, p, dsr, w]
-    if has_seg:
-        in_specs.append(pl.BlockSpec((None, t_pad), lambda b, c, i: (b, 0)))
-        args.append(seg)
+    if has_seg:  # [B, Tp, 1], as in gdots_call
+        in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, c, i: (b, 0, 0)))
+        args.append(seg[:, :, None])
     out_specs = [pl.BlockSpec((None, None, t_pad, bd), lambda b, c, i: (i, b, 0, c))]
     out_shape = [jax.ShapeDtypeStruct((n, batch, t_pad, d), out_dtype)]
     if has_bank:
@@ -339,11 +353,11 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     ds = p * (g_denom[:, None] + gd)
     dsr = ds * rho[None, ..., None]
     w = rho * rho * jnp.sum(ds * s, axis=(0, 5)) / d  # [n, m, B, Tp]
-    to_heads_major = lambda a: jnp.moveaxis(a, -1, -2)  # noqa: E731  [S, n, m, B, H, Tp]
+    to_heads_major = lambda a: jnp.moveaxis(a, -1, -2)[..., None]  # noqa: E731  [S, n, m, B, H, Tp, 1]
 
     # pass 4: dE, transposed conv, bank and query gradients
     dx, dbank, dq = grads_call(
-        x, conv_banks, queries, g_acc, to_heads_major(p), to_heads_major(dsr), w, seg, heads=heads,
+        x, conv_banks, queries, g_acc, to_heads_major(p), to_heads_major(dsr), w[..., None], seg, heads=heads,
         out_dtype=sources.dtype, **kw,
     )
     d_sources = dx[:, :, :t_len]

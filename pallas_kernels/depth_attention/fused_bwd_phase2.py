@@ -67,9 +67,18 @@ and ``dh`` (``(m + 1) d``) by passes 1-3 (3 times with the gate, 2 without), and
 ``m d`` per token is written besides ``d_acc``; the XLA closed form holds several
 ``[m, B, T, d]`` float32 arrays (``E``, keys, ``z``, ``dz``, ``d_E``) at once.
 
-TPU note: pass 3 maps whole-T blocks (``[T, block_d]`` of ``x``, ``dh`` and ``m`` of ``A``)
-per program, which is free on the Triton path (refs are pointers) but sits in VMEM on
-Mosaic; a long-sequence TPU version would page the T tiles with a sequential grid axis.
+TPU (Mosaic): the kernels lower and compile for a TPU v5p (``experiments/tpu_kernels_aot.py``;
+nothing has run on a TPU). Mosaic wants a block's last two dims whole or 8 x 128-aligned and
+no load at a dynamic lane index, so, as in ``fused.py``: the segment ids are passed as
+``[B, Tp, 1]`` and the gate's ``coef`` and the key-norm ``v`` as ``[..., Tp, 1]`` (tokens on
+sublanes, a whole trailing dim); the per-chunk partials of passes 1 and 2 are written as
+``[B, nc, Tp, 1 or m]`` / ``[m, B, nc, Tp, 1]`` and transposed back in XLA; the per-head
+scalars (``a``, ``b``, ``D``, ``u``; ``[..., T, H]``) are read as a row of heads and the
+chunk's head picked by a one-hot sum (``_head_col``; Triton keeps the direct dynamic index).
+The row starts of the reverse loop are ``pl.multiple_of(.., block_t)`` (aligned loads).
+Pass 3 maps whole-T blocks (``[T, block_d]`` of ``x``, ``dh`` and ``m`` of ``A``) per
+program, which is free on the Triton path (refs are pointers) but sits in VMEM on Mosaic;
+a long-sequence TPU version would page the T tiles with a sequential grid axis.
 """
 
 from __future__ import annotations
@@ -99,6 +108,19 @@ from pallas_kernels.depth_attention.fused import (
 def _col(v):
     """``[bt]`` -> ``[bt, 1]`` (a per-token scalar against a ``[bt, bd]`` tile)."""
     return v[:, None]
+
+
+def _head_col(ref, idx, head, heads: int, backend: str):
+    """``ref[*idx, head]`` (``[bt]``) of a ``[..., T, H]`` ref (``idx`` ends with the rows):
+    this chunk's head column. Mosaic cannot load at a dynamic lane index, so off Triton the
+    row of heads is loaded and the head picked by a one-hot sum, as ``fused._mix_kernel`` does
+    (a select, not a product, so it is exact, ``x + 0``, whatever the other heads hold)."""
+    if heads == 1:
+        return ref[(*idx, 0)]
+    if backend == "triton":
+        return ref[(*idx, head)]
+    onehot = jax.lax.broadcasted_iota(jnp.int32, (1, heads), 1) == head
+    return jnp.sum(jnp.where(onehot, ref[(*idx, slice(None))], 0.0), axis=1)
 
 
 def _dz(r, m, dh, z, gate_vals, w_ref, w_rows):
@@ -144,11 +166,12 @@ def _stats_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, ba
     acc_ref = next(it)  # [m, bt, bd]
     dh_ref = next(it)  # [bt, bd]
     w_ref = next(it)  # [m, bd, m]
-    seg_ref = next(it) if has_seg else None  # [Tp]
-    sq_ref, zw_ref, dg_ref = it  # [bt], [bt, m], [bt, m]
+    seg_ref = next(it) if has_seg else None  # [Tp, 1]
+    sq_ref, zw_ref, dg_ref = it  # [bt, 1], [bt, m], [bt, m]
     m = len(stream_kernels)
     t0 = pl.program_id(1) * bt
     head = (pl.program_id(2) * bd) // (d // heads)
+    col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
     masks = _lag_masks(seg_ref, t0, bt, max([1, *stream_kernels]), backend)
     win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
     dh = dh_ref[...].astype(F32)
@@ -156,12 +179,13 @@ def _stats_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, ba
     zw = [jnp.zeros((bt,), F32)] * m
     for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
         e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
-        z = _col(a_ref[r, :, head]) * acc_ref[r, :, :].astype(F32) + _col(b_ref[r, :, head]) * e
+        a, b = _col(col(a_ref, (r, slice(None)))), _col(col(b_ref, (r, slice(None))))
+        z = a * acc_ref[r, :, :].astype(F32) + b * e
         sq = sq + jnp.sum(z * z, axis=1)
         for j in range(m):
             zw[j] = zw[j] + jnp.sum(z * w_ref[r, :, j].astype(F32)[None, :], axis=1)
         dg_ref[:, r] = jnp.sum(dh * z, axis=1)
-    sq_ref[...] = sq
+    sq_ref[:, 0] = sq
     for j in range(m):
         zw_ref[:, j] = zw[j]
 
@@ -176,30 +200,31 @@ def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, h
     acc_ref = next(it)  # [m, bt, bd]
     dh_ref = next(it)  # [bt, bd]
     if has_gate:
-        g_ref, dy_ref, coef_ref, w_ref = next(it), next(it), next(it), next(it)  # [bt, m] x2, [bt], [m, bd, m]
+        g_ref, dy_ref, coef_ref, w_ref = next(it), next(it), next(it), next(it)  # [bt, m] x2, [bt, 1], [m, bd, m]
     else:
         w_ref = None
-    seg_ref = next(it) if has_seg else None  # [Tp]
-    dacc_ref, s1_ref, sm_ref, ss_ref = it  # [m, bt, bd], [m, bt] x3
+    seg_ref = next(it) if has_seg else None  # [Tp, 1]
+    dacc_ref, s1_ref, sm_ref, ss_ref = it  # [m, bt, bd], [m, bt, 1] x3
     m = len(stream_kernels)
     t0 = pl.program_id(1) * bt
     head = (pl.program_id(2) * bd) // (d // heads)
+    col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
     masks = _lag_masks(seg_ref, t0, bt, max([1, *stream_kernels]), backend)
     win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
     dh = dh_ref[...].astype(F32)
     gate_vals = None
     if has_gate:
-        gate_vals = (lambda r: g_ref[:, r], lambda j: dy_ref[:, j], coef_ref[...])
+        gate_vals = (lambda r: g_ref[:, r], lambda j: dy_ref[:, j], coef_ref[:, 0])
     for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
         e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
-        a = _col(a_ref[r, :, head])
+        a = _col(col(a_ref, (r, slice(None))))
         acc = acc_ref[r, :, :].astype(F32)
-        z = a * acc + _col(b_ref[r, :, head]) * e
+        z = a * acc + _col(col(b_ref, (r, slice(None)))) * e
         dz = _dz(r, m, dh, z, gate_vals, w_ref, slice(None))
         dacc_ref[r, :, :] = a * dz
-        s1_ref[r, :] = jnp.sum(dz * z, axis=1)
-        sm_ref[r, :] = jnp.sum(dz * (acc - e * _col(dold_ref[r, :, head])), axis=1)
-        ss_ref[r, :] = jnp.sum(dz * (e - z), axis=1)
+        s1_ref[r, :, 0] = jnp.sum(dz * z, axis=1)
+        sm_ref[r, :, 0] = jnp.sum(dz * (acc - e * _col(col(dold_ref, (r, slice(None))))), axis=1)
+        ss_ref[r, :, 0] = jnp.sum(dz * (e - z), axis=1)
 
 
 def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, has_seg, has_gate, backend, shift):
@@ -211,14 +236,14 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
     bank_ref = next(it) if has_bank else None  # [K, bd]
     q_ref = next(it)  # [m, bd]
     a_ref, b_ref, u_ref = next(it), next(it), next(it)  # [m, Tp, H]
-    v_ref = next(it)  # [m, Tp]
+    v_ref = next(it)  # [m, Tp, 1]
     acc_ref = next(it)  # [m, Tp, bd]
     dh_ref = next(it)  # [Tp, bd]
     if has_gate:
-        g_ref, dy_ref, coef_ref, w_ref = next(it), next(it), next(it), next(it)  # [Tp, m] x2, [Tp], [m, bd, m]
+        g_ref, dy_ref, coef_ref, w_ref = next(it), next(it), next(it), next(it)  # [Tp, m] x2, [Tp, 1], [m, bd, m]
     else:
         w_ref = None
-    seg_ref = next(it) if has_seg else None  # [Tp]
+    seg_ref = next(it) if has_seg else None  # [Tp, 1]
     dx_ref = next(it)  # [Tp, bd]
     dq_ref = next(it)  # [m, bd]
     dbank_ref = next(it) if has_bank else None  # [K, bd]
@@ -228,6 +253,7 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
     n_taps = sum(stream_kernels)
     max_lag = max([1, *stream_kernels])
     head = (pl.program_id(1) * bd) // (d // heads)
+    col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
     q = [q_ref[r, :].astype(F32)[None, :] for r in range(m)]
 
     def body(i, carry):
@@ -241,15 +267,15 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
         gate_vals = None
         if has_gate:
             dy_cols = [dy_ref[rows, j] for j in range(m)]
-            gate_vals = (lambda r: g_ref[rows, r], lambda j: dy_cols[j], coef_ref[rows])
+            gate_vals = (lambda r: g_ref[rows, r], lambda j: dy_cols[j], coef_ref[rows, 0])
         taps_d = [None] * max_lag  # sum_r c_r[delta] d_E_r, before the lag mask
         for r, (kernel, off) in enumerate(layout):
             e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
-            b = _col(b_ref[r, rows, head])
-            z = _col(a_ref[r, rows, head]) * acc_ref[r, rows, :].astype(F32) + b * e
+            b = _col(col(b_ref, (r, rows)))
+            z = _col(col(a_ref, (r, rows))) * acc_ref[r, rows, :].astype(F32) + b * e
             dz = _dz(r, m, dh, z, gate_vals, w_ref, slice(None))
-            u = _col(u_ref[r, rows, head])
-            de = b * dz + u * q[r] + _col(v_ref[r, rows]) * e
+            u = _col(col(u_ref, (r, rows)))
+            de = b * dz + u * q[r] + _col(v_ref[r, rows, 0]) * e
             dq[r] = dq[r] + jnp.sum(u * e, axis=0)
             if has_gate:
                 for j in range(m):
@@ -311,28 +337,31 @@ def _stats_call(x, bank, a, b, acc, dh, w3, seg, *, stream_kernels, heads, tiles
               pl.BlockSpec((None, bt, bd), lambda i, t, c: (i, t, c)),
               pl.BlockSpec((m, bd, m), lambda i, t, c: (0, c, 0))]
     args += [a, b, acc, dh, w3]
-    if has_seg:
-        specs.append(pl.BlockSpec((None, t_pad), lambda i, t, c: (i, 0)))
-        args.append(seg)
+    if has_seg:  # [B, Tp, 1]: tokens on sublanes, a whole trailing dim (Mosaic's block-shape rule)
+        specs.append(pl.BlockSpec((None, t_pad, 1), lambda i, t, c: (i, 0, 0)))
+        args.append(seg[:, :, None])
     kernel = functools.partial(_stats_kernel, has_bank=has_bank, has_seg=has_seg,
                                **_common(stream_kernels, heads, d, tiles, backend))
-    return pl.pallas_call(
+    # [B, nc, Tp, 1] and [B, nc, Tp, m] x2: the token tile and a whole trailing dim last (Mosaic's
+    # block-shape rule, as in fused.mix_call); returned as [B, Tp, nc] and [B, Tp, nc, m] x2
+    sq, zw, dg = pl.pallas_call(
         kernel,
         grid=(batch, t_pad // bt, nc),
         in_specs=specs,
         out_specs=[
-            pl.BlockSpec((None, bt, None), lambda i, t, c: (i, t, c)),
-            pl.BlockSpec((None, bt, None, m), lambda i, t, c: (i, t, c, 0)),
-            pl.BlockSpec((None, bt, None, m), lambda i, t, c: (i, t, c, 0)),
+            pl.BlockSpec((None, None, bt, 1), lambda i, t, c: (i, c, t, 0)),
+            pl.BlockSpec((None, None, bt, m), lambda i, t, c: (i, c, t, 0)),
+            pl.BlockSpec((None, None, bt, m), lambda i, t, c: (i, c, t, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, t_pad, nc), F32),
-            jax.ShapeDtypeStruct((batch, t_pad, nc, m), F32),
-            jax.ShapeDtypeStruct((batch, t_pad, nc, m), F32),
+            jax.ShapeDtypeStruct((batch, nc, t_pad, 1), F32),
+            jax.ShapeDtypeStruct((batch, nc, t_pad, m), F32),
+            jax.ShapeDtypeStruct((batch, nc, t_pad, m), F32),
         ],
         name="depth_attention_phase2_bwd_stats",
         **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
+    return sq[..., 0].transpose(0, 2, 1), zw.transpose(0, 2, 1, 3), dg.transpose(0, 2, 1, 3)
 
 
 def _dstate_call(x, bank, a, b, dold, acc, dh, gate_in, seg, *, stream_kernels, heads, tiles, backend, interpret):
@@ -353,25 +382,28 @@ def _dstate_call(x, bank, a, b, dold, acc, dh, gate_in, seg, *, stream_kernels, 
     if has_gate:
         g, dy, coef, w3 = gate_in
         per_tok = pl.BlockSpec((None, bt, m), lambda i, t, c: (i, t, 0))
-        specs += [per_tok, per_tok, pl.BlockSpec((None, bt), lambda i, t, c: (i, t)),
+        specs += [per_tok, per_tok, pl.BlockSpec((None, bt, 1), lambda i, t, c: (i, t, 0)),
                   pl.BlockSpec((m, bd, m), lambda i, t, c: (0, c, 0))]
-        args += [g, dy, coef, w3]
-    if has_seg:
-        specs.append(pl.BlockSpec((None, t_pad), lambda i, t, c: (i, 0)))
-        args.append(seg)
+        args += [g, dy, coef[:, :, None], w3]
+    if has_seg:  # [B, Tp, 1]: tokens on sublanes, a whole trailing dim (Mosaic's block-shape rule)
+        specs.append(pl.BlockSpec((None, t_pad, 1), lambda i, t, c: (i, 0, 0)))
+        args.append(seg[:, :, None])
     kernel = functools.partial(_dstate_kernel, has_bank=has_bank, has_seg=has_seg, has_gate=has_gate,
                                **_common(stream_kernels, heads, d, tiles, backend))
-    red = pl.BlockSpec((m, None, bt, None), lambda i, t, c: (0, i, t, c))
-    return pl.pallas_call(
+    # the reductions as [m, B, nc, Tp, 1] (token tile and a whole trailing dim last, for Mosaic),
+    # returned as [m, B, Tp, nc]
+    red = pl.BlockSpec((m, None, None, bt, 1), lambda i, t, c: (0, i, c, t, 0))
+    d_acc, *reds = pl.pallas_call(
         kernel,
         grid=(batch, t_pad // bt, nc),
         in_specs=specs,
         out_specs=[pl.BlockSpec((m, None, bt, bd), lambda i, t, c: (0, i, t, c)), red, red, red],
         out_shape=[jax.ShapeDtypeStruct((m, batch, t_pad, d), F32)]
-        + [jax.ShapeDtypeStruct((m, batch, t_pad, nc), F32)] * 3,
+        + [jax.ShapeDtypeStruct((m, batch, nc, t_pad, 1), F32)] * 3,
         name="depth_attention_phase2_bwd_state",
         **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
+    return (d_acc, *(jnp.swapaxes(v[..., 0], 2, 3) for v in reds))
 
 
 def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_kernels, heads, tiles, backend,
@@ -388,19 +420,19 @@ def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_ke
         args.append(bank)
     scal = pl.BlockSpec((m, None, t_pad, heads), lambda i, c: (0, i, 0, 0))
     specs += [pl.BlockSpec((m, bd), lambda i, c: (0, c)), scal, scal, scal,
-              pl.BlockSpec((m, None, t_pad), lambda i, c: (0, i, 0)),
+              pl.BlockSpec((m, None, t_pad, 1), lambda i, c: (0, i, 0, 0)),
               pl.BlockSpec((m, None, t_pad, bd), lambda i, c: (0, i, 0, c)),
               pl.BlockSpec((None, t_pad, bd), lambda i, c: (i, 0, c))]
-    args += [query, a, b, u, v, acc, dh]
+    args += [query, a, b, u, v[..., None], acc, dh]
     if has_gate:
         g, dy, coef, w3 = gate_in
         per_tok = pl.BlockSpec((None, t_pad, m), lambda i, c: (i, 0, 0))
-        specs += [per_tok, per_tok, pl.BlockSpec((None, t_pad), lambda i, c: (i, 0)),
+        specs += [per_tok, per_tok, pl.BlockSpec((None, t_pad, 1), lambda i, c: (i, 0, 0)),
                   pl.BlockSpec((m, bd, m), lambda i, c: (0, c, 0))]
-        args += [g, dy, coef, w3]
-    if has_seg:
-        specs.append(pl.BlockSpec((None, t_pad), lambda i, c: (i, 0)))
-        args.append(seg)
+        args += [g, dy, coef[:, :, None], w3]
+    if has_seg:  # [B, Tp, 1]
+        specs.append(pl.BlockSpec((None, t_pad, 1), lambda i, c: (i, 0, 0)))
+        args.append(seg[:, :, None])
     out_specs = [pl.BlockSpec((None, t_pad, bd), lambda i, c: (i, 0, c)),
                  pl.BlockSpec((None, m, bd), lambda i, c: (i, 0, c))]
     out_shape = [jax.ShapeDtypeStruct((batch, t_pad, d), F32), jax.ShapeDtypeStruct((batch, m, d), F32)]

@@ -9,9 +9,15 @@ marked ``pl.multiple_of`` (Mosaic proves aligned loads), the segment ids and the
 statistics laid out with tokens on sublanes and a whole trailing dim (Mosaic's block-shape
 rule: last two block dims whole or 8 x 128-aligned), and the per-head softmax weights read
 as a row of heads and picked by a one-hot sum (no dynamic lane index). The Pallas backward
-kernels (``backward="pallas"``) do not lower for Mosaic yet (their own BlockSpecs break the
-same rule). ``tests/kernels/test_triton_lowering.py`` checks the Mosaic lowering on every
-run (without libtpu). Known limit: the source BlockSpec spans the whole token axis of one
+kernels (``backward="pallas"``: ``fused_bwd_phase1``, ``fused_bwd_phase2``) now also lower
+and compile for a TPU v5p (same command, 2026-11-29: all four cases, phase 1 and phase 2
+forward+backward, 24/24 compiles ok with the forward and XLA-backward ones) after the same
+changes: segment ids as ``[B, Tp, 1]``; the per-token scalars they read (softmax weights,
+key-norm coefficients, the gate's ``coef``) and write (chunk partials of ``<g_A, E>``, of
+the gate statistics and of the ``d_state`` reductions) with tokens on sublanes and a whole
+trailing dim, transposed back in XLA; per-head scalars of phase 2 picked by a one-hot sum.
+``tests/kernels/test_triton_lowering.py`` checks the Mosaic lowering of both backwards on
+every run (without libtpu). Known limit: the source BlockSpec spans the whole token axis of one
 batch row (``[n, T, d]`` per program in the scores kernel), which overflows VMEM at long T;
 a TPU-tuned version would DMA ``block_t + halo`` rows per program instead. Nothing here
 has run on a TPU.

@@ -66,12 +66,24 @@ def test_kernels_lower_to_triton(h200, kernels, heads, segments, backward, calls
     assert text.count(TRITON_CALL) == calls[1]
 
 
+# the Pallas kernels each jitted gradient must contain (phase 1, phase 2 + fusion)
+MOSAIC_KERNELS = {
+    "xla": (("depth_attention_scores",), ("depth_attention_scores",)),
+    "pallas": (("depth_attention_scores", "depth_attention_bwd1_gdots", "depth_attention_bwd1_grads"),
+               ("depth_attention_scores", "depth_attention_phase2_bwd_state", "depth_attention_phase2_bwd_inputs")),
+}
+
+
 @pytest.mark.parametrize("kernels, heads, segments", [((0, 4, 8, 12), 1, True), ((0,), 2, False),
                                                       ((0, 0, 0), 2, True)], ids=["msar", "mhar", "no_conv"])
-def test_tpu_kernels_lower_for_mosaic(kernels, heads, segments):
-    """The TPU variant (forward kernels; the default XLA backward) passes Pallas' Mosaic lowering
-    for a TPU v5p (block shapes, aligned loads) under an abstract TPU mesh, on this CPU. The full
-    Mosaic compile needs libtpu: BENCHMARKS.md gives the command and its result."""
+@pytest.mark.parametrize("backward", ["xla", "pallas"], ids=["xla_bwd", "pallas_bwd"])
+def test_tpu_kernels_lower_for_mosaic(kernels, heads, segments, backward):
+    """The TPU variant passes Pallas' Mosaic lowering for a TPU v5p (block shapes, aligned loads)
+    under an abstract TPU mesh, on this CPU: the forward kernels with the default XLA backward,
+    and with ``backward="pallas"`` also the Pallas backward kernels (phase 1: scores, ``<g_A, E>``,
+    the reverse-T gradient pass; phase 2 + gate: scores, gate statistics, ``d_state``, the
+    reverse-T input pass). The full Mosaic compile needs libtpu:
+    ``experiments/tpu_kernels_aot.py`` (BENCHMARKS.md gives the command and its result)."""
     from jax._src.mesh import AbstractDevice, AbstractMesh
 
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="TPU v5p", num_cores=1,
@@ -80,7 +92,7 @@ def test_tpu_kernels_lower_for_mosaic(kernels, heads, segments):
     sds = jax.ShapeDtypeStruct
     seg = sds((batch, t_len), jnp.int32) if segments else None
     banks = sds((n, sum(kernels), d), jnp.float32) if sum(kernels) else None
-    kw = dict(stream_kernels=kernels, heads=heads, implementation="pallas_tpu", interpret=False)
+    kw = dict(stream_kernels=kernels, heads=heads, implementation="pallas_tpu", interpret=False, backward=backward)
 
     def loss1(x, b, q, sg):
         state = api.phase1(x, b, q, segment_ids=sg, **kw)
@@ -93,9 +105,14 @@ def test_tpu_kernels_lower_for_mosaic(kernels, heads, segments):
     state = reference.SoftmaxState(f32(m, batch, t_len, heads), f32(m, batch, t_len, heads), f32(m, batch, t_len, d))
     gate = (f32(m * d, m), f32(), f32(m))
     with jax.sharding.use_abstract_mesh(mesh):
-        for fn, args in ((jax.grad(loss1, argnums=(0, 2)), (f32(n, batch, t_len, d), banks, f32(n_targets, m, d), seg)),
-                         (jax.grad(loss2, argnums=(0, 1, 3)),
-                          (state, f32(batch, t_len, d), None if banks is None else f32(sum(kernels), d), f32(m, d),
-                           gate, seg))):
+        for fn, args, names in (
+            (jax.grad(loss1, argnums=(0, 2)), (f32(n, batch, t_len, d), banks, f32(n_targets, m, d), seg),
+             MOSAIC_KERNELS[backward][0]),
+            (jax.grad(loss2, argnums=(0, 1, 3)),
+             (state, f32(batch, t_len, d), None if banks is None else f32(sum(kernels), d), f32(m, d), gate, seg),
+             MOSAIC_KERNELS[backward][1] + (("depth_attention_phase2_bwd_stats",) if backward == "pallas" else ())),
+        ):
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
             assert "tpu_custom_call" in text
+            for name in names:
+                assert name in text, name
