@@ -262,3 +262,19 @@ def test_scaling_token_scale_keeps_budgets_matched_and_scales_the_loop():
         scaling.main(["--workdir=/nonexistent", "--train", "--token_scale=-1"])
     with pytest.raises(SystemExit):
         scaling.main(["--workdir=/nonexistent", "--train", "--token_scale=0.5", "--steps=3"])
+
+
+def test_scaling_report_has_rung_deltas_independent_of_the_fit():
+    points = []
+    for k, rung in enumerate(scaling.RUNGS[:3]):
+        for m, off in (("vanilla", 0.0), ("msar", -0.1 * (k + 1))):
+            points.append({"method": m, "rung": rung, "loss": 3.0 - 0.5 * k + off, "flops": 10.0 ** (k + 1)})
+    points.append({"method": "attnres", "rung": "ladder_4", "loss": 1.0, "flops": 1e5})  # no Vanilla there
+    rep = scaling.report_from_points([p for p in points if p["method"] != "attnres"], E=0.5)
+    assert set(rep["rung_deltas"]) == set(scaling.RUNGS[:3])
+    for k, rung in enumerate(scaling.RUNGS[:3]):
+        assert rep["rung_deltas"][rung]["vanilla"] == 0.0
+        assert rep["rung_deltas"][rung]["msar"] == pytest.approx(-0.1 * (k + 1))
+    md = scaling.markdown(rep)
+    assert "| ladder_2 | +0.0000 | -0.2000 |" in md
+    assert scaling.rung_deltas(points).keys() == set(scaling.RUNGS[:3])  # a rung without Vanilla is left out

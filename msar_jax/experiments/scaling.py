@@ -238,6 +238,14 @@ def markdown(report: dict) -> str:
             + f" | {', '.join(f'{s:.3f}' for s in sp['per_scale']) if sp else '-'} | "
             f"{sp['mean']:.3f}x | {PAPER_SPEEDUPS.get(m, 1.0) if m != 'vanilla' else 1.0:.2f}x |"
             if sp else f"| {m} | {fit['A']:.4g} | {fit['beta']:.4g} | - | - | - | - |")
+    deltas = report.get("rung_deltas") or {}
+    if deltas:
+        methods = [m for m in METHODS if any(m in d for d in deltas.values())]
+        lines += ["", "Loss minus Vanilla's at each rung (matched tokens and backbone; needs neither E nor the fit):", "",
+                  "| rung | " + " | ".join(METHODS[m][1] for m in methods) + " |",
+                  "|---|" + "---|" * len(methods)]
+        for r in sorted(deltas):
+            lines.append(f"| {r} | " + " | ".join(f"{deltas[r][m]:+.4f}" if m in deltas[r] else "-" for m in methods) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -274,10 +282,22 @@ def plot(report: dict, out) -> str:
     return str(out)
 
 
+def rung_deltas(points: list[dict]) -> dict[str, dict[str, float]]:
+    """``{rung: {method: loss - Vanilla's loss}}`` at every rung that has a Vanilla run: the
+    comparison at matched tokens and backbone, which needs neither E nor a fit."""
+    by_rung: dict[str, dict[str, float]] = {}
+    for p in points:
+        if p.get("rung") is not None:
+            by_rung.setdefault(p["rung"], {})[p["method"]] = float(p["loss"])
+    return {r: {m: v - losses["vanilla"] for m, v in losses.items()}
+            for r, losses in by_rung.items() if "vanilla" in losses}
+
+
 def report_from_points(points: list[dict], E: float | str = "profile", loss: str = "val") -> dict:
     by, ref, ref_rung = normalise(points)
     res = fit_all(by, E)
-    return {**res, "loss": {"val": "final validation loss", "train": "final training loss"}.get(loss, loss),
+    return {**res, "rung_deltas": rung_deltas(points),
+            "loss": {"val": "final validation loss", "train": "final training loss"}.get(loss, loss),
             "reference": {"flops": ref, "rung": ref_rung}, "points": points,
             "points_by_method": {m: {"C": c.tolist(), "loss": l.tolist()} for m, (c, l) in by.items()},
             "paper": {"E": PAPER_E, "speedups": PAPER_SPEEDUPS}}
