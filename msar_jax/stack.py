@@ -1,12 +1,12 @@
-"""The depth stack: an outer scan over blocks and an inner scan over each block's layers.
+"""The depth stack: an outer scan over blocks and an unrolled loop over each block's layers.
 
 Structure (issue 2): the block summaries live in one preallocated ``[N+1, B, T, d]``
 buffer written with dynamic updates. The outer ``lax.scan`` runs over *units*: a
 unit is one block of ``S/2`` transformer layers for an even block size ``S`` (the
 completed summaries are fixed for the whole unit, so phase 1 of the two-phase read
 runs once at its start), or one transformer layer holding two one-sublayer blocks
-in Full mode (``S = 1``). Inside a unit an inner ``lax.scan`` runs over its layers
-(carry: the mechanism's partial sum and read state).
+in Full mode (``S = 1``). Inside a unit its ``S/2`` layers run in an unrolled Python loop
+(state: the mechanism's partial sum and read state; see ``DepthStack._unit`` for why not a scan).
 
 Memory (linear in depth): a plain scan would save its carry, the whole summary
 buffer, once per unit for the backward pass, which is quadratic in depth. The
@@ -240,7 +240,7 @@ class DepthStack:
         return _append_only_scan(unit_fn, valid_count, state, xs, g, ctx, unit_ids)
 
     def _unit(self, state, x, g, ctx, u, *, segments, collect_weights):
-        """One unit: phase 1 for the block (S even), then the inner scans over layers."""
+        """One unit: phase 1 for the block (S even), then its layers, unrolled."""
         mech = self.mechanism
         S = mech.block_size
         full_mode = S == 1
@@ -250,7 +250,7 @@ class DepthStack:
             p_block = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), x["mech"])  # [2P, ...]
             with jax.named_scope("depth_begin_block"):
                 bctx = mech.begin_block(g, p_block, state, position(first_l, S), ctx)
-            if bctx is not None:  # per-layer slices [P, 2, ...] for the inner scan
+            if bctx is not None:  # per-layer slices [P, 2, ...] for the layer loop
                 bctx = jax.tree.map(lambda a: a.reshape(-1, 2, *a.shape[1:]), bctx)
         ys = []
         for seg_i, (kind, off, cnt) in enumerate(segments):
@@ -265,8 +265,17 @@ class DepthStack:
             step = functools.partial(self._layer, g=g, ctx=ctx, kind=kind, collect_weights=collect_weights)
             if self.remat_policy != "none":
                 step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat_policy])
-            state, y = jax.lax.scan(step, state, inner_xs)
-            ys.append(y)
+            # A Python loop, not a scan: a unit has only S/2 layers, and differentiating a scan
+            # stacks every layer's residuals (the attention probabilities, [B, H, T, T]) into
+            # [P, ...] buffers with a dynamic-update-slice, a transposed copy and a zeroed
+            # cotangent per layer. On the H200 that bookkeeping was ~0.5 s of the `base` step
+            # (BENCHMARKS.md, kernels, session 5); unrolled, each layer's residuals stay where
+            # its forward wrote them.
+            layer_ys = []
+            for i in range(cnt):
+                state, y = step(state, jax.tree.map(lambda a, i=i: a[i], inner_xs))
+                layer_ys.append(y)
+            ys.append(jax.tree.map(lambda *a: jnp.stack(a), *layer_ys))
         if not full_mode:
             last_l = 2 * x["layer"][-1] + 2
             with jax.named_scope("depth_end_block"):
