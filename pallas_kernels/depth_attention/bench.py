@@ -209,6 +209,39 @@ def sweep(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16):
     return rows
 
 
+def sweep_bwd_chunks(log, shapes, chunks, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, reps=21):
+    """Phase 1's forward + Pallas backward (one block) for several reverse-T chunk widths
+    (``Tiles.block_d_bwd``), the rest of the tiles as ``choose_tiles`` picks them."""
+    import dataclasses
+
+    from pallas_kernels.depth_attention import tiling
+
+    n, batch, t_len, d, n_targets = (shapes[k] for k in ("n", "batch", "t_len", "d", "n_targets"))
+    sources, banks, queries, *_ = make_inputs(n, batch, t_len, d, n_targets, kernels, heads, dtype)
+    base = tiling.choose_tiles(d=d, heads=heads, max_kernel=max(kernels), n_targets=n_targets, backend="triton")
+    ct = None
+    rows = []
+    for c in chunks:
+        tiles = dataclasses.replace(base, block_d_bwd=c)
+
+        def loss(x, b, q, ct, tiles=tiles):
+            out = api.phase1(x, b, q, implementation="pallas_gpu", stream_kernels=kernels, heads=heads,
+                             tiles=tiles, backward="pallas")
+            return jnp.sum(out.acc * ct) + jnp.sum(out.denom)
+
+        g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        if ct is None:
+            ct = jnp.ones((n_targets, len(kernels), batch, t_len, d), jnp.float32)
+        row = {"p1_bwd_chunk": c, "tiles": str(tiles)}
+        try:
+            row["pallas_gpu_p1_fb_ms"] = timeit(g, sources, banks, queries, ct, reps=reps, inner=1)[0] * 1e3
+        except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)[:500]
+        log(json.dumps(row))
+        rows.append(row)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true", help="CPU smoke run of the harness")
@@ -216,6 +249,8 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time each kernel alone for several tilings")
     ap.add_argument("--backward", choices=("xla", "pallas", "both"), default="xla",
                     help="the kernels' backward: closed-form XLA, the Pallas backward kernels, or both")
+    ap.add_argument("--bwd_chunks", default="",
+                    help="comma-separated channel chunks: time phase 1 fwd + Pallas bwd for each (Tiles.block_d_bwd)")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", ".")
     log_path = os.path.join(out_dir, "bench_log.jsonl")
@@ -252,6 +287,8 @@ def main():
         b2 = min(srows, key=lambda r: cost(r, ("p2_scores", "p2_stats", "p2_gate")))
         opts = dict(p1_opts={"tiles": b1["_tiles"]}, p2_opts={"tiles": b2["_tiles"]})
         log(json.dumps({"best_p1": b1["tiles"], "best_p2": b2["tiles"]}))
+    if args.bwd_chunks:
+        sweep_bwd_chunks(log, shapes, [int(c) for c in args.bwd_chunks.split(",")], reps=3 if args.small else 21)
     rows = []
     backwards = ("xla", "pallas") if args.backward == "both" else (args.backward,)
     for name, kernels, heads in (("msar_m4_k4-8-12", (0, 4, 8, 12), 1), ("attnres", (0,), 1)):

@@ -58,17 +58,17 @@ Bytes per token written to HBM (float32 scalars, ``nc = d / bd``):
 
 Row shifts (the halo of ``E`` and the transposed conv): ``E`` uses ``fused._Window`` (masked
 loads at ``t0 - delta`` on Triton, previous-tile concatenate elsewhere). The transposed conv
-shifts VALUES (``H_delta`` of this tile, already in registers) by ``delta`` rows: on Triton,
-which has no value-level slicing or general concatenate, as a product with a 0/1 shift
-matrix (``[bt, bt] @ [bt, bd]``, IEEE float32 so it is exact); elsewhere with
-concatenate + static slice. Both need ``block_t >= max_kernel - 1`` (the spill reaches one
-tile back only); Triton's dot also needs ``block_t, block_d >= 16``. The shift costs
-``2 (max_kernel - 1) block_t`` float32 FMAs per token and channel (CUDA cores, not tensor
-cores); ``TF32_TF32_F32_X3`` would be the faster, almost exact alternative.
+shifts VALUES (``H_delta`` of this tile, already in registers) by ``delta`` rows
+(``row_shift.shift_rows``): on Triton, which has no value-level slicing or general
+concatenate, as products with a 0/1 shift matrix on the tensor cores, exact through a
+three-way bfloat16 split; elsewhere with concatenate + static slice. Both need
+``block_t >= max_kernel - 1`` (the spill reaches one tile back only); Triton's dot also needs
+``block_t, block_d >= 16``.
 
-Tiles: passes 2 and 4 use ``tiles.block_d_mix`` as their chunk (it must divide the head
-width). Pass 4 keeps ``max_kernel`` ``H_delta`` tiles and up to ``max_kernel`` lag-shifted
-source tiles live, so on Triton it wants narrower chunks than the forward mix (untuned).
+Tiles: pass 2 uses ``tiles.block_d_mix`` as its chunk, pass 4 ``tiles.block_d_grads``
+(``block_d_bwd``, else ``block_d_mix``; both must divide the head width). Pass 4 keeps
+``max_kernel`` ``H_delta`` tiles and up to ``max_kernel`` lag-shifted source tiles live, so on
+Triton it takes narrower chunks than the forward mix.
 
 TPU (Mosaic): the kernels lower and compile for a TPU v5p (``experiments/tpu_kernels_aot.py``;
 nothing has run on a TPU). As in ``fused.py``, every per-token array has the tokens on the
@@ -93,6 +93,7 @@ from pallas_kernels.depth_attention import fused, reference
 from pallas_kernels.depth_attention.fused import (
     F32, _call_kwargs, _expand_chunk, _lag_masks, _pad_t, _stream_layout, _Window,
 )
+from pallas_kernels.depth_attention.row_shift import shift_rows
 from pallas_kernels.depth_attention.tiling import Tiles
 
 
@@ -170,27 +171,7 @@ def gdots_call(x, banks, g_acc, seg, *, stream_kernels, tiles: Tiles, backend, i
 # --------------------------------------------------------------------------- pass 4
 
 
-def _shift_up(h, delta: int, bt: int, use_dot: bool):
-    """``out[t] = h[t + delta]`` (zero past the tile's end)."""
-    if use_dot:
-        rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
-        cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
-        a = (cols == rows + delta).astype(F32)
-        return jnp.dot(a, h, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
-    return jnp.concatenate([h, jnp.zeros_like(h)], axis=0)[delta : delta + bt]
-
-
-def _spill(h, delta: int, bt: int, use_dot: bool):
-    """The previous tile's rows: ``out[t] = h[t + delta - bt]`` (zero where that is before 0)."""
-    if use_dot:
-        rows = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
-        cols = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
-        a = (cols == rows + (delta - bt)).astype(F32)
-        return jnp.dot(a, h, precision=jax.lax.Precision.HIGHEST, preferred_element_type=F32)
-    return jnp.concatenate([jnp.zeros_like(h), h], axis=0)[delta : delta + bt]
-
-
-def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, has_seg, backend, use_dot):
+def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, has_seg, backend, shift):
     """One (batch row, channel chunk, source): ``d x`` tiles in reverse order, the bank and query
     gradient partials at the end (see the module docstring)."""
     it = iter(refs)
@@ -239,8 +220,9 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
         dx = hs[0] + spill_in
         spill_out = zero_tile
         for delta in range(1, max_lag):
-            dx = dx + _shift_up(hs[delta], delta, bt, use_dot)
-            spill_out = spill_out + _spill(hs[delta], delta, bt, use_dot)
+            within, back = shift_rows(hs[delta], delta, bt, shift)
+            dx = dx + within
+            spill_out = spill_out + back
         dx_ref[rows, :] = dx.astype(dx_ref.dtype)
         return spill_out, dbank, dq
 
@@ -262,7 +244,7 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
     ``d queries`` partials ``[n, B, S, m, d]``."""
     n, batch, t_pad, d = x.shape
     n_targets, m = queries.shape[:2]
-    bt, bd = tiles.block_t, tiles.block_d_mix
+    bt, bd = tiles.block_t, tiles.block_d_grads
     dh = d // heads
     if dh % bd:
         raise ValueError(f"block_d={bd} must divide the head width {dh}")
@@ -301,7 +283,7 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
     out_shape.append(jax.ShapeDtypeStruct((n, batch, n_targets, m, d), F32))
     kernel = functools.partial(
         _grads_kernel, stream_kernels=tuple(stream_kernels), n_targets=n_targets, bt=bt, bd=bd,
-        n_tiles=t_pad // bt, has_bank=has_bank, has_seg=has_seg, backend=backend, use_dot=use_dot,
+        n_tiles=t_pad // bt, has_bank=has_bank, has_seg=has_seg, backend=backend, shift="dot" if use_dot else "concat",
     )
     out = pl.pallas_call(
         kernel,

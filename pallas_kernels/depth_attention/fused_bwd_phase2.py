@@ -53,9 +53,9 @@ The passes (``tiles`` as in ``fused.py``; ``nc = d / block_d`` channel chunks):
 
 The row shift of the transposed conv: on the interpret / TPU path a concatenate and static
 slices (as ``fused._Window`` builds its halo); on the Triton path, where value-level
-concatenates and slices do not lower, a product with a 0/1 shift matrix built from iotas
-(``jnp.dot`` at HIGHEST precision lowers to an IEEE float32 ``tl.dot``, which is exact for a
-matrix with at most one 1 per row). Every other lag is a ref load (``fused._Window``).
+concatenates and slices do not lower, products with a 0/1 shift matrix on the tensor cores,
+exact through a three-way bfloat16 split (``row_shift.shift_rows``). Every other lag is a ref
+load (``fused._Window``).
 
 HBM traffic per token, in float32 words (banks, queries and ``W`` are per-program constants
 and not counted; ``nc = d / block_d``): the partial ``x`` is read by every pass (4 times
@@ -101,6 +101,7 @@ from pallas_kernels.depth_attention.fused import (
     _Window,
     scores_call,
 )
+from pallas_kernels.depth_attention.row_shift import shift_rows
 
 # --------------------------------------------------------------------------- in-kernel helpers
 
@@ -134,23 +135,6 @@ def _dz(r, m, dh, z, gate_vals, w_ref, w_rows):
     for j in range(m):
         dz = dz + w_ref[r, w_rows, j].astype(F32)[None, :] * _col(dy_of(j))
     return dz
-
-
-def _shift_rows(g, delta: int, bt: int, how: str):
-    """``(within, spill)`` for the transposed conv: ``within[i] = g[i + delta]`` (0 past the
-    tile) and ``spill[i] = g[i + delta - bt]`` (rows of the PREVIOUS tile, 0 where
-    ``i + delta < bt``)."""
-    if how == "concat":
-        zero = jnp.zeros_like(g)
-        cat = jnp.concatenate([zero, g, zero], axis=0)
-        return cat[bt + delta : 2 * bt + delta], cat[delta : bt + delta]
-    row = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
-    up = (col == row + delta).astype(F32)
-    back = (col == row + delta - bt).astype(F32)
-    hi = jax.lax.Precision.HIGHEST
-    return (jnp.dot(up, g, precision=hi, preferred_element_type=F32),
-            jnp.dot(back, g, precision=hi, preferred_element_type=F32))
 
 
 # --------------------------------------------------------------------------- kernels
@@ -294,7 +278,7 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
         for delta in range(1, max_lag):
             if taps_d[delta] is None:
                 continue
-            within, back = _shift_rows(taps_d[delta] * masks[delta], delta, bt, shift)
+            within, back = shift_rows(taps_d[delta] * masks[delta], delta, bt, shift)
             dx = dx + within
             new_spill = new_spill + back
         dx_ref[rows, :] = dx.astype(dx_ref.dtype)
