@@ -242,6 +242,42 @@ def sweep_bwd_chunks(log, shapes, chunks, kernels=(0, 4, 8, 12), heads=1, dtype=
     return rows
 
 
+P2_BWD_TILES = (  # phase 2 + gate, fwd + Pallas bwd: (block_t, block_d_mix, block_d_bwd, warps, stages)
+    (16, 32, 32, 4, 2), (16, 32, 16, 4, 2), (16, 32, 64, 4, 2), (16, 32, 32, 8, 2), (16, 32, 32, 2, 2),
+    (32, 32, 32, 4, 2), (32, 32, 16, 4, 2),
+)
+
+
+def sweep_p2_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, reps=21):
+    """Phase 2 + gate forward + Pallas backward for several tilings (``P2_BWD_TILES``)."""
+    from pallas_kernels.depth_attention import tiling
+
+    n, batch, t_len, d, n_targets = (shapes[k] for k in ("n", "batch", "t_len", "d", "n_targets"))
+    sources, banks, queries, partial, bank, query, gate = make_inputs(n, batch, t_len, d, n_targets, kernels,
+                                                                      heads, dtype)
+    state1 = jax.tree.map(lambda a: a[1], reference.phase1(sources, banks, queries, stream_kernels=kernels,
+                                                           heads=heads))
+    ct = jnp.ones((batch, t_len, d), jnp.float32)
+    rows = []
+    for bt, bdm, bdb, warps, stages in P2_BWD_TILES:
+        tiles = tiling.Tiles(bt, bdm, bdm, warps, stages, block_d_bwd=bdb)
+
+        def loss(st, x, b, q, g, ct, tiles=tiles):
+            h = api.phase2_fused(st, x, b, q, True, g, implementation="pallas_gpu", stream_kernels=kernels,
+                                 heads=heads, tiles=tiles, backward="pallas", out_dtype=dtype)
+            return jnp.sum(h.astype(jnp.float32) * ct)
+
+        g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+        row = {"p2_bwd_tiles": str(tiles)}
+        try:
+            row["pallas_gpu_p2_fb_ms"] = timeit(g, state1, partial, bank, query, gate, ct, reps=reps, inner=2)[0] * 1e3
+        except Exception as e:  # noqa: BLE001
+            row["error"] = repr(e)[:500]
+        log(json.dumps(row))
+        rows.append(row)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true", help="CPU smoke run of the harness")
@@ -251,6 +287,8 @@ def main():
                     help="the kernels' backward: closed-form XLA, the Pallas backward kernels, or both")
     ap.add_argument("--bwd_chunks", default="",
                     help="comma-separated channel chunks: time phase 1 fwd + Pallas bwd for each (Tiles.block_d_bwd)")
+    ap.add_argument("--p2_bwd_sweep", action="store_true",
+                    help="time phase 2 + gate fwd + Pallas bwd for the tilings of P2_BWD_TILES")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", ".")
     log_path = os.path.join(out_dir, "bench_log.jsonl")
@@ -289,6 +327,8 @@ def main():
         log(json.dumps({"best_p1": b1["tiles"], "best_p2": b2["tiles"]}))
     if args.bwd_chunks:
         sweep_bwd_chunks(log, shapes, [int(c) for c in args.bwd_chunks.split(",")], reps=3 if args.small else 21)
+    if args.p2_bwd_sweep:
+        sweep_p2_bwd(log, shapes, reps=3 if args.small else 21)
     rows = []
     backwards = ("xla", "pallas") if args.backward == "both" else (args.backward,)
     for name, kernels, heads in (("msar_m4_k4-8-12", (0, 4, 8, 12), 1), ("attnres", (0,), 1)):

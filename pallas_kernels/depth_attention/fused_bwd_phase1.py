@@ -60,8 +60,8 @@ Row shifts (the halo of ``E`` and the transposed conv): ``E`` uses ``fused._Wind
 loads at ``t0 - delta`` on Triton, previous-tile concatenate elsewhere). The transposed conv
 shifts VALUES (``H_delta`` of this tile, already in registers) by ``delta`` rows
 (``row_shift.shift_rows``): on Triton, which has no value-level slicing or general
-concatenate, as products with a 0/1 shift matrix on the tensor cores, exact through a
-three-way bfloat16 split; elsewhere with concatenate + static slice. Both need
+concatenate, as a product with a 0/1 shift matrix (``[bt, bt] @ [bt, bd]``, IEEE float32, so
+exact); elsewhere with concatenate + static slice. Both need
 ``block_t >= max_kernel - 1`` (the spill reaches one tile back only); Triton's dot also needs
 ``block_t, block_d >= 16``.
 

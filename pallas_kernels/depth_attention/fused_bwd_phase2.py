@@ -53,9 +53,9 @@ The passes (``tiles`` as in ``fused.py``; ``nc = d / block_d`` channel chunks):
 
 The row shift of the transposed conv: on the interpret / TPU path a concatenate and static
 slices (as ``fused._Window`` builds its halo); on the Triton path, where value-level
-concatenates and slices do not lower, products with a 0/1 shift matrix on the tensor cores,
-exact through a three-way bfloat16 split (``row_shift.shift_rows``). Every other lag is a ref
-load (``fused._Window``).
+concatenates and slices do not lower, a product with a 0/1 shift matrix built from iotas
+(an IEEE float32 ``tl.dot``, exact: ``row_shift.shift_rows``). Every other lag is a ref load
+(``fused._Window``).
 
 HBM traffic per token, in float32 words (banks, queries and ``W`` are per-program constants
 and not counted; ``nc = d / block_d``): the partial ``x`` is read by every pass (4 times
@@ -394,7 +394,9 @@ def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_ke
                  interpret, shift):
     batch, t_pad, d = x.shape
     m = len(stream_kernels)
-    bt, bd = tiles.block_t, tiles.block_d_mix
+    bt, bd = tiles.block_t, tiles.block_d_grads  # its own chunk: it writes nothing per chunk
+    if (d // heads) % bd:
+        raise ValueError(f"block_d={bd} must divide the head width {d // heads}")
     nc = d // bd
     has_bank, has_seg, has_gate = bank is not None, seg is not None, gate_in is not None
     specs = [pl.BlockSpec((None, t_pad, bd), lambda i, c: (i, 0, c))]
@@ -427,7 +429,8 @@ def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_ke
         out_specs.append(pl.BlockSpec((None, m, bd, m), lambda i, c: (i, 0, c, 0)))
         out_shape.append(jax.ShapeDtypeStruct((batch, m, d, m), F32))
     kernel = functools.partial(_dinput_kernel, n_tiles=t_pad // bt, has_bank=has_bank, has_seg=has_seg,
-                               has_gate=has_gate, shift=shift, **_common(stream_kernels, heads, d, tiles, backend))
+                               has_gate=has_gate, shift=shift,
+                               **{**_common(stream_kernels, heads, d, tiles, backend), "bd": bd})
     outs = pl.pallas_call(
         kernel,
         grid=(batch, nc),

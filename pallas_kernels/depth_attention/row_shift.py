@@ -7,17 +7,11 @@ load at an offset.
 
 * ``"concat"`` (interpret mode, Mosaic TPU): a concatenate with zero tiles and a static slice.
 * ``"dot"`` (Triton, which lowers neither value concatenates nor value slices): a product with
-  a 0/1 shift matrix built from iotas. Session 4 did it as one IEEE float32 ``tl.dot``: exact,
-  but Triton runs that on the CUDA cores, ``2 block_t`` FMAs per element and lag, and the
-  phase-2 reverse-T kernel spent ~8.8 ms per call at the ``base`` shape (BENCHMARKS.md,
-  session 5). Here the float32 tile is split into three bfloat16 parts, ``g = hi + mid + lo``
-  exactly (each part takes the next 8 significant bits of the 24; the rounding residuals are
-  exact in float32), and each part goes through a bfloat16 tensor-core dot with float32
-  accumulation. A 0/1 row with one 1 selects one product ``1 * part``, exact in float32, so
-  each dot returns its part shifted exactly and ``(hi + mid) + lo`` rebuilds ``g`` bit for bit
-  (the sum of an 8- and a 16-bit significand fits in 24 bits). Exactness fails only where a
-  part underflows bfloat16's normal range (``|g|`` below about ``1e-33``) or ``g`` is not
-  finite.
+  a 0/1 shift matrix built from iotas, at HIGHEST precision, which lowers to an IEEE float32
+  ``tl.dot``: exact, since each output row selects one input row. Measured alternative
+  (BENCHMARKS.md, kernels, session 5): three bfloat16 tensor-core dots of an exact
+  ``hi + mid + lo`` split were exact too but slower on the H200 (phase 2 + gate fwd+bwd 9.7
+  against 6.8 ms, phase 1 161 against 154 ms), so the single float32 dot stays.
 """
 
 from __future__ import annotations
@@ -26,22 +20,6 @@ import jax
 import jax.numpy as jnp
 
 F32 = jnp.float32
-BF16 = jnp.bfloat16
-
-
-def split_bf16x3(g: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(hi, mid, lo)`` in bfloat16 with ``hi + mid + lo == g`` exactly (float32 ``g``)."""
-    hi = g.astype(BF16)
-    rest = g - hi.astype(F32)
-    mid = rest.astype(BF16)
-    lo = (rest - mid.astype(F32)).astype(BF16)
-    return hi, mid, lo
-
-
-def _select_rows(a: jax.Array, parts) -> jax.Array:
-    """``a @ g`` for a 0/1 ``a`` with at most one 1 per row, exact, from ``g``'s three parts."""
-    hi, mid, lo = (jnp.dot(a, p, preferred_element_type=F32) for p in parts)
-    return (hi + mid) + lo
 
 
 def shift_rows(g: jax.Array, delta: int, bt: int, how: str) -> tuple[jax.Array, jax.Array]:
@@ -56,7 +34,8 @@ def shift_rows(g: jax.Array, delta: int, bt: int, how: str) -> tuple[jax.Array, 
         raise ValueError(f"row shift how={how!r}: must be 'concat' or 'dot'")
     row = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
-    up = (col == row + delta).astype(BF16)
-    back = (col == row + delta - bt).astype(BF16)
-    parts = split_bf16x3(g)
-    return _select_rows(up, parts), _select_rows(back, parts)
+    up = (col == row + delta).astype(F32)
+    back = (col == row + delta - bt).astype(F32)
+    hi = jax.lax.Precision.HIGHEST
+    return (jnp.dot(up, g, precision=hi, preferred_element_type=F32),
+            jnp.dot(back, g, precision=hi, preferred_element_type=F32))

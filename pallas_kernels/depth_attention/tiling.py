@@ -26,9 +26,9 @@ class Tiles:
     block_d_mix: int  # channel chunk (grid axis) of the mixing kernel
     num_warps: int = 4  # Triton only
     num_stages: int = 1  # Triton only
-    # channel chunk of phase 1's reverse-T backward kernel (``fused_bwd_phase1.grads_call``);
-    # None: ``block_d_mix``. It keeps ``max_kernel`` transposed-conv tiles and the lag-shifted
-    # source tiles live per stream, so it wants narrower chunks than the forward's mixing.
+    # channel chunk of the reverse-T backward kernels (``fused_bwd_phase1.grads_call``,
+    # ``fused_bwd_phase2._dinput_call``); None: ``block_d_mix``. They keep ``max_kernel``
+    # transposed-conv tiles and the lag-shifted source tiles live per stream.
     block_d_bwd: int | None = None
 
     @property
@@ -61,10 +61,11 @@ def choose_tiles(*, d: int, heads: int, max_kernel: int, n_targets: int, backend
         # Best of 6 tilings timed on the H200 at the issue's shape (BENCHMARKS.md, run 2):
         # phase 1 (S = 8 targets) 16 x 64 scoring chunks, 16 x 128 mixing chunks, 8 warps;
         # phase 2 (one target) 16 x 32 chunks, 4 warps, 2 stages.
-        # Phase 1's backward chunk: 32 channels, an untimed guess (session 5 times 32/64/128).
+        # Phase 1's reverse-T backward chunk: 64 channels (session 5, H200: 32 / 64 / 128 ->
+        # 237 / 144 / 161 ms per block, fwd + Pallas bwd).
         if n_targets > 1:
             return Tiles(16, _pow2_divisor(dh, 64), _pow2_divisor(dh, 128), num_warps=8, num_stages=1,
-                         block_d_bwd=_pow2_divisor(dh, 32))
+                         block_d_bwd=_pow2_divisor(dh, 64))
         return Tiles(16, _pow2_divisor(dh, 32), _pow2_divisor(dh, 32), num_warps=4, num_stages=2)
     block_t = max(8, _next_pow2(halo))
     return Tiles(
