@@ -112,8 +112,12 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
         p = jnp.where(ok, jnp.exp(s - smax), 0.0)  # [S, m, B, T, H]
         eh = _split(e, heads)  # [m, B, T, H, dh]
         ds = p * (g_denom + jnp.einsum("smbthe,mbthe->smbth", g_acc, eh))
-        d_e = jnp.einsum("smbth,smbthe->mbthe", p, g_acc)  # value path
-        dk = jnp.einsum("smbth,smhe->mbthe", ds, qh).reshape(e.shape)
+        # The two sums over the S targets are written as broadcast products reduced over s,
+        # not einsums: as dots (K = S) XLA:GPU ran them as gemms whose [m, H, B*T, dh] output
+        # then took a transposing copy of the whole [m, B, T, d] float32 (the largest op of
+        # the base profile, BENCHMARKS.md kernels session 5), and in TF32 by default.
+        d_e = jnp.sum(p[..., None] * g_acc, axis=0)  # value path
+        dk = jnp.sum(ds[..., None] * qh[:, :, None, None], axis=0).reshape(e.shape)
         d_e = d_e.reshape(e.shape) + r * (dk - k * jnp.mean(k * dk, axis=-1, keepdims=True))
         dq = dq + jnp.einsum("smbth,mbthe->smhe", ds, _split(k, heads)).reshape(q.shape)
         dx, dbank = expand_vjp(d_e)
@@ -222,7 +226,8 @@ def _gate_backward(z, dh, gate, saved):
     d_rz = scale * jnp.sum(dlogit * y, axis=-1)  # [B, T]
     # rz = (sum z^2 / (m d) + eps)^(-1/2): d rz / d z = -rz^3 z / (m d)
     coef = -d_rz * rz**3 / (m * d)  # [B, T]
-    dz = g.transpose(2, 0, 1)[..., None] * dh[None] + jnp.einsum("btk,mdk->mbtd", dy, w3) + coef[..., None] * z
+    w_dy = jnp.sum(dy[None, :, :, None, :] * w3[:, None, None], axis=-1)  # [W dy]_r; a K = m dot would transpose
+    dz = g.transpose(2, 0, 1)[..., None] * dh[None] + w_dy + coef[..., None] * z
     d_w = jnp.einsum("mbtd,btk->mdk", z, dy).reshape(m * d, m)
     return dz, (d_w, d_scale.reshape(jnp.shape(gate[1])), d_bias)
 
