@@ -112,10 +112,11 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
         p = jnp.where(ok, jnp.exp(s - smax), 0.0)  # [S, m, B, T, H]
         eh = _split(e, heads)  # [m, B, T, H, dh]
         ds = p * (g_denom + jnp.einsum("smbthe,mbthe->smbth", g_acc, eh))
-        # The two sums over the S targets are written as broadcast products reduced over s,
-        # not einsums: as dots (K = S) XLA:GPU ran them as gemms whose [m, H, B*T, dh] output
-        # then took a transposing copy of the whole [m, B, T, d] float32 (the largest op of
-        # the base profile, BENCHMARKS.md kernels session 5), and in TF32 by default.
+        # The two sums over the S targets are broadcast products reduced over s, not einsums:
+        # as K = S dots XLA:GPU runs them on the tensor cores in TF32 by default, here they
+        # are exact float32 sums. (Measured on the H200, BENCHMARKS.md kernels session 5: no
+        # change in step time; the transposing copy of this dE in the base profile comes from
+        # the layout XLA picks for the conv's tap reduction, not from these dots.)
         d_e = jnp.sum(p[..., None] * g_acc, axis=0)  # value path
         dk = jnp.sum(ds[..., None] * qh[:, :, None, None], axis=0).reshape(e.shape)
         d_e = d_e.reshape(e.shape) + r * (dk - k * jnp.mean(k * dk, axis=-1, keepdims=True))
@@ -226,7 +227,7 @@ def _gate_backward(z, dh, gate, saved):
     d_rz = scale * jnp.sum(dlogit * y, axis=-1)  # [B, T]
     # rz = (sum z^2 / (m d) + eps)^(-1/2): d rz / d z = -rz^3 z / (m d)
     coef = -d_rz * rz**3 / (m * d)  # [B, T]
-    w_dy = jnp.sum(dy[None, :, :, None, :] * w3[:, None, None], axis=-1)  # [W dy]_r; a K = m dot would transpose
+    w_dy = jnp.sum(dy[None, :, :, None, :] * w3[:, None, None], axis=-1)  # [W dy]_r, exact f32 (a K = m dot: TF32)
     dz = g.transpose(2, 0, 1)[..., None] * dh[None] + w_dy + coef[..., None] * z
     d_w = jnp.einsum("mbtd,btk->mdk", z, dy).reshape(m * d, m)
     return dz, (d_w, d_scale.reshape(jnp.shape(gate[1])), d_bias)
