@@ -289,6 +289,7 @@ def main():
                     help="comma-separated channel chunks: time phase 1 fwd + Pallas bwd for each (Tiles.block_d_bwd)")
     ap.add_argument("--p2_bwd_sweep", action="store_true",
                     help="time phase 2 + gate fwd + Pallas bwd for the tilings of P2_BWD_TILES")
+    ap.add_argument("--sweeps_only", action="store_true", help="run the requested sweeps, skip the main table")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", ".")
     log_path = os.path.join(out_dir, "bench_log.jsonl")
@@ -329,6 +330,8 @@ def main():
         sweep_bwd_chunks(log, shapes, [int(c) for c in args.bwd_chunks.split(",")], reps=3 if args.small else 21)
     if args.p2_bwd_sweep:
         sweep_p2_bwd(log, shapes, reps=3 if args.small else 21)
+    if args.sweeps_only:
+        return
     rows = []
     backwards = ("xla", "pallas") if args.backward == "both" else (args.backward,)
     for name, kernels, heads in (("msar_m4_k4-8-12", (0, 4, 8, 12), 1), ("attnres", (0,), 1)):
