@@ -61,8 +61,9 @@ def choose_tiles(*, d: int, heads: int, max_kernel: int, n_targets: int, backend
         # Best of 6 tilings timed on the H200 at the issue's shape (BENCHMARKS.md, run 2):
         # phase 1 (S = 8 targets) 16 x 64 scoring chunks, 16 x 128 mixing chunks, 8 warps;
         # phase 2 (one target) 16 x 32 chunks, 4 warps, 2 stages.
-        # Phase 1's reverse-T backward chunk: 64 channels (session 5, H200: 32 / 64 / 128 ->
-        # 237 / 144 / 161 ms per block, fwd + Pallas bwd).
+        # Phase 1's reverse-T backward chunk: 64 channels (session 5, H200, fwd + Pallas bwd per
+        # block: 32 / 64 / 128 -> 237 / 144 / 161 ms, timed with the since-reverted bf16x3 row
+        # shift; with the float32 one 128 took 154 ms and 64 is not yet timed).
         if n_targets > 1:
             return Tiles(16, _pow2_divisor(dh, 64), _pow2_divisor(dh, 128), num_warps=8, num_stages=1,
                          block_d_bwd=_pow2_divisor(dh, 64))
