@@ -262,18 +262,20 @@ class DepthStack:
                 None if bctx is None else jax.tree.map(sl, bctx),
                 x["layer"][off : off + cnt],
             )
-            step = functools.partial(self._layer, g=g, ctx=ctx, kind=kind, collect_weights=collect_weights)
-            if self.remat_policy != "none":
-                step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat_policy])
             # A Python loop, not a scan: a unit has only S/2 layers, and differentiating a scan
             # stacks every layer's residuals (the attention probabilities, [B, H, T, T]) into
             # [P, ...] buffers with a dynamic-update-slice, a transposed copy and a zeroed
             # cotangent per layer. On the H200 that bookkeeping was ~0.5 s of the `base` step
             # (BENCHMARKS.md, kernels, session 5); unrolled, each layer's residuals stay where
-            # its forward wrote them.
+            # its forward wrote them. Each layer takes the whole stacked inputs and picks its row
+            # inside (``row``), so a rematerialised layer keeps a reference to the shared
+            # arrays (the block's phase-1 state above all), not a sliced copy of its own.
             layer_ys = []
             for i in range(cnt):
-                state, y = step(state, jax.tree.map(lambda a, i=i: a[i], inner_xs))
+                step = functools.partial(self._layer, g=g, ctx=ctx, kind=kind, collect_weights=collect_weights, row=i)
+                if self.remat_policy != "none":
+                    step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat_policy])
+                state, y = step(state, inner_xs)
                 layer_ys.append(y)
             ys.append(jax.tree.map(lambda *a: jnp.stack(a), *layer_ys))
         if not full_mode:
@@ -282,9 +284,10 @@ class DepthStack:
                 state = mech.end_block(g, state, position(last_l, S))
         return state, jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *ys)
 
-    def _layer(self, state, inp, *, g, ctx, kind, collect_weights):
-        """One transformer layer: the attention sublayer, then the MLP sublayer."""
-        attn_p, mlp_p, mech_p, bctx, layer = inp
+    def _layer(self, state, inp, *, g, ctx, kind, collect_weights, row):
+        """One transformer layer (row ``row`` of the stacked ``inp``): the attention sublayer,
+        then the MLP sublayer."""
+        attn_p, mlp_p, mech_p, bctx, layer = jax.tree.map(lambda a: a[row], inp)
         mech = self.mechanism
         S = mech.block_size
         aux_losses, weights = [], []
