@@ -243,39 +243,66 @@ def sweep_bwd_chunks(log, shapes, chunks, kernels=(0, 4, 8, 12), heads=1, dtype=
 
 
 P2_BWD_TILES = (  # phase 2 + gate, fwd + Pallas bwd: (block_t, block_d_mix, block_d_bwd, warps, stages)
-    (16, 32, 32, 4, 2), (16, 32, 16, 4, 2), (16, 32, 64, 4, 2), (16, 32, 32, 8, 2), (16, 32, 32, 2, 2),
-    (32, 32, 32, 4, 2), (32, 32, 16, 4, 2),
+    (16, 32, 32, 4, 2), (32, 32, 32, 4, 2), (32, 32, 16, 4, 2), (16, 32, 16, 4, 2), (16, 32, 64, 4, 2),
+    (16, 32, 32, 8, 2), (16, 32, 32, 2, 2),
+)
+# Phase 2 for several stream sets, with and without the gate (default tiles): how its cost grows
+# with the conv taps (bank-gradient reductions, transposed-conv shifts) and the streams (gate).
+P2_STREAM_CASES = (
+    ((0,), False), ((0, 0, 0, 0), False), ((0, 0, 0, 0), True), ((0, 4), False), ((0, 12), False),
+    ((0, 4, 8, 12), False), ((0, 4, 8, 12), True),
 )
 
 
-def sweep_p2_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, reps=21):
-    """Phase 2 + gate forward + Pallas backward for several tilings (``P2_BWD_TILES``)."""
-    from pallas_kernels.depth_attention import tiling
-
-    n, batch, t_len, d, n_targets = (shapes[k] for k in ("n", "batch", "t_len", "d", "n_targets"))
-    sources, banks, queries, partial, bank, query, gate = make_inputs(n, batch, t_len, d, n_targets, kernels,
-                                                                      heads, dtype)
-    state1 = jax.tree.map(lambda a: a[1], reference.phase1(sources, banks, queries, stream_kernels=kernels,
-                                                           heads=heads))
-    ct = jnp.ones((batch, t_len, d), jnp.float32)
+def _time_p2(log, shapes, cases, dtype=jnp.bfloat16, heads=1, reps=21):
+    """Phase 2 (+ gate) forward, and forward + Pallas backward, for each ``(kernels, gated,
+    tiles or None)`` of ``cases``; the phase-1 state comes from the XLA reference."""
+    batch, t_len, d, n = shapes["batch"], shapes["t_len"], shapes["d"], shapes["n"]
     rows = []
-    for bt, bdm, bdb, warps, stages in P2_BWD_TILES:
-        tiles = tiling.Tiles(bt, bdm, bdm, warps, stages, block_d_bwd=bdb)
+    for kernels, gated, tiles in cases:
+        sources, banks, queries, partial, bank, query, gate = make_inputs(n, batch, t_len, d, 1, kernels, heads,
+                                                                          dtype)
+        state = jax.tree.map(lambda a: a[0], reference.phase1(sources, banks, queries, stream_kernels=kernels,
+                                                              heads=heads))
+        gate = gate if gated else None
+        opts = dict(stream_kernels=kernels, heads=heads, backward="pallas", out_dtype=dtype)
+        if tiles is not None:
+            opts["tiles"] = tiles
 
-        def loss(st, x, b, q, g, ct, tiles=tiles):
-            h = api.phase2_fused(st, x, b, q, True, g, implementation="pallas_gpu", stream_kernels=kernels,
-                                 heads=heads, tiles=tiles, backward="pallas", out_dtype=dtype)
-            return jnp.sum(h.astype(jnp.float32) * ct)
+        def fwd(st, x, b, q, g, opts=opts):
+            return api.phase2_fused(st, x, b, q, True, g, implementation="pallas_gpu", **opts)
 
-        g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-        row = {"p2_bwd_tiles": str(tiles)}
+        def loss(st, x, b, q, g, ct, fwd=fwd):
+            return jnp.sum(fwd(st, x, b, q, g).astype(jnp.float32) * ct)
+
+        argnums = tuple(i for i, a in enumerate((state, partial, bank, query, gate)) if a is not None)
+        grad = jax.jit(jax.grad(loss, argnums=argnums))
+        ct = jnp.ones((batch, t_len, d), jnp.float32)
+        row = {"p2_streams": str(kernels), "gate": gated, "tiles": str(tiles)}
         try:
-            row["pallas_gpu_p2_fb_ms"] = timeit(g, state1, partial, bank, query, gate, ct, reps=reps, inner=2)[0] * 1e3
+            row["pallas_gpu_p2_ms"] = timeit(jax.jit(fwd), state, partial, bank, query, gate, reps=reps,
+                                             inner=2)[0] * 1e3
+            row["pallas_gpu_p2_fb_ms"] = timeit(grad, state, partial, bank, query, gate, ct, reps=reps,
+                                                inner=2)[0] * 1e3
         except Exception as e:  # noqa: BLE001
             row["error"] = repr(e)[:500]
         log(json.dumps(row))
         rows.append(row)
     return rows
+
+
+def sweep_p2_bwd(log, shapes, kernels=(0, 4, 8, 12), reps=21):
+    """Phase 2 + gate for the tilings of ``P2_BWD_TILES``."""
+    from pallas_kernels.depth_attention import tiling
+
+    cases = [(kernels, True, tiling.Tiles(bt, bdm, bdm, w, st, block_d_bwd=bdb))
+             for bt, bdm, bdb, w, st in P2_BWD_TILES]
+    return _time_p2(log, shapes, cases, reps=reps)
+
+
+def sweep_p2_streams(log, shapes, reps=21):
+    """Phase 2 for the stream sets of ``P2_STREAM_CASES`` (default tiles)."""
+    return _time_p2(log, shapes, [(k, g, None) for k, g in P2_STREAM_CASES], reps=reps)
 
 
 def main():
@@ -289,6 +316,8 @@ def main():
                     help="comma-separated channel chunks: time phase 1 fwd + Pallas bwd for each (Tiles.block_d_bwd)")
     ap.add_argument("--p2_bwd_sweep", action="store_true",
                     help="time phase 2 + gate fwd + Pallas bwd for the tilings of P2_BWD_TILES")
+    ap.add_argument("--p2_stream_sweep", action="store_true",
+                    help="time phase 2 fwd and fwd + Pallas bwd for the stream sets of P2_STREAM_CASES")
     ap.add_argument("--sweeps_only", action="store_true", help="run the requested sweeps, skip the main table")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", ".")
@@ -330,6 +359,8 @@ def main():
         sweep_bwd_chunks(log, shapes, [int(c) for c in args.bwd_chunks.split(",")], reps=3 if args.small else 21)
     if args.p2_bwd_sweep:
         sweep_p2_bwd(log, shapes, reps=3 if args.small else 21)
+    if args.p2_stream_sweep:
+        sweep_p2_streams(log, shapes, reps=3 if args.small else 21)
     if args.sweeps_only:
         return
     rows = []

@@ -14,8 +14,8 @@ Backward implementations, chosen per call by the ``backward`` option (default ``
 * ``"pallas"``: the Pallas backward kernels of the back end (``fused_bwd_phase1`` for phase
   1, ``fused_bwd_phase2`` for the fused phase 2), which recompute expansions,
   norms and the merged streams inside the kernels and write no ``m*d``-per-token temporary.
-  Tested against the XLA backward in interpret mode; it stays opt-in until it is measured
-  on the GPU (BENCHMARKS.md).
+  Tested against the XLA backward in interpret mode and on the H200; which one is faster
+  depends on the op (BENCHMARKS.md; configs' ``kernel_backward="auto"`` picks per op).
 
 The unfused ``phase2`` (streams out) differentiates the reference in both cases.
 """
@@ -67,22 +67,25 @@ def make_phase1(forward: Callable, kernel_backward: Callable | None = None) -> C
 
     def fwd(static, sources, banks, queries, valid, segment_ids):
         out = forward(sources, banks, queries, valid, segment_ids, static)
-        return out, (sources, banks, queries, valid, segment_ids, out)
+        # The backward needs only the running max (a shift without gradient), not the [S, m, B,
+        # T, d] state: keeping the max alone lets a caller drop its rematerialisation (it would
+        # re-run the scores kernel just to get the max back).
+        return out, (sources, banks, queries, valid, segment_ids, out.max)
 
     def bwd(static, res, ct):
-        sources, banks, queries, valid, segment_ids, state = res
+        sources, banks, queries, valid, segment_ids, smax = res
         n, d = sources.shape[0], sources.shape[-1]
         ct = reference.SoftmaxState(*(jnp.asarray(a, jnp.float32) for a in ct))
         if backward_choice(static) == "pallas":
             if kernel_backward is None:
                 raise ValueError("backward='pallas': this back end has no phase-1 backward kernel")
-            dx, dbanks, dq = kernel_backward(sources, banks, queries, valid, segment_ids, state.max, ct, static)
+            dx, dbanks, dq = kernel_backward(sources, banks, queries, valid, segment_ids, smax, ct, static)
             return (dx.astype(sources.dtype), None if banks is None else dbanks.astype(banks.dtype),
                     dq.astype(queries.dtype), None, None)
         ok = jnp.ones((n,), bool) if valid is None else valid
         bank_arr = jnp.zeros((n, 0, d), jnp.float32) if banks is None else banks
         dx, dbanks, dq, _, _ = xla_streaming.phase1_backward(
-            sources, bank_arr, queries, ok, segment_ids, state.max, ct,
+            sources, bank_arr, queries, ok, segment_ids, smax, ct,
             stream_kernels=static.stream_kernels, heads=static.heads, eps=static.eps,
         )
         return dx, None if banks is None else dbanks, dq, None, None
