@@ -31,7 +31,9 @@ CPU smoke (the test suite runs this)::
 
 Prints per config: the median wall time per step (timed separately, outside the trace),
 device busy time per step, a part x pass table (ms per step and share of busy time), the
-kernel kinds, and the ``--top`` ops by time. Busy time sums kernel durations, so kernels that
+kernel kinds, each Pallas kernel by name (time per step, calls per step, time per call; a call
+is one traced event: one launch on a GPU, one emulating op in interpret mode), and the ``--top``
+ops by time. Busy time sums kernel durations, so kernels that
 overlap on separate streams count twice; it is a breakdown, not a wall clock.
 
 On a GPU, XLA's command buffers (CUDA graphs) are switched off before JAX starts
@@ -92,6 +94,18 @@ def part_of(op_name: str) -> str:
     """Innermost known named scope in an ``op_name`` path, else ``"other"``."""
     found = _PART_RE.findall(op_name or "")
     return found[-1] if found else "other"
+
+
+# A Pallas kernel's name (``pallas_call(name=...)``) is the ``op_name`` component above
+# ``pallas_call`` on a GPU/TPU; in interpret mode (CPU) it is a plain scope over the emulating
+# loop, found by the prefix every kernel of ``pallas_kernels.depth_attention`` carries.
+_KERNEL_RE = re.compile(r"(?:^|/)([\w.\-]+)/pallas_call(?=/|$)|(?:^|/)(depth_attention_[\w.\-]+)(?=/|$)")
+
+
+def kernel_of(op_name: str) -> str | None:
+    """The name of the Pallas kernel an op belongs to, or ``None``."""
+    found = [a or b for a, b in _KERNEL_RE.findall(op_name or "")]
+    return found[-1] if found else None
 
 
 def pass_of(op_name: str) -> str:
@@ -205,6 +219,7 @@ def attribute(events, hlo: dict, module_hint: str, steps: int) -> dict:
     by_part = collections.defaultdict(float)
     by_kind = collections.defaultdict(float)
     by_op = collections.defaultdict(float)
+    by_kernel = collections.defaultdict(lambda: [0.0, 0])  # Pallas kernel name -> [ns, executions]
     unknown = 0.0
     for mod, op, dur in events:
         if mod not in step_mods:
@@ -218,6 +233,10 @@ def attribute(events, hlo: dict, module_hint: str, steps: int) -> dict:
         by_part[(part_of(op_name), pass_of(op_name))] += dur
         by_kind[kind_of(info, comps)] += dur
         by_op[(op, kind_of(info, comps), part_of(op_name), pass_of(op_name))] += dur
+        kernel = kernel_of(op_name)
+        if kernel is not None:
+            by_kernel[kernel][0] += dur
+            by_kernel[kernel][1] += 1
     busy = sum(by_kind.values())
     ms = lambda ns: ns / 1e6 / steps  # noqa: E731
     return {
@@ -226,6 +245,8 @@ def attribute(events, hlo: dict, module_hint: str, steps: int) -> dict:
         "unmatched_share": unknown / busy if busy else 0.0,
         "parts": {f"{p}|{q}": ms(v) for (p, q), v in sorted(by_part.items(), key=lambda kv: -kv[1])},
         "kinds": {k: ms(v) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "pallas_kernels": {name: {"ms_per_step": ms(ns), "calls_per_step": calls / steps, "ms_per_call": ns / calls / 1e6}
+                           for name, (ns, calls) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])},
         "top_ops": [{"op": o, "kind": k, "part": p, "pass": q, "ms_per_step": ms(v)}
                     for (o, k, p, q), v in sorted(by_op.items(), key=lambda kv: -kv[1])],
     }
@@ -295,6 +316,10 @@ def report(row: dict, top: int) -> str:
         out.append(f"| {p} | " + " | ".join(f"{d.get(q, 0.0):.2f}" for q in PASSES) + f" | {tot:.2f} | {tot / busy:.1%} |")
     out += ["", "| kind | ms/step | share |", "|---|---|---|"]
     out += [f"| {k} | {v:.2f} | {v / busy:.1%} |" for k, v in row["kinds"].items()]
+    if row.get("pallas_kernels"):
+        out += ["", "| Pallas kernel | ms/step | calls/step | ms/call |", "|---|---|---|---|"]
+        out += [f"| {k} | {v['ms_per_step']:.2f} | {v['calls_per_step']:g} | {v['ms_per_call']:.3f} |"
+                for k, v in row["pallas_kernels"].items()]
     out += ["", f"Top {top} ops:", "", "| op | kind | part | pass | ms/step |", "|---|---|---|---|---|"]
     out += [f"| {o['op']} | {o['kind']} | {o['part']} | {o['pass']} | {o['ms_per_step']:.3f} |"
             for o in row["top_ops"][:top]]

@@ -39,6 +39,19 @@ def test_attribution_rules(prof, op_name, part, pass_):
     assert (prof.part_of(op_name), prof.pass_of(op_name)) == (part, pass_)
 
 
+@pytest.mark.parametrize("op_name, kernel", [
+    ("jit(train_step)/transpose(jvp())/while/body/eval_jaxpr/depth_read/depth_read/checkpoint/"
+     "depth_attention_phase2_bwd_inputs/pallas_call", "depth_attention_phase2_bwd_inputs"),
+    ("jit(f)/my_kernel/pallas_call", "my_kernel"),
+    ("jit(train_step)/jvp()/depth_read/checkpoint/depth_attention_mix_mean/while/body/add",  # interpret mode
+     "depth_attention_mix_mean"),
+    ("jit(train_step)/jvp()/depth_read/add", None),
+    ("", None),
+])
+def test_pallas_kernel_names(prof, op_name, kernel):
+    assert prof.kernel_of(op_name) == kernel
+
+
 def test_hlo_kinds(prof):
     def f(a, b):
         return jnp.tanh(a @ b).sum() + jnp.transpose(a).sum()
@@ -68,3 +81,14 @@ def test_profile_tiny_attnres(prof, tmp_path):
     (hlo_file,) = (tmp_path / "hlo").glob("*.hlo.txt.gz")
     hlo_text = gzip.open(hlo_file, "rt").read()
     assert "HloModule" in hlo_text and row["top_ops"][0]["op"] in hlo_text  # the report's ops are in it
+    assert row["pallas_kernels"] == {}  # the XLA read: no Pallas kernel
+
+
+def test_profile_names_pallas_kernels(prof, tmp_path):
+    """The per-kernel table, on the interpret-mode GPU kernels of a tiny AttnRes step."""
+    (row,) = prof.main(["configs/attnres.py:size=tiny", "--steps=1", "--warmup=0", f"--trace_root={tmp_path}",
+                        "--set", "train.batch_size=2", "--set", "seq_len=32",
+                        "--set", "model.residual.implementation=pallas_gpu"])
+    kernels = row["pallas_kernels"]
+    assert {"depth_attention_scores", "depth_attention_mix_mean"} <= set(kernels), sorted(kernels)
+    assert all(v["ms_per_step"] > 0 and v["calls_per_step"] >= 1 for v in kernels.values())
