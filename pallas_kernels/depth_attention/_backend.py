@@ -25,7 +25,8 @@ def build(backend: str, native_platform: str):
         opts.pop("backward", None)  # read by vjp.py's backward
         interpret = opts.pop("interpret", jax.default_backend() != native_platform)
         tiles = opts.pop("tiles", None) or tiling.choose_tiles(
-            d=d, heads=heads, max_kernel=max([1, *stream_kernels]), n_targets=n_targets, backend=backend
+            d=d, heads=heads, max_kernel=max([1, *stream_kernels]), n_targets=n_targets, backend=backend,
+            n_streams=len(stream_kernels),
         )
         window = backend if not interpret else "interpret"
         if window != "triton" and tiles.block_t < max(stream_kernels) - 1:

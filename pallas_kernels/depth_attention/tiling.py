@@ -51,12 +51,19 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return p
 
 
-def choose_tiles(*, d: int, heads: int, max_kernel: int, n_targets: int, backend: str) -> Tiles:
-    """Tile sizes for one call. ``backend`` is ``"triton"`` or ``"tpu"`` (also interpret)."""
+def choose_tiles(*, d: int, heads: int, max_kernel: int, n_targets: int, backend: str, n_streams: int = 0) -> Tiles:
+    """Tile sizes for one call. ``backend`` is ``"triton"`` or ``"tpu"`` (also interpret);
+    ``n_streams`` the number of streams (0: unknown)."""
     if d % heads:
         raise ValueError(f"d={d} is not divisible by heads={heads}")
     dh = d // heads
     halo = max(max_kernel - 1, 1)
+    if backend == "triton" and n_streams == 1 and max_kernel <= 1:
+        # A single identity stream (AttnRes, MHAR): run 1's tiles. With them the AttnRes read
+        # took 0.308 ms per sublayer forward on the H200 (phase 1 1.566, phase 2 0.112 ms),
+        # against 0.365 (1.702 / 0.152) with the MSAR-tuned tiles below (BENCHMARKS.md, runs
+        # 1 and 2); not re-timed since.
+        return Tiles(16, _pow2_divisor(dh, 128), _pow2_divisor(dh, 64), num_warps=4, num_stages=1)
     if backend == "triton":
         # Best of 6 tilings timed on the H200 at the issue's shape (BENCHMARKS.md, run 2):
         # phase 1 (S = 8 targets) 16 x 64 scoring chunks, 16 x 128 mixing chunks, 8 warps;
