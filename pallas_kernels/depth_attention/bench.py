@@ -246,6 +246,8 @@ P2_BWD_TILES = (  # phase 2 + gate, fwd + Pallas bwd: (block_t, block_d_mix, blo
     (16, 32, 32, 4, 2), (32, 32, 32, 4, 2), (32, 32, 16, 4, 2), (16, 32, 16, 4, 2), (16, 32, 64, 4, 2),
     (16, 32, 32, 8, 2), (16, 32, 32, 2, 2),
 )
+# Phase 2's reverse-T input kernel alone: (block_t, block_d_bwd, warps) besides the default.
+P2_DINPUT_TILES = ((16, 32, 8), (16, 16, 4), (32, 32, 8), (16, 64, 8), (32, 16, 4))
 # Phase 2 for several stream sets, with and without the gate (default tiles): how its cost grows
 # with the conv taps (bank-gradient reductions, transposed-conv shifts) and the streams (gate).
 P2_STREAM_CASES = (
@@ -305,6 +307,97 @@ def sweep_p2_streams(log, shapes, reps=21):
     return _time_p2(log, shapes, [(k, g, None) for k, g in P2_STREAM_CASES], reps=reps)
 
 
+class _NoRowSums:
+    """``jnp`` with ``sum(x, axis=0)`` (the reverse-T kernel's per-tile reductions over tokens)
+    replaced by zeros: a leave-one-out variant for attribution only (its gradients are wrong)."""
+
+    def __getattr__(self, name):
+        return getattr(jnp, name)
+
+    @staticmethod
+    def sum(x, axis=None, **kw):
+        return jnp.zeros(x.shape[1:], x.dtype) if axis == 0 else jnp.sum(x, axis=axis, **kw)
+
+
+def parts_p2_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, reps=21):
+    """Phase 2's Pallas backward (with the gate) taken apart: each of its ``pallas_call``s
+    timed alone on the arguments it gets inside ``fused_bwd_phase2._backward``, then the
+    reverse-T input kernel with one stage left out (the transposed conv's row shift, the
+    per-tile token reductions of the bank, query and gate-weight gradients, both). The
+    leave-one-out variants compute wrong gradients: their times only say where the time goes."""
+    import contextlib
+    import functools
+
+    from pallas_kernels.depth_attention import fused_bwd_phase2 as p2b
+    from pallas_kernels.depth_attention import tiling
+
+    batch, t_len, d, n = shapes["batch"], shapes["t_len"], shapes["d"], shapes["n"]
+    sources, banks, queries, partial, bank, query, gate = make_inputs(n, batch, t_len, d, 1, kernels, heads, dtype)
+    state = jax.tree.map(lambda a: a[0], reference.phase1(sources, banks, queries, stream_kernels=kernels,
+                                                          heads=heads))
+    dh = jax.random.normal(jax.random.key(11), (batch, t_len, d), jnp.float32)
+    tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=max(kernels), n_targets=1, backend="triton",
+                                n_streams=len(kernels))
+    names = ("scores_call", "_stats_call", "_dstate_call", "_dinput_call")
+    calls = {}
+
+    def capture(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] = (fn, args, kwargs)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    @contextlib.contextmanager
+    def patched(**attrs):
+        old = {k: getattr(p2b, k) for k in attrs}
+        for k, v in attrs.items():
+            setattr(p2b, k, v)
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                setattr(p2b, k, v)
+
+    on_gpu = jax.default_backend() == "gpu"  # elsewhere: interpret mode (the --small smoke run)
+    with patched(**{k: capture(k, getattr(p2b, k)) for k in names}):
+        jax.block_until_ready(p2b._backward(state, partial, bank, query, True, gate, None, dh, stream_kernels=kernels,
+                                            heads=heads, eps=1e-6, gate_eps=1e-6, tiles=tiles,
+                                            backend="triton" if on_gpu else "interpret", interpret=not on_gpu,
+                                            shift="dot"))
+    row = {"p2_bwd_parts": str(kernels), "tiles": str(tiles)}
+    total = 0.0
+    for name in names:
+        fn, args, kwargs = calls[name]
+        row[f"{name}_ms"] = timeit(jax.jit(functools.partial(fn, **kwargs)), *args, reps=reps, inner=2)[0] * 1e3
+        total += row[f"{name}_ms"]
+    row["sum_of_calls_ms"] = total
+    fn, args, kwargs = calls["_dinput_call"]
+    variants = {
+        "dinput_without_row_shift": dict(shift_rows=lambda g, delta, bt, how: (g, g)),
+        "dinput_without_token_sums": dict(jnp=_NoRowSums()),
+        "dinput_without_both": dict(shift_rows=lambda g, delta, bt, how: (g, g), jnp=_NoRowSums()),
+    }
+    import dataclasses
+
+    for bt, bd, warps in P2_DINPUT_TILES:  # the input kernel alone for other tiles (same inputs)
+        t = dataclasses.replace(kwargs["tiles"], block_t=bt, block_d_bwd=bd, num_warps=warps)
+        try:
+            row[f"dinput_bt{bt}_bd{bd}_w{warps}_ms"] = timeit(jax.jit(functools.partial(fn, **{**kwargs, "tiles": t})),
+                                                             *args, reps=reps, inner=2)[0] * 1e3
+        except Exception as e:  # noqa: BLE001
+            row[f"dinput_bt{bt}_bd{bd}_w{warps}_error"] = repr(e)[:300]
+    for label, attrs in variants.items():
+        with patched(**attrs):  # patched while tracing; the compiled kernel keeps the variant
+            f = jax.jit(functools.partial(fn, **kwargs))
+            jax.block_until_ready(f(*args))
+        try:
+            row[f"{label}_ms"] = timeit(f, *args, reps=reps, inner=2)[0] * 1e3
+        except Exception as e:  # noqa: BLE001
+            row[f"{label}_error"] = repr(e)[:300]
+    log(json.dumps(row))
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true", help="CPU smoke run of the harness")
@@ -318,6 +411,9 @@ def main():
                     help="time phase 2 + gate fwd + Pallas bwd for the tilings of P2_BWD_TILES")
     ap.add_argument("--p2_stream_sweep", action="store_true",
                     help="time phase 2 fwd and fwd + Pallas bwd for the stream sets of P2_STREAM_CASES")
+    ap.add_argument("--p2_bwd_parts", action="store_true",
+                    help="time each pallas_call of phase 2's Pallas backward alone, and its input kernel with "
+                         "one stage left out (attribution)")
     ap.add_argument("--sweeps_only", action="store_true", help="run the requested sweeps, skip the main table")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", ".")
@@ -361,6 +457,8 @@ def main():
         sweep_p2_bwd(log, shapes, reps=3 if args.small else 21)
     if args.p2_stream_sweep:
         sweep_p2_streams(log, shapes, reps=3 if args.small else 21)
+    if args.p2_bwd_parts:
+        parts_p2_bwd(log, shapes, reps=3 if args.small else 21)
     if args.sweeps_only:
         return
     rows = []

@@ -215,7 +215,9 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
                 continue
             for delta in range(kernel):
                 g = de if delta == 0 else de * masks[delta]
-                dbank[off + delta] = dbank[off + delta] + jnp.sum(g * win.shift(delta), axis=0)
+                # a whole tile, summed over rows after the loop (a cross-row reduction per tap and
+                # tile was most of phase 2's reverse-T kernel: BENCHMARKS.md, kernels, session 6)
+                dbank[off + delta] = dbank[off + delta] + g * win.shift(delta)
                 hs[delta] = hs[delta] + bank[off + delta] * g
         dx = hs[0] + spill_in
         spill_out = zero_tile
@@ -226,10 +228,10 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
         dx_ref[rows, :] = dx.astype(dx_ref.dtype)
         return spill_out, dbank, dq
 
-    carry = (zero_tile, [zero_row] * n_taps, [[zero_row] * m for _ in range(n_targets)])
+    carry = (zero_tile, [zero_tile] * n_taps, [[zero_row] * m for _ in range(n_targets)])
     _, dbank, dq = jax.lax.fori_loop(0, n_tiles, tile_body, carry)
     for k in range(n_taps if has_bank else 0):
-        dbank_ref[k, :] = dbank[k]
+        dbank_ref[k, :] = jnp.sum(dbank[k], axis=0)
     for s in range(n_targets):
         for r in range(m):
             dq_ref[s, r, :] = dq[s][r]

@@ -260,16 +260,20 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
             dz = _dz(r, m, dh, z, gate_vals, w_ref, slice(None))
             u = _col(col(u_ref, (r, rows)))
             de = b * dz + u * q[r] + _col(v_ref[r, rows, 0]) * e
-            dq[r] = dq[r] + jnp.sum(u * e, axis=0)
+            # the token sums of d_query, d_W and d_bank stay whole [bt, bd] tiles in the carry and
+            # are reduced over rows once, after the loop: a cross-row reduction per tile and
+            # gradient (44 per tile for kernels (0, 4, 8, 12) with the gate) cost 60% of this
+            # kernel on the H200 (BENCHMARKS.md, kernels, session 6)
+            dq[r] = dq[r] + u * e
             if has_gate:
                 for j in range(m):
-                    dw[r][j] = dw[r][j] + jnp.sum(z * _col(dy_cols[j]), axis=0)
+                    dw[r][j] = dw[r][j] + z * _col(dy_cols[j])
             if kernel == 0:
                 taps_d[0] = de if taps_d[0] is None else taps_d[0] + de
                 continue
             for delta in range(kernel):
                 masked = de * masks[delta] if delta else de
-                dbank[off + delta] = dbank[off + delta] + jnp.sum(masked * win.shift(delta), axis=0)
+                dbank[off + delta] = dbank[off + delta] + masked * win.shift(delta)
                 term = bank_ref[off + delta, :].astype(F32)[None, :] * de
                 taps_d[delta] = term if taps_d[delta] is None else taps_d[delta] + term
         # transposed conv: d_x[t] = sum_delta mask_delta[t + delta] taps_d[delta][t + delta]
@@ -284,17 +288,16 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
         dx_ref[rows, :] = dx.astype(dx_ref.dtype)
         return new_spill, dq, dbank, dw
 
-    zero_d = jnp.zeros((bd,), F32)
-    carry = (jnp.zeros((bt, bd), F32), [zero_d] * m, [zero_d] * n_taps,
-             [[zero_d] * m for _ in range(m)] if has_gate else [])
+    zero = jnp.zeros((bt, bd), F32)
+    carry = (zero, [zero] * m, [zero] * n_taps, [[zero] * m for _ in range(m)] if has_gate else [])
     _, dq, dbank, dw = jax.lax.fori_loop(0, n_tiles, body, carry)
     for r in range(m):
-        dq_ref[r, :] = dq[r]
+        dq_ref[r, :] = jnp.sum(dq[r], axis=0)
         if has_gate:
             for j in range(m):
-                dw_ref[r, :, j] = dw[r][j]
+                dw_ref[r, :, j] = jnp.sum(dw[r][j], axis=0)
     for k in range(n_taps if has_bank else 0):
-        dbank_ref[k, :] = dbank[k]
+        dbank_ref[k, :] = jnp.sum(dbank[k], axis=0)
 
 
 # --------------------------------------------------------------------------- calls
