@@ -171,7 +171,7 @@ def gdots_call(x, banks, g_acc, seg, *, stream_kernels, tiles: Tiles, backend, i
 # --------------------------------------------------------------------------- pass 4
 
 
-def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, has_seg, backend, shift):
+def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, has_seg, backend, shift, dq_dot):
     """One (batch row, channel chunk, source): ``d x`` tiles in reverse order, the bank and query
     gradient partials at the end (see the module docstring)."""
     it = iter(refs)
@@ -180,12 +180,12 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
     q_ref = next(it)  # [S, m, bd]
     ga_ref = next(it)  # [S, m, Tp, bd]
     p_ref = next(it)  # [S, m, Tp, 1] (this chunk's head)
-    dsr_ref = next(it)  # [S, m, Tp, 1]
+    dsr_ref = next(it)  # [S (S_pad with dq_dot), m, Tp, 1]
     w_ref = next(it)  # [m, Tp, 1]
     seg_ref = next(it) if has_seg else None  # [Tp, 1]
     dx_ref = next(it)  # [Tp, bd]
     dbank_ref = next(it) if has_bank else None  # [K, bd]
-    dq_ref = next(it)  # [S, m, bd]
+    dq_ref = next(it)  # [S (S_pad with dq_dot), m, bd]
     m = len(stream_kernels)
     layout = _stream_layout(stream_kernels)
     n_taps = sum(stream_kernels)
@@ -197,7 +197,7 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
 
     def tile_body(j, carry):
         spill_in, dbank, dq = carry
-        dbank, dq = list(dbank), [list(row) for row in dq]
+        dbank, dq = list(dbank), (list(dq) if dq_dot else [list(row) for row in dq])
         t0 = pl.multiple_of((n_tiles - 1 - j) * bt, bt)
         rows = pl.ds(t0, bt)
         masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
@@ -209,7 +209,15 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
             for s in range(n_targets):
                 dsr = dsr_ref[s, r, rows, 0][:, None]
                 de = de + p_ref[s, r, rows, 0][:, None] * ga_ref[s, r, rows, :].astype(F32) + dsr * q[s][r]
-                dq[s][r] = dq[s][r] + jnp.sum(dsr * e, axis=0)
+                if not dq_dot:
+                    dq[s][r] = dq[s][r] + jnp.sum(dsr * e, axis=0)
+            if dq_dot:
+                # dq_{s,r} = sum_t DSR_s[t] E[t]: one [S_pad, bt] @ [bt, bd] product per stream and
+                # tile instead of S cross-row reductions (which cost most of phase 2's reverse-T
+                # kernel on the H200: BENCHMARKS.md, kernels, session 6); S_pad >= 16, Triton's
+                # smallest dot, the extra rows of DSR are zeros
+                dq[r] = dq[r] + jnp.dot(dsr_ref[:, r, rows, 0], e, precision=jax.lax.Precision.HIGHEST,
+                                        preferred_element_type=F32)
             if kernel == 0:
                 hs[0] = hs[0] + de
                 continue
@@ -228,12 +236,18 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
         dx_ref[rows, :] = dx.astype(dx_ref.dtype)
         return spill_out, dbank, dq
 
-    carry = (zero_tile, [zero_tile] * n_taps, [[zero_row] * m for _ in range(n_targets)])
-    _, dbank, dq = jax.lax.fori_loop(0, n_tiles, tile_body, carry)
+    if dq_dot:
+        dq0 = [jnp.zeros((dq_ref.shape[0], bd), F32)] * m
+    else:
+        dq0 = [[zero_row] * m for _ in range(n_targets)]
+    _, dbank, dq = jax.lax.fori_loop(0, n_tiles, tile_body, (zero_tile, [zero_tile] * n_taps, dq0))
     for k in range(n_taps if has_bank else 0):
         dbank_ref[k, :] = jnp.sum(dbank[k], axis=0)
-    for s in range(n_targets):
-        for r in range(m):
+    for r in range(m):
+        if dq_dot:
+            dq_ref[:, r, :] = dq[r]
+            continue
+        for s in range(n_targets):
             dq_ref[s, r, :] = dq[s][r]
 
 
@@ -272,6 +286,13 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
         pl.BlockSpec((n_targets, None, m, None, None, t_pad, 1), lambda b, c, i: (0, i, 0, b, head(c), 0, 0)),
         pl.BlockSpec((None, m, None, t_pad, 1), lambda b, c, i: (i, 0, b, 0, 0)),
     ]
+    # On Triton the query gradient's token sums are products (``_grads_kernel``): DSR gets zero
+    # rows up to the dot's smallest size, 16, and the partials as many (sliced off below).
+    dq_dot = use_dot and bt >= 16 and bd >= 16
+    s_pad = max(n_targets, 16) if dq_dot else n_targets
+    if s_pad > n_targets:
+        dsr = jnp.pad(dsr, ((0, s_pad - n_targets),) + ((0, 0),) * (dsr.ndim - 1))
+        in_specs[-2] = pl.BlockSpec((s_pad, None, m, None, None, t_pad, 1), lambda b, c, i: (0, i, 0, b, head(c), 0, 0))
     args += [queries, g_acc, p, dsr, w]
     if has_seg:  # [B, Tp, 1], as in gdots_call
         in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, c, i: (b, 0, 0)))
@@ -281,11 +302,12 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
     if has_bank:
         out_specs.append(pl.BlockSpec((None, None, banks.shape[1], bd), lambda b, c, i: (i, b, 0, c)))
         out_shape.append(jax.ShapeDtypeStruct((n, batch, banks.shape[1], d), F32))
-    out_specs.append(pl.BlockSpec((None, None, n_targets, m, bd), lambda b, c, i: (i, b, 0, 0, c)))
-    out_shape.append(jax.ShapeDtypeStruct((n, batch, n_targets, m, d), F32))
+    out_specs.append(pl.BlockSpec((None, None, s_pad, m, bd), lambda b, c, i: (i, b, 0, 0, c)))
+    out_shape.append(jax.ShapeDtypeStruct((n, batch, s_pad, m, d), F32))
     kernel = functools.partial(
         _grads_kernel, stream_kernels=tuple(stream_kernels), n_targets=n_targets, bt=bt, bd=bd,
         n_tiles=t_pad // bt, has_bank=has_bank, has_seg=has_seg, backend=backend, shift="dot" if use_dot else "concat",
+        dq_dot=dq_dot,
     )
     out = pl.pallas_call(
         kernel,
@@ -296,9 +318,8 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
         name="depth_attention_bwd1_grads",
         **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
-    if has_bank:
-        return out[0], out[1], out[2]
-    return out[0], None, out[1]
+    dq = out[-1][:, :, :n_targets]
+    return out[0], (out[1] if has_bank else None), dq
 
 
 # --------------------------------------------------------------------------- entry point

@@ -112,12 +112,17 @@ def test_phase1_backward_matches_xla(case, n, t, tiles):
     _check(kernels, heads, segments, valid, n=n, t=t, d=d, tiles=tiles)
 
 
-def test_triton_row_shift_in_interpret(monkeypatch):
-    """The Triton transposed conv (rows shifted by a 0/1 matrix product, carried spill) on the
-    interpret path: three kernel sizes up to ``block_t + 1``, two heads, segments, an invalid
-    source, T ragged over 4 tiles."""
+@pytest.mark.parametrize("kernels, t, d, tiles", [
+    ((0, 2, 5), 13, 16, tiling.Tiles(4, 4, 4)),
+    # tiles of 16: the query gradient's token sums become [S_pad, bt] @ [bt, bd] products too
+    ((0, 4, 12), 37, 32, tiling.Tiles(16, 16, 16)),
+], ids=["small_tiles", "tiles16_dq_dot"])
+def test_triton_row_shift_in_interpret(monkeypatch, kernels, t, d, tiles):
+    """The Triton formulation on the interpret path: the transposed conv's rows shifted by a 0/1
+    matrix product with the spill carried, and (tiles >= 16) the query gradient as products over
+    the tile's tokens; two heads, segments, an invalid source, T ragged over 3-4 tiles."""
     monkeypatch.setattr(fb, "_dot_shift", lambda backend: True)
-    _check((0, 2, 5), 2, True, (1, 1, 0), n=3, t=13, d=16, tiles=tiling.Tiles(4, 4, 4))
+    _check(kernels, 2, True, (1, 1, 0), n=3, t=t, d=d, tiles=tiles)
 
 
 @pytest.mark.gpu
