@@ -247,7 +247,7 @@ P2_BWD_TILES = (  # phase 2 + gate, fwd + Pallas bwd: (block_t, block_d_mix, blo
     (16, 32, 32, 8, 2), (16, 32, 32, 2, 2),
 )
 # Phase 2's reverse-T input kernel alone: (block_t, block_d_bwd, warps) besides the default.
-P2_DINPUT_TILES = ((16, 32, 8), (16, 16, 4), (32, 32, 8), (16, 64, 8), (32, 16, 4))
+P2_DINPUT_TILES = ((16, 32, 4), (16, 32, 8), (16, 16, 8))
 # Phase 2 for several stream sets, with and without the gate (default tiles): how its cost grows
 # with the conv taps (bank-gradient reductions, transposed-conv shifts) and the streams (gate).
 P2_STREAM_CASES = (

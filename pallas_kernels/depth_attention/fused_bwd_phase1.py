@@ -44,9 +44,12 @@ Passes (all float32 inside):
    stream, folds it into ``H_delta`` and applies the transposed conv. ``H_delta[u]`` lands on
    row ``u - delta``, i.e. in this tile or, for its first ``delta`` rows, the previous one: that
    part (the "spill", one ``bt x bd`` tile) rides in the loop carry to the next iteration, so
-   each ``d x`` tile is stored exactly once. The bank gradient (``K`` chunk vectors) and the
-   query gradient (``S*m`` chunk vectors) accumulate in the carry and are written once per
-   program (``[n, B, K, d]`` and ``[n, B, S, m, d]`` partials, summed in XLA). Writes
+   each ``d x`` tile is stored exactly once. The bank gradient (``K`` whole tiles, summed over
+   rows after the loop) and the query gradient (on Triton ``m`` ``[S_pad, bd]`` products
+   ``DSR^T E`` over each tile's tokens, ``S_pad = max(S, 16)``; elsewhere ``S*m`` chunk
+   vectors) accumulate in the carry, not as per-tile cross-row sums, which cost most of the
+   time on the H200 (BENCHMARKS.md, kernels, session 6), and are written once per program
+   (``[n, B, K, d]`` and ``[n, B, S, m, d]`` partials, summed in XLA). Writes
    ``n*d`` values per token (``d x``, in the sources' dtype) plus those per-program partials.
    Sources are the innermost grid axis so the ``n`` programs that read the same ``g_A``
    chunk run together and share it through L2 (``g_A`` comes from HBM about once).

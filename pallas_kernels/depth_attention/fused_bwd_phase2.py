@@ -48,8 +48,10 @@ The passes (``tiles`` as in ``fused.py``; ``nc = d / block_d`` channel chunks):
    part of the current tile's contribution that lands in the previous tile (at most
    ``max_kernel - 1 <= block_t`` rows) is kept in the loop carry. The same loop
    accumulates ``d_bank[delta] = sum_t mask_delta d_E_r[t] x[t - delta]``,
-   ``d_query_r = sum_t u E_r`` and ``d_W[r, :, j] = sum_t z_r dy_j`` in registers, written
-   once per program as ``[B, ...]`` partials that XLA sums. Writes ``d`` floats per token.
+   ``d_query_r = sum_t u E_r`` and ``d_W[r, :, j] = sum_t z_r dy_j`` as whole
+   ``block_t x block_d`` tiles in the carry (summed over rows once, after the loop: per-tile
+   cross-row reductions were 60% of this kernel on the H200), written once per program as
+   ``[B, ...]`` partials that XLA sums. Writes ``d`` floats per token.
 
 The row shift of the transposed conv: on the interpret / TPU path a concatenate and static
 slices (as ``fused._Window`` builds its halo); on the Triton path, where value-level
@@ -224,15 +226,14 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
     acc_ref = next(it)  # [m, Tp, bd]
     dh_ref = next(it)  # [Tp, bd]
     if has_gate:
-        # g, dy: [Tp, m], [Tp, m_pad] (dy zero-padded to the dot's minimum width on Triton); coef [Tp, 1]
-        g_ref, dy_ref, coef_ref, w_ref = next(it), next(it), next(it), next(it)
+        g_ref, dy_ref, coef_ref, w_ref = next(it), next(it), next(it), next(it)  # [Tp, m] x2, [Tp, 1], [m, bd, m]
     else:
         w_ref = None
     seg_ref = next(it) if has_seg else None  # [Tp, 1]
     dx_ref = next(it)  # [Tp, bd]
     dq_ref = next(it)  # [m, bd]
     dbank_ref = next(it) if has_bank else None  # [K, bd]
-    dw_ref = next(it) if has_gate else None  # [m, bd, m_pad]
+    dw_ref = next(it) if has_gate else None  # [m, bd, m]
     m = len(stream_kernels)
     layout = _stream_layout(stream_kernels)
     n_taps = sum(stream_kernels)
@@ -243,7 +244,7 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
 
     def body(i, carry):
         spill, dq, dbank, dw = carry
-        dq, dbank, dw = list(dq), list(dbank), list(dw)
+        dq, dbank, dw = list(dq), list(dbank), [list(row) for row in dw]
         t0 = pl.multiple_of((n_tiles - 1 - i) * bt, bt)
         rows = pl.ds(t0, bt)
         masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
@@ -251,7 +252,6 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
         dh = dh_ref[rows, :].astype(F32)
         gate_vals = None
         if has_gate:
-            dy_tile = dy_ref[rows, :]  # [bt, m_pad]
             dy_cols = [dy_ref[rows, j] for j in range(m)]
             gate_vals = (lambda r: g_ref[rows, r], lambda j: dy_cols[j], coef_ref[rows, 0])
         taps_d = [None] * max_lag  # sum_r c_r[delta] d_E_r, before the lag mask
@@ -262,16 +262,15 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
             dz = _dz(r, m, dh, z, gate_vals, w_ref, slice(None))
             u = _col(col(u_ref, (r, rows)))
             de = b * dz + u * q[r] + _col(v_ref[r, rows, 0]) * e
-            # The token sums of d_query and d_bank stay whole [bt, bd] tiles in the carry, reduced
-            # over rows once after the loop: a cross-row reduction per tile and gradient (44 per
-            # tile for kernels (0, 4, 8, 12) with the gate) cost 60% of this kernel on the H200
-            # (BENCHMARKS.md, kernels, session 6). d_W[r] = z_r^T dy is a product over the
-            # tile's tokens, [bd, bt] @ [bt, m_pad]: one [bd, m_pad] carry per stream, not m tiles.
+            # The token sums of d_query, d_W and d_bank stay whole [bt, bd] tiles in the carry and
+            # are reduced over rows once, after the loop: a cross-row reduction per tile and
+            # gradient (44 per tile for kernels (0, 4, 8, 12) with the gate) cost 60% of this
+            # kernel on the H200 (BENCHMARKS.md, kernels, session 6). d_W as one [bd, bt] @
+            # [bt, m] product per stream and tile was slower there and compiled 50% longer.
             dq[r] = dq[r] + u * e
             if has_gate:
-                dw[r] = dw[r] + jax.lax.dot_general(z, dy_tile, (((0,), (0,)), ((), ())),
-                                                    precision=jax.lax.Precision.HIGHEST,
-                                                    preferred_element_type=F32)
+                for j in range(m):
+                    dw[r][j] = dw[r][j] + z * _col(dy_cols[j])
             if kernel == 0:
                 taps_d[0] = de if taps_d[0] is None else taps_d[0] + de
                 continue
@@ -293,12 +292,13 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
         return new_spill, dq, dbank, dw
 
     zero = jnp.zeros((bt, bd), F32)
-    carry = (zero, [zero] * m, [zero] * n_taps, [jnp.zeros(dw_ref.shape[1:], F32)] * m if has_gate else [])
+    carry = (zero, [zero] * m, [zero] * n_taps, [[zero] * m for _ in range(m)] if has_gate else [])
     _, dq, dbank, dw = jax.lax.fori_loop(0, n_tiles, body, carry)
     for r in range(m):
         dq_ref[r, :] = jnp.sum(dq[r], axis=0)
         if has_gate:
-            dw_ref[r, :, :] = dw[r]
+            for j in range(m):
+                dw_ref[r, :, j] = jnp.sum(dw[r][j], axis=0)
     for k in range(n_taps if has_bank else 0):
         dbank_ref[k, :] = jnp.sum(dbank[k], axis=0)
 
@@ -416,16 +416,12 @@ def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_ke
               pl.BlockSpec((m, None, t_pad, bd), lambda i, c: (0, i, 0, c)),
               pl.BlockSpec((None, t_pad, bd), lambda i, c: (i, 0, c))]
     args += [query, a, b, u, v[..., None], acc, dh]
-    # d_W's token product z^T dy is a dot: Triton's needs every dimension >= 16, so dy gets zero
-    # columns there (sliced off d_W below)
-    m_pad = max(m, 16) if backend == "triton" else m
     if has_gate:
         g, dy, coef, w3 = gate_in
-        specs += [pl.BlockSpec((None, t_pad, m), lambda i, c: (i, 0, 0)),
-                  pl.BlockSpec((None, t_pad, m_pad), lambda i, c: (i, 0, 0)),
-                  pl.BlockSpec((None, t_pad, 1), lambda i, c: (i, 0, 0)),
+        per_tok = pl.BlockSpec((None, t_pad, m), lambda i, c: (i, 0, 0))
+        specs += [per_tok, per_tok, pl.BlockSpec((None, t_pad, 1), lambda i, c: (i, 0, 0)),
                   pl.BlockSpec((m, bd, m), lambda i, c: (0, c, 0))]
-        args += [g, jnp.pad(dy, ((0, 0), (0, 0), (0, m_pad - m))), coef[:, :, None], w3]
+        args += [g, dy, coef[:, :, None], w3]
     if has_seg:  # [B, Tp, 1]
         specs.append(pl.BlockSpec((None, t_pad, 1), lambda i, c: (i, 0, 0)))
         args.append(seg[:, :, None])
@@ -436,8 +432,8 @@ def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_ke
         out_specs.append(pl.BlockSpec((None, bank.shape[0], bd), lambda i, c: (i, 0, c)))
         out_shape.append(jax.ShapeDtypeStruct((batch, bank.shape[0], d), F32))
     if has_gate:
-        out_specs.append(pl.BlockSpec((None, m, bd, m_pad), lambda i, c: (i, 0, c, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((batch, m, d, m_pad), F32))
+        out_specs.append(pl.BlockSpec((None, m, bd, m), lambda i, c: (i, 0, c, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, m, d, m), F32))
     kernel = functools.partial(_dinput_kernel, n_tiles=t_pad // bt, has_bank=has_bank, has_seg=has_seg,
                                has_gate=has_gate, shift=shift,
                                **{**_common(stream_kernels, heads, d, tiles, backend), "bd": bd})
@@ -453,7 +449,7 @@ def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_ke
     dx, dq = outs[0], outs[1]
     rest = list(outs[2:])
     dbank = rest.pop(0) if has_bank else None
-    dw = rest.pop(0)[..., :m] if has_gate else None
+    dw = rest.pop(0) if has_gate else None
     return dx, dq, dbank, dw
 
 

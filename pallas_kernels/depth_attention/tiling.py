@@ -71,10 +71,15 @@ def choose_tiles(*, d: int, heads: int, max_kernel: int, n_targets: int, backend
         # Phase 1's reverse-T backward chunk: 64 channels (session 5, H200, fwd + Pallas bwd per
         # block: 32 / 64 / 128 -> 237 / 144 / 161 ms, timed with the since-reverted bf16x3 row
         # shift; with the float32 one 128 took 154 ms and 64 is not yet timed).
+        # Phase 2's reverse-T input kernel (the backward): 16 channels. It carries its token
+        # sums as whole tiles (44 for kernels (0, 4, 8, 12) with the gate), so narrower chunks
+        # hold fewer registers per thread (session 6, H200, bench shape, that kernel alone:
+        # 16 x 16 / 4 warps 3.00 ms, 16 x 32 / 4 warps 3.85, 16 x 32 / 8 warps 3.07).
         if n_targets > 1:
             return Tiles(16, _pow2_divisor(dh, 64), _pow2_divisor(dh, 128), num_warps=8, num_stages=1,
                          block_d_bwd=_pow2_divisor(dh, 64))
-        return Tiles(16, _pow2_divisor(dh, 32), _pow2_divisor(dh, 32), num_warps=4, num_stages=2)
+        return Tiles(16, _pow2_divisor(dh, 32), _pow2_divisor(dh, 32), num_warps=4, num_stages=2,
+                     block_d_bwd=_pow2_divisor(dh, 16))
     block_t = max(8, _next_pow2(halo))
     return Tiles(
         block_t=block_t,
