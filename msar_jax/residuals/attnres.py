@@ -112,13 +112,21 @@ class BlockDepthAttention(ResidualMechanism):
 
     def _kernel_backward(self, op) -> str:
         """Which backward ``op``'s Pallas kernels use. ``"auto"`` takes the one measured faster on
-        the H200 (BENCHMARKS.md, kernels, session 4): the Pallas backward for the fused phase 2
-        + stream fusion with several streams (MSAR: 7.1 against 10.4 ms per sublayer, 14x less
-        temporary memory), the closed-form XLA backward everywhere else (MSAR phase 1: 56
-        against 156 ms per block; AttnRes: equal or faster)."""
+        the H200 (BENCHMARKS.md, kernels):
+
+        * the Pallas backward for the fused phase 2 + stream fusion with several streams
+          (MSAR: 7.1 against 10.4 ms per sublayer, 14x less temporary memory; session 4);
+        * the Pallas backward for every op of a single-stream, single-head read (AttnRes): its
+          `base` step 1110.0 against 1173.9 ms with the XLA backward (session 6, after the
+          reverse-T kernels stopped reducing over rows per tile);
+        * the closed-form XLA backward everywhere else (MSAR phase 1: 56.7 against 84.9 ms per
+          block at the bench shape, session 6; MHAR's heads are untimed, so it keeps XLA's).
+        """
         choice = self.res_cfg.get("kernel_backward", "xla")
         if choice != "auto":
             return choice
+        if len(self.stream_kernels) == 1 and self.heads == 1:
+            return "pallas"
         return "pallas" if op is depth_api.phase2_fused and len(self.stream_kernels) > 1 else "xla"
 
     def _op(self, op):
