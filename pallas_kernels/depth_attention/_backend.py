@@ -42,7 +42,7 @@ def build(backend: str, native_platform: str):
             segment_ids=segment_ids, eps=static.eps, **kw,
         )
 
-    def p2_forward(state, partial, bank, query, include, gate, segment_ids, static):
+    def p2_forward(state, partial, bank, query, include, gate, segment_ids, static, return_scores=False):
         kw, rest = setup(partial.shape[-1], static.heads, static.stream_kernels, 1, static.kernel_opts)
         out_dtype = rest.pop("out_dtype", jnp.float32)
         if rest:
@@ -50,7 +50,7 @@ def build(backend: str, native_platform: str):
         return fused.phase2_forward(
             state, partial, bank, query, include, gate, fuse=static.fuse, stream_kernels=static.stream_kernels,
             heads=static.heads, segment_ids=segment_ids, eps=static.eps, gate_eps=static.gate_eps,
-            out_dtype=out_dtype, **kw,
+            out_dtype=out_dtype, return_scores=return_scores, **kw,
         )
 
     def p1_backward(sources, banks, queries, valid, segment_ids, smax, ct, static):
@@ -60,12 +60,12 @@ def build(backend: str, native_platform: str):
             heads=static.heads, eps=static.eps, **kw,
         )
 
-    def p2_backward(state, partial, bank, query, include, gate, segment_ids, dh, static):
+    def p2_backward(state, partial, bank, query, include, gate, segment_ids, dh, static, scores=None):
         kw, _ = setup(partial.shape[-1], static.heads, static.stream_kernels, 1, static.kernel_opts)
         return fused_bwd_phase2.phase2_fused_backward(
             state, partial, bank, query, include, gate if static.fuse == "gate" else None, segment_ids,
             jnp.asarray(dh, jnp.float32), stream_kernels=static.stream_kernels, heads=static.heads, eps=static.eps,
-            gate_eps=static.gate_eps, **kw,
+            gate_eps=static.gate_eps, scores=scores, **kw,
         )
 
     return (

@@ -404,9 +404,12 @@ def phase1_forward(sources, banks, queries, valid=None, *, stream_kernels, heads
 
 
 def phase2_forward(state, partial, bank, query, include_partial=True, gate_params=None, *, fuse, stream_kernels,
-                   heads, segment_ids, eps, gate_eps, tiles, backend, interpret, out_dtype=F32):
+                   heads, segment_ids, eps, gate_eps, tiles, backend, interpret, out_dtype=F32, return_scores=False):
     """Fused phase 2. ``fuse=None`` returns ``z[m, B, T, d]`` like ``reference.phase2``;
-    ``"mean"`` / ``"gate"`` return ``h[B, T, d]`` (``fuse_mean`` / ``fuse_gate`` of it)."""
+    ``"mean"`` / ``"gate"`` return ``h[B, T, d]`` (``fuse_mean`` / ``fuse_gate`` of it).
+    ``return_scores``: also return the scoring pass's per-token scalars ``(dots[m, B, T, H],
+    sumsq[m, B, T])`` (the raw per-head dots and the keys' sums of squares), which the Pallas
+    backward would otherwise recompute (``fused_bwd_phase2``'s pass 0)."""
     batch, t_len, d = partial.shape
     m = query.shape[0]
     t_pad, seg = _prepare(t_len, segment_ids, tiles)
@@ -428,11 +431,17 @@ def phase2_forward(state, partial, bank, query, include_partial=True, gate_param
     base = _pad_t(state.acc, 2, t_pad)[None]
     mix = functools.partial(mix_call, x, banks, b, seg, base=base, a=a, **kw)
     if fuse is None:
+        if return_scores:
+            raise ValueError("return_scores needs a fused phase 2 (fuse='mean' or 'gate')")
         return mix(mode="acc", out_dtype=out_dtype)[0, :, :, :t_len]
     if fuse == "mean":
-        return mix(mode="mean", out_dtype=out_dtype)[:, :t_len]
-    w, scale, bias = gate_params
-    sq, zw = mix(mode="stats", w=w.reshape(m, d, m))
-    inv = jax.lax.rsqrt(jnp.sum(sq, axis=-1) / (m * d) + gate_eps)  # [B, Tp]
-    g = jax.nn.sigmoid(scale * (inv[..., None] * jnp.sum(zw, axis=2)) + bias)  # [B, Tp, m]
-    return mix(mode="gate", gate=g, out_dtype=out_dtype)[:, :t_len]
+        out = mix(mode="mean", out_dtype=out_dtype)[:, :t_len]
+    else:
+        w, scale, bias = gate_params
+        sq, zw = mix(mode="stats", w=w.reshape(m, d, m))
+        inv = jax.lax.rsqrt(jnp.sum(sq, axis=-1) / (m * d) + gate_eps)  # [B, Tp]
+        g = jax.nn.sigmoid(scale * (inv[..., None] * jnp.sum(zw, axis=2)) + bias)  # [B, Tp, m]
+        out = mix(mode="gate", gate=g, out_dtype=out_dtype)[:, :t_len]
+    if return_scores:
+        return out, (dots[0, 0, :, :, :t_len], sumsq[0, :, :, :t_len])
+    return out

@@ -20,7 +20,8 @@ The passes (``tiles`` as in ``fused.py``; ``nc = d / block_d`` channel chunks):
 
 0. ``fused.scores_call`` (grid ``B x T/bt``): the raw per-head dots ``q_r . E_r`` and
    ``sum E_r^2`` (the key norm is over the full ``d``, so it must be a separate reduction
-   before anything else). XLA redoes the forward's online-softmax merge on these
+   before anything else). Skipped when the forward kept its own (``scores``: the custom_vjp
+   of ``vjp.py`` saves them as residuals for this backward). XLA redoes the forward's online-softmax merge on these
    ``[m, B, T, H]`` scalars: ``c, p, D', a, b`` and the key's inverse rms ``rk``.
    Writes ``m (H + 1)`` floats per token.
 1. ``_stats_kernel`` (gate only; grid ``B x T/bt x nc``): recomputes ``z_r`` per chunk and
@@ -457,21 +458,23 @@ def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_ke
 
 
 def phase2_fused_backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps,
-                          gate_eps, tiles, backend, interpret):
+                          gate_eps, tiles, backend, interpret, scores=None):
     """Gradients of ``reference.phase2_fused`` (same values as ``xla_streaming._phase2_fused_bwd``).
 
     Returns ``(d_state, d_partial, d_bank, d_query, d_gate)``: ``d_state`` a
     ``reference.SoftmaxState(max, denom, acc)`` (float32), ``d_bank`` ``None`` when ``bank``
     is, ``d_gate`` ``(d_W[m d, m], d_scale, d_bias[m])`` or ``None`` (mean fusion).
     ``backend``: ``"triton"``, ``"tpu"`` or ``"interpret"`` (as in ``fused.py``).
+    ``scores``: the forward's ``(dots[m, B, T, H], sumsq[m, B, T])``
+    (``fused.phase2_forward(..., return_scores=True)``); None recomputes them (pass 0).
     """
     return _backward(state, partial, bank, query, include, gate, segment_ids, dh, stream_kernels=stream_kernels,
                      heads=heads, eps=eps, gate_eps=gate_eps, tiles=tiles, backend=backend, interpret=interpret,
-                     shift="dot" if backend == "triton" else "concat")
+                     shift="dot" if backend == "triton" else "concat", scores=scores)
 
 
 def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps, gate_eps,
-              tiles, backend, interpret, shift):
+              tiles, backend, interpret, shift, scores=None):
     """``phase2_fused_backward`` with the transposed conv's row shift chosen explicitly
     (``"dot"``: the Triton formulation; the tests also run it in interpret mode)."""
     stream_kernels = tuple(stream_kernels)
@@ -497,9 +500,13 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
     kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)
     valid = (jnp.arange(t_pad) < t_len).astype(F32)  # [Tp]
 
-    # Pass 0: the forward's per-token scalars (scores, online-softmax merge).
-    dots, sumsq = scores_call(x[None], None if kbank is None else kbank[None], q[None], seg, **kw)
-    dots, sumsq = dots[0, 0], sumsq[0]  # [m, B, Tp, H], [m, B, Tp]
+    # Pass 0: the forward's per-token scalars (scores, online-softmax merge); the scores are the
+    # forward's own when it kept them.
+    if scores is None:
+        dots, sumsq = scores_call(x[None], None if kbank is None else kbank[None], q[None], seg, **kw)
+        dots, sumsq = dots[0, 0], sumsq[0]  # [m, B, Tp, H], [m, B, Tp]
+    else:
+        dots, sumsq = (_pad_t(jnp.asarray(v, F32), 2, t_pad) for v in scores)
     rk = jax.lax.rsqrt(sumsq / d + eps)
     include = jnp.asarray(include, bool)
     s = jnp.where(include, dots * rk[..., None], reference.NEG_LARGE)

@@ -2,7 +2,8 @@
 
 The forward runs a fused kernel (``fused.py``); the residuals are only the inputs
 (sources, banks, queries, state, gate parameters: nothing of size ``m*d`` per source
-is saved) and phase 1's running max. The backward RECOMPUTES the expansions, key norms
+is saved), phase 1's running max and, for phase 2's Pallas backward, the forward's
+per-token scores (``m (H + 1)`` floats per token). The backward RECOMPUTES the expansions, key norms
 and softmax weights from those inputs in XLA, in closed form and one source at a time
 (``xla_streaming``: phase 1's streaming backward, phase 2 + gate's fused backward).
 
@@ -102,9 +103,11 @@ def make_phase1(forward: Callable, kernel_backward: Callable | None = None) -> C
 
 
 def make_phase2(forward: Callable, *, fused: bool, kernel_backward: Callable | None = None) -> Callable:
-    """``forward(state, partial, bank, query, include, gate, segment_ids, static)``;
-    ``kernel_backward(state, partial, bank, query, include, gate, segment_ids, dh, static) ->
-    (d state, d partial, d bank, d query, d gate)`` (fused only, ``backward="pallas"``).
+    """``forward(state, partial, bank, query, include, gate, segment_ids, static,
+    return_scores=False)`` (with ``return_scores``: ``(out, scores)``, the scoring pass's
+    per-token scalars); ``kernel_backward(state, partial, bank, query, include, gate,
+    segment_ids, dh, static, scores=None) -> (d state, d partial, d bank, d query, d gate)``
+    (fused only, ``backward="pallas"``; it recomputes the scores when given none).
 
     ``fused=False`` gives the ``reference.phase2`` signature (returns ``z[m, B, T, d]``);
     ``fused=True`` the ``reference.phase2_fused`` one (returns ``h[B, T, d]``).
@@ -114,17 +117,26 @@ def make_phase2(forward: Callable, *, fused: bool, kernel_backward: Callable | N
     def op(static, state, partial, bank, query, include, gate, segment_ids):
         return forward(state, partial, bank, query, include, gate, segment_ids, static)
 
+    def pallas_backward(static):
+        return static.fuse is not None and backward_choice(static) == "pallas"
+
     def fwd(static, state, partial, bank, query, include, gate, segment_ids):
-        out = forward(state, partial, bank, query, include, gate, segment_ids, static)
-        return out, (state, partial, bank, query, include, gate, segment_ids)
+        scores = None
+        if pallas_backward(static) and kernel_backward is not None:
+            # The Pallas backward starts from the forward's per-token scores (m (H + 1) floats
+            # per token): keeping them saves its scoring pass over the partial.
+            out, scores = forward(state, partial, bank, query, include, gate, segment_ids, static, return_scores=True)
+        else:
+            out = forward(state, partial, bank, query, include, gate, segment_ids, static)
+        return out, (state, partial, bank, query, include, gate, segment_ids, scores)
 
     def bwd(static, res, ct):
-        state, partial, bank, query, include, gate, segment_ids = res
-        if static.fuse is not None and backward_choice(static) == "pallas":
+        state, partial, bank, query, include, gate, segment_ids, scores = res
+        if pallas_backward(static):
             if kernel_backward is None:
                 raise ValueError("backward='pallas': this back end has no phase-2 backward kernel")
             g_state, g_x, g_b, g_q, g_gate = kernel_backward(
-                state, partial, bank, query, include, gate, segment_ids, ct, static)
+                state, partial, bank, query, include, gate, segment_ids, ct, static, scores=scores)
             return (g_state, g_x.astype(partial.dtype), None if bank is None else g_b.astype(bank.dtype),
                     g_q.astype(query.dtype), None, g_gate, None)
         if static.fuse is not None:

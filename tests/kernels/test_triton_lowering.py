@@ -32,7 +32,7 @@ def _lower(fn, *args) -> str:
 
 @pytest.mark.parametrize("kernels, heads, segments", [((0, 4, 8, 12), 1, True), ((0,), 1, False),
                                                       ((0, 0, 0), 2, False)], ids=["msar", "attnres", "no_conv_heads2"])
-@pytest.mark.parametrize("backward, calls", [("xla", (2, 3)), ("pallas", (5, 7))], ids=["xla_bwd", "pallas_bwd"])
+@pytest.mark.parametrize("backward, calls", [("xla", (2, 3)), ("pallas", (5, 6))], ids=["xla_bwd", "pallas_bwd"])
 def test_kernels_lower_to_triton(h200, kernels, heads, segments, backward, calls):
     n, batch, t_len, d, n_targets, m = 3, 2, 40, 64, 2, len(kernels)
     keys = jax.random.split(jax.random.key(0), 6)
@@ -62,7 +62,8 @@ def test_kernels_lower_to_triton(h200, kernels, heads, segments, backward, calls
     args = (state, partial, bank, queries[0], gate)
     argnums = tuple(i for i, a in enumerate(args) if a is not None)
     text = _lower(jax.grad(loss2, argnums=argnums), *args)
-    # forward: scores + gate stats + gated mix; the Pallas backward adds 4 passes
+    # forward: scores + gate stats + gated mix; the Pallas backward adds 3 passes (it starts
+    # from the forward's scores, kept by the custom_vjp, instead of re-scoring: pass 0 is gone)
     assert text.count(TRITON_CALL) == calls[1]
 
 
