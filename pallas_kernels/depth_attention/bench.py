@@ -386,6 +386,11 @@ def parts_p2_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16
                                                              *args, reps=reps, inner=2)[0] * 1e3
         except Exception as e:  # noqa: BLE001
             row[f"dinput_bt{bt}_bd{bd}_w{warps}_error"] = repr(e)[:300]
+    try:  # the row shift through a scratch buffer and barriers instead of 0/1-matrix dots
+        row["dinput_shift_buffer_ms"] = timeit(jax.jit(functools.partial(fn, **{**kwargs, "shift": "buffer"})),
+                                               *args, reps=reps, inner=2)[0] * 1e3
+    except Exception as e:  # noqa: BLE001
+        row["dinput_shift_buffer_error"] = repr(e)[:300]
     for label, attrs in variants.items():
         with patched(**attrs):  # patched while tracing; the compiled kernel keeps the variant
             f = jax.jit(functools.partial(fn, **kwargs))

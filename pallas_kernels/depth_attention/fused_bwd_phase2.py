@@ -58,7 +58,11 @@ The row shift of the transposed conv: on the interpret / TPU path a concatenate 
 slices (as ``fused._Window`` builds its halo); on the Triton path, where value-level
 concatenates and slices do not lower, a product with a 0/1 shift matrix built from iotas
 (an IEEE float32 ``tl.dot``, exact: ``row_shift.shift_rows``). Every other lag is a ref load
-(``fused._Window``).
+(``fused._Window``). On the H200 these dots are 1.8 of the input kernel's 3.0 ms at the bench
+shape (BENCHMARKS.md, kernels, session 6), so ``_backward(..., shift="buffer")`` offers an
+untimed alternative: the lag tiles go through a per-program scratch in global memory, with
+CTA barriers, and come back at row offsets (``_buffer_shift``; exact in interpret mode, lowers
+to Triton; ``bench --p2_bwd_parts`` times it next to the default).
 
 HBM traffic per token, in float32 words (banks, queries and ``W`` are per-program constants
 and not counted; ``nc = d / block_d``): the partial ``x`` is read by every pass (4 times
@@ -214,6 +218,25 @@ def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, h
         ss_ref[r, :, 0] = jnp.sum(dz * (e - z), axis=1)
 
 
+def _buffer_shift(buf_ref, lagged, bt: int, backend: str):
+    """``row_shift.shift_rows`` through memory (``shift="buffer"``, an experiment: BENCHMARKS.md,
+    kernels, what remains): each lag's tile is stored at rows ``[bt, 2 bt)`` of its own slot of
+    ``buf_ref`` (``[L_pad, 4 bt, bd]``, rows outside those zero) and read back at row offsets,
+    ``within = rows [bt + delta, 2 bt + delta)``, ``spill = rows [delta, bt + delta)``, as the
+    forward reads its halo. On Triton the threads of a program exchange the rows through global
+    memory (L1/L2), so a CTA barrier orders the stores after the previous tile's reads and
+    before this tile's."""
+    from jax.experimental.pallas import triton as pltriton
+
+    barrier = pltriton.debug_barrier if backend == "triton" else (lambda: None)
+    barrier()
+    for slot, (delta, tap) in enumerate(lagged.items()):
+        buf_ref[slot, pl.ds(bt, bt), :] = tap
+    barrier()
+    return {delta: (buf_ref[slot, pl.ds(bt + delta, bt), :], buf_ref[slot, pl.ds(delta, bt), :])
+            for slot, delta in enumerate(lagged)}
+
+
 def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, has_seg, has_gate, backend, shift):
     """Pass 3: one (batch row, channel chunk) per program, T tiles in reverse. Recomputes
     ``d_E_r = b dz_r + u q_r + v E_r`` per tile, applies the transposed conv (``d_x``) and
@@ -235,6 +258,7 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
     dq_ref = next(it)  # [m, bd]
     dbank_ref = next(it) if has_bank else None  # [K, bd]
     dw_ref = next(it) if has_gate else None  # [m, bd, m]
+    buf_ref = next(it) if shift == "buffer" else None  # [L_pad, 4 bt, bd]: see _buffer_shift
     m = len(stream_kernels)
     layout = _stream_layout(stream_kernels)
     n_taps = sum(stream_kernels)
@@ -283,14 +307,20 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
         # transposed conv: d_x[t] = sum_delta mask_delta[t + delta] taps_d[delta][t + delta]
         dx = spill + taps_d[0]
         new_spill = jnp.zeros((bt, bd), F32)
-        for delta in range(1, max_lag):
-            if taps_d[delta] is None:
-                continue
-            within, back = shift_rows(taps_d[delta] * masks[delta], delta, bt, shift)
+        lagged = {delta: taps_d[delta] * masks[delta] for delta in range(1, max_lag) if taps_d[delta] is not None}
+        if shift == "buffer":
+            shifted = _buffer_shift(buf_ref, lagged, bt, backend)
+        else:
+            shifted = {delta: shift_rows(tap, delta, bt, shift) for delta, tap in lagged.items()}
+        for within, back in shifted.values():
             dx = dx + within
             new_spill = new_spill + back
         dx_ref[rows, :] = dx.astype(dx_ref.dtype)
         return new_spill, dq, dbank, dw
+
+    if shift == "buffer":
+        for g in range(buf_ref.shape[0]):  # the rows around each lag's tile stay zero
+            buf_ref[g, :, :] = jnp.zeros(buf_ref.shape[1:], F32)
 
     zero = jnp.zeros((bt, bd), F32)
     carry = (zero, [zero] * m, [zero] * n_taps, [[zero] * m for _ in range(m)] if has_gate else [])
@@ -435,6 +465,12 @@ def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_ke
     if has_gate:
         out_specs.append(pl.BlockSpec((None, m, bd, m), lambda i, c: (i, 0, c, 0)))
         out_shape.append(jax.ShapeDtypeStruct((batch, m, d, m), F32))
+    if shift == "buffer":  # each program's scratch slots (_buffer_shift); discarded
+        if backend == "tpu":
+            raise NotImplementedError("shift='buffer' is a GPU experiment; Mosaic shifts by concatenate")
+        slots = tiling._next_pow2(max(1, max([1, *stream_kernels]) - 1))  # lags 1 .. max_kernel - 1
+        out_specs.append(pl.BlockSpec((None, None, slots, 4 * bt, bd), lambda i, c: (i, c, 0, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, nc, slots, 4 * bt, bd), F32))
     kernel = functools.partial(_dinput_kernel, n_tiles=t_pad // bt, has_bank=has_bank, has_seg=has_seg,
                                has_gate=has_gate, shift=shift,
                                **{**_common(stream_kernels, heads, d, tiles, backend), "bd": bd})
@@ -476,7 +512,10 @@ def phase2_fused_backward(state, partial, bank, query, include, gate, segment_id
 def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps, gate_eps,
               tiles, backend, interpret, shift, scores=None):
     """``phase2_fused_backward`` with the transposed conv's row shift chosen explicitly
-    (``"dot"``: the Triton formulation; the tests also run it in interpret mode)."""
+    (``"dot"``: the Triton formulation; the tests also run it in interpret mode; ``"buffer"``:
+    through a per-program scratch in memory with barriers, a GPU experiment, ``_buffer_shift``)."""
+    if shift not in ("concat", "dot", "buffer"):
+        raise ValueError(f"shift={shift!r}: must be 'concat', 'dot' or 'buffer'")
     stream_kernels = tuple(stream_kernels)
     batch, t_len, d = partial.shape
     m = len(stream_kernels)

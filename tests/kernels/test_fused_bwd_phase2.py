@@ -40,6 +40,8 @@ CASES = [
     # halo crossing tile and segment boundaries, two channel chunks per head.
     ((0, 3), 2, True, True, True, 13, 16, tiling.Tiles(4, 4, 4), "dot"),
     ((0, 4, 8, 12), 2, True, True, False, 20, 16, tiling.Tiles(16, 8, 8), "dot"),
+    # The GPU experiment: the shift through a per-program scratch buffer (barriers on Triton).
+    ((0, 3, 5), 2, True, True, True, 13, 16, tiling.Tiles(8, 4, 4), "buffer"),
 ]
 
 
@@ -132,10 +134,11 @@ def test_phase2_fused_backward_matches_xla(kernels, heads, segments, include, ga
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gated,include", [(True, True), (False, False)])
-def test_gpu_triton_matches_xla(gated, include):
-    """On a GPU: the compiled Triton kernels (masked halo loads, shift-matrix dots) against
-    the XLA closed form at a medium shape, several T tiles, two heads, segments. Run with
+@pytest.mark.parametrize("gated,include,shift", [(True, True, "dot"), (False, False, "dot"), (True, True, "buffer")])
+def test_gpu_triton_matches_xla(gated, include, shift):
+    """On a GPU: the compiled Triton kernels (masked halo loads, shift-matrix dots; or the
+    experimental scratch-buffer shift with barriers) against the XLA closed form at a medium
+    shape, several T tiles, two heads, segments. Run with
     ``JAX_PLATFORMS=cuda python -m pytest -m gpu tests/kernels/test_fused_bwd_phase2.py``
     (conftest.py defaults JAX to the CPU)."""
     if jax.default_backend() != "gpu":
@@ -145,8 +148,8 @@ def test_gpu_triton_matches_xla(gated, include):
     seg = jnp.asarray(np.repeat([[0] * 77 + [1] * (t - 77)], 2, axis=0), jnp.int32)
     inc = jnp.asarray(include)
     tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=max(kernels), n_targets=1, backend="triton")
-    fn = jax.jit(functools.partial(fb.phase2_fused_backward, stream_kernels=kernels, heads=heads, eps=1e-6,
-                                   gate_eps=1e-6, tiles=tiles, backend="triton", interpret=False))
+    fn = jax.jit(functools.partial(fb._backward, stream_kernels=kernels, heads=heads, eps=1e-6,
+                                   gate_eps=1e-6, tiles=tiles, backend="triton", interpret=False, shift=shift))
     with jax.default_matmul_precision("highest"):
         want = jax.jit(lambda *a: _reference(*a, kernels, heads))(state, partial, bank, query, inc, gate, seg, dh)
         got = fn(state, partial, bank, query, inc, gate, seg, dh)

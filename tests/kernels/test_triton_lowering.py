@@ -117,3 +117,30 @@ def test_tpu_kernels_lower_for_mosaic(kernels, heads, segments, backward):
             assert "tpu_custom_call" in text
             for name in names:
                 assert name in text, name
+
+
+def test_buffer_row_shift_lowers_to_triton(h200):
+    """The experimental row shift of phase 2's input kernel through a per-program scratch buffer
+    and CTA barriers (``fused_bwd_phase2._buffer_shift``) lowers to Triton too (its numbers are
+    checked in interpret mode by test_fused_bwd_phase2; its speed is a GPU measurement)."""
+    from pallas_kernels.depth_attention import fused_bwd_phase2 as fb
+    from pallas_kernels.depth_attention import tiling
+
+    kernels, heads, batch, t_len, d = (0, 4, 8, 12), 1, 2, 40, 64
+    m = len(kernels)
+    keys = jax.random.split(jax.random.key(3), 6)
+    state = reference.SoftmaxState(jax.random.normal(keys[0], (m, batch, t_len, heads)),
+                                   1.0 + jax.random.uniform(keys[1], (m, batch, t_len, heads)),
+                                   jax.random.normal(keys[2], (m, batch, t_len, d)))
+    partial = jax.random.normal(keys[3], (batch, t_len, d))
+    bank = jax.random.normal(keys[4], (sum(kernels), d))
+    query = jax.random.normal(keys[5], (m, d))
+    gate = (jnp.ones((m * d, m)) / (m * d), jnp.float32(0.7), jnp.zeros((m,)))
+    tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=12, n_targets=1, backend="triton", n_streams=m)
+
+    def grads(st, x, b, q, g, dh):
+        return fb._backward(st, x, b, q, True, g, None, dh, stream_kernels=kernels, heads=heads, eps=1e-6,
+                            gate_eps=1e-6, tiles=tiles, backend="triton", interpret=False, shift="buffer")
+
+    text = _lower(grads, state, partial, bank, query, gate, partial)
+    assert text.count(TRITON_CALL) == 4  # scores, gate statistics, d_state, the input kernel
