@@ -16,6 +16,9 @@ forward+backward (``memory_analysis``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -212,8 +215,6 @@ def sweep(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16):
 def sweep_bwd_chunks(log, shapes, chunks, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, reps=21):
     """Phase 1's forward + Pallas backward (one block) for several reverse-T chunk widths
     (``Tiles.block_d_bwd``), the rest of the tiles as ``choose_tiles`` picks them."""
-    import dataclasses
-
     from pallas_kernels.depth_attention import tiling
 
     n, batch, t_len, d, n_targets = (shapes[k] for k in ("n", "batch", "t_len", "d", "n_targets"))
@@ -308,8 +309,9 @@ def sweep_p2_streams(log, shapes, reps=21):
 
 
 class _NoRowSums:
-    """``jnp`` with ``sum(x, axis=0)`` (the reverse-T kernel's per-tile reductions over tokens)
-    replaced by zeros: a leave-one-out variant for attribution only (its gradients are wrong)."""
+    """``jnp`` with ``sum(x, axis=0)`` and ``dot`` (a reverse-T kernel's reductions over tokens:
+    per-tile sums, the sums of the carried tiles, phase 1's query-gradient products) replaced by
+    zeros: a leave-one-out variant for attribution only (its gradients are wrong)."""
 
     def __getattr__(self, name):
         return getattr(jnp, name)
@@ -318,16 +320,94 @@ class _NoRowSums:
     def sum(x, axis=None, **kw):
         return jnp.zeros(x.shape[1:], x.dtype) if axis == 0 else jnp.sum(x, axis=axis, **kw)
 
+    @staticmethod
+    def dot(a, b, **kw):
+        return jnp.zeros((a.shape[0], b.shape[1]), jnp.float32)
+
+
+def _no_row_shift(g, delta, bt, how):
+    return g, g
+
+
+@contextlib.contextmanager
+def _patched(module, **attrs):
+    """``module``'s attributes set to ``attrs`` inside the block (a kernel traced inside keeps them)."""
+    old = {k: getattr(module, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(module, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
+
+
+def _capture_calls(run, targets):
+    """Run ``run()`` with each ``targets[name] = (module, attribute)`` function wrapped so that its
+    last call's ``(fn, args, kwargs)`` is recorded; returns them by name."""
+    calls = {}
+
+    def capture(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] = (fn, args, kwargs)
+            return fn(*args, **kwargs)
+        return wrapped
+
+    with contextlib.ExitStack() as stack:
+        for name, (module, attr) in targets.items():
+            stack.enter_context(_patched(module, **{attr: capture(name, getattr(module, attr))}))
+        jax.block_until_ready(run())
+    return calls
+
+
+def _time_parts(calls, row, reps):
+    """Each captured call timed alone (ms, median), and their sum."""
+    total = 0.0
+    for name, (fn, args, kwargs) in calls.items():
+        row[f"{name}_ms"] = timeit(jax.jit(functools.partial(fn, **kwargs)), *args, reps=reps, inner=2)[0] * 1e3
+        total += row[f"{name}_ms"]
+    row["sum_of_calls_ms"] = total
+
+
+def _time_variants(row, prefix, call, module, variants, reps):
+    """``call = (fn, args, kwargs)`` re-traced with ``module``'s attributes patched as each
+    ``variants[label]`` says (``dict``) or with other keyword arguments (``("kwargs", dict)``)."""
+    fn, args, kwargs = call
+    for label, change in variants.items():
+        try:
+            if isinstance(change, tuple):
+                f = jax.jit(functools.partial(fn, **{**kwargs, **change[1]}))
+                jax.block_until_ready(f(*args))
+            else:
+                with _patched(module, **change):  # the compiled kernel keeps the variant
+                    f = jax.jit(functools.partial(fn, **kwargs))
+                    jax.block_until_ready(f(*args))
+            row[f"{prefix}_{label}_ms"] = timeit(f, *args, reps=reps, inner=2)[0] * 1e3
+        except Exception as e:  # noqa: BLE001
+            row[f"{prefix}_{label}_error"] = repr(e)[:300]
+
+
+_LEAVE_ONE_OUT = {
+    "without_row_shift": dict(shift_rows=_no_row_shift),
+    "without_token_sums": dict(jnp=_NoRowSums()),
+    "without_both": dict(shift_rows=_no_row_shift, jnp=_NoRowSums()),
+}
+
+
+def _on_gpu():
+    """Backend keywords of the kernels: compiled Triton on a GPU, interpret mode elsewhere
+    (the ``--small`` smoke run)."""
+    on_gpu = jax.default_backend() == "gpu"
+    return dict(backend="triton" if on_gpu else "interpret", interpret=not on_gpu)
+
 
 def parts_p2_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, reps=21):
     """Phase 2's Pallas backward (with the gate) taken apart: each of its ``pallas_call``s
     timed alone on the arguments it gets inside ``fused_bwd_phase2._backward``, then the
-    reverse-T input kernel with one stage left out (the transposed conv's row shift, the
-    per-tile token reductions of the bank, query and gate-weight gradients, both). The
-    leave-one-out variants compute wrong gradients: their times only say where the time goes."""
-    import contextlib
-    import functools
-
+    reverse-T input kernel with one stage left out (the transposed conv's row shift, the token
+    reductions of the bank, query and gate-weight gradients, both), for other tiles, and with
+    the experimental buffer row shift. The leave-one-out variants compute wrong gradients:
+    their times only say where the time goes."""
     from pallas_kernels.depth_attention import fused_bwd_phase2 as p2b
     from pallas_kernels.depth_attention import tiling
 
@@ -338,67 +418,46 @@ def parts_p2_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16
     dh = jax.random.normal(jax.random.key(11), (batch, t_len, d), jnp.float32)
     tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=max(kernels), n_targets=1, backend="triton",
                                 n_streams=len(kernels))
-    names = ("scores_call", "_stats_call", "_dstate_call", "_dinput_call")
-    calls = {}
-
-    def capture(name, fn):
-        def wrapped(*args, **kwargs):
-            calls[name] = (fn, args, kwargs)
-            return fn(*args, **kwargs)
-        return wrapped
-
-    @contextlib.contextmanager
-    def patched(**attrs):
-        old = {k: getattr(p2b, k) for k in attrs}
-        for k, v in attrs.items():
-            setattr(p2b, k, v)
-        try:
-            yield
-        finally:
-            for k, v in old.items():
-                setattr(p2b, k, v)
-
-    on_gpu = jax.default_backend() == "gpu"  # elsewhere: interpret mode (the --small smoke run)
-    with patched(**{k: capture(k, getattr(p2b, k)) for k in names}):
-        jax.block_until_ready(p2b._backward(state, partial, bank, query, True, gate, None, dh, stream_kernels=kernels,
-                                            heads=heads, eps=1e-6, gate_eps=1e-6, tiles=tiles,
-                                            backend="triton" if on_gpu else "interpret", interpret=not on_gpu,
-                                            shift="dot"))
+    calls = _capture_calls(
+        lambda: p2b._backward(state, partial, bank, query, True, gate, None, dh, stream_kernels=kernels, heads=heads,
+                              eps=1e-6, gate_eps=1e-6, tiles=tiles, shift="dot", **_on_gpu()),
+        {name: (p2b, name) for name in ("scores_call", "_stats_call", "_dstate_call", "_dinput_call")})
     row = {"p2_bwd_parts": str(kernels), "tiles": str(tiles)}
-    total = 0.0
-    for name in names:
-        fn, args, kwargs = calls[name]
-        row[f"{name}_ms"] = timeit(jax.jit(functools.partial(fn, **kwargs)), *args, reps=reps, inner=2)[0] * 1e3
-        total += row[f"{name}_ms"]
-    row["sum_of_calls_ms"] = total
-    fn, args, kwargs = calls["_dinput_call"]
-    variants = {
-        "dinput_without_row_shift": dict(shift_rows=lambda g, delta, bt, how: (g, g)),
-        "dinput_without_token_sums": dict(jnp=_NoRowSums()),
-        "dinput_without_both": dict(shift_rows=lambda g, delta, bt, how: (g, g), jnp=_NoRowSums()),
-    }
-    import dataclasses
+    _time_parts(calls, row, reps)
+    variants = {f"bt{bt}_bd{bd}_w{w}": ("kwargs", {"tiles": dataclasses.replace(tiles, block_t=bt, block_d_bwd=bd,
+                                                                                num_warps=w)})
+                for bt, bd, w in P2_DINPUT_TILES}
+    variants["shift_buffer"] = ("kwargs", {"shift": "buffer"})
+    _time_variants(row, "dinput", calls["_dinput_call"], p2b, {**variants, **_LEAVE_ONE_OUT}, reps)
+    log(json.dumps(row))
+    return row
 
-    for bt, bd, warps in P2_DINPUT_TILES:  # the input kernel alone for other tiles (same inputs)
-        t = dataclasses.replace(kwargs["tiles"], block_t=bt, block_d_bwd=bd, num_warps=warps)
-        try:
-            row[f"dinput_bt{bt}_bd{bd}_w{warps}_ms"] = timeit(jax.jit(functools.partial(fn, **{**kwargs, "tiles": t})),
-                                                             *args, reps=reps, inner=2)[0] * 1e3
-        except Exception as e:  # noqa: BLE001
-            row[f"dinput_bt{bt}_bd{bd}_w{warps}_error"] = repr(e)[:300]
-    try:  # the row shift through a scratch buffer and barriers instead of 0/1-matrix dots
-        row["dinput_shift_buffer_ms"] = timeit(jax.jit(functools.partial(fn, **{**kwargs, "shift": "buffer"})),
-                                               *args, reps=reps, inner=2)[0] * 1e3
-    except Exception as e:  # noqa: BLE001
-        row["dinput_shift_buffer_error"] = repr(e)[:300]
-    for label, attrs in variants.items():
-        with patched(**attrs):  # patched while tracing; the compiled kernel keeps the variant
-            f = jax.jit(functools.partial(fn, **kwargs))
-            jax.block_until_ready(f(*args))
-        try:
-            row[f"{label}_ms"] = timeit(f, *args, reps=reps, inner=2)[0] * 1e3
-        except Exception as e:  # noqa: BLE001
-            row[f"{label}_error"] = repr(e)[:300]
+
+def parts_p1_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, reps=21):
+    """Phase 1's Pallas backward taken apart as ``parts_p2_bwd`` does phase 2's: its scores,
+    ``<g_A, E>`` and reverse-T gradient kernels each timed alone (one block, S targets), then
+    the reverse-T kernel without its row shift, without its token reductions (bank and query
+    gradients), without both."""
+    from pallas_kernels.depth_attention import fused, tiling
+    from pallas_kernels.depth_attention import fused_bwd_phase1 as p1b
+
+    n, batch, t_len, d, n_targets = (shapes[k] for k in ("n", "batch", "t_len", "d", "n_targets"))
+    sources, banks, queries, *_ = make_inputs(n, batch, t_len, d, n_targets, kernels, heads, dtype)
+    smax = reference.phase1(sources, banks, queries, stream_kernels=kernels, heads=heads).max
+    ks = jax.random.split(jax.random.key(12), 2)
+    m = len(kernels)
+    ct = reference.SoftmaxState(jnp.zeros_like(smax), jax.random.normal(ks[0], smax.shape),
+                                jax.random.normal(ks[1], (n_targets, m, batch, t_len, d)))
+    tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=max(kernels), n_targets=n_targets, backend="triton",
+                                n_streams=m)
+    calls = _capture_calls(
+        lambda: p1b.phase1_backward(sources, banks, queries, None, None, smax, ct, stream_kernels=kernels,
+                                    heads=heads, eps=1e-6, tiles=tiles, **_on_gpu()),
+        {"scores_call": (fused, "scores_call"), "gdots_call": (p1b, "gdots_call"),
+         "grads_call": (p1b, "grads_call")})
+    row = {"p1_bwd_parts": str(kernels), "tiles": str(tiles)}
+    _time_parts(calls, row, reps)
+    _time_variants(row, "grads", calls["grads_call"], p1b, _LEAVE_ONE_OUT, reps)
     log(json.dumps(row))
     return row
 
@@ -419,6 +478,8 @@ def main():
     ap.add_argument("--p2_bwd_parts", action="store_true",
                     help="time each pallas_call of phase 2's Pallas backward alone, and its input kernel with "
                          "one stage left out (attribution)")
+    ap.add_argument("--p1_bwd_parts", action="store_true",
+                    help="the same for phase 1's Pallas backward (one block)")
     ap.add_argument("--sweeps_only", action="store_true", help="run the requested sweeps, skip the main table")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", ".")
@@ -464,6 +525,8 @@ def main():
         sweep_p2_streams(log, shapes, reps=3 if args.small else 21)
     if args.p2_bwd_parts:
         parts_p2_bwd(log, shapes, reps=3 if args.small else 21)
+    if args.p1_bwd_parts:
+        parts_p1_bwd(log, shapes, reps=3 if args.small else 21)
     if args.sweeps_only:
         return
     rows = []
