@@ -275,6 +275,8 @@ def profile_config(spec: str, steps: int, warmup: int, trace_root: Path, overrid
     with layout.context():
         compiled = step.lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    temp_gib = None if mem is None else mem.temp_size_in_bytes / 2**30
     hlo_text = compiled.as_text()
     if hlo_dir is not None:  # the compiled module, to look up the ops the report names
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", spec).strip("_")
@@ -294,18 +296,26 @@ def profile_config(spec: str, steps: int, warmup: int, trace_root: Path, overrid
             state, metrics = compiled(state, batches[i % 2])
             jax.block_until_ready((state, metrics))
     events = device_op_events(trace_dir)
+    stats = jax.devices()[0].memory_stats() or {}  # None on the CPU
+    peak = stats.get("peak_bytes_in_use")
     row = {"config": spec, "device": jax.devices()[0].device_kind, "batch_size": B, "seq_len": T,
            "compile_s": round(compile_s, 2), "median_step_ms": 1e3 * statistics.median(wall),
+           "temp_gib": temp_gib, "peak_gib": None if peak is None else peak / 2**30,
            "steps": steps, "trace_dir": trace_dir, "loss": float(metrics["loss"])}
     row.update(attribute(events, hlo, "train_step", steps))
     return row
+
+
+def _gib(x) -> str:
+    return "n/a" if x is None else f"{x:.2f} GiB"
 
 
 def report(row: dict, top: int) -> str:
     busy = row["busy_ms_per_step"] or float("nan")
     out = [f"### {row['config']} on {row['device']} (batch {row['batch_size']} x {row['seq_len']})",
            f"median wall step {row['median_step_ms']:.1f} ms; device busy {busy:.1f} ms/step; "
-           f"compile {row['compile_s']:.1f} s; ops not found in the HLO: {row['unmatched_share']:.1%}", "",
+           f"compile {row['compile_s']:.1f} s; ops not found in the HLO: {row['unmatched_share']:.1%}",
+           f"memory: step temporaries {_gib(row.get('temp_gib'))} (compiled), device peak {_gib(row.get('peak_gib'))}", "",
            "| part | " + " | ".join(PASSES) + " | total | share |", "|---" * (len(PASSES) + 3) + "|"]
     parts = collections.defaultdict(dict)
     for key, v in row["parts"].items():

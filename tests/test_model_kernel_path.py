@@ -67,3 +67,57 @@ def test_auto_kernel_backward_per_mechanism_and_op(mechanism, phase2_fused_backw
         cfg.model.residual.kernel_backward = choice
         mech = make_mechanism(cfg.model, nnx.Rngs(0))
         assert {mech._kernel_backward(op) for op in (depth_api.phase1, depth_api.phase2_fused)} == {choice}
+
+
+# Kernel calls in the lowered gradient of a 4-layer model (block size 2: 2 units of one layer,
+# one scan), per kernel name. Every forward kernel appears twice: the forward pass and the
+# block's re-run in the append-only scan's backward. Before session 7 the reads also ran under
+# a jax.checkpoint, which added a third forward run in the backward of each read: MSAR
+# scores 9, mix_stats 6, mix_gate 6, mix_acc 3 (the same backward kernels).
+LOWERED_KERNELS = {
+    "msar": {"depth_attention_scores": 6, "depth_attention_mix_stats": 4, "depth_attention_mix_gate": 4,
+             "depth_attention_mix_acc": 2, "depth_attention_phase2_bwd_stats": 2,
+             "depth_attention_phase2_bwd_state": 2, "depth_attention_phase2_bwd_inputs": 2},
+    # 7 scores: 2 x 2 phase-2 sites, 2 phase 1, and phase 1's Pallas backward's own pass.
+    "attnres": {"depth_attention_scores": 7, "depth_attention_mix_mean": 4, "depth_attention_mix_acc": 2,
+                "depth_attention_phase2_bwd_state": 2, "depth_attention_phase2_bwd_inputs": 2,
+                "depth_attention_bwd1_gdots": 1, "depth_attention_bwd1_grads": 1},
+}
+
+
+@pytest.mark.parametrize("mechanism", sorted(LOWERED_KERNELS))
+def test_reads_run_their_forward_kernels_once_per_pass(monkeypatch, mechanism):
+    """The kernel reads' custom_vjps keep only their inputs (``api.keeps_only_inputs``), so
+    the model calls them without a checkpoint: no forward kernel runs a third time. Lowered
+    for an H200 through Pallas' Triton lowering on this CPU (``test_triton_lowering``)."""
+    import collections
+    import re
+    import types
+
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: types.SimpleNamespace(compute_capability=90))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels leave interpret mode
+    cfg = load_config(f"configs/{mechanism}.py:smoke=1,seq_len=32",
+                      {"model.n_layers": 4, "model.residual.block_size": 2,
+                       "model.residual.implementation": "pallas_gpu", "model.residual.kernel_backward": "auto"})
+    model_def, params = step.init_model(cfg.model, seed=5)
+    batch = jax.numpy.zeros((2, 33), jax.numpy.int32)
+    grad = jax.jit(jax.grad(lambda p: lm_loss(model_def.merge(p), batch)[0]))
+    text = grad.trace(params).lower(lowering_platforms=("cuda",)).as_text()
+    names = re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "([^"]+)"', text)
+    assert dict(collections.Counter(names)) == LOWERED_KERNELS[mechanism]
+
+
+@pytest.mark.parametrize("op, implementation, lean", [
+    ("phase1", "xla", True), ("phase2_fused", "xla", True), ("depth_read", "xla", True),
+    ("phase2", "xla", False),  # the reference's autodiff keeps the expanded streams
+    ("phase2", "pallas_gpu", True), ("phase2", None, False),  # None may fall back to XLA
+    ("phase1", "pallas_tpu", True),
+])
+def test_keeps_only_inputs(op, implementation, lean):
+    from pallas_kernels.depth_attention import api as depth_api
+
+    assert depth_api.keeps_only_inputs(op, implementation) is lean
+    with pytest.raises(ValueError, match="op='phase3'"):
+        depth_api.keeps_only_inputs("phase3", implementation)

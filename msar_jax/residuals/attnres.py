@@ -39,10 +39,16 @@ def attnres_read(sources, query, valid=None, *, heads=1, eps=1e-6, return_weight
     return (h, alpha[:, 0]) if return_weights else h
 
 
-def _recomputed(read_fn, *args, batch_axes, out_batch_axis: int, chunks: int = 1, segment_ids=None):
+def _recomputed(read_fn, *args, batch_axes, out_batch_axis: int, chunks: int = 1, segment_ids=None,
+                lean_vjp: bool = False):
     """Run a depth read so the backward pass recomputes it instead of storing its
     expanded streams and normalised keys (m times the sources): the XLA path's
     counterpart of the kernels' recomputing backward (seed 000 Sec. 3.4).
+
+    ``lean_vjp``: ``read_fn``'s own ``custom_vjp`` already keeps only its inputs (and a few
+    floats per token; ``depth_api.keeps_only_inputs``), so with one chunk it runs as is: a
+    ``jax.checkpoint`` around it would add nothing but a third run of its forward kernels in the
+    backward of the block (the block's own re-run, ``stack._append_only_bwd``, is the second).
 
     With ``chunks > 1`` the batch is processed in that many sequential slices, each
     rematerialised on its own, which bounds the transient memory of the read to
@@ -50,6 +56,8 @@ def _recomputed(read_fn, *args, batch_axes, out_batch_axis: int, chunks: int = 1
     """
     remat = lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)  # noqa: E731
     if chunks == 1:
+        if lean_vjp:
+            return read_fn(*args, segment_ids=segment_ids)
         return remat(lambda *a: read_fn(*a, segment_ids=segment_ids))(*args)
     batch = segment_ids.shape[0] if segment_ids is not None else None
     leaves, treedef = jax.tree.flatten(args)
@@ -129,6 +137,10 @@ class BlockDepthAttention(ResidualMechanism):
             return "pallas"
         return "pallas" if op is depth_api.phase2_fused and len(self.stream_kernels) > 1 else "xla"
 
+    def _lean_vjp(self, op) -> bool:
+        """``op``'s backward keeps only its inputs on this implementation (no checkpoint needed)."""
+        return depth_api.keeps_only_inputs(op.__name__, self.implementation)
+
     def _op(self, op):
         kw = self._kw()
         if self.implementation != "xla":  # the Pallas kernels' backward (the XLA path has one)
@@ -169,7 +181,7 @@ class BlockDepthAttention(ResidualMechanism):
         return _recomputed(
             self._op(depth_api.phase1), state.sources, self.source_banks(g), p_block["queries"],
             self._completed_valid(pos), batch_axes=(1, None, None, None), out_batch_axis=2,
-            chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
+            chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids, lean_vjp=self._lean_vjp(depth_api.phase1),
         )
 
     def retrieve(self, g, p, state, bctx, pos, ctx, want_weights=False):
@@ -180,7 +192,7 @@ class BlockDepthAttention(ResidualMechanism):
             z = _recomputed(
                 self._op(depth_api.phase2), bctx, partial, self.partial_bank(g, pos), p["queries"], include_partial,
                 batch_axes=((1, 1, 1), 0, None, None, None), out_batch_axis=1,
-                chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
+                chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids, lean_vjp=self._lean_vjp(depth_api.phase2),
             )
             return z, None
         sources = jnp.concatenate([state.sources, partial[None]], axis=0)
@@ -196,6 +208,7 @@ class BlockDepthAttention(ResidualMechanism):
         z = _recomputed(
             self._op(depth_api.depth_read), sources, banks, p["queries"], valid, batch_axes=(1, None, None, None),
             out_batch_axis=1, chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
+            lean_vjp=self._lean_vjp(depth_api.depth_read),
         )
         return z, None
 
@@ -221,6 +234,7 @@ class BlockDepthAttention(ResidualMechanism):
                 jnp.logical_not(pos.first_in_block), self.gate(p),
                 batch_axes=((1, 1, 1), 0, None, None, None, None), out_batch_axis=0,
                 chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
+                lean_vjp=self._lean_vjp(depth_api.phase2_fused),
             ).astype(dtype)
             return h, {"h": h, "weights": None}
         z, weights = self.retrieve(g, p, state, bctx, pos, ctx, want_weights)

@@ -77,6 +77,25 @@ def _dispatch(op: str, implementation: Implementation, *args, **kwargs):
     raise ExceptionGroup(f"{op}: no implementation could run", errors)
 
 
+# Ops whose XLA path is a ``jax.custom_vjp`` that keeps only its inputs (``xla_streaming``); the
+# unfused ``phase2`` differentiates the reference, whose autodiff keeps the expanded streams.
+_XLA_KEEPS_ONLY_INPUTS = ("phase1", "phase2_fused", "depth_read")
+
+
+def keeps_only_inputs(op: str, implementation: Implementation = None) -> bool:
+    """Whether ``op``'s backward recomputes everything from the op's inputs on every
+    implementation ``implementation`` may pick: its ``custom_vjp`` saves the inputs and at most
+    a few floats per token (phase 1's running max, phase 2's scores), never an ``m d``-per-token
+    temporary. A caller then gains nothing from wrapping the op in ``jax.checkpoint`` (the
+    rematerialisation would only run the forward kernels once more); weights
+    (``return_weights=True``) always come from the reference and are not covered.
+    """
+    if op not in _KERNELS:
+        raise ValueError(f"op={op!r}: must be one of {tuple(_KERNELS)}")
+    # Every kernel op is a custom_vjp of vjp.py (inputs, max, scores); the XLA path depends on the op.
+    return all(name != "xla" or op in _XLA_KEEPS_ONLY_INPUTS for name in _candidates(implementation))
+
+
 def phase1(*args, implementation: Implementation = None, **kwargs) -> reference.SoftmaxState:
     """Phase 1 of the two-phase read; see ``reference.phase1`` for the arguments."""
     return _dispatch("phase1", implementation, *args, **kwargs)

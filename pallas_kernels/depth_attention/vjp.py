@@ -74,6 +74,7 @@ def make_phase1(forward: Callable, kernel_backward: Callable | None = None) -> C
         return out, (sources, banks, queries, valid, segment_ids, out.max)
 
     def bwd(static, res, ct):
+        res, ct = xla_streaming.ordered_after_cotangent(res, ct)
         sources, banks, queries, valid, segment_ids, smax = res
         n, d = sources.shape[0], sources.shape[-1]
         ct = reference.SoftmaxState(*(jnp.asarray(a, jnp.float32) for a in ct))
@@ -131,6 +132,7 @@ def make_phase2(forward: Callable, *, fused: bool, kernel_backward: Callable | N
         return out, (state, partial, bank, query, include, gate, segment_ids, scores)
 
     def bwd(static, res, ct):
+        res, ct = xla_streaming.ordered_after_cotangent(res, ct)
         state, partial, bank, query, include, gate, segment_ids, scores = res
         if pallas_backward(static):
             if kernel_backward is None:
