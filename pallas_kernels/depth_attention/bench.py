@@ -248,7 +248,7 @@ P2_BWD_TILES = (  # phase 2 + gate, fwd + Pallas bwd: (block_t, block_d_mix, blo
     (16, 32, 32, 8, 2), (16, 32, 32, 2, 2),
 )
 # Phase 2's reverse-T input kernel alone: (block_t, block_d_bwd, warps) besides the default.
-P2_DINPUT_TILES = ((16, 32, 4), (16, 32, 8), (16, 16, 8))
+P2_DINPUT_TILES = ((16, 32, 4), (16, 32, 8), (16, 8, 4))
 # Phase 2 for several stream sets, with and without the gate (default tiles): how its cost grows
 # with the conv taps (bank-gradient reductions, transposed-conv shifts) and the streams (gate).
 P2_STREAM_CASES = (
@@ -329,6 +329,10 @@ def _no_row_shift(g, delta, bt, how):
     return g, g
 
 
+def _no_buffer_shift(buf_ref, lagged, bt, backend):
+    return {delta: (tap, tap) for delta, tap in lagged.items()}
+
+
 @contextlib.contextmanager
 def _patched(module, **attrs):
     """``module``'s attributes set to ``attrs`` inside the block (a kernel traced inside keeps them)."""
@@ -387,10 +391,11 @@ def _time_variants(row, prefix, call, module, variants, reps):
             row[f"{prefix}_{label}_error"] = repr(e)[:300]
 
 
+_NO_SHIFT = dict(shift_rows=_no_row_shift, shift_rows_via_buffer=_no_buffer_shift)
 _LEAVE_ONE_OUT = {
-    "without_row_shift": dict(shift_rows=_no_row_shift),
+    "without_row_shift": _NO_SHIFT,
     "without_token_sums": dict(jnp=_NoRowSums()),
-    "without_both": dict(shift_rows=_no_row_shift, jnp=_NoRowSums()),
+    "without_both": dict(**_NO_SHIFT, jnp=_NoRowSums()),
 }
 
 
@@ -405,9 +410,9 @@ def parts_p2_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16
     """Phase 2's Pallas backward (with the gate) taken apart: each of its ``pallas_call``s
     timed alone on the arguments it gets inside ``fused_bwd_phase2._backward``, then the
     reverse-T input kernel with one stage left out (the transposed conv's row shift, the token
-    reductions of the bank, query and gate-weight gradients, both), for other tiles, and with
-    the experimental buffer row shift. The leave-one-out variants compute wrong gradients:
-    their times only say where the time goes."""
+    reductions of the bank, query and gate-weight gradients, both), for other tiles, with fewer
+    scratch slots for the buffer row shift (the default) and with the dot row shift. The
+    leave-one-out variants compute wrong gradients: their times only say where the time goes."""
     from pallas_kernels.depth_attention import fused_bwd_phase2 as p2b
     from pallas_kernels.depth_attention import tiling
 
@@ -420,14 +425,16 @@ def parts_p2_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16
                                 n_streams=len(kernels))
     calls = _capture_calls(
         lambda: p2b._backward(state, partial, bank, query, True, gate, None, dh, stream_kernels=kernels, heads=heads,
-                              eps=1e-6, gate_eps=1e-6, tiles=tiles, shift="dot", **_on_gpu()),
+                              eps=1e-6, gate_eps=1e-6, tiles=tiles, shift="buffer", **_on_gpu()),
         {name: (p2b, name) for name in ("scores_call", "_stats_call", "_dstate_call", "_dinput_call")})
     row = {"p2_bwd_parts": str(kernels), "tiles": str(tiles)}
     _time_parts(calls, row, reps)
     variants = {f"bt{bt}_bd{bd}_w{w}": ("kwargs", {"tiles": dataclasses.replace(tiles, block_t=bt, block_d_bwd=bd,
                                                                                 num_warps=w)})
                 for bt, bd, w in P2_DINPUT_TILES}
-    variants["shift_buffer"] = ("kwargs", {"shift": "buffer"})
+    for slots in (4, 1):
+        variants[f"buffer_slots{slots}"] = ("kwargs", {"tiles": dataclasses.replace(tiles, shift_slots=slots)})
+    variants["shift_dot"] = ("kwargs", {"shift": "dot"})
     _time_variants(row, "dinput", calls["_dinput_call"], p2b, {**variants, **_LEAVE_ONE_OUT}, reps)
     log(json.dumps(row))
     return row
@@ -436,7 +443,8 @@ def parts_p2_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16
 def parts_p1_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, reps=21):
     """Phase 1's Pallas backward taken apart as ``parts_p2_bwd`` does phase 2's: its scores,
     ``<g_A, E>`` and reverse-T gradient kernels each timed alone (one block, S targets), then
-    the reverse-T kernel without its row shift, without its token reductions (bank and query
+    the reverse-T kernel with the buffer row shift (16, 4, 1 scratch slots) instead of its
+    default dot shift, and without its row shift, without its token reductions (bank and query
     gradients), without both."""
     from pallas_kernels.depth_attention import fused, tiling
     from pallas_kernels.depth_attention import fused_bwd_phase1 as p1b
@@ -457,7 +465,10 @@ def parts_p1_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16
          "grads_call": (p1b, "grads_call")})
     row = {"p1_bwd_parts": str(kernels), "tiles": str(tiles)}
     _time_parts(calls, row, reps)
-    _time_variants(row, "grads", calls["grads_call"], p1b, _LEAVE_ONE_OUT, reps)
+    variants = {f"buffer_slots{slots}": ("kwargs", {"shift": "buffer",
+                                                     "tiles": dataclasses.replace(tiles, shift_slots=slots)})
+                for slots in (16, 4, 1)}
+    _time_variants(row, "grads", calls["grads_call"], p1b, {**variants, **_LEAVE_ONE_OUT}, reps)
     log(json.dumps(row))
     return row
 

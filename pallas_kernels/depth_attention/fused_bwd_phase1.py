@@ -96,7 +96,7 @@ from pallas_kernels.depth_attention import fused, reference
 from pallas_kernels.depth_attention.fused import (
     F32, _call_kwargs, _expand_chunk, _lag_masks, _pad_t, _stream_layout, _Window,
 )
-from pallas_kernels.depth_attention.row_shift import shift_rows
+from pallas_kernels.depth_attention.row_shift import SHIFTS, scratch_rows, scratch_slots, shift_rows, shift_rows_via_buffer
 from pallas_kernels.depth_attention.tiling import Tiles
 
 
@@ -189,6 +189,7 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
     dx_ref = next(it)  # [Tp, bd]
     dbank_ref = next(it) if has_bank else None  # [K, bd]
     dq_ref = next(it)  # [S (S_pad with dq_dot), m, bd]
+    buf_ref = next(it) if shift == "buffer" else None  # [slots, 4 bt, bd]: row_shift.shift_rows_via_buffer
     m = len(stream_kernels)
     layout = _stream_layout(stream_kernels)
     n_taps = sum(stream_kernels)
@@ -232,12 +233,21 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
                 hs[delta] = hs[delta] + bank[off + delta] * g
         dx = hs[0] + spill_in
         spill_out = zero_tile
-        for delta in range(1, max_lag):
-            within, back = shift_rows(hs[delta], delta, bt, shift)
+        lagged = dict(enumerate(hs))
+        del lagged[0]
+        if shift == "buffer":
+            shifted = shift_rows_via_buffer(buf_ref, lagged, bt, backend)
+        else:
+            shifted = {delta: shift_rows(tap, delta, bt, shift) for delta, tap in lagged.items()}
+        for within, back in shifted.values():
             dx = dx + within
             spill_out = spill_out + back
         dx_ref[rows, :] = dx.astype(dx_ref.dtype)
         return spill_out, dbank, dq
+
+    if shift == "buffer":
+        for g in range(buf_ref.shape[0]):  # the rows around each lag's tile stay zero
+            buf_ref[g, :, :] = jnp.zeros(buf_ref.shape[1:], F32)
 
     if dq_dot:
         dq0 = [jnp.zeros((dq_ref.shape[0], bd), F32)] * m
@@ -255,12 +265,13 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
 
 
 def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, heads, tiles: Tiles, backend, interpret,
-               out_dtype):
+               out_dtype, shift=None):
     """``x[n, B, Tp, d]``, ``g_acc[S, m, B, Tp, d]``, ``p``/``dsr`` ``[S, n, m, B, H, Tp, 1]``,
     ``w[n, m, B, Tp, 1]`` (per-token scalars: tokens on sublanes and a whole trailing dim, as
     Mosaic's block-shape rule wants them) -> ``d x[n, B, Tp, d]``, ``d banks`` partials
     ``[n, B, K, d]`` (or None),
-    ``d queries`` partials ``[n, B, S, m, d]``."""
+    ``d queries`` partials ``[n, B, S, m, d]``. ``shift``: the transposed conv's row shift
+    (``row_shift.SHIFTS``); None: ``"dot"`` on Triton, ``"concat"`` elsewhere."""
     n, batch, t_pad, d = x.shape
     n_targets, m = queries.shape[:2]
     bt, bd = tiles.block_t, tiles.block_d_grads
@@ -271,7 +282,10 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
     if bt < max_kernel - 1:
         raise ValueError(f"block_t={bt} < max_kernel - 1 = {max_kernel - 1}: the transposed conv spills one tile back")
     use_dot = _dot_shift(backend)
-    if backend == "triton" and (bt < 16 or bd < 16) and max_kernel > 1:
+    shift = shift or ("dot" if use_dot else "concat")
+    if shift not in SHIFTS:
+        raise ValueError(f"shift={shift!r}: must be one of {SHIFTS}")
+    if backend == "triton" and shift == "dot" and (bt < 16 or bd < 16) and max_kernel > 1:
         raise ValueError(f"the Triton row shift is a dot: block_t={bt} and block_d={bd} must be >= 16")
     has_bank = banks is not None and any(stream_kernels)
     has_seg = seg is not None
@@ -307,9 +321,15 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
         out_shape.append(jax.ShapeDtypeStruct((n, batch, banks.shape[1], d), F32))
     out_specs.append(pl.BlockSpec((None, None, s_pad, m, bd), lambda b, c, i: (i, b, 0, 0, c)))
     out_shape.append(jax.ShapeDtypeStruct((n, batch, s_pad, m, d), F32))
+    if shift == "buffer":  # each program's scratch (row_shift.shift_rows_via_buffer); discarded
+        if backend == "tpu":
+            raise NotImplementedError("shift='buffer' is for Triton; Mosaic shifts by concatenate")
+        slots, rows = scratch_slots(max_kernel, tiles.shift_slots), scratch_rows(bt)
+        out_specs.append(pl.BlockSpec((None, None, None, slots, rows, bd), lambda b, c, i: (i, b, c, 0, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((n, batch, nc, slots, rows, bd), F32))
     kernel = functools.partial(
         _grads_kernel, stream_kernels=tuple(stream_kernels), n_targets=n_targets, bt=bt, bd=bd,
-        n_tiles=t_pad // bt, has_bank=has_bank, has_seg=has_seg, backend=backend, shift="dot" if use_dot else "concat",
+        n_tiles=t_pad // bt, has_bank=has_bank, has_seg=has_seg, backend=backend, shift=shift,
         dq_dot=dq_dot,
     )
     out = pl.pallas_call(
@@ -321,7 +341,7 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
         name="depth_attention_bwd1_grads",
         **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
-    dq = out[-1][:, :, :n_targets]
+    dq = out[2 if has_bank else 1][:, :, :n_targets]
     return out[0], (out[1] if has_bank else None), dq
 
 
@@ -329,11 +349,11 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
 
 
 def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, stream_kernels: Sequence[int], heads,
-                    eps, tiles: Tiles, backend, interpret):
+                    eps, tiles: Tiles, backend, interpret, shift=None):
     """Gradients ``(d sources, d banks or None, d queries)`` of phase 1: the values of
     ``xla_streaming.phase1_backward(...)[:3]`` (``banks``: ``[n, K, d]`` or None without conv;
     ``valid``: ``[n]`` or None; ``smax``: the forward's running max; ``g``: the state cotangent,
-    its ``max`` ignored)."""
+    its ``max`` ignored; ``shift``: the transposed conv's row shift, see ``grads_call``)."""
     n, batch, t_len, d = sources.shape
     n_targets, m = queries.shape[:2]
     stream_kernels = tuple(stream_kernels)
@@ -366,7 +386,7 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     # pass 4: dE, transposed conv, bank and query gradients
     dx, dbank, dq = grads_call(
         x, conv_banks, queries, g_acc, to_heads_major(p), to_heads_major(dsr), w[..., None], seg, heads=heads,
-        out_dtype=sources.dtype, **kw,
+        out_dtype=sources.dtype, shift=shift, **kw,
     )
     d_sources = dx[:, :, :t_len]
     d_queries = jnp.sum(dq, axis=(0, 1)).astype(queries.dtype)

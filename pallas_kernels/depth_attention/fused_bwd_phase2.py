@@ -54,15 +54,14 @@ The passes (``tiles`` as in ``fused.py``; ``nc = d / block_d`` channel chunks):
    cross-row reductions were 60% of this kernel on the H200), written once per program as
    ``[B, ...]`` partials that XLA sums. Writes ``d`` floats per token.
 
-The row shift of the transposed conv: on the interpret / TPU path a concatenate and static
-slices (as ``fused._Window`` builds its halo); on the Triton path, where value-level
-concatenates and slices do not lower, a product with a 0/1 shift matrix built from iotas
-(an IEEE float32 ``tl.dot``, exact: ``row_shift.shift_rows``). Every other lag is a ref load
-(``fused._Window``). On the H200 these dots are 1.8 of the input kernel's 3.0 ms at the bench
-shape (BENCHMARKS.md, kernels, session 6), so ``_backward(..., shift="buffer")`` offers an
-untimed alternative: the lag tiles go through a per-program scratch in global memory, with
-CTA barriers, and come back at row offsets (``_buffer_shift``; exact in interpret mode, lowers
-to Triton; ``bench --p2_bwd_parts`` times it next to the default).
+The row shift of the transposed conv (``row_shift``): on the interpret / TPU path a
+concatenate and static slices (as ``fused._Window`` builds its halo). On the Triton path, where
+value-level concatenates and slices do not lower, the lag tiles go through a per-program
+scratch in global memory with CTA barriers and come back at row offsets
+(``row_shift.shift_rows_via_buffer``, ``Tiles.shift_slots`` slots): at the bench shape on the
+H200 the input kernel took 1.92 ms so, against 2.97 with the former default, a product with a
+0/1 shift matrix per lag (``shift="dot"``, kept as an option; BENCHMARKS.md, kernels, session
+7). Every other lag is a ref load (``fused._Window``).
 
 HBM traffic per token, in float32 words (banks, queries and ``W`` are per-program constants
 and not counted; ``nc = d / block_d``): the partial ``x`` is read by every pass (4 times
@@ -108,7 +107,13 @@ from pallas_kernels.depth_attention.fused import (
     _Window,
     scores_call,
 )
-from pallas_kernels.depth_attention.row_shift import shift_rows
+from pallas_kernels.depth_attention.row_shift import (
+    SHIFTS,
+    scratch_rows,
+    scratch_slots,
+    shift_rows,
+    shift_rows_via_buffer,
+)
 
 # --------------------------------------------------------------------------- in-kernel helpers
 
@@ -218,25 +223,6 @@ def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, h
         ss_ref[r, :, 0] = jnp.sum(dz * (e - z), axis=1)
 
 
-def _buffer_shift(buf_ref, lagged, bt: int, backend: str):
-    """``row_shift.shift_rows`` through memory (``shift="buffer"``, an experiment: BENCHMARKS.md,
-    kernels, what remains): each lag's tile is stored at rows ``[bt, 2 bt)`` of its own slot of
-    ``buf_ref`` (``[L_pad, 4 bt, bd]``, rows outside those zero) and read back at row offsets,
-    ``within = rows [bt + delta, 2 bt + delta)``, ``spill = rows [delta, bt + delta)``, as the
-    forward reads its halo. On Triton the threads of a program exchange the rows through global
-    memory (L1/L2), so a CTA barrier orders the stores after the previous tile's reads and
-    before this tile's."""
-    from jax.experimental.pallas import triton as pltriton
-
-    barrier = pltriton.debug_barrier if backend == "triton" else (lambda: None)
-    barrier()
-    for slot, (delta, tap) in enumerate(lagged.items()):
-        buf_ref[slot, pl.ds(bt, bt), :] = tap
-    barrier()
-    return {delta: (buf_ref[slot, pl.ds(bt + delta, bt), :], buf_ref[slot, pl.ds(delta, bt), :])
-            for slot, delta in enumerate(lagged)}
-
-
 def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, has_seg, has_gate, backend, shift):
     """Pass 3: one (batch row, channel chunk) per program, T tiles in reverse. Recomputes
     ``d_E_r = b dz_r + u q_r + v E_r`` per tile, applies the transposed conv (``d_x``) and
@@ -258,7 +244,7 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
     dq_ref = next(it)  # [m, bd]
     dbank_ref = next(it) if has_bank else None  # [K, bd]
     dw_ref = next(it) if has_gate else None  # [m, bd, m]
-    buf_ref = next(it) if shift == "buffer" else None  # [L_pad, 4 bt, bd]: see _buffer_shift
+    buf_ref = next(it) if shift == "buffer" else None  # [slots, 4 bt, bd]: row_shift.shift_rows_via_buffer
     m = len(stream_kernels)
     layout = _stream_layout(stream_kernels)
     n_taps = sum(stream_kernels)
@@ -309,7 +295,7 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
         new_spill = jnp.zeros((bt, bd), F32)
         lagged = {delta: taps_d[delta] * masks[delta] for delta in range(1, max_lag) if taps_d[delta] is not None}
         if shift == "buffer":
-            shifted = _buffer_shift(buf_ref, lagged, bt, backend)
+            shifted = shift_rows_via_buffer(buf_ref, lagged, bt, backend)
         else:
             shifted = {delta: shift_rows(tap, delta, bt, shift) for delta, tap in lagged.items()}
         for within, back in shifted.values():
@@ -465,12 +451,12 @@ def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_ke
     if has_gate:
         out_specs.append(pl.BlockSpec((None, m, bd, m), lambda i, c: (i, 0, c, 0)))
         out_shape.append(jax.ShapeDtypeStruct((batch, m, d, m), F32))
-    if shift == "buffer":  # each program's scratch slots (_buffer_shift); discarded
+    if shift == "buffer":  # each program's scratch (row_shift.shift_rows_via_buffer); discarded
         if backend == "tpu":
-            raise NotImplementedError("shift='buffer' is a GPU experiment; Mosaic shifts by concatenate")
-        slots = tiling._next_pow2(max(1, max([1, *stream_kernels]) - 1))  # lags 1 .. max_kernel - 1
-        out_specs.append(pl.BlockSpec((None, None, slots, 4 * bt, bd), lambda i, c: (i, c, 0, 0, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((batch, nc, slots, 4 * bt, bd), F32))
+            raise NotImplementedError("shift='buffer' is for Triton; Mosaic shifts by concatenate")
+        slots = scratch_slots(max([1, *stream_kernels]), tiles.shift_slots)
+        out_specs.append(pl.BlockSpec((None, None, slots, scratch_rows(bt), bd), lambda i, c: (i, c, 0, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, nc, slots, scratch_rows(bt), bd), F32))
     kernel = functools.partial(_dinput_kernel, n_tiles=t_pad // bt, has_bank=has_bank, has_seg=has_seg,
                                has_gate=has_gate, shift=shift,
                                **{**_common(stream_kernels, heads, d, tiles, backend), "bd": bd})
@@ -506,16 +492,16 @@ def phase2_fused_backward(state, partial, bank, query, include, gate, segment_id
     """
     return _backward(state, partial, bank, query, include, gate, segment_ids, dh, stream_kernels=stream_kernels,
                      heads=heads, eps=eps, gate_eps=gate_eps, tiles=tiles, backend=backend, interpret=interpret,
-                     shift="dot" if backend == "triton" else "concat", scores=scores)
+                     shift="buffer" if backend == "triton" else "concat", scores=scores)
 
 
 def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps, gate_eps,
               tiles, backend, interpret, shift, scores=None):
     """``phase2_fused_backward`` with the transposed conv's row shift chosen explicitly
-    (``"dot"``: the Triton formulation; the tests also run it in interpret mode; ``"buffer"``:
-    through a per-program scratch in memory with barriers, a GPU experiment, ``_buffer_shift``)."""
-    if shift not in ("concat", "dot", "buffer"):
-        raise ValueError(f"shift={shift!r}: must be 'concat', 'dot' or 'buffer'")
+    (``row_shift.SHIFTS``; the tests run the Triton ones, ``"dot"`` and ``"buffer"``, in
+    interpret mode too)."""
+    if shift not in SHIFTS:
+        raise ValueError(f"shift={shift!r}: must be one of {SHIFTS}")
     stream_kernels = tuple(stream_kernels)
     batch, t_len, d = partial.shape
     m = len(stream_kernels)

@@ -30,6 +30,9 @@ class Tiles:
     # ``fused_bwd_phase2._dinput_call``); None: ``block_d_mix``. They keep ``max_kernel``
     # transposed-conv tiles and the lag-shifted source tiles live per stream.
     block_d_bwd: int | None = None
+    # Triton's row shift through memory (``row_shift.shift_rows_via_buffer``): scratch slots per
+    # program (a power of two); fewer slots, less scratch, more rounds of two CTA barriers.
+    shift_slots: int = 16
 
     @property
     def block_d_grads(self) -> int:

@@ -63,7 +63,7 @@ def _inputs(kernels, heads, segments, valid, *, n, b, t, d, s, seed=0):
 
 
 def _check(kernels, heads, segments, valid, *, n, t, d, tiles=None, b=2, s=3, backend="interpret", interpret=True,
-           tol=TOL):
+           tol=TOL, shift=None):
     sources, banks, queries, ok, seg, smax, g = _inputs(kernels, heads, segments, valid, n=n, b=b, t=t, d=d, s=s)
     bank_arr = jnp.zeros((n, 0, d), jnp.float32) if banks is None else banks
     want = _jit(xs.phase1_backward, stream_kernels=kernels, heads=heads, eps=1e-6)(
@@ -71,7 +71,7 @@ def _check(kernels, heads, segments, valid, *, n, t, d, tiles=None, b=2, s=3, ba
     if tiles is None:
         tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=max([1, *kernels]), n_targets=s, backend="tpu")
     got = _jit(fb.phase1_backward, stream_kernels=kernels, heads=heads, eps=1e-6, tiles=tiles, backend=backend,
-               interpret=interpret)(sources, banks, queries, ok, seg, smax, g)
+               interpret=interpret, shift=shift)(sources, banks, queries, ok, seg, smax, g)
     d_x, d_banks, d_q = got
     assert d_x.shape == sources.shape and d_q.shape == queries.shape
     assert _rel(d_x, want[0]) < tol, ("sources", _rel(d_x, want[0]))
@@ -125,6 +125,15 @@ def test_triton_row_shift_in_interpret(monkeypatch, kernels, t, d, tiles):
     _check(kernels, 2, True, (1, 1, 0), n=3, t=t, d=d, tiles=tiles)
 
 
+@pytest.mark.parametrize("slots", [1, 4], ids=["1_slot_11_rounds", "4_slots_3_rounds"])
+def test_buffer_row_shift_in_interpret(slots):
+    """The Triton row shift through a per-program scratch (``row_shift.shift_rows_via_buffer``)
+    on the interpret path, in rounds of ``slots`` lags: kernels up to 12 (11 lags), two heads,
+    segments, an invalid source, T ragged over 3 tiles."""
+    tiles = tiling.Tiles(16, 8, 8, shift_slots=slots)
+    _check((0, 4, 12), 2, True, (1, 1, 0), n=3, t=37, d=16, tiles=tiles, shift="buffer")
+
+
 @pytest.mark.gpu
 def test_gpu_triton_matches_xla():
     """On a GPU: the compiled Triton kernels (masked halo loads, dot row shifts) at a medium
@@ -134,7 +143,8 @@ def test_gpu_triton_matches_xla():
     kernels, heads, s, d = (0, 4, 8, 12), 2, 4, 256
     tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=12, n_targets=s, backend="triton")
     with jax.default_matmul_precision("highest"):
-        _check(kernels, heads, True, (1, 0, 1), n=3, b=2, t=200, d=d, s=s, tiles=tiles, backend="triton",
-               interpret=False, tol=1e-4)
+        for shift in ("dot", "buffer"):
+            _check(kernels, heads, True, (1, 0, 1), n=3, b=2, t=200, d=d, s=s, tiles=tiles, backend="triton",
+                   interpret=False, tol=1e-4, shift=shift)
         _check((0,), 1, False, (1,), n=1, b=2, t=77, d=128, s=2, backend="triton", interpret=False, tol=1e-4,
                tiles=tiling.choose_tiles(d=128, heads=1, max_kernel=1, n_targets=2, backend="triton"))

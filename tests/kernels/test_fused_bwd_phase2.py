@@ -40,8 +40,10 @@ CASES = [
     # halo crossing tile and segment boundaries, two channel chunks per head.
     ((0, 3), 2, True, True, True, 13, 16, tiling.Tiles(4, 4, 4), "dot"),
     ((0, 4, 8, 12), 2, True, True, False, 20, 16, tiling.Tiles(16, 8, 8), "dot"),
-    # The GPU experiment: the shift through a per-program scratch buffer (barriers on Triton).
+    # Triton's default: the shift through a per-program scratch buffer (barriers on Triton), in
+    # one round (4 lags, 4 slots) and in rounds of 2 slots (11 lags: 6 rounds).
     ((0, 3, 5), 2, True, True, True, 13, 16, tiling.Tiles(8, 4, 4), "buffer"),
+    ((0, 4, 12), 1, True, True, True, 37, 8, tiling.Tiles(16, 8, 8, shift_slots=2), "buffer"),
 ]
 
 
@@ -134,10 +136,10 @@ def test_phase2_fused_backward_matches_xla(kernels, heads, segments, include, ga
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gated,include,shift", [(True, True, "dot"), (False, False, "dot"), (True, True, "buffer")])
+@pytest.mark.parametrize("gated,include,shift", [(True, True, "buffer"), (False, False, "buffer"), (True, True, "dot")])
 def test_gpu_triton_matches_xla(gated, include, shift):
-    """On a GPU: the compiled Triton kernels (masked halo loads, shift-matrix dots; or the
-    experimental scratch-buffer shift with barriers) against the XLA closed form at a medium
+    """On a GPU: the compiled Triton kernels (masked halo loads; the scratch-buffer row shift with
+    barriers, the default, or the shift-matrix dots) against the XLA closed form at a medium
     shape, several T tiles, two heads, segments. Run with
     ``JAX_PLATFORMS=cuda python -m pytest -m gpu tests/kernels/test_fused_bwd_phase2.py``
     (conftest.py defaults JAX to the CPU)."""

@@ -119,10 +119,13 @@ def test_tpu_kernels_lower_for_mosaic(kernels, heads, segments, backward):
                 assert name in text, name
 
 
-def test_buffer_row_shift_lowers_to_triton(h200):
-    """The experimental row shift of phase 2's input kernel through a per-program scratch buffer
-    and CTA barriers (``fused_bwd_phase2._buffer_shift``) lowers to Triton too (its numbers are
-    checked in interpret mode by test_fused_bwd_phase2; its speed is a GPU measurement)."""
+@pytest.mark.parametrize("shift", ["buffer", "dot"])
+def test_row_shifts_lower_to_triton(h200, shift):
+    """Both Triton row shifts of the reverse-T kernels lower: through a per-program scratch and
+    CTA barriers (``row_shift.shift_rows_via_buffer``, the default) and by 0/1 matrix products
+    (phase 2's input kernel with the gate; phase 1's gradient kernel). Their numbers are checked
+    in interpret mode by test_fused_bwd_phase{1,2}; their speed is a GPU measurement."""
+    from pallas_kernels.depth_attention import fused_bwd_phase1 as fb1
     from pallas_kernels.depth_attention import fused_bwd_phase2 as fb
     from pallas_kernels.depth_attention import tiling
 
@@ -140,7 +143,20 @@ def test_buffer_row_shift_lowers_to_triton(h200):
 
     def grads(st, x, b, q, g, dh):
         return fb._backward(st, x, b, q, True, g, None, dh, stream_kernels=kernels, heads=heads, eps=1e-6,
-                            gate_eps=1e-6, tiles=tiles, backend="triton", interpret=False, shift="buffer")
+                            gate_eps=1e-6, tiles=tiles, backend="triton", interpret=False, shift=shift)
 
     text = _lower(grads, state, partial, bank, query, gate, partial)
     assert text.count(TRITON_CALL) == 4  # scores, gate statistics, d_state, the input kernel
+
+    sources = jnp.stack([partial] * 3)
+    queries = jnp.stack([query] * 2)
+    smax = reference.phase1(sources, jnp.stack([bank] * 3), queries, stream_kernels=kernels).max
+    ct = reference.SoftmaxState(jnp.zeros_like(smax), jnp.ones_like(smax), jnp.ones((2, m, batch, t_len, d)))
+    tiles1 = tiling.choose_tiles(d=d, heads=heads, max_kernel=12, n_targets=2, backend="triton", n_streams=m)
+
+    def grads1(x, b, q):
+        return fb1.phase1_backward(x, b, q, None, None, smax, ct, stream_kernels=kernels, heads=heads, eps=1e-6,
+                                   tiles=tiles1, backend="triton", interpret=False, shift=shift)
+
+    text = _lower(grads1, sources, jnp.stack([bank] * 3), queries)
+    assert text.count(TRITON_CALL) == 3  # scores, <g_A, E>, the gradient kernel
