@@ -266,3 +266,42 @@ def test_phase2_fused_pallas_backward_through_the_op(case):
     want, want_grads = run(reference.phase2_fused)
     _check_tree(got, want, F32_TOL)
     _check_tree(got_grads, want_grads, 2e-5)
+
+
+@pytest.mark.parametrize("case", [PHASE1_CASES[0], PHASE1_CASES[2]], ids=lambda c: c[0])
+def test_scores_as_matrix_products_in_interpret(monkeypatch, case):
+    """The Triton product forms (``fused._dot_scores``) forced through the interpret path: the
+    scoring kernel's per-chunk ``E @ Q^T`` (queries padded to 16 columns, squares summed once
+    per source) and the gate statistics' ``z @ W`` (``W`` padded to 16 columns). Phase 1's
+    forward and gradients and the gated phase 2 against the reference, several heads,
+    segments, ragged T."""
+    from pallas_kernels.depth_attention import fused, tiling
+
+    monkeypatch.setattr(fused, "_dot_scores", lambda backend, bt, bd: True)
+    _, n, batch, t_len, d, n_targets, kernels, heads, valid, cut = case
+    sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, kernels)
+    seg = None if cut is None else _segments(batch, t_len, cut)
+    valid = None if valid is None else jnp.asarray(valid)
+    tiles = tiling.Tiles(16, 16, 16)
+    kw = dict(stream_kernels=kernels, heads=heads, segment_ids=seg)
+
+    def run(fn):
+        out, vjp = jax.vjp(lambda x, b, q: fn(x, b, q, valid, **kw), sources, banks, queries)
+        return out, vjp(jax.tree.map(lambda a: _rnd(9, a.shape), out))
+
+    got = run(lambda *a, **k: api.phase1(*a, implementation="pallas_gpu", tiles=tiles, backward="pallas", **k))
+    want = run(reference.phase1)
+    _check_tree(got, want, F32_TOL)
+
+    state = jax.tree.map(lambda a: a[0], want[0])
+    partial, query = sources[0], queries[0]
+    bank = None if banks is None else banks[0]
+    gate = (_rnd(31, (len(kernels) * d, len(kernels)), 1.0 / d), jnp.float32(0.7), _rnd(32, (len(kernels),), 0.3))
+
+    def run2(fn):
+        out, vjp = jax.vjp(lambda st, x, q, g: fn(st, x, bank, q, True, g, **kw), state, partial, query, gate)
+        return out, vjp(_rnd(33, out.shape))
+
+    got = run2(lambda *a, **k: api.phase2_fused(*a, implementation="pallas_gpu", tiles=tiles, backward="pallas", **k))
+    want = run2(reference.phase2_fused)
+    _check_tree(got, want, F32_TOL)
