@@ -133,27 +133,14 @@ def _expand_chunk(win: _Window, bank_ref, bank_lead: tuple, cs, kernel: int, off
 # --------------------------------------------------------------------------- kernels
 
 
-def _dot_scores(backend: str, bt: int, bd: int) -> bool:
-    """Whether the scoring kernel sums over channels with matrix products (Triton, tiles of at
-    least 16: ``tl.dot``'s smallest) instead of a cross-lane reduction per chunk, stream and
-    query. A function so the tests can force the product form through the interpret path."""
-    return backend == "triton" and bt >= 16 and bd >= 16
-
-
-def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, backend, dot):
-    """Raw per-head dots with all queries and the sum of squares of every expanded chunk.
-
-    ``dot=False``: per chunk, one cross-lane reduction per stream and query. ``dot=True``
-    (Triton): per chunk and stream one ``E[bt, bd] @ Q_r^T[bd, S_pad]`` product accumulated over
-    the head's chunks (``S_pad >= 16`` query columns, the extra ones zero) and the squares kept
-    as a whole tile, reduced over channels once per source; the dots are written as
-    ``[n, m, H, bt, S_pad]`` tiles (Triton has no value slicing to pick columns)."""
+def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, backend):
+    """Raw per-head dots with all queries and the sum of squares of every expanded chunk."""
     it = iter(refs)
     x_ref = next(it)  # [n, Tp, d]
     bank_ref = next(it) if has_bank else None  # [n, K, d]
-    q_ref = next(it)  # [S, m, d]; dot: [m, d, S_pad]
+    q_ref = next(it)  # [S, m, d]
     seg_ref = next(it) if has_seg else None  # [Tp]
-    dots_ref = next(it)  # [S, n, m, bt, H]; dot: [n, m, H, bt, S_pad]
+    dots_ref = next(it)  # [S, n, m, bt, H]
     ss_ref = next(it)  # [n, m, bt]
     m = len(stream_kernels)
     layout = _stream_layout(stream_kernels)
@@ -162,29 +149,6 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
     masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
     dh = d // heads
     zero = jnp.zeros((bt,), F32)
-
-    def source_body_dot(i, carry):
-        ss = [jnp.zeros((bt, bd), F32)] * m
-        for h in range(heads):
-
-            def chunk_body(c, carry):
-                ss, dots = list(carry[0]), list(carry[1])
-                cs = pl.ds(pl.multiple_of(h * dh + c * bd, bd), bd)
-                win = _Window(x_ref, (i,), t0, bt, cs, backend, width=bd)
-                for r, (kernel, off) in enumerate(layout):
-                    e = _expand_chunk(win, bank_ref, (i,), cs, kernel, off, masks)
-                    ss[r] = ss[r] + e * e
-                    dots[r] = dots[r] + jnp.dot(e, q_ref[r, cs, :].astype(F32), precision=jax.lax.Precision.HIGHEST,
-                                                preferred_element_type=F32)
-                return ss, dots
-
-            dots0 = [jnp.zeros((bt, q_ref.shape[-1]), F32)] * m
-            ss, dots = jax.lax.fori_loop(0, dh // bd, chunk_body, (ss, dots0))
-            for r in range(m):
-                dots_ref[i, r, h, :, :] = dots[r]
-        for r in range(m):
-            ss_ref[i, r, :, 0] = jnp.sum(ss[r], axis=1)
-        return carry
 
     def source_body(i, carry):
         ss = [zero] * m
@@ -213,17 +177,13 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
             ss_ref[i, r, :, 0] = ss[r]
         return carry
 
-    jax.lax.fori_loop(0, n, source_body_dot if dot else source_body, 0)
+    jax.lax.fori_loop(0, n, source_body, 0)
 
 
-def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, has_base, mode, backend,
-                dot=False):
+def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, has_base, mode, backend):
     """``z[s, r] = a * base + sum_i p[s, i, r] * E_r[x_i]`` on one chunk, then by ``mode``:
     ``acc`` writes z; ``mean``/``gate`` write ``h = sum_r g_r z_r``; ``stats`` writes the
-    chunk's ``sum z^2`` and ``z @ W`` partials (the gate's inputs). ``dot`` (stats, Triton):
-    ``z @ W`` as one ``[bt, bd] @ [bd, 16]`` product per stream (``W``'s ``m`` columns padded to
-    16, written as a ``[bt, 16]`` tile) and ``z^2`` kept as a tile, reduced once, instead of
-    ``1 + m`` cross-lane reductions per stream."""
+    chunk's ``sum z^2`` and ``z @ W`` partials (the gate's inputs)."""
     it = iter(refs)
     x_ref = next(it)  # [n, Tp, bd]
     bank_ref = next(it) if has_bank else None  # [n, K, bd]
@@ -231,7 +191,7 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
     base_ref = next(it) if has_base else None  # [S, m, bt, bd]
     a_ref = next(it) if has_base else None  # [S, m, bt, H]
     g_ref = next(it) if mode == "gate" else None  # [bt, m]
-    w_ref = next(it) if mode == "stats" else None  # [m, bd, m]; dot: [m, bd, 16]
+    w_ref = next(it) if mode == "stats" else None  # [m, bd, m]
     seg_ref = next(it) if has_seg else None  # [Tp]
     outs = list(it)
     m = len(stream_kernels)
@@ -252,8 +212,8 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
     masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
     zero = jnp.zeros((bt, bd), F32)
     h_acc = zero
-    sq = jnp.zeros((bt, bd) if dot else (bt,), F32)
-    zw = jnp.zeros((bt, w_ref.shape[-1]), F32) if dot else [jnp.zeros((bt,), F32)] * m
+    sq = jnp.zeros((bt,), F32)
+    zw = [jnp.zeros((bt,), F32)] * m
 
     for r, (kernel, off) in enumerate(layout):
 
@@ -273,19 +233,12 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
                 h_acc = h_acc + z * (1.0 / m)
             elif mode == "gate":
                 h_acc = h_acc + g_ref[:, r][:, None] * z
-            elif dot:  # stats
-                sq = sq + z * z
-                zw = zw + jnp.dot(z, w_ref[r, :, :].astype(F32), precision=jax.lax.Precision.HIGHEST,
-                                  preferred_element_type=F32)
             else:  # stats
                 sq = sq + jnp.sum(z * z, axis=1)
                 for j in range(m):
                     zw[j] = zw[j] + jnp.sum(z * w_ref[r, :, j].astype(F32)[None, :], axis=1)
     if mode in ("mean", "gate"):
         outs[0][...] = h_acc.astype(outs[0].dtype)
-    elif mode == "stats" and dot:
-        outs[0][:, 0] = jnp.sum(sq, axis=1)
-        outs[1][...] = zw
     elif mode == "stats":
         outs[0][:, 0] = sq
         for j in range(m):
@@ -329,38 +282,30 @@ def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, 
     if has_bank:
         in_specs.append(pl.BlockSpec(banks.shape, lambda b, t: (0, 0, 0)))
         args.append(banks)
-    q_pos = len(in_specs)
     in_specs.append(pl.BlockSpec(queries.shape, lambda b, t: (0, 0, 0)))
     args.append(queries)
     if has_seg:  # [B, Tp, 1]: Mosaic TPU wants a block's last two dims whole (or 8 x 128-aligned)
         in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, t: (b, 0, 0)))
         args.append(seg[:, :, None])
-    dot = _dot_scores(backend, bt, bd)
-    if dot:  # queries as [m, d, S_pad] (channels, then the padded query columns): see _scores_kernel
-        s_pad = max(16, 1 << (n_targets - 1).bit_length())
-        q_t = jnp.pad(jnp.moveaxis(queries, 0, -1), ((0, 0), (0, 0), (0, s_pad - n_targets)))
-        args[q_pos] = q_t
-        in_specs[q_pos] = pl.BlockSpec(q_t.shape, lambda b, t: (0, 0, 0))
-        dots_spec = pl.BlockSpec((n, m, None, heads, bt, s_pad), lambda b, t: (0, 0, b, 0, t, 0))
-        dots_shape = jax.ShapeDtypeStruct((n, m, batch, heads, t_pad, s_pad), F32)
-    else:
-        dots_spec = pl.BlockSpec((n_targets, n, m, None, bt, heads), lambda b, t: (0, 0, 0, b, t, 0))
-        dots_shape = jax.ShapeDtypeStruct((n_targets, n, m, batch, t_pad, heads), F32)
     kernel = functools.partial(
         _scores_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d,
-        bt=bt, bd=bd, has_bank=has_bank, has_seg=has_seg, backend=backend, dot=dot,
+        bt=bt, bd=bd, has_bank=has_bank, has_seg=has_seg, backend=backend,
     )
     dots, sumsq = pl.pallas_call(
         kernel,
         grid=(batch, t_pad // bt),
         in_specs=in_specs,
-        out_specs=[dots_spec, pl.BlockSpec((n, m, None, bt, 1), lambda b, t: (0, 0, b, t, 0))],
-        out_shape=[dots_shape, jax.ShapeDtypeStruct((n, m, batch, t_pad, 1), F32)],
+        out_specs=[
+            pl.BlockSpec((n_targets, n, m, None, bt, heads), lambda b, t: (0, 0, 0, b, t, 0)),
+            pl.BlockSpec((n, m, None, bt, 1), lambda b, t: (0, 0, b, t, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((n_targets, n, m, batch, t_pad, heads), F32),
+            jax.ShapeDtypeStruct((n, m, batch, t_pad, 1), F32),
+        ],
         name="depth_attention_scores",
         **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel")),
     )(*args)
-    if dot:  # [n, m, B, H, Tp, S_pad] -> [S, n, m, B, Tp, H]
-        dots = jnp.transpose(dots[..., :n_targets], (5, 0, 1, 2, 4, 3))
     return dots, sumsq[..., 0]
 
 
@@ -389,11 +334,8 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
     if mode == "gate":
         in_specs.append(pl.BlockSpec((None, bt, m), lambda b, t, c: (b, t, 0)))
         args.append(gate)
-    dot = mode == "stats" and _dot_scores(backend, bt, bd)
-    w_cols = max(16, m) if dot else m  # the product form pads W's columns to tl.dot's smallest size
     if mode == "stats":
-        w = jnp.pad(w, ((0, 0), (0, 0), (0, w_cols - m))) if w_cols > m else w
-        in_specs.append(pl.BlockSpec((m, bd, w_cols), lambda b, t, c: (0, c, 0)))
+        in_specs.append(pl.BlockSpec((m, bd, m), lambda b, t, c: (0, c, 0)))
         args.append(w)
     if has_seg:  # [B, Tp, 1], as in scores_call
         in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, t, c: (b, 0, 0)))
@@ -409,15 +351,15 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
         # block-shape rule); returned below as [B, Tp, nc] and [B, Tp, nc, m]
         out_specs = [
             pl.BlockSpec((None, None, bt, 1), lambda b, t, c: (b, c, t, 0)),
-            pl.BlockSpec((None, None, bt, w_cols), lambda b, t, c: (b, c, t, 0)),
+            pl.BlockSpec((None, None, bt, m), lambda b, t, c: (b, c, t, 0)),
         ]
         out_shape = [
             jax.ShapeDtypeStruct((batch, nc, t_pad, 1), F32),
-            jax.ShapeDtypeStruct((batch, nc, t_pad, w_cols), F32),
+            jax.ShapeDtypeStruct((batch, nc, t_pad, m), F32),
         ]
     kernel = functools.partial(
         _mix_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d, bt=bt,
-        bd=bd, has_bank=has_bank, has_seg=has_seg, has_base=has_base, mode=mode, backend=backend, dot=dot,
+        bd=bd, has_bank=has_bank, has_seg=has_seg, has_base=has_base, mode=mode, backend=backend,
     )
     out = pl.pallas_call(
         kernel,
@@ -429,7 +371,7 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
         **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
     if mode == "stats":
-        return out[0][..., 0].transpose(0, 2, 1), out[1][..., :m].transpose(0, 2, 1, 3)
+        return out[0][..., 0].transpose(0, 2, 1), out[1].transpose(0, 2, 1, 3)
     return out[0] if len(out) == 1 else out
 
 
