@@ -133,8 +133,27 @@ def _expand_chunk(win: _Window, bank_ref, bank_lead: tuple, cs, kernel: int, off
 # --------------------------------------------------------------------------- kernels
 
 
-def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, backend):
-    """Raw per-head dots with all queries and the sum of squares of every expanded chunk."""
+# Register budget of the whole-tile channel sums (``_whole_tile_sums``), in float32 values per
+# program: 8 tiles of 16 x 32 (32 registers a thread at 4 warps). Phase 2's scoring (4 dot and 4
+# square accumulators at 16 x 32) and gate statistics (5) fit; phase 1's 8 targets (36 at 16 x 64)
+# do not and keep the per-chunk reductions.
+_WHOLE_TILE_BUDGET = 4096
+
+
+def _whole_tile_sums(backend: str, n_accumulators: int, bt: int, bd: int) -> bool:
+    """Whether a kernel's channel sums are carried as whole ``[bt, bd]`` tiles and reduced over
+    channels once at the end (Triton, when ``n_accumulators`` such tiles fit the budget) rather
+    than by a cross-lane reduction per chunk. Cross-lane and cross-row reductions inside the
+    loops cost the reverse-T kernels most of their time on the H200 (BENCHMARKS.md, kernels,
+    session 6); a function so the tests can force either form through the interpret path."""
+    return backend == "triton" and n_accumulators * bt * bd <= _WHOLE_TILE_BUDGET
+
+
+def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, backend, whole):
+    """Raw per-head dots with all queries and the sum of squares of every expanded chunk.
+
+    ``whole``: the dots and squares accumulate as ``[bt, bd]`` tiles, reduced over channels once
+    per head (dots) and per source (squares), instead of once per chunk (``_whole_tile_sums``)."""
     it = iter(refs)
     x_ref = next(it)  # [n, Tp, d]
     bank_ref = next(it) if has_bank else None  # [n, K, d]
@@ -148,7 +167,9 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
     max_lag = max([1, *stream_kernels])
     masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
     dh = d // heads
-    zero = jnp.zeros((bt,), F32)
+    zero = jnp.zeros((bt, bd) if whole else (bt,), F32)
+    fold = (lambda v: v) if whole else (lambda v: jnp.sum(v, axis=1))  # noqa: E731  (per chunk)
+    finish = (lambda v: jnp.sum(v, axis=1)) if whole else (lambda v: v)  # noqa: E731  (at the write)
 
     def source_body(i, carry):
         ss = [zero] * m
@@ -162,28 +183,31 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
                 ss, dots = list(ss), [list(row) for row in dots]
                 for r, (kernel, off) in enumerate(layout):
                     e = _expand_chunk(win, bank_ref, (i,), cs, kernel, off, masks)
-                    ss[r] = ss[r] + jnp.sum(e * e, axis=1)
+                    ss[r] = ss[r] + fold(e * e)
                     for s in range(n_targets):
                         q = q_ref[s, r, cs].astype(F32)[None, :]
-                        dots[s][r] = dots[s][r] + jnp.sum(e * q, axis=1)
+                        dots[s][r] = dots[s][r] + fold(e * q)
                 return ss, dots
 
             dots0 = [[zero] * m for _ in range(n_targets)]
             ss, dots = jax.lax.fori_loop(0, dh // bd, chunk_body, (ss, dots0))
             for s in range(n_targets):
                 for r in range(m):
-                    dots_ref[s, i, r, :, h] = dots[s][r]
+                    dots_ref[s, i, r, :, h] = finish(dots[s][r])
         for r in range(m):
-            ss_ref[i, r, :, 0] = ss[r]
+            ss_ref[i, r, :, 0] = finish(ss[r])
         return carry
 
     jax.lax.fori_loop(0, n, source_body, 0)
 
 
-def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, has_base, mode, backend):
+def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, has_base, mode, backend,
+                whole=False):
     """``z[s, r] = a * base + sum_i p[s, i, r] * E_r[x_i]`` on one chunk, then by ``mode``:
     ``acc`` writes z; ``mean``/``gate`` write ``h = sum_r g_r z_r``; ``stats`` writes the
-    chunk's ``sum z^2`` and ``z @ W`` partials (the gate's inputs)."""
+    chunk's ``sum z^2`` and ``z @ W`` partials (the gate's inputs). ``whole`` (stats): those
+    ``1 + m`` sums accumulate over the streams as ``[bt, bd]`` tiles and are reduced over
+    channels once, not once per stream (``_whole_tile_sums``)."""
     it = iter(refs)
     x_ref = next(it)  # [n, Tp, bd]
     bank_ref = next(it) if has_bank else None  # [n, K, bd]
@@ -212,8 +236,9 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
     masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
     zero = jnp.zeros((bt, bd), F32)
     h_acc = zero
-    sq = jnp.zeros((bt,), F32)
-    zw = [jnp.zeros((bt,), F32)] * m
+    sq = jnp.zeros((bt, bd) if whole else (bt,), F32)
+    zw = [sq] * m
+    fold = (lambda v: v) if whole else (lambda v: jnp.sum(v, axis=1))  # noqa: E731
 
     for r, (kernel, off) in enumerate(layout):
 
@@ -234,15 +259,16 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
             elif mode == "gate":
                 h_acc = h_acc + g_ref[:, r][:, None] * z
             else:  # stats
-                sq = sq + jnp.sum(z * z, axis=1)
+                sq = sq + fold(z * z)
                 for j in range(m):
-                    zw[j] = zw[j] + jnp.sum(z * w_ref[r, :, j].astype(F32)[None, :], axis=1)
+                    zw[j] = zw[j] + fold(z * w_ref[r, :, j].astype(F32)[None, :])
     if mode in ("mean", "gate"):
         outs[0][...] = h_acc.astype(outs[0].dtype)
     elif mode == "stats":
-        outs[0][:, 0] = sq
+        finish = (lambda v: jnp.sum(v, axis=1)) if whole else (lambda v: v)  # noqa: E731
+        outs[0][:, 0] = finish(sq)
         for j in range(m):
-            outs[1][:, j] = zw[j]
+            outs[1][:, j] = finish(zw[j])
 
 
 # --------------------------------------------------------------------------- calls
@@ -290,6 +316,7 @@ def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, 
     kernel = functools.partial(
         _scores_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d,
         bt=bt, bd=bd, has_bank=has_bank, has_seg=has_seg, backend=backend,
+        whole=_whole_tile_sums(backend, (n_targets + 1) * m, bt, bd),
     )
     dots, sumsq = pl.pallas_call(
         kernel,
@@ -360,6 +387,7 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
     kernel = functools.partial(
         _mix_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d, bt=bt,
         bd=bd, has_bank=has_bank, has_seg=has_seg, has_base=has_base, mode=mode, backend=backend,
+        whole=mode == "stats" and _whole_tile_sums(backend, 1 + m, bt, bd),
     )
     out = pl.pallas_call(
         kernel,

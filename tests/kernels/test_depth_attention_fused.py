@@ -266,3 +266,55 @@ def test_phase2_fused_pallas_backward_through_the_op(case):
     want, want_grads = run(reference.phase2_fused)
     _check_tree(got, want, F32_TOL)
     _check_tree(got_grads, want_grads, 2e-5)
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["whole_tiles", "per_chunk"])
+@pytest.mark.parametrize("case", [PHASE1_CASES[0], PHASE1_CASES[2]], ids=lambda c: c[0])
+def test_channel_sums_as_whole_tiles_or_per_chunk(monkeypatch, case, whole):
+    """Both forms of the scoring kernel's and the gate statistics' channel sums
+    (``fused._whole_tile_sums``: Triton carries whole tiles when they fit its register budget,
+    interpret mode and Mosaic reduce per chunk), each forced through the interpret path with
+    several channel chunks per head: phase 1's forward and gradients and the gated phase 2
+    against the reference, heads, segments, ragged T."""
+    from pallas_kernels.depth_attention import fused, tiling
+
+    monkeypatch.setattr(fused, "_whole_tile_sums", lambda backend, n_acc, bt, bd: whole)
+    _, n, batch, t_len, d, n_targets, kernels, heads, valid, cut = case
+    sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, kernels)
+    seg = None if cut is None else _segments(batch, t_len, cut)
+    valid = None if valid is None else jnp.asarray(valid)
+    tiles = tiling.Tiles(16, 8, 8)  # 2-4 chunks per head
+    kw = dict(stream_kernels=kernels, heads=heads, segment_ids=seg)
+
+    def run(fn):
+        out, vjp = jax.vjp(lambda x, b, q: fn(x, b, q, valid, **kw), sources, banks, queries)
+        return out, vjp(jax.tree.map(lambda a: _rnd(9, a.shape), out))
+
+    got = run(lambda *a, **k: api.phase1(*a, implementation="pallas_gpu", tiles=tiles, backward="pallas", **k))
+    want = run(reference.phase1)
+    _check_tree(got, want, F32_TOL)
+
+    state = jax.tree.map(lambda a: a[0], want[0])
+    partial, query = sources[0], queries[0]
+    bank = None if banks is None else banks[0]
+    m = len(kernels)
+    gate = (_rnd(31, (m * d, m), 1.0 / d), jnp.float32(0.7), _rnd(32, (m,), 0.3))
+
+    def run2(fn):
+        out, vjp = jax.vjp(lambda st, x, q, g: fn(st, x, bank, q, True, g, **kw), state, partial, query, gate)
+        return out, vjp(_rnd(33, out.shape))
+
+    got = run2(lambda *a, **k: api.phase2_fused(*a, implementation="pallas_gpu", tiles=tiles, backward="pallas", **k))
+    want = run2(reference.phase2_fused)
+    _check_tree(got, want, F32_TOL)
+
+
+def test_whole_tile_sums_budget():
+    """Triton carries whole tiles for phase 2's one target (4 streams at 16 x 32: 8 dot and
+    square accumulators; 5 for the gate statistics), not for phase 1's 8 targets."""
+    from pallas_kernels.depth_attention import fused
+
+    assert fused._whole_tile_sums("triton", (1 + 1) * 4, 16, 32)
+    assert fused._whole_tile_sums("triton", 1 + 4, 16, 32)
+    assert not fused._whole_tile_sums("triton", (8 + 1) * 4, 16, 64)
+    assert not fused._whole_tile_sums("interpret", 2, 16, 32)
