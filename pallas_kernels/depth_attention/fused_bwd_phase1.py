@@ -64,9 +64,12 @@ loads at ``t0 - delta`` on Triton, previous-tile concatenate elsewhere). The tra
 shifts VALUES (``H_delta`` of this tile, already in registers) by ``delta`` rows
 (``row_shift.shift_rows``): on Triton, which has no value-level slicing or general
 concatenate, as a product with a 0/1 shift matrix (``[bt, bt] @ [bt, bd]``, IEEE float32, so
-exact); elsewhere with concatenate + static slice. Both need
-``block_t >= max_kernel - 1`` (the spill reaches one tile back only); Triton's dot also needs
-``block_t, block_d >= 16``.
+exact); elsewhere with concatenate + static slice. ``shift="buffer"`` (``grads_call``) takes
+phase 2's Triton default instead, the rows through a per-program scratch
+(``row_shift.shift_rows_via_buffer``), but here it was slower (H200, bench shape, this kernel
+alone: 75-81 against 72 ms; BENCHMARKS.md, kernels, session 7: the shift is 5% of this kernel,
+its carried token sums 29%). Both need ``block_t >= max_kernel - 1`` (the spill reaches one
+tile back only); Triton's dot also needs ``block_t, block_d >= 16``.
 
 Tiles: pass 2 uses ``tiles.block_d_mix`` as its chunk, pass 4 ``tiles.block_d_grads``
 (``block_d_bwd``, else ``block_d_mix``; both must divide the head width). Pass 4 keeps
