@@ -27,7 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.depth_attention import api, reference
+from pallas_kernels.depth_attention import api, reference, xla_streaming
 
 
 def timeit(fn, *args, reps=25, inner=5, warmup=2):
@@ -492,7 +492,12 @@ def main():
     ap.add_argument("--p1_bwd_parts", action="store_true",
                     help="the same for phase 1's Pallas backward (one block)")
     ap.add_argument("--sweeps_only", action="store_true", help="run the requested sweeps, skip the main table")
+    ap.add_argument("--no_bwd_barrier", action="store_true",
+                    help="trace the custom_vjp backwards without their optimization barrier on (residuals, "
+                         "cotangent) (xla_streaming.ordered_after_cotangent): what the barrier costs a read")
     args = ap.parse_args()
+    if args.no_bwd_barrier:  # read by vjp.py and xla_streaming at trace time
+        xla_streaming.ordered_after_cotangent = lambda res, ct: (res, ct)
     out_dir = os.environ.get("OUT", ".")
     log_path = os.path.join(out_dir, "bench_log.jsonl")
 
@@ -501,7 +506,8 @@ def main():
         with open(log_path, "a") as f:
             f.write(line + "\n")
 
-    log(json.dumps({"device": str(jax.devices()[0]), "kind": jax.devices()[0].device_kind, "jax": jax.__version__}))
+    log(json.dumps({"device": str(jax.devices()[0]), "kind": jax.devices()[0].device_kind, "jax": jax.__version__,
+                    "bwd_barrier": not args.no_bwd_barrier}))
     if args.small:
         shapes = dict(n=3, batch=1, t_len=32, d=64, n_targets=2)
         impl, reps, inner = "pallas_gpu", 3, 1

@@ -125,7 +125,7 @@ def test_triton_row_shift_in_interpret(monkeypatch, kernels, t, d, tiles):
     _check(kernels, 2, True, (1, 1, 0), n=3, t=t, d=d, tiles=tiles)
 
 
-@pytest.mark.parametrize("slots", [1, 4], ids=["1_slot_11_rounds", "4_slots_3_rounds"])
+@pytest.mark.parametrize("slots", [1, pytest.param(4, marks=pytest.mark.slow)], ids=["1_slot_11_rounds", "4_slots_3_rounds"])
 def test_buffer_row_shift_in_interpret(slots):
     """The Triton row shift through a per-program scratch (``row_shift.shift_rows_via_buffer``)
     on the interpret path, in rounds of ``slots`` lags: kernels up to 12 (11 lags), two heads,
