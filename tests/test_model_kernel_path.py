@@ -121,3 +121,5 @@ def test_keeps_only_inputs(op, implementation, lean):
     assert depth_api.keeps_only_inputs(op, implementation) is lean
     with pytest.raises(ValueError, match="op='phase3'"):
         depth_api.keeps_only_inputs("phase3", implementation)
+    # on this CPU, None falls back to XLA, whose reads the model keeps under a checkpoint
+    assert depth_api.runs_a_kernel(implementation) is (implementation not in ("xla", None))

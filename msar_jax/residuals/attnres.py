@@ -138,8 +138,13 @@ class BlockDepthAttention(ResidualMechanism):
         return "pallas" if op is depth_api.phase2_fused and len(self.stream_kernels) > 1 else "xla"
 
     def _lean_vjp(self, op) -> bool:
-        """``op``'s backward keeps only its inputs on this implementation (no checkpoint needed)."""
-        return depth_api.keeps_only_inputs(op.__name__, self.implementation)
+        """Run ``op`` without a checkpoint: it runs a Pallas kernel whose backward keeps only its
+        inputs. That removed a third run of each read's forward kernels per step on the H200
+        (BENCHMARKS.md, kernels, session 7). The XLA path keeps its checkpoint: its ops keep
+        only their inputs too, but without the checkpoint the CPU suite's model tests ran about
+        20% slower (``test_grad_accum``'s MSAR case 65 -> 79 s), and it is untimed on the GPU."""
+        return depth_api.runs_a_kernel(self.implementation) and depth_api.keeps_only_inputs(
+            op.__name__, self.implementation)
 
     def _op(self, op):
         kw = self._kw()

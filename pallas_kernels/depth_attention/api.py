@@ -96,6 +96,12 @@ def keeps_only_inputs(op: str, implementation: Implementation = None) -> bool:
     return all(name != "xla" or op in _XLA_KEEPS_ONLY_INPUTS for name in _candidates(implementation))
 
 
+def runs_a_kernel(implementation: Implementation = None) -> bool:
+    """Whether ops asked for with ``implementation`` run a Pallas kernel on this platform
+    (``None`` picks the platform's kernel where one exists; the XLA path otherwise)."""
+    return _candidates(implementation)[0] != "xla"
+
+
 def phase1(*args, implementation: Implementation = None, **kwargs) -> reference.SoftmaxState:
     """Phase 1 of the two-phase read; see ``reference.phase1`` for the arguments."""
     return _dispatch("phase1", implementation, *args, **kwargs)
