@@ -43,7 +43,7 @@ def residual_config() -> ml_collections.ConfigDict:
             two_phase=True,  # block reads through phase 1 + phase 2 (SPEC 5); False = direct
             final_merge="residual",  # MSAR final: "residual" (h_L + v_L) or "sum" (all sources)
             implementation="xla",  # depth-attention kernels: "xla", "pallas_tpu", "pallas_gpu", "auto"
-            kernel_backward="auto",  # backward of the Pallas kernels: "xla" (closed form), "pallas", or "auto" (per op, the faster on the H200)
+            kernel_backward="auto",  # backward of the Pallas kernels: "xla" (closed form), "pallas", "hybrid" (phase 1's closed form with the conv-transpose kernel), or "auto" (per op, the faster on the H200)
             read_chunks=1,  # XLA path: run each depth read over this many batch slices (bounds its memory)
         )
     )
@@ -157,8 +157,8 @@ def validate(model: ml_collections.ConfigDict, prefix: str = "model") -> ml_coll
         raise ConfigError(r("final_merge"), res.final_merge, "must be 'residual' or 'sum'")
     if res.implementation not in ("xla", "pallas_tpu", "pallas_gpu", "auto"):
         raise ConfigError(r("implementation"), res.implementation, "must be one of 'xla', 'pallas_tpu', 'pallas_gpu', 'auto'")
-    if res.get("kernel_backward", "auto") not in ("xla", "pallas", "auto"):
-        raise ConfigError(r("kernel_backward"), res.kernel_backward, "must be 'xla', 'pallas' or 'auto'")
+    if res.get("kernel_backward", "auto") not in ("xla", "pallas", "hybrid", "auto"):
+        raise ConfigError(r("kernel_backward"), res.kernel_backward, "must be 'xla', 'pallas', 'hybrid' or 'auto'")
     return model
 
 

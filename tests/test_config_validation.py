@@ -35,7 +35,7 @@ CASES = [
     ({"residual.fusion": "max"}, "model.residual.fusion", "one of"),
     ({"dtype": "int8"}, "model.dtype", "one of"),
     ({"residual.read_chunks": 0}, "model.residual.read_chunks", "positive integer"),
-    ({"residual.kernel_backward": "triton"}, "model.residual.kernel_backward", "must be 'xla', 'pallas' or 'auto'"),
+    ({"residual.kernel_backward": "triton"}, "model.residual.kernel_backward", "must be 'xla', 'pallas', 'hybrid' or 'auto'"),
 ]
 
 

@@ -34,6 +34,7 @@ def loss_and_grads(mechanism, implementation, kernel_backward="xla"):
     ("msar", "pallas_gpu", "pallas"),
     ("attnres", "pallas_tpu", "pallas"),
     pytest.param("msar", "pallas_gpu", "auto", marks=pytest.mark.slow),  # Pallas phase 2, XLA phase 1
+    pytest.param("msar", "pallas_gpu", "hybrid", marks=pytest.mark.slow),  # phase 1 with the conv_transpose kernel
 ])
 def test_kernel_path_matches_xla_path(mechanism, implementation, kernel_backward):
     want_loss, want = loss_and_grads(mechanism, "xla")
@@ -45,12 +46,12 @@ def test_kernel_path_matches_xla_path(mechanism, implementation, kernel_backward
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale)
 
 
-@pytest.mark.parametrize("mechanism, phase2_fused_backward, other_ops", [
-    ("msar", "pallas", "xla"),  # Pallas only for the fused phase 2 + gate
-    ("attnres", "pallas", "pallas"),  # a single stream and head: Pallas everywhere
-    ("mhar", "xla", "xla"),  # heads > 1: untimed, the XLA backward
+@pytest.mark.parametrize("mechanism, phase2_fused_backward, phase1_backward, other_ops", [
+    ("msar", "pallas", "hybrid", "xla"),  # Pallas for the fused phase 2 + gate, phase 1's conv transpose
+    ("attnres", "pallas", "pallas", "pallas"),  # a single stream and head: Pallas everywhere
+    ("mhar", "xla", "xla", "xla"),  # heads > 1: untimed, the XLA backward
 ])
-def test_auto_kernel_backward_per_mechanism_and_op(mechanism, phase2_fused_backward, other_ops):
+def test_auto_kernel_backward_per_mechanism_and_op(mechanism, phase2_fused_backward, phase1_backward, other_ops):
     from flax import nnx
 
     from msar_jax.residuals import make_mechanism
@@ -60,10 +61,11 @@ def test_auto_kernel_backward_per_mechanism_and_op(mechanism, phase2_fused_backw
     assert cfg.model.residual.kernel_backward == "auto"  # the default
     mech = make_mechanism(cfg.model, nnx.Rngs(0))
     assert mech._kernel_backward(depth_api.phase2_fused) == phase2_fused_backward
-    for op in (depth_api.phase1, depth_api.phase2, depth_api.depth_read):
+    assert mech._kernel_backward(depth_api.phase1) == phase1_backward
+    for op in (depth_api.phase2, depth_api.depth_read):
         assert mech._kernel_backward(op) == other_ops
     assert mech._op(depth_api.phase2_fused).keywords["backward"] == phase2_fused_backward
-    for choice in ("xla", "pallas"):
+    for choice in ("xla", "pallas", "hybrid"):
         cfg.model.residual.kernel_backward = choice
         mech = make_mechanism(cfg.model, nnx.Rngs(0))
         assert {mech._kernel_backward(op) for op in (depth_api.phase1, depth_api.phase2_fused)} == {choice}

@@ -127,14 +127,18 @@ class BlockDepthAttention(ResidualMechanism):
         * the Pallas backward for every op of a single-stream, single-head read (AttnRes): its
           `base` step 1110.0 against 1173.9 ms with the XLA backward (session 6, after the
           reverse-T kernels stopped reducing over rows per tile);
-        * the closed-form XLA backward everywhere else (MSAR phase 1: 56.7 against 84.9 ms per
-          block at the bench shape, session 6; MHAR's heads are untimed, so it keeps XLA's).
+        * for phase 1 with conv streams (MSAR) the closed-form XLA backward with the
+          expansion's transpose as a kernel (``"hybrid"``; the Pallas backward took 84.9 against
+          the closed form's 56.7 ms per block at the bench shape, session 6);
+        * the closed-form XLA backward everywhere else (MHAR's heads are untimed, so it keeps XLA's).
         """
         choice = self.res_cfg.get("kernel_backward", "xla")
         if choice != "auto":
             return choice
         if len(self.stream_kernels) == 1 and self.heads == 1:
             return "pallas"
+        if op is depth_api.phase1 and any(self.stream_kernels):
+            return "hybrid"
         return "pallas" if op is depth_api.phase2_fused and len(self.stream_kernels) > 1 else "xla"
 
     def _lean_vjp(self, op) -> bool:

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.depth_attention import fused, fused_bwd_phase1, fused_bwd_phase2, tiling, vjp
+from pallas_kernels.depth_attention import conv_transpose, fused, fused_bwd_phase1, fused_bwd_phase2, tiling, vjp
 
 
 def build(backend: str, native_platform: str):
@@ -16,7 +16,7 @@ def build(backend: str, native_platform: str):
     Off ``native_platform`` the kernels run in Pallas interpret mode (CPU tests);
     then the halo is always built from the previous tile (see ``fused.py``).
     Keyword options accepted by every op: ``interpret`` (bool), ``tiles`` (a
-    ``tiling.Tiles``) and ``backward`` (``"xla"``, the default, or ``"pallas"``: see
+    ``tiling.Tiles``) and ``backward`` (``"xla"``, the default, ``"pallas"`` or ``"hybrid"``: see
     ``vjp.py``); ``phase2_fused`` also ``out_dtype``.
     """
 
@@ -60,6 +60,11 @@ def build(backend: str, native_platform: str):
             heads=static.heads, eps=static.eps, **kw,
         )
 
+    def expansion_transpose(d_e, x, bank, segment_ids, static, n_targets):
+        kw, _ = setup(x.shape[-1], static.heads, static.stream_kernels, n_targets, static.kernel_opts)
+        return conv_transpose.expansion_transpose(d_e, x, bank, segment_ids, stream_kernels=static.stream_kernels,
+                                                  **kw)
+
     def p2_backward(state, partial, bank, query, include, gate, segment_ids, dh, static, scores=None):
         kw, _ = setup(partial.shape[-1], static.heads, static.stream_kernels, 1, static.kernel_opts)
         return fused_bwd_phase2.phase2_fused_backward(
@@ -69,7 +74,7 @@ def build(backend: str, native_platform: str):
         )
 
     return (
-        vjp.make_phase1(p1_forward, p1_backward),
+        vjp.make_phase1(p1_forward, p1_backward, expansion_transpose),
         vjp.make_phase2(p2_forward, fused=False),
         vjp.make_phase2(p2_forward, fused=True, kernel_backward=p2_backward),
     )

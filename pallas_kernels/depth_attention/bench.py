@@ -473,13 +473,50 @@ def parts_p1_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16
     return row
 
 
+def parts_p1_xla_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, reps=21):
+    """Phase 1's closed-form XLA backward (``xla_streaming.phase1_backward``, one block) with the
+    expansion's transpose by XLA's autodiff and by the ``conv_transpose`` kernel (the
+    ``backward="hybrid"`` option), and that transpose alone for one source, both ways (ms)."""
+    from pallas_kernels.depth_attention import conv_transpose, tiling
+
+    n, batch, t_len, d, n_targets = (shapes[k] for k in ("n", "batch", "t_len", "d", "n_targets"))
+    sources, banks, queries, *_ = make_inputs(n, batch, t_len, d, n_targets, kernels, heads, dtype)
+    smax = jax.jit(lambda x, b, q: reference.phase1(x, b, q, stream_kernels=kernels, heads=heads).max)(
+        sources, banks, queries)
+    ks = jax.random.split(jax.random.key(12), 3)
+    m = len(kernels)
+    ct = reference.SoftmaxState(jnp.zeros_like(smax), jax.random.normal(ks[0], smax.shape),
+                                jax.random.normal(ks[1], (n_targets, m, batch, t_len, d)))
+    tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=max(kernels), n_targets=n_targets, backend="triton",
+                                n_streams=m)
+    transpose = functools.partial(conv_transpose.expansion_transpose, stream_kernels=kernels, tiles=tiles,
+                                  **_on_gpu())
+    ok = jnp.ones((n,), bool)
+    row = {"p1_xla_bwd_parts": str(kernels), "tiles": str(tiles)}
+    for label, tr in (("autodiff", None), ("kernel", transpose)):
+        f = jax.jit(functools.partial(xla_streaming.phase1_backward, stream_kernels=kernels, heads=heads, eps=1e-6,
+                                      expansion_transpose=tr))
+        row[f"p1_bwd_{label}_transpose_ms"] = timeit(f, sources, banks, queries, ok, None, smax, ct, reps=reps,
+                                                     inner=2)[0] * 1e3
+    d_streams = jax.random.normal(ks[2], (m, batch, t_len, d))
+    x, bank = sources[0], banks[0]
+    _, vjp = jax.vjp(lambda a, b: reference.expand(a, b, kernels), x, bank)
+    row["transpose_one_source_autodiff_ms"] = timeit(jax.jit(lambda g: vjp(g)), d_streams, reps=reps)[0] * 1e3
+    row["transpose_one_source_kernel_ms"] = timeit(jax.jit(lambda g, a, b: transpose(g, a, b)), d_streams, x, bank,
+                                                   reps=reps)[0] * 1e3
+    log(json.dumps(row))
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true", help="CPU smoke run of the harness")
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time each kernel alone for several tilings")
-    ap.add_argument("--backward", choices=("xla", "pallas", "both"), default="xla",
-                    help="the kernels' backward: closed-form XLA, the Pallas backward kernels, or both")
+    ap.add_argument("--backward", default="xla",
+                    help="the kernels' backward, or several comma-separated: xla (closed form), pallas (the "
+                         "Pallas backward kernels), hybrid (phase 1's closed form with the conv_transpose "
+                         "kernel); both = xla,pallas")
     ap.add_argument("--bwd_chunks", default="",
                     help="comma-separated channel chunks: time phase 1 fwd + Pallas bwd for each (Tiles.block_d_bwd)")
     ap.add_argument("--p2_bwd_sweep", action="store_true",
@@ -491,11 +528,18 @@ def main():
                          "one stage left out (attribution)")
     ap.add_argument("--p1_bwd_parts", action="store_true",
                     help="the same for phase 1's Pallas backward (one block)")
+    ap.add_argument("--p1_xla_parts", action="store_true",
+                    help="phase 1's closed-form XLA backward with the expansion's transpose by autodiff and by "
+                         "the conv_transpose kernel, and that transpose alone")
     ap.add_argument("--sweeps_only", action="store_true", help="run the requested sweeps, skip the main table")
     ap.add_argument("--no_bwd_barrier", action="store_true",
-                    help="trace the custom_vjp backwards without their optimization barrier on (residuals, "
-                         "cotangent) (xla_streaming.ordered_after_cotangent): what the barrier costs a read")
+                    help="trace the XLA backwards without their optimization barrier on (residuals, cotangent) "
+                         "(xla_streaming.ordered_after_cotangent): what the barrier costs a read (the Pallas "
+                         "backwards run without it since session 8)")
     args = ap.parse_args()
+    backwards = ("xla", "pallas") if args.backward == "both" else tuple(args.backward.split(","))
+    if not backwards or any(b not in ("xla", "pallas", "hybrid") for b in backwards):
+        ap.error(f"--backward={args.backward!r}: each must be xla, pallas or hybrid (or 'both')")
     if args.no_bwd_barrier:  # read by vjp.py and xla_streaming at trace time
         xla_streaming.ordered_after_cotangent = lambda res, ct: (res, ct)
     out_dir = os.environ.get("OUT", ".")
@@ -544,10 +588,11 @@ def main():
         parts_p2_bwd(log, shapes, reps=3 if args.small else 21)
     if args.p1_bwd_parts:
         parts_p1_bwd(log, shapes, reps=3 if args.small else 21)
+    if args.p1_xla_parts:
+        parts_p1_xla_bwd(log, shapes, reps=3 if args.small else 21)
     if args.sweeps_only:
         return
     rows = []
-    backwards = ("xla", "pallas") if args.backward == "both" else (args.backward,)
     for name, kernels, heads in (("msar_m4_k4-8-12", (0, 4, 8, 12), 1), ("attnres", (0,), 1)):
         xla_row = None
         for backward in backwards:

@@ -53,13 +53,40 @@ F32 = jnp.float32
 
 class _Window:
     """Lag-shifted ``[block_t, width]`` views of rows ``t0 - delta ... t0 + bt - 1 - delta``
-    of a ``[T, width]``-indexable ref region, zero before row 0."""
+    of a ``[T, width]``-indexable ref region, zero before row 0; ``ahead(delta)``: rows
+    ``t0 + delta ...`` (needs ``n_rows``, the region's row count; ``fill`` past its end)."""
 
-    def __init__(self, ref, lead: tuple, t0, bt: int, cs, backend: str, fill=0.0, dtype=F32, width=None):
+    def __init__(self, ref, lead: tuple, t0, bt: int, cs, backend: str, fill=0.0, dtype=F32, width=None,
+                 n_rows=None):
         self.ref, self.lead, self.t0, self.bt, self.cs, self.width = ref, lead, t0, bt, cs, width
-        self.backend, self.fill, self.dtype = backend, fill, dtype
+        self.backend, self.fill, self.dtype, self.n_rows = backend, fill, dtype, n_rows
         self._cat = None
+        self._next = None
         self._cache = {}
+
+    def ahead(self, delta: int):
+        """Rows ``t0 + delta ... t0 + bt - 1 + delta`` (``delta <= bt``), ``fill`` from row
+        ``n_rows`` on: the transposed conv's view (``conv_transpose``)."""
+        if delta == 0:
+            return self.shift(0)
+        if ("ahead", delta) in self._cache:
+            return self._cache["ahead", delta]
+        if self.backend == "triton":
+            from jax.experimental.pallas import triton as pltriton
+
+            rows = self.t0 + delta + jax.lax.broadcasted_iota(jnp.int32, (self.bt,), 0)
+            ok = rows < self.n_rows
+            if self.width is not None:
+                ok = jnp.broadcast_to(ok[:, None], (self.bt, self.width))
+            v = pltriton.load(self.ref.at[self._idx(self.t0 + delta)], mask=ok, other=self.fill).astype(self.dtype)
+        else:
+            if self._next is None:
+                nxt = self.ref[self._idx(jnp.minimum(self.t0 + self.bt, self.n_rows - self.bt))].astype(self.dtype)
+                nxt = jnp.where(self.t0 + self.bt < self.n_rows, nxt, jnp.asarray(self.fill, self.dtype))
+                self._next = jnp.concatenate([self.shift(0), nxt], axis=0)
+            v = self._next[delta : self.bt + delta]
+        self._cache["ahead", delta] = v
+        return v
 
     def _idx(self, start):
         if self.backend != "triton":  # starts are whole tiles here; Mosaic must see it (aligned loads)

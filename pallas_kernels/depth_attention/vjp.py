@@ -17,6 +17,10 @@ Backward implementations, chosen per call by the ``backward`` option (default ``
   norms and the merged streams inside the kernels and write no ``m*d``-per-token temporary.
   Tested against the XLA backward in interpret mode and on the H200; which one is faster
   depends on the op (BENCHMARKS.md; configs' ``kernel_backward="auto"`` picks per op).
+* ``"hybrid"``: phase 1's closed-form XLA backward with the expansion's transpose (the source
+  and bank gradients from each source's stream cotangents) as a Pallas kernel
+  (``conv_transpose``) instead of XLA's autodiff of the conv; for phase 2 the same as
+  ``"xla"``.
 
 The unfused ``phase2`` (streams out) differentiates the reference in both cases.
 """
@@ -47,7 +51,7 @@ def _as_float(x):
     return None if x is None else jnp.asarray(x, jnp.float32)
 
 
-BACKWARDS = ("xla", "pallas")
+BACKWARDS = ("xla", "pallas", "hybrid")
 
 
 def backward_choice(static: Static) -> str:
@@ -57,10 +61,13 @@ def backward_choice(static: Static) -> str:
     return choice
 
 
-def make_phase1(forward: Callable, kernel_backward: Callable | None = None) -> Callable:
+def make_phase1(forward: Callable, kernel_backward: Callable | None = None,
+                expansion_transpose: Callable | None = None) -> Callable:
     """``forward(sources, banks, queries, valid, segment_ids, static) -> SoftmaxState``;
     ``kernel_backward(sources, banks, queries, valid, segment_ids, smax, ct, static) ->
-    (d sources, d banks, d queries)``, used with the ``backward="pallas"`` option."""
+    (d sources, d banks, d queries)``, used with the ``backward="pallas"`` option;
+    ``expansion_transpose(d_e, x, bank, segment_ids, static, n_targets) -> (d x, d bank)``, with
+    ``backward="hybrid"``."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def op(static, sources, banks, queries, valid, segment_ids):
@@ -74,21 +81,33 @@ def make_phase1(forward: Callable, kernel_backward: Callable | None = None) -> C
         return out, (sources, banks, queries, valid, segment_ids, out.max)
 
     def bwd(static, res, ct):
+        if backward_choice(static) == "pallas":
+            if kernel_backward is None:
+                raise ValueError("backward='pallas': this back end has no phase-1 backward kernel")
+            sources, banks, queries, valid, segment_ids, smax = res
+            ct = reference.SoftmaxState(*(jnp.asarray(a, jnp.float32) for a in ct))
+            dx, dbanks, dq = kernel_backward(sources, banks, queries, valid, segment_ids, smax, ct, static)
+            return (dx.astype(sources.dtype), None if banks is None else dbanks.astype(banks.dtype),
+                    dq.astype(queries.dtype), None, None)
+        # Only the XLA backward waits behind the barrier: the kernels take the cotangent as an
+        # input, so nothing of size d per token can be hoisted ahead of it, and the barrier cost
+        # the Pallas backwards 5-15% in the bench (session 8, call 1).
         res, ct = xla_streaming.ordered_after_cotangent(res, ct)
         sources, banks, queries, valid, segment_ids, smax = res
         n, d = sources.shape[0], sources.shape[-1]
         ct = reference.SoftmaxState(*(jnp.asarray(a, jnp.float32) for a in ct))
-        if backward_choice(static) == "pallas":
-            if kernel_backward is None:
-                raise ValueError("backward='pallas': this back end has no phase-1 backward kernel")
-            dx, dbanks, dq = kernel_backward(sources, banks, queries, valid, segment_ids, smax, ct, static)
-            return (dx.astype(sources.dtype), None if banks is None else dbanks.astype(banks.dtype),
-                    dq.astype(queries.dtype), None, None)
         ok = jnp.ones((n,), bool) if valid is None else valid
         bank_arr = jnp.zeros((n, 0, d), jnp.float32) if banks is None else banks
+        transpose = None
+        if backward_choice(static) == "hybrid":
+            if expansion_transpose is None:
+                raise ValueError("backward='hybrid': this back end has no expansion-transpose kernel")
+            transpose = functools.partial(expansion_transpose, segment_ids=segment_ids, static=static,
+                                          n_targets=queries.shape[0])
         dx, dbanks, dq, _, _ = xla_streaming.phase1_backward(
             sources, bank_arr, queries, ok, segment_ids, smax, ct,
             stream_kernels=static.stream_kernels, heads=static.heads, eps=static.eps,
+            expansion_transpose=transpose,
         )
         return dx, None if banks is None else dbanks, dq, None, None
 
@@ -132,7 +151,8 @@ def make_phase2(forward: Callable, *, fused: bool, kernel_backward: Callable | N
         return out, (state, partial, bank, query, include, gate, segment_ids, scores)
 
     def bwd(static, res, ct):
-        res, ct = xla_streaming.ordered_after_cotangent(res, ct)
+        if not pallas_backward(static):  # the kernels need no barrier (phase1's bwd says why)
+            res, ct = xla_streaming.ordered_after_cotangent(res, ct)
         state, partial, bank, query, include, gate, segment_ids, scores = res
         if pallas_backward(static):
             if kernel_backward is None:

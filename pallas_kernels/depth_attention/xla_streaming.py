@@ -102,10 +102,14 @@ def _phase1_bwd(stream_kernels, heads, eps, res, g):
                            stream_kernels=stream_kernels, heads=heads, eps=eps)
 
 
-def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, stream_kernels, heads, eps):
+def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, stream_kernels, heads, eps,
+                    expansion_transpose=None):
     """Closed-form gradients ``(d sources, d banks, d queries, None, None)`` of phase 1, one
     source at a time; ``smax`` is the forward's running max, ``g`` the cotangent of the state
-    (its ``max`` part is ignored: the max carries no gradient)."""
+    (its ``max`` part is ignored: the max carries no gradient). ``expansion_transpose(d_e, x,
+    bank) -> (d x, d bank)``: the vjp of the expansion (Eq. 10) as a kernel
+    (``conv_transpose.expansion_transpose``, the ``backward="hybrid"`` option); None: XLA's
+    autodiff of ``reference.expand``."""
     g_denom, g_acc = g.denom, _split(g.acc, heads)  # [S, m, B, T, H], [S, m, B, T, H, dh]
     q = queries.astype(jnp.float32)
     qh = _split(q, heads)  # [S, m, H, dh]
@@ -131,7 +135,11 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
         dk = jnp.sum(ds[..., None] * qh[:, :, None, None], axis=0).reshape(e.shape)
         d_e = d_e.reshape(e.shape) + r * (dk - k * jnp.mean(k * dk, axis=-1, keepdims=True))
         dq = dq + jnp.einsum("smbth,mbthe->smhe", ds, _split(k, heads)).reshape(q.shape)
-        dx, dbank = expand_vjp(d_e)
+        if expansion_transpose is None or not any(stream_kernels):
+            dx, dbank = expand_vjp(d_e)
+        else:
+            dx, dbank = expansion_transpose(d_e, x, bank)
+            dbank = dbank.astype(bank.dtype)
         return dq, (dx, dbank)
 
     # As in the forward, the first source is peeled off so the scan carry has the data's type.

@@ -160,3 +160,33 @@ def test_row_shifts_lower_to_triton(h200, shift):
 
     text = _lower(grads1, sources, jnp.stack([bank] * 3), queries)
     assert text.count(TRITON_CALL) == 3  # scores, <g_A, E>, the gradient kernel
+
+
+def test_hybrid_backward_lowers(h200):
+    """``backward="hybrid"``: phase 1's closed-form XLA backward with the expansion's transpose
+    as a kernel, lowered through Triton (one kernel per source: the first source is peeled off
+    the scan over sources) and through Mosaic for a TPU v5p."""
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    kernels, n, batch, t_len, d, n_targets = (0, 4, 8, 12), 3, 2, 64, 256, 2
+    sds = jax.ShapeDtypeStruct
+    f32 = lambda *shape: sds(shape, jnp.float32)  # noqa: E731
+    args = (f32(n, batch, t_len, d), f32(n, sum(kernels), d), f32(n_targets, len(kernels), d),
+            sds((batch, t_len), jnp.int32))
+
+    def loss(impl):
+        def f(x, b, q, sg):
+            state = api.phase1(x, b, q, segment_ids=sg, stream_kernels=kernels, implementation=impl,
+                               interpret=False, backward="hybrid")
+            return jnp.sum(state.acc) + jnp.sum(state.denom)
+
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2))).trace(*args)
+
+    text = loss("pallas_gpu").lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count(TRITON_CALL) == 4  # scores + mix forward, the transpose twice
+    assert text.count('name = "depth_attention_expansion_transpose"') == 2
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="TPU v5p", num_cores=1,
+                                                                        platform="tpu"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = loss("pallas_tpu").lower(lowering_platforms=("tpu",)).as_text()
+    assert "depth_attention_expansion_transpose" in text

@@ -1,0 +1,163 @@
+"""The expansion's transpose as a Pallas kernel: source and bank gradients from the streams'
+cotangents (the vjp of ``reference.expand``, Eq. 10).
+
+Used by the ``backward="hybrid"`` option of phase 1 (``vjp.py``): the closed-form XLA
+backward (``xla_streaming.phase1_backward``) forms each source's stream cotangents ``dE``
+(``[m, B, T, d]`` float32, one source at a time) and hands them here instead of to the
+autodiff of the expansion, which on the H200 ran as a transposing copy plus one
+reduction over ``(B, T)`` per tap (BENCHMARKS.md, kernels, session 8).
+
+Math (one source, stream ``r`` with taps ``c_r[delta]``, ``mask_delta[t]``: token ``t - delta``
+exists and shares ``t``'s segment)::
+
+    d x[t]          = sum_{r: kernel_r = 0} dE_r[t]
+                      + sum_r sum_{delta < kernel_r} c_r[delta] mask_delta[t + delta] dE_r[t + delta]
+    d c_r[delta]    = sum_{b, t} mask_delta[t] dE_r[t] x[t - delta]
+
+``mask_delta[t + delta]`` is "token ``t + delta`` exists and shares ``t``'s segment". Every
+program owns its ``d x`` rows: it reads ``dE`` ``delta`` rows AHEAD of its tile
+(``fused._Window.ahead``: masked loads on Triton, the next tile concatenated elsewhere) and
+``x`` ``delta`` rows behind, so no row shift of values and no carried spill (unlike the
+reverse-T kernels of the Pallas backwards). Grid ``(B, T / rows, d / bd)``: a program walks
+``rows / bt`` token tiles and carries the bank gradient as ``K`` whole ``[bt, bd]`` tiles,
+reduced over rows once at the end (a cross-row sum per tap and tile cost most of a
+reverse-T kernel's time on the H200: BENCHMARKS.md, kernels, session 6) and written as
+``[B, T / rows, K, d]`` partials that XLA sums.
+
+Bytes: ``dE`` and ``x`` read once (their halos hit L1), ``d x`` written once, the partials
+``K d`` floats per program.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.depth_attention.fused import F32, _call_kwargs, _lag_masks, _pad_t, _stream_layout, _Window
+from pallas_kernels.depth_attention.tiling import Tiles
+
+
+def _lead_masks(seg_ref, t0, bt: int, max_lag: int, backend: str, n_rows: int):
+    """``masks[delta]`` ``[bt, 1]`` float: token ``t + delta`` shares ``t``'s segment (rows past
+    the end read as zeros from ``dE``, so their mask does not matter); None without segments."""
+    if seg_ref is None:
+        return None
+    col = 0 if len(seg_ref.shape) == 2 else None
+    win = _Window(seg_ref, (), t0, bt, col, backend, fill=-1, dtype=jnp.int32, n_rows=n_rows)
+    return [None] + [(win.ahead(delta) == win.shift(0)).astype(F32)[:, None] for delta in range(1, max_lag)]
+
+
+def _kernel(*refs, stream_kernels, bt, bd, tiles_per_program, n_rows, has_seg, backend):
+    it = iter(refs)
+    de_ref = next(it)  # [m, Tp, bd]
+    x_ref = next(it)  # [Tp, bd]
+    bank_ref = next(it)  # [K, bd]
+    seg_ref = next(it) if has_seg else None  # [Tp, 1]
+    dx_ref = next(it)  # [rows, bd]: this program's rows
+    dbank_ref = next(it)  # [K, bd]: this program's partial
+    layout = _stream_layout(stream_kernels)
+    n_taps = sum(stream_kernels)
+    max_lag = max(stream_kernels)
+    bank = [bank_ref[k, :].astype(F32)[None, :] for k in range(n_taps)]
+    first = pl.program_id(1) * tiles_per_program
+
+    def tile_body(j, dbank):
+        dbank = list(dbank)
+        t0 = pl.multiple_of((first + j) * bt, bt)
+        behind = _lag_masks(seg_ref, t0, bt, max_lag, backend)
+        ahead = _lead_masks(seg_ref, t0, bt, max_lag, backend, n_rows)
+        x = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
+        dx = jnp.zeros((bt, bd), F32)
+        for r, (kernel, off) in enumerate(layout):
+            de = _Window(de_ref, (r,), t0, bt, slice(None), backend, width=bd, n_rows=n_rows)
+            if kernel == 0:
+                dx = dx + de.shift(0)
+                continue
+            for delta in range(kernel):
+                lead = de.ahead(delta)
+                if delta and ahead is not None:
+                    lead = lead * ahead[delta]
+                dx = dx + bank[off + delta] * lead
+                tap = de.shift(0) * x.shift(delta)
+                dbank[off + delta] = dbank[off + delta] + (tap * behind[delta] if delta else tap)
+        dx_ref[pl.ds(pl.multiple_of(j * bt, bt), bt), :] = dx.astype(dx_ref.dtype)
+        return dbank
+
+    zero = jnp.zeros((bt, bd), F32)
+    dbank = jax.lax.fori_loop(0, tiles_per_program, tile_body, [zero] * n_taps)
+    for k in range(n_taps):
+        dbank_ref[k, :] = jnp.sum(dbank[k], axis=0)
+
+
+def rows_per_program(t_pad: int, bt: int, cap: int = 128) -> int:
+    """Token rows per program: whole tiles, at most ``cap``, dividing ``t_pad``."""
+    tiles = t_pad // bt
+    k = max(1, min(cap // bt, tiles))
+    while tiles % k:
+        k -= 1
+    return k * bt
+
+
+def expansion_transpose(d_streams, x, bank, segment_ids=None, *, stream_kernels: Sequence[int], tiles: Tiles,
+                        backend: str, interpret: bool, out_dtype=None, rows: int | None = None):
+    """The vjp of ``reference.expand(x, bank, stream_kernels, segment_ids)`` at ``d_streams``.
+
+    ``d_streams[m, B, T, d]`` (float32), ``x[B, T, d]``, ``bank[K, d]`` -> ``(d x[B, T, d]`` in
+    ``out_dtype`` (default ``x.dtype``), ``d bank[K, d]`` float32). ``rows``: token rows per
+    program (a multiple of ``tiles.block_t``; default: up to 128)."""
+    stream_kernels = tuple(stream_kernels)
+    m, batch, t_len, d = d_streams.shape
+    if m != len(stream_kernels) or x.shape != (batch, t_len, d):
+        raise ValueError(f"d_streams {d_streams.shape} and x {x.shape} do not match {len(stream_kernels)} streams")
+    n_taps = sum(stream_kernels)
+    if n_taps == 0:  # identity streams only: no kernel needed
+        return jnp.sum(d_streams, axis=0).astype(out_dtype or x.dtype), jnp.zeros((0, d), F32)
+    if bank is None or bank.shape != (n_taps, d):
+        raise ValueError(f"bank {None if bank is None else bank.shape}: expected ({n_taps}, {d})")
+    bt, bd = tiles.block_t, tiles.block_d_grads
+    if bt < max(stream_kernels) - 1:
+        raise ValueError(f"block_t={bt} < max_kernel - 1 = {max(stream_kernels) - 1}: the halo reaches one tile")
+    if d % bd:
+        raise ValueError(f"block_d={bd} must divide d={d}")
+    t_pad = -(-t_len // bt) * bt
+    rows = rows or rows_per_program(t_pad, bt)
+    if rows % bt or t_pad % rows:
+        raise ValueError(f"rows={rows}: must be a multiple of block_t={bt} dividing the padded length {t_pad}")
+    de = _pad_t(d_streams.astype(F32), 2, t_pad)
+    xp = _pad_t(x, 1, t_pad)
+    has_seg = segment_ids is not None
+    in_specs = [
+        pl.BlockSpec((m, None, t_pad, bd), lambda b, g, c: (0, b, 0, c)),
+        pl.BlockSpec((None, t_pad, bd), lambda b, g, c: (b, 0, c)),
+        pl.BlockSpec((n_taps, bd), lambda b, g, c: (0, c)),
+    ]
+    args = [de, xp, bank]
+    if has_seg:  # [B, Tp, 1]: tokens on sublanes, a whole trailing dim (Mosaic's block-shape rule)
+        seg = _pad_t(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
+        in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, g, c: (b, 0, 0)))
+        args.append(seg[:, :, None])
+    n_groups = t_pad // rows
+    kernel = functools.partial(
+        _kernel, stream_kernels=stream_kernels, bt=bt, bd=bd, tiles_per_program=rows // bt, n_rows=t_pad,
+        has_seg=has_seg, backend=backend,
+    )
+    dx, dbank = pl.pallas_call(
+        kernel,
+        grid=(batch, n_groups, d // bd),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, rows, bd), lambda b, g, c: (b, g, c)),
+            pl.BlockSpec((None, None, n_taps, bd), lambda b, g, c: (b, g, 0, c)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, t_pad, d), out_dtype or x.dtype),
+            jax.ShapeDtypeStruct((batch, n_groups, n_taps, d), F32),
+        ],
+        name="depth_attention_expansion_transpose",
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+    )(*args)
+    return dx[:, :t_len], jnp.sum(dbank, axis=(0, 1))
