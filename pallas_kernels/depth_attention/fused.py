@@ -157,6 +157,41 @@ def _expand_chunk(win: _Window, bank_ref, bank_lead: tuple, cs, kernel: int, off
     return y
 
 
+def _skips_sources(backend: str) -> bool:
+    """Whether the kernels skip invalid sources (a scalar load and a branch per source) rather
+    than compute them and mask their weights. The model's phase 1 runs on the whole source
+    buffer with only the completed blocks valid (half of its ``n`` slots over a step), so
+    computing them doubled phase 1's work (BENCHMARKS.md, kernels, session 8). Triton and
+    interpret mode skip; Mosaic TPU (untimed) keeps the masked form, which needs no scalar
+    memory."""
+    return backend != "tpu"
+
+
+def _live_input(valid, n: int, backend: str):
+    """The ``int32[n]`` source mask the kernels branch on, or None (every source is computed)."""
+    if valid is None or not _skips_sources(backend):
+        return None
+    return jnp.asarray(valid, jnp.int32).reshape(n)
+
+
+def _if_live(live_ref, i, work, otherwise=None):
+    """Run ``work()`` for a valid source ``i`` (always without a mask), else ``otherwise()``."""
+    if live_ref is None:
+        work()
+        return
+    live = live_ref[i] != 0
+    pl.when(live)(work)
+    if otherwise is not None:
+        pl.when(jnp.logical_not(live))(otherwise)
+
+
+def _live_update(live_ref, i, update, carry):
+    """``update(carry)`` for a valid source ``i``, else ``carry`` unchanged."""
+    if live_ref is None:
+        return update(carry)
+    return jax.lax.cond(live_ref[i] != 0, update, lambda c: c, carry)
+
+
 # --------------------------------------------------------------------------- kernels
 
 
@@ -176,8 +211,10 @@ def _whole_tile_sums(backend: str, n_accumulators: int, bt: int, bd: int) -> boo
     return backend == "triton" and n_accumulators * bt * bd <= _WHOLE_TILE_BUDGET
 
 
-def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, backend, whole):
-    """Raw per-head dots with all queries and the sum of squares of every expanded chunk.
+def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, has_live, backend,
+                   whole):
+    """Raw per-head dots with all queries and the sum of squares of every expanded chunk
+    (zeros for a source the ``live`` mask skips).
 
     ``whole``: the dots and squares accumulate as ``[bt, bd]`` tiles, reduced over channels once
     per head (dots) and per source (squares), instead of once per chunk (``_whole_tile_sums``)."""
@@ -186,6 +223,7 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
     bank_ref = next(it) if has_bank else None  # [n, K, d]
     q_ref = next(it)  # [S, m, d]
     seg_ref = next(it) if has_seg else None  # [Tp]
+    live_ref = next(it) if has_live else None  # [n] int32
     dots_ref = next(it)  # [S, n, m, bt, H]
     ss_ref = next(it)  # [n, m, bt]
     m = len(stream_kernels)
@@ -199,37 +237,48 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
     finish = (lambda v: jnp.sum(v, axis=1)) if whole else (lambda v: v)  # noqa: E731  (at the write)
 
     def source_body(i, carry):
-        ss = [zero] * m
-        for h in range(heads):
+        def work():
+            ss = [zero] * m
+            for h in range(heads):
 
-            def chunk_body(c, carry):
-                ss, dots = carry
-                c0 = h * dh + c * bd
-                cs = pl.ds(pl.multiple_of(c0, bd), bd)
-                win = _Window(x_ref, (i,), t0, bt, cs, backend, width=bd)
-                ss, dots = list(ss), [list(row) for row in dots]
-                for r, (kernel, off) in enumerate(layout):
-                    e = _expand_chunk(win, bank_ref, (i,), cs, kernel, off, masks)
-                    ss[r] = ss[r] + fold(e * e)
-                    for s in range(n_targets):
-                        q = q_ref[s, r, cs].astype(F32)[None, :]
-                        dots[s][r] = dots[s][r] + fold(e * q)
-                return ss, dots
+                def chunk_body(c, carry):
+                    ss, dots = carry
+                    c0 = h * dh + c * bd
+                    cs = pl.ds(pl.multiple_of(c0, bd), bd)
+                    win = _Window(x_ref, (i,), t0, bt, cs, backend, width=bd)
+                    ss, dots = list(ss), [list(row) for row in dots]
+                    for r, (kernel, off) in enumerate(layout):
+                        e = _expand_chunk(win, bank_ref, (i,), cs, kernel, off, masks)
+                        ss[r] = ss[r] + fold(e * e)
+                        for s in range(n_targets):
+                            q = q_ref[s, r, cs].astype(F32)[None, :]
+                            dots[s][r] = dots[s][r] + fold(e * q)
+                    return ss, dots
 
-            dots0 = [[zero] * m for _ in range(n_targets)]
-            ss, dots = jax.lax.fori_loop(0, dh // bd, chunk_body, (ss, dots0))
-            for s in range(n_targets):
-                for r in range(m):
-                    dots_ref[s, i, r, :, h] = finish(dots[s][r])
-        for r in range(m):
-            ss_ref[i, r, :, 0] = finish(ss[r])
+                dots0 = [[zero] * m for _ in range(n_targets)]
+                ss, dots = jax.lax.fori_loop(0, dh // bd, chunk_body, (ss, dots0))
+                for s in range(n_targets):
+                    for r in range(m):
+                        dots_ref[s, i, r, :, h] = finish(dots[s][r])
+            for r in range(m):
+                ss_ref[i, r, :, 0] = finish(ss[r])
+
+        def skipped():
+            empty = jnp.zeros((bt,), F32)
+            for r in range(m):
+                ss_ref[i, r, :, 0] = empty
+                for s in range(n_targets):
+                    for h in range(heads):
+                        dots_ref[s, i, r, :, h] = empty
+
+        _if_live(live_ref, i, work, skipped)
         return carry
 
     jax.lax.fori_loop(0, n, source_body, 0)
 
 
 def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, has_base, mode, backend,
-                whole=False):
+                whole=False, has_live=False):
     """``z[s, r] = a * base + sum_i p[s, i, r] * E_r[x_i]`` on one chunk, then by ``mode``:
     ``acc`` writes z; ``mean``/``gate`` write ``h = sum_r g_r z_r``; ``stats`` writes the
     chunk's ``sum z^2`` and ``z @ W`` partials (the gate's inputs). ``whole`` (stats): those
@@ -244,6 +293,7 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
     g_ref = next(it) if mode == "gate" else None  # [bt, m]
     w_ref = next(it) if mode == "stats" else None  # [m, bd, m]
     seg_ref = next(it) if has_seg else None  # [Tp]
+    live_ref = next(it) if has_live else None  # [n] int32: skip the invalid sources (p = 0 there)
     outs = list(it)
     m = len(stream_kernels)
     layout = _stream_layout(stream_kernels)
@@ -270,9 +320,12 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
     for r, (kernel, off) in enumerate(layout):
 
         def source_body(i, accs, kernel=kernel, off=off, r=r):
-            win = _Window(x_ref, (i,), t0, bt, slice(None), backend, width=bd)
-            e = _expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
-            return [accs[s] + head_col(p_ref, (s, i, r))[:, None] * e for s in range(n_targets)]
+            def update(accs):
+                win = _Window(x_ref, (i,), t0, bt, slice(None), backend, width=bd)
+                e = _expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
+                return [accs[s] + head_col(p_ref, (s, i, r))[:, None] * e for s in range(n_targets)]
+
+            return _live_update(live_ref, i, update, accs)
 
         accs = jax.lax.fori_loop(0, n, source_body, [zero] * n_targets)
         for s in range(n_targets):
@@ -323,8 +376,9 @@ def _call_kwargs(backend: str, tiles: Tiles, interpret, semantics):
     return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics), interpret=interpret)
 
 
-def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, backend, interpret):
-    """``x[n, B, Tp, d]`` -> ``dots[S, n, m, B, Tp, H]``, ``sumsq[n, m, B, Tp]`` (float32)."""
+def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, backend, interpret, valid=None):
+    """``x[n, B, Tp, d]`` -> ``dots[S, n, m, B, Tp, H]``, ``sumsq[n, m, B, Tp]`` (float32);
+    ``valid[n]``: sources to compute (the others may be skipped, their outputs zero)."""
     n, batch, t_pad, d = x.shape
     n_targets, m = queries.shape[:2]
     bt, bd = tiles.block_t, tiles.block_d_scores
@@ -340,9 +394,13 @@ def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, 
     if has_seg:  # [B, Tp, 1]: Mosaic TPU wants a block's last two dims whole (or 8 x 128-aligned)
         in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, t: (b, 0, 0)))
         args.append(seg[:, :, None])
+    live = _live_input(valid, n, backend)
+    if live is not None:
+        in_specs.append(pl.BlockSpec((n,), lambda b, t: (0,)))
+        args.append(live)
     kernel = functools.partial(
         _scores_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d,
-        bt=bt, bd=bd, has_bank=has_bank, has_seg=has_seg, backend=backend,
+        bt=bt, bd=bd, has_bank=has_bank, has_seg=has_seg, has_live=live is not None, backend=backend,
         whole=_whole_tile_sums(backend, (n_targets + 1) * m, bt, bd),
     )
     dots, sumsq = pl.pallas_call(
@@ -364,9 +422,10 @@ def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, 
 
 
 def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, stream_kernels, heads, tiles: Tiles,
-             backend, interpret, out_dtype=F32):
+             backend, interpret, out_dtype=F32, valid=None):
     """See ``_mix_kernel``. ``p[S, n, m, B, Tp, H]``; ``base[S, m, B, Tp, d]``; ``a`` like ``p``
-    without ``n``; ``gate[B, Tp, m]``; ``w[m, d, m]``."""
+    without ``n``; ``gate[B, Tp, m]``; ``w[m, d, m]``; ``valid[n]``: sources that may have
+    ``p != 0`` (the others may be skipped)."""
     n, batch, t_pad, d = x.shape
     n_targets, m = p.shape[0], p.shape[2]
     bt, bd = tiles.block_t, tiles.block_d_mix
@@ -394,6 +453,10 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
     if has_seg:  # [B, Tp, 1], as in scores_call
         in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, t, c: (b, 0, 0)))
         args.append(seg[:, :, None])
+    live = _live_input(valid, n, backend)
+    if live is not None:
+        in_specs.append(pl.BlockSpec((n,), lambda b, t, c: (0,)))
+        args.append(live)
     if mode == "acc":
         out_specs = [pl.BlockSpec((n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c))]
         out_shape = [jax.ShapeDtypeStruct((n_targets, m, batch, t_pad, d), out_dtype)]
@@ -414,7 +477,7 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
     kernel = functools.partial(
         _mix_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d, bt=bt,
         bd=bd, has_bank=has_bank, has_seg=has_seg, has_base=has_base, mode=mode, backend=backend,
-        whole=mode == "stats" and _whole_tile_sums(backend, 1 + m, bt, bd),
+        whole=mode == "stats" and _whole_tile_sums(backend, 1 + m, bt, bd), has_live=live is not None,
     )
     out = pl.pallas_call(
         kernel,
@@ -446,14 +509,14 @@ def phase1_forward(sources, banks, queries, valid=None, *, stream_kernels, heads
     t_pad, seg = _prepare(t_len, segment_ids, tiles)
     x = _pad_t(sources, 2, t_pad)
     kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)
-    dots, sumsq = scores_call(x, banks, queries, seg, **kw)
+    dots, sumsq = scores_call(x, banks, queries, seg, valid=valid, **kw)
     s = dots * jax.lax.rsqrt(sumsq / d + eps)[None, ..., None]  # [S, n, m, B, Tp, H]
     ok = reference._source_valid(n, valid)[None, :, None, None, None, None]
     s = jnp.where(ok, s, reference.NEG_LARGE)
     smax = jnp.max(s, axis=1)
     p = jnp.where(ok, jnp.exp(s - smax[:, None]), 0.0)
     denom = jnp.sum(p, axis=1)
-    acc = mix_call(x, banks, p, seg, mode="acc", **kw)
+    acc = mix_call(x, banks, p, seg, mode="acc", valid=valid, **kw)
     cut = lambda a: a[..., :t_len, :]  # noqa: E731
     return reference.SoftmaxState(max=cut(smax), denom=cut(denom), acc=cut(acc))
 

@@ -97,7 +97,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention import fused, reference
 from pallas_kernels.depth_attention.fused import (
-    F32, _call_kwargs, _expand_chunk, _lag_masks, _pad_t, _stream_layout, _Window,
+    F32, _call_kwargs, _expand_chunk, _if_live, _lag_masks, _live_input, _pad_t, _stream_layout, _Window,
 )
 from pallas_kernels.depth_attention.row_shift import SHIFTS, scratch_rows, scratch_slots, shift_rows, shift_rows_via_buffer
 from pallas_kernels.depth_attention.tiling import Tiles
@@ -113,13 +113,15 @@ def _dot_shift(backend: str) -> bool:
 # --------------------------------------------------------------------------- pass 2
 
 
-def _gdots_kernel(*refs, stream_kernels, n, n_targets, bt, has_bank, has_seg, backend):
-    """``out[s, i, r, t] = <g_A[s, r, t, chunk], E_r[x_i][t, chunk]>`` for one chunk."""
+def _gdots_kernel(*refs, stream_kernels, n, n_targets, bt, has_bank, has_seg, backend, has_live=False):
+    """``out[s, i, r, t] = <g_A[s, r, t, chunk], E_r[x_i][t, chunk]>`` for one chunk (zeros for
+    a source the ``live`` mask skips)."""
     it = iter(refs)
     x_ref = next(it)  # [n, Tp, bd]
     bank_ref = next(it) if has_bank else None  # [n, K, bd]
     ga_ref = next(it)  # [S, m, bt, bd]
     seg_ref = next(it) if has_seg else None  # [Tp, 1]
+    live_ref = next(it) if has_live else None  # [n] int32
     out_ref = next(it)  # [S, n, m, bt, 1]
     t0 = pl.program_id(1) * bt
     max_lag = max([1, *stream_kernels])
@@ -128,18 +130,25 @@ def _gdots_kernel(*refs, stream_kernels, n, n_targets, bt, has_bank, has_seg, ba
         ga = [ga_ref[s, r, :, :].astype(F32) for s in range(n_targets)]
 
         def source_body(i, carry, kernel=kernel, off=off, r=r, ga=ga):
-            win = _Window(x_ref, (i,), t0, bt, slice(None), backend, width=ga[0].shape[1])
-            e = _expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
-            for s in range(n_targets):
-                out_ref[s, i, r, :, 0] = jnp.sum(ga[s] * e, axis=1)
+            def work():
+                win = _Window(x_ref, (i,), t0, bt, slice(None), backend, width=ga[0].shape[1])
+                e = _expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
+                for s in range(n_targets):
+                    out_ref[s, i, r, :, 0] = jnp.sum(ga[s] * e, axis=1)
+
+            def skipped():
+                for s in range(n_targets):
+                    out_ref[s, i, r, :, 0] = jnp.zeros((bt,), F32)
+
+            _if_live(live_ref, i, work, skipped)
             return carry
 
         jax.lax.fori_loop(0, n, source_body, 0)
 
 
-def gdots_call(x, banks, g_acc, seg, *, stream_kernels, tiles: Tiles, backend, interpret):
+def gdots_call(x, banks, g_acc, seg, *, stream_kernels, tiles: Tiles, backend, interpret, valid=None):
     """``x[n, B, Tp, d]``, ``g_acc[S, m, B, Tp, d]`` -> ``[S, n, m, B, Tp, d/bd]`` chunk partials
-    of ``<g_A{s,r}, E_r[x_i]>`` (float32)."""
+    of ``<g_A{s,r}, E_r[x_i]>`` (float32; ``valid[n]``: the others may be skipped, zeros)."""
     n, batch, t_pad, d = x.shape
     n_targets, m = g_acc.shape[:2]
     bt, bd = tiles.block_t, tiles.block_d_mix
@@ -156,9 +165,13 @@ def gdots_call(x, banks, g_acc, seg, *, stream_kernels, tiles: Tiles, backend, i
     if has_seg:  # [B, Tp, 1]: tokens on sublanes, a whole trailing dim (Mosaic's block-shape rule)
         in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, t, c: (b, 0, 0)))
         args.append(seg[:, :, None])
+    live = _live_input(valid, n, backend)
+    if live is not None:
+        in_specs.append(pl.BlockSpec((n,), lambda b, t, c: (0,)))
+        args.append(live)
     kernel = functools.partial(
         _gdots_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, bt=bt, has_bank=has_bank,
-        has_seg=has_seg, backend=backend,
+        has_seg=has_seg, backend=backend, has_live=live is not None,
     )
     # [S, n, m, B, nc, Tp, 1]: the token tile and a whole trailing dim last (Mosaic's block-shape
     # rule); returned as [S, n, m, B, Tp, nc]
@@ -177,9 +190,11 @@ def gdots_call(x, banks, g_acc, seg, *, stream_kernels, tiles: Tiles, backend, i
 # --------------------------------------------------------------------------- pass 4
 
 
-def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, has_seg, backend, shift, dq_dot):
+def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, has_seg, backend, shift, dq_dot,
+                  has_live=False):
     """One (batch row, channel chunk, source): ``d x`` tiles in reverse order, the bank and query
-    gradient partials at the end (see the module docstring)."""
+    gradient partials at the end (see the module docstring); zeros for a source the ``live``
+    mask skips."""
     it = iter(refs)
     x_ref = next(it)  # [Tp, bd]
     bank_ref = next(it) if has_bank else None  # [K, bd]
@@ -189,6 +204,7 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
     dsr_ref = next(it)  # [S (S_pad with dq_dot), m, Tp, 1]
     w_ref = next(it)  # [m, Tp, 1]
     seg_ref = next(it) if has_seg else None  # [Tp, 1]
+    live_ref = next(it) if has_live else None  # [n] int32
     dx_ref = next(it)  # [Tp, bd]
     dbank_ref = next(it) if has_bank else None  # [K, bd]
     dq_ref = next(it)  # [S (S_pad with dq_dot), m, bd]
@@ -248,33 +264,49 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
         dx_ref[rows, :] = dx.astype(dx_ref.dtype)
         return spill_out, dbank, dq
 
-    if shift == "buffer":
-        for g in range(buf_ref.shape[0]):  # the rows around each lag's tile stay zero
-            buf_ref[g, :, :] = jnp.zeros(buf_ref.shape[1:], F32)
+    def work():
+        if shift == "buffer":
+            for g in range(buf_ref.shape[0]):  # the rows around each lag's tile stay zero
+                buf_ref[g, :, :] = jnp.zeros(buf_ref.shape[1:], F32)
 
-    if dq_dot:
-        dq0 = [jnp.zeros((dq_ref.shape[0], bd), F32)] * m
-    else:
-        dq0 = [[zero_row] * m for _ in range(n_targets)]
-    _, dbank, dq = jax.lax.fori_loop(0, n_tiles, tile_body, (zero_tile, [zero_tile] * n_taps, dq0))
-    for k in range(n_taps if has_bank else 0):
-        dbank_ref[k, :] = jnp.sum(dbank[k], axis=0)
-    for r in range(m):
         if dq_dot:
-            dq_ref[:, r, :] = dq[r]
-            continue
-        for s in range(n_targets):
-            dq_ref[s, r, :] = dq[s][r]
+            dq0 = [jnp.zeros((dq_ref.shape[0], bd), F32)] * m
+        else:
+            dq0 = [[zero_row] * m for _ in range(n_targets)]
+        _, dbank, dq = jax.lax.fori_loop(0, n_tiles, tile_body, (zero_tile, [zero_tile] * n_taps, dq0))
+        for k in range(n_taps if has_bank else 0):
+            dbank_ref[k, :] = jnp.sum(dbank[k], axis=0)
+        for r in range(m):
+            if dq_dot:
+                dq_ref[:, r, :] = dq[r]
+                continue
+            for s in range(n_targets):
+                dq_ref[s, r, :] = dq[s][r]
+
+    def skipped():
+        def zero_rows(j, carry):
+            dx_ref[pl.ds(pl.multiple_of(j * bt, bt), bt), :] = zero_tile.astype(dx_ref.dtype)
+            return carry
+
+        jax.lax.fori_loop(0, n_tiles, zero_rows, 0)
+        for k in range(n_taps if has_bank else 0):
+            dbank_ref[k, :] = zero_row
+        for s in range(dq_ref.shape[0]):
+            for r in range(m):
+                dq_ref[s, r, :] = zero_row
+
+    _if_live(live_ref, pl.program_id(2), work, skipped)
 
 
 def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, heads, tiles: Tiles, backend, interpret,
-               out_dtype, shift=None):
+               out_dtype, shift=None, valid=None):
     """``x[n, B, Tp, d]``, ``g_acc[S, m, B, Tp, d]``, ``p``/``dsr`` ``[S, n, m, B, H, Tp, 1]``,
     ``w[n, m, B, Tp, 1]`` (per-token scalars: tokens on sublanes and a whole trailing dim, as
     Mosaic's block-shape rule wants them) -> ``d x[n, B, Tp, d]``, ``d banks`` partials
     ``[n, B, K, d]`` (or None),
     ``d queries`` partials ``[n, B, S, m, d]``. ``shift``: the transposed conv's row shift
-    (``row_shift.SHIFTS``); None: ``"dot"`` on Triton, ``"concat"`` elsewhere."""
+    (``row_shift.SHIFTS``); None: ``"dot"`` on Triton, ``"concat"`` elsewhere. ``valid[n]``: the
+    other sources' programs may skip their work (zero gradients)."""
     n, batch, t_pad, d = x.shape
     n_targets, m = queries.shape[:2]
     bt, bd = tiles.block_t, tiles.block_d_grads
@@ -317,6 +349,10 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
     if has_seg:  # [B, Tp, 1], as in gdots_call
         in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, c, i: (b, 0, 0)))
         args.append(seg[:, :, None])
+    live = _live_input(valid, n, backend)
+    if live is not None:
+        in_specs.append(pl.BlockSpec((n,), lambda b, c, i: (0,)))
+        args.append(live)
     out_specs = [pl.BlockSpec((None, None, t_pad, bd), lambda b, c, i: (i, b, 0, c))]
     out_shape = [jax.ShapeDtypeStruct((n, batch, t_pad, d), out_dtype)]
     if has_bank:
@@ -333,7 +369,7 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
     kernel = functools.partial(
         _grads_kernel, stream_kernels=tuple(stream_kernels), n_targets=n_targets, bt=bt, bd=bd,
         n_tiles=t_pad // bt, has_bank=has_bank, has_seg=has_seg, backend=backend, shift=shift,
-        dq_dot=dq_dot,
+        dq_dot=dq_dot, has_live=live is not None,
     )
     out = pl.pallas_call(
         kernel,
@@ -366,7 +402,7 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     kw = dict(stream_kernels=stream_kernels, tiles=tiles, backend=backend, interpret=interpret)
 
     # pass 1: per-head dots and sums of squares -> rho, s, p
-    dots, sumsq = fused.scores_call(x, conv_banks, queries, seg, heads=heads, **kw)
+    dots, sumsq = fused.scores_call(x, conv_banks, queries, seg, heads=heads, valid=valid, **kw)
     rho = jax.lax.rsqrt(sumsq / d + eps)  # [n, m, B, Tp]
     s = dots * rho[None, ..., None]  # [S, n, m, B, Tp, H]
     ok = reference._source_valid(n, valid)[None, :, None, None, None, None]
@@ -377,7 +413,7 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     # pass 2: the value-path dots <g_A, E> (chunk partials summed into heads)
     g_denom = _pad_t(jnp.asarray(g.denom, F32), 3, t_pad)
     g_acc = _pad_t(jnp.asarray(g.acc, F32), 3, t_pad)
-    gd = gdots_call(x, conv_banks, g_acc, seg, **kw)  # [S, n, m, B, Tp, nc]
+    gd = gdots_call(x, conv_banks, g_acc, seg, valid=valid, **kw)  # [S, n, m, B, Tp, nc]
     gd = jnp.sum(gd.reshape(*gd.shape[:-1], heads, -1), axis=-1)  # [S, n, m, B, Tp, H]
 
     # pass 3 (XLA): the per-token coefficients of dE
@@ -389,7 +425,7 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     # pass 4: dE, transposed conv, bank and query gradients
     dx, dbank, dq = grads_call(
         x, conv_banks, queries, g_acc, to_heads_major(p), to_heads_major(dsr), w[..., None], seg, heads=heads,
-        out_dtype=sources.dtype, shift=shift, **kw,
+        out_dtype=sources.dtype, shift=shift, valid=valid, **kw,
     )
     d_sources = dx[:, :, :t_len]
     d_queries = jnp.sum(dq, axis=(0, 1)).astype(queries.dtype)

@@ -47,6 +47,15 @@ def _scores(keys, q, heads):
     return jnp.einsum("mbthe,smhe->smbth", _split(keys, heads), _split(q, heads))
 
 
+def _if_valid(ok, live, dead, operand):
+    """``live(operand)`` for a valid source, else ``dead(operand)`` (the same value ``live`` gives
+    an invalid source, without its work): a ``lax.cond`` on a traced flag; a batched flag
+    (under ``vmap``) computes both and selects."""
+    if isinstance(ok, bool):
+        return live(operand) if ok else dead(operand)
+    return jax.lax.cond(ok, live, dead, operand)
+
+
 def _forward(sources, banks, queries, valid, segment_ids, stream_kernels, heads, eps):
     s_len, m, d = queries.shape
     b, t = sources.shape[1], sources.shape[2]
@@ -54,14 +63,20 @@ def _forward(sources, banks, queries, valid, segment_ids, stream_kernels, heads,
 
     def fold(state, inp):
         x, bank, ok = inp
-        e = ref.expand(x, bank, stream_kernels, segment_ids)  # [m, B, T, d]
-        k, _ = _keys(e, eps)
-        s = jnp.where(ok, _scores(k, q, heads), ref.NEG_LARGE)  # [S, m, B, T, H]
-        new_max = jnp.maximum(state.max, s)
-        keep = jnp.exp(state.max - new_max)
-        p = jnp.where(ok, jnp.exp(s - new_max), 0.0)
-        acc = _split(state.acc, heads) * keep[..., None] + p[..., None] * _split(e, heads)[None]
-        return ref.SoftmaxState(new_max, state.denom * keep + p, acc.reshape(state.acc.shape)), None
+
+        def live(state):
+            e = ref.expand(x, bank, stream_kernels, segment_ids)  # [m, B, T, d]
+            k, _ = _keys(e, eps)
+            s = jnp.where(ok, _scores(k, q, heads), ref.NEG_LARGE)  # [S, m, B, T, H]
+            new_max = jnp.maximum(state.max, s)
+            keep = jnp.exp(state.max - new_max)
+            p = jnp.where(ok, jnp.exp(s - new_max), 0.0)
+            acc = _split(state.acc, heads) * keep[..., None] + p[..., None] * _split(e, heads)[None]
+            return ref.SoftmaxState(new_max, state.denom * keep + p, acc.reshape(state.acc.shape))
+
+        # An invalid source leaves the state unchanged (its p is 0): skip its expansion (the
+        # model's phase 1 runs on the whole source buffer, half of it not yet written).
+        return _if_valid(ok, live, lambda st: st, state), None
 
     empty = ref.SoftmaxState(
         max=jnp.full((s_len, m, b, t, heads), ref.NEG_LARGE, jnp.float32),
@@ -117,6 +132,12 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     def body(dq, inp):
         x, bank, ok = inp
 
+        def dead(dq):  # an invalid source: p = 0, so its gradients are exactly zero
+            return dq, (jnp.zeros_like(x), jnp.zeros_like(bank))
+
+        return _if_valid(ok, functools.partial(live, x=x, bank=bank, ok=ok), dead, dq)
+
+    def live(dq, *, x, bank, ok):
         def expand(xx, bb):
             return ref.expand(xx, bb, stream_kernels, segment_ids)
 
