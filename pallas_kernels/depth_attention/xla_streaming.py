@@ -50,9 +50,14 @@ def _scores(keys, q, heads):
 def _if_valid(ok, live, dead, operand):
     """``live(operand)`` for a valid source, else ``dead(operand)`` (the same value ``live`` gives
     an invalid source, without its work): a ``lax.cond`` on a traced flag; a batched flag
-    (under ``vmap``) computes both and selects."""
+    (under ``vmap``) computes both and selects. Inside ``shard_map`` (a pipeline stage) it always
+    runs ``live``, which masks an invalid source's weights to zero: there the branches would
+    disagree on the manual axes their outputs vary over, and casting them breaks under the
+    stage's transformations."""
     if isinstance(ok, bool):
         return live(operand) if ok else dead(operand)
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        return live(operand)
     return jax.lax.cond(ok, live, dead, operand)
 
 
