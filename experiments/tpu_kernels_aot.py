@@ -7,9 +7,10 @@ Needs libtpu (not a project dependency)::
 
 For each mechanism case it lowers and compiles, with Mosaic, phase 1 and phase 2 (+ gate or
 mean fusion), forward, forward+backward with the default XLA backward, and forward+backward
-with the Pallas backward kernels (``backward="pallas"``: ``fused_bwd_phase1`` /
-``fused_bwd_phase2``), and prints ``ok`` or the compiler's error for each (6 compiles per
-case, 24 in all; the exit status is 1 if any fails). ``tests/kernels/test_triton_lowering.py``
+with the Pallas backward kernels (``backward="pallas"``: ``fused_bwd_phase1`` in both forms /
+``fused_bwd_phase2``) and phase 1's ``backward="hybrid"`` (``conv_transpose``), and prints ``ok``
+or the compiler's error for each (8 compiles per case, 32 in all; the exit status is 1 if any
+fails). ``tests/kernels/test_triton_lowering.py``
 checks the Mosaic lowering of the same variants (without libtpu) on every test run; this also
 runs Mosaic's compiler.
 """
@@ -66,8 +67,13 @@ def run(kernels, heads, segments, fuse, t_len=64, d=256):
     args1 = (sds((n, batch, t_len, d)), banks, sds((n_targets, m, d)), seg)
     comp("phase 1 forward", lambda x, b, q, sg: api.phase1(x, b, q, segment_ids=sg, **kw), *args1)
     comp("phase 1 forward+backward (XLA backward)", jax.grad(loss1, argnums=(0, 2)), *args1)
-    comp("phase 1 forward+backward (Pallas backward)",
+    comp("phase 1 forward+backward (Pallas backward, wide form)",
          jax.grad(lambda *a: loss1(*a, kw=kw_pallas), argnums=(0, 2)), *args1)
+    comp("phase 1 forward+backward (Pallas backward, reverse-T form)",
+         jax.grad(lambda *a: loss1(*a, kw=dict(kw_pallas, phase1_backward_form="reverse_t")), argnums=(0, 2)),
+         *args1)
+    comp("phase 1 forward+backward (hybrid backward)",
+         jax.grad(lambda *a: loss1(*a, kw=dict(kw, backward="hybrid")), argnums=(0, 2)), *args1)
     state = reference.SoftmaxState(sds((m, batch, t_len, heads)), sds((m, batch, t_len, heads)),
                                    sds((m, batch, t_len, d)))
     gate = (sds((m * d, m)), sds(()), sds((m,))) if fuse == "gate" else None

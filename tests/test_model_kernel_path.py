@@ -33,7 +33,7 @@ def loss_and_grads(mechanism, implementation, kernel_backward="xla"):
     pytest.param("msar", "pallas_tpu", "xla", marks=pytest.mark.slow),  # the kernels' XLA backward
     ("msar", "pallas_gpu", "pallas"),
     ("attnres", "pallas_tpu", "pallas"),
-    pytest.param("msar", "pallas_gpu", "auto", marks=pytest.mark.slow),  # Pallas phase 2, XLA phase 1
+    pytest.param("msar", "pallas_gpu", "auto", marks=pytest.mark.slow),  # the Pallas backward for phase 1 and phase 2 + gate
     pytest.param("msar", "pallas_gpu", "hybrid", marks=pytest.mark.slow),  # phase 1 with the conv_transpose kernel
 ])
 def test_kernel_path_matches_xla_path(mechanism, implementation, kernel_backward):
@@ -47,7 +47,7 @@ def test_kernel_path_matches_xla_path(mechanism, implementation, kernel_backward
 
 
 @pytest.mark.parametrize("mechanism, phase2_fused_backward, phase1_backward, other_ops", [
-    ("msar", "pallas", "hybrid", "xla"),  # Pallas for the fused phase 2 + gate, phase 1's conv transpose
+    ("msar", "pallas", "pallas", "xla"),  # Pallas for phase 1 (its wide form) and the fused phase 2 + gate
     ("attnres", "pallas", "pallas", "pallas"),  # a single stream and head: Pallas everywhere
     ("mhar", "xla", "xla", "xla"),  # heads > 1: untimed, the XLA backward
 ])
@@ -76,14 +76,17 @@ def test_auto_kernel_backward_per_mechanism_and_op(mechanism, phase2_fused_backw
 # block's re-run in the append-only scan's backward. Before session 7 the reads also ran under
 # a jax.checkpoint, which added a third forward run in the backward of each read: MSAR
 # scores 9, mix_stats 6, mix_gate 6, mix_acc 3 (the same backward kernels).
+# 7 scores: 2 x 2 phase-2 sites, 2 phase 1, and phase 1's Pallas backward's own pass (its
+# "wide" form: then <g_A, E>, the stream cotangents and, with conv streams, their transpose).
 LOWERED_KERNELS = {
-    "msar": {"depth_attention_scores": 6, "depth_attention_mix_stats": 4, "depth_attention_mix_gate": 4,
+    "msar": {"depth_attention_scores": 7, "depth_attention_mix_stats": 4, "depth_attention_mix_gate": 4,
              "depth_attention_mix_acc": 2, "depth_attention_phase2_bwd_stats": 2,
-             "depth_attention_phase2_bwd_state": 2, "depth_attention_phase2_bwd_inputs": 2},
-    # 7 scores: 2 x 2 phase-2 sites, 2 phase 1, and phase 1's Pallas backward's own pass.
+             "depth_attention_phase2_bwd_state": 2, "depth_attention_phase2_bwd_inputs": 2,
+             "depth_attention_bwd1_gdots": 1, "depth_attention_bwd1_dstreams": 1,
+             "depth_attention_expansion_transpose": 1},
     "attnres": {"depth_attention_scores": 7, "depth_attention_mix_mean": 4, "depth_attention_mix_acc": 2,
                 "depth_attention_phase2_bwd_state": 2, "depth_attention_phase2_bwd_inputs": 2,
-                "depth_attention_bwd1_gdots": 1, "depth_attention_bwd1_grads": 1},
+                "depth_attention_bwd1_gdots": 1, "depth_attention_bwd1_dstreams": 1},
 }
 
 

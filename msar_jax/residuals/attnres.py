@@ -127,9 +127,10 @@ class BlockDepthAttention(ResidualMechanism):
         * the Pallas backward for every op of a single-stream, single-head read (AttnRes): its
           `base` step 1110.0 against 1173.9 ms with the XLA backward (session 6, after the
           reverse-T kernels stopped reducing over rows per tile);
-        * for phase 1 with conv streams (MSAR) the closed-form XLA backward with the
-          expansion's transpose as a kernel (``"hybrid"``; the Pallas backward took 84.9 against
-          the closed form's 56.7 ms per block at the bench shape, session 6);
+        * the Pallas backward for phase 1 with several streams (MSAR), in its ``wide`` form:
+          phase 1 fwd + bwd 35.8 ms per block at the bench shape against 57.7 for the closed-form
+          XLA backward and 58.3 for ``"hybrid"``; `base` step 1994.7 ms against 2155.2
+          (``"hybrid"``) and 2212.4 (XLA) (session 8);
         * the closed-form XLA backward everywhere else (MHAR's heads are untimed, so it keeps XLA's).
         """
         choice = self.res_cfg.get("kernel_backward", "xla")
@@ -137,9 +138,7 @@ class BlockDepthAttention(ResidualMechanism):
             return choice
         if len(self.stream_kernels) == 1 and self.heads == 1:
             return "pallas"
-        if op is depth_api.phase1 and any(self.stream_kernels):
-            return "hybrid"
-        return "pallas" if op is depth_api.phase2_fused and len(self.stream_kernels) > 1 else "xla"
+        return "pallas" if op in (depth_api.phase1, depth_api.phase2_fused) and len(self.stream_kernels) > 1 else "xla"
 
     def _lean_vjp(self, op) -> bool:
         """Run ``op`` without a checkpoint: it runs a Pallas kernel whose backward keeps only its

@@ -17,12 +17,13 @@ def build(backend: str, native_platform: str):
     then the halo is always built from the previous tile (see ``fused.py``).
     Keyword options accepted by every op: ``interpret`` (bool), ``tiles`` (a
     ``tiling.Tiles``) and ``backward`` (``"xla"``, the default, ``"pallas"`` or ``"hybrid"``: see
-    ``vjp.py``); ``phase2_fused`` also ``out_dtype``.
+    ``vjp.py``) and ``phase1_backward_form`` (``fused_bwd_phase1.FORMS``); ``phase2_fused`` also ``out_dtype``.
     """
 
     def setup(d, heads, stream_kernels, n_targets, opts):
         opts = dict(opts)
         opts.pop("backward", None)  # read by vjp.py's backward
+        opts.pop("phase1_backward_form", None)  # read by p1_backward
         interpret = opts.pop("interpret", jax.default_backend() != native_platform)
         tiles = opts.pop("tiles", None) or tiling.choose_tiles(
             d=d, heads=heads, max_kernel=max([1, *stream_kernels]), n_targets=n_targets, backend=backend,
@@ -55,9 +56,10 @@ def build(backend: str, native_platform: str):
 
     def p1_backward(sources, banks, queries, valid, segment_ids, smax, ct, static):
         kw, _ = setup(sources.shape[-1], static.heads, static.stream_kernels, queries.shape[0], static.kernel_opts)
+        form = dict(static.kernel_opts).get("phase1_backward_form", fused_bwd_phase1.DEFAULT_FORM)
         return fused_bwd_phase1.phase1_backward(
             sources, banks, queries, valid, segment_ids, smax, ct, stream_kernels=static.stream_kernels,
-            heads=static.heads, eps=static.eps, **kw,
+            heads=static.heads, eps=static.eps, form=form, **kw,
         )
 
     def expansion_transpose(d_e, x, bank, segment_ids, static, n_targets):

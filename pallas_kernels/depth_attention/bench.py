@@ -473,32 +473,38 @@ def parts_p1_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16
     return row
 
 
-def parts_p1_xla_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, reps=21):
-    """Phase 1's closed-form XLA backward (``xla_streaming.phase1_backward``, one block) with the
-    expansion's transpose by XLA's autodiff and by the ``conv_transpose`` kernel (the
-    ``backward="hybrid"`` option), and that transpose alone for one source, both ways (ms)."""
-    from pallas_kernels.depth_attention import conv_transpose, tiling
+def p1_backwards(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, reps=21):
+    """Phase 1 forward + backward (one block) with each backward: the closed-form XLA one
+    (``xla``), with the ``conv_transpose`` kernel (``hybrid``), and the Pallas kernels in both
+    forms (``pallas`` ``reverse_t`` / ``wide``, ``fused_bwd_phase1.FORMS``); then the
+    expansion's transpose of one source alone, by XLA's autodiff and by the kernel (ms)."""
+    from pallas_kernels.depth_attention import conv_transpose, fused_bwd_phase1, tiling
 
     n, batch, t_len, d, n_targets = (shapes[k] for k in ("n", "batch", "t_len", "d", "n_targets"))
     sources, banks, queries, *_ = make_inputs(n, batch, t_len, d, n_targets, kernels, heads, dtype)
-    smax = jax.jit(lambda x, b, q: reference.phase1(x, b, q, stream_kernels=kernels, heads=heads).max)(
-        sources, banks, queries)
-    ks = jax.random.split(jax.random.key(12), 3)
+    ks = jax.random.split(jax.random.key(12), 2)
     m = len(kernels)
-    ct = reference.SoftmaxState(jnp.zeros_like(smax), jax.random.normal(ks[0], smax.shape),
-                                jax.random.normal(ks[1], (n_targets, m, batch, t_len, d)))
+    ct = jax.random.normal(ks[0], (n_targets, m, batch, t_len, d))
+    row = {"p1_backwards": str(kernels)}
+    variants = {"xla": dict(backward="xla"), "hybrid": dict(backward="hybrid")}
+    variants.update({f"pallas_{form}": dict(backward="pallas", phase1_backward_form=form)
+                     for form in fused_bwd_phase1.FORMS})
+    for label, opts in variants.items():
+        def loss(x, b, q, g, opts=opts):
+            state = api.phase1(x, b, q, stream_kernels=kernels, heads=heads, implementation="pallas_gpu", **opts)
+            return jnp.sum(state.acc * g) + jnp.sum(state.denom)
+
+        try:
+            f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            row[f"p1_fb_{label}_ms"] = timeit(f, sources, banks, queries, ct, reps=reps, inner=2)[0] * 1e3
+        except Exception as e:  # noqa: BLE001 - keep timing the others
+            row[f"p1_fb_{label}_error"] = repr(e)[:300]
+        log(json.dumps({label: row.get(f"p1_fb_{label}_ms")}))  # each as it comes (a run may be cut short)
     tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=max(kernels), n_targets=n_targets, backend="triton",
                                 n_streams=m)
     transpose = functools.partial(conv_transpose.expansion_transpose, stream_kernels=kernels, tiles=tiles,
                                   **_on_gpu())
-    ok = jnp.ones((n,), bool)
-    row = {"p1_xla_bwd_parts": str(kernels), "tiles": str(tiles)}
-    for label, tr in (("autodiff", None), ("kernel", transpose)):
-        f = jax.jit(functools.partial(xla_streaming.phase1_backward, stream_kernels=kernels, heads=heads, eps=1e-6,
-                                      expansion_transpose=tr))
-        row[f"p1_bwd_{label}_transpose_ms"] = timeit(f, sources, banks, queries, ok, None, smax, ct, reps=reps,
-                                                     inner=2)[0] * 1e3
-    d_streams = jax.random.normal(ks[2], (m, batch, t_len, d))
+    d_streams = jax.random.normal(ks[1], (m, batch, t_len, d))
     x, bank = sources[0], banks[0]
     _, vjp = jax.vjp(lambda a, b: reference.expand(a, b, kernels), x, bank)
     row["transpose_one_source_autodiff_ms"] = timeit(jax.jit(lambda g: vjp(g)), d_streams, reps=reps)[0] * 1e3
@@ -528,9 +534,9 @@ def main():
                          "one stage left out (attribution)")
     ap.add_argument("--p1_bwd_parts", action="store_true",
                     help="the same for phase 1's Pallas backward (one block)")
-    ap.add_argument("--p1_xla_parts", action="store_true",
-                    help="phase 1's closed-form XLA backward with the expansion's transpose by autodiff and by "
-                         "the conv_transpose kernel, and that transpose alone")
+    ap.add_argument("--p1_backwards", action="store_true",
+                    help="phase 1 fwd + bwd with each backward (xla, hybrid, pallas in both forms), and the "
+                         "expansion's transpose alone (autodiff, kernel)")
     ap.add_argument("--sweeps_only", action="store_true", help="run the requested sweeps, skip the main table")
     ap.add_argument("--no_bwd_barrier", action="store_true",
                     help="trace the XLA backwards without their optimization barrier on (residuals, cotangent) "
@@ -588,8 +594,8 @@ def main():
         parts_p2_bwd(log, shapes, reps=3 if args.small else 21)
     if args.p1_bwd_parts:
         parts_p1_bwd(log, shapes, reps=3 if args.small else 21)
-    if args.p1_xla_parts:
-        parts_p1_xla_bwd(log, shapes, reps=3 if args.small else 21)
+    if args.p1_backwards:
+        p1_backwards(log, shapes, reps=3 if args.small else 21)
     if args.sweeps_only:
         return
     rows = []

@@ -1,11 +1,12 @@
 """The expansion's transpose as a Pallas kernel: source and bank gradients from the streams'
 cotangents (the vjp of ``reference.expand``, Eq. 10).
 
-Used by the ``backward="hybrid"`` option of phase 1 (``vjp.py``): the closed-form XLA
-backward (``xla_streaming.phase1_backward``) forms each source's stream cotangents ``dE``
-(``[m, B, T, d]`` float32, one source at a time) and hands them here instead of to the
-autodiff of the expansion, which on the H200 ran as a transposing copy plus one
-reduction over ``(B, T)`` per tap (BENCHMARKS.md, kernels, session 8).
+Used by phase 1's Pallas backward in its ``wide`` form (``fused_bwd_phase1``: all sources in
+one call, ``sources_transpose``) and by the ``backward="hybrid"`` option (``vjp.py``): there the
+closed-form XLA backward (``xla_streaming.phase1_backward``) forms each source's stream
+cotangents ``dE`` (``[m, B, T, d]`` float32, one source at a time) and hands them here instead
+of to the autodiff of the expansion. Alone, one source at the bench shape: 0.90 ms against
+2.31 for XLA's autodiff on the H200 (BENCHMARKS.md, kernels, session 8).
 
 Math (one source, stream ``r`` with taps ``c_r[delta]``, ``mask_delta[t]``: token ``t - delta``
 exists and shares ``t``'s segment)::
@@ -37,7 +38,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention.fused import F32, _call_kwargs, _lag_masks, _pad_t, _stream_layout, _Window
+from pallas_kernels.depth_attention.fused import (
+    F32, _call_kwargs, _if_live, _lag_masks, _live_input, _pad_t, _stream_layout, _Window,
+)
 from pallas_kernels.depth_attention.tiling import Tiles
 
 
@@ -51,19 +54,20 @@ def _lead_masks(seg_ref, t0, bt: int, max_lag: int, backend: str, n_rows: int):
     return [None] + [(win.ahead(delta) == win.shift(0)).astype(F32)[:, None] for delta in range(1, max_lag)]
 
 
-def _kernel(*refs, stream_kernels, bt, bd, tiles_per_program, n_rows, has_seg, backend):
+def _kernel(*refs, stream_kernels, bt, bd, tiles_per_program, n_rows, has_seg, has_live, backend):
     it = iter(refs)
     de_ref = next(it)  # [m, Tp, bd]
     x_ref = next(it)  # [Tp, bd]
     bank_ref = next(it)  # [K, bd]
     seg_ref = next(it) if has_seg else None  # [Tp, 1]
+    live_ref = next(it) if has_live else None  # [n] int32
     dx_ref = next(it)  # [rows, bd]: this program's rows
     dbank_ref = next(it)  # [K, bd]: this program's partial
     layout = _stream_layout(stream_kernels)
     n_taps = sum(stream_kernels)
     max_lag = max(stream_kernels)
     bank = [bank_ref[k, :].astype(F32)[None, :] for k in range(n_taps)]
-    first = pl.program_id(1) * tiles_per_program
+    first = pl.program_id(2) * tiles_per_program
 
     def tile_body(j, dbank):
         dbank = list(dbank)
@@ -88,9 +92,19 @@ def _kernel(*refs, stream_kernels, bt, bd, tiles_per_program, n_rows, has_seg, b
         return dbank
 
     zero = jnp.zeros((bt, bd), F32)
-    dbank = jax.lax.fori_loop(0, tiles_per_program, tile_body, [zero] * n_taps)
-    for k in range(n_taps):
-        dbank_ref[k, :] = jnp.sum(dbank[k], axis=0)
+
+    def work():
+        dbank = jax.lax.fori_loop(0, tiles_per_program, tile_body, [zero] * n_taps)
+        for k in range(n_taps):
+            dbank_ref[k, :] = jnp.sum(dbank[k], axis=0)
+
+    def skipped():  # an invalid source: zero gradients
+        for j in range(tiles_per_program):
+            dx_ref[pl.ds(j * bt, bt), :] = zero.astype(dx_ref.dtype)
+        for k in range(n_taps):
+            dbank_ref[k, :] = jnp.zeros((bd,), F32)
+
+    _if_live(live_ref, pl.program_id(0), work, skipped)
 
 
 def rows_per_program(t_pad: int, bt: int, cap: int = 128) -> int:
@@ -106,18 +120,34 @@ def expansion_transpose(d_streams, x, bank, segment_ids=None, *, stream_kernels:
                         backend: str, interpret: bool, out_dtype=None, rows: int | None = None):
     """The vjp of ``reference.expand(x, bank, stream_kernels, segment_ids)`` at ``d_streams``.
 
-    ``d_streams[m, B, T, d]`` (float32), ``x[B, T, d]``, ``bank[K, d]`` -> ``(d x[B, T, d]`` in
+    ``d_streams[m, B, T, d]``, ``x[B, T, d]``, ``bank[K, d]`` -> ``(d x[B, T, d]`` in
     ``out_dtype`` (default ``x.dtype``), ``d bank[K, d]`` float32). ``rows``: token rows per
     program (a multiple of ``tiles.block_t``; default: up to 128)."""
+    if d_streams.ndim != 4:
+        raise ValueError(f"d_streams {d_streams.shape}: expected [m, B, T, d]")
+    dx, dbank = sources_transpose(d_streams[None], x[None], None if bank is None else bank[None], segment_ids,
+                                  stream_kernels=stream_kernels, tiles=tiles, backend=backend, interpret=interpret,
+                                  out_dtype=out_dtype, rows=rows)
+    return dx[0], dbank[0]
+
+
+def sources_transpose(d_streams, x, banks, segment_ids=None, valid=None, *, stream_kernels: Sequence[int],
+                      tiles: Tiles, backend: str, interpret: bool, out_dtype=None, rows: int | None = None):
+    """``expansion_transpose`` of ``n`` sources in one call: ``d_streams[n, m, B, T, d]``,
+    ``x[n, B, T, d]``, ``banks[n, K, d]`` -> ``(d x[n, B, T, d], d banks[n, K, d])``;
+    ``valid[n]``: the other sources get zeros (and their programs skip the work)."""
     stream_kernels = tuple(stream_kernels)
-    m, batch, t_len, d = d_streams.shape
-    if m != len(stream_kernels) or x.shape != (batch, t_len, d):
+    n, m, batch, t_len, d = d_streams.shape
+    if m != len(stream_kernels) or x.shape != (n, batch, t_len, d):
         raise ValueError(f"d_streams {d_streams.shape} and x {x.shape} do not match {len(stream_kernels)} streams")
     n_taps = sum(stream_kernels)
     if n_taps == 0:  # identity streams only: no kernel needed
-        return jnp.sum(d_streams, axis=0).astype(out_dtype or x.dtype), jnp.zeros((0, d), F32)
-    if bank is None or bank.shape != (n_taps, d):
-        raise ValueError(f"bank {None if bank is None else bank.shape}: expected ({n_taps}, {d})")
+        dx = jnp.sum(d_streams.astype(F32), axis=1)
+        if valid is not None:
+            dx = jnp.where(jnp.asarray(valid, bool)[:, None, None, None], dx, 0.0)
+        return dx.astype(out_dtype or x.dtype), jnp.zeros((n, 0, d), F32)
+    if banks is None or banks.shape != (n, n_taps, d):
+        raise ValueError(f"banks {None if banks is None else banks.shape}: expected ({n}, {n_taps}, {d})")
     bt, bd = tiles.block_t, tiles.block_d_grads
     if bt < max(stream_kernels) - 1:
         raise ValueError(f"block_t={bt} < max_kernel - 1 = {max(stream_kernels) - 1}: the halo reaches one tile")
@@ -127,37 +157,46 @@ def expansion_transpose(d_streams, x, bank, segment_ids=None, *, stream_kernels:
     rows = rows or rows_per_program(t_pad, bt)
     if rows % bt or t_pad % rows:
         raise ValueError(f"rows={rows}: must be a multiple of block_t={bt} dividing the padded length {t_pad}")
-    de = _pad_t(d_streams.astype(F32), 2, t_pad)
-    xp = _pad_t(x, 1, t_pad)
+    de = _pad_t(d_streams, 3, t_pad)
+    xp = _pad_t(x, 2, t_pad)
     has_seg = segment_ids is not None
     in_specs = [
-        pl.BlockSpec((m, None, t_pad, bd), lambda b, g, c: (0, b, 0, c)),
-        pl.BlockSpec((None, t_pad, bd), lambda b, g, c: (b, 0, c)),
-        pl.BlockSpec((n_taps, bd), lambda b, g, c: (0, c)),
+        pl.BlockSpec((None, m, None, t_pad, bd), lambda i, b, g, c: (i, 0, b, 0, c)),
+        pl.BlockSpec((None, None, t_pad, bd), lambda i, b, g, c: (i, b, 0, c)),
+        pl.BlockSpec((None, n_taps, bd), lambda i, b, g, c: (i, 0, c)),
     ]
-    args = [de, xp, bank]
+    args = [de, xp, banks]
     if has_seg:  # [B, Tp, 1]: tokens on sublanes, a whole trailing dim (Mosaic's block-shape rule)
         seg = _pad_t(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
-        in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, g, c: (b, 0, 0)))
+        in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda i, b, g, c: (b, 0, 0)))
         args.append(seg[:, :, None])
+    live = _live_input(valid, n, backend)
+    if live is not None:
+        in_specs.append(pl.BlockSpec((n,), lambda i, b, g, c: (0,)))
+        args.append(live)
     n_groups = t_pad // rows
     kernel = functools.partial(
         _kernel, stream_kernels=stream_kernels, bt=bt, bd=bd, tiles_per_program=rows // bt, n_rows=t_pad,
-        has_seg=has_seg, backend=backend,
+        has_seg=has_seg, has_live=live is not None, backend=backend,
     )
     dx, dbank = pl.pallas_call(
         kernel,
-        grid=(batch, n_groups, d // bd),
+        grid=(n, batch, n_groups, d // bd),
         in_specs=in_specs,
         out_specs=[
-            pl.BlockSpec((None, rows, bd), lambda b, g, c: (b, g, c)),
-            pl.BlockSpec((None, None, n_taps, bd), lambda b, g, c: (b, g, 0, c)),
+            pl.BlockSpec((None, None, rows, bd), lambda i, b, g, c: (i, b, g, c)),
+            pl.BlockSpec((None, None, None, n_taps, bd), lambda i, b, g, c: (i, b, g, 0, c)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((batch, t_pad, d), out_dtype or x.dtype),
-            jax.ShapeDtypeStruct((batch, n_groups, n_taps, d), F32),
+            jax.ShapeDtypeStruct((n, batch, t_pad, d), out_dtype or x.dtype),
+            jax.ShapeDtypeStruct((n, batch, n_groups, n_taps, d), F32),
         ],
         name="depth_attention_expansion_transpose",
-        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+        **_call_kwargs(backend, tiles, interpret, ("parallel",) * 4),
     )(*args)
-    return dx[:, :t_len], jnp.sum(dbank, axis=(0, 1))
+    dx = dx[:, :, :t_len]
+    if valid is not None and live is None:  # Mosaic computed every source: mask the invalid ones
+        ok = jnp.asarray(valid, bool)
+        dx = jnp.where(ok[:, None, None, None], dx, jnp.zeros((), dx.dtype))
+        return dx, jnp.where(ok[:, None, None], jnp.sum(dbank, axis=(1, 2)), 0.0)
+    return dx, jnp.sum(dbank, axis=(1, 2))

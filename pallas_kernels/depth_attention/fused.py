@@ -118,6 +118,19 @@ class _Window:
         return v
 
 
+def _head_col(ref, idx, head, heads: int, backend: str):
+    """``ref[*idx, head]`` (``[bt]``) of a ``[..., T, H]`` ref (``idx`` ends with the rows):
+    this chunk's head column. Mosaic cannot load at a dynamic lane index, so off Triton the
+    row of heads is loaded and the head picked by a one-hot sum, as ``fused._mix_kernel`` does
+    (a select, not a product, so it is exact, ``x + 0``, whatever the other heads hold)."""
+    if heads == 1:
+        return ref[(*idx, 0)]
+    if backend == "triton":
+        return ref[(*idx, head)]
+    onehot = jax.lax.broadcasted_iota(jnp.int32, (1, heads), 1) == head
+    return jnp.sum(jnp.where(onehot, ref[(*idx, slice(None))], 0.0), axis=1)
+
+
 def _lag_masks(seg_ref, t0, bt: int, max_lag: int, backend: str):
     """``masks[delta]`` ``[bt, 1]`` float: token ``t - delta`` exists and shares ``t``'s segment."""
     rows = t0 + jax.lax.broadcasted_iota(jnp.int32, (bt,), 0)

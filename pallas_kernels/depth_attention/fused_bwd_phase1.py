@@ -28,7 +28,20 @@ and the expansion's transpose gives the source and bank gradients::
 (the identity streams add into ``H_0``). Nothing of size ``m*d`` per token is ever written:
 ``E`` is recomputed from ``x`` and the bank inside each kernel, three times in all.
 
-Passes (all float32 inside):
+Two forms share passes 1-3 (``phase1_backward(form=...)``):
+
+* ``"wide"`` (the default): pass 4 is ``dstreams_call``, a grid over (batch row, token tile,
+  channel chunk) in which each program loads its ``g_A`` tiles once and writes every source's
+  stream cotangents ``dE`` (in the sources' dtype); ``conv_transpose.sources_transpose`` then
+  gives the source and bank gradients and ``_query_grads`` the query gradient as matrix products
+  over the tokens. No program walks the tokens; ``g_A`` is read about twice per block. On the
+  H200 (bench shape, fwd + bwd of one block): 35.8 ms against 89.9 for the reverse-T form and
+  57.7 for the closed-form XLA backward (BENCHMARKS.md, kernels, session 8). It writes the
+  ``[n, m, B, T, d]`` stream cotangents once.
+* ``"reverse_t"``: pass 4 is ``grads_call`` below, one program per (batch row, chunk, source)
+  walking the token tiles in reverse; nothing of ``m d`` per token is written.
+
+Passes of the reverse-T form (all float32 inside):
 
 1. ``fused.scores_call`` (grid ``(B, T/bt)``): raw per-head dots with all ``S*m`` queries and
    each stream's sum of squares. Writes ``(S*n*m*H + n*m)`` floats per token. Needed for
@@ -96,8 +109,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention import fused, reference
+from pallas_kernels.depth_attention import conv_transpose
 from pallas_kernels.depth_attention.fused import (
-    F32, _call_kwargs, _expand_chunk, _if_live, _lag_masks, _live_input, _pad_t, _stream_layout, _Window,
+    F32, _call_kwargs, _expand_chunk, _head_col, _if_live, _lag_masks, _live_input, _pad_t, _stream_layout, _Window,
 )
 from pallas_kernels.depth_attention.row_shift import SHIFTS, scratch_rows, scratch_slots, shift_rows, shift_rows_via_buffer
 from pallas_kernels.depth_attention.tiling import Tiles
@@ -187,7 +201,132 @@ def gdots_call(x, banks, g_acc, seg, *, stream_kernels, tiles: Tiles, backend, i
     return jnp.swapaxes(out[..., 0], -1, -2)
 
 
-# --------------------------------------------------------------------------- pass 4
+# --------------------------------------------------------------------------- wide form, pass 4
+
+
+def _dstreams_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, has_live, backend):
+    """``dE[i, r] = sum_s (P g_A{s,r} + DSR q_{s,r}) - W E_r[x_i]`` on one tile and chunk, for
+    every source: each ``g_A`` tile is loaded once for all sources."""
+    it = iter(refs)
+    x_ref = next(it)  # [n, Tp, bd]
+    bank_ref = next(it) if has_bank else None  # [n, K, bd]
+    q_ref = next(it)  # [S, m, bd]
+    ga_ref = next(it)  # [S, m, bt, bd]
+    p_ref = next(it)  # [S, n, m, bt, H]
+    dsr_ref = next(it)  # [S, n, m, bt, H]
+    w_ref = next(it)  # [n, m, bt, 1]
+    seg_ref = next(it) if has_seg else None  # [Tp, 1]
+    live_ref = next(it) if has_live else None  # [n] int32
+    out_ref = next(it)  # [n, m, bt, bd]
+    t0 = pl.program_id(1) * bt
+    head = (pl.program_id(2) * bd) // (d // heads)
+    col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
+    masks = _lag_masks(seg_ref, t0, bt, max([1, *stream_kernels]), backend)
+    for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
+        ga = [ga_ref[s, r, :, :].astype(F32) for s in range(n_targets)]
+        q = [q_ref[s, r, :].astype(F32)[None, :] for s in range(n_targets)]
+
+        def source_body(i, carry, kernel=kernel, off=off, r=r, ga=ga, q=q):
+            def work():
+                win = _Window(x_ref, (i,), t0, bt, slice(None), backend, width=bd)
+                e = _expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
+                de = -w_ref[i, r, :, 0][:, None] * e
+                for s in range(n_targets):
+                    de = de + col(p_ref, (s, i, r, slice(None)))[:, None] * ga[s]
+                    de = de + col(dsr_ref, (s, i, r, slice(None)))[:, None] * q[s]
+                out_ref[i, r, :, :] = de.astype(out_ref.dtype)
+
+            def skipped():
+                out_ref[i, r, :, :] = jnp.zeros((bt, bd), out_ref.dtype)
+
+            _if_live(live_ref, i, work, skipped)
+            return carry
+
+        jax.lax.fori_loop(0, n, source_body, 0)
+
+
+def dstreams_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, heads, tiles: Tiles, backend,
+                  interpret, out_dtype, valid=None):
+    """``x[n, B, Tp, d]``, ``g_acc[S, m, B, Tp, d]``, ``p``/``dsr`` ``[S, n, m, B, Tp, H]``,
+    ``w[n, m, B, Tp, 1]`` -> the stream cotangents ``dE[n, m, B, Tp, d]`` (``out_dtype``; zeros
+    for the sources ``valid`` excludes)."""
+    n, batch, t_pad, d = x.shape
+    n_targets, m = queries.shape[:2]
+    bt, bd = tiles.block_t, tiles.block_d_mix
+    if (d // heads) % bd:
+        raise ValueError(f"block_d={bd} must divide the head width {d // heads}")
+    has_bank = banks is not None and any(stream_kernels)
+    has_seg = seg is not None
+    in_specs = [pl.BlockSpec((n, None, t_pad, bd), lambda b, t, c: (0, b, 0, c))]
+    args = [x]
+    if has_bank:
+        in_specs.append(pl.BlockSpec((n, banks.shape[1], bd), lambda b, t, c: (0, 0, c)))
+        args.append(banks)
+    in_specs += [
+        pl.BlockSpec((n_targets, m, bd), lambda b, t, c: (0, 0, c)),
+        pl.BlockSpec((n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c)),
+        pl.BlockSpec((n_targets, n, m, None, bt, heads), lambda b, t, c: (0, 0, 0, b, t, 0)),
+        pl.BlockSpec((n_targets, n, m, None, bt, heads), lambda b, t, c: (0, 0, 0, b, t, 0)),
+        pl.BlockSpec((n, m, None, bt, 1), lambda b, t, c: (0, 0, b, t, 0)),
+    ]
+    args += [queries, g_acc, p, dsr, w]
+    if has_seg:  # [B, Tp, 1], as in gdots_call
+        in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, t, c: (b, 0, 0)))
+        args.append(seg[:, :, None])
+    live = _live_input(valid, n, backend)
+    if live is not None:
+        in_specs.append(pl.BlockSpec((n,), lambda b, t, c: (0,)))
+        args.append(live)
+    kernel = functools.partial(
+        _dstreams_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d, bt=bt,
+        bd=bd, has_bank=has_bank, has_seg=has_seg, has_live=live is not None, backend=backend,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, t_pad // bt, d // bd),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((n, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c)),
+        out_shape=jax.ShapeDtypeStruct((n, m, batch, t_pad, d), out_dtype),
+        name="depth_attention_bwd1_dstreams",
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+    )(*args)
+
+
+def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads):
+    """``dq_{s,r} = sum_{i,b,t} DSR_{s,r,i}[b,t] E_r[x_i][b,t]`` (per head) as matrix products
+    over the tokens, without ``E``: with ``E[t] = sum_delta c[delta] mask_delta[t] x[t - delta]``,
+    ``sum_t DSR[t] E[t] = sum_delta c[delta] sum_u DSR[u + delta] mask_delta[u + delta] x[u]``.
+    ``x[n, B, Tp, d]``, ``dsr[S, n, m, B, Tp, H]`` -> ``[S, m, d]`` float32 (exact float32 products)."""
+    n, batch, t_pad, d = x.shape
+    n_targets = dsr.shape[0]
+    dh = d // heads
+    masks = reference._lag_masks(seg, t_pad, max([1, *stream_kernels]), batch)  # [delta]: [B, Tp, 1]
+    ok = reference._source_valid(n, valid)
+    xf = jnp.where(ok[:, None, None, None], x.astype(F32), 0.0).reshape(n, batch * t_pad, heads, dh)
+    out, off = [], 0
+    for r, kernel in enumerate(stream_kernels):
+        a = dsr[:, :, r]  # [S, n, B, Tp, H]
+        if kernel == 0:
+            lagged = a[None]
+        else:
+            taps = []
+            for delta in range(kernel):
+                shifted = a if delta == 0 else reference._unshift(a * masks[delta][:, :, None], delta)
+                taps.append(shifted)
+            lagged = jnp.stack(taps)  # [K_r, S, n, B, Tp, H]
+        y = jnp.einsum("ksnuh,nuhe->ksnhe", lagged.reshape(*lagged.shape[:3], batch * t_pad, heads), xf,
+                       precision=jax.lax.Precision.HIGHEST)  # [K_r, S, n, H, dh]
+        if kernel == 0:
+            out.append(jnp.sum(y[0], axis=1).reshape(n_targets, d))
+        else:
+            c = jnp.where(ok[:, None, None], banks[:, off:off + kernel].astype(F32), 0.0)  # invalid: never read
+            c = c.reshape(n, kernel, heads, dh)  # [n, K_r, H, dh]
+            out.append(jnp.einsum("ksnhe,nkhe->she", y, c).reshape(n_targets, d))
+            off += kernel
+    return jnp.stack(out, axis=1)  # [S, m, d]
+
+
+# --------------------------------------------------------------------------- reverse-T form, pass 4
 
 
 def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, has_seg, backend, shift, dq_dot,
@@ -387,12 +526,24 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
 # --------------------------------------------------------------------------- entry point
 
 
+FORMS = ("reverse_t", "wide")
+DEFAULT_FORM = "wide"
+
+
 def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, stream_kernels: Sequence[int], heads,
-                    eps, tiles: Tiles, backend, interpret, shift=None):
+                    eps, tiles: Tiles, backend, interpret, shift=None, form=DEFAULT_FORM):
     """Gradients ``(d sources, d banks or None, d queries)`` of phase 1: the values of
     ``xla_streaming.phase1_backward(...)[:3]`` (``banks``: ``[n, K, d]`` or None without conv;
     ``valid``: ``[n]`` or None; ``smax``: the forward's running max; ``g``: the state cotangent,
-    its ``max`` ignored; ``shift``: the transposed conv's row shift, see ``grads_call``)."""
+    its ``max`` ignored; ``shift``: the transposed conv's row shift, see ``grads_call``).
+
+    ``form``: ``"reverse_t"`` (pass 4 is ``grads_call``, one program per source walking the
+    tokens in reverse) or ``"wide"`` (pass 4 is ``dstreams_call``, every source's stream
+    cotangents from one load of each ``g_A`` tile, written in the sources' dtype; then
+    ``conv_transpose.sources_transpose`` for the source and bank gradients and token-axis
+    matrix products for the query gradient, ``_query_grads``)."""
+    if form not in FORMS:
+        raise ValueError(f"form={form!r}: must be one of {FORMS}")
     n, batch, t_len, d = sources.shape
     n_targets, m = queries.shape[:2]
     stream_kernels = tuple(stream_kernels)
@@ -420,6 +571,16 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     ds = p * (g_denom[:, None] + gd)
     dsr = ds * rho[None, ..., None]
     w = rho * rho * jnp.sum(ds * s, axis=(0, 5)) / d  # [n, m, B, Tp]
+    if form == "wide":
+        d_streams = dstreams_call(x, conv_banks, queries, g_acc, p, dsr, w[..., None], seg, heads=heads,
+                                  out_dtype=jnp.promote_types(sources.dtype, jnp.bfloat16), valid=valid, **kw)
+        dx, dbank = conv_transpose.sources_transpose(
+            d_streams, x, conv_banks, seg, valid, stream_kernels=stream_kernels, tiles=tiles, backend=backend,
+            interpret=interpret, out_dtype=sources.dtype)
+        d_queries = _query_grads(x, conv_banks, dsr, seg, valid, stream_kernels=stream_kernels, heads=heads)
+        d_banks = None if banks is None else (jnp.zeros_like(banks) if conv_banks is None
+                                              else dbank.astype(banks.dtype))
+        return dx[:, :, :t_len], d_banks, d_queries.astype(queries.dtype)
     to_heads_major = lambda a: jnp.moveaxis(a, -1, -2)[..., None]  # noqa: E731  [S, n, m, B, H, Tp, 1]
 
     # pass 4: dE, transposed conv, bank and query gradients

@@ -101,6 +101,7 @@ from pallas_kernels.depth_attention.fused import (
     F32,
     _call_kwargs,
     _expand_chunk,
+    _head_col,
     _lag_masks,
     _pad_t,
     _stream_layout,
@@ -121,19 +122,6 @@ from pallas_kernels.depth_attention.row_shift import (
 def _col(v):
     """``[bt]`` -> ``[bt, 1]`` (a per-token scalar against a ``[bt, bd]`` tile)."""
     return v[:, None]
-
-
-def _head_col(ref, idx, head, heads: int, backend: str):
-    """``ref[*idx, head]`` (``[bt]``) of a ``[..., T, H]`` ref (``idx`` ends with the rows):
-    this chunk's head column. Mosaic cannot load at a dynamic lane index, so off Triton the
-    row of heads is loaded and the head picked by a one-hot sum, as ``fused._mix_kernel`` does
-    (a select, not a product, so it is exact, ``x + 0``, whatever the other heads hold)."""
-    if heads == 1:
-        return ref[(*idx, 0)]
-    if backend == "triton":
-        return ref[(*idx, head)]
-    onehot = jax.lax.broadcasted_iota(jnp.int32, (1, heads), 1) == head
-    return jnp.sum(jnp.where(onehot, ref[(*idx, slice(None))], 0.0), axis=1)
 
 
 def _dz(r, m, dh, z, gate_vals, w_ref, w_rows):

@@ -63,7 +63,7 @@ def _inputs(kernels, heads, segments, valid, *, n, b, t, d, s, seed=0):
 
 
 def _check(kernels, heads, segments, valid, *, n, t, d, tiles=None, b=2, s=3, backend="interpret", interpret=True,
-           tol=TOL, shift=None):
+           tol=TOL, shift=None, form=fb.DEFAULT_FORM):
     sources, banks, queries, ok, seg, smax, g = _inputs(kernels, heads, segments, valid, n=n, b=b, t=t, d=d, s=s)
     bank_arr = jnp.zeros((n, 0, d), jnp.float32) if banks is None else banks
     want = _jit(xs.phase1_backward, stream_kernels=kernels, heads=heads, eps=1e-6)(
@@ -71,7 +71,7 @@ def _check(kernels, heads, segments, valid, *, n, t, d, tiles=None, b=2, s=3, ba
     if tiles is None:
         tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=max([1, *kernels]), n_targets=s, backend="tpu")
     got = _jit(fb.phase1_backward, stream_kernels=kernels, heads=heads, eps=1e-6, tiles=tiles, backend=backend,
-               interpret=interpret, shift=shift)(sources, banks, queries, ok, seg, smax, g)
+               interpret=interpret, shift=shift, form=form)(sources, banks, queries, ok, seg, smax, g)
     d_x, d_banks, d_q = got
     assert d_x.shape == sources.shape and d_q.shape == queries.shape
     assert _rel(d_x, want[0]) < tol, ("sources", _rel(d_x, want[0]))
@@ -107,9 +107,25 @@ PARAMS = [
 
 @pytest.mark.parametrize("case,n,t,tiles", PARAMS)
 def test_phase1_backward_matches_xla(case, n, t, tiles):
+    """The default (``wide``) form."""
     kernels, heads, segments, valid = case
     d = 16 if heads == 4 else 8
     _check(kernels, heads, segments, valid, n=n, t=t, d=d, tiles=tiles)
+
+
+@pytest.mark.parametrize("case,n,t,tiles", [PARAMS[0], PARAMS[2], PARAMS[4]])
+def test_reverse_t_form_matches_xla(case, n, t, tiles):
+    """The ``reverse_t`` form (one program per source walking the tokens backwards, the
+    transposed conv's spill carried): MSAR over two token tiles, MHAR with 4 heads, one conv
+    stream of 3 over 4 tiles."""
+    kernels, heads, segments, valid = case
+    d = 16 if heads == 4 else 8
+    _check(kernels, heads, segments, valid, n=n, t=t, d=d, tiles=tiles, form="reverse_t")
+
+
+def test_rejects_unknown_form():
+    with pytest.raises(ValueError, match="form='diagonal': must be one of"):
+        _check((0,), 1, False, (1,), n=1, t=4, d=8, form="diagonal")
 
 
 @pytest.mark.parametrize("kernels, t, d, tiles", [
@@ -122,7 +138,7 @@ def test_triton_row_shift_in_interpret(monkeypatch, kernels, t, d, tiles):
     matrix product with the spill carried, and (tiles >= 16) the query gradient as products over
     the tile's tokens; two heads, segments, an invalid source, T ragged over 3-4 tiles."""
     monkeypatch.setattr(fb, "_dot_shift", lambda backend: True)
-    _check(kernels, 2, True, (1, 1, 0), n=3, t=t, d=d, tiles=tiles)
+    _check(kernels, 2, True, (1, 1, 0), n=3, t=t, d=d, tiles=tiles, form="reverse_t")
 
 
 @pytest.mark.parametrize("slots", [1, pytest.param(4, marks=pytest.mark.slow)], ids=["1_slot_11_rounds", "4_slots_3_rounds"])
@@ -131,7 +147,7 @@ def test_buffer_row_shift_in_interpret(slots):
     on the interpret path, in rounds of ``slots`` lags: kernels up to 12 (11 lags), two heads,
     segments, an invalid source, T ragged over 3 tiles."""
     tiles = tiling.Tiles(16, 8, 8, shift_slots=slots)
-    _check((0, 4, 12), 2, True, (1, 1, 0), n=3, t=37, d=16, tiles=tiles, shift="buffer")
+    _check((0, 4, 12), 2, True, (1, 1, 0), n=3, t=37, d=16, tiles=tiles, shift="buffer", form="reverse_t")
 
 
 @pytest.mark.gpu
@@ -145,6 +161,9 @@ def test_gpu_triton_matches_xla():
     with jax.default_matmul_precision("highest"):
         for shift in ("dot", "buffer"):
             _check(kernels, heads, True, (1, 0, 1), n=3, b=2, t=200, d=d, s=s, tiles=tiles, backend="triton",
-                   interpret=False, tol=1e-4, shift=shift)
-        _check((0,), 1, False, (1,), n=1, b=2, t=77, d=128, s=2, backend="triton", interpret=False, tol=1e-4,
-               tiles=tiling.choose_tiles(d=128, heads=1, max_kernel=1, n_targets=2, backend="triton"))
+                   interpret=False, tol=1e-4, shift=shift, form="reverse_t")
+        _check(kernels, heads, True, (1, 0, 1), n=3, b=2, t=200, d=d, s=s, tiles=tiles, backend="triton",
+               interpret=False, tol=1e-4, form="wide")
+        for form in fb.FORMS:
+            _check((0,), 1, False, (1,), n=1, b=2, t=77, d=128, s=2, backend="triton", interpret=False, tol=1e-4,
+                   tiles=tiling.choose_tiles(d=128, heads=1, max_kernel=1, n_targets=2, backend="triton"), form=form)

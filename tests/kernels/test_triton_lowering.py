@@ -48,8 +48,9 @@ def test_kernels_lower_to_triton(h200, kernels, heads, segments, backward, calls
         return jnp.sum(state.acc) + jnp.sum(state.denom)
 
     text = _lower(jax.grad(loss1, argnums=(0, 2) if banks is None else (0, 1, 2)), sources, banks, queries)
-    # forward: scores + mix; the Pallas backward adds scores + <g_A, E> + the reverse-T pass
-    assert text.count(TRITON_CALL) == calls[0]
+    # forward: scores + mix; the Pallas backward (its default "wide" form) adds scores, <g_A, E>,
+    # the stream cotangents and, with conv streams, the expansion's transpose
+    assert text.count(TRITON_CALL) == calls[0] + (backward == "pallas" and any(kernels))
 
     state = jax.tree.map(lambda a: a[0], reference.phase1(sources, banks, queries, stream_kernels=kernels, heads=heads))
     partial = jax.random.normal(keys[3], (batch, t_len, d))
@@ -70,20 +71,24 @@ def test_kernels_lower_to_triton(h200, kernels, heads, segments, backward, calls
 # the Pallas kernels each jitted gradient must contain (phase 1, phase 2 + fusion)
 MOSAIC_KERNELS = {
     "xla": (("depth_attention_scores",), ("depth_attention_scores",)),
-    "pallas": (("depth_attention_scores", "depth_attention_bwd1_gdots", "depth_attention_bwd1_grads"),
+    "pallas": (("depth_attention_scores", "depth_attention_bwd1_gdots", "depth_attention_bwd1_dstreams"),
                ("depth_attention_scores", "depth_attention_phase2_bwd_state", "depth_attention_phase2_bwd_inputs")),
+    "pallas_reverse_t": (("depth_attention_scores", "depth_attention_bwd1_gdots", "depth_attention_bwd1_grads"),
+                         ("depth_attention_scores", "depth_attention_phase2_bwd_state",
+                          "depth_attention_phase2_bwd_inputs")),
 }
 
 
 @pytest.mark.parametrize("kernels, heads, segments", [((0, 4, 8, 12), 1, True), ((0,), 2, False),
                                                       ((0, 0, 0), 2, True)], ids=["msar", "mhar", "no_conv"])
-@pytest.mark.parametrize("backward", ["xla", "pallas"], ids=["xla_bwd", "pallas_bwd"])
+@pytest.mark.parametrize("backward", ["xla", "pallas", "pallas_reverse_t"],
+                         ids=["xla_bwd", "pallas_bwd", "pallas_reverse_t_bwd"])
 def test_tpu_kernels_lower_for_mosaic(kernels, heads, segments, backward):
     """The TPU variant passes Pallas' Mosaic lowering for a TPU v5p (block shapes, aligned loads)
     under an abstract TPU mesh, on this CPU: the forward kernels with the default XLA backward,
     and with ``backward="pallas"`` also the Pallas backward kernels (phase 1: scores, ``<g_A, E>``,
-    the reverse-T gradient pass; phase 2 + gate: scores, gate statistics, ``d_state``, the
-    reverse-T input pass). The full Mosaic compile needs libtpu:
+    the stream cotangents of the ``wide`` form, or the ``reverse_t`` form's gradient pass; phase 2
+    + gate: scores, gate statistics, ``d_state``, the reverse-T input pass). The full Mosaic compile needs libtpu:
     ``experiments/tpu_kernels_aot.py`` (BENCHMARKS.md gives the command and its result)."""
     from jax._src.mesh import AbstractDevice, AbstractMesh
 
@@ -93,7 +98,10 @@ def test_tpu_kernels_lower_for_mosaic(kernels, heads, segments, backward):
     sds = jax.ShapeDtypeStruct
     seg = sds((batch, t_len), jnp.int32) if segments else None
     banks = sds((n, sum(kernels), d), jnp.float32) if sum(kernels) else None
-    kw = dict(stream_kernels=kernels, heads=heads, implementation="pallas_tpu", interpret=False, backward=backward)
+    kw = dict(stream_kernels=kernels, heads=heads, implementation="pallas_tpu", interpret=False,
+              backward=backward.removesuffix("_reverse_t"))
+    if backward.endswith("_reverse_t"):
+        kw["phase1_backward_form"] = "reverse_t"
 
     def loss1(x, b, q, sg):
         state = api.phase1(x, b, q, segment_ids=sg, **kw)
@@ -111,7 +119,7 @@ def test_tpu_kernels_lower_for_mosaic(kernels, heads, segments, backward):
              MOSAIC_KERNELS[backward][0]),
             (jax.grad(loss2, argnums=(0, 1, 3)),
              (state, f32(batch, t_len, d), None if banks is None else f32(sum(kernels), d), f32(m, d), gate, seg),
-             MOSAIC_KERNELS[backward][1] + (("depth_attention_phase2_bwd_stats",) if backward == "pallas" else ())),
+             MOSAIC_KERNELS[backward][1] + (("depth_attention_phase2_bwd_stats",) if backward != "xla" else ())),
         ):
             text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
             assert "tpu_custom_call" in text
@@ -156,7 +164,7 @@ def test_row_shifts_lower_to_triton(h200, shift):
 
     def grads1(x, b, q):
         return fb1.phase1_backward(x, b, q, None, None, smax, ct, stream_kernels=kernels, heads=heads, eps=1e-6,
-                                   tiles=tiles1, backend="triton", interpret=False, shift=shift)
+                                   tiles=tiles1, backend="triton", interpret=False, shift=shift, form="reverse_t")
 
     text = _lower(grads1, sources, jnp.stack([bank] * 3), queries)
     assert text.count(TRITON_CALL) == 3  # scores, <g_A, E>, the gradient kernel
