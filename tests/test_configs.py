@@ -42,7 +42,15 @@ def test_default_size_builds_and_accounts(path):
     assert config.train.steps > 0 and config.optim.lr > 0
 
 
-@pytest.mark.parametrize("path", CONFIG_FILES)
+# Ablations that only change MSAR's numbers (m, S) train at smoke size in the slow suite; their
+# configs still build and validate above, and msar.py's smoke step runs the same code. (Keeps the
+# default suite's time down: about 80 s of CPU compile.)
+_SAME_CODE_AS_MSAR = {"configs/ablations/m2.py", "configs/ablations/m8.py", "configs/ablations/s2.py",
+                      "configs/ablations/s8.py"}
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p in _SAME_CODE_AS_MSAR else p
+                                  for p in CONFIG_FILES])
 def test_smoke_size_runs_one_train_step(path):
     config = validate(load_config(f"{path}:smoke=1"))
     assert config.smoke and config.seq_len == 32 and config.train.batch_size == 2

@@ -85,9 +85,8 @@ def test_profile_tiny_attnres(prof, tmp_path):
 
 
 def test_profile_names_pallas_kernels(prof, tmp_path):
-    """The per-kernel table, on the interpret-mode GPU kernels of a tiny AttnRes step."""
-    (row,) = prof.main(["configs/attnres.py:size=tiny", "--steps=1", "--warmup=0", f"--trace_root={tmp_path}",
-                        "--set", "train.batch_size=2", "--set", "seq_len=32",
+    """The per-kernel table, on the interpret-mode GPU kernels of a smoke-size AttnRes step."""
+    (row,) = prof.main(["configs/attnres.py:smoke=1", "--steps=1", "--warmup=0", f"--trace_root={tmp_path}",
                         "--set", "model.residual.implementation=pallas_gpu"])
     kernels = row["pallas_kernels"]
     assert {"depth_attention_scores", "depth_attention_mix_mean"} <= set(kernels), sorted(kernels)

@@ -79,10 +79,16 @@ MOSAIC_KERNELS = {
 }
 
 
-@pytest.mark.parametrize("kernels, heads, segments", [((0, 4, 8, 12), 1, True), ((0,), 2, False),
-                                                      ((0, 0, 0), 2, True)], ids=["msar", "mhar", "no_conv"])
-@pytest.mark.parametrize("backward", ["xla", "pallas", "pallas_reverse_t"],
-                         ids=["xla_bwd", "pallas_bwd", "pallas_reverse_t_bwd"])
+def _mosaic_params():
+    """(mechanism case, backward): the reverse-T form's extra lowerings beyond MSAR's in the slow suite."""
+    cases = [((0, 4, 8, 12), 1, True, "msar"), ((0,), 2, False, "mhar"), ((0, 0, 0), 2, True, "no_conv")]
+    for backward in ("xla", "pallas", "pallas_reverse_t"):
+        for kernels, heads, segments, name in cases:
+            marks = (pytest.mark.slow,) if backward == "pallas_reverse_t" and name != "msar" else ()
+            yield pytest.param(kernels, heads, segments, backward, marks=marks, id=f"{backward}_bwd-{name}")
+
+
+@pytest.mark.parametrize("kernels, heads, segments, backward", list(_mosaic_params()))
 def test_tpu_kernels_lower_for_mosaic(kernels, heads, segments, backward):
     """The TPU variant passes Pallas' Mosaic lowering for a TPU v5p (block shapes, aligned loads)
     under an abstract TPU mesh, on this CPU: the forward kernels with the default XLA backward,
