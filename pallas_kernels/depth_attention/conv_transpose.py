@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention.fused import (
-    F32, _call_kwargs, _if_live, _lag_masks, _live_input, _pad_t, _stream_layout, _Window,
+    F32, _call_kwargs, _if_live, _lag_masks, _pad_t, _stream_layout, _token_inputs, _Window,
 )
 from pallas_kernels.depth_attention.tiling import Tiles
 
@@ -166,18 +166,12 @@ def sources_transpose(d_streams, x, banks, segment_ids=None, valid=None, *, stre
         pl.BlockSpec((None, n_taps, bd), lambda i, b, g, c: (i, 0, c)),
     ]
     args = [de, xp, banks]
-    if has_seg:  # [B, Tp, 1]: tokens on sublanes, a whole trailing dim (Mosaic's block-shape rule)
-        seg = _pad_t(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
-        in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda i, b, g, c: (b, 0, 0)))
-        args.append(seg[:, :, None])
-    live = _live_input(valid, n, backend)
-    if live is not None:
-        in_specs.append(pl.BlockSpec((n,), lambda i, b, g, c: (0,)))
-        args.append(live)
+    seg = None if segment_ids is None else _pad_t(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
+    has_live = _token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=1)
     n_groups = t_pad // rows
     kernel = functools.partial(
         _kernel, stream_kernels=stream_kernels, bt=bt, bd=bd, tiles_per_program=rows // bt, n_rows=t_pad,
-        has_seg=has_seg, has_live=live is not None, backend=backend,
+        has_seg=has_seg, has_live=has_live, backend=backend,
     )
     dx, dbank = pl.pallas_call(
         kernel,
@@ -195,7 +189,7 @@ def sources_transpose(d_streams, x, banks, segment_ids=None, valid=None, *, stre
         **_call_kwargs(backend, tiles, interpret, ("parallel",) * 4),
     )(*args)
     dx = dx[:, :, :t_len]
-    if valid is not None and live is None:  # Mosaic computed every source: mask the invalid ones
+    if valid is not None and not has_live:  # Mosaic computed every source: mask the invalid ones
         ok = jnp.asarray(valid, bool)
         dx = jnp.where(ok[:, None, None, None], dx, jnp.zeros((), dx.dtype))
         return dx, jnp.where(ok[:, None, None], jnp.sum(dbank, axis=(1, 2)), 0.0)

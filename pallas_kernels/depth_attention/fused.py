@@ -187,6 +187,21 @@ def _live_input(valid, n: int, backend: str):
     return jnp.asarray(valid, jnp.int32).reshape(n)
 
 
+def _token_inputs(in_specs: list, args: list, seg, valid, n: int, t_pad: int, backend: str, batch_axis: int) -> bool:
+    """Append the segment ids (``seg[B, Tp]`` as ``[B, Tp, 1]`` blocks: tokens on sublanes and a
+    whole trailing dim, as Mosaic's block-shape rule wants them; grid axis ``batch_axis`` picks
+    the row) and the source mask (``_live_input``) to a call's inputs, in the order the kernels
+    read them. Returns whether the mask went in."""
+    if seg is not None:
+        in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda *g: (g[batch_axis], 0, 0)))
+        args.append(seg[:, :, None])
+    live = _live_input(valid, n, backend)
+    if live is not None:
+        in_specs.append(pl.BlockSpec((n,), lambda *g: (0,)))
+        args.append(live)
+    return live is not None
+
+
 def _if_live(live_ref, i, work, otherwise=None):
     """Run ``work()`` for a valid source ``i`` (always without a mask), else ``otherwise()``."""
     if live_ref is None:
@@ -404,16 +419,10 @@ def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, 
         args.append(banks)
     in_specs.append(pl.BlockSpec(queries.shape, lambda b, t: (0, 0, 0)))
     args.append(queries)
-    if has_seg:  # [B, Tp, 1]: Mosaic TPU wants a block's last two dims whole (or 8 x 128-aligned)
-        in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, t: (b, 0, 0)))
-        args.append(seg[:, :, None])
-    live = _live_input(valid, n, backend)
-    if live is not None:
-        in_specs.append(pl.BlockSpec((n,), lambda b, t: (0,)))
-        args.append(live)
+    has_live = _token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
     kernel = functools.partial(
         _scores_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d,
-        bt=bt, bd=bd, has_bank=has_bank, has_seg=has_seg, has_live=live is not None, backend=backend,
+        bt=bt, bd=bd, has_bank=has_bank, has_seg=has_seg, has_live=has_live, backend=backend,
         whole=_whole_tile_sums(backend, (n_targets + 1) * m, bt, bd),
     )
     dots, sumsq = pl.pallas_call(
@@ -463,13 +472,7 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
     if mode == "stats":
         in_specs.append(pl.BlockSpec((m, bd, m), lambda b, t, c: (0, c, 0)))
         args.append(w)
-    if has_seg:  # [B, Tp, 1], as in scores_call
-        in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, t, c: (b, 0, 0)))
-        args.append(seg[:, :, None])
-    live = _live_input(valid, n, backend)
-    if live is not None:
-        in_specs.append(pl.BlockSpec((n,), lambda b, t, c: (0,)))
-        args.append(live)
+    has_live = _token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
     if mode == "acc":
         out_specs = [pl.BlockSpec((n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c))]
         out_shape = [jax.ShapeDtypeStruct((n_targets, m, batch, t_pad, d), out_dtype)]
@@ -490,7 +493,7 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
     kernel = functools.partial(
         _mix_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d, bt=bt,
         bd=bd, has_bank=has_bank, has_seg=has_seg, has_base=has_base, mode=mode, backend=backend,
-        whole=mode == "stats" and _whole_tile_sums(backend, 1 + m, bt, bd), has_live=live is not None,
+        whole=mode == "stats" and _whole_tile_sums(backend, 1 + m, bt, bd), has_live=has_live,
     )
     out = pl.pallas_call(
         kernel,

@@ -111,7 +111,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.depth_attention import fused, reference
 from pallas_kernels.depth_attention import conv_transpose
 from pallas_kernels.depth_attention.fused import (
-    F32, _call_kwargs, _expand_chunk, _head_col, _if_live, _lag_masks, _live_input, _pad_t, _stream_layout, _Window,
+    F32, _call_kwargs, _expand_chunk, _head_col, _if_live, _lag_masks, _pad_t, _stream_layout, _token_inputs, _Window,
 )
 from pallas_kernels.depth_attention.row_shift import SHIFTS, scratch_rows, scratch_slots, shift_rows, shift_rows_via_buffer
 from pallas_kernels.depth_attention.tiling import Tiles
@@ -176,16 +176,10 @@ def gdots_call(x, banks, g_acc, seg, *, stream_kernels, tiles: Tiles, backend, i
         args.append(banks)
     in_specs.append(pl.BlockSpec((n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c)))
     args.append(g_acc)
-    if has_seg:  # [B, Tp, 1]: tokens on sublanes, a whole trailing dim (Mosaic's block-shape rule)
-        in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, t, c: (b, 0, 0)))
-        args.append(seg[:, :, None])
-    live = _live_input(valid, n, backend)
-    if live is not None:
-        in_specs.append(pl.BlockSpec((n,), lambda b, t, c: (0,)))
-        args.append(live)
+    has_live = _token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
     kernel = functools.partial(
         _gdots_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, bt=bt, has_bank=has_bank,
-        has_seg=has_seg, backend=backend, has_live=live is not None,
+        has_seg=has_seg, backend=backend, has_live=has_live,
     )
     # [S, n, m, B, nc, Tp, 1]: the token tile and a whole trailing dim last (Mosaic's block-shape
     # rule); returned as [S, n, m, B, Tp, nc]
@@ -270,16 +264,10 @@ def dstreams_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, h
         pl.BlockSpec((n, m, None, bt, 1), lambda b, t, c: (0, 0, b, t, 0)),
     ]
     args += [queries, g_acc, p, dsr, w]
-    if has_seg:  # [B, Tp, 1], as in gdots_call
-        in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, t, c: (b, 0, 0)))
-        args.append(seg[:, :, None])
-    live = _live_input(valid, n, backend)
-    if live is not None:
-        in_specs.append(pl.BlockSpec((n,), lambda b, t, c: (0,)))
-        args.append(live)
+    has_live = _token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
     kernel = functools.partial(
         _dstreams_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d, bt=bt,
-        bd=bd, has_bank=has_bank, has_seg=has_seg, has_live=live is not None, backend=backend,
+        bd=bd, has_bank=has_bank, has_seg=has_seg, has_live=has_live, backend=backend,
     )
     return pl.pallas_call(
         kernel,
@@ -485,13 +473,7 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
         dsr = jnp.pad(dsr, ((0, s_pad - n_targets),) + ((0, 0),) * (dsr.ndim - 1))
         in_specs[-2] = pl.BlockSpec((s_pad, None, m, None, None, t_pad, 1), lambda b, c, i: (0, i, 0, b, head(c), 0, 0))
     args += [queries, g_acc, p, dsr, w]
-    if has_seg:  # [B, Tp, 1], as in gdots_call
-        in_specs.append(pl.BlockSpec((None, t_pad, 1), lambda b, c, i: (b, 0, 0)))
-        args.append(seg[:, :, None])
-    live = _live_input(valid, n, backend)
-    if live is not None:
-        in_specs.append(pl.BlockSpec((n,), lambda b, c, i: (0,)))
-        args.append(live)
+    has_live = _token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
     out_specs = [pl.BlockSpec((None, None, t_pad, bd), lambda b, c, i: (i, b, 0, c))]
     out_shape = [jax.ShapeDtypeStruct((n, batch, t_pad, d), out_dtype)]
     if has_bank:
@@ -508,7 +490,7 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
     kernel = functools.partial(
         _grads_kernel, stream_kernels=tuple(stream_kernels), n_targets=n_targets, bt=bt, bd=bd,
         n_tiles=t_pad // bt, has_bank=has_bank, has_seg=has_seg, backend=backend, shift=shift,
-        dq_dot=dq_dot, has_live=live is not None,
+        dq_dot=dq_dot, has_live=has_live,
     )
     out = pl.pallas_call(
         kernel,
