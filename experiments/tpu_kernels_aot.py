@@ -8,9 +8,9 @@ Needs libtpu (not a project dependency)::
 For each mechanism case it lowers and compiles, with Mosaic, phase 1 and phase 2 (+ gate or
 mean fusion), forward, forward+backward with the default XLA backward, and forward+backward
 with the Pallas backward kernels (``backward="pallas"``: ``fused_bwd_phase1`` in both forms /
-``fused_bwd_phase2``) and phase 1's ``backward="hybrid"`` (``conv_transpose``), and prints ``ok``
-or the compiler's error for each (8 compiles per case, 32 in all; the exit status is 1 if any
-fails). ``tests/kernels/test_triton_lowering.py``
+``fused_bwd_phase2``, both forms each) and phase 1's ``backward="hybrid"`` (``conv_transpose``),
+and prints ``ok`` or the compiler's error for each (9 compiles per case, 36 in all; the exit
+status is 1 if any fails). ``tests/kernels/test_triton_lowering.py``
 checks the Mosaic lowering of the same variants (without libtpu) on every test run; this also
 runs Mosaic's compiler.
 """
@@ -88,6 +88,9 @@ def run(kernels, heads, segments, fuse, t_len=64, d=256):
          jax.grad(lambda *a: jnp.sum(fwd2(*a)), argnums=(0, 1, 3)), *args2)
     comp("phase 2 forward+backward (Pallas backward)",
          jax.grad(lambda *a: jnp.sum(fwd2(*a, kw=kw_pallas)), argnums=(0, 1, 3)), *args2)
+    comp("phase 2 forward+backward (Pallas backward, wide form)",
+         jax.grad(lambda *a: jnp.sum(fwd2(*a, kw=dict(kw_pallas, phase2_backward_form="wide"))), argnums=(0, 1, 3)),
+         *args2)
 
 
 run((0, 4, 8, 12), 1, True, "gate")

@@ -17,13 +17,15 @@ def build(backend: str, native_platform: str):
     then the halo is always built from the previous tile (see ``fused.py``).
     Keyword options accepted by every op: ``interpret`` (bool), ``tiles`` (a
     ``tiling.Tiles``) and ``backward`` (``"xla"``, the default, ``"pallas"`` or ``"hybrid"``: see
-    ``vjp.py``) and ``phase1_backward_form`` (``fused_bwd_phase1.FORMS``); ``phase2_fused`` also ``out_dtype``.
+    ``vjp.py``), ``phase1_backward_form`` (``fused_bwd_phase1.FORMS``) and
+    ``phase2_backward_form`` (``fused_bwd_phase2.FORMS``); ``phase2_fused`` also ``out_dtype``.
     """
 
     def setup(d, heads, stream_kernels, n_targets, opts):
         opts = dict(opts)
         opts.pop("backward", None)  # read by vjp.py's backward
         opts.pop("phase1_backward_form", None)  # read by p1_backward
+        opts.pop("phase2_backward_form", None)  # read by p2_backward
         interpret = opts.pop("interpret", jax.default_backend() != native_platform)
         tiles = opts.pop("tiles", None) or tiling.choose_tiles(
             d=d, heads=heads, max_kernel=max([1, *stream_kernels]), n_targets=n_targets, backend=backend,
@@ -69,10 +71,11 @@ def build(backend: str, native_platform: str):
 
     def p2_backward(state, partial, bank, query, include, gate, segment_ids, dh, static, scores=None):
         kw, _ = setup(partial.shape[-1], static.heads, static.stream_kernels, 1, static.kernel_opts)
+        form = dict(static.kernel_opts).get("phase2_backward_form", fused_bwd_phase2.DEFAULT_FORM)
         return fused_bwd_phase2.phase2_fused_backward(
             state, partial, bank, query, include, gate if static.fuse == "gate" else None, segment_ids,
             jnp.asarray(dh, jnp.float32), stream_kernels=static.stream_kernels, heads=static.heads, eps=static.eps,
-            gate_eps=static.gate_eps, scores=scores, **kw,
+            gate_eps=static.gate_eps, scores=scores, form=form, **kw,
         )
 
     return (

@@ -259,16 +259,17 @@ P2_STREAM_CASES = (
 
 def _time_p2(log, shapes, cases, dtype=jnp.bfloat16, heads=1, reps=21):
     """Phase 2 (+ gate) forward, and forward + Pallas backward, for each ``(kernels, gated,
-    tiles or None)`` of ``cases``; the phase-1 state comes from the XLA reference."""
+    tiles or None[, other op options])`` of ``cases``; the phase-1 state comes from the XLA
+    reference."""
     batch, t_len, d, n = shapes["batch"], shapes["t_len"], shapes["d"], shapes["n"]
     rows = []
-    for kernels, gated, tiles in cases:
+    for kernels, gated, tiles, *more in cases:
         sources, banks, queries, partial, bank, query, gate = make_inputs(n, batch, t_len, d, 1, kernels, heads,
                                                                           dtype)
         state = jax.tree.map(lambda a: a[0], reference.phase1(sources, banks, queries, stream_kernels=kernels,
                                                               heads=heads))
         gate = gate if gated else None
-        opts = dict(stream_kernels=kernels, heads=heads, backward="pallas", out_dtype=dtype)
+        opts = dict(stream_kernels=kernels, heads=heads, backward="pallas", out_dtype=dtype, **(more[0] if more else {}))
         if tiles is not None:
             opts["tiles"] = tiles
 
@@ -281,7 +282,7 @@ def _time_p2(log, shapes, cases, dtype=jnp.bfloat16, heads=1, reps=21):
         argnums = tuple(i for i, a in enumerate((state, partial, bank, query, gate)) if a is not None)
         grad = jax.jit(jax.grad(loss, argnums=argnums))
         ct = jnp.ones((batch, t_len, d), jnp.float32)
-        row = {"p2_streams": str(kernels), "gate": gated, "tiles": str(tiles)}
+        row = {"p2_streams": str(kernels), "gate": gated, "tiles": str(tiles), "opts": str(more[0] if more else {})}
         try:
             row["pallas_gpu_p2_ms"] = timeit(jax.jit(fwd), state, partial, bank, query, gate, reps=reps,
                                              inner=2)[0] * 1e3
@@ -301,6 +302,14 @@ def sweep_p2_bwd(log, shapes, kernels=(0, 4, 8, 12), reps=21):
     cases = [(kernels, True, tiling.Tiles(bt, bdm, bdm, w, st, block_d_bwd=bdb))
              for bt, bdm, bdb, w, st in P2_BWD_TILES]
     return _time_p2(log, shapes, cases, reps=reps)
+
+
+def p2_forms(log, shapes, kernels=(0, 4, 8, 12), reps=21):
+    """Phase 2 + gate with its Pallas backward in each form (``fused_bwd_phase2.FORMS``)."""
+    from pallas_kernels.depth_attention import fused_bwd_phase2
+
+    return _time_p2(log, shapes, [(kernels, True, None, {"phase2_backward_form": f}) for f in fused_bwd_phase2.FORMS],
+                    reps=reps)
 
 
 def sweep_p2_streams(log, shapes, reps=21):
@@ -442,7 +451,8 @@ def parts_p2_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16
 
 def parts_p1_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, reps=21):
     """Phase 1's Pallas backward taken apart as ``parts_p2_bwd`` does phase 2's: its scores,
-    ``<g_A, E>`` and reverse-T gradient kernels each timed alone (one block, S targets), then
+    ``<g_A, E>`` and reverse-T gradient kernels each timed alone (one block, S targets), the
+    ``wide`` form's stream-cotangent kernel, transpose and query products alone, then
     the reverse-T kernel with the buffer row shift (16, 4, 1 scratch slots) instead of its
     default dot shift, and without its row shift, without its token reductions (bank and query
     gradients), without both."""
@@ -460,11 +470,21 @@ def parts_p1_bwd(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16
                                 n_streams=m)
     calls = _capture_calls(
         lambda: p1b.phase1_backward(sources, banks, queries, None, None, smax, ct, stream_kernels=kernels,
-                                    heads=heads, eps=1e-6, tiles=tiles, **_on_gpu()),
+                                    heads=heads, eps=1e-6, tiles=tiles, form="reverse_t", **_on_gpu()),
         {"scores_call": (fused, "scores_call"), "gdots_call": (p1b, "gdots_call"),
          "grads_call": (p1b, "grads_call")})
     row = {"p1_bwd_parts": str(kernels), "tiles": str(tiles)}
     _time_parts(calls, row, reps)
+    from pallas_kernels.depth_attention import conv_transpose
+
+    wide = _capture_calls(  # the wide form's own passes (passes 1-3 are the same)
+        lambda: p1b.phase1_backward(sources, banks, queries, None, None, smax, ct, stream_kernels=kernels,
+                                    heads=heads, eps=1e-6, tiles=tiles, form="wide", **_on_gpu()),
+        {"dstreams_call": (p1b, "dstreams_call"), "sources_transpose": (conv_transpose, "sources_transpose"),
+         "query_grads": (p1b, "_query_grads")})
+    wide_row = {}
+    _time_parts(wide, wide_row, reps)
+    row.update({f"wide_{k}": v for k, v in wide_row.items()})
     variants = {f"buffer_slots{slots}": ("kwargs", {"shift": "buffer",
                                                      "tiles": dataclasses.replace(tiles, shift_slots=slots)})
                 for slots in (16, 4, 1)}
@@ -534,6 +554,8 @@ def main():
                          "one stage left out (attribution)")
     ap.add_argument("--p1_bwd_parts", action="store_true",
                     help="the same for phase 1's Pallas backward (one block)")
+    ap.add_argument("--p2_forms", action="store_true",
+                    help="phase 2 + gate fwd + Pallas bwd in each form of its backward (reverse_t, wide)")
     ap.add_argument("--p1_backwards", action="store_true",
                     help="phase 1 fwd + bwd with each backward (xla, hybrid, pallas in both forms), and the "
                          "expansion's transpose alone (autodiff, kernel)")
@@ -596,6 +618,8 @@ def main():
         parts_p1_bwd(log, shapes, reps=3 if args.small else 21)
     if args.p1_backwards:
         p1_backwards(log, shapes, reps=3 if args.small else 21)
+    if args.p2_forms:
+        p2_forms(log, shapes, reps=3 if args.small else 21)
     if args.sweeps_only:
         return
     rows = []

@@ -96,7 +96,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention import reference, tiling
+from pallas_kernels.depth_attention import conv_transpose, reference, tiling
 from pallas_kernels.depth_attention.fused import (
     F32,
     _call_kwargs,
@@ -308,6 +308,70 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
         dbank_ref[k, :] = jnp.sum(dbank[k], axis=0)
 
 
+def _dstreams_kernel(*refs, stream_kernels, heads, d, bt, bd, tiles_per_program, has_bank, has_seg, has_gate,
+                     backend):
+    """Pass 3 of the ``wide`` form: ``d_E_r = b dz_r + u q_r + v E_r`` written per tile (no
+    transposed conv here: ``conv_transpose`` applies it), over ``tiles_per_program`` token
+    tiles; the query and gate-weight gradients ride as whole tiles over those rows and are
+    written once per program as partials (as in ``_dinput_kernel``)."""
+    it = iter(refs)
+    x_ref = next(it)  # [Tp, bd]
+    bank_ref = next(it) if has_bank else None  # [K, bd]
+    q_ref = next(it)  # [m, bd]
+    a_ref, b_ref, u_ref = next(it), next(it), next(it)  # [m, Tp, H]
+    v_ref = next(it)  # [m, Tp, 1]
+    acc_ref = next(it)  # [m, Tp, bd]
+    dh_ref = next(it)  # [Tp, bd]
+    if has_gate:
+        g_ref, dy_ref, coef_ref, w_ref = next(it), next(it), next(it), next(it)  # [Tp, m] x2, [Tp, 1], [m, bd, m]
+    else:
+        w_ref = None
+    seg_ref = next(it) if has_seg else None  # [Tp, 1]
+    de_ref = next(it)  # [m, rows, bd]: this program's rows
+    dq_ref = next(it)  # [m, bd]
+    dw_ref = next(it) if has_gate else None  # [m, bd, m]
+    m = len(stream_kernels)
+    max_lag = max([1, *stream_kernels])
+    head = (pl.program_id(2) * bd) // (d // heads)
+    col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
+    q = [q_ref[r, :].astype(F32)[None, :] for r in range(m)]
+    first = pl.program_id(1) * tiles_per_program
+
+    def body(j, carry):
+        dq, dw = list(carry[0]), [list(row) for row in carry[1]]
+        t0 = pl.multiple_of((first + j) * bt, bt)
+        rows = pl.ds(t0, bt)
+        masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
+        win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
+        dh = dh_ref[rows, :].astype(F32)
+        gate_vals = None
+        if has_gate:
+            dy_cols = [dy_ref[rows, k] for k in range(m)]
+            gate_vals = (lambda r: g_ref[rows, r], lambda k: dy_cols[k], coef_ref[rows, 0])
+        for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
+            e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
+            b = _col(col(b_ref, (r, rows)))
+            z = _col(col(a_ref, (r, rows))) * acc_ref[r, rows, :].astype(F32) + b * e
+            dz = _dz(r, m, dh, z, gate_vals, w_ref, slice(None))
+            u = _col(col(u_ref, (r, rows)))
+            de = b * dz + u * q[r] + _col(v_ref[r, rows, 0]) * e
+            de_ref[r, pl.ds(pl.multiple_of(j * bt, bt), bt), :] = de.astype(de_ref.dtype)
+            dq[r] = dq[r] + u * e
+            if has_gate:
+                for k in range(m):
+                    dw[r][k] = dw[r][k] + z * _col(dy_cols[k])
+        return dq, dw
+
+    zero = jnp.zeros((bt, bd), F32)
+    dq, dw = jax.lax.fori_loop(0, tiles_per_program, body,
+                               ([zero] * m, [[zero] * m for _ in range(m)] if has_gate else []))
+    for r in range(m):
+        dq_ref[r, :] = jnp.sum(dq[r], axis=0)
+        if has_gate:
+            for k in range(m):
+                dw_ref[r, :, k] = jnp.sum(dw[r][k], axis=0)
+
+
 # --------------------------------------------------------------------------- calls
 
 
@@ -464,11 +528,67 @@ def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_ke
     return dx, dq, dbank, dw
 
 
+def _dstreams_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_kernels, heads, tiles, backend,
+                   interpret, out_dtype):
+    """Pass 3 of the ``wide`` form: ``d_E[m, B, Tp, d]`` (``out_dtype``) and the per-program
+    partials of ``d_query`` ``[B, G, m, d]`` and ``d_W`` ``[B, G, m, d, m]`` (or None)."""
+    batch, t_pad, d = x.shape
+    m = len(stream_kernels)
+    bt, bd = tiles.block_t, tiles.block_d_grads
+    if (d // heads) % bd:
+        raise ValueError(f"block_d={bd} must divide the head width {d // heads}")
+    rows = conv_transpose.rows_per_program(t_pad, bt)
+    n_groups, nc = t_pad // rows, d // bd
+    has_bank, has_seg, has_gate = bank is not None, seg is not None, gate_in is not None
+    specs = [pl.BlockSpec((None, t_pad, bd), lambda i, g, c: (i, 0, c))]
+    args = [x]
+    if has_bank:
+        specs.append(pl.BlockSpec((bank.shape[0], bd), lambda i, g, c: (0, c)))
+        args.append(bank)
+    scal = pl.BlockSpec((m, None, t_pad, heads), lambda i, g, c: (0, i, 0, 0))
+    specs += [pl.BlockSpec((m, bd), lambda i, g, c: (0, c)), scal, scal, scal,
+              pl.BlockSpec((m, None, t_pad, 1), lambda i, g, c: (0, i, 0, 0)),
+              pl.BlockSpec((m, None, t_pad, bd), lambda i, g, c: (0, i, 0, c)),
+              pl.BlockSpec((None, t_pad, bd), lambda i, g, c: (i, 0, c))]
+    args += [query, a, b, u, v[..., None], acc, dh]
+    if has_gate:
+        gw, dy, coef, w3 = gate_in
+        per_tok = pl.BlockSpec((None, t_pad, m), lambda i, g, c: (i, 0, 0))
+        specs += [per_tok, per_tok, pl.BlockSpec((None, t_pad, 1), lambda i, g, c: (i, 0, 0)),
+                  pl.BlockSpec((m, bd, m), lambda i, g, c: (0, c, 0))]
+        args += [gw, dy, coef[:, :, None], w3]
+    if has_seg:  # [B, Tp, 1]
+        specs.append(pl.BlockSpec((None, t_pad, 1), lambda i, g, c: (i, 0, 0)))
+        args.append(seg[:, :, None])
+    out_specs = [pl.BlockSpec((m, None, rows, bd), lambda i, g, c: (0, i, g, c)),
+                 pl.BlockSpec((None, None, m, bd), lambda i, g, c: (i, g, 0, c))]
+    out_shape = [jax.ShapeDtypeStruct((m, batch, t_pad, d), out_dtype),
+                 jax.ShapeDtypeStruct((batch, n_groups, m, d), F32)]
+    if has_gate:
+        out_specs.append(pl.BlockSpec((None, None, m, bd, m), lambda i, g, c: (i, g, 0, c, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, n_groups, m, d, m), F32))
+    kernel = functools.partial(_dstreams_kernel, tiles_per_program=rows // bt, has_bank=has_bank, has_seg=has_seg,
+                               has_gate=has_gate, **{**_common(stream_kernels, heads, d, tiles, backend), "bd": bd})
+    outs = pl.pallas_call(
+        kernel,
+        grid=(batch, n_groups, nc),
+        in_specs=specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        name="depth_attention_phase2_bwd_dstreams",
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+    )(*args)
+    return outs[0], outs[1], (outs[2] if has_gate else None)
+
+
 # --------------------------------------------------------------------------- entry point
+
+FORMS = ("reverse_t", "wide")
+DEFAULT_FORM = "reverse_t"  # "wide" is untimed on the H200 (BENCHMARKS.md, kernels, what remains)
 
 
 def phase2_fused_backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps,
-                          gate_eps, tiles, backend, interpret, scores=None):
+                          gate_eps, tiles, backend, interpret, scores=None, form=DEFAULT_FORM):
     """Gradients of ``reference.phase2_fused`` (same values as ``xla_streaming._phase2_fused_bwd``).
 
     Returns ``(d_state, d_partial, d_bank, d_query, d_gate)``: ``d_state`` a
@@ -477,19 +597,24 @@ def phase2_fused_backward(state, partial, bank, query, include, gate, segment_id
     ``backend``: ``"triton"``, ``"tpu"`` or ``"interpret"`` (as in ``fused.py``).
     ``scores``: the forward's ``(dots[m, B, T, H], sumsq[m, B, T])``
     (``fused.phase2_forward(..., return_scores=True)``); None recomputes them (pass 0).
+    ``form``: pass 3 as the reverse-T input kernel (``"reverse_t"``) or as ``_dstreams_call``
+    (the partial's stream cotangents written in its dtype) followed by
+    ``conv_transpose.expansion_transpose`` (``"wide"``, as phase 1's default form).
     """
     return _backward(state, partial, bank, query, include, gate, segment_ids, dh, stream_kernels=stream_kernels,
                      heads=heads, eps=eps, gate_eps=gate_eps, tiles=tiles, backend=backend, interpret=interpret,
-                     shift="buffer" if backend == "triton" else "concat", scores=scores)
+                     shift="buffer" if backend == "triton" else "concat", scores=scores, form=form)
 
 
 def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps, gate_eps,
-              tiles, backend, interpret, shift, scores=None):
+              tiles, backend, interpret, shift, scores=None, form=DEFAULT_FORM):
     """``phase2_fused_backward`` with the transposed conv's row shift chosen explicitly
     (``row_shift.SHIFTS``; the tests run the Triton ones, ``"dot"`` and ``"buffer"``, in
     interpret mode too)."""
     if shift not in SHIFTS:
         raise ValueError(f"shift={shift!r}: must be one of {SHIFTS}")
+    if form not in FORMS:
+        raise ValueError(f"form={form!r}: must be one of {FORMS}")
     stream_kernels = tuple(stream_kernels)
     batch, t_len, d = partial.shape
     m = len(stream_kernels)
@@ -560,7 +685,16 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
     v = -(rk**3) / d * jnp.sum(ds * dots, axis=-1)  # [m, B, Tp]
 
     # Pass 3: d_partial (transposed conv, reverse T loop), d_bank, d_query, d_W.
-    dx, dq, dbank, dw = _dinput_call(x, kbank, q, a, b, u, v, acc, g_h, gate_in, seg, shift=shift, **kw)
+    if form == "wide":
+        d_streams, dq, dw = _dstreams_call(x, kbank, q, a, b, u, v, acc, g_h, gate_in, seg,
+                                           out_dtype=jnp.promote_types(partial.dtype, jnp.bfloat16), **kw)
+        dq, dw = jnp.sum(dq, axis=1), None if dw is None else jnp.sum(dw, axis=1)
+        dx, dbank = conv_transpose.expansion_transpose(
+            d_streams, x, kbank, seg, stream_kernels=stream_kernels, tiles=tiles, backend=backend, interpret=interpret,
+            out_dtype=F32)
+        dbank = dbank[None] if has_bank else None
+    else:
+        dx, dq, dbank, dw = _dinput_call(x, kbank, q, a, b, u, v, acc, g_h, gate_in, seg, shift=shift, **kw)
 
     cut = lambda t: t[..., :t_len, :]  # noqa: E731
     d_state = reference.SoftmaxState(cut(d_max), cut(d_denom), cut(d_acc))

@@ -156,3 +156,60 @@ def test_gpu_triton_matches_xla(gated, include, shift):
         want = jax.jit(lambda *a: _reference(*a, kernels, heads))(state, partial, bank, query, inc, gate, seg, dh)
         got = fn(state, partial, bank, query, inc, gate, seg, dh)
     _compare(_flat(*got), _flat(*want), 1e-4)
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(CASES[0], id="msar_gate_segments"),
+    pytest.param(CASES[4], id="no_conv_heads4"),
+    # the slow suite: the rest (each about 25 s of CPU compile in interpret mode)
+    pytest.param(CASES[1], id="excluded_partial", marks=pytest.mark.slow),
+    pytest.param(CASES[3], id="attnres", marks=pytest.mark.slow),
+    pytest.param(CASES[6], id="msar_mean_2tiles_chunks", marks=pytest.mark.slow),
+])
+def test_wide_form_matches_xla(case):
+    """Pass 3 in the ``wide`` form (the stream cotangents written, then ``conv_transpose``):
+    every gradient against the XLA closed form."""
+    kernels, heads, segments, include, gated, t, d, tiles, _ = case
+    state, partial, bank, query, seg, gate, dh = _inputs(kernels, heads, segments, gated, t, d,
+                                                         seed=7 * sum(kernels) + heads + include)
+    inc = jnp.asarray(include)
+    if tiles is None:
+        tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=max(kernels), n_targets=1, backend="tpu")
+    fn = functools.partial(fb.phase2_fused_backward, stream_kernels=kernels, heads=heads, eps=1e-6, gate_eps=1e-6,
+                           tiles=tiles, backend="interpret", interpret=True, form="wide")
+
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    def both(state, partial, bank, query, inc, gate, seg, dh):
+        return fn(state, partial, bank, query, inc, gate, seg, dh), _reference(
+            state, partial, bank, query, inc, gate, seg, dh, kernels, heads)
+
+    got, want = both(state, partial, bank, query, inc, gate, seg, dh)
+    _compare(_flat(*got), _flat(*want))
+    if not include:
+        assert not jnp.any(got[1]) and not jnp.any(got[0].max)
+
+
+def test_rejects_unknown_form():
+    state, partial, bank, query, seg, gate, dh = _inputs((0,), 1, False, False, 4, 8, seed=0)
+    with pytest.raises(ValueError, match="form='diagonal': must be one of"):
+        fb.phase2_fused_backward(state, partial, bank, query, jnp.asarray(True), gate, seg, dh, stream_kernels=(0,),
+                                 heads=1, eps=1e-6, gate_eps=1e-6, tiles=tiling.Tiles(8, 8, 8), backend="interpret",
+                                 interpret=True, form="diagonal")
+
+
+@pytest.mark.gpu
+def test_gpu_wide_form_matches_xla():
+    """On a GPU: the wide form's compiled kernels at the medium shape of the test above."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    kernels, heads, t, d = (0, 4, 8, 12), 2, 200, 256
+    state, partial, bank, query, _, gate, dh = _inputs(kernels, heads, False, True, t, d, seed=11)
+    seg = jnp.asarray(np.repeat([[0] * 77 + [1] * (t - 77)], 2, axis=0), jnp.int32)
+    inc = jnp.asarray(True)
+    tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=max(kernels), n_targets=1, backend="triton")
+    fn = jax.jit(functools.partial(fb.phase2_fused_backward, stream_kernels=kernels, heads=heads, eps=1e-6,
+                                   gate_eps=1e-6, tiles=tiles, backend="triton", interpret=False, form="wide"))
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(lambda *a: _reference(*a, kernels, heads))(state, partial, bank, query, inc, gate, seg, dh)
+        got = fn(state, partial, bank, query, inc, gate, seg, dh)
+    _compare(_flat(*got), _flat(*want), 1e-4)

@@ -204,3 +204,37 @@ def test_hybrid_backward_lowers(h200):
     with jax.sharding.use_abstract_mesh(mesh):
         text = loss("pallas_tpu").lower(lowering_platforms=("tpu",)).as_text()
     assert "depth_attention_expansion_transpose" in text
+
+
+def test_phase2_wide_form_lowers(h200):
+    """Phase 2's backward in its ``wide`` form (``phase2_backward_form="wide"``: the partial's
+    stream cotangents, then the expansion's transpose) lowers through Triton and Mosaic."""
+    from jax._src.mesh import AbstractDevice, AbstractMesh
+
+    kernels, batch, t_len, d, m = (0, 4, 8, 12), 2, 64, 256, 4
+    sds = jax.ShapeDtypeStruct
+    f32 = lambda *shape: sds(shape, jnp.float32)  # noqa: E731
+    state = reference.SoftmaxState(f32(m, batch, t_len, 1), f32(m, batch, t_len, 1), f32(m, batch, t_len, d))
+    args = (state, f32(batch, t_len, d), f32(sum(kernels), d), f32(m, d), (f32(m * d, m), f32(), f32(m)),
+            sds((batch, t_len), jnp.int32))
+
+    def lowered(impl, platform):
+        def loss(st, x, b, q, g, sg):
+            return jnp.sum(api.phase2_fused(st, x, b, q, True, g, segment_ids=sg, stream_kernels=kernels,
+                                            implementation=impl, interpret=False, backward="pallas",
+                                            phase2_backward_form="wide"))
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower(
+            lowering_platforms=(platform,)).as_text()
+
+    text = lowered("pallas_gpu", "cuda")
+    # forward: scores, gate statistics, gated mix; backward: statistics, d_state, the stream
+    # cotangents, the expansion's transpose
+    assert text.count(TRITON_CALL) == 7
+    for name in ("depth_attention_phase2_bwd_dstreams", "depth_attention_expansion_transpose"):
+        assert f'name = "{name}"' in text
+    mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="TPU v5p", num_cores=1,
+                                                                        platform="tpu"))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = lowered("pallas_tpu", "tpu")
+    assert "depth_attention_phase2_bwd_dstreams" in text and "depth_attention_expansion_transpose" in text
