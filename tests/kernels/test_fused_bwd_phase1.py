@@ -113,11 +113,16 @@ def test_phase1_backward_matches_xla(case, n, t, tiles):
     _check(kernels, heads, segments, valid, n=n, t=t, d=d, tiles=tiles)
 
 
-@pytest.mark.parametrize("case,n,t,tiles", [PARAMS[0], PARAMS[2], PARAMS[4]])
+@pytest.mark.parametrize("case,n,t,tiles", [
+    PARAMS[2],
+    pytest.param(*PARAMS[0].values, id="msar_T21_2tiles_chunks", marks=pytest.mark.slow),
+    pytest.param(*PARAMS[4].values, id="conv3_n1_4tiles", marks=pytest.mark.slow),
+])
 def test_reverse_t_form_matches_xla(case, n, t, tiles):
     """The ``reverse_t`` form (one program per source walking the tokens backwards, the
-    transposed conv's spill carried): MSAR over two token tiles, MHAR with 4 heads, one conv
-    stream of 3 over 4 tiles."""
+    transposed conv's spill carried): MHAR with 4 heads; in the slow suite MSAR over two token
+    tiles and one conv stream of 3 over 4 tiles. (The row-shift tests below run this form with
+    conv streams, two heads, segments and an invalid source by default.)"""
     kernels, heads, segments, valid = case
     d = 16 if heads == 4 else 8
     _check(kernels, heads, segments, valid, n=n, t=t, d=d, tiles=tiles, form="reverse_t")
