@@ -211,23 +211,51 @@ def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, h
         ss_ref[r, :, 0] = jnp.sum(dz * (e - z), axis=1)
 
 
+class _Pass3Inputs:
+    """The input refs of pass 3 (both forms), in the order ``_pass3_inputs`` lays them out."""
+
+    def __init__(self, it, has_bank, has_gate, has_seg):
+        self.x = next(it)  # [Tp, bd]
+        self.bank = next(it) if has_bank else None  # [K, bd]
+        self.q = next(it)  # [m, bd]
+        self.a, self.b, self.u = next(it), next(it), next(it)  # [m, Tp, H]
+        self.v = next(it)  # [m, Tp, 1]
+        self.acc = next(it)  # [m, Tp, bd]
+        self.dh = next(it)  # [Tp, bd]
+        self.g, self.dy, self.coef, self.w = (next(it), next(it), next(it), next(it)) if has_gate else (None,) * 4
+        self.seg = next(it) if has_seg else None  # [Tp, 1]
+
+
+def _stream_cotangents(ins, stream_kernels, rows, t0, bt, bd, col, backend):
+    """One tile's ``(E_r, z_r, d_E_r = b dz_r + u q_r + v E_r, u_r)`` per stream, the masks and
+    window of ``x`` and the gate's ``dy`` columns (pass 3 of both forms)."""
+    m = len(stream_kernels)
+    masks = _lag_masks(ins.seg, t0, bt, max([1, *stream_kernels]), backend)
+    win = _Window(ins.x, (), t0, bt, slice(None), backend, width=bd)
+    dh = ins.dh[rows, :].astype(F32)
+    gate_vals, dy_cols = None, None
+    if ins.g is not None:
+        dy_cols = [ins.dy[rows, j] for j in range(m)]
+        gate_vals = (lambda r: ins.g[rows, r], lambda j: dy_cols[j], ins.coef[rows, 0])
+    out = []
+    for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
+        e = _expand_chunk(win, ins.bank, (), slice(None), kernel, off, masks)
+        b = _col(col(ins.b, (r, rows)))
+        z = _col(col(ins.a, (r, rows))) * ins.acc[r, rows, :].astype(F32) + b * e
+        dz = _dz(r, m, dh, z, gate_vals, ins.w, slice(None))
+        u = _col(col(ins.u, (r, rows)))
+        de = b * dz + u * ins.q[r, :].astype(F32)[None, :] + _col(ins.v[r, rows, 0]) * e
+        out.append((e, z, de, u))
+    return out, masks, win, dy_cols
+
+
 def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, has_seg, has_gate, backend, shift):
     """Pass 3: one (batch row, channel chunk) per program, T tiles in reverse. Recomputes
     ``d_E_r = b dz_r + u q_r + v E_r`` per tile, applies the transposed conv (``d_x``) and
     accumulates the bank, query and gate-weight gradients in the loop carry."""
     it = iter(refs)
-    x_ref = next(it)  # [Tp, bd]
-    bank_ref = next(it) if has_bank else None  # [K, bd]
-    q_ref = next(it)  # [m, bd]
-    a_ref, b_ref, u_ref = next(it), next(it), next(it)  # [m, Tp, H]
-    v_ref = next(it)  # [m, Tp, 1]
-    acc_ref = next(it)  # [m, Tp, bd]
-    dh_ref = next(it)  # [Tp, bd]
-    if has_gate:
-        g_ref, dy_ref, coef_ref, w_ref = next(it), next(it), next(it), next(it)  # [Tp, m] x2, [Tp, 1], [m, bd, m]
-    else:
-        w_ref = None
-    seg_ref = next(it) if has_seg else None  # [Tp, 1]
+    ins = _Pass3Inputs(it, has_bank, has_gate, has_seg)
+    bank_ref = ins.bank
     dx_ref = next(it)  # [Tp, bd]
     dq_ref = next(it)  # [m, bd]
     dbank_ref = next(it) if has_bank else None  # [K, bd]
@@ -239,28 +267,16 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
     max_lag = max([1, *stream_kernels])
     head = (pl.program_id(1) * bd) // (d // heads)
     col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
-    q = [q_ref[r, :].astype(F32)[None, :] for r in range(m)]
 
     def body(i, carry):
         spill, dq, dbank, dw = carry
         dq, dbank, dw = list(dq), list(dbank), [list(row) for row in dw]
         t0 = pl.multiple_of((n_tiles - 1 - i) * bt, bt)
         rows = pl.ds(t0, bt)
-        masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
-        win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
-        dh = dh_ref[rows, :].astype(F32)
-        gate_vals = None
-        if has_gate:
-            dy_cols = [dy_ref[rows, j] for j in range(m)]
-            gate_vals = (lambda r: g_ref[rows, r], lambda j: dy_cols[j], coef_ref[rows, 0])
+        streams, masks, win, dy_cols = _stream_cotangents(ins, stream_kernels, rows, t0, bt, bd, col, backend)
         taps_d = [None] * max_lag  # sum_r c_r[delta] d_E_r, before the lag mask
         for r, (kernel, off) in enumerate(layout):
-            e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
-            b = _col(col(b_ref, (r, rows)))
-            z = _col(col(a_ref, (r, rows))) * acc_ref[r, rows, :].astype(F32) + b * e
-            dz = _dz(r, m, dh, z, gate_vals, w_ref, slice(None))
-            u = _col(col(u_ref, (r, rows)))
-            de = b * dz + u * q[r] + _col(v_ref[r, rows, 0]) * e
+            e, z, de, u = streams[r]
             # The token sums of d_query, d_W and d_bank stay whole [bt, bd] tiles in the carry and
             # are reduced over rows once, after the loop: a cross-row reduction per tile and
             # gradient (44 per tile for kernels (0, 4, 8, 12) with the gate) cost 60% of this
@@ -315,46 +331,21 @@ def _dstreams_kernel(*refs, stream_kernels, heads, d, bt, bd, tiles_per_program,
     tiles; the query and gate-weight gradients ride as whole tiles over those rows and are
     written once per program as partials (as in ``_dinput_kernel``)."""
     it = iter(refs)
-    x_ref = next(it)  # [Tp, bd]
-    bank_ref = next(it) if has_bank else None  # [K, bd]
-    q_ref = next(it)  # [m, bd]
-    a_ref, b_ref, u_ref = next(it), next(it), next(it)  # [m, Tp, H]
-    v_ref = next(it)  # [m, Tp, 1]
-    acc_ref = next(it)  # [m, Tp, bd]
-    dh_ref = next(it)  # [Tp, bd]
-    if has_gate:
-        g_ref, dy_ref, coef_ref, w_ref = next(it), next(it), next(it), next(it)  # [Tp, m] x2, [Tp, 1], [m, bd, m]
-    else:
-        w_ref = None
-    seg_ref = next(it) if has_seg else None  # [Tp, 1]
+    ins = _Pass3Inputs(it, has_bank, has_gate, has_seg)
     de_ref = next(it)  # [m, rows, bd]: this program's rows
     dq_ref = next(it)  # [m, bd]
     dw_ref = next(it) if has_gate else None  # [m, bd, m]
     m = len(stream_kernels)
-    max_lag = max([1, *stream_kernels])
     head = (pl.program_id(2) * bd) // (d // heads)
     col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
-    q = [q_ref[r, :].astype(F32)[None, :] for r in range(m)]
     first = pl.program_id(1) * tiles_per_program
 
     def body(j, carry):
         dq, dw = list(carry[0]), [list(row) for row in carry[1]]
         t0 = pl.multiple_of((first + j) * bt, bt)
         rows = pl.ds(t0, bt)
-        masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
-        win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
-        dh = dh_ref[rows, :].astype(F32)
-        gate_vals = None
-        if has_gate:
-            dy_cols = [dy_ref[rows, k] for k in range(m)]
-            gate_vals = (lambda r: g_ref[rows, r], lambda k: dy_cols[k], coef_ref[rows, 0])
-        for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
-            e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
-            b = _col(col(b_ref, (r, rows)))
-            z = _col(col(a_ref, (r, rows))) * acc_ref[r, rows, :].astype(F32) + b * e
-            dz = _dz(r, m, dh, z, gate_vals, w_ref, slice(None))
-            u = _col(col(u_ref, (r, rows)))
-            de = b * dz + u * q[r] + _col(v_ref[r, rows, 0]) * e
+        streams, _, _, dy_cols = _stream_cotangents(ins, stream_kernels, rows, t0, bt, bd, col, backend)
+        for r, (e, z, de, u) in enumerate(streams):
             de_ref[r, pl.ds(pl.multiple_of(j * bt, bt), bt), :] = de.astype(de_ref.dtype)
             dq[r] = dq[r] + u * e
             if has_gate:
@@ -465,6 +456,38 @@ def _dstate_call(x, bank, a, b, dold, acc, dh, gate_in, seg, *, stream_kernels, 
     return (d_acc, *(jnp.swapaxes(v[..., 0], 2, 3) for v in reds))
 
 
+def _pass3_inputs(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, heads, bd, grid_ids):
+    """Block specs and arguments of pass 3's inputs (both forms; ``_Pass3Inputs`` reads them):
+    whole-T blocks of one batch row and one ``bd`` chunk. ``grid_ids(*program ids) -> (batch
+    row, chunk)``."""
+    t_pad, m = x.shape[1], query.shape[0]
+
+    def spec(shape, index):
+        return pl.BlockSpec(shape, lambda *ids: index(*grid_ids(*ids)))
+
+    specs = [spec((None, t_pad, bd), lambda i, c: (i, 0, c))]
+    args = [x]
+    if bank is not None:
+        specs.append(spec((bank.shape[0], bd), lambda i, c: (0, c)))
+        args.append(bank)
+    scal = spec((m, None, t_pad, heads), lambda i, c: (0, i, 0, 0))
+    specs += [spec((m, bd), lambda i, c: (0, c)), scal, scal, scal,
+              spec((m, None, t_pad, 1), lambda i, c: (0, i, 0, 0)),
+              spec((m, None, t_pad, bd), lambda i, c: (0, i, 0, c)),
+              spec((None, t_pad, bd), lambda i, c: (i, 0, c))]
+    args += [query, a, b, u, v[..., None], acc, dh]
+    if gate_in is not None:
+        g, dy, coef, w3 = gate_in
+        per_tok = spec((None, t_pad, m), lambda i, c: (i, 0, 0))
+        specs += [per_tok, per_tok, spec((None, t_pad, 1), lambda i, c: (i, 0, 0)),
+                  spec((m, bd, m), lambda i, c: (0, c, 0))]
+        args += [g, dy, coef[:, :, None], w3]
+    if seg is not None:  # [B, Tp, 1]
+        specs.append(spec((None, t_pad, 1), lambda i, c: (i, 0, 0)))
+        args.append(seg[:, :, None])
+    return specs, args
+
+
 def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_kernels, heads, tiles, backend,
                  interpret, shift):
     batch, t_pad, d = x.shape
@@ -474,26 +497,8 @@ def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_ke
         raise ValueError(f"block_d={bd} must divide the head width {d // heads}")
     nc = d // bd
     has_bank, has_seg, has_gate = bank is not None, seg is not None, gate_in is not None
-    specs = [pl.BlockSpec((None, t_pad, bd), lambda i, c: (i, 0, c))]
-    args = [x]
-    if has_bank:
-        specs.append(pl.BlockSpec((bank.shape[0], bd), lambda i, c: (0, c)))
-        args.append(bank)
-    scal = pl.BlockSpec((m, None, t_pad, heads), lambda i, c: (0, i, 0, 0))
-    specs += [pl.BlockSpec((m, bd), lambda i, c: (0, c)), scal, scal, scal,
-              pl.BlockSpec((m, None, t_pad, 1), lambda i, c: (0, i, 0, 0)),
-              pl.BlockSpec((m, None, t_pad, bd), lambda i, c: (0, i, 0, c)),
-              pl.BlockSpec((None, t_pad, bd), lambda i, c: (i, 0, c))]
-    args += [query, a, b, u, v[..., None], acc, dh]
-    if has_gate:
-        g, dy, coef, w3 = gate_in
-        per_tok = pl.BlockSpec((None, t_pad, m), lambda i, c: (i, 0, 0))
-        specs += [per_tok, per_tok, pl.BlockSpec((None, t_pad, 1), lambda i, c: (i, 0, 0)),
-                  pl.BlockSpec((m, bd, m), lambda i, c: (0, c, 0))]
-        args += [g, dy, coef[:, :, None], w3]
-    if has_seg:  # [B, Tp, 1]
-        specs.append(pl.BlockSpec((None, t_pad, 1), lambda i, c: (i, 0, 0)))
-        args.append(seg[:, :, None])
+    specs, args = _pass3_inputs(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, heads=heads, bd=bd,
+                                grid_ids=lambda i, c: (i, c))
     out_specs = [pl.BlockSpec((None, t_pad, bd), lambda i, c: (i, 0, c)),
                  pl.BlockSpec((None, m, bd), lambda i, c: (i, 0, c))]
     out_shape = [jax.ShapeDtypeStruct((batch, t_pad, d), F32), jax.ShapeDtypeStruct((batch, m, d), F32)]
@@ -540,26 +545,8 @@ def _dstreams_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_
     rows = conv_transpose.rows_per_program(t_pad, bt)
     n_groups, nc = t_pad // rows, d // bd
     has_bank, has_seg, has_gate = bank is not None, seg is not None, gate_in is not None
-    specs = [pl.BlockSpec((None, t_pad, bd), lambda i, g, c: (i, 0, c))]
-    args = [x]
-    if has_bank:
-        specs.append(pl.BlockSpec((bank.shape[0], bd), lambda i, g, c: (0, c)))
-        args.append(bank)
-    scal = pl.BlockSpec((m, None, t_pad, heads), lambda i, g, c: (0, i, 0, 0))
-    specs += [pl.BlockSpec((m, bd), lambda i, g, c: (0, c)), scal, scal, scal,
-              pl.BlockSpec((m, None, t_pad, 1), lambda i, g, c: (0, i, 0, 0)),
-              pl.BlockSpec((m, None, t_pad, bd), lambda i, g, c: (0, i, 0, c)),
-              pl.BlockSpec((None, t_pad, bd), lambda i, g, c: (i, 0, c))]
-    args += [query, a, b, u, v[..., None], acc, dh]
-    if has_gate:
-        gw, dy, coef, w3 = gate_in
-        per_tok = pl.BlockSpec((None, t_pad, m), lambda i, g, c: (i, 0, 0))
-        specs += [per_tok, per_tok, pl.BlockSpec((None, t_pad, 1), lambda i, g, c: (i, 0, 0)),
-                  pl.BlockSpec((m, bd, m), lambda i, g, c: (0, c, 0))]
-        args += [gw, dy, coef[:, :, None], w3]
-    if has_seg:  # [B, Tp, 1]
-        specs.append(pl.BlockSpec((None, t_pad, 1), lambda i, g, c: (i, 0, 0)))
-        args.append(seg[:, :, None])
+    specs, args = _pass3_inputs(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, heads=heads, bd=bd,
+                                grid_ids=lambda i, g, c: (i, c))
     out_specs = [pl.BlockSpec((m, None, rows, bd), lambda i, g, c: (0, i, g, c)),
                  pl.BlockSpec((None, None, m, bd), lambda i, g, c: (i, g, 0, c))]
     out_shape = [jax.ShapeDtypeStruct((m, batch, t_pad, d), out_dtype),
