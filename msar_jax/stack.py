@@ -250,8 +250,6 @@ class DepthStack:
             p_block = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), x["mech"])  # [2P, ...]
             with jax.named_scope("depth_begin_block"):
                 bctx = mech.begin_block(g, p_block, state, position(first_l, S), ctx)
-            if bctx is not None:  # per-layer slices [P, 2, ...] for the layer loop
-                bctx = jax.tree.map(lambda a: a.reshape(-1, 2, *a.shape[1:]), bctx)
         ys = []
         for seg_i, (kind, off, cnt) in enumerate(segments):
             sl = lambda a: a[off : off + cnt]  # noqa: E731
@@ -259,7 +257,6 @@ class DepthStack:
                 jax.tree.map(sl, x["attn"]),
                 x["mlp"][seg_i],
                 jax.tree.map(sl, x["mech"]),
-                None if bctx is None else jax.tree.map(sl, bctx),
                 x["layer"][off : off + cnt],
             )
             # A Python loop, not a scan: a unit has only S/2 layers, and differentiating a scan
@@ -269,13 +266,15 @@ class DepthStack:
             # (BENCHMARKS.md, kernels, session 5); unrolled, each layer's residuals stay where
             # its forward wrote them. Each layer takes the whole stacked inputs and picks its row
             # inside (``row``), so a rematerialised layer keeps a reference to the shared
-            # arrays (the block's phase-1 state above all), not a sliced copy of its own.
+            # arrays, not a sliced copy of its own; the block context comes per target
+            # (layer j of the unit reads targets 2j and 2j + 1), each its own array.
             layer_ys = []
             for i in range(cnt):
                 step = functools.partial(self._layer, g=g, ctx=ctx, kind=kind, collect_weights=collect_weights, row=i)
                 if self.remat_policy != "none":
                     step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat_policy])
-                state, y = step(state, inner_xs)
+                j = 2 * (off + i)
+                state, y = step(state, inner_xs, None if bctx is None else tuple(bctx[j : j + 2]))
                 layer_ys.append(y)
             ys.append(jax.tree.map(lambda *a: jnp.stack(a), *layer_ys))
         if not full_mode:
@@ -284,22 +283,22 @@ class DepthStack:
                 state = mech.end_block(g, state, position(last_l, S))
         return state, jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *ys)
 
-    def _layer(self, state, inp, *, g, ctx, kind, collect_weights, row):
+    def _layer(self, state, inp, bctx, *, g, ctx, kind, collect_weights, row):
         """One transformer layer (row ``row`` of the stacked ``inp``): the attention sublayer,
-        then the MLP sublayer."""
-        attn_p, mlp_p, mech_p, bctx, layer = jax.tree.map(lambda a: a[row], inp)
+        then the MLP sublayer; ``bctx``: the block contexts of its two targets, or None."""
+        attn_p, mlp_p, mech_p, layer = jax.tree.map(lambda a: a[row], inp)
         mech = self.mechanism
         S = mech.block_size
         aux_losses, weights = [], []
         for sub, (sub_kind, params) in enumerate((("attn", attn_p), (kind, mlp_p))):
             pos = position(2 * layer + sub + 1, S)
             p = jax.tree.map(lambda a: a[sub], mech_p)
-            b = None if bctx is None else jax.tree.map(lambda a: a[sub], bctx)
+            b = None if bctx is None else bctx[sub]
             # The named scopes label the profile (experiments/profile_step.py); no numeric effect.
             with jax.named_scope("depth_read"):
                 if S == 1:
                     b = mech.begin_block(g, jax.tree.map(lambda a: a[None], p), state, pos, ctx)
-                    b = None if b is None else jax.tree.map(lambda a: a[0], b)  # the one target of the block
+                    b = None if b is None else b[0]  # the one target of the block
                 h, aux = mech.read(g, p, state, b, pos, ctx, want_weights=collect_weights)
             h = jax.ad_checkpoint.checkpoint_name(h, "sublayer_input")
             with jax.named_scope(f"sublayer_{sub_kind}"):

@@ -112,6 +112,10 @@ def test_reads_run_their_forward_kernels_once_per_pass(monkeypatch, mechanism):
     text = grad.trace(params).lower(lowering_platforms=("cuda",)).as_text()
     names = re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "([^"]+)"', text)
     assert dict(collections.Counter(names)) == LOWERED_KERNELS[mechanism]
+    if mechanism == "msar":  # (AttnRes's m = 1 makes that shape one of other arrays too)
+        # Phase 1's state goes to the phase-2 reads one target at a time (api.phase1's
+        # per_target): no array holds it, or its cotangent, stacked over the block's 2 targets.
+        assert f"tensor<2x4x2x32x{cfg.model.d_model}xf32>" not in text  # [S, m, B, T, d]
 
 
 @pytest.mark.parametrize("op, implementation, lean", [

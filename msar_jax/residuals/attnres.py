@@ -186,9 +186,11 @@ class BlockDepthAttention(ResidualMechanism):
         # fused gate's recomputing backward (``phase2_fused``) on every read.
         if not self.res_cfg.two_phase:
             return None
+        # One state per target (``per_target``): each phase-2 read takes its own [m, B, T, d]
+        # array, so no copy slices it out of a stacked one and no copy stacks the cotangents.
         return _recomputed(
-            self._op(depth_api.phase1), state.sources, self.source_banks(g), p_block["queries"],
-            self._completed_valid(pos), batch_axes=(1, None, None, None), out_batch_axis=2,
+            functools.partial(self._op(depth_api.phase1), per_target=True), state.sources, self.source_banks(g),
+            p_block["queries"], self._completed_valid(pos), batch_axes=(1, None, None, None), out_batch_axis=1,
             chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids, lean_vjp=self._lean_vjp(depth_api.phase1),
         )
 

@@ -9,7 +9,7 @@ arrays: ``g`` the mechanism's global parameters, ``p`` one sublayer's parameters
 Per sublayer l (1-based) the stack calls::
 
     bctx = begin_block(g, p_block, state, pos)   # at the first sublayer of each block
-    h, aux = read(g, p, state, bctx_j, pos, ctx)
+    h, aux = read(g, p, state, bctx[j], pos, ctx)  # the block's j-th target
     v = f_l(h)
     state = write(g, p, state, v, aux, pos, ctx)
     state = end_block(g, state, pos)              # after the last sublayer of each block
@@ -98,7 +98,8 @@ class ResidualMechanism(nnx.Module):
         raise NotImplementedError
 
     def begin_block(self, g: dict, p_block: dict, state: DepthState, pos: Position, ctx: SequenceContext):
-        """Work shared by all targets of a block (two-phase phase 1). ``None`` if none."""
+        """Work shared by all targets of a block (two-phase phase 1): a sequence with one
+        context per target of the block (``p_block``'s leading axis), or ``None`` if none."""
         return None
 
     def read(self, g, p, state: DepthState, bctx, pos: Position, ctx: SequenceContext, want_weights: bool = False):

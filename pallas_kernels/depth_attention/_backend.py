@@ -18,7 +18,8 @@ def build(backend: str, native_platform: str):
     Keyword options accepted by every op: ``interpret`` (bool), ``tiles`` (a
     ``tiling.Tiles``) and ``backward`` (``"xla"``, the default, ``"pallas"`` or ``"hybrid"``: see
     ``vjp.py``), ``phase1_backward_form`` (``fused_bwd_phase1.FORMS``) and
-    ``phase2_backward_form`` (``fused_bwd_phase2.FORMS``); ``phase2_fused`` also ``out_dtype``.
+    ``phase2_backward_form`` (``fused_bwd_phase2.FORMS``); ``phase2_fused`` also ``out_dtype``;
+    ``phase1`` also ``per_target`` (``api.phase1``).
     """
 
     def setup(d, heads, stream_kernels, n_targets, opts):
@@ -38,11 +39,12 @@ def build(backend: str, native_platform: str):
 
     def p1_forward(sources, banks, queries, valid, segment_ids, static):
         kw, rest = setup(sources.shape[-1], static.heads, static.stream_kernels, queries.shape[0], static.kernel_opts)
+        per_target = rest.pop("per_target", False)
         if rest:
             raise TypeError(f"phase1: unknown options {sorted(rest)}")
         return fused.phase1_forward(
             sources, banks, queries, valid, stream_kernels=static.stream_kernels, heads=static.heads,
-            segment_ids=segment_ids, eps=static.eps, **kw,
+            segment_ids=segment_ids, eps=static.eps, per_target=per_target, **kw,
         )
 
     def p2_forward(state, partial, bank, query, include, gate, segment_ids, static, return_scores=False):

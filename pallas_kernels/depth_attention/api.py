@@ -62,10 +62,11 @@ def _dispatch(op: str, implementation: Implementation, *args, **kwargs):
         if name == "xla":
             # A kernel option: which backward the Pallas kernels use. The XLA path has one.
             kwargs.pop("backward", None)
+            split = reference.split_targets if kwargs.pop("per_target", False) else (lambda out: out)
             if op in ("phase1", "phase2_fused", "depth_read") and not kwargs.get("return_weights"):
                 # One source in flight at a time, recomputing backward (xla_streaming.py).
-                return getattr(xla_streaming, op)(*args, **kwargs)
-            return getattr(reference, op)(*args, **kwargs)
+                return split(getattr(xla_streaming, op)(*args, **kwargs))
+            return split(getattr(reference, op)(*args, **kwargs))
         fn = _KERNELS[op].get(name)
         if fn is None:
             errors.append(NotImplementedError(f"{op}: no {name} kernel registered"))
@@ -102,8 +103,18 @@ def runs_a_kernel(implementation: Implementation = None) -> bool:
     return _candidates(implementation)[0] != "xla"
 
 
-def phase1(*args, implementation: Implementation = None, **kwargs) -> reference.SoftmaxState:
-    """Phase 1 of the two-phase read; see ``reference.phase1`` for the arguments."""
+def phase1(*args, implementation: Implementation = None, per_target: bool = False, **kwargs):
+    """Phase 1 of the two-phase read; see ``reference.phase1`` for the arguments.
+
+    ``per_target=True`` returns one ``SoftmaxState`` per target (``reference.split_targets``:
+    leaves ``[m, B, T, ...]``) instead of one with a leading ``S`` axis. The Pallas kernels then
+    write each target's ``[m, B, T, d]`` state as its own array and take each one's cotangent as
+    its own input, so no XLA op slices the stacked state for the ``S`` phase-2 reads or stacks
+    their cotangents back (on the H200 those copies were about 86 ms of the MSAR `base` step;
+    BENCHMARKS.md, kernels, session 9). The XLA path computes the stacked state and splits it.
+    """
+    if per_target:
+        kwargs["per_target"] = True
     return _dispatch("phase1", implementation, *args, **kwargs)
 
 

@@ -202,6 +202,41 @@ def _token_inputs(in_specs: list, args: list, seg, valid, n: int, t_pad: int, ba
     return live is not None
 
 
+class _Targets:
+    """``S`` refs ``[...]`` read and written as one ``[S, ...]`` ref (target index first and
+    static): phase 1's per-target state, whose ``S`` arrays stay apart so that no XLA op stacks
+    them into, or slices them out of, one ``[S, m, B, T, d]`` array (``per_target``)."""
+
+    def __init__(self, refs):
+        self.refs = tuple(refs)
+        self.dtype = self.refs[0].dtype
+
+    def __getitem__(self, idx):
+        return self.refs[idx[0]][tuple(idx[1:])]
+
+    def __setitem__(self, idx, value):
+        self.refs[idx[0]][tuple(idx[1:])] = value
+
+
+def _target_input(in_specs: list, args: list, arrays, block: tuple, index_map) -> int:
+    """Append a per-target input: one ``[S, ...]`` array, or a sequence of ``S`` arrays ``[...]``
+    (``per_target``), with the block shape and index map of the stacked form. Returns ``S`` when
+    it went in as separate arrays (the kernel reads them through ``_Targets``), else 0."""
+    if isinstance(arrays, (list, tuple)):
+        for a in arrays:
+            in_specs.append(pl.BlockSpec(block[1:], lambda *g: index_map(*g)[1:]))
+            args.append(a)
+        return len(arrays)
+    in_specs.append(pl.BlockSpec(block, index_map))
+    args.append(arrays)
+    return 0
+
+
+def _next_target_ref(it, n_split: int):
+    """The next kernel ref of an input ``_target_input`` appended."""
+    return _Targets(next(it) for _ in range(n_split)) if n_split else next(it)
+
+
 def _if_live(live_ref, i, work, otherwise=None):
     """Run ``work()`` for a valid source ``i`` (always without a mask), else ``otherwise()``."""
     if live_ref is None:
@@ -306,12 +341,13 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
 
 
 def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, has_base, mode, backend,
-                whole=False, has_live=False):
+                whole=False, has_live=False, split_targets=False):
     """``z[s, r] = a * base + sum_i p[s, i, r] * E_r[x_i]`` on one chunk, then by ``mode``:
     ``acc`` writes z; ``mean``/``gate`` write ``h = sum_r g_r z_r``; ``stats`` writes the
     chunk's ``sum z^2`` and ``z @ W`` partials (the gate's inputs). ``whole`` (stats): those
     ``1 + m`` sums accumulate over the streams as ``[bt, bd]`` tiles and are reduced over
-    channels once, not once per stream (``_whole_tile_sums``)."""
+    channels once, not once per stream (``_whole_tile_sums``). ``split_targets`` (acc): one
+    output per target (``_Targets``)."""
     it = iter(refs)
     x_ref = next(it)  # [n, Tp, bd]
     bank_ref = next(it) if has_bank else None  # [n, K, bd]
@@ -323,6 +359,7 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
     seg_ref = next(it) if has_seg else None  # [Tp]
     live_ref = next(it) if has_live else None  # [n] int32: skip the invalid sources (p = 0 there)
     outs = list(it)
+    acc_out = (_Targets(outs) if split_targets else outs[0]) if mode == "acc" else None
     m = len(stream_kernels)
     layout = _stream_layout(stream_kernels)
     t0 = pl.program_id(1) * bt
@@ -361,7 +398,7 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
             if has_base:
                 z = z + head_col(a_ref, (s, r))[:, None] * base_ref[s, r, :, :].astype(F32)
             if mode == "acc":
-                outs[0][s, r, :, :] = z.astype(outs[0].dtype)
+                acc_out[s, r, :, :] = z.astype(acc_out.dtype)
             elif mode == "mean":
                 h_acc = h_acc + z * (1.0 / m)
             elif mode == "gate":
@@ -444,10 +481,11 @@ def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, 
 
 
 def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, stream_kernels, heads, tiles: Tiles,
-             backend, interpret, out_dtype=F32, valid=None):
+             backend, interpret, out_dtype=F32, valid=None, split_targets=False):
     """See ``_mix_kernel``. ``p[S, n, m, B, Tp, H]``; ``base[S, m, B, Tp, d]``; ``a`` like ``p``
     without ``n``; ``gate[B, Tp, m]``; ``w[m, d, m]``; ``valid[n]``: sources that may have
-    ``p != 0`` (the others may be skipped)."""
+    ``p != 0`` (the others may be skipped). ``split_targets`` (``mode="acc"``): return a list of
+    ``S`` arrays ``[m, B, Tp, d]``, written by the kernel as separate outputs."""
     n, batch, t_pad, d = x.shape
     n_targets, m = p.shape[0], p.shape[2]
     bt, bd = tiles.block_t, tiles.block_d_mix
@@ -473,7 +511,10 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
         in_specs.append(pl.BlockSpec((m, bd, m), lambda b, t, c: (0, c, 0)))
         args.append(w)
     has_live = _token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
-    if mode == "acc":
+    if mode == "acc" and split_targets:
+        out_specs = [pl.BlockSpec((m, None, bt, bd), lambda b, t, c: (0, b, t, c))] * n_targets
+        out_shape = [jax.ShapeDtypeStruct((m, batch, t_pad, d), out_dtype)] * n_targets
+    elif mode == "acc":
         out_specs = [pl.BlockSpec((n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c))]
         out_shape = [jax.ShapeDtypeStruct((n_targets, m, batch, t_pad, d), out_dtype)]
     elif mode in ("mean", "gate"):
@@ -494,6 +535,7 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
         _mix_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d, bt=bt,
         bd=bd, has_bank=has_bank, has_seg=has_seg, has_base=has_base, mode=mode, backend=backend,
         whole=mode == "stats" and _whole_tile_sums(backend, 1 + m, bt, bd), has_live=has_live,
+        split_targets=mode == "acc" and split_targets,
     )
     out = pl.pallas_call(
         kernel,
@@ -506,7 +548,9 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
     )(*args)
     if mode == "stats":
         return out[0][..., 0].transpose(0, 2, 1), out[1].transpose(0, 2, 1, 3)
-    return out[0] if len(out) == 1 else out
+    if mode == "acc" and split_targets:
+        return list(out)
+    return out[0]
 
 
 # --------------------------------------------------------------------------- reads
@@ -519,8 +563,9 @@ def _prepare(t_len, segment_ids, tiles):
 
 
 def phase1_forward(sources, banks, queries, valid=None, *, stream_kernels, heads, segment_ids, eps, tiles,
-                   backend, interpret) -> reference.SoftmaxState:
-    """Fused phase 1; same contract as ``reference.phase1``."""
+                   backend, interpret, per_target=False):
+    """Fused phase 1; same contract as ``reference.phase1`` (with ``per_target``, as
+    ``reference.split_targets`` of it: each target's state is its own output of the kernel)."""
     n, _, t_len, d = sources.shape
     t_pad, seg = _prepare(t_len, segment_ids, tiles)
     x = _pad_t(sources, 2, t_pad)
@@ -532,8 +577,11 @@ def phase1_forward(sources, banks, queries, valid=None, *, stream_kernels, heads
     smax = jnp.max(s, axis=1)
     p = jnp.where(ok, jnp.exp(s - smax[:, None]), 0.0)
     denom = jnp.sum(p, axis=1)
-    acc = mix_call(x, banks, p, seg, mode="acc", valid=valid, **kw)
+    acc = mix_call(x, banks, p, seg, mode="acc", valid=valid, split_targets=per_target, **kw)
     cut = lambda a: a[..., :t_len, :]  # noqa: E731
+    if per_target:
+        return tuple(reference.SoftmaxState(max=cut(smax[i]), denom=cut(denom[i]), acc=cut(acc[i]))
+                     for i in range(len(acc)))
     return reference.SoftmaxState(max=cut(smax), denom=cut(denom), acc=cut(acc))
 
 

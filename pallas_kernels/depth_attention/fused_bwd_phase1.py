@@ -111,7 +111,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.depth_attention import fused, reference
 from pallas_kernels.depth_attention import conv_transpose
 from pallas_kernels.depth_attention.fused import (
-    F32, _call_kwargs, _expand_chunk, _head_col, _if_live, _lag_masks, _pad_t, _stream_layout, _token_inputs, _Window,
+    F32, _call_kwargs, _expand_chunk, _head_col, _if_live, _lag_masks, _next_target_ref, _pad_t, _stream_layout,
+    _target_input, _token_inputs, _Window,
 )
 from pallas_kernels.depth_attention.row_shift import SHIFTS, scratch_rows, scratch_slots, shift_rows, shift_rows_via_buffer
 from pallas_kernels.depth_attention.tiling import Tiles
@@ -127,13 +128,13 @@ def _dot_shift(backend: str) -> bool:
 # --------------------------------------------------------------------------- pass 2
 
 
-def _gdots_kernel(*refs, stream_kernels, n, n_targets, bt, has_bank, has_seg, backend, has_live=False):
+def _gdots_kernel(*refs, stream_kernels, n, n_targets, bt, has_bank, has_seg, backend, has_live=False, split_ga=0):
     """``out[s, i, r, t] = <g_A[s, r, t, chunk], E_r[x_i][t, chunk]>`` for one chunk (zeros for
-    a source the ``live`` mask skips)."""
+    a source the ``live`` mask skips). ``split_ga``: ``g_A`` came as that many per-target refs."""
     it = iter(refs)
     x_ref = next(it)  # [n, Tp, bd]
     bank_ref = next(it) if has_bank else None  # [n, K, bd]
-    ga_ref = next(it)  # [S, m, bt, bd]
+    ga_ref = _next_target_ref(it, split_ga)  # [S, m, bt, bd]
     seg_ref = next(it) if has_seg else None  # [Tp, 1]
     live_ref = next(it) if has_live else None  # [n] int32
     out_ref = next(it)  # [S, n, m, bt, 1]
@@ -161,10 +162,11 @@ def _gdots_kernel(*refs, stream_kernels, n, n_targets, bt, has_bank, has_seg, ba
 
 
 def gdots_call(x, banks, g_acc, seg, *, stream_kernels, tiles: Tiles, backend, interpret, valid=None):
-    """``x[n, B, Tp, d]``, ``g_acc[S, m, B, Tp, d]`` -> ``[S, n, m, B, Tp, d/bd]`` chunk partials
-    of ``<g_A{s,r}, E_r[x_i]>`` (float32; ``valid[n]``: the others may be skipped, zeros)."""
+    """``x[n, B, Tp, d]``, ``g_acc[S, m, B, Tp, d]`` (or ``S`` arrays ``[m, B, Tp, d]``) -> ``[S,
+    n, m, B, Tp, d/bd]`` chunk partials of ``<g_A{s,r}, E_r[x_i]>`` (float32; ``valid[n]``: the
+    others may be skipped, zeros)."""
     n, batch, t_pad, d = x.shape
-    n_targets, m = g_acc.shape[:2]
+    n_targets, m = (len(g_acc), g_acc[0].shape[0]) if isinstance(g_acc, (list, tuple)) else g_acc.shape[:2]
     bt, bd = tiles.block_t, tiles.block_d_mix
     has_bank = banks is not None and any(stream_kernels)
     has_seg = seg is not None
@@ -174,12 +176,11 @@ def gdots_call(x, banks, g_acc, seg, *, stream_kernels, tiles: Tiles, backend, i
     if has_bank:
         in_specs.append(pl.BlockSpec((n, banks.shape[1], bd), lambda b, t, c: (0, 0, c)))
         args.append(banks)
-    in_specs.append(pl.BlockSpec((n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c)))
-    args.append(g_acc)
+    split_ga = _target_input(in_specs, args, g_acc, (n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c))
     has_live = _token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
     kernel = functools.partial(
         _gdots_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, bt=bt, has_bank=has_bank,
-        has_seg=has_seg, backend=backend, has_live=has_live,
+        has_seg=has_seg, backend=backend, has_live=has_live, split_ga=split_ga,
     )
     # [S, n, m, B, nc, Tp, 1]: the token tile and a whole trailing dim last (Mosaic's block-shape
     # rule); returned as [S, n, m, B, Tp, nc]
@@ -198,14 +199,15 @@ def gdots_call(x, banks, g_acc, seg, *, stream_kernels, tiles: Tiles, backend, i
 # --------------------------------------------------------------------------- wide form, pass 4
 
 
-def _dstreams_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, has_live, backend):
+def _dstreams_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, has_live, backend,
+                     split_ga=0):
     """``dE[i, r] = sum_s (P g_A{s,r} + DSR q_{s,r}) - W E_r[x_i]`` on one tile and chunk, for
     every source: each ``g_A`` tile is loaded once for all sources."""
     it = iter(refs)
     x_ref = next(it)  # [n, Tp, bd]
     bank_ref = next(it) if has_bank else None  # [n, K, bd]
     q_ref = next(it)  # [S, m, bd]
-    ga_ref = next(it)  # [S, m, bt, bd]
+    ga_ref = _next_target_ref(it, split_ga)  # [S, m, bt, bd]
     p_ref = next(it)  # [S, n, m, bt, H]
     dsr_ref = next(it)  # [S, n, m, bt, H]
     w_ref = next(it)  # [n, m, bt, 1]
@@ -241,9 +243,9 @@ def _dstreams_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_
 
 def dstreams_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, heads, tiles: Tiles, backend,
                   interpret, out_dtype, valid=None):
-    """``x[n, B, Tp, d]``, ``g_acc[S, m, B, Tp, d]``, ``p``/``dsr`` ``[S, n, m, B, Tp, H]``,
-    ``w[n, m, B, Tp, 1]`` -> the stream cotangents ``dE[n, m, B, Tp, d]`` (``out_dtype``; zeros
-    for the sources ``valid`` excludes)."""
+    """``x[n, B, Tp, d]``, ``g_acc[S, m, B, Tp, d]`` (or ``S`` arrays ``[m, B, Tp, d]``),
+    ``p``/``dsr`` ``[S, n, m, B, Tp, H]``, ``w[n, m, B, Tp, 1]`` -> the stream cotangents ``dE[n,
+    m, B, Tp, d]`` (``out_dtype``; zeros for the sources ``valid`` excludes)."""
     n, batch, t_pad, d = x.shape
     n_targets, m = queries.shape[:2]
     bt, bd = tiles.block_t, tiles.block_d_mix
@@ -256,18 +258,19 @@ def dstreams_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, h
     if has_bank:
         in_specs.append(pl.BlockSpec((n, banks.shape[1], bd), lambda b, t, c: (0, 0, c)))
         args.append(banks)
+    in_specs.append(pl.BlockSpec((n_targets, m, bd), lambda b, t, c: (0, 0, c)))
+    args.append(queries)
+    split_ga = _target_input(in_specs, args, g_acc, (n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c))
     in_specs += [
-        pl.BlockSpec((n_targets, m, bd), lambda b, t, c: (0, 0, c)),
-        pl.BlockSpec((n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c)),
         pl.BlockSpec((n_targets, n, m, None, bt, heads), lambda b, t, c: (0, 0, 0, b, t, 0)),
         pl.BlockSpec((n_targets, n, m, None, bt, heads), lambda b, t, c: (0, 0, 0, b, t, 0)),
         pl.BlockSpec((n, m, None, bt, 1), lambda b, t, c: (0, 0, b, t, 0)),
     ]
-    args += [queries, g_acc, p, dsr, w]
+    args += [p, dsr, w]
     has_live = _token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
     kernel = functools.partial(
         _dstreams_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d, bt=bt,
-        bd=bd, has_bank=has_bank, has_seg=has_seg, has_live=has_live, backend=backend,
+        bd=bd, has_bank=has_bank, has_seg=has_seg, has_live=has_live, backend=backend, split_ga=split_ga,
     )
     return pl.pallas_call(
         kernel,
@@ -517,7 +520,8 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     """Gradients ``(d sources, d banks or None, d queries)`` of phase 1: the values of
     ``xla_streaming.phase1_backward(...)[:3]`` (``banks``: ``[n, K, d]`` or None without conv;
     ``valid``: ``[n]`` or None; ``smax``: the forward's running max; ``g``: the state cotangent,
-    its ``max`` ignored; ``shift``: the transposed conv's row shift, see ``grads_call``).
+    its ``max`` ignored, its ``acc`` one ``[S, m, B, T, d]`` array or ``S`` arrays ``[m, B, T,
+    d]``; ``shift``: the transposed conv's row shift, see ``grads_call``).
 
     ``form``: ``"reverse_t"`` (pass 4 is ``grads_call``, one program per source walking the
     tokens in reverse) or ``"wide"`` (pass 4 is ``dstreams_call``, every source's stream
@@ -545,7 +549,10 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
 
     # pass 2: the value-path dots <g_A, E> (chunk partials summed into heads)
     g_denom = _pad_t(jnp.asarray(g.denom, F32), 3, t_pad)
-    g_acc = _pad_t(jnp.asarray(g.acc, F32), 3, t_pad)
+    if isinstance(g.acc, (list, tuple)):  # per target (``per_target``): the kernels take them apart
+        g_acc = [_pad_t(jnp.asarray(a, F32), 2, t_pad) for a in g.acc]
+    else:
+        g_acc = _pad_t(jnp.asarray(g.acc, F32), 3, t_pad)
     gd = gdots_call(x, conv_banks, g_acc, seg, valid=valid, **kw)  # [S, n, m, B, Tp, nc]
     gd = jnp.sum(gd.reshape(*gd.shape[:-1], heads, -1), axis=-1)  # [S, n, m, B, Tp, H]
 
@@ -566,6 +573,8 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     to_heads_major = lambda a: jnp.moveaxis(a, -1, -2)[..., None]  # noqa: E731  [S, n, m, B, H, Tp, 1]
 
     # pass 4: dE, transposed conv, bank and query gradients
+    if isinstance(g_acc, list):
+        g_acc = jnp.stack(g_acc)  # this form reads g_A whole-T per program; it keeps one array
     dx, dbank, dq = grads_call(
         x, conv_banks, queries, g_acc, to_heads_major(p), to_heads_major(dsr), w[..., None], seg, heads=heads,
         out_dtype=sources.dtype, shift=shift, valid=valid, **kw,

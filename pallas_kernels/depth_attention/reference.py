@@ -51,6 +51,16 @@ class SoftmaxState(NamedTuple):
     acc: jax.Array
 
 
+def split_targets(state: SoftmaxState) -> tuple[SoftmaxState, ...]:
+    """Phase 1's state ``[S, ...]`` as ``S`` per-target states (``phase1(per_target=True)``)."""
+    return tuple(SoftmaxState(*(a[i] for a in state)) for i in range(state.acc.shape[0]))
+
+
+def stack_targets(states) -> SoftmaxState:
+    """The inverse of ``split_targets``."""
+    return SoftmaxState(*(jnp.stack(a) for a in zip(*states)))
+
+
 def bank_size(stream_kernels: Sequence[int]) -> int:
     """Number of ``d``-vectors in one conv bank: the sum of the conv kernel sizes."""
     return int(sum(stream_kernels))

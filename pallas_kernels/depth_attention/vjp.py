@@ -73,19 +73,34 @@ def make_phase1(forward: Callable, kernel_backward: Callable | None = None,
     def op(static, sources, banks, queries, valid, segment_ids):
         return forward(sources, banks, queries, valid, segment_ids, static)
 
+    def per_target(static) -> bool:
+        return bool(dict(static.kernel_opts).get("per_target", False))
+
     def fwd(static, sources, banks, queries, valid, segment_ids):
         out = forward(sources, banks, queries, valid, segment_ids, static)
         # The backward needs only the running max (a shift without gradient), not the [S, m, B,
         # T, d] state: keeping the max alone lets a caller drop its rematerialisation (it would
         # re-run the scores kernel just to get the max back).
-        return out, (sources, banks, queries, valid, segment_ids, out.max)
+        smax = jnp.stack([o.max for o in out]) if per_target(static) else out.max
+        return out, (sources, banks, queries, valid, segment_ids, smax)
+
+    def cotangent(static, ct, split_acc: bool):
+        """The state cotangent in float32 with a leading ``S`` axis; with ``per_target`` and
+        ``split_acc`` its ``acc`` stays a tuple of ``S`` arrays (the Pallas backward takes them
+        apart: stacking them is a copy of the whole ``[S, m, B, T, d]`` cotangent)."""
+        f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+        if not per_target(static):
+            return reference.SoftmaxState(*(f32(a) for a in ct))
+        mx, den, acc = zip(*ct)
+        acc = tuple(f32(a) for a in acc)
+        return reference.SoftmaxState(f32(jnp.stack(mx)), f32(jnp.stack(den)), acc if split_acc else jnp.stack(acc))
 
     def bwd(static, res, ct):
         if backward_choice(static) == "pallas":
             if kernel_backward is None:
                 raise ValueError("backward='pallas': this back end has no phase-1 backward kernel")
             sources, banks, queries, valid, segment_ids, smax = res
-            ct = reference.SoftmaxState(*(jnp.asarray(a, jnp.float32) for a in ct))
+            ct = cotangent(static, ct, split_acc=True)
             dx, dbanks, dq = kernel_backward(sources, banks, queries, valid, segment_ids, smax, ct, static)
             return (dx.astype(sources.dtype), None if banks is None else dbanks.astype(banks.dtype),
                     dq.astype(queries.dtype), None, None)
@@ -95,7 +110,7 @@ def make_phase1(forward: Callable, kernel_backward: Callable | None = None,
         res, ct = xla_streaming.ordered_after_cotangent(res, ct)
         sources, banks, queries, valid, segment_ids, smax = res
         n, d = sources.shape[0], sources.shape[-1]
-        ct = reference.SoftmaxState(*(jnp.asarray(a, jnp.float32) for a in ct))
+        ct = cotangent(static, ct, split_acc=False)
         ok = jnp.ones((n,), bool) if valid is None else valid
         bank_arr = jnp.zeros((n, 0, d), jnp.float32) if banks is None else banks
         transpose = None
@@ -113,7 +128,10 @@ def make_phase1(forward: Callable, kernel_backward: Callable | None = None,
 
     op.defvjp(fwd, bwd)
 
-    def phase1(sources, banks, queries, valid=None, *, stream_kernels, heads=1, segment_ids=None, eps=1e-6, **opts):
+    def phase1(sources, banks, queries, valid=None, *, stream_kernels, heads=1, segment_ids=None, eps=1e-6,
+               per_target=False, **opts):
+        if per_target:  # a static option the forward and the backward read (``api.phase1``)
+            opts["per_target"] = True
         static = Static(tuple(stream_kernels), heads, float(eps), 0.0, None, tuple(sorted(opts.items())))
         valid = None if valid is None else jnp.asarray(valid, bool)
         banks = banks if any(stream_kernels) else None
