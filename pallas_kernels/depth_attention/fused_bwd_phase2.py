@@ -226,27 +226,36 @@ class _Pass3Inputs:
         self.seg = next(it) if has_seg else None  # [Tp, 1]
 
 
-def _stream_cotangents(ins, stream_kernels, rows, t0, bt, bd, col, backend):
-    """One tile's ``(E_r, z_r, d_E_r = b dz_r + u q_r + v E_r, u_r)`` per stream, the masks and
-    window of ``x`` and the gate's ``dy`` columns (pass 3 of both forms)."""
-    m = len(stream_kernels)
-    masks = _lag_masks(ins.seg, t0, bt, max([1, *stream_kernels]), backend)
-    win = _Window(ins.x, (), t0, bt, slice(None), backend, width=bd)
-    dh = ins.dh[rows, :].astype(F32)
-    gate_vals, dy_cols = None, None
-    if ins.g is not None:
-        dy_cols = [ins.dy[rows, j] for j in range(m)]
-        gate_vals = (lambda r: ins.g[rows, r], lambda j: dy_cols[j], ins.coef[rows, 0])
-    out = []
-    for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
-        e = _expand_chunk(win, ins.bank, (), slice(None), kernel, off, masks)
-        b = _col(col(ins.b, (r, rows)))
-        z = _col(col(ins.a, (r, rows))) * ins.acc[r, rows, :].astype(F32) + b * e
-        dz = _dz(r, m, dh, z, gate_vals, ins.w, slice(None))
-        u = _col(col(ins.u, (r, rows)))
-        de = b * dz + u * ins.q[r, :].astype(F32)[None, :] + _col(ins.v[r, rows, 0]) * e
-        out.append((e, z, de, u))
-    return out, masks, win, dy_cols
+class _Tile:
+    """One token tile of pass 3 (both forms): its rows, lag masks, window of ``x``, ``dh`` and
+    the gate's per-token values."""
+
+    def __init__(self, ins, stream_kernels, rows, t0, bt, bd, backend):
+        m = len(stream_kernels)
+        self.rows = rows
+        self.masks = _lag_masks(ins.seg, t0, bt, max([1, *stream_kernels]), backend)
+        self.win = _Window(ins.x, (), t0, bt, slice(None), backend, width=bd)
+        self.dh = ins.dh[rows, :].astype(F32)
+        self.gate_vals, self.dy_cols = None, None
+        if ins.g is not None:
+            self.dy_cols = [ins.dy[rows, j] for j in range(m)]
+            self.gate_vals = (lambda r: ins.g[rows, r], lambda j: self.dy_cols[j], ins.coef[rows, 0])
+
+
+def _stream_cotangent(ins, tile, q, r, kernel, off, m, col):
+    """Stream ``r``'s ``(E_r, z_r, d_E_r = b dz_r + u q_r + v E_r, u_r)`` on one tile (pass 3 of
+    both forms; ``q``: the stream's query row, loaded once per program). One stream at a time,
+    consumed before the next is made: computing all ``m`` first (as this code did for a few
+    commits) kept them all live and made the reverse-T kernel 37% slower on the H200 (`base`,
+    3.05 -> 4.19 ms per call; BENCHMARKS.md, kernels, session 9)."""
+    rows = tile.rows
+    e = _expand_chunk(tile.win, ins.bank, (), slice(None), kernel, off, tile.masks)
+    b = _col(col(ins.b, (r, rows)))
+    z = _col(col(ins.a, (r, rows))) * ins.acc[r, rows, :].astype(F32) + b * e
+    dz = _dz(r, m, tile.dh, z, tile.gate_vals, ins.w, slice(None))
+    u = _col(col(ins.u, (r, rows)))
+    de = b * dz + u * q + _col(ins.v[r, rows, 0]) * e
+    return e, z, de, u
 
 
 def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, has_seg, has_gate, backend, shift):
@@ -267,16 +276,18 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
     max_lag = max([1, *stream_kernels])
     head = (pl.program_id(1) * bd) // (d // heads)
     col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
+    q = [ins.q[r, :].astype(F32)[None, :] for r in range(m)]
 
     def body(i, carry):
         spill, dq, dbank, dw = carry
         dq, dbank, dw = list(dq), list(dbank), [list(row) for row in dw]
         t0 = pl.multiple_of((n_tiles - 1 - i) * bt, bt)
         rows = pl.ds(t0, bt)
-        streams, masks, win, dy_cols = _stream_cotangents(ins, stream_kernels, rows, t0, bt, bd, col, backend)
+        tile = _Tile(ins, stream_kernels, rows, t0, bt, bd, backend)
+        masks, win, dy_cols = tile.masks, tile.win, tile.dy_cols
         taps_d = [None] * max_lag  # sum_r c_r[delta] d_E_r, before the lag mask
         for r, (kernel, off) in enumerate(layout):
-            e, z, de, u = streams[r]
+            e, z, de, u = _stream_cotangent(ins, tile, q[r], r, kernel, off, m, col)
             # The token sums of d_query, d_W and d_bank stay whole [bt, bd] tiles in the carry and
             # are reduced over rows once, after the loop: a cross-row reduction per tile and
             # gradient (44 per tile for kernels (0, 4, 8, 12) with the gate) cost 60% of this
@@ -339,18 +350,19 @@ def _dstreams_kernel(*refs, stream_kernels, heads, d, bt, bd, tiles_per_program,
     head = (pl.program_id(2) * bd) // (d // heads)
     col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
     first = pl.program_id(1) * tiles_per_program
+    q = [ins.q[r, :].astype(F32)[None, :] for r in range(m)]
 
     def body(j, carry):
         dq, dw = list(carry[0]), [list(row) for row in carry[1]]
         t0 = pl.multiple_of((first + j) * bt, bt)
-        rows = pl.ds(t0, bt)
-        streams, _, _, dy_cols = _stream_cotangents(ins, stream_kernels, rows, t0, bt, bd, col, backend)
-        for r, (e, z, de, u) in enumerate(streams):
+        tile = _Tile(ins, stream_kernels, pl.ds(t0, bt), t0, bt, bd, backend)
+        for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
+            e, z, de, u = _stream_cotangent(ins, tile, q[r], r, kernel, off, m, col)
             de_ref[r, pl.ds(pl.multiple_of(j * bt, bt), bt), :] = de.astype(de_ref.dtype)
             dq[r] = dq[r] + u * e
             if has_gate:
                 for k in range(m):
-                    dw[r][k] = dw[r][k] + z * _col(dy_cols[k])
+                    dw[r][k] = dw[r][k] + z * _col(tile.dy_cols[k])
         return dq, dw
 
     zero = jnp.zeros((bt, bd), F32)
