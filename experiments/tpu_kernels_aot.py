@@ -9,7 +9,7 @@ For each mechanism case it lowers and compiles, with Mosaic, phase 1 and phase 2
 mean fusion), forward, forward+backward with the default XLA backward, and forward+backward
 with the Pallas backward kernels (``backward="pallas"``: ``fused_bwd_phase1`` in both forms /
 ``fused_bwd_phase2``, both forms each) and phase 1's ``backward="hybrid"`` (``conv_transpose``),
-and prints ``ok`` or the compiler's error for each (9 compiles per case, 36 in all; the exit
+and prints ``ok`` or the compiler's error for each (10 compiles per case, 40 in all; the exit
 status is 1 if any fails). ``tests/kernels/test_triton_lowering.py``
 checks the Mosaic lowering of the same variants (without libtpu) on every test run; this also
 runs Mosaic's compiler.
@@ -74,6 +74,13 @@ def run(kernels, heads, segments, fuse, t_len=64, d=256):
          *args1)
     comp("phase 1 forward+backward (hybrid backward)",
          jax.grad(lambda *a: loss1(*a, kw=dict(kw, backward="hybrid")), argnums=(0, 2)), *args1)
+
+    def loss1_per_target(x, b, q, sg):  # one state per target: the kernels' separate outputs and inputs
+        states = api.phase1(x, b, q, segment_ids=sg, per_target=True, **kw_pallas)
+        return sum(jnp.sum(st.acc) + jnp.sum(st.denom) for st in states)
+
+    comp("phase 1 forward+backward per target (Pallas backward)", jax.grad(loss1_per_target, argnums=(0, 2)),
+         *args1)
     state = reference.SoftmaxState(sds((m, batch, t_len, heads)), sds((m, batch, t_len, heads)),
                                    sds((m, batch, t_len, d)))
     gate = (sds((m * d, m)), sds(()), sds((m,))) if fuse == "gate" else None

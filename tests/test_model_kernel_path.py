@@ -49,7 +49,7 @@ def test_kernel_path_matches_xla_path(mechanism, implementation, kernel_backward
 @pytest.mark.parametrize("mechanism, phase2_fused_backward, phase1_backward, other_ops", [
     ("msar", "pallas", "pallas", "xla"),  # Pallas for phase 1 (its wide form) and the fused phase 2 + gate
     ("attnres", "pallas", "pallas", "pallas"),  # a single stream and head: Pallas everywhere
-    ("mhar", "xla", "xla", "xla"),  # heads > 1: untimed, the XLA backward
+    ("mhar", "pallas", "pallas", "pallas"),  # heads > 1, one stream: Pallas too (timed in session 9)
 ])
 def test_auto_kernel_backward_per_mechanism_and_op(mechanism, phase2_fused_backward, phase1_backward, other_ops):
     from flax import nnx
@@ -112,10 +112,18 @@ def test_reads_run_their_forward_kernels_once_per_pass(monkeypatch, mechanism):
     text = grad.trace(params).lower(lowering_platforms=("cuda",)).as_text()
     names = re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "([^"]+)"', text)
     assert dict(collections.Counter(names)) == LOWERED_KERNELS[mechanism]
-    if mechanism == "msar":  # (AttnRes's m = 1 makes that shape one of other arrays too)
-        # Phase 1's state goes to the phase-2 reads one target at a time (api.phase1's
-        # per_target): no array holds it, or its cotangent, stacked over the block's 2 targets.
-        assert f"tensor<2x4x2x32x{cfg.model.d_model}xf32>" not in text  # [S, m, B, T, d]
+    # Phase 1's state: per target for a single-stream read (the mixing kernel has one result
+    # per target, the backward's <g_A, E> kernel one cotangent input per target), one stacked
+    # [S, m, B, T, d] array for MSAR (BlockDepthAttention._phase1_per_target says why).
+    per_target = mechanism == "attnres"
+    lines = text.splitlines()
+    mix = [ln for ln in lines if 'name = "depth_attention_mix_acc"' in ln]
+    gdots = [ln for ln in lines if 'name = "depth_attention_bwd1_gdots"' in ln]
+    assert len(mix) == 2 and len(gdots) == 1
+    assert all(bool(re.match(r"\s*%\S+:2 = ", ln)) is per_target for ln in mix)
+    state = "tensor<1x2x32x32xf32>" if per_target else "tensor<2x4x2x32x32xf32>"  # [(S,) m, B, T, d]
+    operands = gdots[0].rsplit(" : (", 1)[1].split(") -> ")[0]
+    assert operands.count(state) == (2 if per_target else 1)
 
 
 @pytest.mark.parametrize("op, implementation, lean", [

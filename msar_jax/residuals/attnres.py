@@ -124,19 +124,20 @@ class BlockDepthAttention(ResidualMechanism):
 
         * the Pallas backward for the fused phase 2 + stream fusion with several streams
           (MSAR: 7.1 against 10.4 ms per sublayer, 14x less temporary memory; session 4);
-        * the Pallas backward for every op of a single-stream, single-head read (AttnRes): its
-          `base` step 1110.0 against 1173.9 ms with the XLA backward (session 6, after the
-          reverse-T kernels stopped reducing over rows per tile);
+        * the Pallas backward for every op of a single-stream read: AttnRes's `base` step 1110.0
+          against 1173.9 ms with the XLA backward (session 6, after the reverse-T kernels
+          stopped reducing over rows per tile); MHAR's (4 heads) 1080.6 against 1112.9 ms
+          (session 9);
         * the Pallas backward for phase 1 with several streams (MSAR), in its ``wide`` form:
           phase 1 fwd + bwd 35.8 ms per block at the bench shape against 57.7 for the closed-form
           XLA backward and 58.3 for ``"hybrid"``; `base` step 1994.7 ms against 2155.2
           (``"hybrid"``) and 2212.4 (XLA) (session 8);
-        * the closed-form XLA backward everywhere else (MHAR's heads are untimed, so it keeps XLA's).
+        * the closed-form XLA backward for MSAR's other ops (the unfused phase 2, the direct read).
         """
         choice = self.res_cfg.get("kernel_backward", "xla")
         if choice != "auto":
             return choice
-        if len(self.stream_kernels) == 1 and self.heads == 1:
+        if len(self.stream_kernels) == 1:
             return "pallas"
         return "pallas" if op in (depth_api.phase1, depth_api.phase2_fused) and len(self.stream_kernels) > 1 else "xla"
 
@@ -186,13 +187,26 @@ class BlockDepthAttention(ResidualMechanism):
         # fused gate's recomputing backward (``phase2_fused``) on every read.
         if not self.res_cfg.two_phase:
             return None
-        # One state per target (``per_target``): each phase-2 read takes its own [m, B, T, d]
-        # array, so no copy slices it out of a stacked one and no copy stacks the cotangents.
-        return _recomputed(
-            functools.partial(self._op(depth_api.phase1), per_target=True), state.sources, self.source_banks(g),
-            p_block["queries"], self._completed_valid(pos), batch_axes=(1, None, None, None), out_batch_axis=1,
-            chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids, lean_vjp=self._lean_vjp(depth_api.phase1),
+        per_target = self._phase1_per_target()
+        states = _recomputed(
+            functools.partial(self._op(depth_api.phase1), per_target=per_target), state.sources,
+            self.source_banks(g), p_block["queries"], self._completed_valid(pos), batch_axes=(1, None, None, None),
+            out_batch_axis=1 if per_target else 2, chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
+            lean_vjp=self._lean_vjp(depth_api.phase1),
         )
+        return states if per_target else depth_ref.split_targets(states)
+
+    def _phase1_per_target(self) -> bool:
+        """Whether phase 1 returns one state per target (``depth_api.phase1(per_target=True)``:
+        the Pallas kernels write and take each target's ``[m, B, T, d]`` state as its own array)
+        or one stacked state that XLA slices for the phase-2 reads (a copy of each target's state,
+        and a copy stacking their cotangents back). Measured on the H200 (BENCHMARKS.md, kernels,
+        session 9), `base` step: AttnRes per target 1051.7 against 1075.1 ms stacked (the
+        copies gone, its kernels as fast); MSAR per target 2059.0 against 1994.7 ms: with
+        ``m = 4`` the mixing kernel writing 8 outputs and the stream-cotangent kernel reading 8
+        inputs ran 71% and 30% slower than on one stacked array (alone, `base` shape), more than
+        the copies cost. So: per target for single-stream reads."""
+        return len(self.stream_kernels) == 1
 
     def retrieve(self, g, p, state, bctx, pos, ctx, want_weights=False):
         """The ``m`` retrieved streams ``z[m, B, T, d]`` (float32) and optional weights."""

@@ -534,6 +534,59 @@ def p1_backwards(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16
     return row
 
 
+def per_target(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, reps=21):
+    """Phase 1 forward, and forward + Pallas backward (wide form), with the state stacked
+    (one ``[S, m, B, T, d]`` array) and per target (``api.phase1(per_target=True)``: ``S``
+    arrays out of the mixing kernel, ``S`` cotangent inputs into the backward's kernels), each
+    per-target output read (ms)."""
+    n, batch, t_len, d, n_targets = (shapes[k] for k in ("n", "batch", "t_len", "d", "n_targets"))
+    sources, banks, queries, *_ = make_inputs(n, batch, t_len, d, n_targets, kernels, heads, dtype)
+    ct = jax.random.normal(jax.random.key(13), (n_targets, len(kernels), batch, t_len, d))
+    row = {"per_target": str(kernels)}
+    kw = dict(stream_kernels=kernels, heads=heads, implementation="pallas_gpu", backward="pallas")
+    for split in (False, True):
+        label = "per_target" if split else "stacked"
+
+        def states(x, b, q, split=split):
+            out = api.phase1(x, b, q, per_target=split, **kw)
+            return out if split else reference.split_targets(out)
+
+        def fwd(x, b, q):  # every target's state read once, as the phase-2 reads would
+            return sum(jnp.sum(st.acc[:, :, :8]) for st in states(x, b, q))
+
+        def loss(x, b, q, g):
+            return sum(jnp.sum(st.acc * g[i]) + jnp.sum(st.denom) for i, st in enumerate(states(x, b, q)))
+
+        row[f"p1_fwd_{label}_ms"] = timeit(jax.jit(fwd), sources, banks, queries, reps=reps, inner=2)[0] * 1e3
+        f = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        row[f"p1_fb_{label}_ms"] = timeit(f, sources, banks, queries, ct, reps=reps, inner=2)[0] * 1e3
+        log(json.dumps({k: v for k, v in row.items() if label in k}))
+    # the kernels that take the state apart, alone: the mixing kernel's outputs, the backward's
+    # <g_A, E> and stream-cotangent kernels' inputs
+    from pallas_kernels.depth_attention import fused, fused_bwd_phase1, tiling
+
+    m = len(kernels)
+    tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=max(kernels), n_targets=n_targets, backend="triton",
+                                n_streams=m)
+    kk = dict(stream_kernels=kernels, tiles=tiles, **_on_gpu())
+    p = jax.nn.softmax(jax.random.normal(jax.random.key(14), (n_targets, n, m, batch, t_len, heads)), axis=1)
+    w = jax.random.normal(jax.random.key(15), (n, m, batch, t_len, 1))
+    for split in (False, True):
+        label = "per_target" if split else "stacked"
+        mix = jax.jit(lambda x, b, p, split=split: fused.mix_call(x, b, p, None, mode="acc", heads=heads,
+                                                                  split_targets=split, **kk))
+        row[f"mix_acc_{label}_ms"] = timeit(mix, sources, banks, p, reps=reps)[0] * 1e3
+        g = [ct[i] for i in range(n_targets)] if split else ct
+        gd = jax.jit(lambda x, b, g: fused_bwd_phase1.gdots_call(x, b, g, None, **kk))
+        row[f"gdots_{label}_ms"] = timeit(gd, sources, banks, g, reps=reps)[0] * 1e3
+        ds = jax.jit(lambda x, b, q, g, p, w: fused_bwd_phase1.dstreams_call(
+            x, b, q, g, p, p, w, None, heads=heads, out_dtype=dtype, **kk))
+        row[f"dstreams_{label}_ms"] = timeit(ds, sources, banks, queries, g, p, w, reps=reps)[0] * 1e3
+        log(json.dumps({k: v for k, v in row.items() if label in k and not k.startswith("p1_")}))
+    log(json.dumps(row))
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true", help="CPU smoke run of the harness")
@@ -559,6 +612,10 @@ def main():
     ap.add_argument("--p1_backwards", action="store_true",
                     help="phase 1 fwd + bwd with each backward (xla, hybrid, pallas in both forms), and the "
                          "expansion's transpose alone (autodiff, kernel)")
+    ap.add_argument("--base_shape", action="store_true",
+                    help="the shape of the base config's reads (n=8, B=64, T=1024, d=1024, S=8) instead of the issue's")
+    ap.add_argument("--per_target", action="store_true",
+                    help="phase 1 fwd and fwd + Pallas bwd with the state stacked and per target (api.phase1)")
     ap.add_argument("--sweeps_only", action="store_true", help="run the requested sweeps, skip the main table")
     ap.add_argument("--no_bwd_barrier", action="store_true",
                     help="trace the XLA backwards without their optimization barrier on (residuals, cotangent) "
@@ -587,6 +644,8 @@ def main():
         args.sweep = False
     else:
         shapes = dict(n=9, batch=8, t_len=2048, d=2048, n_targets=8)
+        if args.base_shape:  # configs/*.py:size=base: 8 buffer slots, batch 64 x 1024 tokens, d = 1024
+            shapes = dict(n=8, batch=64, t_len=1024, d=1024, n_targets=8)
         impl, reps, inner = "pallas_gpu", 25, 5
         bw = copy_bandwidth()
     log(json.dumps({"copy_bandwidth_TBps": bw / 1e12}))
@@ -620,6 +679,8 @@ def main():
         p1_backwards(log, shapes, reps=3 if args.small else 21)
     if args.p2_forms:
         p2_forms(log, shapes, reps=3 if args.small else 21)
+    if args.per_target:
+        per_target(log, shapes, reps=3 if args.small else 21)
     if args.sweeps_only:
         return
     rows = []

@@ -52,8 +52,15 @@ class SoftmaxState(NamedTuple):
 
 
 def split_targets(state: SoftmaxState) -> tuple[SoftmaxState, ...]:
-    """Phase 1's state ``[S, ...]`` as ``S`` per-target states (``phase1(per_target=True)``)."""
-    return tuple(SoftmaxState(*(a[i] for a in state)) for i in range(state.acc.shape[0]))
+    """Phase 1's state ``[S, ...]`` as ``S`` per-target states (``phase1(per_target=True)``).
+
+    Split with ``jnp.split``, whose transpose is one concatenate of the ``S`` cotangents;
+    indexing each target (``a[i]``) transposes to ``S`` zero-padded full-size arrays summed,
+    which on the H200 took 80.8 against 29.5 ms per MSAR `base` step (BENCHMARKS.md, kernels,
+    session 9)."""
+    n_targets = state.acc.shape[0]
+    parts = [[jnp.squeeze(p, 0) for p in jnp.split(a, n_targets)] for a in state]
+    return tuple(SoftmaxState(*(p[i] for p in parts)) for i in range(n_targets))
 
 
 def stack_targets(states) -> SoftmaxState:
