@@ -49,7 +49,8 @@ def _command(workdir):
 
 def _env(devices, **extra):
     env = {k: v for k, v in os.environ.items() if k not in _CLUSTER_VARS}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    flags = f"--xla_force_host_platform_device_count={devices} {os.environ.get('MSAR_TEST_XLA_FLAGS', '')}"
+    env.update(XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu",
                JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo", **extra)
     return env
 

@@ -39,7 +39,7 @@ def _run(name: str, env: dict) -> None:
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     old = dict(os.environ)
     # The kernel inherits the environment: one host CPU device (not the suite's 8 fake ones).
-    os.environ.pop("XLA_FLAGS", None)
+    os.environ["XLA_FLAGS"] = os.environ.get("MSAR_TEST_XLA_FLAGS", "")
     os.environ.update(env)
     try:
         client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
