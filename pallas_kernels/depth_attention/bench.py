@@ -534,7 +534,7 @@ def p1_backwards(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16
     return row
 
 
-def per_target(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, reps=21):
+def per_target(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, reps=21, tile_variants=()):
     """Phase 1 forward, and forward + Pallas backward (wide form), with the state stacked
     (one ``[S, m, B, T, d]`` array) and per target (``api.phase1(per_target=True)``: ``S``
     arrays out of the mixing kernel, ``S`` cotangent inputs into the backward's kernels), each
@@ -562,7 +562,8 @@ def per_target(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, 
         row[f"p1_fb_{label}_ms"] = timeit(f, sources, banks, queries, ct, reps=reps, inner=2)[0] * 1e3
         log(json.dumps({k: v for k, v in row.items() if label in k}))
     # the kernels that take the state apart, alone: the mixing kernel's outputs, the backward's
-    # <g_A, E> and stream-cotangent kernels' inputs
+    # <g_A, E> and stream-cotangent kernels' inputs; with the heuristic's tiles, then (``tiles``)
+    # the mixing and stream-cotangent kernels with narrower chunks or more rows
     from pallas_kernels.depth_attention import fused, fused_bwd_phase1, tiling
 
     m = len(kernels)
@@ -571,6 +572,21 @@ def per_target(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, 
     kk = dict(stream_kernels=kernels, tiles=tiles, **_on_gpu())
     p = jax.nn.softmax(jax.random.normal(jax.random.key(14), (n_targets, n, m, batch, t_len, heads)), axis=1)
     w = jax.random.normal(jax.random.key(15), (n, m, batch, t_len, 1))
+    for t in tile_variants:
+        kt = dict(kk, tiles=t)
+        for split in (False, True):
+            label = f"{'per_target' if split else 'stacked'}_bt{t.block_t}_bd{t.block_d_mix}_w{t.num_warps}"
+            g = [ct[i] for i in range(n_targets)] if split else ct
+            mix = jax.jit(lambda x, b, p, split=split, kt=kt: fused.mix_call(
+                x, b, p, None, mode="acc", heads=heads, split_targets=split, **kt))
+            ds = jax.jit(lambda x, b, q, g, p, w, kt=kt: fused_bwd_phase1.dstreams_call(
+                x, b, q, g, p, p, w, None, heads=heads, out_dtype=dtype, **kt))
+            try:
+                row[f"mix_acc_{label}_ms"] = timeit(mix, sources, banks, p, reps=reps)[0] * 1e3
+                row[f"dstreams_{label}_ms"] = timeit(ds, sources, banks, queries, g, p, w, reps=reps)[0] * 1e3
+            except Exception as e:  # noqa: BLE001 - keep timing the others
+                row[f"{label}_error"] = repr(e)[:200]
+            log(json.dumps({k: v for k, v in row.items() if label in k}))
     for split in (False, True):
         label = "per_target" if split else "stacked"
         mix = jax.jit(lambda x, b, p, split=split: fused.mix_call(x, b, p, None, mode="acc", heads=heads,
@@ -616,6 +632,8 @@ def main():
                     help="the shape of the base config's reads (n=8, B=64, T=1024, d=1024, S=8) instead of the issue's")
     ap.add_argument("--per_target", action="store_true",
                     help="phase 1 fwd and fwd + Pallas bwd with the state stacked and per target (api.phase1)")
+    ap.add_argument("--per_target_tiles", action="store_true",
+                    help="with --per_target: also the mixing and stream-cotangent kernels at three other tilings")
     ap.add_argument("--sweeps_only", action="store_true", help="run the requested sweeps, skip the main table")
     ap.add_argument("--no_bwd_barrier", action="store_true",
                     help="trace the XLA backwards without their optimization barrier on (residuals, cotangent) "
@@ -680,7 +698,11 @@ def main():
     if args.p2_forms:
         p2_forms(log, shapes, reps=3 if args.small else 21)
     if args.per_target:
-        per_target(log, shapes, reps=3 if args.small else 21)
+        from pallas_kernels.depth_attention.tiling import Tiles
+
+        variants = [Tiles(16, 64, 64, 8, 1), Tiles(16, 64, 32, 4, 1), Tiles(32, 64, 64, 8, 1)] if args.per_target_tiles \
+            else []
+        per_target(log, shapes, reps=3 if args.small else 21, tile_variants=variants)
     if args.sweeps_only:
         return
     rows = []
