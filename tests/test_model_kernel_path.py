@@ -112,18 +112,19 @@ def test_reads_run_their_forward_kernels_once_per_pass(monkeypatch, mechanism):
     text = grad.trace(params).lower(lowering_platforms=("cuda",)).as_text()
     names = re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "([^"]+)"', text)
     assert dict(collections.Counter(names)) == LOWERED_KERNELS[mechanism]
-    # Phase 1's state: per target for a single-stream read (the mixing kernel has one result
-    # per target, the backward's <g_A, E> kernel one cotangent input per target), one stacked
-    # [S, m, B, T, d] array for MSAR (BlockDepthAttention._phase1_per_target says why).
-    per_target = mechanism == "attnres"
+    # Phase 1's state per target (BlockDepthAttention.begin_block says why): the mixing kernel
+    # has one result per target, the backward's <g_A, E> kernel one cotangent input per target;
+    # no stacked [S, m, B, T, d] state.
+    m = 1 if mechanism == "attnres" else 4
     lines = text.splitlines()
     mix = [ln for ln in lines if 'name = "depth_attention_mix_acc"' in ln]
     gdots = [ln for ln in lines if 'name = "depth_attention_bwd1_gdots"' in ln]
     assert len(mix) == 2 and len(gdots) == 1
-    assert all(bool(re.match(r"\s*%\S+:2 = ", ln)) is per_target for ln in mix)
-    state = "tensor<1x2x32x32xf32>" if per_target else "tensor<2x4x2x32x32xf32>"  # [(S,) m, B, T, d]
+    assert all(re.match(r"\s*%\S+:2 = ", ln) for ln in mix)
+    state = f"tensor<{m}x2x32x32xf32>"  # [m, B, T, d]
     operands = gdots[0].rsplit(" : (", 1)[1].split(") -> ")[0]
-    assert operands.count(state) == (2 if per_target else 1)
+    assert f"tensor<2x{m}x2x32x32xf32>" not in operands
+    assert operands.count(state) == 2
 
 
 @pytest.mark.parametrize("op, implementation, lean", [

@@ -187,28 +187,19 @@ class BlockDepthAttention(ResidualMechanism):
         # fused gate's recomputing backward (``phase2_fused``) on every read.
         if not self.res_cfg.two_phase:
             return None
-        per_target = self._phase1_per_target()
-        states = _recomputed(
-            functools.partial(self._op(depth_api.phase1), per_target=per_target), state.sources,
+        # One state per target (``depth_api.phase1(per_target=True)``): the Pallas kernels write
+        # and take each target's ``[m, B, T, d]`` state as its own array. A stacked
+        # ``[S, m, B, T, d]`` state made XLA copy each target's slice out before its phase-2 read
+        # and stack the cotangents back: on the H200, `base` step, MSAR 2175.1 ms stacked against
+        # 2093.9 per target (same tiles), AttnRes 1075.1 against 1051.7 (BENCHMARKS.md, kernels,
+        # sessions 9 and 10; the per-target mixing and stream-cotangent kernels need the
+        # 64-channel chunks of ``tiling.choose_tiles``: at 128 they ran up to 71% slower).
+        return _recomputed(
+            functools.partial(self._op(depth_api.phase1), per_target=True), state.sources,
             self.source_banks(g), p_block["queries"], self._completed_valid(pos), batch_axes=(1, None, None, None),
-            out_batch_axis=1 if per_target else 2, chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
+            out_batch_axis=1, chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
             lean_vjp=self._lean_vjp(depth_api.phase1),
         )
-        return states if per_target else depth_ref.split_targets(states)
-
-    def _phase1_per_target(self) -> bool:
-        """Whether phase 1 returns one state per target (``depth_api.phase1(per_target=True)``:
-        the Pallas kernels write and take each target's ``[m, B, T, d]`` state as its own array)
-        or one stacked state that XLA slices for the phase-2 reads (a copy of each target's state,
-        and a copy stacking their cotangents back). Measured on the H200 (BENCHMARKS.md, kernels,
-        session 9), `base` step: AttnRes per target 1051.7 against 1075.1 ms stacked (the
-        copies gone, its kernels as fast); MSAR per target 2059.0 against 1994.7 ms: with
-        ``m = 4`` the mixing kernel writing 8 outputs and the stream-cotangent kernel reading 8
-        inputs ran 71% and 30% slower than on one stacked array (alone, `base` shape), more than
-        the copies cost. So: per target for single-stream reads. (With 64-channel chunks instead
-        of the tiling heuristic's 128 the per-target kernels were as fast as the stacked ones;
-        a `base` step with those tiles is not timed yet.)"""
-        return len(self.stream_kernels) == 1
 
     def retrieve(self, g, p, state, bctx, pos, ctx, want_weights=False):
         """The ``m`` retrieved streams ``z[m, B, T, d]`` (float32) and optional weights."""

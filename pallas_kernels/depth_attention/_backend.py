@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
@@ -33,8 +31,8 @@ def build(backend: str, native_platform: str):
             n_streams=len(stream_kernels),
         )
         window = backend if not interpret else "interpret"
-        if window != "triton" and tiles.block_t < max(stream_kernels) - 1:
-            tiles = dataclasses.replace(tiles, block_t=tiling._next_pow2(max(stream_kernels) - 1))
+        if window != "triton":  # the TPU / interpret halo comes from the previous tile only
+            tiles = tiles.with_min_block_t(tiling._next_pow2(max([1, *stream_kernels]) - 1))
         return dict(tiles=tiles, backend=window, interpret=interpret), opts
 
     def p1_forward(sources, banks, queries, valid, segment_ids, static):

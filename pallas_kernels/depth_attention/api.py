@@ -111,7 +111,7 @@ def phase1(*args, implementation: Implementation = None, per_target: bool = Fals
     write each target's ``[m, B, T, d]`` state as its own array and take each one's cotangent as
     its own input, so no XLA op slices the stacked state for the ``S`` phase-2 reads or stacks
     their cotangents back (on the H200 those copies were about 86 ms of the MSAR `base` step;
-    BENCHMARKS.md, kernels, session 9). The XLA path computes the stacked state and splits it.
+    BENCHMARKS.md, kernels, sessions 9-10). The XLA path computes the stacked state and splits it.
     """
     if per_target:
         kwargs["per_target"] = True

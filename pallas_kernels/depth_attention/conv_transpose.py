@@ -148,7 +148,7 @@ def sources_transpose(d_streams, x, banks, segment_ids=None, valid=None, *, stre
         return dx.astype(out_dtype or x.dtype), jnp.zeros((n, 0, d), F32)
     if banks is None or banks.shape != (n, n_taps, d):
         raise ValueError(f"banks {None if banks is None else banks.shape}: expected ({n}, {n_taps}, {d})")
-    bt, bd = tiles.block_t, tiles.block_d_grads
+    bt, bd = tiles.bt_transpose, tiles.block_d_grads
     if bt < max(stream_kernels) - 1:
         raise ValueError(f"block_t={bt} < max_kernel - 1 = {max(stream_kernels) - 1}: the halo reaches one tile")
     if d % bd:

@@ -446,7 +446,7 @@ def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, 
     ``valid[n]``: sources to compute (the others may be skipped, their outputs zero)."""
     n, batch, t_pad, d = x.shape
     n_targets, m = queries.shape[:2]
-    bt, bd = tiles.block_t, tiles.block_d_scores
+    bt, bd = tiles.bt_scores, tiles.block_d_scores
     has_bank = banks is not None and any(stream_kernels)
     has_seg = seg is not None
     in_specs = [pl.BlockSpec((n, None, t_pad, d), lambda b, t: (0, b, 0, 0))]

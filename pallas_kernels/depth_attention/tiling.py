@@ -33,10 +33,36 @@ class Tiles:
     # Triton's row shift through memory (``row_shift.shift_rows_via_buffer``): scratch slots per
     # program (a power of two); fewer slots, less scratch, more rounds of two CTA barriers.
     shift_slots: int = 16
+    # Tokens per program of the scoring kernel (``fused.scores_call``) and of the expansion's
+    # transpose (``conv_transpose``); None: ``block_t``. They must divide ``block_t``, the unit T
+    # is padded to. The transpose carries one whole ``[block_t, block_d_bwd]`` bank-gradient tile
+    # per tap (24 for kernels (4, 8, 12)), so it wants fewer rows than the mixing kernel.
+    block_t_scores: int | None = None
+    block_t_transpose: int | None = None
+
+    def __post_init__(self):
+        for name in ("block_t_scores", "block_t_transpose"):
+            bt = getattr(self, name)
+            if bt is not None and (bt <= 0 or self.block_t % bt):
+                raise ValueError(f"Tiles.{name}={bt} must be a positive divisor of block_t={self.block_t}")
 
     @property
     def block_d_grads(self) -> int:
         return self.block_d_mix if self.block_d_bwd is None else self.block_d_bwd
+
+    @property
+    def bt_scores(self) -> int:
+        return self.block_t if self.block_t_scores is None else self.block_t_scores
+
+    @property
+    def bt_transpose(self) -> int:
+        return self.block_t if self.block_t_transpose is None else self.block_t_transpose
+
+    def with_min_block_t(self, rows: int) -> "Tiles":
+        """These tiles with every token tile at least ``rows`` (a power of two)."""
+        up = lambda bt: bt if bt is None or bt >= rows else rows  # noqa: E731
+        return dataclasses.replace(self, block_t=up(self.block_t), block_t_scores=up(self.block_t_scores),
+                                   block_t_transpose=up(self.block_t_transpose))
 
 
 def _next_pow2(x: int) -> int:
@@ -78,9 +104,16 @@ def choose_tiles(*, d: int, heads: int, max_kernel: int, n_targets: int, backend
         # sums as whole tiles (44 for kernels (0, 4, 8, 12) with the gate), so narrower chunks
         # hold fewer registers per thread (session 6, H200, bench shape, that kernel alone:
         # 16 x 16 / 4 warps 3.00 ms, 16 x 32 / 4 warps 3.85, 16 x 32 / 8 warps 3.07).
+        # Phase 1 (session 10): 32-row tiles with 64-channel chunks for the mixing kernel and
+        # the wide backward's <g_A, E> and stream-cotangent kernels, which write or read each
+        # target's state as its own array (``per_target``): at 128 channels those ran up to 71%
+        # slower per target than stacked, at 32 x 64 as fast and faster than 16 x 128 stacked
+        # (session 9, call 8, `base` shape). The scoring kernel and the expansion's transpose
+        # keep 16 rows: at 32 the transpose's 24 carried bank-gradient tiles spill (31.0 against
+        # 5.8 ms per call at `base`) and scoring went 0.94 -> 1.03 ms (session 10, call 1).
         if n_targets > 1:
-            return Tiles(16, _pow2_divisor(dh, 64), _pow2_divisor(dh, 128), num_warps=8, num_stages=1,
-                         block_d_bwd=_pow2_divisor(dh, 64))
+            return Tiles(32, _pow2_divisor(dh, 64), _pow2_divisor(dh, 64), num_warps=8, num_stages=1,
+                         block_d_bwd=_pow2_divisor(dh, 64), block_t_scores=16, block_t_transpose=16)
         return Tiles(16, _pow2_divisor(dh, 32), _pow2_divisor(dh, 32), num_warps=4, num_stages=2,
                      block_d_bwd=_pow2_divisor(dh, 16))
     block_t = max(8, _next_pow2(halo))

@@ -44,8 +44,11 @@ def _loss_and_grads(per_target, **kw):
 
 @pytest.mark.parametrize("kw", [
     pytest.param(dict(implementation="xla"), id="xla"),
-    pytest.param(dict(implementation="pallas_gpu", interpret=True, backward="pallas", tiles=tiling.Tiles(8, 8, 8)),
-                 id="triton_pallas_bwd"),  # the wide form: its kernels take the S cotangents apart
+    # The wide form: its kernels take the S cotangents apart. With Triton's phase-1 tiles of
+    # choose_tiles in kind: the scoring kernel and the expansion's transpose on fewer rows
+    # than the mixing and backward kernels (T = 19 padded to 32 for 16-row tiles).
+    pytest.param(dict(implementation="pallas_gpu", interpret=True, backward="pallas",
+                      tiles=tiling.Tiles(16, 8, 8, block_t_scores=8, block_t_transpose=8)), id="triton_pallas_bwd"),
     pytest.param(dict(implementation="pallas_tpu", interpret=True, backward="pallas", tiles=tiling.Tiles(8, 8, 8)),
                  id="mosaic_pallas_bwd", marks=pytest.mark.slow),
     pytest.param(dict(implementation="pallas_gpu", interpret=True, backward="pallas", tiles=tiling.Tiles(8, 8, 8),
@@ -59,6 +62,18 @@ def test_per_target_equals_the_stacked_state_split(kw):
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(w))))
+
+
+def test_tiles_per_kernel_rows():
+    tiles = tiling.Tiles(32, 8, 8, block_t_scores=16)
+    assert (tiles.bt_scores, tiles.bt_transpose) == (16, 32)
+    assert tiles.with_min_block_t(8) == tiles
+    up = tiles.with_min_block_t(64)
+    assert (up.block_t, up.bt_scores, up.bt_transpose) == (64, 64, 64)
+    with pytest.raises(ValueError, match="Tiles.block_t_scores=24 must be a positive divisor of block_t=32"):
+        tiling.Tiles(32, 8, 8, block_t_scores=24)
+    with pytest.raises(ValueError, match="Tiles.block_t_transpose=0"):
+        tiling.Tiles(32, 8, 8, block_t_transpose=0)
 
 
 def test_per_target_forward_matches_the_reference():
