@@ -1,0 +1,66 @@
+"""experiments/step_floor.py: the bytes of a step's depth reads against a hand count, and its
+errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from msar_jax.configs import load_config
+
+SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "step_floor.py"
+
+
+@pytest.fixture(scope="module")
+def floor():
+    spec = importlib.util.spec_from_file_location("step_floor_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_base_step_bytes_by_hand(floor):
+    """`base`: 56 sublayers in 7 blocks of 8, unit u reads 1 + u sources; bf16 activations,
+    float32 state. Per unit in E = B T d bytes: forward (2v + 8 x 16) + 8 (16 + 4) = 2v + 288,
+    twice; backward 8 (6 + 32) + (4v + 128) = 4v + 432. Sum over v = 1..7: 7280 E for m = 4,
+    and with m = 1 (state 4 bytes) 2v + 96 twice and 4v + 240: 2576 E."""
+    elems = 64 * 1024 * 1024
+    for spec, per_e in (("configs/msar.py:size=base", 7280), ("configs/attnres.py:size=base", 2576)):
+        shape = floor.read_shape(load_config(spec))
+        assert (shape.n_sublayers, shape.block_size, shape.act_bytes) == (56, 8, 2)
+        got = floor.step_bytes(shape)
+        assert got["total"] == per_e * elems
+        assert got["forward"] == got["recompute"]
+    # A bf16 state halves every state term: MSAR forward 2v + 160 twice, backward 4v + 240.
+    half = floor.step_bytes(floor.read_shape(load_config("configs/msar.py:size=base")), state_bytes=2)
+    assert half["total"] == (2 * (56 + 7 * 160) + 4 * 28 + 7 * 240) * elems
+
+
+def test_shorter_last_block(floor):
+    shape = floor.ReadShape(batch=1, t_len=1, d=1, n_sublayers=10, block_size=4, streams=2, act_bytes=2)
+    want = sum(2 * sum(floor.unit_bytes(v, s, 2, 2, 4)[k] for k in ("forward",)) + floor.unit_bytes(v, s, 2, 2, 4)[
+        "backward"] for v, s in ((1, 4), (2, 4), (3, 2)))
+    assert floor.step_bytes(shape)["total"] == want
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("configs/vanilla.py:size=tiny", "no depth-attention read"),
+    ("configs/msar.py:size=tiny,block_size=1", "two-phase block reads"),
+])
+def test_rejects_configs_without_block_reads(floor, spec, message):
+    with pytest.raises(ValueError, match=message):
+        floor.read_shape(load_config(spec))
+
+
+def test_cli(floor, capsys):
+    floor.main(["configs/msar.py:size=base", "--vanilla_ms", "935.3", "--bandwidth", "4.8"])
+    out = capsys.readouterr().out
+    assert "| configs/msar.py:size=base | 64 x 1024, 1024 | 56 / 8 | 4 |" in out
+    assert "| 488.6 | 101.8 | 1.109 |" in out
+    with pytest.raises(SystemExit):
+        floor.main(["configs/msar.py:size=base", "--bandwidth", "0"])
