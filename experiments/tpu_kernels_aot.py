@@ -9,7 +9,8 @@ For each mechanism case it lowers and compiles, with Mosaic, phase 1 and phase 2
 mean fusion), forward, forward+backward with the default XLA backward, and forward+backward
 with the Pallas backward kernels (``backward="pallas"``: ``fused_bwd_phase1`` in both forms /
 ``fused_bwd_phase2``, both forms each) and phase 1's ``backward="hybrid"`` (``conv_transpose``),
-and prints ``ok`` or the compiler's error for each (10 compiles per case, 40 in all; the exit
+and a block read (phase 1 then phase 2) with a bf16 state (``state_dtype="bfloat16"``), and
+prints ``ok`` or the compiler's error for each (11 compiles per case, 44 in all; the exit
 status is 1 if any fails). ``tests/kernels/test_triton_lowering.py``
 checks the Mosaic lowering of the same variants (without libtpu) on every test run; this also
 runs Mosaic's compiler.
@@ -98,6 +99,13 @@ def run(kernels, heads, segments, fuse, t_len=64, d=256):
     comp("phase 2 forward+backward (Pallas backward, wide form)",
          jax.grad(lambda *a: jnp.sum(fwd2(*a, kw=dict(kw_pallas, phase2_backward_form="wide"))), argnums=(0, 1, 3)),
          *args2)
+
+    def block_read_bf16_state(x, b, q, x2, b2, q2, g, sg):  # phase 1 -> phase 2 + fusion, bf16 acc
+        states = api.phase1(x, b, q, segment_ids=sg, per_target=True, state_dtype="bfloat16", **kw_pallas)
+        return sum(jnp.sum(fwd2(st, x2, b2, q2, g, sg, kw=kw_pallas)) for st in states)
+
+    comp("phase 1 + phase 2 forward+backward, bf16 state (Pallas backward)",
+         jax.grad(block_read_bf16_state, argnums=(0, 2, 3, 5)), *args1[:3], *args2[1:5], seg)
 
 
 run((0, 4, 8, 12), 1, True, "gate")

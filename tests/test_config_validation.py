@@ -36,6 +36,7 @@ CASES = [
     ({"dtype": "int8"}, "model.dtype", "one of"),
     ({"residual.read_chunks": 0}, "model.residual.read_chunks", "positive integer"),
     ({"residual.kernel_backward": "triton"}, "model.residual.kernel_backward", "must be 'xla', 'pallas', 'hybrid' or 'auto'"),
+    ({"residual.state_dtype": "float16"}, "model.residual.state_dtype", "must be 'float32' or 'bfloat16'"),
 ]
 
 

@@ -194,8 +194,10 @@ class BlockDepthAttention(ResidualMechanism):
         # 2093.9 per target (same tiles), AttnRes 1075.1 against 1051.7 (BENCHMARKS.md, kernels,
         # sessions 9 and 10; the per-target mixing and stream-cotangent kernels need the
         # 64-channel chunks of ``tiling.choose_tiles``: at 128 they ran up to 71% slower).
+        # ``state_dtype="bfloat16"`` stores the weighted sums in half the bytes (``api.phase1``).
         return _recomputed(
-            functools.partial(self._op(depth_api.phase1), per_target=True), state.sources,
+            functools.partial(self._op(depth_api.phase1), per_target=True,
+                              state_dtype=self.res_cfg.get("state_dtype", "float32")), state.sources,
             self.source_banks(g), p_block["queries"], self._completed_valid(pos), batch_axes=(1, None, None, None),
             out_batch_axis=1, chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
             lean_vjp=self._lean_vjp(depth_api.phase1),

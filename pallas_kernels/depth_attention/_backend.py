@@ -38,11 +38,12 @@ def build(backend: str, native_platform: str):
     def p1_forward(sources, banks, queries, valid, segment_ids, static):
         kw, rest = setup(sources.shape[-1], static.heads, static.stream_kernels, queries.shape[0], static.kernel_opts)
         per_target = rest.pop("per_target", False)
+        state_dtype = jnp.dtype(rest.pop("state_dtype", "float32"))
         if rest:
             raise TypeError(f"phase1: unknown options {sorted(rest)}")
         return fused.phase1_forward(
             sources, banks, queries, valid, stream_kernels=static.stream_kernels, heads=static.heads,
-            segment_ids=segment_ids, eps=static.eps, per_target=per_target, **kw,
+            segment_ids=segment_ids, eps=static.eps, per_target=per_target, state_dtype=state_dtype, **kw,
         )
 
     def p2_forward(state, partial, bank, query, include, gate, segment_ids, static, return_scores=False):

@@ -63,6 +63,9 @@ def _dispatch(op: str, implementation: Implementation, *args, **kwargs):
             # A kernel option: which backward the Pallas kernels use. The XLA path has one.
             kwargs.pop("backward", None)
             split = reference.split_targets if kwargs.pop("per_target", False) else (lambda out: out)
+            if "state_dtype" in kwargs:  # phase 1: the XLA path computes in float32, then stores acc
+                dtype, inner = kwargs.pop("state_dtype"), split
+                split = lambda out: inner(out._replace(acc=out.acc.astype(dtype)))  # noqa: E731
             if op in ("phase1", "phase2_fused", "depth_read") and not kwargs.get("return_weights"):
                 # One source in flight at a time, recomputing backward (xla_streaming.py).
                 return split(getattr(xla_streaming, op)(*args, **kwargs))
@@ -103,8 +106,19 @@ def runs_a_kernel(implementation: Implementation = None) -> bool:
     return _candidates(implementation)[0] != "xla"
 
 
-def phase1(*args, implementation: Implementation = None, per_target: bool = False, **kwargs):
+STATE_DTYPES = ("float32", "bfloat16")
+
+
+def phase1(*args, implementation: Implementation = None, per_target: bool = False, state_dtype="float32", **kwargs):
     """Phase 1 of the two-phase read; see ``reference.phase1`` for the arguments.
+
+    ``state_dtype``: the dtype of the state's weighted sum ``acc`` (``max`` and ``denom`` stay
+    float32), ``"float32"`` (SPEC 5: exact to float32 rounding) or ``"bfloat16"``. Scores,
+    weights and sums are computed in float32 either way; ``"bfloat16"`` rounds ``acc`` once
+    when it is stored (relative error about 2^-9) and halves the bytes of the largest arrays of
+    a block's reads: ``acc`` (``S m d`` values per token), which phase 1 writes, every phase 2
+    reads, and whose cotangent phase 2's backward writes and phase 1's backward reads. Phase 2
+    and the backwards take either dtype and return the cotangent in it.
 
     ``per_target=True`` returns one ``SoftmaxState`` per target (``reference.split_targets``:
     leaves ``[m, B, T, ...]``) instead of one with a leading ``S`` axis. The Pallas kernels then
@@ -113,8 +127,13 @@ def phase1(*args, implementation: Implementation = None, per_target: bool = Fals
     their cotangents back (on the H200 those copies were about 86 ms of the MSAR `base` step;
     BENCHMARKS.md, kernels, sessions 9-10). The XLA path computes the stacked state and splits it.
     """
+    dtype = str(jax.numpy.dtype(state_dtype)) if state_dtype is not None else None
+    if dtype not in STATE_DTYPES:
+        raise ValueError(f"phase1: state_dtype={state_dtype!r}: must be one of {STATE_DTYPES}")
     if per_target:
         kwargs["per_target"] = True
+    if dtype != "float32":
+        kwargs["state_dtype"] = dtype
     return _dispatch("phase1", implementation, *args, **kwargs)
 
 

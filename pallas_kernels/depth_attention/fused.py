@@ -563,9 +563,11 @@ def _prepare(t_len, segment_ids, tiles):
 
 
 def phase1_forward(sources, banks, queries, valid=None, *, stream_kernels, heads, segment_ids, eps, tiles,
-                   backend, interpret, per_target=False):
+                   backend, interpret, per_target=False, state_dtype=F32):
     """Fused phase 1; same contract as ``reference.phase1`` (with ``per_target``, as
-    ``reference.split_targets`` of it: each target's state is its own output of the kernel)."""
+    ``reference.split_targets`` of it: each target's state is its own output of the kernel).
+    ``state_dtype``: the dtype the kernel writes ``acc`` in (``api.phase1`` says why); the
+    weights and sums are float32 either way."""
     n, _, t_len, d = sources.shape
     t_pad, seg = _prepare(t_len, segment_ids, tiles)
     x = _pad_t(sources, 2, t_pad)
@@ -577,7 +579,7 @@ def phase1_forward(sources, banks, queries, valid=None, *, stream_kernels, heads
     smax = jnp.max(s, axis=1)
     p = jnp.where(ok, jnp.exp(s - smax[:, None]), 0.0)
     denom = jnp.sum(p, axis=1)
-    acc = mix_call(x, banks, p, seg, mode="acc", valid=valid, split_targets=per_target, **kw)
+    acc = mix_call(x, banks, p, seg, mode="acc", valid=valid, split_targets=per_target, out_dtype=state_dtype, **kw)
     cut = lambda a: a[..., :t_len, :]  # noqa: E731
     if per_target:
         return tuple(reference.SoftmaxState(max=cut(smax[i]), denom=cut(denom[i]), acc=cut(acc[i]))

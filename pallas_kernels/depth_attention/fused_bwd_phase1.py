@@ -549,10 +549,11 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
 
     # pass 2: the value-path dots <g_A, E> (chunk partials summed into heads)
     g_denom = _pad_t(jnp.asarray(g.denom, F32), 3, t_pad)
+    # g_A in the state's dtype (a bf16 state has a bf16 cotangent): the kernels load it as float32.
     if isinstance(g.acc, (list, tuple)):  # per target (``per_target``): the kernels take them apart
-        g_acc = [_pad_t(jnp.asarray(a, F32), 2, t_pad) for a in g.acc]
+        g_acc = [_pad_t(a, 2, t_pad) for a in g.acc]
     else:
-        g_acc = _pad_t(jnp.asarray(g.acc, F32), 3, t_pad)
+        g_acc = _pad_t(g.acc, 3, t_pad)
     gd = gdots_call(x, conv_banks, g_acc, seg, valid=valid, **kw)  # [S, n, m, B, Tp, nc]
     gd = jnp.sum(gd.reshape(*gd.shape[:-1], heads, -1), axis=-1)  # [S, n, m, B, Tp, H]
 

@@ -205,7 +205,7 @@ def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, h
         acc = acc_ref[r, :, :].astype(F32)
         z = a * acc + _col(col(b_ref, (r, slice(None)))) * e
         dz = _dz(r, m, dh, z, gate_vals, w_ref, slice(None))
-        dacc_ref[r, :, :] = a * dz
+        dacc_ref[r, :, :] = (a * dz).astype(dacc_ref.dtype)
         s1_ref[r, :, 0] = jnp.sum(dz * z, axis=1)
         sm_ref[r, :, 0] = jnp.sum(dz * (acc - e * _col(col(dold_ref, (r, slice(None))))), axis=1)
         ss_ref[r, :, 0] = jnp.sum(dz * (e - z), axis=1)
@@ -460,7 +460,7 @@ def _dstate_call(x, bank, a, b, dold, acc, dh, gate_in, seg, *, stream_kernels, 
         grid=(batch, t_pad // bt, nc),
         in_specs=specs,
         out_specs=[pl.BlockSpec((m, None, bt, bd), lambda i, t, c: (0, i, t, c)), red, red, red],
-        out_shape=[jax.ShapeDtypeStruct((m, batch, t_pad, d), F32)]
+        out_shape=[jax.ShapeDtypeStruct((m, batch, t_pad, d), acc.dtype)]  # d_acc in the state's dtype
         + [jax.ShapeDtypeStruct((m, batch, nc, t_pad, 1), F32)] * 3,
         name="depth_attention_phase2_bwd_state",
         **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
@@ -649,7 +649,7 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
     s = jnp.where(include, dots * rk[..., None], reference.NEG_LARGE)
     pmax = _pad_t(state.max.astype(F32), 2, t_pad)
     dold = _pad_t(state.denom.astype(F32), 2, t_pad, 1.0)
-    acc = _pad_t(state.acc.astype(F32), 2, t_pad)
+    acc = _pad_t(state.acc, 2, t_pad)  # float32 or bf16 (api.phase1's state_dtype); loaded as float32
     new_max = jnp.maximum(pmax, s)
     keep = jnp.exp(pmax - new_max)
     p = jnp.where(include, jnp.exp(s - new_max), 0.0)

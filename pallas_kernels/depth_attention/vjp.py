@@ -85,14 +85,18 @@ def make_phase1(forward: Callable, kernel_backward: Callable | None = None,
         return out, (sources, banks, queries, valid, segment_ids, smax)
 
     def cotangent(static, ct, split_acc: bool):
-        """The state cotangent in float32 with a leading ``S`` axis; with ``per_target`` and
-        ``split_acc`` its ``acc`` stays a tuple of ``S`` arrays (the Pallas backward takes them
-        apart: stacking them is a copy of the whole ``[S, m, B, T, d]`` cotangent)."""
+        """The state cotangent with a leading ``S`` axis, ``max`` and ``denom`` in float32;
+        ``split_acc`` (the Pallas backward): ``acc`` stays in the state's dtype (the kernels load
+        it as float32; converting a bf16 one first would write it out again in float32) and, with
+        ``per_target``, a tuple of ``S`` arrays (stacking them is a copy of the whole ``[S, m, B,
+        T, d]`` cotangent); otherwise float32."""
         f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+        acc_of = (lambda a: a) if split_acc else f32  # noqa: E731
         if not per_target(static):
-            return reference.SoftmaxState(*(f32(a) for a in ct))
+            mx, den, acc = ct
+            return reference.SoftmaxState(f32(mx), f32(den), acc_of(acc))
         mx, den, acc = zip(*ct)
-        acc = tuple(f32(a) for a in acc)
+        acc = tuple(acc_of(a) for a in acc)
         return reference.SoftmaxState(f32(jnp.stack(mx)), f32(jnp.stack(den)), acc if split_acc else jnp.stack(acc))
 
     def bwd(static, res, ct):
@@ -185,6 +189,7 @@ def make_phase2(forward: Callable, *, fused: bool, kernel_backward: Callable | N
                 static.stream_kernels, static.heads, static.eps, static.gate_eps,
                 (state, partial, bank_arr, query, include, gate, segment_ids), ct,
             )
+            g_state = g_state._replace(acc=g_state.acc.astype(state.acc.dtype))
             return g_state, g_x, None if bank is None else g_b, g_q, None, g_gate, None
         kw = dict(stream_kernels=static.stream_kernels, heads=static.heads, segment_ids=segment_ids, eps=static.eps)
 
@@ -198,7 +203,11 @@ def make_phase2(forward: Callable, *, fused: bool, kernel_backward: Callable | N
     op.defvjp(fwd, bwd)
 
     def prep(state, bank, include_partial, stream_kernels):
-        state = reference.SoftmaxState(*(jnp.asarray(a, jnp.float32) for a in state))
+        # ``acc`` keeps a bf16 dtype (``api.phase1``'s ``state_dtype``): the kernels and the XLA
+        # closed forms compute in float32 from it, and its cotangent comes back in bf16.
+        mx, den, acc = state
+        acc = acc if jnp.asarray(acc).dtype == jnp.bfloat16 else jnp.asarray(acc, jnp.float32)
+        state = reference.SoftmaxState(jnp.asarray(mx, jnp.float32), jnp.asarray(den, jnp.float32), acc)
         bank = bank if any(stream_kernels) else None
         return state, bank, jnp.asarray(include_partial, bool)
 
