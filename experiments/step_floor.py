@@ -28,7 +28,8 @@ Usage::
         --vanilla_ms 935.3 --bandwidth 3.16,4.8 [--state_bytes 2]
 
 ``--vanilla_ms``: a measured Vanilla step, to print ``(vanilla + floor) / vanilla``;
-``--state_bytes 2`` shows the floor of a bf16 state (not what SPEC 5 and the kernels do).
+``--state_bytes 2`` shows the floor of a bf16 state (``model.residual.state_dtype="bfloat16"``,
+which the config's value sets by default; SPEC 5's default is float32).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class ReadShape:
     block_size: int
     streams: int
     act_bytes: int
+    state_bytes: int  # of the phase-1 state's weighted sums (model.residual.state_dtype)
 
 
 def read_shape(config) -> ReadShape:
@@ -71,10 +73,10 @@ def read_shape(config) -> ReadShape:
         raise ValueError(f"model.residual of {name!r}: the floor models two-phase block reads (two_phase=True, "
                          f"block_size >= 2); got two_phase={model.residual.two_phase}, "
                          f"block_size={mech.block_size}")
-    act_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[model.dtype]
+    size = {"bfloat16": 2, "float16": 2, "float32": 4}
     return ReadShape(batch=config.train.batch_size, t_len=config.seq_len, d=model.d_model,
                      n_sublayers=2 * model.n_layers, block_size=mech.block_size, streams=len(kernels),
-                     act_bytes=act_bytes)
+                     act_bytes=size[model.dtype], state_bytes=size[model.residual.get("state_dtype", "float32")])
 
 
 def unit_bytes(v: int, s: int, m: int, a: int, f: int) -> dict:
@@ -84,8 +86,10 @@ def unit_bytes(v: int, s: int, m: int, a: int, f: int) -> dict:
     return {"forward": fwd, "recompute": fwd, "backward": bwd}
 
 
-def step_bytes(shape: ReadShape, state_bytes: int = 4) -> dict:
-    """Bytes per step of the depth reads, by pass and in total."""
+def step_bytes(shape: ReadShape, state_bytes: int | None = None) -> dict:
+    """Bytes per step of the depth reads, by pass and in total (``state_bytes``: default the
+    config's)."""
+    state_bytes = shape.state_bytes if state_bytes is None else state_bytes
     elems = shape.batch * shape.t_len * shape.d
     out = {"forward": 0, "recompute": 0, "backward": 0}
     for u, first in enumerate(range(0, shape.n_sublayers, shape.block_size)):
@@ -103,7 +107,8 @@ def main(argv=None) -> None:
                     help="TB/s, comma-separated (default: the H200's measured copy bandwidth of BENCHMARKS.md, "
                          "kernels, and its 4.8 TB/s datasheet peak)")
     ap.add_argument("--vanilla_ms", type=float, default=None, help="a measured Vanilla step (ms) for the ratio")
-    ap.add_argument("--state_bytes", type=int, default=4, choices=(2, 4), help="bytes per phase-1 state value")
+    ap.add_argument("--state_bytes", type=int, default=None, choices=(2, 4),
+                    help="bytes per phase-1 state value (default: the config's model.residual.state_dtype)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     args = ap.parse_args(argv)
     try:

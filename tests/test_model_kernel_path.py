@@ -148,6 +148,7 @@ def test_keeps_only_inputs(op, implementation, lean):
     assert depth_api.runs_a_kernel(implementation) is (implementation not in ("xla", None))
 
 
+@pytest.mark.slow  # 70 s on 2 cores; the op-level bf16-state tests (test_state_dtype.py) run by default
 def test_bf16_state_costs_less_accuracy_than_bf16_activations():
     """``model.residual.state_dtype="bfloat16"`` (the XLA path; the kernels' bf16 state is
     checked against it in tests/kernels/test_state_dtype.py) on a float32 Block MSAR model:

@@ -39,10 +39,13 @@ def test_base_step_bytes_by_hand(floor):
     # A bf16 state halves every state term: MSAR forward 2v + 160 twice, backward 4v + 240.
     half = floor.step_bytes(floor.read_shape(load_config("configs/msar.py:size=base")), state_bytes=2)
     assert half["total"] == (2 * (56 + 7 * 160) + 4 * 28 + 7 * 240) * elems
+    bf16 = floor.read_shape(load_config("configs/msar.py:size=base", {"model.residual.state_dtype": "bfloat16"}))
+    assert bf16.state_bytes == 2 and floor.step_bytes(bf16) == half
 
 
 def test_shorter_last_block(floor):
-    shape = floor.ReadShape(batch=1, t_len=1, d=1, n_sublayers=10, block_size=4, streams=2, act_bytes=2)
+    shape = floor.ReadShape(batch=1, t_len=1, d=1, n_sublayers=10, block_size=4, streams=2, act_bytes=2,
+                            state_bytes=4)
     want = sum(2 * sum(floor.unit_bytes(v, s, 2, 2, 4)[k] for k in ("forward",)) + floor.unit_bytes(v, s, 2, 2, 4)[
         "backward"] for v, s in ((1, 4), (2, 4), (3, 2)))
     assert floor.step_bytes(shape)["total"] == want

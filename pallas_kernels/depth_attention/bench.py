@@ -246,6 +246,9 @@ def sweep_bwd_chunks(log, shapes, chunks, kernels=(0, 4, 8, 12), heads=1, dtype=
 P2_BWD_TILES = (  # phase 2 + gate, fwd + Pallas bwd: (block_t, block_d_mix, block_d_bwd, warps, stages)
     (16, 32, 32, 4, 2), (32, 32, 32, 4, 2), (32, 32, 16, 4, 2), (16, 32, 16, 4, 2), (16, 32, 64, 4, 2),
     (16, 32, 32, 8, 2), (16, 32, 32, 2, 2),
+    # session 10, for `base`'s d = 1024 (the ones above were timed at d = 2048; (16, 32, 16, 4, 2) is
+    # the heuristic's): wider and narrower mixing chunks, 32 rows at 8 warps, one stage
+    (16, 64, 16, 4, 2), (16, 64, 16, 8, 2), (32, 32, 16, 8, 2), (16, 16, 16, 4, 2), (16, 32, 16, 4, 1),
 )
 # Phase 2's reverse-T input kernel alone: (block_t, block_d_bwd, warps) besides the default.
 P2_DINPUT_TILES = ((16, 32, 4), (16, 32, 8), (16, 8, 4))
