@@ -13,11 +13,12 @@ from msar_jax.model.transformer import lm_loss
 from msar_jax.train import step
 
 
-def loss_and_grads(mechanism, implementation, kernel_backward="xla"):
+def loss_and_grads(mechanism, implementation, kernel_backward="xla", **overrides):
+    """Loss and gradients of a 2-layer smoke model (float32 unless ``overrides`` say otherwise)."""
     cfg = load_config(f"configs/{mechanism}.py:smoke=1,seq_len=12",
                       {"model.dtype": "float32", "model.n_layers": 2,
                        "model.residual.implementation": implementation,
-                       "model.residual.kernel_backward": kernel_backward})
+                       "model.residual.kernel_backward": kernel_backward, **overrides})
     model_def, params = step.init_model(cfg.model, seed=5)
     # Non-zero pseudo-queries and convolutions (zero init would hide errors in those paths).
     leaves, treedef = jax.tree.flatten(params)
@@ -156,15 +157,7 @@ def test_bf16_state_costs_less_accuracy_than_bf16_activations():
     half of what bf16 activations with a float32 state change (per parameter, relative to its
     largest gradient: 1-4% against 3-15% here)."""
     def run(dtype, state_dtype):
-        cfg = load_config("configs/msar.py:smoke=1,seq_len=12",
-                          {"model.dtype": dtype, "model.n_layers": 2, "model.residual.state_dtype": state_dtype})
-        model_def, params = step.init_model(cfg.model, seed=5)
-        leaves, treedef = jax.tree.flatten(params)
-        keys = jax.random.split(jax.random.key(1), len(leaves))
-        params = jax.tree.unflatten(treedef, [p + 0.3 * jax.random.normal(k, p.shape, p.dtype)
-                                              for p, k in zip(leaves, keys)])
-        batch = jax.random.randint(jax.random.key(2), (2, 13), 0, cfg.model.vocab_size)
-        loss, grads = jax.jit(jax.value_and_grad(lambda p: lm_loss(model_def.merge(p), batch)[0]))(params)
+        loss, grads = loss_and_grads("msar", "xla", **{"model.dtype": dtype, "model.residual.state_dtype": state_dtype})
         return float(loss), [np.asarray(g, np.float64) for g in jax.tree.leaves(grads)]
 
     def errors(got, want):
