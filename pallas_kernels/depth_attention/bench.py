@@ -50,12 +50,12 @@ def copy_bandwidth(nbytes=2 << 30):
     return 2 * nbytes / t  # bytes read + written per second
 
 
-def design_bytes(n, batch, t_len, d, m, n_targets, heads, src_bytes=2, out_bytes=2):
+def design_bytes(n, batch, t_len, d, m, n_targets, heads, src_bytes=2, out_bytes=2, state_bytes=4):
     """Fewest bytes per sublayer of this design (each input read once, each output
-    written once): phase 1 reads n sources and writes S float32 states (acc + max +
-    denom), amortised over S; phase 2 reads one state and the partial and writes h."""
+    written once): phase 1 reads n sources and writes S states (acc in ``state_bytes``, max +
+    denom in float32), amortised over S; phase 2 reads one state and the partial and writes h."""
     tok = batch * t_len
-    state = m * tok * (d + 2 * heads) * 4
+    state = m * tok * (d * state_bytes + 2 * heads * 4)
     p1 = n * tok * d * src_bytes + n_targets * state
     p2 = state + tok * d * src_bytes + tok * d * out_bytes
     fwd = p1 / n_targets + p2
@@ -89,7 +89,9 @@ def make_inputs(n, batch, t_len, d, n_targets, kernels, heads, dtype, seed=0):
 
 
 def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, impl, bw, log, reps, inner,
-               with_bwd=True, check=True, p1_opts=None, p2_opts=None, time_xla=True):
+               with_bwd=True, check=True, p1_opts=None, p2_opts=None, time_xla=True, state_dtype="float32"):
+    """One row of the main table. ``state_dtype``: the kernels' phase-1 state (``api.phase1``);
+    the XLA reference row keeps its float32 state."""
     m = len(kernels)
     sources, banks, queries, partial, bank, query, gate = make_inputs(
         n, batch, t_len, d, n_targets, kernels, heads, dtype
@@ -101,7 +103,8 @@ def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, im
     def p1(impl_):
         if impl_ == "xla":
             return jax.jit(lambda x, b, q: reference.phase1(x, b, q, **kw))
-        return jax.jit(lambda x, b, q: api.phase1(x, b, q, implementation=impl_, **kw, **(p1_opts or {})))
+        return jax.jit(lambda x, b, q: api.phase1(x, b, q, implementation=impl_, state_dtype=state_dtype, **kw,
+                                                  **(p1_opts or {})))
 
     def p2(impl_):
         if impl_ == "xla":
@@ -136,6 +139,8 @@ def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, im
         res["p2_max_abs_err"] = float(jnp.max(jnp.abs(h - h_ref)))
         res["p2_ref_max"] = float(jnp.max(jnp.abs(h_ref)))
     for who in ("xla", impl) if time_xla else (impl,):
+        state1 = jax.tree.map(lambda a: a[1], state_ref)  # the kernels' phase 2 reads their own state dtype
+        state1 = state1 if who == "xla" else state1._replace(acc=state1.acc.astype(state_dtype))
         t1, _ = timeit(p1(who), sources, banks, queries, reps=reps, inner=inner)
         t2, _ = timeit(p2(who), state1, partial, bank, query, gate, reps=reps, inner=inner)
         res[f"{who}_p1_ms"], res[f"{who}_p2_ms"] = t1 * 1e3, t2 * 1e3
@@ -157,7 +162,7 @@ def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, im
                 res[f"{who}_mem_error"] = repr(e)[:200]
         log(json.dumps(res))
     fwd_b, fb_b = design_bytes(n, batch, t_len, d, m, n_targets, heads, jnp.dtype(dtype).itemsize,
-                               jnp.dtype(out_dtype).itemsize)
+                               jnp.dtype(out_dtype).itemsize, jnp.dtype(state_dtype).itemsize)
     res["floor_fwd_ms"] = fwd_b / bw * 1e3
     res["floor_fb_ms"] = fb_b / bw * 1e3
     res["table6_fwd_ms"] = table6_bytes(n, batch, t_len, d, m, n_targets) / bw * 1e3
@@ -638,6 +643,8 @@ def main():
     ap.add_argument("--per_target_tiles", action="store_true",
                     help="with --per_target: also the mixing and stream-cotangent kernels at three other tilings")
     ap.add_argument("--sweeps_only", action="store_true", help="run the requested sweeps, skip the main table")
+    ap.add_argument("--state_dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the kernels' phase-1 state in the main table (api.phase1; the floor counts it)")
     ap.add_argument("--no_bwd_barrier", action="store_true",
                     help="trace the XLA backwards without their optimization barrier on (residuals, cotangent) "
                          "(xla_streaming.ordered_after_cotangent): what the barrier costs a read (the Pallas "
@@ -715,9 +722,10 @@ def main():
             run_opts = {k: dict(v, backward=backward) for k, v in
                         {"p1_opts": opts.get("p1_opts", {}), "p2_opts": opts.get("p2_opts", {})}.items()}
             try:
-                row = run_config(f"{name}[bwd={backward}]", kernels=kernels, heads=heads, dtype=jnp.bfloat16,
+                state = "" if args.state_dtype == "float32" else ",state=bf16"
+                row = run_config(f"{name}[bwd={backward}{state}]", kernels=kernels, heads=heads, dtype=jnp.bfloat16,
                                  impl=impl, bw=bw, log=log, reps=reps, inner=inner, with_bwd=not args.no_bwd,
-                                 time_xla=xla_row is None, **shapes, **run_opts)
+                                 time_xla=xla_row is None, state_dtype=args.state_dtype, **shapes, **run_opts)
             except Exception as e:  # noqa: BLE001 - keep measuring the other configs
                 log(json.dumps({"name": name, "backward": backward, "error": repr(e)[:2000]}))
                 continue

@@ -36,6 +36,14 @@ def test_main_table_runs_and_matches_the_reference(tmp_path):
 
 
 @pytest.mark.slow
+def test_main_table_with_a_bf16_state(tmp_path):
+    rows, stdout = _bench(tmp_path, "--state_dtype", "bfloat16", "--backward", "pallas")
+    assert "state=bf16" in stdout
+    checked = [r for r in rows if "p1_max_abs_err" in r]
+    assert checked and all(r["p1_max_abs_err"] <= 1e-2 * max(1.0, r["p1_ref_max"]) for r in checked)
+
+
+@pytest.mark.slow
 def test_sweeps_run(tmp_path):
     rows, _ = _bench(tmp_path, "--per_target", "--per_target_tiles", "--p2_forms", "--p1_backwards", "--sweeps_only")
     merged = {k: v for r in rows for k, v in r.items()}
