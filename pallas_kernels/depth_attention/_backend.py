@@ -16,8 +16,7 @@ def build(backend: str, native_platform: str):
     Keyword options accepted by every op: ``interpret`` (bool), ``tiles`` (a
     ``tiling.Tiles``) and ``backward`` (``"xla"``, the default, ``"pallas"`` or ``"hybrid"``: see
     ``vjp.py``), ``phase1_backward_form`` (``fused_bwd_phase1.FORMS``) and
-    ``phase2_backward_form`` (``fused_bwd_phase2.FORMS``); ``phase2_fused`` also ``out_dtype`` and
-    ``phase2_forward_form`` (``fused.PHASE2_FORMS``);
+    ``phase2_backward_form`` (``fused_bwd_phase2.FORMS``); ``phase2_fused`` also ``out_dtype``;
     ``phase1`` also ``per_target`` (``api.phase1``).
     """
 
@@ -50,13 +49,12 @@ def build(backend: str, native_platform: str):
     def p2_forward(state, partial, bank, query, include, gate, segment_ids, static, return_scores=False):
         kw, rest = setup(partial.shape[-1], static.heads, static.stream_kernels, 1, static.kernel_opts)
         out_dtype = rest.pop("out_dtype", jnp.float32)
-        form = rest.pop("phase2_forward_form", fused.PHASE2_DEFAULT_FORM)
         if rest:
             raise TypeError(f"phase2: unknown options {sorted(rest)}")
         return fused.phase2_forward(
             state, partial, bank, query, include, gate, fuse=static.fuse, stream_kernels=static.stream_kernels,
             heads=static.heads, segment_ids=segment_ids, eps=static.eps, gate_eps=static.gate_eps,
-            out_dtype=out_dtype, return_scores=return_scores, form=form, **kw,
+            out_dtype=out_dtype, return_scores=return_scores, **kw,
         )
 
     def p1_backward(sources, banks, queries, valid, segment_ids, smax, ct, static):

@@ -320,27 +320,6 @@ def p2_forms(log, shapes, kernels=(0, 4, 8, 12), reps=21):
                     reps=reps)
 
 
-# Phase 2 + gate in its one-program form (``fused._phase2_rows_kernel``): (rows per program,
-# channels per chunk, warps, stages); the backward keeps the heuristic's 16-row tiles.
-P2_ROWS_TILES = ((16, 32, 4, 2), (8, 32, 4, 2), (16, 64, 4, 2), (8, 64, 4, 2), (16, 32, 8, 2), (16, 32, 4, 1),
-                 (8, 32, 2, 2), (16, 16, 4, 2))
-
-
-def p2_forward_forms(log, shapes, kernels=(0, 4, 8, 12), reps=21):
-    """Phase 2 + gate fwd and fwd + Pallas bwd: the three-call form (heuristic tiles), then the
-    one-program form for each tiling of ``P2_ROWS_TILES``."""
-    from pallas_kernels.depth_attention import tiling
-
-    d = shapes["d"]
-    cases = [(kernels, True, None, {"phase2_forward_form": "passes"})]
-    for rows, bd, warps, stages in P2_ROWS_TILES:
-        if d % bd:
-            continue
-        tiles = tiling.Tiles(16, bd, 32, warps, stages, block_d_bwd=16, block_t_scores=rows)
-        cases.append((kernels, True, tiles, {"phase2_forward_form": "rows"}))
-    return _time_p2(log, shapes, cases, reps=reps)
-
-
 def sweep_p2_streams(log, shapes, reps=21):
     """Phase 2 for the stream sets of ``P2_STREAM_CASES`` (default tiles)."""
     return _time_p2(log, shapes, [(k, g, None) for k, g in P2_STREAM_CASES], reps=reps)
@@ -654,11 +633,6 @@ def main():
                     help="the same for phase 1's Pallas backward (one block)")
     ap.add_argument("--p2_forms", action="store_true",
                     help="phase 2 + gate fwd + Pallas bwd in each form of its backward (reverse_t, wide)")
-    ap.add_argument("--p2_forward_forms", action="store_true",
-                    help="phase 2 + gate fwd and fwd + Pallas bwd in each forward form (passes, and rows for the "
-                         "tilings of P2_ROWS_TILES)")
-    ap.add_argument("--p2_forward_form", default=None, choices=("passes", "rows"),
-                    help="phase 2's forward form in the main table (fused.PHASE2_FORMS; default: the kernels')")
     ap.add_argument("--p1_backwards", action="store_true",
                     help="phase 1 fwd + bwd with each backward (xla, hybrid, pallas in both forms), and the "
                          "expansion's transpose alone (autodiff, kernel)")
@@ -733,10 +707,6 @@ def main():
         p1_backwards(log, shapes, reps=3 if args.small else 21)
     if args.p2_forms:
         p2_forms(log, shapes, reps=3 if args.small else 21)
-    if args.p2_forward_forms:
-        p2_forward_forms(log, shapes, reps=3 if args.small else 21)
-    if args.p2_forward_form is not None:
-        opts["p2_opts"] = dict(opts.get("p2_opts", {}), phase2_forward_form=args.p2_forward_form)
     if args.per_target:
         from pallas_kernels.depth_attention.tiling import Tiles
 

@@ -416,126 +416,6 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
             outs[1][:, j] = finish(zw[j])
 
 
-def _phase2_rows_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, fuse, eps, gate_eps,
-                        whole, backend):
-    """Phase 2 with its stream fusion in ONE program per token tile (``form="rows"``).
-
-    Three loops over the channel chunks of the same rows: (1) the partial's expansions (Eq. 10),
-    their per-head dots with the queries and sums of squares; then, on ``[bt]`` scalars, the
-    key norm, the score and the online-softmax merge with the phase-1 state (Eq. 11 online;
-    ``a = c / D'``, ``b = p / D'``); (2) gate only: ``z_r = a A_r + b E_r`` per chunk and the
-    gate's sums ``sum z^2`` and ``z @ W`` (Eq. 13-14), then the gate ``g``; (3) ``z_r`` again and
-    ``h = sum_r g_r z_r``, written once. Against the three calls of ``phase2_forward``'s
-    ``"passes"`` form (scores, stats, gate) with XLA steps between them, nothing but ``h`` and
-    the per-token scores leaves the program, and the second reads of the tile's state and
-    partial come from the cache rather than from a separate launch's pass over HBM.
-    Same arithmetic, in the same order, as the passes form (equal to float32 rounding)."""
-    it = iter(refs)
-    x_ref = next(it)  # [Tp, d]
-    bank_ref = next(it) if has_bank else None  # [K, d]
-    q_ref = next(it)  # [m, d]
-    mx_ref = next(it)  # [m, bt, H]
-    den_ref = next(it)  # [m, bt, H]
-    acc_ref = next(it)  # [m, bt, d]
-    inc_ref = next(it)  # [1] float32: 1 includes the partial, 0 reads the phase-1 state alone
-    w_ref = next(it) if fuse == "gate" else None  # [m, d, m]
-    gsc_ref = next(it) if fuse == "gate" else None  # [1 + m]: the gate's scale, then its bias
-    seg_ref = next(it) if has_seg else None  # [Tp]
-    h_ref, dots_ref, ss_ref = next(it), next(it), next(it)  # [bt, d], [m, bt, H], [m, bt, 1]
-    m = len(stream_kernels)
-    layout = _stream_layout(stream_kernels)
-    t0 = pl.program_id(1) * bt
-    masks = _lag_masks(seg_ref, t0, bt, max([1, *stream_kernels]), backend)
-    dh = d // heads
-    n_chunks = dh // bd
-    zero = jnp.zeros((bt, bd) if whole else (bt,), F32)
-    fold = (lambda v: v) if whole else (lambda v: jnp.sum(v, axis=1))  # noqa: E731
-    finish = (lambda v: jnp.sum(v, axis=1)) if whole else (lambda v: v)  # noqa: E731
-
-    def chunk(h, c):
-        c0 = h * dh + c * bd
-        cs = pl.ds(pl.multiple_of(c0, bd), bd)
-        return cs, _Window(x_ref, (), t0, bt, cs, backend, width=bd)
-
-    # (1) scores of the partial, per head (sums of squares over all d)
-    ss = [zero] * m
-    dots = [[None] * heads for _ in range(m)]
-    for h in range(heads):
-
-        def score_body(c, carry, h=h):
-            ss, dt = list(carry[0]), list(carry[1])
-            cs, win = chunk(h, c)
-            for r, (kernel, off) in enumerate(layout):
-                e = _expand_chunk(win, bank_ref, (), cs, kernel, off, masks)
-                ss[r] = ss[r] + fold(e * e)
-                dt[r] = dt[r] + fold(e * q_ref[r, cs].astype(F32)[None, :])
-            return ss, dt
-
-        ss, dt = jax.lax.fori_loop(0, n_chunks, score_body, (ss, [zero] * m))
-        for r in range(m):
-            dots[r][h] = finish(dt[r])
-    ss = [finish(v) for v in ss]
-
-    # the merge with the phase-1 state, on [bt] scalars (phase2_forward's XLA step, same order)
-    include = inc_ref[0] > 0
-    a = [[None] * heads for _ in range(m)]
-    b = [[None] * heads for _ in range(m)]
-    for r in range(m):
-        ss_ref[r, :, 0] = ss[r]
-        rk = jax.lax.rsqrt(ss[r] / d + eps)
-        for h in range(heads):
-            dots_ref[r, :, h] = dots[r][h]
-            s = jnp.where(include, dots[r][h] * rk, reference.NEG_LARGE)
-            pmax = mx_ref[r, :, h]
-            new_max = jnp.maximum(pmax, s)
-            keep = jnp.exp(pmax - new_max)
-            pnew = jnp.where(include, jnp.exp(s - new_max), 0.0)
-            denom = den_ref[r, :, h] * keep + pnew
-            a[r][h] = (keep / denom)[:, None]
-            b[r][h] = (pnew / denom)[:, None]
-
-    def merged(h, cs, win, r):
-        kernel, off = layout[r]
-        e = _expand_chunk(win, bank_ref, (), cs, kernel, off, masks)
-        return b[r][h] * e + a[r][h] * acc_ref[r, :, cs].astype(F32)
-
-    # (2) the gate's statistics and the gate (Eq. 13-14); mean fusion: g = 1/m
-    if fuse == "gate":
-        sq, zw = zero, [zero] * m
-        for h in range(heads):
-
-            def stats_body(c, carry, h=h):
-                sq, zw = carry[0], list(carry[1])
-                cs, win = chunk(h, c)
-                for r in range(m):
-                    z = merged(h, cs, win, r)
-                    sq = sq + fold(z * z)
-                    for j in range(m):
-                        zw[j] = zw[j] + fold(z * w_ref[r, cs, j].astype(F32)[None, :])
-                return sq, zw
-
-            sq, zw = jax.lax.fori_loop(0, n_chunks, stats_body, (sq, zw))
-        inv = jax.lax.rsqrt(finish(sq) / (m * d) + gate_eps)
-        scale = gsc_ref[0]
-        g = [jax.nn.sigmoid(scale * (inv * finish(zw[j])) + gsc_ref[1 + j])[:, None] for j in range(m)]
-    else:
-        g = [None] * m
-
-    # (3) h = sum_r g_r z_r
-    for h in range(heads):
-
-        def out_body(c, carry, h=h):
-            cs, win = chunk(h, c)
-            out = jnp.zeros((bt, bd), F32)
-            for r in range(m):
-                z = merged(h, cs, win, r)
-                out = out + (z * (1.0 / m) if g[r] is None else g[r] * z)
-            h_ref[:, cs] = out.astype(h_ref.dtype)
-            return carry
-
-        jax.lax.fori_loop(0, n_chunks, out_body, 0)
-
-
 # --------------------------------------------------------------------------- calls
 
 
@@ -673,62 +553,6 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
     return out[0]
 
 
-def phase2_rows_call(x, bank, query, pmax, pden, acc, include, gate_params, seg, *, fuse, stream_kernels, heads,
-                     eps, gate_eps, tiles: Tiles, backend, interpret, out_dtype):
-    """See ``_phase2_rows_kernel``. ``x[B, Tp, d]``; ``pmax``, ``pden`` ``[m, B, Tp, H]``;
-    ``acc[m, B, Tp, d]``; ``include``: a bool scalar. Returns ``h[B, Tp, d]`` and the scores
-    ``(dots[m, B, Tp, H], sumsq[m, B, Tp])``. Tiles: ``bt_scores`` rows and ``block_d_scores``
-    channels per chunk (the loops are the scoring kernel's)."""
-    batch, t_pad, d = x.shape
-    m = query.shape[0]
-    bt, bd = tiles.bt_scores, tiles.block_d_scores
-    has_bank = bank is not None and any(stream_kernels)
-    has_seg = seg is not None
-    tok = lambda *g: (0, g[0], g[1], 0)  # noqa: E731  ([m, B, Tp, .] blocks)
-    in_specs = [pl.BlockSpec((None, t_pad, d), lambda b, t: (b, 0, 0))]
-    args = [x]
-    if has_bank:
-        in_specs.append(pl.BlockSpec(bank.shape, lambda b, t: (0, 0)))
-        args.append(bank)
-    in_specs += [
-        pl.BlockSpec(query.shape, lambda b, t: (0, 0)),
-        pl.BlockSpec((m, None, bt, heads), tok),
-        pl.BlockSpec((m, None, bt, heads), tok),
-        pl.BlockSpec((m, None, bt, d), tok),
-        pl.BlockSpec((1,), lambda b, t: (0,)),
-    ]
-    args += [query, pmax, pden, acc, jnp.asarray(include, F32).reshape(1)]
-    if fuse == "gate":
-        w, scale, bias = gate_params
-        in_specs += [pl.BlockSpec((m, d, m), lambda b, t: (0, 0, 0)), pl.BlockSpec((1 + m,), lambda b, t: (0,))]
-        args += [jnp.asarray(w, F32).reshape(m, d, m),
-                 jnp.concatenate([jnp.asarray(scale, F32).reshape(1), jnp.asarray(bias, F32).reshape(m)])]
-    _token_inputs(in_specs, args, seg, None, 1, t_pad, backend, batch_axis=0)
-    kernel = functools.partial(
-        _phase2_rows_kernel, stream_kernels=tuple(stream_kernels), heads=heads, d=d, bt=bt, bd=bd,
-        has_bank=has_bank, has_seg=has_seg, fuse=fuse, eps=eps, gate_eps=gate_eps, backend=backend,
-        whole=_whole_tile_sums(backend, 2 * m, bt, bd),
-    )
-    h, dots, sumsq = pl.pallas_call(
-        kernel,
-        grid=(batch, t_pad // bt),
-        in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, bt, d), lambda b, t: (b, t, 0)),
-            pl.BlockSpec((m, None, bt, heads), tok),
-            pl.BlockSpec((m, None, bt, 1), tok),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((batch, t_pad, d), out_dtype),
-            jax.ShapeDtypeStruct((m, batch, t_pad, heads), F32),
-            jax.ShapeDtypeStruct((m, batch, t_pad, 1), F32),
-        ],
-        name=f"depth_attention_phase2_rows_{fuse}",
-        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel")),
-    )(*args)
-    return h, (dots, sumsq[..., 0])
-
-
 # --------------------------------------------------------------------------- reads
 
 
@@ -763,38 +587,16 @@ def phase1_forward(sources, banks, queries, valid=None, *, stream_kernels, heads
     return reference.SoftmaxState(max=cut(smax), denom=cut(denom), acc=cut(acc))
 
 
-PHASE2_FORMS = ("passes", "rows")
-PHASE2_DEFAULT_FORM = "passes"
-
-
 def phase2_forward(state, partial, bank, query, include_partial=True, gate_params=None, *, fuse, stream_kernels,
-                   heads, segment_ids, eps, gate_eps, tiles, backend, interpret, out_dtype=F32, return_scores=False,
-                   form=PHASE2_DEFAULT_FORM):
+                   heads, segment_ids, eps, gate_eps, tiles, backend, interpret, out_dtype=F32, return_scores=False):
     """Fused phase 2. ``fuse=None`` returns ``z[m, B, T, d]`` like ``reference.phase2``;
     ``"mean"`` / ``"gate"`` return ``h[B, T, d]`` (``fuse_mean`` / ``fuse_gate`` of it).
     ``return_scores``: also return the scoring pass's per-token scalars ``(dots[m, B, T, H],
     sumsq[m, B, T])`` (the raw per-head dots and the keys' sums of squares), which the Pallas
-    backward would otherwise recompute (``fused_bwd_phase2``'s pass 0).
-
-    ``form`` (fused reads only; ``PHASE2_FORMS``): ``"passes"``, three Pallas calls (scores,
-    the gate's statistics, the gate) with the merge and the gate's scalars in XLA between them;
-    ``"rows"``, one call whose programs each run all three loops over their token tile
-    (``_phase2_rows_kernel``)."""
-    if form not in PHASE2_FORMS:
-        raise ValueError(f"phase2 form={form!r}: must be one of {PHASE2_FORMS}")
-    if form == "rows" and fuse is None:
-        raise ValueError("phase2 form='rows' fuses the streams: it needs fuse='mean' or 'gate'")
+    backward would otherwise recompute (``fused_bwd_phase2``'s pass 0)."""
     batch, t_len, d = partial.shape
     m = query.shape[0]
     t_pad, seg = _prepare(t_len, segment_ids, tiles)
-    if form == "rows":
-        out, (dots, sumsq) = phase2_rows_call(
-            _pad_t(partial, 1, t_pad), bank, query, _pad_t(state.max, 2, t_pad), _pad_t(state.denom, 2, t_pad, 1.0),
-            _pad_t(state.acc, 2, t_pad), include_partial, gate_params, seg, fuse=fuse, stream_kernels=stream_kernels,
-            heads=heads, eps=eps, gate_eps=gate_eps, tiles=tiles, backend=backend, interpret=interpret,
-            out_dtype=out_dtype)
-        out = out[:, :t_len]
-        return (out, (dots[..., :t_len, :], sumsq[..., :t_len])) if return_scores else out
     x = _pad_t(partial, 1, t_pad)[None]
     banks = None if bank is None else bank[None]
     kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)

@@ -50,14 +50,3 @@ def test_sweeps_run(tmp_path):
     for key in ("p1_fb_stacked_ms", "p1_fb_per_target_ms", "mix_acc_per_target_bt32_bd64_w8_ms", "p1_fb_pallas_wide_ms",
                 "transpose_one_source_kernel_ms"):
         assert isinstance(merged.get(key), float), key
-
-
-@pytest.mark.slow
-def test_phase2_forward_forms_run(tmp_path):
-    """The forward-form sweep and the main table with phase 2's one-program form (checked against
-    the reference there)."""
-    rows, stdout = _bench(tmp_path, "--p2_forward_forms", "--p2_forward_form", "rows", "--backward", "pallas")
-    forms = [r for r in rows if "phase2_forward_form" in r.get("opts", "")]
-    assert {("'rows'" in r["opts"]) for r in forms} == {True, False}
-    assert all(isinstance(r.get("pallas_gpu_p2_fb_ms"), float) for r in forms)
-    assert "rows" in stdout and any("p1_max_abs_err" in r for r in rows)
