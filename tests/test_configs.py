@@ -42,11 +42,14 @@ def test_default_size_builds_and_accounts(path):
     assert config.train.steps > 0 and config.optim.lr > 0
 
 
-# Ablations that only change MSAR's numbers (m, S) train at smoke size in the slow suite; their
-# configs still build and validate above, and msar.py's smoke step runs the same code. (Keeps the
-# default suite's time down: about 80 s of CPU compile.)
+# Ablations train at smoke size in the slow suite only; their configs still build and validate
+# above. Those that change MSAR's numbers (m, S) run msar.py's code; the others (Full mode, mean
+# fusion, no conv) switch paths whose forward and gradients test_mechanisms_oracle.py checks
+# against the oracle (msar_S1_full_seg, msar_mean, msar_noconv). (Keeps the default suite's time
+# down: about 160 s of CPU compile.)
 _SAME_CODE_AS_MSAR = {"configs/ablations/m2.py", "configs/ablations/m8.py", "configs/ablations/s2.py",
-                      "configs/ablations/s8.py"}
+                      "configs/ablations/s8.py", "configs/ablations/full.py", "configs/ablations/mean_fusion.py",
+                      "configs/ablations/no_conv.py"}
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if p in _SAME_CODE_AS_MSAR else p

@@ -31,6 +31,21 @@ def _rel(a, b):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
+def jit_vjp(f, args, cotangent):
+    """``f(*args)`` and its vjp at ``cotangent(out)`` (a function of the output's shapes), as
+    ONE compiled program. Run eagerly, every XLA op around the kernels (the custom_vjp's glue,
+    the reference) is compiled on its own: about 200 small compiles, two thirds of a phase-1
+    test's time on the CPU."""
+    ct = cotangent(jax.eval_shape(f, *args))
+
+    @jax.jit
+    def run(args, ct):
+        out, pull = jax.vjp(f, *args)
+        return out, pull(ct)
+
+    return run(args, ct)
+
+
 def _check_tree(got, want, tol):
     leaves = list(zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True))
     scale = max(float(np.max(np.abs(np.asarray(w, np.float64)))) for _, w in leaves)
@@ -86,9 +101,10 @@ def test_phase1_forward_and_grads(impl, case):
     seg = None if cut is None else _segments(batch, t_len, cut)
     valid = None if valid is None else jnp.asarray(valid)
     kw = dict(stream_kernels=kernels, heads=heads, segment_ids=seg)
+
     def run(fn):
-        out, vjp = jax.vjp(lambda x, b, q: fn(x, b, q, valid, **kw), sources, banks, queries)
-        return out, vjp(jax.tree.map(lambda a: _rnd(9, a.shape), out))
+        return jit_vjp(lambda x, b, q: fn(x, b, q, valid, **kw), (sources, banks, queries),
+                       lambda out: jax.tree.map(lambda a: _rnd(9, a.shape), out))
 
     got, got_grads = run(lambda *a, **k: api.phase1(*a, implementation=impl, **k))
     want, want_grads = run(reference.phase1)
@@ -136,8 +152,7 @@ def test_phase2_forward_and_grads(impl, case):
     args = (state, partial, bank, query, gate if fuse == "gate" else None)
 
     def run(f):
-        out, vjp = jax.vjp(lambda *a: f(*a, **kw), *args)
-        return out, vjp(_rnd(99, out.shape))
+        return jit_vjp(lambda *a: f(*a, **kw), args, lambda out: _rnd(99, out.shape))
 
     got, got_grads = run(fn)
     want, want_grads = run(ref)
@@ -151,15 +166,16 @@ def test_bf16_sources(impl):
     kernels = (0, 4, 8, 12)
     sources, banks, queries = _phase1_inputs(3, 1, 24, 64, 2, kernels, dtype=jnp.bfloat16)
     kw = dict(stream_kernels=kernels, heads=1)
-    got = api.phase1(sources, banks, queries, implementation=impl, **kw)
-    want = reference.phase1(sources.astype(jnp.float32), banks, queries, **kw)
+    got = jax.jit(lambda *a: api.phase1(*a, implementation=impl, **kw))(sources, banks, queries)
+    want = jax.jit(lambda *a: reference.phase1(*a, **kw))(sources.astype(jnp.float32), banks, queries)
     _check_tree(got, want, BF16_TOL)
     state = jax.tree.map(lambda a: a[0], want)
     partial = _rnd(3, (1, 24, 64), dtype=jnp.bfloat16)
-    h = api.phase2_fused(state, partial, banks[0], queries[1], True, None, implementation=impl, out_dtype=jnp.bfloat16,
-                         **kw)
+    h = jax.jit(lambda st, x: api.phase2_fused(st, x, banks[0], queries[1], True, None, implementation=impl,
+                                               out_dtype=jnp.bfloat16, **kw))(state, partial)
     assert h.dtype == jnp.bfloat16
-    h_ref = reference.phase2_fused(state, partial.astype(jnp.float32), banks[0], queries[1], True, None, **kw)
+    h_ref = jax.jit(lambda st, x: reference.phase2_fused(st, x, banks[0], queries[1], True, None, **kw))(
+        state, partial.astype(jnp.float32))
     _check_tree(h, h_ref, BF16_TOL)
 
 
@@ -169,10 +185,14 @@ def test_two_phase_equals_direct_read():
     sources, banks, queries = _phase1_inputs(3, 1, 19, 32, 2, kernels)
     seg = _segments(1, 19, 5)
     kw = dict(stream_kernels=kernels, heads=heads, segment_ids=seg)
-    state = api.phase1(sources[:2], banks[:2], queries, implementation="pallas_tpu", **kw)
-    z = api.phase2(jax.tree.map(lambda a: a[1], state), sources[2, ...], banks[2], queries[1], True,
-                   implementation="pallas_tpu", **kw)
-    direct = reference.depth_read(sources, banks, queries[1], **kw)
+    @jax.jit
+    def two_phase(sources, banks, queries):
+        state = api.phase1(sources[:2], banks[:2], queries, implementation="pallas_tpu", **kw)
+        return api.phase2(jax.tree.map(lambda a: a[1], state), sources[2, ...], banks[2], queries[1], True,
+                          implementation="pallas_tpu", **kw)
+
+    z = two_phase(sources, banks, queries)
+    direct = jax.jit(lambda *a: reference.depth_read(*a, **kw))(sources, banks, queries[1])
     assert _rel(z, direct) < F32_TOL
 
 
@@ -200,12 +220,14 @@ def test_random_shapes(n, t_len, heads, kernels, n_targets, cut, seed):
     sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, kernels, seed)
     seg = _segments(batch, t_len, min(cut, t_len))
     kw = dict(stream_kernels=kernels, heads=heads, segment_ids=seg)
-    _check_tree(api.phase1(sources, banks, queries, implementation="pallas_gpu", **kw),
-                reference.phase1(sources, banks, queries, **kw), F32_TOL)
-    state = jax.tree.map(lambda a: a[-1], reference.phase1(sources, banks, queries, **kw))
+    want = jax.jit(lambda *a: reference.phase1(*a, **kw))(sources, banks, queries)
+    _check_tree(jax.jit(lambda *a: api.phase1(*a, implementation="pallas_gpu", **kw))(sources, banks, queries),
+                want, F32_TOL)
+    state = jax.tree.map(lambda a: a[-1], want)
     partial = _rnd(seed + 50, (batch, t_len, d))
-    args = (state, partial, None if banks is None else banks[0], queries[0], True)
-    _check_tree(api.phase2(*args, implementation="pallas_tpu", **kw), reference.phase2(*args, **kw), F32_TOL)
+    args = (state, partial, None if banks is None else banks[0], queries[0])
+    _check_tree(jax.jit(lambda *a: api.phase2(*a, True, implementation="pallas_tpu", **kw))(*args),
+                jax.jit(lambda *a: reference.phase2(*a, True, **kw))(*args), F32_TOL)
 
 
 @pytest.mark.gpu
@@ -226,7 +248,11 @@ def test_gpu_triton_matches_reference():
         _check_tree(h, reference.phase2_fused(state, partial, bank, query, True, gate, **kw), 1e-4)
 
 
-@pytest.mark.parametrize("case", [PHASE1_CASES[0], PHASE1_CASES[1]], ids=lambda c: c[0])
+# The routing is the same for every case; the MSAR one runs in the slow suite (20 s on 2 cores): the
+# model-level test (test_model_kernel_path.py, kernel_backward="pallas") takes MSAR's phase 1
+# through this backward, and test_fused_bwd_phase1.py checks the kernels on MSAR shapes.
+@pytest.mark.parametrize("case", [pytest.param(PHASE1_CASES[0], marks=pytest.mark.slow), PHASE1_CASES[1]],
+                         ids=lambda c: c[0])
 def test_phase1_pallas_backward_through_the_op(case):
     """``backward="pallas"`` routes the custom_vjp's backward to ``fused_bwd_phase1``: the op's
     gradients equal autodiff of the reference (the kernels alone: test_fused_bwd_phase1.py)."""
@@ -237,8 +263,8 @@ def test_phase1_pallas_backward_through_the_op(case):
     kw = dict(stream_kernels=kernels, heads=heads, segment_ids=seg)
 
     def run(fn):
-        out, vjp = jax.vjp(lambda x, b, q: fn(x, b, q, valid, **kw), sources, banks, queries)
-        return out, vjp(jax.tree.map(lambda a: _rnd(9, a.shape), out))
+        return jit_vjp(lambda x, b, q: fn(x, b, q, valid, **kw), (sources, banks, queries),
+                       lambda out: jax.tree.map(lambda a: _rnd(9, a.shape), out))
 
     got, got_grads = run(lambda *a, **k: api.phase1(*a, implementation="pallas_tpu", backward="pallas", **k))
     want, want_grads = run(reference.phase1)
@@ -248,7 +274,10 @@ def test_phase1_pallas_backward_through_the_op(case):
         run(lambda *a, **k: api.phase1(*a, implementation="pallas_tpu", backward="fast", **k))
 
 
-@pytest.mark.parametrize("case", [PHASE2_CASES[0], PHASE2_CASES[2]], ids=lambda c: c[0])
+# Mean fusion with the partial excluded: slow suite (15 s); the kernels alone are checked in that
+# case by test_fused_bwd_phase2.py, and the routing by the gated case.
+@pytest.mark.parametrize("case", [PHASE2_CASES[0], pytest.param(PHASE2_CASES[2], marks=pytest.mark.slow)],
+                         ids=lambda c: c[0])
 def test_phase2_fused_pallas_backward_through_the_op(case):
     """``backward="pallas"`` routes phase 2 + gate's backward to ``fused_bwd_phase2``: the op's
     gradients (state, partial, bank, query, gate) equal autodiff of the reference."""
@@ -259,8 +288,8 @@ def test_phase2_fused_pallas_backward_through_the_op(case):
     gate = gate if fuse == "gate" else None
 
     def run(f):
-        out, vjp = jax.vjp(lambda st, x, b, q, g: f(st, x, b, q, include, g, **kw), state, partial, bank, query, gate)
-        return out, vjp(_rnd(99, out.shape))
+        return jit_vjp(lambda st, x, b, q, g: f(st, x, b, q, include, g, **kw), (state, partial, bank, query, gate),
+                       lambda out: _rnd(99, out.shape))
 
     got, got_grads = run(lambda *a, **k: api.phase2_fused(*a, implementation="pallas_tpu", backward="pallas", **k))
     want, want_grads = run(reference.phase2_fused)
@@ -287,8 +316,8 @@ def test_channel_sums_as_whole_tiles(monkeypatch, case):
     kw = dict(stream_kernels=kernels, heads=heads, segment_ids=seg)
 
     def run(fn):
-        out, vjp = jax.vjp(lambda x, b, q: fn(x, b, q, valid, **kw), sources, banks, queries)
-        return out, vjp(jax.tree.map(lambda a: _rnd(9, a.shape), out))
+        return jit_vjp(lambda x, b, q: fn(x, b, q, valid, **kw), (sources, banks, queries),
+                       lambda out: jax.tree.map(lambda a: _rnd(9, a.shape), out))
 
     got = run(lambda *a, **k: api.phase1(*a, implementation="pallas_gpu", tiles=tiles, backward="pallas", **k))
     want = run(reference.phase1)
@@ -301,8 +330,8 @@ def test_channel_sums_as_whole_tiles(monkeypatch, case):
     gate = (_rnd(31, (m * d, m), 1.0 / d), jnp.float32(0.7), _rnd(32, (m,), 0.3))
 
     def run2(fn):
-        out, vjp = jax.vjp(lambda st, x, q, g: fn(st, x, bank, q, True, g, **kw), state, partial, query, gate)
-        return out, vjp(_rnd(33, out.shape))
+        return jit_vjp(lambda st, x, q, g: fn(st, x, bank, q, True, g, **kw), (state, partial, query, gate),
+                       lambda out: _rnd(33, out.shape))
 
     got = run2(lambda *a, **k: api.phase2_fused(*a, implementation="pallas_gpu", tiles=tiles, backward="pallas", **k))
     want = run2(reference.phase2_fused)
