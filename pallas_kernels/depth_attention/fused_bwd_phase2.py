@@ -142,7 +142,13 @@ def _dz(r, m, dh, z, gate_vals, w_ref, w_rows):
 
 def _stats_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, backend):
     """Pass 1: per-chunk ``sum z^2``, ``z @ W`` (the gate's forward statistics) and
-    ``dg_r = <dh, z_r>`` (the gate's first backward reduction), from recomputed ``z``."""
+    ``dg_r = <dh, z_r>`` (the gate's first backward reduction), from recomputed ``z``.
+
+    The per-stream scalars are loaded first and every sum is kept as a whole ``[bt, bd]`` tile
+    and reduced over channels after the stream loop, not inside it: on the H200 that took this
+    kernel from 1.40 to 1.07 ms per call at `base` (and ``_dstate_kernel``, written the same way,
+    from 2.24 to 1.75; BENCHMARKS.md, kernels, session 11). Looping over 2, 4 or 8 channel chunks
+    per program, to reduce once per program rather than once per chunk, was slower."""
     it = iter(refs)
     x_ref = next(it)  # [Tp, bd]
     bank_ref = next(it) if has_bank else None  # [K, bd]
@@ -153,30 +159,34 @@ def _stats_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, ba
     seg_ref = next(it) if has_seg else None  # [Tp, 1]
     sq_ref, zw_ref, dg_ref = it  # [bt, 1], [bt, m], [bt, m]
     m = len(stream_kernels)
+    layout = _stream_layout(stream_kernels)
     t0 = pl.program_id(1) * bt
     head = (pl.program_id(2) * bd) // (d // heads)
     col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
     masks = _lag_masks(seg_ref, t0, bt, max([1, *stream_kernels]), backend)
+    a = [_col(col(a_ref, (r, slice(None)))) for r in range(m)]
+    b = [_col(col(b_ref, (r, slice(None)))) for r in range(m)]
     win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
-    dh = dh_ref[...].astype(F32)
-    sq = jnp.zeros((bt,), F32)
-    zw = [jnp.zeros((bt,), F32)] * m
-    for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
+    dh = dh_ref[:, :].astype(F32)
+    zero = jnp.zeros((bt, bd), F32)
+    sq, zw, dg = zero, [zero] * m, [zero] * m
+    for r, (kernel, off) in enumerate(layout):
         e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
-        a, b = _col(col(a_ref, (r, slice(None)))), _col(col(b_ref, (r, slice(None))))
-        z = a * acc_ref[r, :, :].astype(F32) + b * e
-        sq = sq + jnp.sum(z * z, axis=1)
+        z = a[r] * acc_ref[r, :, :].astype(F32) + b[r] * e
+        sq = sq + z * z
         for j in range(m):
-            zw[j] = zw[j] + jnp.sum(z * w_ref[r, :, j].astype(F32)[None, :], axis=1)
-        dg_ref[:, r] = jnp.sum(dh * z, axis=1)
-    sq_ref[:, 0] = sq
+            zw[j] = zw[j] + z * w_ref[r, :, j].astype(F32)[None, :]
+        dg[r] = dg[r] + dh * z
+    sq_ref[:, 0] = jnp.sum(sq, axis=1)
     for j in range(m):
-        zw_ref[:, j] = zw[j]
+        zw_ref[:, j] = jnp.sum(zw[j], axis=1)
+        dg_ref[:, j] = jnp.sum(dg[j], axis=1)
 
 
 def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, has_gate, backend):
     """Pass 2: ``d_acc = a dz`` and per-chunk partials of ``sum dz z``, ``sum dz (A - E D)``,
-    ``sum dz (E - z)`` (per stream and token; summed per head in XLA)."""
+    ``sum dz (E - z)`` (per stream and token; summed per head in XLA), reduced over channels
+    after the stream loop (as ``_stats_kernel``, which says why)."""
     it = iter(refs)
     x_ref = next(it)  # [Tp, bd]
     bank_ref = next(it) if has_bank else None  # [K, bd]
@@ -190,25 +200,35 @@ def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, h
     seg_ref = next(it) if has_seg else None  # [Tp, 1]
     dacc_ref, s1_ref, sm_ref, ss_ref = it  # [m, bt, bd], [m, bt, 1] x3
     m = len(stream_kernels)
+    layout = _stream_layout(stream_kernels)
     t0 = pl.program_id(1) * bt
     head = (pl.program_id(2) * bd) // (d // heads)
     col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
     masks = _lag_masks(seg_ref, t0, bt, max([1, *stream_kernels]), backend)
-    win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
-    dh = dh_ref[...].astype(F32)
     gate_vals = None
     if has_gate:
         gate_vals = (lambda r: g_ref[:, r], lambda j: dy_ref[:, j], coef_ref[:, 0])
-    for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
+    a = [_col(col(a_ref, (r, slice(None)))) for r in range(m)]
+    b = [_col(col(b_ref, (r, slice(None)))) for r in range(m)]
+    dold = [_col(col(dold_ref, (r, slice(None)))) for r in range(m)]
+
+    win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
+    dh = dh_ref[:, :].astype(F32)
+    zero = jnp.zeros((bt, bd), F32)
+    s1, sm, ss = [zero] * m, [zero] * m, [zero] * m
+    for r, (kernel, off) in enumerate(layout):
         e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
-        a = _col(col(a_ref, (r, slice(None))))
         acc = acc_ref[r, :, :].astype(F32)
-        z = a * acc + _col(col(b_ref, (r, slice(None)))) * e
+        z = a[r] * acc + b[r] * e
         dz = _dz(r, m, dh, z, gate_vals, w_ref, slice(None))
-        dacc_ref[r, :, :] = (a * dz).astype(dacc_ref.dtype)
-        s1_ref[r, :, 0] = jnp.sum(dz * z, axis=1)
-        sm_ref[r, :, 0] = jnp.sum(dz * (acc - e * _col(col(dold_ref, (r, slice(None))))), axis=1)
-        ss_ref[r, :, 0] = jnp.sum(dz * (e - z), axis=1)
+        dacc_ref[r, :, :] = (a[r] * dz).astype(dacc_ref.dtype)
+        s1[r] = s1[r] + dz * z
+        sm[r] = sm[r] + dz * (acc - e * dold[r])
+        ss[r] = ss[r] + dz * (e - z)
+    for r in range(m):
+        s1_ref[r, :, 0] = jnp.sum(s1[r], axis=1)
+        sm_ref[r, :, 0] = jnp.sum(sm[r], axis=1)
+        ss_ref[r, :, 0] = jnp.sum(ss[r], axis=1)
 
 
 class _Pass3Inputs:
