@@ -248,15 +248,6 @@ def _if_live(live_ref, i, work, otherwise=None):
         pl.when(jnp.logical_not(live))(otherwise)
 
 
-def _source_loop(n: int, body, init):
-    """``body(i, carry)`` over the ``n`` sources: a loop, or for one source (phase 2's partial) a
-    straight-line call, so the compiler can schedule that source's loads together with the rest
-    of the kernel rather than behind a one-trip loop."""
-    if n == 1:
-        return body(0, init)
-    return jax.lax.fori_loop(0, n, body, init)
-
-
 def _live_update(live_ref, i, update, carry):
     """``update(carry)`` for a valid source ``i``, else ``carry`` unchanged."""
     if live_ref is None:
@@ -346,7 +337,7 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
         _if_live(live_ref, i, work, skipped)
         return carry
 
-    _source_loop(n, source_body, 0)
+    jax.lax.fori_loop(0, n, source_body, 0)
 
 
 def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, has_base, mode, backend,
@@ -401,7 +392,7 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
 
             return _live_update(live_ref, i, update, accs)
 
-        accs = _source_loop(n, source_body, [zero] * n_targets)
+        accs = jax.lax.fori_loop(0, n, source_body, [zero] * n_targets)
         for s in range(n_targets):
             z = accs[s]
             if has_base:
