@@ -45,10 +45,15 @@ def test_accumulated_equals_full_batch(mechanism):
         np.testing.assert_allclose(ce_m, ce1, rtol=1e-5)
         for a, b in zip(jax.tree.leaves(g_m), jax.tree.leaves(g1)):
             np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6)
-    # Not vacuous: a microbatch alone gives another gradient.
-    loss_half, _, g_half = sgd_step_result(mechanism, 1, batch[::2])
-    assert abs(loss_half - loss1) > 1e-4
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(g_half), jax.tree.leaves(g1))) > 1e-4
+    # Not vacuous: every parameter group gets a gradient, and (Vanilla: the data path is the same for
+    # every mechanism, and each batch shape is another CPU compile of the step) a microbatch alone
+    # gives another one.
+    for name, grads in g1.items():
+        assert max(float(np.max(np.abs(g))) for g in jax.tree.leaves(grads)) > 1e-6, name
+    if mechanism == "vanilla":
+        loss_half, _, g_half = sgd_step_result(mechanism, 1, batch[::2])
+        assert abs(loss_half - loss1) > 1e-4
+        assert max(float(np.max(np.abs(a - b))) for a, b in zip(jax.tree.leaves(g_half), jax.tree.leaves(g1))) > 1e-4
 
 
 def test_training_loop_dp2_with_accumulation_matches_plain(tmp_path):
