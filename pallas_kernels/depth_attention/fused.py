@@ -355,7 +355,7 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
     base_ref = next(it) if has_base else None  # [S, m, bt, bd]
     a_ref = next(it) if has_base else None  # [S, m, bt, H]
     g_ref = next(it) if mode == "gate" else None  # [bt, m]
-    w_ref = next(it) if mode == "stats" else None  # [m, bd, m]
+    w_ref = next(it) if mode == "stats" else None  # [m, m, bd]: wt[r, j, channel]
     seg_ref = next(it) if has_seg else None  # [Tp]
     live_ref = next(it) if has_live else None  # [n] int32: skip the invalid sources (p = 0 there)
     outs = list(it)
@@ -406,7 +406,7 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
             else:  # stats
                 sq = sq + fold(z * z)
                 for j in range(m):
-                    zw[j] = zw[j] + fold(z * w_ref[r, :, j].astype(F32)[None, :])
+                    zw[j] = zw[j] + fold(z * w_ref[r, j, :].astype(F32)[None, :])
     if mode in ("mean", "gate"):
         outs[0][...] = h_acc.astype(outs[0].dtype)
     elif mode == "stats":
@@ -483,7 +483,7 @@ def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, 
 def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, stream_kernels, heads, tiles: Tiles,
              backend, interpret, out_dtype=F32, valid=None, split_targets=False):
     """See ``_mix_kernel``. ``p[S, n, m, B, Tp, H]``; ``base[S, m, B, Tp, d]``; ``a`` like ``p``
-    without ``n``; ``gate[B, Tp, m]``; ``w[m, d, m]``; ``valid[n]``: sources that may have
+    without ``n``; ``gate[B, Tp, m]``; ``w[m, m, d]`` (``wt[r, j, c] = W[r d + c, j]``); ``valid[n]``: sources that may have
     ``p != 0`` (the others may be skipped). ``split_targets`` (``mode="acc"``): return a list of
     ``S`` arrays ``[m, B, Tp, d]``, written by the kernel as separate outputs."""
     n, batch, t_pad, d = x.shape
@@ -508,7 +508,7 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
         in_specs.append(pl.BlockSpec((None, bt, m), lambda b, t, c: (b, t, 0)))
         args.append(gate)
     if mode == "stats":
-        in_specs.append(pl.BlockSpec((m, bd, m), lambda b, t, c: (0, c, 0)))
+        in_specs.append(pl.BlockSpec((m, m, bd), lambda b, t, c: (0, 0, c)))
         args.append(w)
     has_live = _token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
     if mode == "acc" and split_targets:
@@ -622,7 +622,8 @@ def phase2_forward(state, partial, bank, query, include_partial=True, gate_param
         out = mix(mode="mean", out_dtype=out_dtype)[:, :t_len]
     else:
         w, scale, bias = gate_params
-        sq, zw = mix(mode="stats", w=w.reshape(m, d, m))
+        # W as wt[r, j, c]: each (r, j) channel run contiguous (fused_bwd_phase2.gate_rows)
+        sq, zw = mix(mode="stats", w=jnp.asarray(w, F32).reshape(m, d, m).transpose(0, 2, 1))
         inv = jax.lax.rsqrt(jnp.sum(sq, axis=-1) / (m * d) + gate_eps)  # [B, Tp]
         g = jax.nn.sigmoid(scale * (inv[..., None] * jnp.sum(zw, axis=2)) + bias)  # [B, Tp, m]
         out = mix(mode="gate", gate=g, out_dtype=out_dtype)[:, :t_len]

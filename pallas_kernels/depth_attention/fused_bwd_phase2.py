@@ -119,6 +119,13 @@ from pallas_kernels.depth_attention.row_shift import (
 # --------------------------------------------------------------------------- in-kernel helpers
 
 
+def gate_rows(w, m: int, d: int):
+    """The gate's ``W[m d, m]`` as ``wt[r, j, c] = W[r d + c, j]`` (float32), the layout every
+    kernel reads it in: the ``[block_d]`` channel run a kernel loads per ``(r, j)`` is then
+    contiguous, not strided by ``m`` as in ``W.reshape(m, d, m)``."""
+    return jnp.asarray(w, F32).reshape(m, d, m).transpose(0, 2, 1)
+
+
 def _col(v):
     """``[bt]`` -> ``[bt, 1]`` (a per-token scalar against a ``[bt, bd]`` tile)."""
     return v[:, None]
@@ -126,14 +133,14 @@ def _col(v):
 
 def _dz(r, m, dh, z, gate_vals, w_ref, w_rows):
     """``dz_r = g_r dh + sum_j W[r, :, j] dy_j + coef z_r`` on one tile (``dh / m`` without
-    the gate). ``gate_vals = (g[bt, m] loader, dy loader, coef[bt])``; ``w_rows`` indexes
-    the chunk's rows of ``W``."""
+    the gate). ``gate_vals = (g[bt, m] loader, dy loader, coef[bt])``; ``w_ref`` holds ``W``
+    as ``wt[r, j, channel]`` (``gate_rows``) and ``w_rows`` indexes the chunk's channels."""
     if gate_vals is None:
         return dh * (1.0 / m)
     g_of, dy_of, coef = gate_vals
     dz = _col(g_of(r)) * dh + _col(coef) * z
     for j in range(m):
-        dz = dz + w_ref[r, w_rows, j].astype(F32)[None, :] * _col(dy_of(j))
+        dz = dz + w_ref[r, j, w_rows].astype(F32)[None, :] * _col(dy_of(j))
     return dz
 
 
@@ -155,7 +162,7 @@ def _stats_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, ba
     a_ref, b_ref = next(it), next(it)  # [m, bt, H]
     acc_ref = next(it)  # [m, bt, bd]
     dh_ref = next(it)  # [bt, bd]
-    w_ref = next(it)  # [m, bd, m]
+    w_ref = next(it)  # [m, m, bd] (``gate_rows``)
     seg_ref = next(it) if has_seg else None  # [Tp, 1]
     sq_ref, zw_ref, dg_ref = it  # [bt, 1], [bt, m], [bt, m]
     m = len(stream_kernels)
@@ -175,7 +182,7 @@ def _stats_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, ba
         z = a[r] * acc_ref[r, :, :].astype(F32) + b[r] * e
         sq = sq + z * z
         for j in range(m):
-            zw[j] = zw[j] + z * w_ref[r, :, j].astype(F32)[None, :]
+            zw[j] = zw[j] + z * w_ref[r, j, :].astype(F32)[None, :]
         dg[r] = dg[r] + dh * z
     sq_ref[:, 0] = jnp.sum(sq, axis=1)
     for j in range(m):
@@ -194,7 +201,7 @@ def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, h
     acc_ref = next(it)  # [m, bt, bd]
     dh_ref = next(it)  # [bt, bd]
     if has_gate:
-        g_ref, dy_ref, coef_ref, w_ref = next(it), next(it), next(it), next(it)  # [bt, m] x2, [bt, 1], [m, bd, m]
+        g_ref, dy_ref, coef_ref, w_ref = next(it), next(it), next(it), next(it)  # [bt, m] x2, [bt, 1], [m, m, bd]
     else:
         w_ref = None
     seg_ref = next(it) if has_seg else None  # [Tp, 1]
@@ -417,7 +424,7 @@ def _stats_call(x, bank, a, b, acc, dh, w3, seg, *, stream_kernels, heads, tiles
     scal = pl.BlockSpec((m, None, bt, heads), lambda i, t, c: (0, i, t, 0))
     specs += [scal, scal, pl.BlockSpec((m, None, bt, bd), lambda i, t, c: (0, i, t, c)),
               pl.BlockSpec((None, bt, bd), lambda i, t, c: (i, t, c)),
-              pl.BlockSpec((m, bd, m), lambda i, t, c: (0, c, 0))]
+              pl.BlockSpec((m, m, bd), lambda i, t, c: (0, 0, c))]
     args += [a, b, acc, dh, w3]
     if has_seg:  # [B, Tp, 1]: tokens on sublanes, a whole trailing dim (Mosaic's block-shape rule)
         specs.append(pl.BlockSpec((None, t_pad, 1), lambda i, t, c: (i, 0, 0)))
@@ -465,7 +472,7 @@ def _dstate_call(x, bank, a, b, dold, acc, dh, gate_in, seg, *, stream_kernels, 
         g, dy, coef, w3 = gate_in
         per_tok = pl.BlockSpec((None, bt, m), lambda i, t, c: (i, t, 0))
         specs += [per_tok, per_tok, pl.BlockSpec((None, bt, 1), lambda i, t, c: (i, t, 0)),
-                  pl.BlockSpec((m, bd, m), lambda i, t, c: (0, c, 0))]
+                  pl.BlockSpec((m, m, bd), lambda i, t, c: (0, 0, c))]
         args += [g, dy, coef[:, :, None], w3]
     if has_seg:  # [B, Tp, 1]: tokens on sublanes, a whole trailing dim (Mosaic's block-shape rule)
         specs.append(pl.BlockSpec((None, t_pad, 1), lambda i, t, c: (i, 0, 0)))
@@ -512,7 +519,7 @@ def _pass3_inputs(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, heads, b
         g, dy, coef, w3 = gate_in
         per_tok = spec((None, t_pad, m), lambda i, c: (i, 0, 0))
         specs += [per_tok, per_tok, spec((None, t_pad, 1), lambda i, c: (i, 0, 0)),
-                  spec((m, bd, m), lambda i, c: (0, c, 0))]
+                  spec((m, m, bd), lambda i, c: (0, 0, c))]
         args += [g, dy, coef[:, :, None], w3]
     if seg is not None:  # [B, Tp, 1]
         specs.append(spec((None, t_pad, 1), lambda i, c: (i, 0, 0)))
@@ -680,7 +687,7 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
     gate_in, d_gate = None, None
     if gate is not None:
         w, scale, bias = gate
-        w3 = jnp.asarray(w, F32).reshape(m, d, m)
+        w3 = gate_rows(w, m, d)
         scale_f, bias_f = jnp.asarray(scale, F32), jnp.asarray(bias, F32)
         sq, zw, dg = _stats_call(x, kbank, a, b, acc, g_h, w3, seg, **kw)
         rz = jax.lax.rsqrt(jnp.sum(sq, axis=-1) / (m * d) + gate_eps)  # [B, Tp]
