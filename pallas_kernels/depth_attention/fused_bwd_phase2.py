@@ -106,6 +106,8 @@ from pallas_kernels.depth_attention.fused import (
     _pad_t,
     _stream_layout,
     _Window,
+    gate_cols,
+    gate_rows,
     scores_call,
 )
 from pallas_kernels.depth_attention.row_shift import (
@@ -119,13 +121,6 @@ from pallas_kernels.depth_attention.row_shift import (
 # --------------------------------------------------------------------------- in-kernel helpers
 
 
-def gate_rows(w, m: int, d: int):
-    """The gate's ``W[m d, m]`` as ``wt[r, j, c] = W[r d + c, j]`` (float32), the layout every
-    kernel reads it in: the ``[block_d]`` channel run a kernel loads per ``(r, j)`` is then
-    contiguous, not strided by ``m`` as in ``W.reshape(m, d, m)``."""
-    return jnp.asarray(w, F32).reshape(m, d, m).transpose(0, 2, 1)
-
-
 def _col(v):
     """``[bt]`` -> ``[bt, 1]`` (a per-token scalar against a ``[bt, bd]`` tile)."""
     return v[:, None]
@@ -134,13 +129,13 @@ def _col(v):
 def _dz(r, m, dh, z, gate_vals, w_ref, w_rows):
     """``dz_r = g_r dh + sum_j W[r, :, j] dy_j + coef z_r`` on one tile (``dh / m`` without
     the gate). ``gate_vals = (g[bt, m] loader, dy loader, coef[bt])``; ``w_ref`` holds ``W``
-    as ``wt[r, j, channel]`` (``gate_rows``) and ``w_rows`` indexes the chunk's channels."""
+    as ``w3[r, channel, j]`` (``gate_cols``) and ``w_rows`` indexes the chunk's channels."""
     if gate_vals is None:
         return dh * (1.0 / m)
     g_of, dy_of, coef = gate_vals
     dz = _col(g_of(r)) * dh + _col(coef) * z
     for j in range(m):
-        dz = dz + w_ref[r, j, w_rows].astype(F32)[None, :] * _col(dy_of(j))
+        dz = dz + w_ref[r, w_rows, j].astype(F32)[None, :] * _col(dy_of(j))
     return dz
 
 
@@ -201,7 +196,7 @@ def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, h
     acc_ref = next(it)  # [m, bt, bd]
     dh_ref = next(it)  # [bt, bd]
     if has_gate:
-        g_ref, dy_ref, coef_ref, w_ref = next(it), next(it), next(it), next(it)  # [bt, m] x2, [bt, 1], [m, m, bd]
+        g_ref, dy_ref, coef_ref, w_ref = next(it), next(it), next(it), next(it)  # [bt, m] x2, [bt, 1], [m, bd, m]
     else:
         w_ref = None
     seg_ref = next(it) if has_seg else None  # [Tp, 1]
@@ -472,7 +467,7 @@ def _dstate_call(x, bank, a, b, dold, acc, dh, gate_in, seg, *, stream_kernels, 
         g, dy, coef, w3 = gate_in
         per_tok = pl.BlockSpec((None, bt, m), lambda i, t, c: (i, t, 0))
         specs += [per_tok, per_tok, pl.BlockSpec((None, bt, 1), lambda i, t, c: (i, t, 0)),
-                  pl.BlockSpec((m, m, bd), lambda i, t, c: (0, 0, c))]
+                  pl.BlockSpec((m, bd, m), lambda i, t, c: (0, c, 0))]
         args += [g, dy, coef[:, :, None], w3]
     if has_seg:  # [B, Tp, 1]: tokens on sublanes, a whole trailing dim (Mosaic's block-shape rule)
         specs.append(pl.BlockSpec((None, t_pad, 1), lambda i, t, c: (i, 0, 0)))
@@ -519,7 +514,7 @@ def _pass3_inputs(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, heads, b
         g, dy, coef, w3 = gate_in
         per_tok = spec((None, t_pad, m), lambda i, c: (i, 0, 0))
         specs += [per_tok, per_tok, spec((None, t_pad, 1), lambda i, c: (i, 0, 0)),
-                  spec((m, m, bd), lambda i, c: (0, 0, c))]
+                  spec((m, bd, m), lambda i, c: (0, c, 0))]
         args += [g, dy, coef[:, :, None], w3]
     if seg is not None:  # [B, Tp, 1]
         specs.append(spec((None, t_pad, 1), lambda i, c: (i, 0, 0)))
@@ -698,7 +693,7 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
         d_scale = jnp.sum(dlogit * rz[..., None] * y)
         dy = scale_f * rz[..., None] * dlogit
         coef = -scale_f * jnp.sum(dlogit * y, axis=-1) * rz**3 / (m * d)
-        gate_in = (g * valid[None, :, None], dy, coef, w3)
+        gate_in = (g * valid[None, :, None], dy, coef, gate_cols(w, m, d))
         d_gate = [None, d_scale.reshape(jnp.shape(scale)), d_bias]
 
     # Pass 2 + XLA: d_acc and the per-head reductions -> d_denom, d_max, ds, key-norm coefficients.

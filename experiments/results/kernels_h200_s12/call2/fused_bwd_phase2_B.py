@@ -1,0 +1,733 @@
+"""Pallas backward of the fused phase-2 depth read with stream fusion (``phase2_fused``).
+
+Computes exactly the gradients of ``xla_streaming._phase2_fused_bwd`` (the closed forms are
+in that module's docstring and in the block comment above ``_gate_forward``), but without
+ever writing an ``[m, B, T, d]`` float32 temporary to HBM other than the unavoidable output
+``d_state.acc``. Everything of width ``m*d`` per token -- the expansions ``E_r = conv_r(x)``
+(Eq. 10), the keys ``k_r = rms(E_r)``, the merged streams ``z_r = a A_r + b E_r`` and their
+cotangents ``dz_r`` -- is recomputed inside the kernels, one ``block_t x block_d`` tile at a
+time, from the inputs (partial ``x``, conv bank, query, phase-1 state, gate, ``dh``). Only
+per-token scalars travel between the passes.
+
+Notation (per stream ``r``, token ``t``, head ``h``; ``A, D, M`` the phase-1 state):
+``s = q_r . k_r`` (per head), ``M' = max(M, s)``, ``c = exp(M - M')``, ``p = exp(s - M')``
+(0 when the partial is excluded), ``D' = c D + p``, ``a = c / D'``, ``b = p / D'``,
+``z_r = a A_r + b E_r`` (Eq. 11 merged online), ``h = sum_r g_r z_r`` with the H_pre gate
+``g = sigmoid(scale * rz * y + bias)``, ``rz = rms_{m d}(Z)^-1``, ``y = flatten(Z) @ W``
+(Eq. 13-14), or ``g_r = 1/m`` (mean fusion).
+
+The passes (``tiles`` as in ``fused.py``; ``nc = d / block_d`` channel chunks):
+
+0. ``fused.scores_call`` (grid ``B x T/bt``): the raw per-head dots ``q_r . E_r`` and
+   ``sum E_r^2`` (the key norm is over the full ``d``, so it must be a separate reduction
+   before anything else). Skipped when the forward kept its own (``scores``: the custom_vjp
+   of ``vjp.py`` saves them as residuals for this backward). XLA redoes the forward's online-softmax merge on these
+   ``[m, B, T, H]`` scalars: ``c, p, D', a, b`` and the key's inverse rms ``rk``.
+   Writes ``m (H + 1)`` floats per token.
+1. ``_stats_kernel`` (gate only; grid ``B x T/bt x nc``): recomputes ``z_r`` per chunk and
+   writes per-chunk partials of the gate's forward statistics ``sum z^2`` and
+   ``y_j = sum z_r W[r, :, j]`` together with the backward's ``dg_r = <dh, z_r>``: all three
+   only need ``z`` and ``dh``, so one recompute serves the forward gate statistics and the
+   first backward reduction. Writes ``nc (1 + 2m)`` floats per token.
+   XLA finishes the gate backward on ``[B, T, m]`` scalars: ``dlogit = dg g (1 - g)``,
+   ``d_bias``, ``d_scale``, ``dy = scale rz dlogit``, ``coef = -scale (dlogit . y) rz^3 / (m d)``.
+2. ``_dstate_kernel`` (grid ``B x T/bt x nc``): recomputes ``z_r`` and
+   ``dz_r = g_r dh + sum_j W[r, :, j] dy_j + coef z_r`` (``dh / m`` for mean fusion), writes
+   ``d_acc = a dz`` (the state's value cotangent, unavoidable: ``m d`` floats per token) and
+   per-chunk partials of the three per-head reductions the scalar cotangents need:
+   ``S1 = sum dz z``, ``Sm = sum dz (A - E D)``, ``Ss = sum dz (E - z)``
+   (``3 m nc`` floats per token). XLA (step "5"): ``d_denom = -c S1 / D'``,
+   ``d_max = c p Sm / D'^2`` (exactly 0 for an excluded partial, no cancellation),
+   ``ds = b Ss`` and the key-norm coefficients ``u = rk ds`` (per head) and
+   ``v = -rk^3 / d sum_h ds_h (q_r . E_r)_h`` (the rms is over all ``d`` channels, so its
+   term is one scalar per token): ``d_E_r = b dz_r + u q_r + v E_r``.
+3. ``_dinput_kernel`` (grid ``B x nc``; each program loops over the T tiles IN REVERSE):
+   recomputes ``E_r``, ``z_r``, ``dz_r`` and ``d_E_r`` per tile and applies the transpose
+   of the causal depthwise conv (Eq. 10),
+   ``d_x[t] = sum_r sum_delta c_r[delta] mask_delta[t + delta] d_E_r[t + delta]``,
+   whose rows ``t + delta`` reach into the NEXT tile: since the loop runs backwards, the
+   part of the current tile's contribution that lands in the previous tile (at most
+   ``max_kernel - 1 <= block_t`` rows) is kept in the loop carry. The same loop
+   accumulates ``d_bank[delta] = sum_t mask_delta d_E_r[t] x[t - delta]``,
+   ``d_query_r = sum_t u E_r`` and ``d_W[r, :, j] = sum_t z_r dy_j`` as whole
+   ``block_t x block_d`` tiles in the carry (summed over rows once, after the loop: per-tile
+   cross-row reductions were 60% of this kernel on the H200), written once per program as
+   ``[B, ...]`` partials that XLA sums. Writes ``d`` floats per token.
+
+The row shift of the transposed conv (``row_shift``): on the interpret / TPU path a
+concatenate and static slices (as ``fused._Window`` builds its halo). On the Triton path, where
+value-level concatenates and slices do not lower, the lag tiles go through a per-program
+scratch in global memory with CTA barriers and come back at row offsets
+(``row_shift.shift_rows_via_buffer``, ``Tiles.shift_slots`` slots): at the bench shape on the
+H200 the input kernel took 1.92 ms so, against 2.97 with the former default, a product with a
+0/1 shift matrix per lag (``shift="dot"``, kept as an option; BENCHMARKS.md, kernels, session
+7). Every other lag is a ref load (``fused._Window``).
+
+HBM traffic per token, in float32 words (banks, queries and ``W`` are per-program constants
+and not counted; ``nc = d / block_d``): the partial ``x`` is read by every pass (4 times
+with the gate, 3 with mean fusion; plus the conv halo, which hits cache), the state ``A``
+and ``dh`` (``(m + 1) d``) by passes 1-3 (3 times with the gate, 2 without), and
+``O(m H)`` per-token scalars. Writes: ``m d`` (``d_acc``, an output) ``+ d``
+(``d_partial``, an output) ``+ m (H + 1)`` (pass 0) ``+ 3 m nc`` (pass 2) ``+ nc (1 + 2 m)``
+(pass 1, gate only), plus the XLA steps' ``O(m H)`` per-token scalars. Nothing of size
+``m d`` per token is written besides ``d_acc``; the XLA closed form holds several
+``[m, B, T, d]`` float32 arrays (``E``, keys, ``z``, ``dz``, ``d_E``) at once.
+
+TPU (Mosaic): the kernels lower and compile for a TPU v5p (``experiments/tpu_kernels_aot.py``;
+nothing has run on a TPU). Mosaic wants a block's last two dims whole or 8 x 128-aligned and
+no load at a dynamic lane index, so, as in ``fused.py``: the segment ids are passed as
+``[B, Tp, 1]`` and the gate's ``coef`` and the key-norm ``v`` as ``[..., Tp, 1]`` (tokens on
+sublanes, a whole trailing dim); the per-chunk partials of passes 1 and 2 are written as
+``[B, nc, Tp, 1 or m]`` / ``[m, B, nc, Tp, 1]`` and transposed back in XLA; the per-head
+scalars (``a``, ``b``, ``D``, ``u``; ``[..., T, H]``) are read as a row of heads and the
+chunk's head picked by a one-hot sum (``_head_col``; Triton keeps the direct dynamic index).
+The row starts of the reverse loop are ``pl.multiple_of(.., block_t)`` (aligned loads).
+Pass 3 maps whole-T blocks (``[T, block_d]`` of ``x``, ``dh`` and ``m`` of ``A``) per
+program, which is free on the Triton path (refs are pointers) but sits in VMEM on Mosaic;
+a long-sequence TPU version would page the T tiles with a sequential grid axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.depth_attention import conv_transpose, reference, tiling
+from pallas_kernels.depth_attention.fused import (
+    F32,
+    _call_kwargs,
+    _expand_chunk,
+    _head_col,
+    _lag_masks,
+    _pad_t,
+    _stream_layout,
+    _Window,
+    scores_call,
+)
+from pallas_kernels.depth_attention.row_shift import (
+    SHIFTS,
+    scratch_rows,
+    scratch_slots,
+    shift_rows,
+    shift_rows_via_buffer,
+)
+
+# --------------------------------------------------------------------------- in-kernel helpers
+
+
+def gate_rows(w, m: int, d: int):
+    """The gate's ``W[m d, m]`` as ``wt[r, j, c] = W[r d + c, j]`` (float32), the layout every
+    kernel reads it in: the ``[block_d]`` channel run a kernel loads per ``(r, j)`` is then
+    contiguous, not strided by ``m`` as in ``W.reshape(m, d, m)``."""
+    return jnp.asarray(w, F32).reshape(m, d, m).transpose(0, 2, 1)
+
+
+def _col(v):
+    """``[bt]`` -> ``[bt, 1]`` (a per-token scalar against a ``[bt, bd]`` tile)."""
+    return v[:, None]
+
+
+def _dz(r, m, dh, z, gate_vals, w_ref, w_rows):
+    """``dz_r = g_r dh + sum_j W[r, :, j] dy_j + coef z_r`` on one tile (``dh / m`` without
+    the gate). ``gate_vals = (g[bt, m] loader, dy loader, coef[bt])``; ``w_ref`` holds ``W``
+    as ``wt[r, j, channel]`` (``gate_rows``) and ``w_rows`` indexes the chunk's channels."""
+    if gate_vals is None:
+        return dh * (1.0 / m)
+    g_of, dy_of, coef = gate_vals
+    dz = _col(g_of(r)) * dh + _col(coef) * z
+    for j in range(m):
+        dz = dz + w_ref[r, w_rows, j].astype(F32)[None, :] * _col(dy_of(j))
+    return dz
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+def _stats_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, backend):
+    """Pass 1: per-chunk ``sum z^2``, ``z @ W`` (the gate's forward statistics) and
+    ``dg_r = <dh, z_r>`` (the gate's first backward reduction), from recomputed ``z``.
+
+    The per-stream scalars are loaded first and every sum is kept as a whole ``[bt, bd]`` tile
+    and reduced over channels after the stream loop, not inside it: on the H200 that took this
+    kernel from 1.40 to 1.07 ms per call at `base` (and ``_dstate_kernel``, written the same way,
+    from 2.24 to 1.75; BENCHMARKS.md, kernels, session 11). Looping over 2, 4 or 8 channel chunks
+    per program, to reduce once per program rather than once per chunk, was slower."""
+    it = iter(refs)
+    x_ref = next(it)  # [Tp, bd]
+    bank_ref = next(it) if has_bank else None  # [K, bd]
+    a_ref, b_ref = next(it), next(it)  # [m, bt, H]
+    acc_ref = next(it)  # [m, bt, bd]
+    dh_ref = next(it)  # [bt, bd]
+    w_ref = next(it)  # [m, m, bd] (``gate_rows``)
+    seg_ref = next(it) if has_seg else None  # [Tp, 1]
+    sq_ref, zw_ref, dg_ref = it  # [bt, 1], [bt, m], [bt, m]
+    m = len(stream_kernels)
+    layout = _stream_layout(stream_kernels)
+    t0 = pl.program_id(1) * bt
+    head = (pl.program_id(2) * bd) // (d // heads)
+    col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
+    masks = _lag_masks(seg_ref, t0, bt, max([1, *stream_kernels]), backend)
+    a = [_col(col(a_ref, (r, slice(None)))) for r in range(m)]
+    b = [_col(col(b_ref, (r, slice(None)))) for r in range(m)]
+    win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
+    dh = dh_ref[:, :].astype(F32)
+    zero = jnp.zeros((bt, bd), F32)
+    sq, zw, dg = zero, [zero] * m, [zero] * m
+    for r, (kernel, off) in enumerate(layout):
+        e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
+        z = a[r] * acc_ref[r, :, :].astype(F32) + b[r] * e
+        sq = sq + z * z
+        for j in range(m):
+            zw[j] = zw[j] + z * w_ref[r, j, :].astype(F32)[None, :]
+        dg[r] = dg[r] + dh * z
+    sq_ref[:, 0] = jnp.sum(sq, axis=1)
+    for j in range(m):
+        zw_ref[:, j] = jnp.sum(zw[j], axis=1)
+        dg_ref[:, j] = jnp.sum(dg[j], axis=1)
+
+
+def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, has_gate, backend):
+    """Pass 2: ``d_acc = a dz`` and per-chunk partials of ``sum dz z``, ``sum dz (A - E D)``,
+    ``sum dz (E - z)`` (per stream and token; summed per head in XLA), reduced over channels
+    after the stream loop (as ``_stats_kernel``, which says why)."""
+    it = iter(refs)
+    x_ref = next(it)  # [Tp, bd]
+    bank_ref = next(it) if has_bank else None  # [K, bd]
+    a_ref, b_ref, dold_ref = next(it), next(it), next(it)  # [m, bt, H]
+    acc_ref = next(it)  # [m, bt, bd]
+    dh_ref = next(it)  # [bt, bd]
+    if has_gate:
+        g_ref, dy_ref, coef_ref, w_ref = next(it), next(it), next(it), next(it)  # [bt, m] x2, [bt, 1], [m, m, bd]
+    else:
+        w_ref = None
+    seg_ref = next(it) if has_seg else None  # [Tp, 1]
+    dacc_ref, s1_ref, sm_ref, ss_ref = it  # [m, bt, bd], [m, bt, 1] x3
+    m = len(stream_kernels)
+    layout = _stream_layout(stream_kernels)
+    t0 = pl.program_id(1) * bt
+    head = (pl.program_id(2) * bd) // (d // heads)
+    col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
+    masks = _lag_masks(seg_ref, t0, bt, max([1, *stream_kernels]), backend)
+    gate_vals = None
+    if has_gate:
+        gate_vals = (lambda r: g_ref[:, r], lambda j: dy_ref[:, j], coef_ref[:, 0])
+    a = [_col(col(a_ref, (r, slice(None)))) for r in range(m)]
+    b = [_col(col(b_ref, (r, slice(None)))) for r in range(m)]
+    dold = [_col(col(dold_ref, (r, slice(None)))) for r in range(m)]
+
+    win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
+    dh = dh_ref[:, :].astype(F32)
+    zero = jnp.zeros((bt, bd), F32)
+    s1, sm, ss = [zero] * m, [zero] * m, [zero] * m
+    for r, (kernel, off) in enumerate(layout):
+        e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
+        acc = acc_ref[r, :, :].astype(F32)
+        z = a[r] * acc + b[r] * e
+        dz = _dz(r, m, dh, z, gate_vals, w_ref, slice(None))
+        dacc_ref[r, :, :] = (a[r] * dz).astype(dacc_ref.dtype)
+        s1[r] = s1[r] + dz * z
+        sm[r] = sm[r] + dz * (acc - e * dold[r])
+        ss[r] = ss[r] + dz * (e - z)
+    for r in range(m):
+        s1_ref[r, :, 0] = jnp.sum(s1[r], axis=1)
+        sm_ref[r, :, 0] = jnp.sum(sm[r], axis=1)
+        ss_ref[r, :, 0] = jnp.sum(ss[r], axis=1)
+
+
+class _Pass3Inputs:
+    """The input refs of pass 3 (both forms), in the order ``_pass3_inputs`` lays them out."""
+
+    def __init__(self, it, has_bank, has_gate, has_seg):
+        self.x = next(it)  # [Tp, bd]
+        self.bank = next(it) if has_bank else None  # [K, bd]
+        self.q = next(it)  # [m, bd]
+        self.a, self.b, self.u = next(it), next(it), next(it)  # [m, Tp, H]
+        self.v = next(it)  # [m, Tp, 1]
+        self.acc = next(it)  # [m, Tp, bd]
+        self.dh = next(it)  # [Tp, bd]
+        self.g, self.dy, self.coef, self.w = (next(it), next(it), next(it), next(it)) if has_gate else (None,) * 4
+        self.seg = next(it) if has_seg else None  # [Tp, 1]
+
+
+class _Tile:
+    """One token tile of pass 3 (both forms): its rows, lag masks, window of ``x``, ``dh`` and
+    the gate's per-token values."""
+
+    def __init__(self, ins, stream_kernels, rows, t0, bt, bd, backend):
+        m = len(stream_kernels)
+        self.rows = rows
+        self.masks = _lag_masks(ins.seg, t0, bt, max([1, *stream_kernels]), backend)
+        self.win = _Window(ins.x, (), t0, bt, slice(None), backend, width=bd)
+        self.dh = ins.dh[rows, :].astype(F32)
+        self.gate_vals, self.dy_cols = None, None
+        if ins.g is not None:
+            self.dy_cols = [ins.dy[rows, j] for j in range(m)]
+            self.gate_vals = (lambda r: ins.g[rows, r], lambda j: self.dy_cols[j], ins.coef[rows, 0])
+
+
+def _stream_cotangent(ins, tile, q, r, kernel, off, m, col):
+    """Stream ``r``'s ``(E_r, z_r, d_E_r = b dz_r + u q_r + v E_r, u_r)`` on one tile (pass 3 of
+    both forms; ``q``: the stream's query row, loaded once per program). One stream at a time,
+    consumed before the next is made: computing all ``m`` first (as this code did for a few
+    commits) kept them all live and made the reverse-T kernel 37% slower on the H200 (`base`,
+    3.05 -> 4.19 ms per call; BENCHMARKS.md, kernels, session 9)."""
+    rows = tile.rows
+    e = _expand_chunk(tile.win, ins.bank, (), slice(None), kernel, off, tile.masks)
+    b = _col(col(ins.b, (r, rows)))
+    z = _col(col(ins.a, (r, rows))) * ins.acc[r, rows, :].astype(F32) + b * e
+    dz = _dz(r, m, tile.dh, z, tile.gate_vals, ins.w, slice(None))
+    u = _col(col(ins.u, (r, rows)))
+    de = b * dz + u * q + _col(ins.v[r, rows, 0]) * e
+    return e, z, de, u
+
+
+def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, has_seg, has_gate, backend, shift):
+    """Pass 3: one (batch row, channel chunk) per program, T tiles in reverse. Recomputes
+    ``d_E_r = b dz_r + u q_r + v E_r`` per tile, applies the transposed conv (``d_x``) and
+    accumulates the bank, query and gate-weight gradients in the loop carry."""
+    it = iter(refs)
+    ins = _Pass3Inputs(it, has_bank, has_gate, has_seg)
+    bank_ref = ins.bank
+    dx_ref = next(it)  # [Tp, bd]
+    dq_ref = next(it)  # [m, bd]
+    dbank_ref = next(it) if has_bank else None  # [K, bd]
+    dw_ref = next(it) if has_gate else None  # [m, bd, m]
+    buf_ref = next(it) if shift == "buffer" else None  # [slots, 4 bt, bd]: row_shift.shift_rows_via_buffer
+    m = len(stream_kernels)
+    layout = _stream_layout(stream_kernels)
+    n_taps = sum(stream_kernels)
+    max_lag = max([1, *stream_kernels])
+    head = (pl.program_id(1) * bd) // (d // heads)
+    col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
+    q = [ins.q[r, :].astype(F32)[None, :] for r in range(m)]
+
+    def body(i, carry):
+        spill, dq, dbank, dw = carry
+        dq, dbank, dw = list(dq), list(dbank), [list(row) for row in dw]
+        t0 = pl.multiple_of((n_tiles - 1 - i) * bt, bt)
+        rows = pl.ds(t0, bt)
+        tile = _Tile(ins, stream_kernels, rows, t0, bt, bd, backend)
+        masks, win, dy_cols = tile.masks, tile.win, tile.dy_cols
+        taps_d = [None] * max_lag  # sum_r c_r[delta] d_E_r, before the lag mask
+        for r, (kernel, off) in enumerate(layout):
+            e, z, de, u = _stream_cotangent(ins, tile, q[r], r, kernel, off, m, col)
+            # The token sums of d_query, d_W and d_bank stay whole [bt, bd] tiles in the carry and
+            # are reduced over rows once, after the loop: a cross-row reduction per tile and
+            # gradient (44 per tile for kernels (0, 4, 8, 12) with the gate) cost 60% of this
+            # kernel on the H200 (BENCHMARKS.md, kernels, session 6). d_W as one [bd, bt] @
+            # [bt, m] product per stream and tile was slower there and compiled 50% longer.
+            dq[r] = dq[r] + u * e
+            if has_gate:
+                for j in range(m):
+                    dw[r][j] = dw[r][j] + z * _col(dy_cols[j])
+            if kernel == 0:
+                taps_d[0] = de if taps_d[0] is None else taps_d[0] + de
+                continue
+            for delta in range(kernel):
+                masked = de * masks[delta] if delta else de
+                dbank[off + delta] = dbank[off + delta] + masked * win.shift(delta)
+                term = bank_ref[off + delta, :].astype(F32)[None, :] * de
+                taps_d[delta] = term if taps_d[delta] is None else taps_d[delta] + term
+        # transposed conv: d_x[t] = sum_delta mask_delta[t + delta] taps_d[delta][t + delta]
+        dx = spill + taps_d[0]
+        new_spill = jnp.zeros((bt, bd), F32)
+        lagged = {delta: taps_d[delta] * masks[delta] for delta in range(1, max_lag) if taps_d[delta] is not None}
+        if shift == "buffer":
+            shifted = shift_rows_via_buffer(buf_ref, lagged, bt, backend)
+        else:
+            shifted = {delta: shift_rows(tap, delta, bt, shift) for delta, tap in lagged.items()}
+        for within, back in shifted.values():
+            dx = dx + within
+            new_spill = new_spill + back
+        dx_ref[rows, :] = dx.astype(dx_ref.dtype)
+        return new_spill, dq, dbank, dw
+
+    if shift == "buffer":
+        for g in range(buf_ref.shape[0]):  # the rows around each lag's tile stay zero
+            buf_ref[g, :, :] = jnp.zeros(buf_ref.shape[1:], F32)
+
+    zero = jnp.zeros((bt, bd), F32)
+    carry = (zero, [zero] * m, [zero] * n_taps, [[zero] * m for _ in range(m)] if has_gate else [])
+    _, dq, dbank, dw = jax.lax.fori_loop(0, n_tiles, body, carry)
+    for r in range(m):
+        dq_ref[r, :] = jnp.sum(dq[r], axis=0)
+        if has_gate:
+            for j in range(m):
+                dw_ref[r, :, j] = jnp.sum(dw[r][j], axis=0)
+    for k in range(n_taps if has_bank else 0):
+        dbank_ref[k, :] = jnp.sum(dbank[k], axis=0)
+
+
+def _dstreams_kernel(*refs, stream_kernels, heads, d, bt, bd, tiles_per_program, has_bank, has_seg, has_gate,
+                     backend):
+    """Pass 3 of the ``wide`` form: ``d_E_r = b dz_r + u q_r + v E_r`` written per tile (no
+    transposed conv here: ``conv_transpose`` applies it), over ``tiles_per_program`` token
+    tiles; the query and gate-weight gradients ride as whole tiles over those rows and are
+    written once per program as partials (as in ``_dinput_kernel``)."""
+    it = iter(refs)
+    ins = _Pass3Inputs(it, has_bank, has_gate, has_seg)
+    de_ref = next(it)  # [m, rows, bd]: this program's rows
+    dq_ref = next(it)  # [m, bd]
+    dw_ref = next(it) if has_gate else None  # [m, bd, m]
+    m = len(stream_kernels)
+    head = (pl.program_id(2) * bd) // (d // heads)
+    col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
+    first = pl.program_id(1) * tiles_per_program
+    q = [ins.q[r, :].astype(F32)[None, :] for r in range(m)]
+
+    def body(j, carry):
+        dq, dw = list(carry[0]), [list(row) for row in carry[1]]
+        t0 = pl.multiple_of((first + j) * bt, bt)
+        tile = _Tile(ins, stream_kernels, pl.ds(t0, bt), t0, bt, bd, backend)
+        for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
+            e, z, de, u = _stream_cotangent(ins, tile, q[r], r, kernel, off, m, col)
+            de_ref[r, pl.ds(pl.multiple_of(j * bt, bt), bt), :] = de.astype(de_ref.dtype)
+            dq[r] = dq[r] + u * e
+            if has_gate:
+                for k in range(m):
+                    dw[r][k] = dw[r][k] + z * _col(tile.dy_cols[k])
+        return dq, dw
+
+    zero = jnp.zeros((bt, bd), F32)
+    dq, dw = jax.lax.fori_loop(0, tiles_per_program, body,
+                               ([zero] * m, [[zero] * m for _ in range(m)] if has_gate else []))
+    for r in range(m):
+        dq_ref[r, :] = jnp.sum(dq[r], axis=0)
+        if has_gate:
+            for k in range(m):
+                dw_ref[r, :, k] = jnp.sum(dw[r][k], axis=0)
+
+
+# --------------------------------------------------------------------------- calls
+
+
+def _common(stream_kernels, heads, d, tiles, backend):
+    return dict(stream_kernels=tuple(stream_kernels), heads=heads, d=d, bt=tiles.block_t, bd=tiles.block_d_mix,
+                backend=backend)
+
+
+def _stats_call(x, bank, a, b, acc, dh, w3, seg, *, stream_kernels, heads, tiles, backend, interpret):
+    batch, t_pad, d = x.shape
+    m = len(stream_kernels)
+    bt, bd = tiles.block_t, tiles.block_d_mix
+    nc = d // bd
+    has_bank, has_seg = bank is not None, seg is not None
+    specs = [pl.BlockSpec((None, t_pad, bd), lambda i, t, c: (i, 0, c))]
+    args = [x]
+    if has_bank:
+        specs.append(pl.BlockSpec((bank.shape[0], bd), lambda i, t, c: (0, c)))
+        args.append(bank)
+    scal = pl.BlockSpec((m, None, bt, heads), lambda i, t, c: (0, i, t, 0))
+    specs += [scal, scal, pl.BlockSpec((m, None, bt, bd), lambda i, t, c: (0, i, t, c)),
+              pl.BlockSpec((None, bt, bd), lambda i, t, c: (i, t, c)),
+              pl.BlockSpec((m, m, bd), lambda i, t, c: (0, 0, c))]
+    args += [a, b, acc, dh, w3]
+    if has_seg:  # [B, Tp, 1]: tokens on sublanes, a whole trailing dim (Mosaic's block-shape rule)
+        specs.append(pl.BlockSpec((None, t_pad, 1), lambda i, t, c: (i, 0, 0)))
+        args.append(seg[:, :, None])
+    kernel = functools.partial(_stats_kernel, has_bank=has_bank, has_seg=has_seg,
+                               **_common(stream_kernels, heads, d, tiles, backend))
+    # [B, nc, Tp, 1] and [B, nc, Tp, m] x2: the token tile and a whole trailing dim last (Mosaic's
+    # block-shape rule, as in fused.mix_call); returned as [B, Tp, nc] and [B, Tp, nc, m] x2
+    sq, zw, dg = pl.pallas_call(
+        kernel,
+        grid=(batch, t_pad // bt, nc),
+        in_specs=specs,
+        out_specs=[
+            pl.BlockSpec((None, None, bt, 1), lambda i, t, c: (i, c, t, 0)),
+            pl.BlockSpec((None, None, bt, m), lambda i, t, c: (i, c, t, 0)),
+            pl.BlockSpec((None, None, bt, m), lambda i, t, c: (i, c, t, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, nc, t_pad, 1), F32),
+            jax.ShapeDtypeStruct((batch, nc, t_pad, m), F32),
+            jax.ShapeDtypeStruct((batch, nc, t_pad, m), F32),
+        ],
+        name="depth_attention_phase2_bwd_stats",
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+    )(*args)
+    return sq[..., 0].transpose(0, 2, 1), zw.transpose(0, 2, 1, 3), dg.transpose(0, 2, 1, 3)
+
+
+def _dstate_call(x, bank, a, b, dold, acc, dh, gate_in, seg, *, stream_kernels, heads, tiles, backend, interpret):
+    batch, t_pad, d = x.shape
+    m = len(stream_kernels)
+    bt, bd = tiles.block_t, tiles.block_d_mix
+    nc = d // bd
+    has_bank, has_seg, has_gate = bank is not None, seg is not None, gate_in is not None
+    specs = [pl.BlockSpec((None, t_pad, bd), lambda i, t, c: (i, 0, c))]
+    args = [x]
+    if has_bank:
+        specs.append(pl.BlockSpec((bank.shape[0], bd), lambda i, t, c: (0, c)))
+        args.append(bank)
+    scal = pl.BlockSpec((m, None, bt, heads), lambda i, t, c: (0, i, t, 0))
+    specs += [scal, scal, scal, pl.BlockSpec((m, None, bt, bd), lambda i, t, c: (0, i, t, c)),
+              pl.BlockSpec((None, bt, bd), lambda i, t, c: (i, t, c))]
+    args += [a, b, dold, acc, dh]
+    if has_gate:
+        g, dy, coef, w3 = gate_in
+        per_tok = pl.BlockSpec((None, bt, m), lambda i, t, c: (i, t, 0))
+        specs += [per_tok, per_tok, pl.BlockSpec((None, bt, 1), lambda i, t, c: (i, t, 0)),
+                  pl.BlockSpec((m, bd, m), lambda i, t, c: (0, c, 0))]
+        args += [g, dy, coef[:, :, None], w3]
+    if has_seg:  # [B, Tp, 1]: tokens on sublanes, a whole trailing dim (Mosaic's block-shape rule)
+        specs.append(pl.BlockSpec((None, t_pad, 1), lambda i, t, c: (i, 0, 0)))
+        args.append(seg[:, :, None])
+    kernel = functools.partial(_dstate_kernel, has_bank=has_bank, has_seg=has_seg, has_gate=has_gate,
+                               **_common(stream_kernels, heads, d, tiles, backend))
+    # the reductions as [m, B, nc, Tp, 1] (token tile and a whole trailing dim last, for Mosaic),
+    # returned as [m, B, Tp, nc]
+    red = pl.BlockSpec((m, None, None, bt, 1), lambda i, t, c: (0, i, c, t, 0))
+    d_acc, *reds = pl.pallas_call(
+        kernel,
+        grid=(batch, t_pad // bt, nc),
+        in_specs=specs,
+        out_specs=[pl.BlockSpec((m, None, bt, bd), lambda i, t, c: (0, i, t, c)), red, red, red],
+        out_shape=[jax.ShapeDtypeStruct((m, batch, t_pad, d), acc.dtype)]  # d_acc in the state's dtype
+        + [jax.ShapeDtypeStruct((m, batch, nc, t_pad, 1), F32)] * 3,
+        name="depth_attention_phase2_bwd_state",
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+    )(*args)
+    return (d_acc, *(jnp.swapaxes(v[..., 0], 2, 3) for v in reds))
+
+
+def _pass3_inputs(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, heads, bd, grid_ids):
+    """Block specs and arguments of pass 3's inputs (both forms; ``_Pass3Inputs`` reads them):
+    whole-T blocks of one batch row and one ``bd`` chunk. ``grid_ids(*program ids) -> (batch
+    row, chunk)``."""
+    t_pad, m = x.shape[1], query.shape[0]
+
+    def spec(shape, index):
+        return pl.BlockSpec(shape, lambda *ids: index(*grid_ids(*ids)))
+
+    specs = [spec((None, t_pad, bd), lambda i, c: (i, 0, c))]
+    args = [x]
+    if bank is not None:
+        specs.append(spec((bank.shape[0], bd), lambda i, c: (0, c)))
+        args.append(bank)
+    scal = spec((m, None, t_pad, heads), lambda i, c: (0, i, 0, 0))
+    specs += [spec((m, bd), lambda i, c: (0, c)), scal, scal, scal,
+              spec((m, None, t_pad, 1), lambda i, c: (0, i, 0, 0)),
+              spec((m, None, t_pad, bd), lambda i, c: (0, i, 0, c)),
+              spec((None, t_pad, bd), lambda i, c: (i, 0, c))]
+    args += [query, a, b, u, v[..., None], acc, dh]
+    if gate_in is not None:
+        g, dy, coef, w3 = gate_in
+        per_tok = spec((None, t_pad, m), lambda i, c: (i, 0, 0))
+        specs += [per_tok, per_tok, spec((None, t_pad, 1), lambda i, c: (i, 0, 0)),
+                  spec((m, bd, m), lambda i, c: (0, c, 0))]
+        args += [g, dy, coef[:, :, None], w3]
+    if seg is not None:  # [B, Tp, 1]
+        specs.append(spec((None, t_pad, 1), lambda i, c: (i, 0, 0)))
+        args.append(seg[:, :, None])
+    return specs, args
+
+
+def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_kernels, heads, tiles, backend,
+                 interpret, shift):
+    batch, t_pad, d = x.shape
+    m = len(stream_kernels)
+    bt, bd = tiles.block_t, tiles.block_d_grads  # its own chunk: it writes nothing per chunk
+    if (d // heads) % bd:
+        raise ValueError(f"block_d={bd} must divide the head width {d // heads}")
+    nc = d // bd
+    has_bank, has_seg, has_gate = bank is not None, seg is not None, gate_in is not None
+    specs, args = _pass3_inputs(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, heads=heads, bd=bd,
+                                grid_ids=lambda i, c: (i, c))
+    out_specs = [pl.BlockSpec((None, t_pad, bd), lambda i, c: (i, 0, c)),
+                 pl.BlockSpec((None, m, bd), lambda i, c: (i, 0, c))]
+    out_shape = [jax.ShapeDtypeStruct((batch, t_pad, d), F32), jax.ShapeDtypeStruct((batch, m, d), F32)]
+    if has_bank:
+        out_specs.append(pl.BlockSpec((None, bank.shape[0], bd), lambda i, c: (i, 0, c)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, bank.shape[0], d), F32))
+    if has_gate:
+        out_specs.append(pl.BlockSpec((None, m, bd, m), lambda i, c: (i, 0, c, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, m, d, m), F32))
+    if shift == "buffer":  # each program's scratch (row_shift.shift_rows_via_buffer); discarded
+        if backend == "tpu":
+            raise NotImplementedError("shift='buffer' is for Triton; Mosaic shifts by concatenate")
+        slots = scratch_slots(max([1, *stream_kernels]), tiles.shift_slots)
+        out_specs.append(pl.BlockSpec((None, None, slots, scratch_rows(bt), bd), lambda i, c: (i, c, 0, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, nc, slots, scratch_rows(bt), bd), F32))
+    kernel = functools.partial(_dinput_kernel, n_tiles=t_pad // bt, has_bank=has_bank, has_seg=has_seg,
+                               has_gate=has_gate, shift=shift,
+                               **{**_common(stream_kernels, heads, d, tiles, backend), "bd": bd})
+    outs = pl.pallas_call(
+        kernel,
+        grid=(batch, nc),
+        in_specs=specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        name="depth_attention_phase2_bwd_inputs",
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel")),
+    )(*args)
+    dx, dq = outs[0], outs[1]
+    rest = list(outs[2:])
+    dbank = rest.pop(0) if has_bank else None
+    dw = rest.pop(0) if has_gate else None
+    return dx, dq, dbank, dw
+
+
+def _dstreams_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_kernels, heads, tiles, backend,
+                   interpret, out_dtype):
+    """Pass 3 of the ``wide`` form: ``d_E[m, B, Tp, d]`` (``out_dtype``) and the per-program
+    partials of ``d_query`` ``[B, G, m, d]`` and ``d_W`` ``[B, G, m, d, m]`` (or None)."""
+    batch, t_pad, d = x.shape
+    m = len(stream_kernels)
+    bt, bd = tiles.block_t, tiles.block_d_grads
+    if (d // heads) % bd:
+        raise ValueError(f"block_d={bd} must divide the head width {d // heads}")
+    rows = conv_transpose.rows_per_program(t_pad, bt)
+    n_groups, nc = t_pad // rows, d // bd
+    has_bank, has_seg, has_gate = bank is not None, seg is not None, gate_in is not None
+    specs, args = _pass3_inputs(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, heads=heads, bd=bd,
+                                grid_ids=lambda i, g, c: (i, c))
+    out_specs = [pl.BlockSpec((m, None, rows, bd), lambda i, g, c: (0, i, g, c)),
+                 pl.BlockSpec((None, None, m, bd), lambda i, g, c: (i, g, 0, c))]
+    out_shape = [jax.ShapeDtypeStruct((m, batch, t_pad, d), out_dtype),
+                 jax.ShapeDtypeStruct((batch, n_groups, m, d), F32)]
+    if has_gate:
+        out_specs.append(pl.BlockSpec((None, None, m, bd, m), lambda i, g, c: (i, g, 0, c, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, n_groups, m, d, m), F32))
+    kernel = functools.partial(_dstreams_kernel, tiles_per_program=rows // bt, has_bank=has_bank, has_seg=has_seg,
+                               has_gate=has_gate, **{**_common(stream_kernels, heads, d, tiles, backend), "bd": bd})
+    outs = pl.pallas_call(
+        kernel,
+        grid=(batch, n_groups, nc),
+        in_specs=specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        name="depth_attention_phase2_bwd_dstreams",
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+    )(*args)
+    return outs[0], outs[1], (outs[2] if has_gate else None)
+
+
+# --------------------------------------------------------------------------- entry point
+
+FORMS = ("reverse_t", "wide")
+DEFAULT_FORM = "reverse_t"  # "wide" is untimed on the H200 (BENCHMARKS.md, kernels, what remains)
+
+
+def phase2_fused_backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps,
+                          gate_eps, tiles, backend, interpret, scores=None, form=DEFAULT_FORM):
+    """Gradients of ``reference.phase2_fused`` (same values as ``xla_streaming._phase2_fused_bwd``).
+
+    Returns ``(d_state, d_partial, d_bank, d_query, d_gate)``: ``d_state`` a
+    ``reference.SoftmaxState(max, denom, acc)`` (float32), ``d_bank`` ``None`` when ``bank``
+    is, ``d_gate`` ``(d_W[m d, m], d_scale, d_bias[m])`` or ``None`` (mean fusion).
+    ``backend``: ``"triton"``, ``"tpu"`` or ``"interpret"`` (as in ``fused.py``).
+    ``scores``: the forward's ``(dots[m, B, T, H], sumsq[m, B, T])``
+    (``fused.phase2_forward(..., return_scores=True)``); None recomputes them (pass 0).
+    ``form``: pass 3 as the reverse-T input kernel (``"reverse_t"``) or as ``_dstreams_call``
+    (the partial's stream cotangents written in its dtype) followed by
+    ``conv_transpose.expansion_transpose`` (``"wide"``, as phase 1's default form).
+    """
+    return _backward(state, partial, bank, query, include, gate, segment_ids, dh, stream_kernels=stream_kernels,
+                     heads=heads, eps=eps, gate_eps=gate_eps, tiles=tiles, backend=backend, interpret=interpret,
+                     shift="buffer" if backend == "triton" else "concat", scores=scores, form=form)
+
+
+def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps, gate_eps,
+              tiles, backend, interpret, shift, scores=None, form=DEFAULT_FORM):
+    """``phase2_fused_backward`` with the transposed conv's row shift chosen explicitly
+    (``row_shift.SHIFTS``; the tests run the Triton ones, ``"dot"`` and ``"buffer"``, in
+    interpret mode too)."""
+    if shift not in SHIFTS:
+        raise ValueError(f"shift={shift!r}: must be one of {SHIFTS}")
+    if form not in FORMS:
+        raise ValueError(f"form={form!r}: must be one of {FORMS}")
+    stream_kernels = tuple(stream_kernels)
+    batch, t_len, d = partial.shape
+    m = len(stream_kernels)
+    max_lag = max([1, *stream_kernels])
+    if tiles.block_t < max_lag - 1:  # the carry of the reverse loop (and the halo) span one tile
+        tiles = dataclasses.replace(tiles, block_t=tiling._next_pow2(max_lag - 1))
+    bt, bd = tiles.block_t, tiles.block_d_mix
+    if (d // heads) % bd:
+        raise ValueError(f"block_d_mix={bd} must divide the head width {d // heads}")
+    if backend == "triton" and shift == "dot" and max_lag > 1 and min(bt, bd) < 16:
+        # tl.dot needs every dimension >= 16 (the shift matrices are [bt, bt] @ [bt, bd]).
+        raise NotImplementedError(f"Triton phase-2 backward needs block_t, block_d >= 16 (got {bt}, {bd})")
+    t_pad = -(-t_len // bt) * bt
+    nc = d // bd
+    seg = None if segment_ids is None else _pad_t(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
+    has_bank = bank is not None and any(stream_kernels)
+    kbank = bank.astype(F32) if has_bank else None
+    x = _pad_t(partial, 1, t_pad)
+    g_h = _pad_t(jnp.asarray(dh, F32), 1, t_pad)
+    q = query.astype(F32)
+    kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)
+    valid = (jnp.arange(t_pad) < t_len).astype(F32)  # [Tp]
+
+    # Pass 0: the forward's per-token scalars (scores, online-softmax merge); the scores are the
+    # forward's own when it kept them.
+    if scores is None:
+        dots, sumsq = scores_call(x[None], None if kbank is None else kbank[None], q[None], seg, **kw)
+        dots, sumsq = dots[0, 0], sumsq[0]  # [m, B, Tp, H], [m, B, Tp]
+    else:
+        dots, sumsq = (_pad_t(jnp.asarray(v, F32), 2, t_pad) for v in scores)
+    rk = jax.lax.rsqrt(sumsq / d + eps)
+    include = jnp.asarray(include, bool)
+    s = jnp.where(include, dots * rk[..., None], reference.NEG_LARGE)
+    pmax = _pad_t(state.max.astype(F32), 2, t_pad)
+    dold = _pad_t(state.denom.astype(F32), 2, t_pad, 1.0)
+    acc = _pad_t(state.acc, 2, t_pad)  # float32 or bf16 (api.phase1's state_dtype); loaded as float32
+    new_max = jnp.maximum(pmax, s)
+    keep = jnp.exp(pmax - new_max)
+    p = jnp.where(include, jnp.exp(s - new_max), 0.0)
+    denom = dold * keep + p
+    a, b = keep / denom, p / denom
+
+    # Pass 1 + XLA: the gate's statistics and its backward on [B, Tp, m] scalars.
+    gate_in, d_gate = None, None
+    if gate is not None:
+        w, scale, bias = gate
+        w3 = gate_rows(w, m, d)
+        scale_f, bias_f = jnp.asarray(scale, F32), jnp.asarray(bias, F32)
+        sq, zw, dg = _stats_call(x, kbank, a, b, acc, g_h, w3, seg, **kw)
+        rz = jax.lax.rsqrt(jnp.sum(sq, axis=-1) / (m * d) + gate_eps)  # [B, Tp]
+        y = jnp.sum(zw, axis=2)  # [B, Tp, m]
+        g = jax.nn.sigmoid(scale_f * rz[..., None] * y + bias_f)
+        dlogit = jnp.sum(dg, axis=2) * g * (1.0 - g) * valid[None, :, None]
+        d_bias = jnp.sum(dlogit, axis=(0, 1))
+        d_scale = jnp.sum(dlogit * rz[..., None] * y)
+        dy = scale_f * rz[..., None] * dlogit
+        coef = -scale_f * jnp.sum(dlogit * y, axis=-1) * rz**3 / (m * d)
+        gate_in = (g * valid[None, :, None], dy, coef, jnp.asarray(w, F32).reshape(m, d, m))
+        d_gate = [None, d_scale.reshape(jnp.shape(scale)), d_bias]
+
+    # Pass 2 + XLA: d_acc and the per-head reductions -> d_denom, d_max, ds, key-norm coefficients.
+    d_acc, s1, sm, ss = _dstate_call(x, kbank, a, b, dold, acc, g_h, gate_in, seg, **kw)
+    per_head = lambda v: jnp.sum(v.reshape(m, batch, t_pad, heads, nc // heads), axis=-1)  # noqa: E731
+    d_denom = -keep * per_head(s1) / denom
+    d_max = keep * p * per_head(sm) / (denom * denom)
+    ds = b * per_head(ss)  # [m, B, Tp, H]
+    u = rk[..., None] * ds
+    v = -(rk**3) / d * jnp.sum(ds * dots, axis=-1)  # [m, B, Tp]
+
+    # Pass 3: d_partial (transposed conv, reverse T loop), d_bank, d_query, d_W.
+    if form == "wide":
+        d_streams, dq, dw = _dstreams_call(x, kbank, q, a, b, u, v, acc, g_h, gate_in, seg,
+                                           out_dtype=jnp.promote_types(partial.dtype, jnp.bfloat16), **kw)
+        dq, dw = jnp.sum(dq, axis=1), None if dw is None else jnp.sum(dw, axis=1)
+        dx, dbank = conv_transpose.expansion_transpose(
+            d_streams, x, kbank, seg, stream_kernels=stream_kernels, tiles=tiles, backend=backend, interpret=interpret,
+            out_dtype=F32)
+        dbank = dbank[None] if has_bank else None
+    else:
+        dx, dq, dbank, dw = _dinput_call(x, kbank, q, a, b, u, v, acc, g_h, gate_in, seg, shift=shift, **kw)
+
+    cut = lambda t: t[..., :t_len, :]  # noqa: E731
+    d_state = reference.SoftmaxState(cut(d_max), cut(d_denom), cut(d_acc))
+    d_bank = None
+    if bank is not None:
+        d_bank = (jnp.sum(dbank, axis=0) if has_bank else jnp.zeros(bank.shape, F32)).astype(bank.dtype)
+    if d_gate is not None:
+        d_gate[0] = jnp.sum(dw, axis=0).reshape(m * d, m)
+        d_gate = tuple(d_gate)
+    return (d_state, dx[:, :t_len].astype(partial.dtype), d_bank, jnp.sum(dq, axis=0).astype(query.dtype), d_gate)
