@@ -164,6 +164,9 @@ def test_resume_equals_straight_run(tmp_path):
     assert first["stopped"] == "max_steps" and first["step"] == 10
     second = train(config, tmp_path / "resumed")
     assert second["resumed_from"] == 10 and second["step"] == 20
+    # The restored state has the fresh one's shardings: the resume reused the compiled steps.
+    train_step, eval_step = step._CACHE[next(iter(step._CACHE))]
+    assert train_step._cache_size() == 1 and eval_step._cache_size() == 1
     a = np.array(straight["losses"])
     b = np.array(first["losses"] + second["losses"])
     np.testing.assert_array_equal(a[:, 0], b[:, 0])

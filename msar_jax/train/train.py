@@ -256,7 +256,11 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
     resume = config.checkpoint.resume and ckpt.latest_step() is not None
     if layout.single_device:  # the plain path: arrays on the default device
         model_def, params = init_model(config.model, t.seed)
+        # Committed to the device, as a restored state is: with uncommitted arrays the first
+        # step compiles for unspecified shardings and a resume in the same process (a notebook,
+        # a test) compiled the train and eval steps a second time.
         state = init_state(params, tx)
+        state = jax.device_put(state, next(iter(jax.tree.leaves(state)[0].devices())))  # the default device
         put_batch, put_eval_batch = jax.device_put, jax.device_put
     else:  # created (or restored) in the layout's shardings, never whole on one device
         if resume:
