@@ -64,10 +64,9 @@ def test_hlo_kinds(prof):
     assert prof.kind_of(None, comps) == "other"
 
 
-def test_profile_tiny_attnres(prof, tmp_path):
-    rows = prof.main(["configs/attnres.py:size=tiny", "--steps=1", "--warmup=0", "--top=3",
-                      f"--trace_root={tmp_path}", f"--json={tmp_path / 'p.json'}", f"--hlo_dir={tmp_path / 'hlo'}",
-                      "--set", "train.batch_size=4", "--set", "seq_len=64"])
+def test_profile_smoke_attnres(prof, tmp_path):
+    rows = prof.main(["configs/attnres.py:smoke=1", "--steps=1", "--warmup=0", "--top=3",
+                      f"--trace_root={tmp_path}", f"--json={tmp_path / 'p.json'}", f"--hlo_dir={tmp_path / 'hlo'}"])
     (row,) = rows
     assert row["busy_ms_per_step"] > 0 and row["median_step_ms"] > 0
     assert row["unmatched_share"] < 0.05  # trace ops are found in the compiled HLO
