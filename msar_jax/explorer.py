@@ -329,44 +329,55 @@ def capture(model_def, params, tokens, config=None) -> Capture:
         raise TypeError(f"capture needs an MSAR model; this one is {cfg.residual.name!r}")
     if cfg.moe.enabled:
         raise NotImplementedError("capture supports dense MLP models (the tiny and small sizes)")
+
+    def run(params, tokens):
+        model = model_def.merge(params)
+        mech = model.residual
+        b, t = tokens.shape
+        ctx = layers.SequenceContext(positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)),
+                                     segment_ids=None)
+        e = jnp.take(model.embedding[...], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
+        g, per_sub = mech.split_params(pure(mech))
+        attn_p, mlp_p = pure(model.attn), pure(model.dense)
+        kinds = layer_kinds(cfg)
+        L, S = mech.n_sublayers, mech.block_size
+        state = mech.start(g, e, ctx)
+        reads = []
+        for l in range(1, L + 1):
+            pos = position(l, S)
+            p = jax.tree.map(lambda a: a[l - 1], per_sub)
+            partial = state.carry["partial"]
+            sources = jnp.concatenate([state.sources, partial[None]], axis=0)
+            banks = mech.source_banks(g)
+            if banks is not None:
+                banks = jnp.concatenate([banks, mech.partial_bank(g, pos)[None]], axis=0)
+            valid = jnp.concatenate([mech._completed_valid(pos), jnp.logical_not(pos.first_in_block)[None]])
+            h, aux = mech.read(g, p, state, None, pos, ctx)
+            layer, sub = (l - 1) // 2, (l - 1) % 2
+            kind = "attn" if sub == 0 else kinds[layer]
+            lp = jax.tree.map(lambda a: a[layer], attn_p if sub == 0 else mlp_p)
+            v, _ = model._sublayer(kind, lp, h, ctx)
+            state = mech.write(g, p, state, v, aux, pos, ctx)
+            if l % S == 0 or l == L:
+                state = mech.end_block(g, state, pos)
+            gate = tuple(p[k] for k in ("gate_w", "gate_a", "gate_b")) if "gate_w" in p else None
+            reads.append(dict(sources=sources, banks=banks, queries=p["queries"], valid=valid, gate=gate, h=h, v=v))
+        hidden = mech.finish(g, state, ctx)
+        x = layers.rms_norm(hidden, model.final_norm[...], cfg.norm_eps)
+        head = model.embedding[...].T if model.lm_head is None else model.lm_head[...]
+        return reads, jnp.einsum("btd,dv->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+
+    # One compiled program: run op by op, the sublayer loop compiled every primitive on its own
+    # (22 s on a 2-core CPU for the notebooks' tiny model, against a few seconds jitted).
     tokens = jnp.asarray(tokens)
-    b, t = tokens.shape
-    ctx = layers.SequenceContext(positions=jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), segment_ids=None)
-    e = jnp.take(model.embedding[...], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
-    g, per_sub = mech.split_params(pure(mech))
-    attn_p, mlp_p = pure(model.attn), pure(model.dense)
-    kinds = layer_kinds(cfg)
-    L, S = mech.n_sublayers, mech.block_size
-    state = mech.start(g, e, ctx)
-    reads = []
-    for l in range(1, L + 1):
-        pos = position(l, S)
-        p = jax.tree.map(lambda a: a[l - 1], per_sub)
-        partial = state.carry["partial"]
-        sources = jnp.concatenate([state.sources, partial[None]], axis=0)
-        banks = mech.source_banks(g)
-        if banks is not None:
-            banks = jnp.concatenate([banks, mech.partial_bank(g, pos)[None]], axis=0)
-        valid = jnp.concatenate([mech._completed_valid(pos), jnp.logical_not(pos.first_in_block)[None]])
-        h, aux = mech.read(g, p, state, None, pos, ctx)
-        layer, sub = (l - 1) // 2, (l - 1) % 2
-        kind = "attn" if sub == 0 else kinds[layer]
-        lp = jax.tree.map(lambda a: a[layer], attn_p if sub == 0 else mlp_p)
-        v, _ = model._sublayer(kind, lp, h, ctx)
-        state = mech.write(g, p, state, v, aux, pos, ctx)
-        if l % S == 0 or l == L:
-            state = mech.end_block(g, state, pos)
-        gate = None
-        if "gate_w" in p:
-            gate = tuple(np.asarray(p[k], np.float32) for k in ("gate_w", "gate_a", "gate_b"))
-        reads.append(dict(sources=np.asarray(sources, np.float32),
-                          banks=None if banks is None else np.asarray(banks, np.float32),
-                          queries=np.asarray(p["queries"], np.float32), valid=np.asarray(valid, bool), gate=gate,
-                          h=np.asarray(h, np.float32), v=np.asarray(v, np.float32)))
-    hidden = mech.finish(g, state, ctx)
-    x = layers.rms_norm(hidden, model.final_norm[...], cfg.norm_eps)
-    head = model.embedding[...].T if model.lm_head is None else model.lm_head[...]
-    logits = jnp.einsum("btd,dv->btv", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    reads, logits = jax.jit(run)(params, tokens)
+
+    def host(a, dtype=np.float32):
+        return None if a is None else np.asarray(a, dtype)
+
+    reads = [dict(sources=host(r["sources"]), banks=host(r["banks"]), queries=host(r["queries"]),
+                  valid=host(r["valid"], bool), gate=None if r["gate"] is None else tuple(map(host, r["gate"])),
+                  h=host(r["h"]), v=host(r["v"])) for r in reads]
     n_src = reads[0]["sources"].shape[0]
     return Capture(reads=reads, logits=np.asarray(logits), tokens=np.asarray(tokens), config=config or cfg,
                    kernel_sizes=tuple(mech.kernel_sizes), eps=float(cfg.residual.eps),
@@ -403,6 +414,12 @@ class CapturedScene:
             target_label=f"sublayer {target} ({self.capture.read_labels[target - 1]} read)",
             tokens=self.capture.tokens[self.row], h=r["h"][self.row],
         )
+
+
+def model_logits(model_def, params, tokens) -> np.ndarray:
+    """The model's logits ``[B, T, V]`` on ``tokens [B, T]``, compiled as one program (called op
+    by op, a forward of the notebooks' tiny model took 5-9 s on a 2-core CPU)."""
+    return np.asarray(jax.jit(lambda p, t: model_def.merge(p)(t)[0])(params, jnp.asarray(tokens)))
 
 
 def capture_checkpoint(workdir, batch=None, batch_size: int = 2) -> Capture:
@@ -785,14 +802,13 @@ def gate_values(cap: Capture) -> np.ndarray | None:
 def capture_depth_weights(cap: Capture) -> np.ndarray:
     """Token-averaged depth weights ``[L, n_sources, m]`` of a capture, from ``msar_read``
     (the same quantity as ``msar_jax.train.introspection.depth_weights`` on the same batch)."""
-    out = []
-    for r in cap.reads:
-        banks = None if r["banks"] is None else jnp.asarray(r["banks"])
-        _, alpha, _ = msar_read(jnp.asarray(r["sources"]), banks, jnp.asarray(r["queries"]), None,
-                                jnp.asarray(r["valid"]), kernel_sizes=cap.kernel_sizes or (),
+    @jax.jit  # one program per source count (op by op it was 4 s for the smoke model)
+    def weights(sources, banks, queries, valid):
+        _, alpha, _ = msar_read(sources, banks, queries, None, valid, kernel_sizes=cap.kernel_sizes or (),
                                 conv=bool(cap.kernel_sizes), eps=cap.eps, return_weights=True)
-        out.append(np.asarray(jnp.mean(alpha, axis=(2, 3))))
-    return np.stack(out)
+        return jnp.mean(alpha, axis=(2, 3))
+
+    return np.stack([np.asarray(weights(r["sources"], r["banks"], r["queries"], r["valid"])) for r in cap.reads])
 
 
 def plot_gates(gates: np.ndarray, read_labels: Sequence[str], names: Sequence[str]):

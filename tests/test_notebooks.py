@@ -85,7 +85,7 @@ def test_capture_reproduces_the_model(arg):
                                        for i, x in enumerate(leaves)])
     tokens = jax.random.randint(key, (2, 12), 0, 256)
     cap = explorer.capture(model_def, params, tokens, cfg)
-    logits, aux = model_def.merge(params)(tokens, collect_weights=True)
+    logits, aux = jax.jit(lambda p, t: model_def.merge(p)(t, collect_weights=True))(params, tokens)
     np.testing.assert_allclose(cap.logits, np.asarray(logits), atol=1e-4)
     np.testing.assert_allclose(explorer.capture_depth_weights(cap), np.asarray(aux["depth_weights"]), atol=1e-5)
     scene = explorer.CapturedScene(cap, batch_row=1)
