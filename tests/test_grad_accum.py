@@ -21,7 +21,8 @@ BASE = {"model.dtype": "float32", "checkpoint.every": 0, "train.eval_every": 0, 
 
 
 def sgd_step_result(mechanism, grad_accum, batch):
-    cfg = load_config(f"configs/{mechanism}.py:smoke=1,seq_len=16", BASE)
+    # Two blocks of two sublayers: the MSAR step compiles faster than in one block of four.
+    cfg = load_config(f"configs/{mechanism}.py:smoke=1,seq_len=16,block_size=2", BASE)
     model_def, params = step.init_model(cfg.model, seed=3)
     tx = optax.sgd(1.0)  # params_new = params - grad: compares gradients directly
     state = step.init_state(params, tx)
