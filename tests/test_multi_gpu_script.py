@@ -46,7 +46,7 @@ def test_smoke_run(multi_gpu, monkeypatch, capsys, tmp_path):
 
     monkeypatch.setattr(api, "xla_streaming", api.xla_streaming)  # restored after the test
     rows = multi_gpu.main([
-        "--config=configs/msar.py:smoke=1", "--override=model.n_layers=4", "--batch_size=4",
+        "--config=configs/msar.py:smoke=1,block_size=2", "--override=model.n_layers=4", "--batch_size=4",
         "--microbatches=2", "--steps=2", "--skip=1", "--fast_compile",
         "--layouts=single,pp2_circular_cache", f"--json={tmp_path / 'out.json'}"])
     # (The accum layout is the same step with grad_accum = 2: test_layout_configs checks its
