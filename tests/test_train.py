@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("fast_train_compile")
 def smoke_config(**overrides):
     base = {"train.steps": 20, "checkpoint.every": 5, "train.eval_every": 0, "train.eval_batches": 1,
             "train.progress": False, "train.tensorboard": False, "train.depth_weights": False}
-    return load_config("configs/msar.py:smoke=1", base | overrides)
+    return load_config("configs/msar.py:smoke=1,block_size=2", base | overrides)  # 2 blocks: compiles faster
 
 
 # ---------------------------------------------------------------- schedule
@@ -244,9 +244,9 @@ def test_depth_weight_introspection_and_plots(tmp_path):
     config = smoke_config(**{"train.depth_weights": True, "checkpoint.every": 0})
     result = train(config, tmp_path, max_steps=3)  # same train.steps as the other tests: no recompile
     weights, info = introspection.load(result["depth_weights"])
-    n_blocks = 1  # smoke: 2 layers, L = 4 sublayers, S = 4
+    n_blocks = 2  # smoke_config: 2 layers, L = 4 sublayers, S = 2
     assert weights.shape == (4, n_blocks + 2, 4) and info["step"] == 3
-    assert info["sources"] == ["emb", "b1", "partial"] and info["reads"][:2] == ["L1 attn", "L1 mlp"]
+    assert info["sources"] == ["emb", "b1", "b2", "partial"] and info["reads"][:2] == ["L1 attn", "L1 mlp"]
     np.testing.assert_allclose(weights.sum(axis=1), 1.0, atol=1e-5)  # a softmax over sources per stream
     again, _, step_number = introspection.from_checkpoint(tmp_path)
     assert step_number == 3
