@@ -17,7 +17,10 @@ state, ``max``, ``sum of exp`` and the weighted sum, in float32)::
     phase 1 backward     v a + s m f + v a   (sources, d_states; d_sources)
 
 The forward counts twice: the depth stack's append-only scan re-runs every unit in its
-backward (``msar_jax/stack.py``; that is what keeps memory linear in depth). Left out as
+backward (``msar_jax/stack.py``; that is what keeps memory linear in depth). With
+``model.save_read_outputs`` the re-run takes each ``h`` from the forward pass and phase 2's
+re-run shrinks to its scoring pass, the scores the Pallas backward keeps: ``s a`` (the
+partial) instead of ``s (m f + 2 a)``. Left out as
 smaller than ``E``: the softmax statistics (``m`` or ``m H`` values per token), parameters,
 and the partial's running sum, which Vanilla's residual add pays the same. Compute (the conv
 expansions, re-done in every pass) is not counted, so the floor is a lower bound.
@@ -29,7 +32,8 @@ Usage::
 
 ``--vanilla_ms``: a measured Vanilla step, to print ``(vanilla + floor) / vanilla``;
 ``--state_bytes 2`` shows the floor of a bf16 state (``model.residual.state_dtype="bfloat16"``,
-which the config's value sets by default; SPEC 5's default is float32).
+which the config's value sets by default; SPEC 5's default is float32); ``--set
+model.save_read_outputs=true`` the floor with the reads' outputs saved.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class ReadShape:
     streams: int
     act_bytes: int
     state_bytes: int  # of the phase-1 state's weighted sums (model.residual.state_dtype)
+    save_read_outputs: bool = False  # model.save_read_outputs: the re-run reuses each h
 
 
 def read_shape(config) -> ReadShape:
@@ -76,14 +81,17 @@ def read_shape(config) -> ReadShape:
     size = {"bfloat16": 2, "float16": 2, "float32": 4}
     return ReadShape(batch=config.train.batch_size, t_len=config.seq_len, d=model.d_model,
                      n_sublayers=2 * model.n_layers, block_size=mech.block_size, streams=len(kernels),
-                     act_bytes=size[model.dtype], state_bytes=size[model.residual.get("state_dtype", "float32")])
+                     act_bytes=size[model.dtype], state_bytes=size[model.residual.get("state_dtype", "float32")],
+                     save_read_outputs=bool(model.get("save_read_outputs", False)))
 
 
-def unit_bytes(v: int, s: int, m: int, a: int, f: int) -> dict:
+def unit_bytes(v: int, s: int, m: int, a: int, f: int, save_read_outputs: bool = False) -> dict:
     """Bytes per ``E`` of one unit (``v`` valid sources, ``s`` targets), by pass."""
-    fwd = (v * a + s * m * f) + s * (m * f + 2 * a)
+    phase1 = v * a + s * m * f
+    fwd = phase1 + s * (m * f + 2 * a)
+    rerun = phase1 + s * a if save_read_outputs else fwd
     bwd = s * (3 * a + 2 * m * f) + (2 * v * a + s * m * f)
-    return {"forward": fwd, "recompute": fwd, "backward": bwd}
+    return {"forward": fwd, "recompute": rerun, "backward": bwd}
 
 
 def step_bytes(shape: ReadShape, state_bytes: int | None = None) -> dict:
@@ -94,7 +102,7 @@ def step_bytes(shape: ReadShape, state_bytes: int | None = None) -> dict:
     out = {"forward": 0, "recompute": 0, "backward": 0}
     for u, first in enumerate(range(0, shape.n_sublayers, shape.block_size)):
         s = min(shape.block_size, shape.n_sublayers - first)
-        for k, b in unit_bytes(1 + u, s, shape.streams, shape.act_bytes, state_bytes).items():
+        for k, b in unit_bytes(1 + u, s, shape.streams, shape.act_bytes, state_bytes, shape.save_read_outputs).items():
             out[k] += b * elems
     out["total"] = sum(out.values())
     return out

@@ -83,6 +83,10 @@ def model_config() -> ml_collections.ConfigDict:
             dtype="float32",  # activation dtype; parameters are always float32
             init_std=0.02,
             remat_policy="none",  # inside a block; blocks themselves are always rematerialised
+            # True: the blocks' rematerialisation reuses each sublayer's input (the depth read's
+            # output) from the forward pass instead of running the read's forward again; costs
+            # one [B, T, d] activation per sublayer (DepthStack.save_read_outputs)
+            save_read_outputs=False,
             max_seq_len=256,
             moe=moe_config(),
             residual=residual_config(),
@@ -106,6 +110,8 @@ def validate(model: ml_collections.ConfigDict, prefix: str = "model") -> ml_coll
         raise ConfigError(f("dtype"), model.dtype, f"must be one of {DTYPES}")
     if model.remat_policy not in REMAT_POLICIES:
         raise ConfigError(f("remat_policy"), model.remat_policy, f"must be one of {REMAT_POLICIES}")
+    if not isinstance(model.save_read_outputs, bool):
+        raise ConfigError(f("save_read_outputs"), model.save_read_outputs, "must be True or False")
     if not model.rope_theta > 0:
         raise ConfigError(f("rope_theta"), model.rope_theta, "must be > 0")
     if not model.norm_eps > 0:

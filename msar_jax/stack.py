@@ -14,7 +14,9 @@ buffer is append-only, so ``_append_only_scan`` keeps a single copy (the final
 buffer) plus the small per-unit carries; its backward walks the units in reverse,
 rematerialises each unit from the final buffer masked to the entries that existed
 when the unit ran, and pulls the cotangents through. Mechanisms without a buffer
-(Vanilla, mHC) use a plain per-unit rematerialised scan.
+(Vanilla, mHC) use a plain per-unit rematerialised scan. With ``save_read_outputs`` the
+forward also keeps each sublayer's input (the read's output) and the re-run takes it from
+there (``_reuse_saved``), so the reads' forward kernels do not run a second time.
 
 Units whose layers are not all of one MLP kind (a dense leading layer inside an
 MoE stack) and a shorter last block are run as their own scan groups, so every
@@ -103,7 +105,8 @@ def _take(stack, index: np.ndarray):
 def _append_only_scan(unit_fn, valid_count, state0, xs, consts, ctx, unit_ids):
     def body(state, inp):
         x, u = inp
-        return unit_fn(state, x, consts, ctx, u)
+        new_state, y, _ = unit_fn(state, x, consts, ctx, u)
+        return new_state, y
 
     return jax.lax.scan(body, state0, (xs, unit_ids))
 
@@ -113,17 +116,18 @@ def _append_only_fwd(unit_fn, valid_count, state0, xs, consts, ctx, unit_ids):
 
     def body(state, inp):
         x, u = inp
-        new_state, y = unit_fn(state, x, consts, ctx, u)
-        return new_state, (y, None if start_carry is not None else state.carry)
+        new_state, y, kept = unit_fn(state, x, consts, ctx, u)
+        return new_state, (y, None if start_carry is not None else state.carry, kept)
 
-    final, (ys, carries_in) = jax.lax.scan(body, state0, (xs, unit_ids))
+    final, (ys, carries_in, kept) = jax.lax.scan(body, state0, (xs, unit_ids))
     # Only the final buffer is kept: every earlier buffer is a masked prefix of it. The
-    # carry entering each unit is kept only when it is not known in advance.
-    return (final, ys), (final.sources, carries_in, xs, consts, ctx, unit_ids, state0.carry)
+    # carry entering each unit is kept only when it is not known in advance; ``kept`` holds
+    # the read outputs (``DepthStack.save_read_outputs``), None otherwise.
+    return (final, ys), (final.sources, carries_in, xs, consts, ctx, unit_ids, state0.carry, kept)
 
 
 def _append_only_bwd(unit_fn, valid_count, res, cotangents):
-    sources_final, carries_in, xs, consts, ctx, unit_ids, carry0 = res
+    sources_final, carries_in, xs, consts, ctx, unit_ids, carry0, kept = res
     start_carry = getattr(unit_fn, "block_start_carry", None)
     if start_carry is not None:
         n_units = unit_ids.shape[0]
@@ -134,18 +138,18 @@ def _append_only_bwd(unit_fn, valid_count, res, cotangents):
 
     def body(acc, inp):
         d_sources, d_carry, d_consts = acc
-        carry_in, x, u, d_y = inp
+        carry_in, x, u, d_y, kept_u = inp
         # The buffer as it was when unit u started: entries written later are zeroed.
         sources_in = jnp.where(rows < valid_count(u), sources_final, jnp.zeros_like(sources_final))
         state_in = DepthState(sources_in, carry_in)
-        _, vjp = jax.vjp(lambda st, xx, cc: unit_fn(st, xx, cc, ctx, u), state_in, x, consts)
+        _, vjp = jax.vjp(lambda st, xx, cc: unit_fn(st, xx, cc, ctx, u, known=kept_u)[:2], state_in, x, consts)
         d_state, d_x, d_c = vjp((DepthState(d_sources, d_carry), d_y))
         d_consts = jax.tree.map(jnp.add, d_consts, d_c)
         return (d_state.sources, d_state.carry, d_consts), d_x
 
     init = (d_final.sources, d_final.carry, jax.tree.map(jnp.zeros_like, consts))
     (d_sources0, d_carry0, d_consts), d_xs = jax.lax.scan(
-        body, init, (carries_in, xs, unit_ids, d_ys), reverse=True
+        body, init, (carries_in, xs, unit_ids, d_ys, kept), reverse=True
     )
     return DepthState(d_sources0, d_carry0), d_xs, d_consts, None, None
 
@@ -161,17 +165,39 @@ class _UnitFn:
         probe = mechanism.block_start_carry
         self.block_start_carry = None if type(mechanism).block_start_carry is ResidualMechanism.block_start_carry else probe
 
-    def __call__(self, *args):
-        return self.fn(*args)
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
 
 
-def _remat_scan(unit_fn, state0, xs, consts, ctx, unit_ids):
-    @jax.checkpoint
+def _remat_scan(unit_fn, state0, xs, consts, ctx, unit_ids, policy=None):
+    @functools.partial(jax.checkpoint, policy=policy)
     def body(state, inp):
         x, u = inp
-        return unit_fn(state, x, consts, ctx, u)
+        return unit_fn(state, x, consts, ctx, u)[:2]
 
     return jax.lax.scan(body, state0, (xs, unit_ids))
+
+
+@jax.custom_vjp
+def _reuse_saved(recomputed, saved):
+    """``saved`` as the value, ``recomputed``'s gradient path: in a unit's rematerialisation
+    the read's output comes from the forward pass, while its cotangent still flows back
+    through the re-run read's VJP (which keeps only the read's inputs, so the re-run read's
+    forward work is dead code and XLA drops it)."""
+    del recomputed
+    return saved
+
+
+def _reuse_saved_fwd(recomputed, saved):
+    del recomputed
+    return saved, None
+
+
+def _reuse_saved_bwd(_, ct):
+    return ct, None
+
+
+_reuse_saved.defvjp(_reuse_saved_fwd, _reuse_saved_bwd)
 
 
 # --------------------------------------------------------------------------------------
@@ -196,6 +222,10 @@ class DepthStack:
     # False: a plain rematerialised scan over units (saves the buffer per unit: quadratic
     # memory in depth). Kept as the reference the append-only scan is tested against.
     memory_lean: bool = True
+    # True: each sublayer's input h_l (the read's output, [B, T, d]) is saved in the forward
+    # pass, and the block's rematerialisation in the backward reuses it instead of running the
+    # read's forward again (the read's backward still runs). Costs L activations of [B, T, d].
+    save_read_outputs: bool = False
 
     def __call__(self, mech_params: dict, layer_params: dict, e: jax.Array, ctx: SequenceContext, collect_weights=False):
         """Returns ``(final_hidden, per_sublayer)``; ``per_sublayer["aux_loss"]`` is ``[L]``
@@ -233,14 +263,20 @@ class DepthStack:
         unit_ids = jnp.asarray([u.index for u in group], jnp.int32)
         S = mech.block_size
         blocks_per_unit = 2 if S == 1 else 1
-        unit_fn = _UnitFn(functools.partial(self._unit, segments=segments, collect_weights=collect_weights), mech)
+        unit_fn = _UnitFn(functools.partial(self._unit, segments=segments, collect_weights=collect_weights,
+                                            keep=self.save_read_outputs), mech)
         if state.sources is None or not self.memory_lean:
-            return _remat_scan(unit_fn, state, xs, g, ctx, unit_ids)
+            policy = jax.checkpoint_policies.save_only_these_names("sublayer_input") if self.save_read_outputs else None
+            return _remat_scan(unit_fn, state, xs, g, ctx, unit_ids, policy)
         valid_count = lambda u: 1 + u * blocks_per_unit  # noqa: E731  (buffer entries filled at unit start)
         return _append_only_scan(unit_fn, valid_count, state, xs, g, ctx, unit_ids)
 
-    def _unit(self, state, x, g, ctx, u, *, segments, collect_weights):
-        """One unit: phase 1 for the block (S even), then its layers, unrolled."""
+    def _unit(self, state, x, g, ctx, u, known=None, *, segments, collect_weights, keep):
+        """One unit: phase 1 for the block (S even), then its layers, unrolled.
+
+        Returns ``(state, ys, kept)``: ``kept`` is the unit's read outputs ``[2P, B, T, d]``
+        with ``keep`` (else None); ``known``, the same array from the forward pass, makes
+        the reads' outputs come from it (``_reuse_saved``)."""
         mech = self.mechanism
         S = mech.block_size
         full_mode = S == 1
@@ -250,7 +286,7 @@ class DepthStack:
             p_block = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), x["mech"])  # [2P, ...]
             with jax.named_scope("depth_begin_block"):
                 bctx = mech.begin_block(g, p_block, state, position(first_l, S), ctx)
-        ys = []
+        ys, kept = [], []
         for seg_i, (kind, off, cnt) in enumerate(segments):
             sl = lambda a: a[off : off + cnt]  # noqa: E731
             inner_xs = (
@@ -274,22 +310,27 @@ class DepthStack:
                 if self.remat_policy != "none":
                     step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat_policy])
                 j = 2 * (off + i)
-                state, y = step(state, inner_xs, None if bctx is None else tuple(bctx[j : j + 2]))
+                known_hs = None if known is None else known[j : j + 2]
+                state, y, hs = step(state, inner_xs, None if bctx is None else tuple(bctx[j : j + 2]), known_hs)
                 layer_ys.append(y)
+                kept.extend(hs)
             ys.append(jax.tree.map(lambda *a: jnp.stack(a), *layer_ys))
         if not full_mode:
             last_l = 2 * x["layer"][-1] + 2
             with jax.named_scope("depth_end_block"):
                 state = mech.end_block(g, state, position(last_l, S))
-        return state, jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *ys)
+        ys = jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *ys)
+        return state, ys, jnp.stack(kept) if keep else None
 
-    def _layer(self, state, inp, bctx, *, g, ctx, kind, collect_weights, row):
+    def _layer(self, state, inp, bctx, known_hs, *, g, ctx, kind, collect_weights, row):
         """One transformer layer (row ``row`` of the stacked ``inp``): the attention sublayer,
-        then the MLP sublayer; ``bctx``: the block contexts of its two targets, or None."""
+        then the MLP sublayer; ``bctx``: the block contexts of its two targets, or None;
+        ``known_hs``: its two sublayer inputs from the forward pass, or None. Returns
+        ``(state, y, (h_attn, h_mlp))``."""
         attn_p, mlp_p, mech_p, layer = jax.tree.map(lambda a: a[row], inp)
         mech = self.mechanism
         S = mech.block_size
-        aux_losses, weights = [], []
+        aux_losses, weights, hs = [], [], []
         for sub, (sub_kind, params) in enumerate((("attn", attn_p), (kind, mlp_p))):
             pos = position(2 * layer + sub + 1, S)
             p = jax.tree.map(lambda a: a[sub], mech_p)
@@ -300,6 +341,9 @@ class DepthStack:
                     b = mech.begin_block(g, jax.tree.map(lambda a: a[None], p), state, pos, ctx)
                     b = None if b is None else b[0]  # the one target of the block
                 h, aux = mech.read(g, p, state, b, pos, ctx, want_weights=collect_weights)
+                if known_hs is not None:
+                    h = _reuse_saved(h, known_hs[sub])
+            hs.append(h)
             h = jax.ad_checkpoint.checkpoint_name(h, "sublayer_input")
             with jax.named_scope(f"sublayer_{sub_kind}"):
                 v, aux_loss = self.sublayer_fn(sub_kind, params, h, ctx)
@@ -313,4 +357,4 @@ class DepthStack:
         y = {"aux_loss": jnp.stack(aux_losses)}
         if weights:
             y["depth_weights"] = jnp.stack(weights)
-        return state, y
+        return state, y, tuple(hs)

@@ -37,6 +37,7 @@ CASES = [
     ({"residual.read_chunks": 0}, "model.residual.read_chunks", "positive integer"),
     ({"residual.kernel_backward": "triton"}, "model.residual.kernel_backward", "must be 'xla', 'pallas', 'hybrid' or 'auto'"),
     ({"residual.state_dtype": "float16"}, "model.residual.state_dtype", "must be 'float32' or 'bfloat16'"),
+    ({"save_read_outputs": None}, "model.save_read_outputs", "must be True or False"),
 ]
 
 
@@ -81,3 +82,17 @@ def test_sequence_shorter_than_one_is_rejected():
     model = Transformer(config_lib.model_config(), nnx.Rngs(0))
     with pytest.raises(ValueError, match="sequence length"):
         model(jnp.zeros((2, 0), jnp.int32))
+
+
+def test_saved_read_outputs_need_the_unpipelined_stack():
+    """The pipeline's stages rematerialise every layer from the hop and cannot reuse the reads'
+    outputs, so ``model.save_read_outputs`` with a pipeline is an error, not a silent no-op."""
+    from msar_jax.train.train import validate
+
+    over = {"model.save_read_outputs": True, "parallel.mesh.stage": 2, "parallel.mesh.data": 1,
+            "parallel.mesh.fsdp": 1, "parallel.pipeline.stages": 2, "parallel.pipeline.microbatches": 2}
+    with pytest.raises(config_lib.ConfigError) as err:
+        validate(load_config("configs/msar.py:smoke=1", over))
+    assert err.value.field == "model.save_read_outputs" and "2-stage pipeline" in str(err.value)
+    over["parallel.pipeline.stages"] = 1
+    validate(load_config("configs/msar.py:smoke=1", over))

@@ -171,3 +171,46 @@ def test_bf16_state_costs_less_accuracy_than_bf16_activations():
     acts = run("bfloat16", "float32")
     assert 0 < abs(state[0] - exact[0]) < 0.5 * abs(acts[0] - exact[0])
     assert 0 < max(errors(state, exact)) < 0.5 * max(errors(acts, exact))
+
+
+@pytest.mark.gpu
+def test_saved_read_outputs_drop_the_rerun_read_kernels():
+    """On a GPU (the compiled program: the jaxpr keeps every ``pallas_call``, XLA removes the
+    dead ones): with ``model.save_read_outputs`` the blocks' re-run in the backward takes each
+    sublayer's input from the forward pass, so phase 2's gate kernels run once per read instead
+    of twice. The scoring kernel stays (its scores are the Pallas backward's residual), and so
+    does phase 1 (its state feeds phase 2's backward). Same loss and gradients."""
+    import collections
+    import re
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    counts, results = {}, {}
+    for save in (False, True):
+        cfg = load_config("configs/msar.py:smoke=1,seq_len=64",
+                          {"model.dtype": "float32", "model.n_layers": 4, "model.residual.block_size": 4,
+                           "model.residual.implementation": "pallas_gpu", "model.save_read_outputs": save})
+        model_def, params = step.init_model(cfg.model, seed=5)
+        leaves, treedef = jax.tree.flatten(params)
+        keys = jax.random.split(jax.random.key(1), len(leaves))
+        params = jax.tree.unflatten(treedef, [p + 0.3 * jax.random.normal(k, p.shape, p.dtype)
+                                              for p, k in zip(leaves, keys)])
+        batch = jax.random.randint(jax.random.key(2), (2, 65), 0, cfg.model.vocab_size)
+        # float32 products everywhere: with the GPU's default TF32 matmuls the re-run's
+        # recomputed inputs differ from the forward's at 1e-3, and so would the gradients
+        fn = jax.jit(jax.value_and_grad(lambda p: lm_loss(model_def.merge(p), batch)[0]))
+        with jax.default_matmul_precision("highest"):
+            text = fn.lower(params).compile().as_text()
+            results[save] = fn(params)
+        # one Triton custom call per kernel launch site (the name also appears in metadata)
+        calls = [ln for ln in text.splitlines() if "__gpu$xla.gpu.triton" in ln]
+        counts[save] = collections.Counter(
+            m for ln in calls for m in set(re.findall(r"depth_attention_(?:mix_stats|mix_gate|mix_acc|scores)", ln)))
+    off, on = counts[False], counts[True]
+    for name in ("mix_stats", "mix_gate"):  # forward + re-run -> forward only
+        assert off[f"depth_attention_{name}"] == 2 * on[f"depth_attention_{name}"] > 0, counts
+    for name in ("mix_acc", "scores"):  # phase 1, and the scores phase 2's backward keeps
+        assert off[f"depth_attention_{name}"] == on[f"depth_attention_{name}"] > 0, counts
+    np.testing.assert_allclose(results[True][0], results[False][0], rtol=1e-5)
+    for g, w in zip(jax.tree.leaves(results[True][1]), jax.tree.leaves(results[False][1])):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6 * float(np.max(np.abs(w))) + 1e-12)

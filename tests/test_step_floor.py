@@ -41,6 +41,12 @@ def test_base_step_bytes_by_hand(floor):
     assert half["total"] == (2 * (56 + 7 * 160) + 4 * 28 + 7 * 240) * elems
     bf16 = floor.read_shape(load_config("configs/msar.py:size=base", {"model.residual.state_dtype": "bfloat16"}))
     assert bf16.state_bytes == 2 and floor.step_bytes(bf16) == half
+    # model.save_read_outputs: phase 2's re-run reads only the partial (8 x 2 instead of
+    # 8 x (16 + 4) per unit): the re-run is 2v + 128 + 16 per unit, the rest unchanged.
+    saved = floor.step_bytes(floor.read_shape(load_config("configs/msar.py:size=base",
+                                                          {"model.save_read_outputs": True})))
+    assert saved["recompute"] == (2 * 28 + 7 * 144) * elems
+    assert saved["total"] == (7280 - 7 * 144) * elems
 
 
 def test_shorter_last_block(floor):

@@ -63,7 +63,8 @@ class Transformer(nnx.Module):
         return layers.moe_mlp(params, h, cfg)
 
     def stack(self) -> DepthStack:
-        return DepthStack(self.residual, self._sublayer, layer_kinds(self.cfg), self.cfg.remat_policy)
+        return DepthStack(self.residual, self._sublayer, layer_kinds(self.cfg), self.cfg.remat_policy,
+                          save_read_outputs=self.cfg.save_read_outputs)
 
     def __call__(self, tokens, segment_ids=None, positions=None, collect_weights: bool = False):
         """Logits ``[B, T, V]`` (float32) and a dict with ``aux_loss`` (MoE load balance,

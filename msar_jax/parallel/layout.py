@@ -51,6 +51,10 @@ def validate(pcfg, model_cfg, batch_size: int, mesh: jax.sharding.Mesh | None = 
         raise ConfigError("train.grad_accum", grad_accum,
                           f"must be 1 with a {pcfg.pipeline.stages}-stage pipeline (it splits the batch itself: "
                           "parallel.pipeline.microbatches)")
+    if pipelined and model_cfg.get("save_read_outputs", False):
+        raise ConfigError("model.save_read_outputs", True,
+                          f"must be False with a {pcfg.pipeline.stages}-stage pipeline (its stages rematerialise "
+                          "every layer from the hop; parallel.pipeline.stages = 1 keeps the reads' outputs)")
     if mesh is None:
         return
     names = ("data", "fsdp") if pipelined else ("data", "stage", "fsdp")
