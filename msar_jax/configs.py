@@ -38,20 +38,24 @@ def load_config(spec: str, overrides: dict | None = None) -> ml_collections.Conf
             config.update_from_flattened_dict({key: value})
         except (KeyError, AttributeError) as e:
             raise config_lib.ConfigError(key, value, f"no such config field ({e})") from None
+        except TypeError as e:  # ml_collections' type check: a bool field given a string, ...
+            raise config_lib.ConfigError(key, value, f"has the wrong type ({e})") from None
     config_lib.validate(config.model)
     return config
 
 
 def parse_overrides(items) -> dict:
     """``["optim.lr=1e-3", "model.residual.implementation=auto"]`` -> ``{key: value}``; values
-    are JSON-parsed where they parse (numbers, booleans, lists), else kept as strings."""
+    are JSON-parsed where they parse (numbers, booleans, lists), Python's ``True``, ``False``
+    and ``None`` too, else kept as strings."""
     out = {}
     for item in items or ():
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r}: must be KEY=VALUE (e.g. train.batch_size=8)")
+        python_literals = {"True": True, "False": False, "None": None}
         try:
-            out[key] = json.loads(value)
+            out[key] = python_literals[value] if value in python_literals else json.loads(value)
         except json.JSONDecodeError:
             out[key] = value
     return out

@@ -110,9 +110,18 @@ def test_parse_overrides():
     from msar_jax.configs import parse_overrides
 
     got = parse_overrides(["train.batch_size=8", "optim.lr=1e-3", "model.residual.implementation=auto",
-                           "model.residual.kernel_sizes=[4, 8]", "train.progress=false"])
+                           "model.residual.kernel_sizes=[4, 8]", "train.progress=false",
+                           "model.save_read_outputs=True", "data.dir=None"])
     assert got == {"train.batch_size": 8, "optim.lr": 1e-3, "model.residual.implementation": "auto",
-                   "model.residual.kernel_sizes": [4, 8], "train.progress": False}
+                   "model.residual.kernel_sizes": [4, 8], "train.progress": False,
+                   "model.save_read_outputs": True, "data.dir": None}
     for bad in ("train.batch_size", "=3"):
         with pytest.raises(ValueError, match="KEY=VALUE"):
             parse_overrides([bad])
+    # a value of the wrong type is a ConfigError naming the field, not ml_collections' TypeError
+    from msar_jax.config import ConfigError
+    from msar_jax.configs import load_config
+
+    with pytest.raises(ConfigError, match="wrong type") as err:
+        load_config("configs/msar.py:smoke=1", {"model.save_read_outputs": "yes"})
+    assert err.value.field == "model.save_read_outputs" and err.value.value == "yes"
