@@ -10,8 +10,8 @@ mean fusion), forward, forward+backward with the default XLA backward, and forwa
 with the Pallas backward kernels (``backward="pallas"``: ``fused_bwd_phase1`` in both forms /
 ``fused_bwd_phase2``, both forms each) and phase 1's ``backward="hybrid"`` (``conv_transpose``),
 and a block read (phase 1 then phase 2) with a bf16 state (``state_dtype="bfloat16"``), and
-prints ``ok`` or the compiler's error for each (11 compiles per case, 44 in all; the exit
-status is 1 if any fails). ``tests/kernels/test_triton_lowering.py``
+prints ``ok`` or the compiler's error for each (11 compiles per case; the exit
+status is 1 if any fails; 5 cases, 55 in all, the first and third with a source mask). ``tests/kernels/test_triton_lowering.py``
 checks the Mosaic lowering of the same variants (without libtpu) on every test run; this also
 runs Mosaic's compiler.
 """
@@ -53,20 +53,24 @@ def comp(name, fn, *args):
         print(f"    {name}: FAIL {type(e).__name__}: {str(e)[:700]}")
 
 
-def run(kernels, heads, segments, fuse, t_len=64, d=256):
+def run(kernels, heads, segments, fuse, t_len=64, d=256, with_valid=False):
+    """``with_valid``: phase 1 gets a source mask, as the model's always does (the kernels skip
+    invalid sources, reading the mask from scalar memory on the TPU)."""
     n, batch, n_targets, m, k = 3, 2, 2, len(kernels), sum(kernels)
-    print(f"{topo.devices[0].device_kind}: kernels={kernels} heads={heads} segments={segments} fusion={fuse}")
+    print(f"{topo.devices[0].device_kind}: kernels={kernels} heads={heads} segments={segments} fusion={fuse} "
+          f"source mask={with_valid}")
     seg = sds((batch, t_len), jnp.int32) if segments else None
+    valid = sds((n,), jnp.bool_) if with_valid else None
     kw = dict(stream_kernels=kernels, heads=heads, implementation="pallas_tpu", interpret=False)
     kw_pallas = dict(kw, backward="pallas")
     banks = sds((n, k, d)) if k else None
 
-    def loss1(x, b, q, sg, kw=kw):
-        st = api.phase1(x, b, q, segment_ids=sg, **kw)
+    def loss1(x, b, q, v, sg, kw=kw):
+        st = api.phase1(x, b, q, v, segment_ids=sg, **kw)
         return jnp.sum(st.acc) + jnp.sum(st.denom)
 
-    args1 = (sds((n, batch, t_len, d)), banks, sds((n_targets, m, d)), seg)
-    comp("phase 1 forward", lambda x, b, q, sg: api.phase1(x, b, q, segment_ids=sg, **kw), *args1)
+    args1 = (sds((n, batch, t_len, d)), banks, sds((n_targets, m, d)), valid, seg)
+    comp("phase 1 forward", lambda x, b, q, v, sg: api.phase1(x, b, q, v, segment_ids=sg, **kw), *args1)
     comp("phase 1 forward+backward (XLA backward)", jax.grad(loss1, argnums=(0, 2)), *args1)
     comp("phase 1 forward+backward (Pallas backward, wide form)",
          jax.grad(lambda *a: loss1(*a, kw=kw_pallas), argnums=(0, 2)), *args1)
@@ -76,8 +80,8 @@ def run(kernels, heads, segments, fuse, t_len=64, d=256):
     comp("phase 1 forward+backward (hybrid backward)",
          jax.grad(lambda *a: loss1(*a, kw=dict(kw, backward="hybrid")), argnums=(0, 2)), *args1)
 
-    def loss1_per_target(x, b, q, sg):  # one state per target: the kernels' separate outputs and inputs
-        states = api.phase1(x, b, q, segment_ids=sg, per_target=True, **kw_pallas)
+    def loss1_per_target(x, b, q, v, sg):  # one state per target: the kernels' separate outputs and inputs
+        states = api.phase1(x, b, q, v, segment_ids=sg, per_target=True, **kw_pallas)
         return sum(jnp.sum(st.acc) + jnp.sum(st.denom) for st in states)
 
     comp("phase 1 forward+backward per target (Pallas backward)", jax.grad(loss1_per_target, argnums=(0, 2)),
@@ -100,16 +104,17 @@ def run(kernels, heads, segments, fuse, t_len=64, d=256):
          jax.grad(lambda *a: jnp.sum(fwd2(*a, kw=dict(kw_pallas, phase2_backward_form="wide"))), argnums=(0, 1, 3)),
          *args2)
 
-    def block_read_bf16_state(x, b, q, x2, b2, q2, g, sg):  # phase 1 -> phase 2 + fusion, bf16 acc
-        states = api.phase1(x, b, q, segment_ids=sg, per_target=True, state_dtype="bfloat16", **kw_pallas)
+    def block_read_bf16_state(x, b, q, v, x2, b2, q2, g, sg):  # phase 1 -> phase 2 + fusion, bf16 acc
+        states = api.phase1(x, b, q, v, segment_ids=sg, per_target=True, state_dtype="bfloat16", **kw_pallas)
         return sum(jnp.sum(fwd2(st, x2, b2, q2, g, sg, kw=kw_pallas)) for st in states)
 
     comp("phase 1 + phase 2 forward+backward, bf16 state (Pallas backward)",
-         jax.grad(block_read_bf16_state, argnums=(0, 2, 3, 5)), *args1[:3], *args2[1:5], seg)
+         jax.grad(block_read_bf16_state, argnums=(0, 2, 4, 6)), *args1[:4], *args2[1:5], seg)
 
 
-run((0, 4, 8, 12), 1, True, "gate")
-run((0,), 1, False, "mean")
+run((0, 4, 8, 12), 1, True, "gate", with_valid=True)
+run((0, 4, 8, 12), 1, False, "gate")
+run((0,), 1, False, "mean", with_valid=True)
 run((0,), 2, True, "mean")
 run((0, 0, 0), 2, False, "gate")
 print(f"{failures} failure(s)")

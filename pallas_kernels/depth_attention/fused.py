@@ -174,10 +174,10 @@ def _skips_sources(backend: str) -> bool:
     """Whether the kernels skip invalid sources (a scalar load and a branch per source) rather
     than compute them and mask their weights. The model's phase 1 runs on the whole source
     buffer with only the completed blocks valid (half of its ``n`` slots over a step), so
-    computing them doubled phase 1's work (BENCHMARKS.md, kernels, session 8). Triton and
-    interpret mode skip; Mosaic TPU (untimed) keeps the masked form, which needs no scalar
-    memory."""
-    return backend != "tpu"
+    computing them doubled phase 1's work (BENCHMARKS.md, kernels, session 8). Every backend
+    skips: Triton and interpret mode read the mask like any input, Mosaic TPU from scalar
+    memory (``_token_inputs``; compiled ahead of time, not yet timed on a TPU)."""
+    return backend in ("triton", "interpret", "tpu")
 
 
 def _live_input(valid, n: int, backend: str):
@@ -197,7 +197,12 @@ def _token_inputs(in_specs: list, args: list, seg, valid, n: int, t_pad: int, ba
         args.append(seg[:, :, None])
     live = _live_input(valid, n, backend)
     if live is not None:
-        in_specs.append(pl.BlockSpec((n,), lambda *g: (0,)))
+        if backend == "tpu":  # a scalar per source, read by the scalar core: SMEM, whole
+            from jax.experimental.pallas import tpu as pltpu
+
+            in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        else:
+            in_specs.append(pl.BlockSpec((n,), lambda *g: (0,)))
         args.append(live)
     return live is not None
 

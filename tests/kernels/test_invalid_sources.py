@@ -5,8 +5,8 @@ the buffer's slots over a step), so computing the others doubled phase 1's work.
 source filled with NaN shows the skip: a computed-and-masked source would turn every output and
 gradient into NaN (``0 * NaN``); a skipped one is never read. Checked for the XLA path
 (``xla_streaming``: forward fold and closed-form backward under ``lax.cond``) and the Pallas
-kernels in interpret mode with each backward (Triton skips the same way; Mosaic TPU computes
-and masks, so there an invalid source must be finite, as the model's zero-filled buffer is).
+kernels in interpret mode with each backward (Triton and Mosaic TPU skip the same way, the TPU
+reading the mask from scalar memory: ``experiments/tpu_kernels_aot.py`` compiles that path).
 """
 
 from __future__ import annotations

@@ -109,8 +109,8 @@ def test_tpu_kernels_lower_for_mosaic(kernels, heads, segments, backward):
     if backward.endswith("_reverse_t"):
         kw["phase1_backward_form"] = "reverse_t"
 
-    def loss1(x, b, q, sg):
-        state = api.phase1(x, b, q, segment_ids=sg, **kw)
+    def loss1(x, b, q, v, sg):  # with a source mask, as the model's: read from SMEM, invalid sources skipped
+        state = api.phase1(x, b, q, v, segment_ids=sg, **kw)
         return jnp.sum(state.acc) + jnp.sum(state.denom)
 
     def loss2(st, x, b, q, g, sg):
@@ -121,7 +121,8 @@ def test_tpu_kernels_lower_for_mosaic(kernels, heads, segments, backward):
     gate = (f32(m * d, m), f32(), f32(m))
     with jax.sharding.use_abstract_mesh(mesh):
         for fn, args, names in (
-            (jax.grad(loss1, argnums=(0, 2)), (f32(n, batch, t_len, d), banks, f32(n_targets, m, d), seg),
+            (jax.grad(loss1, argnums=(0, 2)),
+             (f32(n, batch, t_len, d), banks, f32(n_targets, m, d), sds((n,), jnp.bool_), seg),
              MOSAIC_KERNELS[backward][0]),
             (jax.grad(loss2, argnums=(0, 1, 3)),
              (state, f32(batch, t_len, d), None if banks is None else f32(sum(kernels), d), f32(m, d), gate, seg),
