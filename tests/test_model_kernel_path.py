@@ -13,6 +13,19 @@ from msar_jax.model.transformer import lm_loss
 from msar_jax.train import step
 
 
+def loss_and_grads_fn(cfg):
+    """``(jitted value_and_grad of the loss, params)`` for ``cfg``'s model with random non-zero
+    parameters (zero-initialised pseudo-queries and convolutions would hide errors in those
+    paths) on a random batch of two rows of ``cfg.seq_len`` tokens."""
+    model_def, params = step.init_model(cfg.model, seed=5)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    params = jax.tree.unflatten(treedef, [p + 0.3 * jax.random.normal(k, p.shape, p.dtype)
+                                          for p, k in zip(leaves, keys)])
+    batch = jax.random.randint(jax.random.key(2), (2, cfg.seq_len + 1), 0, cfg.model.vocab_size)
+    return jax.jit(jax.value_and_grad(lambda p: lm_loss(model_def.merge(p), batch)[0])), params
+
+
 def loss_and_grads(mechanism, implementation, kernel_backward="xla", **overrides):
     """Loss and gradients of a 2-layer smoke model in two blocks of two sublayers (float32 unless
     ``overrides`` say otherwise): phase 1 reads the embedding and a completed block, phase 2 reads
@@ -22,14 +35,7 @@ def loss_and_grads(mechanism, implementation, kernel_backward="xla", **overrides
                       {"model.dtype": "float32", "model.n_layers": 2,
                        "model.residual.implementation": implementation,
                        "model.residual.kernel_backward": kernel_backward, **overrides})
-    model_def, params = step.init_model(cfg.model, seed=5)
-    # Non-zero pseudo-queries and convolutions (zero init would hide errors in those paths).
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(1), len(leaves))
-    params = jax.tree.unflatten(treedef, [p + 0.3 * jax.random.normal(k, p.shape, p.dtype)
-                                          for p, k in zip(leaves, keys)])
-    batch = jax.random.randint(jax.random.key(2), (2, 13), 0, cfg.model.vocab_size)
-    fn = jax.jit(jax.value_and_grad(lambda p: lm_loss(model_def.merge(p), batch)[0]))
+    fn, params = loss_and_grads_fn(cfg)
     return fn(params)
 
 
@@ -190,15 +196,9 @@ def test_saved_read_outputs_drop_the_rerun_read_kernels():
         cfg = load_config("configs/msar.py:smoke=1,seq_len=64",
                           {"model.dtype": "float32", "model.n_layers": 4, "model.residual.block_size": 4,
                            "model.residual.implementation": "pallas_gpu", "model.save_read_outputs": save})
-        model_def, params = step.init_model(cfg.model, seed=5)
-        leaves, treedef = jax.tree.flatten(params)
-        keys = jax.random.split(jax.random.key(1), len(leaves))
-        params = jax.tree.unflatten(treedef, [p + 0.3 * jax.random.normal(k, p.shape, p.dtype)
-                                              for p, k in zip(leaves, keys)])
-        batch = jax.random.randint(jax.random.key(2), (2, 65), 0, cfg.model.vocab_size)
+        fn, params = loss_and_grads_fn(cfg)
         # float32 products everywhere: with the GPU's default TF32 matmuls the re-run's
         # recomputed inputs differ from the forward's at 1e-3, and so would the gradients
-        fn = jax.jit(jax.value_and_grad(lambda p: lm_loss(model_def.merge(p), batch)[0]))
         with jax.default_matmul_precision("highest"):
             text = fn.lower(params).compile().as_text()
             results[save] = fn(params)
