@@ -283,37 +283,64 @@ def dstreams_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, h
     )(*args)
 
 
+def _bf16_parts(a: jax.Array, n_parts: int = 3) -> jax.Array:
+    """``a`` (float32) as ``n_parts`` bfloat16 terms whose float32 sum is ``a``: each term is
+    the next 8 significant bits of what the earlier ones left, cut by masking the low 16 bits
+    of the float32 pattern (so three terms hold all 24 bits of float32's significand and the
+    split is exact). A round trip through bfloat16 (``astype``) would not do: XLA may drop a
+    float32 -> bfloat16 -> float32 pair as excess precision (on the H200 it did, leaving one
+    term of 8 bits). Stacked on a new leading axis."""
+    parts, rest = [], a.astype(F32)
+    for _ in range(n_parts):
+        high = jax.lax.bitcast_convert_type(
+            jax.lax.bitcast_convert_type(rest, jnp.uint32) & jnp.uint32(0xFFFF0000), F32)
+        parts.append(high.astype(jnp.bfloat16))  # exact: the low 16 bits are zero
+        rest = rest - high  # exact: the bits below the cut
+    return jnp.stack(parts)
+
+
 def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads):
     """``dq_{s,r} = sum_{i,b,t} DSR_{s,r,i}[b,t] E_r[x_i][b,t]`` (per head) as matrix products
     over the tokens, without ``E``: with ``E[t] = sum_delta c[delta] mask_delta[t] x[t - delta]``,
     ``sum_t DSR[t] E[t] = sum_delta c[delta] sum_u DSR[u + delta] mask_delta[u + delta] x[u]``.
-    ``x[n, B, Tp, d]``, ``dsr[S, n, m, B, Tp, H]`` -> ``[S, m, d]`` float32 (exact float32 products)."""
+    ``x[n, B, Tp, d]``, ``dsr[S, n, m, B, Tp, H]`` -> ``[S, m, d]`` float32 (exact float32 products).
+
+    Every stream's lag-shifted ``DSR`` rows go into one ``[K, S, n, B Tp, H]`` operand (``K =
+    sum(max(kernel, 1))``, 25 for kernels (0, 4, 8, 12)), so ``x`` is read once per block, not
+    once per stream. A bfloat16 ``x`` (the model's sources) stays in its dtype: it is exact in
+    bfloat16, so the operand is split into three bfloat16 terms (``_bf16_parts``) and the product
+    runs on bfloat16 inputs with float32 accumulation, as exact as a float32 product without
+    materialising ``x`` in float32 (on the H200 the float32 ``x``, 4 bytes per element read once
+    per stream, bounded these products: BENCHMARKS.md, kernels, session 14)."""
     n, batch, t_pad, d = x.shape
     n_targets = dsr.shape[0]
     dh = d // heads
     masks = reference._lag_masks(seg, t_pad, max([1, *stream_kernels]), batch)  # [delta]: [B, Tp, 1]
     ok = reference._source_valid(n, valid)
-    xf = jnp.where(ok[:, None, None, None], x.astype(F32), 0.0).reshape(n, batch * t_pad, heads, dh)
-    out, off = [], 0
+    x = jnp.where(ok[:, None, None, None], x, jnp.zeros((), x.dtype)).reshape(n, batch * t_pad, heads, dh)
+    lagged = []
     for r, kernel in enumerate(stream_kernels):
         a = dsr[:, :, r]  # [S, n, B, Tp, H]
+        lagged.append(a)
+        lagged += [reference._unshift(a * masks[delta][:, :, None], delta) for delta in range(1, kernel)]
+    lagged = jnp.stack(lagged).reshape(len(lagged), n_targets, n, batch * t_pad, heads)  # [K, S, n, U, H]
+    if x.dtype == jnp.bfloat16:
+        y = jnp.einsum("pksnuh,nuhe->pksnhe", _bf16_parts(lagged), x, preferred_element_type=F32)
+        y = jnp.sum(y, axis=0)  # [K, S, n, H, dh]
+    else:
+        y = jnp.einsum("ksnuh,nuhe->ksnhe", lagged, x.astype(F32), precision=jax.lax.Precision.HIGHEST)
+    out, off, row = [], 0, 0
+    for r, kernel in enumerate(stream_kernels):
         if kernel == 0:
-            lagged = a[None]
-        else:
-            taps = []
-            for delta in range(kernel):
-                shifted = a if delta == 0 else reference._unshift(a * masks[delta][:, :, None], delta)
-                taps.append(shifted)
-            lagged = jnp.stack(taps)  # [K_r, S, n, B, Tp, H]
-        y = jnp.einsum("ksnuh,nuhe->ksnhe", lagged.reshape(*lagged.shape[:3], batch * t_pad, heads), xf,
-                       precision=jax.lax.Precision.HIGHEST)  # [K_r, S, n, H, dh]
-        if kernel == 0:
-            out.append(jnp.sum(y[0], axis=1).reshape(n_targets, d))
+            out.append(jnp.sum(y[row], axis=1).reshape(n_targets, d))
+            row += 1
         else:
             c = jnp.where(ok[:, None, None], banks[:, off:off + kernel].astype(F32), 0.0)  # invalid: never read
             c = c.reshape(n, kernel, heads, dh)  # [n, K_r, H, dh]
-            out.append(jnp.einsum("ksnhe,nkhe->she", y, c).reshape(n_targets, d))
+            out.append(jnp.einsum("ksnhe,nkhe->she", y[row:row + kernel], c,
+                                  precision=jax.lax.Precision.HIGHEST).reshape(n_targets, d))
             off += kernel
+            row += kernel
     return jnp.stack(out, axis=1)  # [S, m, d]
 
 

@@ -155,6 +155,46 @@ def test_buffer_row_shift_in_interpret(slots):
     _check((0, 4, 12), 2, True, (1, 1, 0), n=3, t=37, d=16, tiles=tiles, shift="buffer", form="reverse_t")
 
 
+def test_bf16_parts_sum_to_the_float32_value():
+    """The three bfloat16 terms of ``_bf16_parts`` sum back to their float32 input bit for bit,
+    compiled (XLA may drop a float32 -> bfloat16 -> float32 round trip, which would keep only
+    the first term's 8 bits), over 12 orders of magnitude and both signs."""
+    rng = np.random.default_rng(3)
+    a = jnp.asarray(10.0 ** rng.uniform(-6, 6, 4096) * rng.choice([-1, 1], 4096), jnp.float32)
+    parts = jax.jit(fb._bf16_parts)(a)
+    assert parts.dtype == jnp.bfloat16 and parts.shape == (3, 4096)
+    total = jax.jit(lambda p: p[0].astype(jnp.float32) + p[1].astype(jnp.float32) + p[2].astype(jnp.float32))(parts)
+    np.testing.assert_array_equal(np.asarray(total), np.asarray(a))
+    assert np.any(np.asarray(parts[2], np.float32) != 0)  # the third term carries bits
+
+
+@pytest.mark.parametrize("kernels, heads", [((0, 4, 8, 12), 1), ((0, 3), 2)], ids=["msar", "conv3_heads2"])
+def test_query_grads_bf16_sources_exact(kernels, heads):
+    """The query gradient's products over the tokens with bfloat16 sources (the model's dtype)
+    run on bfloat16 inputs, the float32 ``DSR`` split into three bfloat16 terms: against the
+    direct definition ``sum_{i,b,t} DSR E_r[x_i]`` in float64, float32 accuracy. ``DSR`` spans
+    six orders of magnitude, so one bfloat16 term (8 bits, about 4e-3) would fail this; segments,
+    an invalid source (NaN rows, zero ``DSR``), T not a multiple of anything."""
+    n, b, t, d, s = 3, 2, 19, 16, 3
+    m = len(kernels)
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((n, b, t, d)), jnp.bfloat16)
+    x = x.at[2].set(jnp.nan)  # the invalid source (an empty buffer slot): must not reach dq
+    banks = jnp.asarray(0.4 * rng.standard_normal((n, sum(kernels), d)), jnp.float32)
+    scale = 10.0 ** rng.uniform(-3, 3, (s, n, m, b, t, heads))
+    dsr = jnp.asarray(scale * rng.standard_normal((s, n, m, b, t, heads)), jnp.float32)
+    valid = jnp.asarray([True, True, False])
+    dsr = dsr * valid[None, :, None, None, None, None]
+    seg = jnp.asarray([[0] * 5 + [1] * (t - 5), [0] * t], jnp.int32)
+    got = jax.jit(functools.partial(fb._query_grads, stream_kernels=kernels, heads=heads))(x, banks, dsr, seg, valid)
+    # the definition, in float64: E_r[x_i] expanded by the reference, then summed against DSR
+    e = np.asarray(ref.expand(x, banks, kernels, seg), np.float64)  # [n, m, B, T, d]
+    e = np.where(np.asarray(valid)[:, None, None, None, None, None], e.reshape(n, m, b, t, heads, d // heads), 0.0)
+    want = np.einsum("sirbth,irbthe->srhe", np.asarray(dsr, np.float64), e).reshape(s, m, d)
+    assert got.shape == (s, m, d) and got.dtype == jnp.float32
+    assert _rel(got, want) < 1e-5, _rel(got, want)
+
+
 @pytest.mark.gpu
 def test_gpu_triton_matches_xla():
     """On a GPU: the compiled Triton kernels (masked halo loads, dot row shifts) at a medium
