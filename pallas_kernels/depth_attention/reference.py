@@ -143,6 +143,45 @@ def _unshift(x: jax.Array, delta: int) -> jax.Array:
     return jnp.pad(x, pad)[..., delta:, :]
 
 
+# How the conv's taps are written: "unrolled" (one shifted product per tap, which XLA fuses into
+# one pass over x on a GPU or TPU) or "loop" (a fori_loop over the taps: the same sum in the same
+# order, so the same bits, but a constant number of ops whatever the kernel size). None: "loop" on
+# the CPU, where compile time dominates (the smoke MSAR train step: about 16k StableHLO ops
+# unrolled), "unrolled" elsewhere.
+CONV_FORM: str | None = None
+
+
+def _conv_form() -> str:
+    if CONV_FORM is not None:
+        if CONV_FORM not in ("unrolled", "loop"):
+            raise ValueError(f"CONV_FORM={CONV_FORM!r}: must be 'unrolled', 'loop' or None")
+        return CONV_FORM
+    return "loop" if jax.default_backend() == "cpu" else "unrolled"
+
+
+def _lag_view(padded: jax.Array, delta, t_len: int, front: int) -> jax.Array:
+    """Rows ``front - delta ... front - delta + t_len - 1`` (axis -2) of ``padded`` (``delta`` may
+    be traced): ``_shift(x, delta)`` of an ``x`` padded with ``front`` zero rows in front, or
+    ``_unshift(x, delta)`` of one padded behind (``front = 0``, ``delta`` negated by the caller)."""
+    return jax.lax.dynamic_slice_in_dim(padded, front - delta, t_len, axis=padded.ndim - 2)
+
+
+def _pad_rows(x: jax.Array, before: int, after: int) -> jax.Array:
+    pad = [(0, 0)] * x.ndim
+    pad[-2] = (before, after)
+    return jnp.pad(x, pad)
+
+
+def _tap(taps: jax.Array, delta) -> jax.Array:
+    """``taps[..., delta, None, None, :]`` for a traced ``delta``."""
+    return jax.lax.dynamic_index_in_dim(taps, delta, axis=taps.ndim - 2, keepdims=False)[..., None, None, :]
+
+
+def _mask(masks: jax.Array, delta) -> jax.Array:
+    """``masks[delta][..., None]`` for a traced ``delta`` (no negative-index wrap to lower)."""
+    return jax.lax.dynamic_index_in_dim(masks, delta, axis=0, keepdims=False)[..., None]
+
+
 @jax.custom_vjp
 def causal_conv(x: jax.Array, taps: jax.Array, masks: jax.Array) -> jax.Array:
     """Causal depthwise conv ``y_t = sum_delta taps[delta] * mask_delta[t] * x[t - delta]``.
@@ -150,12 +189,22 @@ def causal_conv(x: jax.Array, taps: jax.Array, masks: jax.Array) -> jax.Array:
     ``x[..., B, T, d]``, ``taps[..., k, d]`` (lag-indexed, leading axes broadcast with
     ``x``'s), ``masks[k, B, T]`` (1 where token ``t - delta`` is in ``t``'s segment).
     The custom backward keeps only the inputs: autodiff of the sum of shifted
-    products would store the k shifted copies of ``x``.
+    products would store the k shifted copies of ``x``. ``CONV_FORM`` says how the taps
+    are written (the same values either way).
     """
-    y = 0.0
-    for delta in range(taps.shape[-2]):
-        y = y + taps[..., delta, None, None, :] * (masks[delta][..., None] * _shift(x, delta))
-    return y
+    k = taps.shape[-2]
+    if _conv_form() == "unrolled":
+        y = 0.0
+        for delta in range(k):
+            y = y + taps[..., delta, None, None, :] * (masks[delta][..., None] * _shift(x, delta))
+        return y
+    t_len, padded = x.shape[-2], _pad_rows(x, k - 1, 0)
+
+    def add_tap(delta, y):
+        return y + _tap(taps, delta) * (_mask(masks, delta) * _lag_view(padded, delta, t_len, k - 1))
+
+    shape = jnp.broadcast_shapes(x.shape, (*taps.shape[:-2], 1, 1, taps.shape[-1]), (*masks.shape[1:], 1))
+    return jax.lax.fori_loop(0, k, add_tap, jnp.zeros(shape, jnp.result_type(x, taps, masks)))
 
 
 def _causal_conv_fwd(x, taps, masks):
@@ -164,17 +213,33 @@ def _causal_conv_fwd(x, taps, masks):
 
 def _causal_conv_bwd(res, dy):
     x, taps, masks = res
+    k, t_len = taps.shape[-2], x.shape[-2]
     dx = jnp.zeros(jnp.broadcast_shapes(x.shape, dy.shape), dy.dtype)
-    dtaps = []
     lead = taps.ndim - 2  # leading (per-source) axes of taps
-    for delta in range(taps.shape[-2]):
-        masked = dy * masks[delta][..., None]
-        dx = dx + _unshift(taps[..., delta, None, None, :] * masked, delta)
-        prod = masked * _shift(x, delta)  # [..., B, T, d]
-        extra = prod.ndim - 3 - lead  # broadcast axes of x not in taps
-        dtaps.append(jnp.sum(prod, axis=tuple(range(extra)) + (-3, -2)))
+    prod_shape = jnp.broadcast_shapes(dy.shape, (*masks.shape[1:], 1), x.shape)
+    extra = len(prod_shape) - 3 - lead  # broadcast axes of x not in taps
+    reduced = tuple(range(extra)) + (-3, -2)
+    if _conv_form() == "unrolled":
+        dtaps = []
+        for delta in range(k):
+            masked = dy * masks[delta][..., None]
+            dx = dx + _unshift(taps[..., delta, None, None, :] * masked, delta)
+            prod = masked * _shift(x, delta)  # [..., B, T, d]
+            dtaps.append(jnp.sum(prod, axis=reduced))
+        dtaps = jnp.stack(dtaps, axis=-2)
+    else:
+        padded = _pad_rows(x, k - 1, 0)
+
+        def add_tap(delta, carry):
+            dx, dtaps = carry
+            masked = dy * _mask(masks, delta)
+            dx = dx + _lag_view(_pad_rows(_tap(taps, delta) * masked, 0, k - 1), -delta, t_len, 0)
+            prod = masked * _lag_view(padded, delta, t_len, k - 1)
+            return dx, jax.lax.dynamic_update_index_in_dim(dtaps, jnp.sum(prod, axis=reduced), delta, axis=-2)
+
+        dtaps = jnp.zeros((*prod_shape[extra:-3], k, prod_shape[-1]), jnp.result_type(dy, masks, x))
+        dx, dtaps = jax.lax.fori_loop(0, k, add_tap, (dx, dtaps))
     dx = jnp.sum(dx, axis=tuple(range(dx.ndim - x.ndim))) if dx.ndim > x.ndim else dx
-    dtaps = jnp.stack(dtaps, axis=-2)
     dtaps = jnp.sum(dtaps, axis=tuple(range(dtaps.ndim - taps.ndim))) if dtaps.ndim > taps.ndim else dtaps
     return dx.reshape(x.shape), dtaps.reshape(taps.shape), jnp.zeros_like(masks)
 
