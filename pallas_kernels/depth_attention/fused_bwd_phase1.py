@@ -315,7 +315,7 @@ def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads):
     n, batch, t_pad, d = x.shape
     n_targets = dsr.shape[0]
     dh = d // heads
-    masks = reference._lag_masks(seg, t_pad, max([1, *stream_kernels]), batch)  # [delta]: [B, Tp, 1]
+    masks = reference._lag_masks(seg, t_pad, max([1, *stream_kernels]), batch)  # [delta, B, Tp]
     ok = reference._source_valid(n, valid)
     x = jnp.where(ok[:, None, None, None], x, jnp.zeros((), x.dtype)).reshape(n, batch * t_pad, heads, dh)
     lagged = []

@@ -79,23 +79,24 @@ def key_rms(x: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _lag_masks(segment_ids: jax.Array | None, t_len: int, max_lag: int, batch: int):
-    """``masks[delta][b, t]`` is 1 where token ``t - delta`` is in the same sequence
-    segment as ``t`` (and exists).
+def _lag_masks(segment_ids: jax.Array | None, t_len: int, max_lag: int, batch: int) -> jax.Array:
+    """``masks[delta, b, t]`` (``[max_lag, B, T]`` float32) is 1 where token ``t - delta`` is in
+    the same sequence segment as ``t`` (and exists).
 
     Segment ids must be contiguous runs with an id that is not reused later in the row
     (what packing produces): membership is decided by equal ids, as in the attention
     mask, so a reused id would let the convolution reach across the segments between.
+    Built for all lags at once (a handful of ops, not a handful per lag: the model calls
+    this in every expansion, and each op costs compile time).
     """
-    t = jnp.arange(t_len)
-    masks = []
-    for delta in range(max_lag):
-        valid = jnp.broadcast_to(t >= delta, (batch, t_len))
-        if segment_ids is not None and delta > 0:
-            shifted = jnp.pad(segment_ids, ((0, 0), (delta, 0)), constant_values=-1)[:, :t_len]
-            valid = valid & (shifted == segment_ids)
-        masks.append(valid.astype(jnp.float32))
-    return masks
+    valid = jnp.arange(t_len)[None, None, :] >= jnp.arange(max_lag)[:, None, None]  # [K, 1, T]
+    valid = jnp.broadcast_to(valid, (max_lag, batch, t_len))
+    if segment_ids is not None and max_lag > 1:
+        padded = jnp.pad(segment_ids, ((0, 0), (max_lag - 1, 0)), constant_values=-1)
+        earlier = jnp.stack([padded[:, max_lag - 1 - delta : max_lag - 1 - delta + t_len]
+                             for delta in range(max_lag)])  # [K, B, T]: the id of token t - delta
+        valid = valid & (earlier == segment_ids[None])
+    return valid.astype(jnp.float32)
 
 
 def expand(
@@ -112,7 +113,7 @@ def expand(
     x = x.astype(jnp.float32)
     batch, t_len = x.shape[-3], x.shape[-2]
     max_lag = max([0, *stream_kernels])
-    masks = jnp.stack(_lag_masks(segment_ids, t_len, max_lag, batch)) if max_lag else None
+    masks = _lag_masks(segment_ids, t_len, max_lag, batch) if max_lag else None
     streams = []
     offset = 0
     for kernel in stream_kernels:
