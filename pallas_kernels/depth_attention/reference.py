@@ -204,8 +204,10 @@ def causal_conv(x: jax.Array, taps: jax.Array, masks: jax.Array) -> jax.Array:
     def add_tap(delta, y):
         return y + _tap(taps, delta) * (_mask(masks, delta) * _lag_view(padded, delta, t_len, k - 1))
 
-    shape = jnp.broadcast_shapes(x.shape, (*taps.shape[:-2], 1, 1, taps.shape[-1]), (*masks.shape[1:], 1))
-    return jax.lax.fori_loop(0, k, add_tap, jnp.zeros(shape, jnp.result_type(x, taps, masks)))
+    # Lag 0 outside the loop, as the unrolled form writes it: the carry then takes the data's type,
+    # manual axes included (inside a pipeline stage's shard_map a fresh zeros carry would not).
+    y = 0.0 + taps[..., 0, None, None, :] * (masks[0][..., None] * x)
+    return jax.lax.fori_loop(1, k, add_tap, y)
 
 
 def _causal_conv_fwd(x, taps, masks):
@@ -238,8 +240,13 @@ def _causal_conv_bwd(res, dy):
             prod = masked * _lag_view(padded, delta, t_len, k - 1)
             return dx, jax.lax.dynamic_update_index_in_dim(dtaps, jnp.sum(prod, axis=reduced), delta, axis=-2)
 
-        dtaps = jnp.zeros((*prod_shape[extra:-3], k, prod_shape[-1]), jnp.result_type(dy, masks, x))
-        dx, dtaps = jax.lax.fori_loop(0, k, add_tap, (dx, dtaps))
+        # Lag 0 outside the loop (the carry takes the data's manual-axis type, as in the forward);
+        # its tap gradient fills every slot of the carry, and the loop overwrites lags 1 ... k-1.
+        masked = dy * masks[0][..., None]
+        dx = dx + taps[..., 0, None, None, :] * masked
+        first = jnp.sum(masked * x, axis=reduced)
+        dtaps = jnp.broadcast_to(first[..., None, :], (*first.shape[:-1], k, first.shape[-1]))
+        dx, dtaps = jax.lax.fori_loop(1, k, add_tap, (dx, dtaps))
     dx = jnp.sum(dx, axis=tuple(range(dx.ndim - x.ndim))) if dx.ndim > x.ndim else dx
     dtaps = jnp.sum(dtaps, axis=tuple(range(dtaps.ndim - taps.ndim))) if dtaps.ndim > taps.ndim else dtaps
     return dx.reshape(x.shape), dtaps.reshape(taps.shape), jnp.zeros_like(masks)
