@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo venv clean-venv accounting bench-memory
+.PHONY: test test-slow demo venv clean-venv accounting bench-memory
 
 venv: $(STAMP)
 
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# the long-running cases (pytest -m slow); CI runs them after `make test`
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m slow
 
 demo: $(STAMP)
 	$(PY) -m msar_jax.demo

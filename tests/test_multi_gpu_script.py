@@ -41,6 +41,10 @@ def test_layout_configs(multi_gpu):
             multi_gpu.layout_config(bad, 8, 2)
 
 
+# The slow suite (CI runs it after the default one): the script end to end, about 60-85 s on 2
+# cores. Its layouts are checked against one device in test_pipeline.py and
+# test_train_parallel.py, its parts (layout_config, summarise) by the tests around it.
+@pytest.mark.slow
 def test_smoke_run(multi_gpu, monkeypatch, capsys, tmp_path):
     from pallas_kernels.depth_attention import api
 

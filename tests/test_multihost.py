@@ -21,6 +21,7 @@ import time
 
 import jax
 import numpy as np
+import pytest
 
 from msar_jax import data
 from msar_jax.configs import REPO_ROOT, load_config
@@ -101,6 +102,7 @@ def _train_losses(workdir):
     return np.array([r["loss"] for r in read_jsonl(workdir, "train")])
 
 
+@pytest.mark.slow  # three training processes, 30-55 s on 2 cores; CI runs the slow suite too
 def test_two_processes_match_one_process(tmp_path):
     data.ensure_prepared()  # built here once, not raced by the children
     logs = tmp_path / "logs"

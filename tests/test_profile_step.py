@@ -64,6 +64,9 @@ def test_hlo_kinds(prof):
     assert prof.kind_of(None, comps) == "other"
 
 
+# The profiler's end-to-end runs (15-26 s each) are in the slow suite, which CI runs after the
+# default one; its attribution and HLO rules are checked above.
+@pytest.mark.slow
 def test_profile_smoke_attnres(prof, tmp_path):
     rows = prof.main(["configs/attnres.py:smoke=1", "--steps=1", "--warmup=0", "--top=3",
                       f"--trace_root={tmp_path}", f"--json={tmp_path / 'p.json'}", f"--hlo_dir={tmp_path / 'hlo'}"])
@@ -83,6 +86,7 @@ def test_profile_smoke_attnres(prof, tmp_path):
     assert row["pallas_kernels"] == {}  # the XLA read: no Pallas kernel
 
 
+@pytest.mark.slow
 def test_profile_names_pallas_kernels(prof, tmp_path):
     """The per-kernel table, on the interpret-mode GPU kernels of a smoke-size AttnRes step."""
     (row,) = prof.main(["configs/attnres.py:smoke=1", "--steps=1", "--warmup=0", f"--trace_root={tmp_path}",
