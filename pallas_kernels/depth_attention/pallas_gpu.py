@@ -1,13 +1,14 @@
 """GPU implementation through the Pallas Triton lowering (kernels in ``fused.py``).
 
-Why Triton and not Mosaic GPU (``plgpu.kernel``): the kernels are elementwise
-conv taps, row reductions and scalar-weighted accumulations with a causal halo
-along tokens; no matrix unit work. The Triton lowering expresses the halo as masked
-loads at negative offsets and compiles from the same kernel body as the TPU path,
-and a first Triton AttnRes read already reached 43% of its floor on this H200
-(shared/GPU_NOTES.md). A Mosaic GPU port (TMA pipelines with explicit barriers) is
-the follow-up once this version is measured; the Triton lowering is deprecated in
-jax 0.11 but present in the pinned 0.11.2. See BENCHMARKS.md for the measurements.
+Why Triton, for now: the kernels are elementwise conv taps, row reductions and
+scalar-weighted accumulations with a causal halo along tokens; no matrix unit work. The
+Triton lowering expresses the halo as masked loads at negative offsets and compiles from
+the same kernel body as the TPU path. It is deprecated in jax 0.11 but present in the
+pinned 0.11.2. Measured against Mosaic GPU (``plgpu.kernel``) once, in session 15: a
+prototype of phase 2's scoring pass with a TMA pipeline and one shared-memory window per
+conv lag (``experiments/mgpu/scores_mgpu.py``) ran 1.55-1.70x faster than the Triton
+kernel on the H200, exact. So Mosaic GPU is the faster backend for that pass, and porting
+the kernels is the open work (BENCHMARKS.md, kernels, session 15 and "What remains").
 """
 
 from __future__ import annotations
