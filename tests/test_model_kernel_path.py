@@ -56,6 +56,35 @@ def test_kernel_path_matches_xla_path(mechanism, implementation, kernel_backward
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale)
 
 
+def test_mosaic_gpu_phase2_in_the_model():
+    """``gpu_kernels="mosaic"``: phase 2's fused forward as the Mosaic GPU kernel (interpreted),
+    its scores feeding the Pallas backward, gives the XLA path's loss and gradients."""
+    want_loss, want = loss_and_grads("msar", "xla")
+    got_loss, got = loss_and_grads("msar", "pallas_gpu", "pallas", **{"model.residual.gpu_kernels": "mosaic"})
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    flat_got, flat_want = jax.tree.leaves(got), jax.tree.leaves(want)
+    scale = max(float(np.max(np.abs(w))) for w in flat_want)
+    for g, w in zip(flat_got, flat_want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("overrides, want", [
+    ({}, None),  # "auto": the kernels choose (Mosaic GPU for phase 2's forward on a GPU)
+    ({"model.save_read_outputs": True}, "triton"),  # the re-run keeps only the scores
+    ({"model.save_read_outputs": True, "model.residual.gpu_kernels": "mosaic"}, "mosaic"),
+    ({"model.residual.gpu_kernels": "triton"}, "triton"),
+])
+def test_gpu_kernels_option_reaches_the_ops(overrides, want):
+    from flax import nnx
+
+    from msar_jax.residuals import make_mechanism
+    from pallas_kernels.depth_attention import api as depth_api
+
+    cfg = load_config("configs/msar.py:smoke=1", {"model.residual.implementation": "pallas_gpu", **overrides})
+    op = make_mechanism(cfg.model, nnx.Rngs(0))._op(depth_api.phase2_fused)
+    assert op.keywords.get("gpu_kernels") == want
+
+
 @pytest.mark.parametrize("mechanism, phase2_fused_backward, phase1_backward, other_ops", [
     ("msar", "pallas", "pallas", "xla"),  # Pallas for phase 1 (its wide form) and the fused phase 2 + gate
     ("attnres", "pallas", "pallas", "pallas"),  # a single stream and head: Pallas everywhere

@@ -141,6 +141,16 @@ class BlockDepthAttention(ResidualMechanism):
             return "pallas"
         return "pallas" if op in (depth_api.phase1, depth_api.phase2_fused) and len(self.stream_kernels) > 1 else "xla"
 
+    def _gpu_kernels(self) -> str:
+        """The ops' ``gpu_kernels``: the config's, except that ``"auto"`` becomes ``"triton"`` under
+        ``model.save_read_outputs``. There the backward's re-run of a read keeps only its scores
+        (the output ``h`` is saved), and XLA drops the Triton forward's gate passes, leaving its
+        scoring pass (0.48 ms per call at `base`), while the Mosaic GPU forward is one kernel that
+        runs whole (1.38 ms in the model; BENCHMARKS.md, kernels, session 16). Predicted from
+        those per-call figures, not yet timed as a step."""
+        choice = self.res_cfg.get("gpu_kernels", "auto")
+        return "triton" if choice == "auto" and self.save_read_outputs else choice
+
     def _lean_vjp(self, op) -> bool:
         """Run ``op`` without a checkpoint: it runs a Pallas kernel whose backward keeps only its
         inputs. That removed a third run of each read's forward kernels per step on the H200
@@ -154,6 +164,9 @@ class BlockDepthAttention(ResidualMechanism):
         kw = self._kw()
         if self.implementation != "xla":  # the Pallas kernels' backward (the XLA path has one)
             kw["backward"] = self._kernel_backward(op)
+            gpu_kernels = self._gpu_kernels()
+            if gpu_kernels != "auto":  # "auto" is the kernels' own choice
+                kw["gpu_kernels"] = gpu_kernels
         return functools.partial(op, implementation=self.implementation, **kw)
 
     # ----- banks: a source uses the bank of the newest output it contains (Appendix C) -----

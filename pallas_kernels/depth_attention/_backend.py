@@ -5,7 +5,36 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.depth_attention import conv_transpose, fused, fused_bwd_phase1, fused_bwd_phase2, tiling, vjp
+from pallas_kernels.depth_attention import (conv_transpose, fused, fused_bwd_phase1, fused_bwd_phase2, mosaic_gpu,
+                                            tiling, vjp)
+
+
+GPU_KERNELS = ("auto", "mosaic", "triton")
+
+
+def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype, interpret: bool) -> bool:
+    """Whether phase 2's fused forward runs as the Mosaic GPU kernel (``mosaic_gpu.py``) rather
+    than the three Triton calls of ``fused.phase2_forward``.
+
+    ``"auto"``: on a GPU (not in interpret mode), with several streams, whenever the kernel takes
+    the shape. Measured on the H200 at `base` (BENCHMARKS.md, kernels, session 16): MSAR's
+    forward 1.42 against 1.80 ms per call, its `base` step 1735.3 against 1764.4 ms; a single
+    stream (AttnRes) ran 0.235 against 0.209 ms, so it keeps Triton. ``"mosaic"``: always
+    (interpreted off the GPU, as the tests run it; an error for a shape it does not take);
+    ``"triton"``: never. The unfused ``phase2`` (``fuse=None``) has the Triton kernels only."""
+    if choice == "triton" or backend != "triton" or static.fuse is None:
+        return False
+    if choice == "auto" and (interpret or len(static.stream_kernels) == 1):
+        return False
+    bd = mosaic_gpu.choose_block_d(d=partial.shape[-1], heads=static.heads, stream_kernels=static.stream_kernels,
+                                   x_dtype=partial.dtype, acc_dtype=state.acc.dtype, out_dtype=out_dtype,
+                                   gate=static.fuse == "gate", smem_limit=None if interpret else mosaic_gpu.SMEM_BYTES)
+    if choice == "mosaic" and bd is None:
+        raise ValueError(f"gpu_kernels='mosaic': the Mosaic GPU phase 2 does not take d={partial.shape[-1]}, "
+                         f"heads={static.heads}, kernels {static.stream_kernels}, a {partial.dtype} partial "
+                         f"(no channel chunk divides the head with a program in shared memory: "
+                         f"mosaic_gpu.choose_block_d)")
+    return bd is not None
 
 
 def build(backend: str, native_platform: str):
@@ -16,8 +45,9 @@ def build(backend: str, native_platform: str):
     Keyword options accepted by every op: ``interpret`` (bool), ``tiles`` (a
     ``tiling.Tiles``) and ``backward`` (``"xla"``, the default, ``"pallas"`` or ``"hybrid"``: see
     ``vjp.py``), ``phase1_backward_form`` (``fused_bwd_phase1.FORMS``) and
-    ``phase2_backward_form`` (``fused_bwd_phase2.FORMS``); ``phase2_fused`` also ``out_dtype``;
-    ``phase1`` also ``per_target`` (``api.phase1``).
+    ``phase2_backward_form`` (``fused_bwd_phase2.FORMS``), ``gpu_kernels`` (``GPU_KERNELS``:
+    which GPU lowering runs the ops that have two; see ``_mosaic_phase2``); ``phase2_fused`` also
+    ``out_dtype``; ``phase1`` also ``per_target`` (``api.phase1``).
     """
 
     def setup(d, heads, stream_kernels, n_targets, opts):
@@ -25,6 +55,11 @@ def build(backend: str, native_platform: str):
         opts.pop("backward", None)  # read by vjp.py's backward
         opts.pop("phase1_backward_form", None)  # read by p1_backward
         opts.pop("phase2_backward_form", None)  # read by p2_backward
+        gpu_kernels = opts.pop("gpu_kernels", "auto")
+        if gpu_kernels not in GPU_KERNELS:
+            raise ValueError(f"gpu_kernels={gpu_kernels!r}: must be one of {GPU_KERNELS}")
+        if gpu_kernels == "mosaic" and backend != "triton":
+            raise ValueError(f"gpu_kernels='mosaic' asks for Mosaic GPU kernels; this is the {backend} back end")
         interpret = opts.pop("interpret", jax.default_backend() != native_platform)
         tiles = opts.pop("tiles", None) or tiling.choose_tiles(
             d=d, heads=heads, max_kernel=max([1, *stream_kernels]), n_targets=n_targets, backend=backend,
@@ -33,10 +68,11 @@ def build(backend: str, native_platform: str):
         window = backend if not interpret else "interpret"
         if window != "triton":  # the TPU / interpret halo comes from the previous tile only
             tiles = tiles.with_min_block_t(tiling._next_pow2(max([1, *stream_kernels]) - 1))
-        return dict(tiles=tiles, backend=window, interpret=interpret), opts
+        return dict(tiles=tiles, backend=window, interpret=interpret), dict(opts, gpu_kernels=gpu_kernels)
 
     def p1_forward(sources, banks, queries, valid, segment_ids, static):
         kw, rest = setup(sources.shape[-1], static.heads, static.stream_kernels, queries.shape[0], static.kernel_opts)
+        rest.pop("gpu_kernels")  # phase 1 has the Triton kernels only
         per_target = rest.pop("per_target", False)
         state_dtype = jnp.dtype(rest.pop("state_dtype", "float32"))
         if rest:
@@ -49,8 +85,17 @@ def build(backend: str, native_platform: str):
     def p2_forward(state, partial, bank, query, include, gate, segment_ids, static, return_scores=False):
         kw, rest = setup(partial.shape[-1], static.heads, static.stream_kernels, 1, static.kernel_opts)
         out_dtype = rest.pop("out_dtype", jnp.float32)
+        gpu_kernels = rest.pop("gpu_kernels")
         if rest:
             raise TypeError(f"phase2: unknown options {sorted(rest)}")
+        if _mosaic_phase2(gpu_kernels, backend, static, partial, state, out_dtype, kw["interpret"]):
+            gate_args = gate if static.fuse == "gate" else None
+            out, scores = mosaic_gpu.phase2_fused_forward(
+                state, partial, bank, query, include, gate_args, segment_ids, fuse=static.fuse,
+                stream_kernels=static.stream_kernels, heads=static.heads, eps=static.eps, gate_eps=static.gate_eps,
+                out_dtype=out_dtype, interpret=kw["interpret"],
+            )
+            return (out, scores) if return_scores else out
         return fused.phase2_forward(
             state, partial, bank, query, include, gate, fuse=static.fuse, stream_kernels=static.stream_kernels,
             heads=static.heads, segment_ids=segment_ids, eps=static.eps, gate_eps=static.gate_eps,

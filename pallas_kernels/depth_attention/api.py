@@ -62,6 +62,7 @@ def _dispatch(op: str, implementation: Implementation, *args, **kwargs):
         if name == "xla":
             # A kernel option: which backward the Pallas kernels use. The XLA path has one.
             kwargs.pop("backward", None)
+            kwargs.pop("gpu_kernels", None)  # which GPU lowering the kernels use
             split = reference.split_targets if kwargs.pop("per_target", False) else (lambda out: out)
             if "state_dtype" in kwargs:  # phase 1: the XLA path computes in float32, then stores acc
                 dtype, inner = kwargs.pop("state_dtype"), split

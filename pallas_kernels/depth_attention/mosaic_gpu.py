@@ -1,0 +1,409 @@
+"""Phase 2's fused forward (merge + stream fusion) as one Mosaic GPU kernel (``plgpu.kernel``).
+
+Same contract as ``fused.phase2_forward(fuse="gate" | "mean")``; the Triton form runs it as
+three Pallas calls (``scores``, ``mix_stats``, ``mix_gate``) with XLA between them. Here one
+program per (batch row, 64-token tile), one warpgroup, runs the three passes over the channel
+chunks in turn and keeps every per-token scalar between them in registers:
+
+A. scores: expand the partial's chunk for every stream (Eq. 10) and accumulate the per-head
+   dots ``q_r . E_r`` and ``sum E_r^2``. Then, per stream and head, the score
+   ``s = dot * rsqrt(sumsq / d + eps)`` and the online-softmax merge with the phase-1 state
+   (``M' = max(M, s)``, ``c = exp(M - M')``, ``p = exp(s - M')``, ``D' = c D + p``): the
+   coefficients ``a = c / D'``, ``b = p / D'`` of ``z_r = a A_r + b E_r`` (Eq. 11, merged).
+B. gate statistics (gate only): ``sum_r sum z_r^2`` and ``y_j = sum_r z_r . W[r, :, j]``, then
+   ``g = sigmoid(scale * y / rms_{m d}(Z) + bias)`` (Eq. 13-14).
+C. fusion: ``h = sum_r g_r z_r`` (``1 / m`` each for mean fusion), written chunk by chunk.
+
+Each pass streams the chunks through a double-buffered TMA pipeline (the partial's lag
+windows, the conv taps, the queries; the state's chunk and the gate's ``W`` in B and C). A
+conv lag's rows ``[t0 - delta, t0 - delta + 64)`` come by their own TMA copy into their own
+shared-memory window: loading them from one window at a row offset gave wrong values on the
+H200 (BENCHMARKS.md, kernels, session 15, calls 2-4; ``experiments/mgpu/scores_mgpu.py``).
+Rows before token 0 come from TMA's zero fill on the GPU; Pallas' Mosaic GPU interpret mode
+does not emulate it, so interpreted calls get the rows padded in front by XLA. Segment
+boundaries (the conv restarts at a segment start) are one ``int32`` of lag bits per token,
+built by XLA from the ids with the reference's rule (``reference._lag_masks``).
+
+The forward's per-token scores (``dots[m, B, T, H]``, ``sumsq[m, B, T]``) are outputs too: the
+Pallas backward (``fused_bwd_phase2``) starts from them.
+
+Why Mosaic GPU for this op: session 15 timed the scoring pass alone 1.55-1.70x faster than the
+Triton kernel; this module's whole forward against the Triton three-call form is in
+BENCHMARKS.md, kernels, session 16.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.depth_attention import reference
+from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
+
+F32 = jnp.float32
+BLOCK_T = 64  # one warpgroup's WGMMA register layout: 64 rows
+MAX_LAG_BITS = 31  # lag bits per token in one int32 (``lag_bits``)
+
+
+SMEM_BYTES = 232448 - 4096  # the H200's shared memory per block, less room for barriers and alignment
+# Channel chunks, widest first. 16 ran MSAR's forward at `base` 12-13% slower than 32 (1.59-1.60
+# against 1.42 ms) and AttnRes's crashed with a misaligned address on the H200 (session 16, calls 1 and 3), so
+# only 32 is offered: a program that does not fit with it (a float32 partial) runs on Triton.
+BLOCK_D_CHOICES = (32,)
+
+
+def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, out_dtype,
+               gate: bool = True) -> int:
+    """Shared memory of one program of ``phase2_fused_forward`` (its scratch list)."""
+    bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
+    size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
+    n_windows, n_taps = max([1, *stream_kernels]), max(1, sum(stream_kernels))
+    return (2 * n_windows * bt * bd * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bd * 4
+            + 2 * m * bt * bd * size(acc_dtype) + (2 * m * m * bd * 4 if gate else 0)
+            + (2 * m * heads + 1 + m + 2 + m * heads + m) * bt * 4 + 2 * bt * bd * size(out_dtype))
+
+
+def choose_block_d(*, d: int, heads: int, stream_kernels: Sequence[int], x_dtype, acc_dtype, out_dtype,
+                   gate: bool = True, smem_limit: int | None = SMEM_BYTES) -> int | None:
+    """The widest channel chunk of ``BLOCK_D_CHOICES`` that divides a head and whose program fits
+    in ``smem_limit`` bytes of shared memory (``smem_bytes``; None: no limit, as in interpret
+    mode), or None (the shape is not supported)."""
+    for bd in BLOCK_D_CHOICES:
+        fits = smem_limit is None or smem_bytes(block_d=bd, stream_kernels=stream_kernels, heads=heads,
+                                                x_dtype=x_dtype, acc_dtype=acc_dtype, out_dtype=out_dtype,
+                                                gate=gate) <= smem_limit
+        if d % heads == 0 and (d // heads) % bd == 0 and fits and max([1, *stream_kernels]) <= MAX_LAG_BITS:
+            return bd
+    return None
+
+
+def lag_bits(segment_ids, t_len: int, max_lag: int):
+    """``bits[B, T]`` int32: bit ``delta`` set where token ``t - delta`` exists and lies in
+    ``t``'s segment (``reference._lag_masks``' rule: equal ids). Bit 0 is always set."""
+    masks = reference._lag_masks(segment_ids, t_len, max_lag, segment_ids.shape[0])  # [K, B, T]
+    weights = (2 ** jnp.arange(max_lag, dtype=jnp.int32))[:, None, None]
+    return jnp.sum(masks.astype(jnp.int32) * weights, axis=0)
+
+
+def _rows(v, bt, bd):
+    return lax.broadcast_in_dim(v, (bt, bd), [0])
+
+
+def _cols(v, bt, bd):
+    return lax.broadcast_in_dim(v, (bt, bd), [1])
+
+
+def phase2_fused_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *, fuse: str,
+                         stream_kernels: Sequence[int], heads: int, eps: float, gate_eps: float, out_dtype=F32,
+                         block_d: int | None = None, interpret: bool = False):
+    """``h[B, T, d]`` and the scores ``(dots[m, B, T, H], sumsq[m, B, T])``.
+
+    ``state``: ``reference.SoftmaxState`` (``[m, B, T, H]`` max and denom, ``[m, B, T, d]`` acc,
+    float32 or bf16); ``partial[B, T, d]``; ``bank[K, d]`` or None; ``query[m, d]``;
+    ``include_partial`` a (traced) bool; ``gate_params = (w[m d, m], scale, bias[m])`` for
+    ``fuse="gate"``. ``block_d``: the channel chunk (None: ``choose_block_d``; it raises
+    ``NotImplementedError`` when no chunk fits). ``interpret``: run in Pallas' Mosaic GPU
+    interpret mode (CPU tests)."""
+    if fuse not in ("gate", "mean"):
+        raise ValueError(f"fuse={fuse!r}: the Mosaic GPU phase 2 fuses the streams ('gate' or 'mean')")
+    batch, t_len, d = partial.shape
+    m, bt = len(stream_kernels), BLOCK_T
+    gate = fuse == "gate"
+    dtypes = dict(x_dtype=partial.dtype, acc_dtype=state.acc.dtype, out_dtype=out_dtype, gate=gate)
+    bd = block_d or choose_block_d(d=d, heads=heads, stream_kernels=stream_kernels, **dtypes,
+                                   smem_limit=None if interpret else SMEM_BYTES)
+    if bd is None or d % heads or (d // heads) % bd:
+        raise NotImplementedError(
+            f"mosaic_gpu.phase2_fused_forward: no channel chunk of {BLOCK_D_CHOICES} divides the head width "
+            f"d/heads = {d}/{heads} with a program in {SMEM_BYTES} bytes of shared memory (block_d={block_d})")
+    max_lag = max([1, *stream_kernels])
+    has_bank = any(stream_kernels)
+    has_seg = segment_ids is not None and max_lag > 1
+    mh = m * heads
+    t_pad = -(-t_len // bt) * bt
+    halo = max_lag - 1
+    # Interpret mode: the rows before token 0 as zeros in memory (see the module docstring).
+    front = halo if interpret else 0
+
+    def pad_t(a, axis, value=0.0):
+        return _pad_t(a, axis, t_pad, value)
+
+    x = pad_t(partial, 1)
+    if front:
+        x = jnp.pad(x, ((0, 0), (front, 0), (0, 0)))
+    banks = (jnp.asarray(bank, F32) if has_bank else jnp.zeros((1, d), F32))
+    q = jnp.asarray(query, F32)
+    acc = pad_t(state.acc, 2)
+    # [m, B, T, H] -> [m H, B, T]: a head's row of tokens contiguous (a reshape when H = 1)
+    pmax = pad_t(jnp.moveaxis(jnp.asarray(state.max, F32), -1, 1).reshape(mh, batch, t_len), 2)
+    pden = pad_t(jnp.moveaxis(jnp.asarray(state.denom, F32), -1, 1).reshape(mh, batch, t_len), 2, 1.0)
+    include = jnp.asarray(include_partial, F32)
+    if gate:
+        w, scale, bias = gate_params
+        w_rows = jnp.asarray(w, F32).reshape(m, d, m).transpose(0, 2, 1).reshape(m * m, d)  # [(r, j), c]
+        consts = [jnp.asarray(scale, F32).reshape(()), *jnp.asarray(bias, F32).reshape(m)]
+    else:
+        w_rows, consts = None, []
+    consts = jnp.broadcast_to(jnp.stack([include, *consts])[:, None], (1 + len(consts), bt))
+    bits = pad_t(lag_bits(segment_ids, t_len, max_lag), 1) if has_seg else None
+
+    inputs = [x, banks, q, acc, pmax, pden, consts]
+    if gate:
+        inputs.append(w_rows)
+    if has_seg:
+        inputs.append(bits)
+    call = _kernel(_Config(batch=batch, t_pad=t_pad, d=d, stream_kernels=tuple(stream_kernels), heads=heads,
+                           block_d=bd, gate=gate, has_seg=has_seg, front=front, eps=float(eps),
+                           gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
+                           out_dtype=jnp.dtype(out_dtype), n_consts=consts.shape[0], interpret=bool(interpret)))
+    h, dots, sumsq = call(*inputs)
+    dots = jnp.moveaxis(dots.reshape(m, heads, batch, t_pad), 1, -1)[:, :, :t_len]
+    return h[:, :t_len], (dots, sumsq[:, :, :t_len])
+
+
+class _Config(NamedTuple):
+    """Everything the kernel's code depends on (hashable: ``_kernel`` builds it once per value)."""
+
+    batch: int
+    t_pad: int
+    d: int
+    stream_kernels: tuple
+    heads: int
+    block_d: int
+    gate: bool
+    has_seg: bool
+    front: int  # rows padded in front of the partial (interpret mode)
+    eps: float
+    gate_eps: float
+    x_dtype: jnp.dtype
+    acc_dtype: jnp.dtype
+    out_dtype: jnp.dtype
+    n_consts: int
+    interpret: bool
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(cfg: _Config):
+    """The kernel for ``cfg`` as a jitted function of ``phase2_fused_forward``'s inputs. Built and
+    jitted once per configuration, so that every call site of a model traces the same function:
+    JAX then lowers it once per program instead of once per call (the Mosaic GPU lowering of this
+    kernel takes about 15 s on the CPU; a `base` step has 56 call sites of one configuration)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    batch, t_pad, d, heads, bd, gate, has_seg, front = (cfg.batch, cfg.t_pad, cfg.d, cfg.heads, cfg.block_d,
+                                                        cfg.gate, cfg.has_seg, cfg.front)
+    eps, gate_eps, stream_kernels = cfg.eps, cfg.gate_eps, cfg.stream_kernels
+    m, bt = len(stream_kernels), BLOCK_T
+    layout = _stream_layout(stream_kernels)
+    max_lag = max([1, *stream_kernels])
+    has_bank = any(stream_kernels)
+    dh, nc = d // heads, d // bd
+    nch = dh // bd  # chunks per head
+    mh = m * heads
+    n_taps = max(1, sum(stream_kernels))
+    row = plgpu.Layout.WGMMA.reduce(1)  # one value per token row
+    col = plgpu.Layout.WGMMA.reduce(0)  # one value per channel
+    tile = plgpu.Layout.WGMMA
+    n_windows = max_lag
+
+    n_in = 2 + (1 if has_seg else 0) + 1  # max, denom, (bits), constants
+    arrivals_a = n_windows + has_bank + 1
+    arrivals_bc = n_windows + has_bank + m + gate
+    scratch = dict(
+        xs=plgpu.SMEM((2, n_windows, bt, bd), cfg.x_dtype),
+        bs=plgpu.SMEM((2, n_taps, bd), F32) if has_bank else None,
+        qs=plgpu.SMEM((2, m, bd), F32),
+        accs=plgpu.SMEM((2, m, bt, bd), cfg.acc_dtype),
+        ws=plgpu.SMEM((2, m * m, bd), F32) if gate else None,
+        rows_s=plgpu.SMEM((2, mh, bt), F32),
+        bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
+        scal_s=plgpu.SMEM((cfg.n_consts, bt), F32),
+        dots_s=plgpu.SMEM((mh, bt), F32),
+        ss_s=plgpu.SMEM((m, bt), F32),
+        h_s=plgpu.SMEM((2, bt, bd), cfg.out_dtype),
+        bar_a=plgpu.Barrier(num_arrivals=arrivals_a, num_barriers=2),
+        bar_bc=plgpu.Barrier(num_arrivals=arrivals_bc, num_barriers=2),
+        bar_in=plgpu.Barrier(num_arrivals=n_in, num_barriers=1),
+    )
+    scratch_names = [k for k, v in scratch.items() if v is not None]
+
+    def body(*refs):
+        it = iter(refs)
+        x_ref, bank_ref, q_ref, acc_ref, pmax_ref, pden_ref, consts_ref = (next(it) for _ in range(7))
+        w_ref = next(it) if gate else None
+        bits_ref = next(it) if has_seg else None
+        h_ref, dots_ref, ss_ref = next(it), next(it), next(it)
+        sc = dict(zip(scratch_names, it))
+        xs, bs, qs, accs, ws = (sc.get(k) for k in ("xs", "bs", "qs", "accs", "ws"))
+        rows_s, bits_s, scal_s, dots_s, ss_s, h_s = (sc.get(k) for k in ("rows_s", "bits_s", "scal_s", "dots_s",
+                                                                          "ss_s", "h_s"))
+        bar_a, bar_bc, bar_in = sc["bar_a"], sc["bar_bc"], sc["bar_in"]
+        b, t = lax.axis_index("b"), lax.axis_index("t")
+        t0 = t * bt
+
+        # ---- per-tile inputs: the state's max / denom rows, the lag bits, the constants
+        plgpu.copy_gmem_to_smem(pmax_ref.at[:, b, pl.ds(t0, bt)], rows_s.at[0], bar_in.at[0])
+        plgpu.copy_gmem_to_smem(pden_ref.at[:, b, pl.ds(t0, bt)], rows_s.at[1], bar_in.at[0])
+        if has_seg:
+            plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t0, bt)], bits_s, bar_in.at[0])
+        plgpu.copy_gmem_to_smem(consts_ref, scal_s, bar_in.at[0])
+
+        def fetch(c, slot, bar, with_state):
+            cs = pl.ds(c * bd, bd)
+            for delta in range(n_windows):
+                plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(t0 + front - delta, bt), cs], xs.at[slot, delta],
+                                        bar.at[slot])
+            if has_bank:
+                plgpu.copy_gmem_to_smem(bank_ref.at[:, cs], bs.at[slot], bar.at[slot])
+            if with_state:
+                for r in range(m):
+                    plgpu.copy_gmem_to_smem(acc_ref.at[r, b, pl.ds(t0, bt), cs], accs.at[slot, r], bar.at[slot])
+                if gate:
+                    plgpu.copy_gmem_to_smem(w_ref.at[:, cs], ws.at[slot], bar.at[slot])
+            else:
+                plgpu.copy_gmem_to_smem(q_ref.at[:, cs], qs.at[slot], bar.at[slot])
+
+        def pipelined(bar, with_state, per_chunk, carry):
+            """``per_chunk(c, slot, head, carry)`` over the chunks, head by head (a static head
+            index), with the next-but-one chunk's copies in flight."""
+            fetch(0, 0, bar, with_state)
+            if nc > 1:
+                fetch(1, 1, bar, with_state)
+            for head in range(heads):
+
+                def step(c, carry, head=head):
+                    slot = lax.rem(c, 2)
+                    plgpu.barrier_wait(bar.at[slot])
+                    carry = per_chunk(c, slot, head, carry)
+
+                    @pl.when(c + 2 < nc)
+                    def _():
+                        fetch(c + 2, slot, bar, with_state)
+
+                    return carry
+
+                carry = lax.fori_loop(head * nch, (head + 1) * nch, step, carry)
+            return carry
+
+        plgpu.barrier_wait(bar_in.at[0])
+        masks = [None] * max_lag  # without segments the rows before token 0 are zeros (fill or pad)
+        if has_seg:
+            bits = plgpu.load(bits_s, (), layout=row)
+            masks = [None] + [_rows(((bits >> delta) & 1).astype(F32), bt, bd) for delta in range(1, max_lag)]
+
+        def expand(slot, kernel, off):
+            """``E_r`` of the chunk in ``slot`` (``[bt, bd]`` float32, Eq. 10)."""
+            if kernel == 0:
+                return plgpu.load(xs, (slot, 0), layout=tile).astype(F32)
+            e = None
+            for delta in range(kernel):
+                xl = plgpu.load(xs, (slot, delta), layout=tile).astype(F32)
+                term = _cols(plgpu.load(bs, (slot, off + delta), layout=col), bt, bd) * xl
+                if masks[delta] is not None:
+                    term = term * masks[delta]
+                e = term if e is None else e + term
+            return e
+
+        # ---- A: per-head dots and the keys' sums of squares
+        def scores_chunk(c, slot, head, carry):
+            dots, sqs = [list(v) for v in carry[0]], list(carry[1])
+            for r, (kernel, off) in enumerate(layout):
+                e = expand(slot, kernel, off)
+                qr = _cols(plgpu.load(qs, (slot, r), layout=col), bt, bd)
+                dots[r][head] = dots[r][head] + jnp.sum(e * qr, axis=1)
+                sqs[r] = sqs[r] + jnp.sum(e * e, axis=1)
+            return dots, sqs
+
+        zero = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
+        dots, sqs = pipelined(bar_a, False, scores_chunk, ([[zero] * heads for _ in range(m)], [zero] * m))
+
+        # the scores and the online-softmax merge with the phase-1 state: a, b per (stream, head)
+        inc = plgpu.load(scal_s, 0, layout=row) > 0.5
+        coef_a, coef_b = [], []
+        for r in range(m):
+            rk = lax.rsqrt(sqs[r] * (1.0 / d) + eps)
+            coef_a.append([])
+            coef_b.append([])
+            for head in range(heads):
+                s = jnp.where(inc, dots[r][head] * rk, reference.NEG_LARGE)
+                mx = plgpu.load(rows_s, (0, r * heads + head), layout=row)
+                den = plgpu.load(rows_s, (1, r * heads + head), layout=row)
+                new_max = jnp.maximum(mx, s)
+                keep = jnp.exp(mx - new_max)
+                pnew = jnp.where(inc, jnp.exp(s - new_max), 0.0)
+                new_den = den * keep + pnew
+                coef_a[r].append(keep / new_den)
+                coef_b[r].append(pnew / new_den)
+                dots_s[r * heads + head] = dots[r][head]
+            ss_s[r] = sqs[r]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(dots_s, dots_ref.at[:, b, pl.ds(t0, bt)])
+        plgpu.copy_smem_to_gmem(ss_s, ss_ref.at[:, b, pl.ds(t0, bt)])
+
+        def merged(slot, r, head, kernel, off):
+            """``z_r = a A_r + b E_r`` of the chunk in ``slot`` (Eq. 11, merged)."""
+            e = expand(slot, kernel, off)
+            a_state = plgpu.load(accs, (slot, r), layout=tile).astype(F32)
+            return _rows(coef_a[r][head], bt, bd) * a_state + _rows(coef_b[r][head], bt, bd) * e
+
+        # ---- B: the gate's statistics, then the gate (Eq. 13-14)
+        mix = [None] * m
+        if gate:
+
+            def stats_chunk(c, slot, head, carry):
+                sq, zw = carry[0], list(carry[1])
+                for r, (kernel, off) in enumerate(layout):
+                    z = merged(slot, r, head, kernel, off)
+                    sq = sq + jnp.sum(z * z, axis=1)
+                    for j in range(m):
+                        wj = _cols(plgpu.load(ws, (slot, r * m + j), layout=col), bt, bd)
+                        zw[j] = zw[j] + jnp.sum(z * wj, axis=1)
+                return sq, zw
+
+            sq, zw = pipelined(bar_bc, True, stats_chunk, (zero, [zero] * m))
+            inv = lax.rsqrt(sq * (1.0 / (m * d)) + gate_eps)
+            scale = plgpu.load(scal_s, 1, layout=row)
+            for j in range(m):
+                logit = scale * (inv * zw[j]) + plgpu.load(scal_s, 2 + j, layout=row)
+                mix[j] = 1.0 / (1.0 + jnp.exp(-logit))
+
+        # ---- C: h = sum_r g_r z_r, chunk by chunk to the output
+        def fuse_chunk(c, slot, head, carry):
+            h = None
+            for r, (kernel, off) in enumerate(layout):
+                z = merged(slot, r, head, kernel, off)
+                term = z * (1.0 / m) if mix[r] is None else _rows(mix[r], bt, bd) * z
+                h = term if h is None else h + term
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that last read this slot is done
+            h_s[slot] = h.astype(h_s.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(h_s.at[slot], h_ref.at[b, pl.ds(t0, bt), pl.ds(c * bd, bd)])
+            return carry
+
+        pipelined(bar_bc, True, fuse_chunk, 0)
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=(
+            jax.ShapeDtypeStruct((batch, t_pad, d), cfg.out_dtype),
+            jax.ShapeDtypeStruct((mh, batch, t_pad), F32),
+            jax.ShapeDtypeStruct((m, batch, t_pad), F32),
+        ),
+        scratch_types=[scratch[k] for k in scratch_names],
+        grid=(batch, t_pad // bt),
+        grid_names=("b", "t"),
+        interpret=plgpu.InterpretGPUParams() if cfg.interpret else False,
+    )
+
+    @jax.jit
+    def run(*inputs):
+        with jax.named_scope("depth_attention_phase2_mosaic"):  # the kernel's name in profiles
+            return kernel(*inputs)
+
+    return run

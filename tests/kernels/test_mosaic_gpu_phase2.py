@@ -1,0 +1,140 @@
+"""Phase 2's fused forward as one Mosaic GPU kernel (``pallas_kernels/depth_attention/mosaic_gpu.py``)
+against the oracle. On the CPU it runs in Pallas' Mosaic GPU interpret mode
+(``gpu_kernels="mosaic"``; ``"auto"`` takes it on a GPU only); its per-token scores feed the
+Pallas backward (``backward="pallas"``), so the gradients check them too. The GPU-marked test
+runs the compiled kernel (TMA's zero fill before token 0 instead of the interpreted pad)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.depth_attention import _backend, api, mosaic_gpu, reference
+from tests.kernels.test_depth_attention_fused import F32_TOL, _check_tree, _phase2_inputs, _rel, _rnd, jit_vjp
+
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+CASES = [
+    # name, B, T, d, kernels, heads, include, segment cut, fuse; two 64-token tiles and more
+    # than two channel chunks per head where the interpreter's time allows
+    ("msar_gate_segments_ragged_T", 2, 100, 96, (0, 4, 8, 12), 1, True, 37, "gate"),
+    ("msar_gate_heads2_no_partial", 1, 70, 128, (0, 4, 8, 12), 2, False, 9, "gate"),
+    ("msar_mean", 1, 64, 64, (0, 4, 8, 12), 1, True, None, "mean"),
+    ("attnres_m1", 2, 20, 64, (0,), 1, True, None, "gate"),
+    ("mhar_heads4_mean", 1, 30, 128, (0,), 4, True, 5, "mean"),
+    ("T_shorter_than_kernel", 1, 7, 32, (0, 4, 8, 12), 1, True, None, "gate"),
+]
+
+
+def _segments(batch, t_len, cut):
+    seg = np.zeros((batch, t_len), np.int32)
+    seg[0, cut:] = 1
+    seg[-1, cut // 2:] = 2  # a boundary inside the first lag window of row -1 too
+    return jnp.asarray(seg)
+
+
+def _run(case, gpu_kernels, dtype=jnp.float32, state_dtype=jnp.float32):
+    _, batch, t_len, d, kernels, heads, include, cut, fuse = case
+    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
+    state = state._replace(acc=state.acc.astype(state_dtype))
+    partial = partial.astype(dtype)
+    seg = None if cut is None else _segments(batch, t_len, cut)
+    kw = dict(stream_kernels=kernels, heads=heads, segment_ids=seg)
+    gate = gate if fuse == "gate" else None
+    impl = dict(implementation="pallas_gpu", backward="pallas", gpu_kernels=gpu_kernels)
+    fn = (lambda st, x, b, q, g: api.phase2_fused(st, x, b, q, include, g, **impl, **kw)) if gpu_kernels else (
+        lambda st, x, b, q, g: reference.phase2_fused(st, x, b, q, include, g, **kw))
+    return jit_vjp(fn, (state, partial, bank, query, gate), lambda out: _rnd(99, out.shape))
+
+
+def _params():
+    fast = {"msar_gate_segments_ragged_T", "attnres_m1"}  # about 25 s together on 2 cores
+    return [pytest.param(c, id=c[0], marks=() if c[0] in fast else (pytest.mark.slow,)) for c in CASES]
+
+
+@pytest.mark.parametrize("case", _params())
+def test_interpreted_forward_and_grads_match_reference(case):
+    got, got_grads = _run(case, "mosaic")
+    want, want_grads = _run(case, None)
+    _check_tree(got, want, F32_TOL)
+    _check_tree(got_grads, want_grads, 2e-5)  # the tolerance of the Triton path's same test
+
+
+@pytest.mark.slow
+def test_interpreted_bf16_partial_and_state():
+    case = CASES[0]
+    got, _ = _run(case, "mosaic", jnp.bfloat16, jnp.bfloat16)
+    want, _ = _run(case, None, jnp.bfloat16, jnp.bfloat16)
+    _check_tree(got, want, F32_TOL)  # the same bf16 inputs, both computed in float32
+
+
+def test_lag_bits_follow_the_reference_masks():
+    seg = _segments(3, 40, 13)
+    bits = np.asarray(mosaic_gpu.lag_bits(seg, 40, 12))
+    masks = np.asarray(reference._lag_masks(seg, 40, 12, 3))
+    for delta in range(12):
+        np.testing.assert_array_equal((bits >> delta) & 1, masks[delta])
+
+
+def test_block_d_choice_and_shared_memory():
+    kw = dict(stream_kernels=(0, 4, 8, 12), x_dtype=jnp.bfloat16, acc_dtype=jnp.float32, out_dtype=jnp.bfloat16)
+    assert mosaic_gpu.choose_block_d(d=1024, heads=1, **kw) == 32
+    # a float32 partial doubles the lag windows past the shared memory: not taken (Triton runs it)
+    assert mosaic_gpu.choose_block_d(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32)) is None
+    assert mosaic_gpu.choose_block_d(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32, stream_kernels=(0,))) == 32
+    assert mosaic_gpu.choose_block_d(d=48, heads=1, **kw) is None  # no chunk divides the head
+    for bd in mosaic_gpu.BLOCK_D_CHOICES:
+        assert mosaic_gpu.smem_bytes(block_d=bd, stream_kernels=(0, 4, 8, 12), heads=1, x_dtype=jnp.bfloat16,
+                                     acc_dtype=jnp.float32, out_dtype=jnp.float32) > 0
+
+
+def test_option_errors_and_auto_off_the_gpu(monkeypatch):
+    case = CASES[3]
+    with pytest.raises(ValueError, match="gpu_kernels='cuda'"):
+        _run(case, "cuda")
+    _, batch, t_len, _, kernels, heads, include, _, _ = case
+    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, 24, kernels, heads)
+    with pytest.raises(ValueError, match="does not take d=24"):
+        api.phase2_fused(state, partial, bank, query, True, None, implementation="pallas_gpu", gpu_kernels="mosaic",
+                         stream_kernels=kernels)
+    with pytest.raises(ValueError, match="tpu back end"):
+        api.phase2_fused(state, partial, bank, query, True, None, implementation="pallas_tpu", gpu_kernels="mosaic",
+                         stream_kernels=kernels)
+
+    def refuse(*a, **k):
+        raise AssertionError("interpret mode with gpu_kernels='auto' must keep the Triton kernels")
+
+    monkeypatch.setattr(mosaic_gpu, "phase2_fused_forward", refuse)
+    msar = CASES[5]  # several streams: what "auto" gives the Mosaic kernel on a GPU
+    got, _ = _run(msar, "auto")
+    want, _ = _run(msar, None)
+    _check_tree(got, want, F32_TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_matches_reference(monkeypatch):
+    """On a GPU: the compiled kernel, taken by ``gpu_kernels="auto"``, against the oracle (bf16
+    partial; a float32 and a bf16 state; segments, two heads, ragged T, an excluded partial)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    calls = []
+    real = mosaic_gpu.phase2_fused_forward
+    monkeypatch.setattr(mosaic_gpu, "phase2_fused_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # each configuration's Mosaic GPU lowering takes about 15 s of CPU: two of them
+    for case, state_dtype in ((("msar", 2, 300, 256, (0, 4, 8, 12), 2, True, 77, "gate"), jnp.float32),
+                              (("msar_mean_excluded", 3, 128, 512, (0, 4, 8, 12), 1, False, 40, "mean"), jnp.bfloat16)):
+        with jax.default_matmul_precision("highest"):
+            got, got_grads = _run(case, "auto", jnp.bfloat16, state_dtype)
+            want, want_grads = _run(case, None, jnp.bfloat16, state_dtype)
+        _check_tree(got, want, 1e-4)  # h in float32 from the same bf16 inputs
+        leaves = list(zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True))
+        scale = max(float(np.max(np.abs(np.asarray(w, np.float64)))) for _, w in leaves)
+        for g, w in leaves:
+            if not np.any(np.asarray(g)):  # the excluded partial's max: 0 in closed form
+                assert float(np.max(np.abs(np.asarray(w, np.float64)))) < 1e-4 * scale
+                continue
+            # the partial's and a bf16 state's gradients are rounded to bf16 (2^-9 relative)
+            assert _rel(g, w) < (1e-4 if g.dtype == jnp.float32 else 1e-2), (g.shape, _rel(g, w))
+    assert calls, "gpu_kernels='auto' did not take the Mosaic GPU kernel on the GPU"
