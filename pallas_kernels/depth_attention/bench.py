@@ -112,18 +112,22 @@ def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, im
         return jax.jit(lambda st, x, b, q, g: api.phase2_fused(st, x, b, q, True, g, implementation=impl_,
                                                                 out_dtype=out_dtype, **kw, **(p2_opts or {})))
 
+    # Forward + backward as ``value_and_grad``: with ``grad`` alone the loss, linear in the
+    # outputs, never needs their values, and XLA drops every forward pass that only computes them
+    # (phase 1's mixing, phase 2's gate statistics and gate: until session 16 the fwd + bwd
+    # figures left those out; a model needs the values).
     def grad_p1(f):
         def loss(x, b, q, ct):
             out = f(x, b, q)
             return jnp.sum(out.acc * ct) + jnp.sum(out.max) + jnp.sum(out.denom)
 
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2) if banks is not None else (0, 2)))
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2) if banks is not None else (0, 2)))
 
     def grad_p2(f):
         def loss(st, x, b, q, g, ct):
             return jnp.sum(f(st, x, b, q, g).astype(jnp.float32) * ct)
 
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4) if banks is not None else (0, 1, 3, 4)))
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4) if banks is not None else (0, 1, 3, 4)))
 
     res = {"name": name, "impl": impl, "p1_opts": str(p1_opts), "p2_opts": str(p2_opts)}
     state_ref = p1("xla")(sources, banks, queries)
@@ -288,7 +292,7 @@ def _time_p2(log, shapes, cases, dtype=jnp.bfloat16, heads=1, reps=21):
             return jnp.sum(fwd(st, x, b, q, g).astype(jnp.float32) * ct)
 
         argnums = tuple(i for i, a in enumerate((state, partial, bank, query, gate)) if a is not None)
-        grad = jax.jit(jax.grad(loss, argnums=argnums))
+        grad = jax.jit(jax.value_and_grad(loss, argnums=argnums))  # the value keeps h (run_config says why)
         ct = jnp.ones((batch, t_len, d), jnp.float32)
         row = {"p2_streams": str(kernels), "gate": gated, "tiles": str(tiles), "opts": str(more[0] if more else {})}
         try:
@@ -318,6 +322,13 @@ def p2_forms(log, shapes, kernels=(0, 4, 8, 12), reps=21):
 
     return _time_p2(log, shapes, [(kernels, True, None, {"phase2_backward_form": f}) for f in fused_bwd_phase2.FORMS],
                     reps=reps)
+
+
+def p2_gpu_kernels(log, shapes, reps=21):
+    """Phase 2 fwd and fwd + Pallas bwd with each GPU lowering of its forward (``gpu_kernels``:
+    the Triton calls, the Mosaic GPU kernel), MSAR with the gate and AttnRes."""
+    return _time_p2(log, shapes, [(k, k != (0,), None, {"gpu_kernels": g}) for k in ((0, 4, 8, 12), (0,))
+                                  for g in ("triton", "mosaic")], reps=reps)
 
 
 def sweep_p2_streams(log, shapes, reps=21):
@@ -633,6 +644,8 @@ def main():
                     help="the same for phase 1's Pallas backward (one block)")
     ap.add_argument("--p2_forms", action="store_true",
                     help="phase 2 + gate fwd + Pallas bwd in each form of its backward (reverse_t, wide)")
+    ap.add_argument("--p2_gpu_kernels", action="store_true",
+                    help="phase 2 fwd and fwd + Pallas bwd with its forward in Triton and in Mosaic GPU")
     ap.add_argument("--p1_backwards", action="store_true",
                     help="phase 1 fwd + bwd with each backward (xla, hybrid, pallas in both forms), and the "
                          "expansion's transpose alone (autodiff, kernel)")
@@ -705,6 +718,8 @@ def main():
         parts_p1_bwd(log, shapes, reps=3 if args.small else 21)
     if args.p1_backwards:
         p1_backwards(log, shapes, reps=3 if args.small else 21)
+    if args.p2_gpu_kernels:
+        p2_gpu_kernels(log, shapes, reps=3 if args.small else 21)
     if args.p2_forms:
         p2_forms(log, shapes, reps=3 if args.small else 21)
     if args.per_target:

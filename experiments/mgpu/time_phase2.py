@@ -1,0 +1,110 @@
+"""Phase 2's fused forward (merge + gate) on the GPU: the Triton form (``fused.phase2_forward``:
+scoring, gate-statistics and gate calls with XLA between them) against the Mosaic GPU kernel
+(``mosaic_gpu.phase2_fused_forward``) at each channel chunk, at `base`'s shape (B x T = 64 x
+1024, d = 1024) and the issue's (8 x 2048, d = 2048); MSAR (kernels (0, 4, 8, 12), gate, float32
+state) and AttnRes (kernels (0,), one stream). Median of 21 timings of 5 calls each after warm-up
+(``bench.timeit``); the error of each output against the plain-jnp reference, relative to its
+largest magnitude; the floor is the bytes the design must move (the partial read three times,
+the state twice, ``h`` written) at the measured copy bandwidth. Run on the GPU:
+``python experiments/mgpu/time_phase2.py``; with ``--profile``, the device time per op of phase
+2's forward + Pallas backward at `base` with each forward lowering instead."""
+import collections
+import os
+import sys
+import tempfile
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.depth_attention import api, bench, fused, mosaic_gpu, reference, tiling
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from profile_step import device_op_events  # noqa: E402
+
+
+def inputs(batch, t_len, d, kernels, key=0):
+    m = len(kernels)
+    k = jax.random.split(jax.random.key(key), 8)
+    x = jax.random.normal(k[0], (batch, t_len, d), jnp.bfloat16)
+    bank = 0.3 * jax.random.normal(k[1], (max(1, sum(kernels)), d), jnp.float32) if any(kernels) else None
+    q = jax.random.normal(k[2], (m, d), jnp.float32)
+    state = reference.SoftmaxState(jax.random.normal(k[3], (m, batch, t_len, 1)),
+                                   jnp.exp(jax.random.normal(k[4], (m, batch, t_len, 1))),
+                                   jax.random.normal(k[5], (m, batch, t_len, d)))
+    gate = (jax.random.normal(k[6], (m * d, m)) / (m * d) ** 0.5, jnp.float32(0.7), jax.random.normal(k[7], (m,)))
+    return state, x, bank, q, gate
+
+
+def profile_fwd_bwd(shape=(64, 1024, 1024), kernels=(0, 4, 8, 12), steps=5):
+    """Device time per op of phase 2 + gate, forward and Pallas backward through ``api.phase2_fused``
+    (what the model runs), with each ``gpu_kernels``: ms per call, ops over 20 us."""
+    batch, t_len, d = shape
+    state, x, bank, q, gate = inputs(batch, t_len, d, kernels)
+    ct = jnp.ones((batch, t_len, d), jnp.float32)
+    for gpu_kernels in ("triton", "mosaic"):
+        def loss(st, x, b, q, g, gk=gpu_kernels):
+            h = api.phase2_fused(st, x, b, q, True, g, implementation="pallas_gpu", backward="pallas",
+                                 stream_kernels=kernels, gpu_kernels=gk, out_dtype=jnp.bfloat16)
+            return jnp.sum(h.astype(jnp.float32) * ct)
+
+        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+        jax.block_until_ready(grad(state, x, bank, q, gate))
+        trace_dir = tempfile.mkdtemp(prefix="trace_p2_")
+        with jax.profiler.trace(trace_dir):
+            for _ in range(steps):
+                out = grad(state, x, bank, q, gate)
+            jax.block_until_ready(out)
+        per_op = collections.Counter()
+        for _, op, ns in device_op_events(trace_dir):
+            per_op[op] += ns / steps / 1e6
+        print(f"## fwd + bwd per op, gpu_kernels={gpu_kernels}: total {sum(per_op.values()):.3f} ms per call",
+              flush=True)
+        for op, ms in per_op.most_common():
+            if ms > 0.02:
+                print(f"  {ms:8.3f} ms  {op}", flush=True)
+
+
+def main():
+    if "--profile" in sys.argv:
+        profile_fwd_bwd()
+        return
+    bw = bench.copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (bytes read + written)", flush=True)
+    for name, (batch, t_len, d) in (("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))):
+        for mech, kernels in (("msar", (0, 4, 8, 12)), ("attnres", (0,))):
+            m = len(kernels)
+            state, x, bank, q, gate = inputs(batch, t_len, d, kernels)
+            gate = gate if m > 1 else None
+            fuse = "gate" if gate is not None else "mean"
+            kw = dict(stream_kernels=kernels, heads=1, eps=1e-6, gate_eps=1e-6)
+            n_read = 3 if gate is not None else 2
+            nbytes = n_read * x.size * 2 + (n_read - 1) * state.acc.size * 4 + x.size * 2
+            floor_ms = nbytes / bw * 1e3  # the copy bandwidth counts bytes read + written, as bench.py
+            want = jax.jit(lambda st, x, b, q, g: reference.phase2_fused(st, x, b, q, True, g, **kw))(
+                state, x, bank, q, gate)
+            tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=max(kernels), n_targets=1, backend="triton",
+                                        n_streams=m)
+
+            def triton(st, x, b, q, g):
+                return fused.phase2_forward(st, x, b, q, True, g, fuse=fuse, segment_ids=None, tiles=tiles,
+                                            backend="triton", interpret=False, out_dtype=jnp.bfloat16, **kw)
+
+            variants = {"triton (3 calls + XLA)": triton}
+            for bd in (32, 16) if m > 1 else (32,):  # (16,) with m = 1 crashed (call 1)
+                variants[f"mosaic bd{bd}"] = (lambda bd: lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
+                    st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, block_d=bd, **kw)[0])(bd)
+            print(f"## {name} {mech}: B x T = {batch} x {t_len}, d = {d}; floor {floor_ms:.4f} ms", flush=True)
+            for label, fn in variants.items():
+                try:
+                    f = jax.jit(fn)
+                    got = f(state, x, bank, q, gate)
+                    err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+                    ms = bench.timeit(f, state, x, bank, q, gate, reps=21, inner=5)[0] * 1e3
+                    print(f"{label:24s} {ms:8.4f} ms  {floor_ms / ms:6.1%} of floor  rel err {err:.1e}", flush=True)
+                except Exception:  # noqa: BLE001
+                    print(f"{label:24s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
