@@ -116,12 +116,14 @@ def build(backend: str, native_platform: str):
                                                   **kw)
 
     def p2_backward(state, partial, bank, query, include, gate, segment_ids, dh, static, scores=None):
-        kw, _ = setup(partial.shape[-1], static.heads, static.stream_kernels, 1, static.kernel_opts)
+        kw, rest = setup(partial.shape[-1], static.heads, static.stream_kernels, 1, static.kernel_opts)
         form = dict(static.kernel_opts).get("phase2_backward_form", fused_bwd_phase2.DEFAULT_FORM)
         return fused_bwd_phase2.phase2_fused_backward(
             state, partial, bank, query, include, gate if static.fuse == "gate" else None, segment_ids,
             jnp.asarray(dh, jnp.float32), stream_kernels=static.stream_kernels, heads=static.heads, eps=static.eps,
             gate_eps=static.gate_eps, scores=scores, form=form, **kw,
+            # passes 1-2 in Mosaic GPU: "mosaic" only until timed on a GPU (BENCHMARKS.md, session 16)
+            mosaic_state=rest["gpu_kernels"] == "mosaic",
         )
 
     return (

@@ -325,10 +325,12 @@ def p2_forms(log, shapes, kernels=(0, 4, 8, 12), reps=21):
 
 
 def p2_gpu_kernels(log, shapes, reps=21):
-    """Phase 2 fwd and fwd + Pallas bwd with each GPU lowering of its forward (``gpu_kernels``:
-    the Triton calls, the Mosaic GPU kernel), MSAR with the gate and AttnRes."""
+    """Phase 2 fwd and fwd + Pallas bwd with each ``gpu_kernels``: ``"triton"`` (every pass),
+    ``"auto"`` (for MSAR on a GPU: the Mosaic GPU forward, the Triton backward) and ``"mosaic"``
+    (also the backward's statistics and ``d_acc`` passes in Mosaic GPU); MSAR with the gate and
+    AttnRes."""
     return _time_p2(log, shapes, [(k, k != (0,), None, {"gpu_kernels": g}) for k in ((0, 4, 8, 12), (0,))
-                                  for g in ("triton", "mosaic")], reps=reps)
+                                  for g in ("triton", "auto", "mosaic")], reps=reps)
 
 
 def sweep_p2_streams(log, shapes, reps=21):
@@ -645,7 +647,7 @@ def main():
     ap.add_argument("--p2_forms", action="store_true",
                     help="phase 2 + gate fwd + Pallas bwd in each form of its backward (reverse_t, wide)")
     ap.add_argument("--p2_gpu_kernels", action="store_true",
-                    help="phase 2 fwd and fwd + Pallas bwd with its forward in Triton and in Mosaic GPU")
+                    help="phase 2 fwd and fwd + Pallas bwd with gpu_kernels triton, auto and mosaic")
     ap.add_argument("--p1_backwards", action="store_true",
                     help="phase 1 fwd + bwd with each backward (xla, hybrid, pallas in both forms), and the "
                          "expansion's transpose alone (autodiff, kernel)")

@@ -96,7 +96,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention import conv_transpose, reference, tiling
+from pallas_kernels.depth_attention import conv_transpose, mosaic_gpu, reference, tiling
 from pallas_kernels.depth_attention.fused import (
     F32,
     _call_kwargs,
@@ -609,7 +609,7 @@ DEFAULT_FORM = "reverse_t"  # "wide" is untimed on the H200 (BENCHMARKS.md, kern
 
 
 def phase2_fused_backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps,
-                          gate_eps, tiles, backend, interpret, scores=None, form=DEFAULT_FORM):
+                          gate_eps, tiles, backend, interpret, scores=None, form=DEFAULT_FORM, mosaic_state=False):
     """Gradients of ``reference.phase2_fused`` (same values as ``xla_streaming._phase2_fused_bwd``).
 
     Returns ``(d_state, d_partial, d_bank, d_query, d_gate)``: ``d_state`` a
@@ -621,14 +621,17 @@ def phase2_fused_backward(state, partial, bank, query, include, gate, segment_id
     ``form``: pass 3 as the reverse-T input kernel (``"reverse_t"``) or as ``_dstreams_call``
     (the partial's stream cotangents written in its dtype) followed by
     ``conv_transpose.expansion_transpose`` (``"wide"``, as phase 1's default form).
+    ``mosaic_state``: passes 1 and 2, with the gate's backward between them, as one Mosaic GPU
+    kernel (``mosaic_gpu.phase2_backward_state``; on a GPU, or interpreted).
     """
     return _backward(state, partial, bank, query, include, gate, segment_ids, dh, stream_kernels=stream_kernels,
                      heads=heads, eps=eps, gate_eps=gate_eps, tiles=tiles, backend=backend, interpret=interpret,
-                     shift="buffer" if backend == "triton" else "concat", scores=scores, form=form)
+                     shift="buffer" if backend == "triton" else "concat", scores=scores, form=form,
+                     mosaic_state=mosaic_state)
 
 
 def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps, gate_eps,
-              tiles, backend, interpret, shift, scores=None, form=DEFAULT_FORM):
+              tiles, backend, interpret, shift, scores=None, form=DEFAULT_FORM, mosaic_state=False):
     """``phase2_fused_backward`` with the transposed conv's row shift chosen explicitly
     (``row_shift.SHIFTS``; the tests run the Triton ones, ``"dot"`` and ``"buffer"``, in
     interpret mode too)."""
@@ -678,9 +681,19 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
     denom = dold * keep + p
     a, b = keep / denom, p / denom
 
-    # Pass 1 + XLA: the gate's statistics and its backward on [B, Tp, m] scalars.
     gate_in, d_gate = None, None
-    if gate is not None:
+    if mosaic_state:  # passes 1 and 2 and the gate's backward in one Mosaic GPU kernel
+        cut_t = lambda v: v[:, :, :t_len]  # noqa: E731
+        d_acc, sums, gate_out = mosaic_gpu.phase2_backward_state(
+            partial, kbank, cut_t(a), cut_t(b), cut_t(dold), state.acc, dh, gate, segment_ids,
+            stream_kernels=stream_kernels, heads=heads, gate_eps=gate_eps, interpret=interpret)
+        s1, sm, ss = (_pad_t(v, 2, t_pad) for v in sums)
+        if gate is not None:
+            g, dy, coef, d_scale, d_bias = gate_out
+            gate_in = (_pad_t(g, 1, t_pad), _pad_t(dy, 1, t_pad), _pad_t(coef, 1, t_pad), gate_cols(gate[0], m, d))
+            d_gate = [None, d_scale, d_bias]
+    elif gate is not None:
+        # Pass 1 + XLA: the gate's statistics and its backward on [B, Tp, m] scalars.
         w, scale, bias = gate
         w3 = gate_rows(w, m, d)
         scale_f, bias_f = jnp.asarray(scale, F32), jnp.asarray(bias, F32)
@@ -697,11 +710,13 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
         d_gate = [None, d_scale.reshape(jnp.shape(scale)), d_bias]
 
     # Pass 2 + XLA: d_acc and the per-head reductions -> d_denom, d_max, ds, key-norm coefficients.
-    d_acc, s1, sm, ss = _dstate_call(x, kbank, a, b, dold, acc, g_h, gate_in, seg, **kw)
-    per_head = lambda v: jnp.sum(v.reshape(m, batch, t_pad, heads, nc // heads), axis=-1)  # noqa: E731
-    d_denom = -keep * per_head(s1) / denom
-    d_max = keep * p * per_head(sm) / (denom * denom)
-    ds = b * per_head(ss)  # [m, B, Tp, H]
+    if not mosaic_state:
+        d_acc, s1, sm, ss = _dstate_call(x, kbank, a, b, dold, acc, g_h, gate_in, seg, **kw)
+        per_head = lambda v: jnp.sum(v.reshape(m, batch, t_pad, heads, nc // heads), axis=-1)  # noqa: E731
+        s1, sm, ss = per_head(s1), per_head(sm), per_head(ss)
+    d_denom = -keep * s1 / denom
+    d_max = keep * p * sm / (denom * denom)
+    ds = b * ss  # [m, B, Tp, H]
     u = rk[..., None] * ds
     v = -(rk**3) / d * jnp.sum(ds * dots, axis=-1)  # [m, B, Tp]
 

@@ -68,15 +68,27 @@ def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dty
             + (2 * m * heads + 1 + m + 2 + m * heads + m) * bt * 4 + 2 * bt * bd * size(out_dtype))
 
 
+def state_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype,
+                     out_dtype=F32, gate: bool = True) -> int:
+    """Shared memory of one program of ``phase2_backward_state`` (its scratch list)."""
+    bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
+    size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
+    n_windows, n_taps = max([1, *stream_kernels]), max(1, sum(stream_kernels))
+    return (2 * n_windows * bt * bd * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bt * bd * size(acc_dtype)
+            + 2 * bt * bd * 4 + (2 * m * m * bd * 4 if gate else 0)
+            + (6 * m * heads + 1 + (4 * m + 3 if gate else 0)) * bt * 4)
+
+
 def choose_block_d(*, d: int, heads: int, stream_kernels: Sequence[int], x_dtype, acc_dtype, out_dtype,
-                   gate: bool = True, smem_limit: int | None = SMEM_BYTES) -> int | None:
+                   gate: bool = True, smem_limit: int | None = SMEM_BYTES, smem=smem_bytes) -> int | None:
     """The widest channel chunk of ``BLOCK_D_CHOICES`` that divides a head and whose program fits
-    in ``smem_limit`` bytes of shared memory (``smem_bytes``; None: no limit, as in interpret
-    mode), or None (the shape is not supported)."""
+    in ``smem_limit`` bytes of shared memory (``smem``: ``smem_bytes`` for the forward,
+    ``state_smem_bytes`` for the backward's kernel; None: no limit, as in interpret mode), or
+    None (the shape is not supported)."""
     for bd in BLOCK_D_CHOICES:
-        fits = smem_limit is None or smem_bytes(block_d=bd, stream_kernels=stream_kernels, heads=heads,
-                                                x_dtype=x_dtype, acc_dtype=acc_dtype, out_dtype=out_dtype,
-                                                gate=gate) <= smem_limit
+        fits = smem_limit is None or smem(block_d=bd, stream_kernels=stream_kernels, heads=heads,
+                                          x_dtype=x_dtype, acc_dtype=acc_dtype, out_dtype=out_dtype,
+                                          gate=gate) <= smem_limit
         if d % heads == 0 and (d // heads) % bd == 0 and fits and max([1, *stream_kernels]) <= MAX_LAG_BITS:
             return bd
     return None
@@ -98,6 +110,107 @@ def _cols(v, bt, bd):
     return lax.broadcast_in_dim(v, (bt, bd), [1])
 
 
+def _fetch_partial(plgpu, x_ref, bank_ref, xs, bs, b, t0, front, c, bd, slot, bar, n_windows):
+    """TMA copies of chunk ``c``'s lag windows of the partial (window ``delta``: rows
+    ``t0 - delta ...``, one copy each; see the module docstring) and of its conv taps."""
+    cs = pl.ds(c * bd, bd)
+    for delta in range(n_windows):
+        plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(t0 + front - delta, BLOCK_T), cs], xs.at[slot, delta],
+                                bar.at[slot])
+    if bank_ref is not None:
+        plgpu.copy_gmem_to_smem(bank_ref.at[:, cs], bs.at[slot], bar.at[slot])
+
+
+def _pipelined(plgpu, fetch, bar, nc, heads, per_chunk, carry, before_refill=None):
+    """``per_chunk(c, slot, head, carry)`` over the ``nc`` channel chunks, head by head (a static
+    head index; ``nc / heads`` chunks each), with the next-but-one chunk's copies in flight:
+    ``fetch(c, slot)`` issues chunk ``c``'s copies on ``bar.at[slot]``. ``before_refill()``
+    runs before a slot is refilled (to wait for stores still reading it)."""
+    nch = nc // heads
+    fetch(0, 0)
+    if nc > 1:
+        fetch(1, 1)
+    for head in range(heads):
+
+        def step(c, carry, head=head):
+            slot = lax.rem(c, 2)
+            plgpu.barrier_wait(bar.at[slot])
+            carry = per_chunk(c, slot, head, carry)
+
+            @pl.when(c + 2 < nc)
+            def _():
+                if before_refill is not None:
+                    before_refill()
+                fetch(c + 2, slot)
+
+            return carry
+
+        carry = lax.fori_loop(head * nch, (head + 1) * nch, step, carry)
+    return carry
+
+
+def _lag_masks_of(plgpu, bits_s, max_lag, bt, bd):
+    """``masks[delta]`` (``[bt, bd]`` float32, None where nothing is masked) from the tile's lag
+    bits in shared memory (``lag_bits``), or all None without segments (the rows before token 0
+    are zeros: TMA's fill, or the interpreted pad)."""
+    if bits_s is None:
+        return [None] * max_lag
+    bits = plgpu.load(bits_s, (), layout=plgpu.Layout.WGMMA.reduce(1))
+    return [None] + [_rows(((bits >> delta) & 1).astype(F32), bt, bd) for delta in range(1, max_lag)]
+
+
+def _expand(plgpu, xs, bs, slot, kernel, off, masks, bt, bd):
+    """``E_r`` of the chunk in ``slot`` (``[bt, bd]`` float32, Eq. 10) from its lag windows."""
+    tile, col = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0)
+    if kernel == 0:
+        return plgpu.load(xs, (slot, 0), layout=tile).astype(F32)
+    e = None
+    for delta in range(kernel):
+        xl = plgpu.load(xs, (slot, delta), layout=tile).astype(F32)
+        term = _cols(plgpu.load(bs, (slot, off + delta), layout=col), bt, bd) * xl
+        if masks[delta] is not None:
+            term = term * masks[delta]
+        e = term if e is None else e + term
+    return e
+
+
+class _Shape(NamedTuple):
+    """What both kernels' wrappers derive from their inputs (``_shape``)."""
+
+    batch: int
+    t_len: int
+    d: int
+    block_d: int
+    max_lag: int
+    has_bank: bool
+    has_seg: bool
+    t_pad: int
+    front: int  # rows padded in front of the partial (interpret mode: see the module docstring)
+    x: jax.Array  # the partial, T padded to whole tiles (and the front rows)
+    bits: jax.Array | None  # ``lag_bits`` of the segment ids, T padded
+
+
+def _shape(name, partial, segment_ids, *, stream_kernels, heads, block_d, interpret, smem, **dtypes) -> _Shape:
+    """The channel chunk (``choose_block_d`` with the kernel's shared memory ``smem``; raises
+    ``NotImplementedError`` when none fits), the tiling of T and the padded partial."""
+    batch, t_len, d = partial.shape
+    bd = block_d or choose_block_d(d=d, heads=heads, stream_kernels=stream_kernels, smem=smem, **dtypes,
+                                   smem_limit=None if interpret else SMEM_BYTES)
+    if bd is None or d % heads or (d // heads) % bd:
+        raise NotImplementedError(
+            f"mosaic_gpu.{name}: no channel chunk of {BLOCK_D_CHOICES} divides the head width "
+            f"d/heads = {d}/{heads} with a program in {SMEM_BYTES} bytes of shared memory (block_d={block_d})")
+    max_lag = max([1, *stream_kernels])
+    has_seg = segment_ids is not None and max_lag > 1
+    t_pad = -(-t_len // BLOCK_T) * BLOCK_T
+    front = max_lag - 1 if interpret else 0
+    x = _pad_t(partial, 1, t_pad)
+    if front:
+        x = jnp.pad(x, ((0, 0), (front, 0), (0, 0)))
+    bits = _pad_t(lag_bits(segment_ids, t_len, max_lag), 1, t_pad) if has_seg else None
+    return _Shape(batch, t_len, d, bd, max_lag, any(stream_kernels), has_seg, t_pad, front, x, bits)
+
+
 def phase2_fused_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *, fuse: str,
                          stream_kernels: Sequence[int], heads: int, eps: float, gate_eps: float, out_dtype=F32,
                          block_d: int | None = None, interpret: bool = False):
@@ -111,31 +224,17 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     interpret mode (CPU tests)."""
     if fuse not in ("gate", "mean"):
         raise ValueError(f"fuse={fuse!r}: the Mosaic GPU phase 2 fuses the streams ('gate' or 'mean')")
-    batch, t_len, d = partial.shape
     m, bt = len(stream_kernels), BLOCK_T
     gate = fuse == "gate"
-    dtypes = dict(x_dtype=partial.dtype, acc_dtype=state.acc.dtype, out_dtype=out_dtype, gate=gate)
-    bd = block_d or choose_block_d(d=d, heads=heads, stream_kernels=stream_kernels, **dtypes,
-                                   smem_limit=None if interpret else SMEM_BYTES)
-    if bd is None or d % heads or (d // heads) % bd:
-        raise NotImplementedError(
-            f"mosaic_gpu.phase2_fused_forward: no channel chunk of {BLOCK_D_CHOICES} divides the head width "
-            f"d/heads = {d}/{heads} with a program in {SMEM_BYTES} bytes of shared memory (block_d={block_d})")
-    max_lag = max([1, *stream_kernels])
-    has_bank = any(stream_kernels)
-    has_seg = segment_ids is not None and max_lag > 1
-    mh = m * heads
-    t_pad = -(-t_len // bt) * bt
-    halo = max_lag - 1
-    # Interpret mode: the rows before token 0 as zeros in memory (see the module docstring).
-    front = halo if interpret else 0
+    sh = _shape("phase2_fused_forward", partial, segment_ids, stream_kernels=stream_kernels, heads=heads,
+                block_d=block_d, interpret=interpret, smem=smem_bytes, x_dtype=partial.dtype,
+                acc_dtype=state.acc.dtype, out_dtype=out_dtype, gate=gate)
+    batch, t_len, d, bd, t_pad, x = sh.batch, sh.t_len, sh.d, sh.block_d, sh.t_pad, sh.x
+    front, has_bank, has_seg, mh = sh.front, sh.has_bank, sh.has_seg, m * heads
 
     def pad_t(a, axis, value=0.0):
         return _pad_t(a, axis, t_pad, value)
 
-    x = pad_t(partial, 1)
-    if front:
-        x = jnp.pad(x, ((0, 0), (front, 0), (0, 0)))
     banks = (jnp.asarray(bank, F32) if has_bank else jnp.zeros((1, d), F32))
     q = jnp.asarray(query, F32)
     acc = pad_t(state.acc, 2)
@@ -150,13 +249,11 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     else:
         w_rows, consts = None, []
     consts = jnp.broadcast_to(jnp.stack([include, *consts])[:, None], (1 + len(consts), bt))
-    bits = pad_t(lag_bits(segment_ids, t_len, max_lag), 1) if has_seg else None
-
     inputs = [x, banks, q, acc, pmax, pden, consts]
     if gate:
         inputs.append(w_rows)
     if has_seg:
-        inputs.append(bits)
+        inputs.append(sh.bits)
     call = _kernel(_Config(batch=batch, t_pad=t_pad, d=d, stream_kernels=tuple(stream_kernels), heads=heads,
                            block_d=bd, gate=gate, has_seg=has_seg, front=front, eps=float(eps),
                            gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
@@ -202,8 +299,7 @@ def _kernel(cfg: _Config):
     layout = _stream_layout(stream_kernels)
     max_lag = max([1, *stream_kernels])
     has_bank = any(stream_kernels)
-    dh, nc = d // heads, d // bd
-    nch = dh // bd  # chunks per head
+    nc = d // bd
     mh = m * heads
     n_taps = max(1, sum(stream_kernels))
     row = plgpu.Layout.WGMMA.reduce(1)  # one value per token row
@@ -253,61 +349,29 @@ def _kernel(cfg: _Config):
             plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t0, bt)], bits_s, bar_in.at[0])
         plgpu.copy_gmem_to_smem(consts_ref, scal_s, bar_in.at[0])
 
-        def fetch(c, slot, bar, with_state):
-            cs = pl.ds(c * bd, bd)
-            for delta in range(n_windows):
-                plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(t0 + front - delta, bt), cs], xs.at[slot, delta],
-                                        bar.at[slot])
-            if has_bank:
-                plgpu.copy_gmem_to_smem(bank_ref.at[:, cs], bs.at[slot], bar.at[slot])
-            if with_state:
-                for r in range(m):
-                    plgpu.copy_gmem_to_smem(acc_ref.at[r, b, pl.ds(t0, bt), cs], accs.at[slot, r], bar.at[slot])
-                if gate:
-                    plgpu.copy_gmem_to_smem(w_ref.at[:, cs], ws.at[slot], bar.at[slot])
-            else:
-                plgpu.copy_gmem_to_smem(q_ref.at[:, cs], qs.at[slot], bar.at[slot])
+        def fetch(bar, with_state):
+            def issue(c, slot):
+                _fetch_partial(plgpu, x_ref, bank_ref if has_bank else None, xs, bs, b, t0, front, c, bd, slot,
+                               bar, n_windows)
+                cs = pl.ds(c * bd, bd)
+                if with_state:
+                    for r in range(m):
+                        plgpu.copy_gmem_to_smem(acc_ref.at[r, b, pl.ds(t0, bt), cs], accs.at[slot, r], bar.at[slot])
+                    if gate:
+                        plgpu.copy_gmem_to_smem(w_ref.at[:, cs], ws.at[slot], bar.at[slot])
+                else:
+                    plgpu.copy_gmem_to_smem(q_ref.at[:, cs], qs.at[slot], bar.at[slot])
+
+            return issue
 
         def pipelined(bar, with_state, per_chunk, carry):
-            """``per_chunk(c, slot, head, carry)`` over the chunks, head by head (a static head
-            index), with the next-but-one chunk's copies in flight."""
-            fetch(0, 0, bar, with_state)
-            if nc > 1:
-                fetch(1, 1, bar, with_state)
-            for head in range(heads):
-
-                def step(c, carry, head=head):
-                    slot = lax.rem(c, 2)
-                    plgpu.barrier_wait(bar.at[slot])
-                    carry = per_chunk(c, slot, head, carry)
-
-                    @pl.when(c + 2 < nc)
-                    def _():
-                        fetch(c + 2, slot, bar, with_state)
-
-                    return carry
-
-                carry = lax.fori_loop(head * nch, (head + 1) * nch, step, carry)
-            return carry
+            return _pipelined(plgpu, fetch(bar, with_state), bar, nc, heads, per_chunk, carry)
 
         plgpu.barrier_wait(bar_in.at[0])
-        masks = [None] * max_lag  # without segments the rows before token 0 are zeros (fill or pad)
-        if has_seg:
-            bits = plgpu.load(bits_s, (), layout=row)
-            masks = [None] + [_rows(((bits >> delta) & 1).astype(F32), bt, bd) for delta in range(1, max_lag)]
+        masks = _lag_masks_of(plgpu, bits_s, max_lag, bt, bd)
 
         def expand(slot, kernel, off):
-            """``E_r`` of the chunk in ``slot`` (``[bt, bd]`` float32, Eq. 10)."""
-            if kernel == 0:
-                return plgpu.load(xs, (slot, 0), layout=tile).astype(F32)
-            e = None
-            for delta in range(kernel):
-                xl = plgpu.load(xs, (slot, delta), layout=tile).astype(F32)
-                term = _cols(plgpu.load(bs, (slot, off + delta), layout=col), bt, bd) * xl
-                if masks[delta] is not None:
-                    term = term * masks[delta]
-                e = term if e is None else e + term
-            return e
+            return _expand(plgpu, xs, bs, slot, kernel, off, masks, bt, bd)
 
         # ---- A: per-head dots and the keys' sums of squares
         def scores_chunk(c, slot, head, carry):
@@ -404,6 +468,258 @@ def _kernel(cfg: _Config):
     @jax.jit
     def run(*inputs):
         with jax.named_scope("depth_attention_phase2_mosaic"):  # the kernel's name in profiles
+            return kernel(*inputs)
+
+    return run
+
+
+# --------------------------------------------------------------------------- backward
+
+
+def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segment_ids, *, stream_kernels,
+                          heads: int, gate_eps: float, block_d: int | None = None, interpret: bool = False):
+    """Passes 1 and 2 of ``fused_bwd_phase2`` (the gate's statistics and backward, then
+    ``d_acc``) as one Mosaic GPU kernel: per (batch row, 64-token tile), (1) recompute ``z_r =
+    a A_r + b E_r`` chunk by chunk and sum ``sum z^2``, ``y_j = z . W[:, j]`` and ``dg_r = <dh,
+    z_r>``; in registers the gate ``g`` and its backward (``dlogit = dg g (1 - g)``, ``dy =
+    scale rz dlogit``, ``coef = -scale (dlogit . y) rz^3 / (m d)``; Eq. 13-14); (2) recompute
+    ``z_r``, ``dz_r = g_r dh + sum_j W[r, :, j] dy_j + coef z_r`` (``dh / m`` for mean fusion),
+    write ``d_acc = a dz`` and sum ``S1 = dz . z``, ``Sm = dz . (A - E D)``, ``Ss = dz . (E - z)``
+    per head over all its channels (the Triton passes write per-chunk partials for XLA to add).
+
+    ``a, b, dold``: ``[m, B, T, H]`` (the merge's coefficients and the phase-1 denominator);
+    ``acc[m, B, T, d]``; ``dh[B, T, d]``; ``gate_params = (w, scale, bias)`` or None. Returns
+    ``d_acc`` (``acc``'s dtype), ``(S1, Sm, Ss)`` each ``[m, B, T, H]``, and for the gate
+    ``(g, dy, coef, d_scale, d_bias)`` (``[B, T, m]``, ``[B, T, m]``, ``[B, T]``, the scale's
+    and bias's gradients) or None. Not yet timed on a GPU (BENCHMARKS.md, kernels, session 16):
+    ``fused_bwd_phase2`` takes it with ``gpu_kernels="mosaic"`` only."""
+    m, bt = len(stream_kernels), BLOCK_T
+    gate = gate_params is not None
+    sh = _shape("phase2_backward_state", partial, segment_ids, stream_kernels=stream_kernels, heads=heads,
+                block_d=block_d, interpret=interpret, smem=state_smem_bytes, x_dtype=partial.dtype,
+                acc_dtype=acc.dtype, out_dtype=F32, gate=gate)
+    batch, t_len, d, bd, t_pad, x = sh.batch, sh.t_len, sh.d, sh.block_d, sh.t_pad, sh.x
+    front, has_bank, has_seg, mh = sh.front, sh.has_bank, sh.has_seg, m * heads
+
+    def pad_t(v, axis, value=0.0):
+        return _pad_t(v, axis, t_pad, value)
+
+    def head_rows(v, value=0.0):  # [m, B, T, H] -> [m H, B, Tp]
+        return pad_t(jnp.moveaxis(jnp.asarray(v, F32), -1, 1).reshape(mh, batch, t_len), 2, value)
+
+    inputs = [x, jnp.asarray(bank, F32) if has_bank else jnp.zeros((1, d), F32), head_rows(a), head_rows(b),
+              head_rows(dold, 1.0), pad_t(acc, 2), pad_t(jnp.asarray(dh, F32), 1)]
+    if gate:
+        w, scale, bias = gate_params
+        inputs.append(jnp.asarray(w, F32).reshape(m, d, m).transpose(0, 2, 1).reshape(m * m, d))  # [(r, j), c]
+        consts = jnp.stack([jnp.asarray(scale, F32).reshape(()), *jnp.asarray(bias, F32).reshape(m)])
+        inputs.append(jnp.broadcast_to(consts[:, None], (1 + m, bt)))
+    if has_seg:
+        inputs.append(sh.bits)
+    call = _state_kernel(_StateConfig(batch=batch, t_pad=t_pad, t_len=t_len, d=d, stream_kernels=tuple(stream_kernels),
+                                      heads=heads, block_d=bd, gate=gate, has_seg=has_seg, front=front,
+                                      gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype),
+                                      acc_dtype=jnp.dtype(acc.dtype), interpret=bool(interpret)))
+    d_acc, sums, gate_rows_out = call(*inputs)
+    per_head = lambda v: jnp.moveaxis(v.reshape(m, heads, batch, t_pad), 1, -1)[:, :, :t_len]  # noqa: E731
+    s1, sm, ss = (per_head(sums[i * mh:(i + 1) * mh]) for i in range(3))
+    gate_out = None
+    if gate:
+        rows = gate_rows_out[:, :, :t_len]  # [3 m + 2, B, T]
+        g, dy, coef = jnp.moveaxis(rows[:m], 0, -1), jnp.moveaxis(rows[m:2 * m], 0, -1), rows[2 * m]
+        d_bias = jnp.sum(rows[2 * m + 1:3 * m + 1], axis=(1, 2))
+        d_scale = jnp.sum(rows[3 * m + 1]).reshape(jnp.shape(scale))
+        gate_out = (g, dy, coef, d_scale, d_bias)
+    return d_acc[:, :, :t_len], (s1, sm, ss), gate_out
+
+
+class _StateConfig(NamedTuple):
+    """Everything ``phase2_backward_state``'s kernel code depends on (see ``_Config``)."""
+
+    batch: int
+    t_pad: int
+    t_len: int
+    d: int
+    stream_kernels: tuple
+    heads: int
+    block_d: int
+    gate: bool
+    has_seg: bool
+    front: int
+    gate_eps: float
+    x_dtype: jnp.dtype
+    acc_dtype: jnp.dtype
+    interpret: bool
+
+
+@functools.lru_cache(maxsize=None)
+def _state_kernel(cfg: _StateConfig):
+    """``phase2_backward_state``'s kernel for ``cfg``, built and jitted once (``_kernel`` says why)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    batch, t_pad, d, heads, bd, gate, has_seg, front = (cfg.batch, cfg.t_pad, cfg.d, cfg.heads, cfg.block_d,
+                                                        cfg.gate, cfg.has_seg, cfg.front)
+    stream_kernels = cfg.stream_kernels
+    m, bt = len(stream_kernels), BLOCK_T
+    layout = _stream_layout(stream_kernels)
+    max_lag = n_windows = max([1, *stream_kernels])
+    has_bank = any(stream_kernels)
+    nc, mh = d // bd, m * heads
+    n_taps = max(1, sum(stream_kernels))
+    row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
+    n_gate_rows = 3 * m + 2  # g, dy, coef, dlogit, dlogit . rz y
+    scratch = dict(
+        xs=plgpu.SMEM((2, n_windows, bt, bd), cfg.x_dtype),
+        bs=plgpu.SMEM((2, n_taps, bd), F32) if has_bank else None,
+        accs=plgpu.SMEM((2, m, bt, bd), cfg.acc_dtype),  # the state's chunk; d_acc's, stored in place
+        dhs=plgpu.SMEM((2, bt, bd), F32),
+        ws=plgpu.SMEM((2, m * m, bd), F32) if gate else None,
+        rows_s=plgpu.SMEM((3, mh, bt), F32),  # a, b, dold
+        scal_s=plgpu.SMEM((1 + m, bt), F32) if gate else None,
+        bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
+        sums_s=plgpu.SMEM((3 * mh, bt), F32),
+        gate_s=plgpu.SMEM((n_gate_rows, bt), F32) if gate else None,
+        bar=plgpu.Barrier(num_arrivals=n_windows + has_bank + m + 1 + gate, num_barriers=2),
+        bar_in=plgpu.Barrier(num_arrivals=3 + gate + has_seg, num_barriers=1),
+    )
+    names = [k for k, v in scratch.items() if v is not None]
+
+    def body(*refs):
+        it = iter(refs)
+        x_ref, bank_ref, a_ref, b_ref, dold_ref, acc_ref, dh_ref = (next(it) for _ in range(7))
+        w_ref, consts_ref = (next(it), next(it)) if gate else (None, None)
+        bits_ref = next(it) if has_seg else None
+        dacc_ref, sums_ref, gate_ref = next(it), next(it), next(it)
+        sc = dict(zip(names, it))
+        xs, bs, accs, dhs, ws = (sc.get(k) for k in ("xs", "bs", "accs", "dhs", "ws"))
+        rows_s, scal_s, bits_s, sums_s, gate_s = (sc.get(k) for k in ("rows_s", "scal_s", "bits_s", "sums_s",
+                                                                       "gate_s"))
+        bar, bar_in = sc["bar"], sc["bar_in"]
+        bi, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
+        rows = pl.ds(t0, bt)
+        for i, ref in enumerate((a_ref, b_ref, dold_ref)):
+            plgpu.copy_gmem_to_smem(ref.at[:, bi, rows], rows_s.at[i], bar_in.at[0])
+        if gate:
+            plgpu.copy_gmem_to_smem(consts_ref, scal_s, bar_in.at[0])
+        if has_seg:
+            plgpu.copy_gmem_to_smem(bits_ref.at[bi, rows], bits_s, bar_in.at[0])
+
+        def fetch(c, slot):
+            _fetch_partial(plgpu, x_ref, bank_ref if has_bank else None, xs, bs, bi, t0, front, c, bd, slot, bar,
+                           n_windows)
+            cs = pl.ds(c * bd, bd)
+            for r in range(m):
+                plgpu.copy_gmem_to_smem(acc_ref.at[r, bi, rows, cs], accs.at[slot, r], bar.at[slot])
+            plgpu.copy_gmem_to_smem(dh_ref.at[bi, rows, cs], dhs.at[slot], bar.at[slot])
+            if gate:
+                plgpu.copy_gmem_to_smem(w_ref.at[:, cs], ws.at[slot], bar.at[slot])
+
+        plgpu.barrier_wait(bar_in.at[0])
+        masks = _lag_masks_of(plgpu, bits_s, max_lag, bt, bd)
+        coef_a = [[plgpu.load(rows_s, (0, r * heads + h), layout=row) for h in range(heads)] for r in range(m)]
+        coef_b = [[plgpu.load(rows_s, (1, r * heads + h), layout=row) for h in range(heads)] for r in range(m)]
+        dold = [[plgpu.load(rows_s, (2, r * heads + h), layout=row) for h in range(heads)] for r in range(m)]
+
+        def chunk_values(slot, r, head, kernel, off):
+            """``E_r``, ``A_r`` and ``z_r = a A_r + b E_r`` of the chunk in ``slot``."""
+            e = _expand(plgpu, xs, bs, slot, kernel, off, masks, bt, bd)
+            acc = plgpu.load(accs, (slot, r), layout=tile).astype(F32)
+            return e, acc, _rows(coef_a[r][head], bt, bd) * acc + _rows(coef_b[r][head], bt, bd) * e
+
+        def w_col(slot, r, j):
+            return _cols(plgpu.load(ws, (slot, r * m + j), layout=col), bt, bd)
+
+        zero = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
+        gate_vals = None
+        if gate:
+            # ---- 1: the gate's statistics, then its backward on per-token scalars (Eq. 13-14)
+            def stats_chunk(c, slot, head, carry):
+                sq, zw, dg = carry[0], list(carry[1]), list(carry[2])
+                dh = plgpu.load(dhs, slot, layout=tile)
+                for r, (kernel, off) in enumerate(layout):
+                    _, _, z = chunk_values(slot, r, head, kernel, off)
+                    sq = sq + jnp.sum(z * z, axis=1)
+                    for j in range(m):
+                        zw[j] = zw[j] + jnp.sum(z * w_col(slot, r, j), axis=1)
+                    dg[r] = dg[r] + jnp.sum(dh * z, axis=1)
+                return sq, zw, dg
+
+            sq, y, dg = _pipelined(plgpu, fetch, bar, nc, heads, stats_chunk, (zero, [zero] * m, [zero] * m))
+            rz = lax.rsqrt(sq * (1.0 / (m * d)) + cfg.gate_eps)
+            scale = plgpu.load(scal_s, 0, layout=row)
+            valid = (plgpu.broadcasted_iota(jnp.int32, (bt,), 0, layout=row) + t0 < cfg.t_len).astype(F32)
+            g, dlogit = [], []
+            for j in range(m):
+                gj = 1.0 / (1.0 + jnp.exp(-(scale * (rz * y[j]) + plgpu.load(scal_s, 1 + j, layout=row))))
+                g.append(gj * valid)
+                dlogit.append(dg[j] * gj * (1.0 - gj) * valid)
+            dy = [scale * rz * dlogit[j] for j in range(m)]
+            dly = dlogit[0] * y[0]
+            for j in range(1, m):
+                dly = dly + dlogit[j] * y[j]
+            coef = -scale * dly * (rz * rz * rz) * (1.0 / (m * d))
+            for j in range(m):
+                gate_s[j] = g[j]
+                gate_s[m + j] = dy[j]
+                gate_s[2 * m + 1 + j] = dlogit[j]
+            gate_s[2 * m] = coef
+            gate_s[3 * m + 1] = dly * rz
+            gate_vals = (g, dy, coef)
+
+        # ---- 2: d_acc = a dz, and the per-head sums S1, Sm, Ss
+        def state_chunk(c, slot, head, carry):
+            s1, sm, ss = (list(v) for v in carry)
+            dh = plgpu.load(dhs, slot, layout=tile)
+            for r, (kernel, off) in enumerate(layout):
+                e, acc, z = chunk_values(slot, r, head, kernel, off)
+                if gate_vals is None:
+                    dz = dh * (1.0 / m)
+                else:
+                    g, dy, coef = gate_vals
+                    dz = _rows(g[r], bt, bd) * dh + _rows(coef, bt, bd) * z
+                    for j in range(m):
+                        dz = dz + w_col(slot, r, j) * _rows(dy[j], bt, bd)
+                k = r * heads + head
+                s1[k] = s1[k] + jnp.sum(dz * z, axis=1)
+                sm[k] = sm[k] + jnp.sum(dz * (acc - e * _rows(dold[r][head], bt, bd)), axis=1)
+                ss[k] = ss[k] + jnp.sum(dz * (e - z), axis=1)
+                # d_acc over the state's chunk in shared memory, read by this thread alone (same layout)
+                accs[slot, r] = (_rows(coef_a[r][head], bt, bd) * dz).astype(accs.dtype)
+            plgpu.commit_smem()
+            for r in range(m):
+                plgpu.copy_smem_to_gmem(accs.at[slot, r], dacc_ref.at[r, bi, rows, pl.ds(c * bd, bd)])
+            return s1, sm, ss
+
+        def stores_done():  # d_acc's stores from this slot have read it before the slot is refilled
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        s1, sm, ss = _pipelined(plgpu, fetch, bar, nc, heads, state_chunk, ([zero] * mh,) * 3,
+                                before_refill=stores_done)
+        for i, sums in enumerate((s1, sm, ss)):
+            for k in range(mh):
+                sums_s[i * mh + k] = sums[k]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(sums_s, sums_ref.at[:, bi, rows])
+        if gate:
+            plgpu.copy_smem_to_gmem(gate_s, gate_ref.at[:, bi, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(
+        body,
+        out_type=(
+            jax.ShapeDtypeStruct((m, batch, t_pad, d), cfg.acc_dtype),
+            jax.ShapeDtypeStruct((3 * mh, batch, t_pad), F32),
+            jax.ShapeDtypeStruct((n_gate_rows if gate else 1, batch, t_pad), F32),
+        ),
+        scratch_types=[scratch[k] for k in names],
+        grid=(batch, t_pad // bt),
+        grid_names=("b", "t"),
+        interpret=plgpu.InterpretGPUParams() if cfg.interpret else False,
+    )
+
+    @jax.jit
+    def run(*inputs):
+        with jax.named_scope("depth_attention_phase2_bwd_state_mosaic"):
             return kernel(*inputs)
 
     return run

@@ -1,8 +1,10 @@
-"""Phase 2's fused forward as one Mosaic GPU kernel (``pallas_kernels/depth_attention/mosaic_gpu.py``)
-against the oracle. On the CPU it runs in Pallas' Mosaic GPU interpret mode
-(``gpu_kernels="mosaic"``; ``"auto"`` takes it on a GPU only); its per-token scores feed the
-Pallas backward (``backward="pallas"``), so the gradients check them too. The GPU-marked test
-runs the compiled kernel (TMA's zero fill before token 0 instead of the interpreted pad)."""
+"""Phase 2 in Mosaic GPU (``pallas_kernels/depth_attention/mosaic_gpu.py``) against the oracle:
+the fused forward (``phase2_fused_forward``) and the backward's gate-statistics and ``d_acc``
+passes (``phase2_backward_state``). On the CPU they run in Pallas' Mosaic GPU interpret mode
+(``gpu_kernels="mosaic"`` takes both; ``"auto"`` takes the forward on a GPU only, the backward's
+kernel not until it is timed); the forward's per-token scores feed the Pallas backward, so the
+gradients check them too. The GPU-marked test runs the compiled kernels (TMA's zero fill
+before token 0 instead of the interpreted pad)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.depth_attention import _backend, api, mosaic_gpu, reference
+from pallas_kernels.depth_attention import api, mosaic_gpu, reference
 from tests.kernels.test_depth_attention_fused import F32_TOL, _check_tree, _phase2_inputs, _rel, _rnd, jit_vjp
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
@@ -62,12 +64,25 @@ def test_interpreted_forward_and_grads_match_reference(case):
     _check_tree(got_grads, want_grads, 2e-5)  # the tolerance of the Triton path's same test
 
 
+def _check_grads(got_grads, want_grads, tol):
+    """Float32 gradients within ``tol``; the partial's and a bf16 state's, rounded to bf16 (2^-9
+    relative), within 1e-2; an excluded partial's max gradient (0 in closed form) near 0."""
+    leaves = list(zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True))
+    scale = max(float(np.max(np.abs(np.asarray(w, np.float64)))) for _, w in leaves)
+    for g, w in leaves:
+        if not np.any(np.asarray(g)):
+            assert float(np.max(np.abs(np.asarray(w, np.float64)))) < tol * scale
+            continue
+        assert _rel(g, w) < (tol if g.dtype == jnp.float32 else 1e-2), (g.shape, _rel(g, w))
+
+
 @pytest.mark.slow
 def test_interpreted_bf16_partial_and_state():
     case = CASES[0]
-    got, _ = _run(case, "mosaic", jnp.bfloat16, jnp.bfloat16)
-    want, _ = _run(case, None, jnp.bfloat16, jnp.bfloat16)
+    got, got_grads = _run(case, "mosaic", jnp.bfloat16, jnp.bfloat16)
+    want, want_grads = _run(case, None, jnp.bfloat16, jnp.bfloat16)
     _check_tree(got, want, F32_TOL)  # the same bf16 inputs, both computed in float32
+    _check_grads(got_grads, want_grads, 2e-5)
 
 
 def test_lag_bits_follow_the_reference_masks():
@@ -85,9 +100,9 @@ def test_block_d_choice_and_shared_memory():
     assert mosaic_gpu.choose_block_d(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32)) is None
     assert mosaic_gpu.choose_block_d(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32, stream_kernels=(0,))) == 32
     assert mosaic_gpu.choose_block_d(d=48, heads=1, **kw) is None  # no chunk divides the head
-    for bd in mosaic_gpu.BLOCK_D_CHOICES:
-        assert mosaic_gpu.smem_bytes(block_d=bd, stream_kernels=(0, 4, 8, 12), heads=1, x_dtype=jnp.bfloat16,
-                                     acc_dtype=jnp.float32, out_dtype=jnp.float32) > 0
+    # MSAR at `base` with a float32 state fits both kernels (the H200's 227 KiB per block)
+    for smem in (mosaic_gpu.smem_bytes, mosaic_gpu.state_smem_bytes):
+        assert 150_000 < smem(block_d=32, **dict(kw, heads=1)) <= mosaic_gpu.SMEM_BYTES
 
 
 def test_option_errors_and_auto_off_the_gpu(monkeypatch):
@@ -107,6 +122,7 @@ def test_option_errors_and_auto_off_the_gpu(monkeypatch):
         raise AssertionError("interpret mode with gpu_kernels='auto' must keep the Triton kernels")
 
     monkeypatch.setattr(mosaic_gpu, "phase2_fused_forward", refuse)
+    monkeypatch.setattr(mosaic_gpu, "phase2_backward_state", refuse)
     msar = CASES[5]  # several streams: what "auto" gives the Mosaic kernel on a GPU
     got, _ = _run(msar, "auto")
     want, _ = _run(msar, None)
@@ -115,26 +131,24 @@ def test_option_errors_and_auto_off_the_gpu(monkeypatch):
 
 @pytest.mark.gpu
 def test_gpu_mosaic_matches_reference(monkeypatch):
-    """On a GPU: the compiled kernel, taken by ``gpu_kernels="auto"``, against the oracle (bf16
-    partial; a float32 and a bf16 state; segments, two heads, ragged T, an excluded partial)."""
+    """On a GPU: the compiled forward, taken by ``gpu_kernels="auto"``, and the backward's kernel
+    (``"mosaic"``) against the oracle (bf16 partial; a float32 and a bf16 state; segments, two
+    heads, ragged T, an excluded partial)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     calls = []
-    real = mosaic_gpu.phase2_fused_forward
-    monkeypatch.setattr(mosaic_gpu, "phase2_fused_forward", lambda *a, **k: calls.append(1) or real(*a, **k))
-    # each configuration's Mosaic GPU lowering takes about 15 s of CPU: two of them
-    for case, state_dtype in ((("msar", 2, 300, 256, (0, 4, 8, 12), 2, True, 77, "gate"), jnp.float32),
-                              (("msar_mean_excluded", 3, 128, 512, (0, 4, 8, 12), 1, False, 40, "mean"), jnp.bfloat16)):
+    for name in ("phase2_fused_forward", "phase2_backward_state"):
+        real = getattr(mosaic_gpu, name)
+        monkeypatch.setattr(mosaic_gpu, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    # each configuration's Mosaic GPU lowering takes 15-25 s of CPU: three of them
+    for case, state_dtype, gpu_kernels in (
+            (("msar", 2, 300, 256, (0, 4, 8, 12), 2, True, 77, "gate"), jnp.float32, "auto"),
+            (("msar_mean_excluded", 3, 128, 512, (0, 4, 8, 12), 1, False, 40, "mean"), jnp.bfloat16, "auto"),
+            (("msar_backward", 2, 300, 256, (0, 4, 8, 12), 2, True, 77, "gate"), jnp.float32, "mosaic")):
         with jax.default_matmul_precision("highest"):
-            got, got_grads = _run(case, "auto", jnp.bfloat16, state_dtype)
+            got, got_grads = _run(case, gpu_kernels, jnp.bfloat16, state_dtype)
             want, want_grads = _run(case, None, jnp.bfloat16, state_dtype)
         _check_tree(got, want, 1e-4)  # h in float32 from the same bf16 inputs
-        leaves = list(zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True))
-        scale = max(float(np.max(np.abs(np.asarray(w, np.float64)))) for _, w in leaves)
-        for g, w in leaves:
-            if not np.any(np.asarray(g)):  # the excluded partial's max: 0 in closed form
-                assert float(np.max(np.abs(np.asarray(w, np.float64)))) < 1e-4 * scale
-                continue
-            # the partial's and a bf16 state's gradients are rounded to bf16 (2^-9 relative)
-            assert _rel(g, w) < (1e-4 if g.dtype == jnp.float32 else 1e-2), (g.shape, _rel(g, w))
-    assert calls, "gpu_kernels='auto' did not take the Mosaic GPU kernel on the GPU"
+        _check_grads(got_grads, want_grads, 1e-4)
+    assert calls.count("phase2_backward_state") == 1, calls  # "auto" keeps the Triton backward
+    assert calls.count("phase2_fused_forward") == 3, "gpu_kernels='auto' did not take the Mosaic GPU forward"

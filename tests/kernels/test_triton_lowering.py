@@ -16,6 +16,7 @@ import pytest
 from pallas_kernels.depth_attention import api, reference
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_GPU_CALL = "custom_call @mosaic_gpu_v2"
 
 
 @pytest.fixture
@@ -40,8 +41,9 @@ def test_kernels_lower_to_triton(h200, kernels, heads, segments, backward, calls
     banks = 0.5 * jax.random.normal(keys[1], (n, sum(kernels), d)) if sum(kernels) else None
     queries = jax.random.normal(keys[2], (n_targets, m, d))
     seg = jnp.asarray([[0] * 17 + [1] * (t_len - 17)] * batch, jnp.int32) if segments else None
+    # the Triton kernels, also where "auto" would take phase 2's Mosaic GPU forward (see below)
     kw = dict(stream_kernels=kernels, heads=heads, segment_ids=seg, implementation="pallas_gpu", interpret=False,
-              backward=backward)
+              backward=backward, gpu_kernels="triton")
 
     def loss1(x, b, q):
         state = api.phase1(x, b, q, **kw)
@@ -66,6 +68,31 @@ def test_kernels_lower_to_triton(h200, kernels, heads, segments, backward, calls
     # forward: scores + gate stats + gated mix; the Pallas backward adds 3 passes (it starts
     # from the forward's scores, kept by the custom_vjp, instead of re-scoring: pass 0 is gone)
     assert text.count(TRITON_CALL) == calls[1]
+
+
+@pytest.mark.parametrize("gpu_kernels, triton_calls, mosaic_calls", [("auto", 3, 1), ("mosaic", 1, 2)])
+def test_phase2_mosaic_gpu_kernels_lower(h200, gpu_kernels, triton_calls, mosaic_calls):
+    """Phase 2 + gate with the Pallas backward for an H200 with Mosaic GPU kernels: ``"auto"``
+    takes the Mosaic forward for several streams and keeps the backward's three Triton passes;
+    ``"mosaic"`` also takes the backward's gate-statistics and ``d_acc`` kernel. (The Mosaic GPU
+    lowering compiles each kernel here: about 15-25 s of CPU each.)"""
+    kernels, batch, t_len, d, m = (0, 4, 8, 12), 2, 100, 64, 4
+    keys = jax.random.split(jax.random.key(0), 5)
+    state = reference.SoftmaxState(jax.random.normal(keys[0], (m, batch, t_len, 1)),
+                                   jnp.ones((m, batch, t_len, 1)), jax.random.normal(keys[1], (m, batch, t_len, d)))
+    partial = jax.random.normal(keys[2], (batch, t_len, d), jnp.bfloat16)  # a float32 one overflows shared memory
+    bank = jax.random.normal(keys[3], (sum(kernels), d))
+    gate = (jax.random.normal(keys[4], (m * d, m)), jnp.float32(0.7), jnp.zeros((m,)))
+    seg = jnp.asarray([[0] * 17 + [1] * (t_len - 17)] * batch, jnp.int32)
+
+    def loss(st, x, b, q, g):
+        return jnp.sum(api.phase2_fused(st, x, b, q, True, g, stream_kernels=kernels, segment_ids=seg,
+                                        implementation="pallas_gpu", interpret=False, backward="pallas",
+                                        gpu_kernels=gpu_kernels))
+
+    text = _lower(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), state, partial, bank, jnp.ones((m, d)), gate)
+    assert text.count(MOSAIC_GPU_CALL) == mosaic_calls
+    assert text.count(TRITON_CALL) == triton_calls
 
 
 # the Pallas kernels each jitted gradient must contain (phase 1, phase 2 + fusion)
