@@ -263,6 +263,20 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     return h[:, :t_len], (dots, sumsq[:, :, :t_len])
 
 
+def _jitted_kernel(plgpu, body, out_type, scratch_types, *, name, batch, t_pad, interpret):
+    """``body`` as a ``plgpu.kernel`` over (batch row, 64-token tile), one warpgroup each, jitted
+    under the named scope ``name`` (the kernel's name in profiles)."""
+    kernel = plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, grid=(batch, t_pad // BLOCK_T),
+                          grid_names=("b", "t"), interpret=plgpu.InterpretGPUParams() if interpret else False)
+
+    @jax.jit
+    def run(*inputs):
+        with jax.named_scope(name):
+            return kernel(*inputs)
+
+    return run
+
+
 class _Config(NamedTuple):
     """Everything the kernel's code depends on (hashable: ``_kernel`` builds it once per value)."""
 
@@ -452,25 +466,13 @@ def _kernel(cfg: _Config):
         pipelined(bar_bc, True, fuse_chunk, 0)
         plgpu.wait_smem_to_gmem(0)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=(
-            jax.ShapeDtypeStruct((batch, t_pad, d), cfg.out_dtype),
-            jax.ShapeDtypeStruct((mh, batch, t_pad), F32),
-            jax.ShapeDtypeStruct((m, batch, t_pad), F32),
-        ),
-        scratch_types=[scratch[k] for k in scratch_names],
-        grid=(batch, t_pad // bt),
-        grid_names=("b", "t"),
-        interpret=plgpu.InterpretGPUParams() if cfg.interpret else False,
+    out_type = (
+        jax.ShapeDtypeStruct((batch, t_pad, d), cfg.out_dtype),
+        jax.ShapeDtypeStruct((mh, batch, t_pad), F32),
+        jax.ShapeDtypeStruct((m, batch, t_pad), F32),
     )
-
-    @jax.jit
-    def run(*inputs):
-        with jax.named_scope("depth_attention_phase2_mosaic"):  # the kernel's name in profiles
-            return kernel(*inputs)
-
-    return run
+    return _jitted_kernel(plgpu, body, out_type, [scratch[k] for k in scratch_names],
+                          name="depth_attention_phase2_mosaic", batch=batch, t_pad=t_pad, interpret=cfg.interpret)
 
 
 # --------------------------------------------------------------------------- backward
@@ -704,22 +706,11 @@ def _state_kernel(cfg: _StateConfig):
             plgpu.copy_smem_to_gmem(gate_s, gate_ref.at[:, bi, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    kernel = plgpu.kernel(
-        body,
-        out_type=(
-            jax.ShapeDtypeStruct((m, batch, t_pad, d), cfg.acc_dtype),
-            jax.ShapeDtypeStruct((3 * mh, batch, t_pad), F32),
-            jax.ShapeDtypeStruct((n_gate_rows if gate else 1, batch, t_pad), F32),
-        ),
-        scratch_types=[scratch[k] for k in names],
-        grid=(batch, t_pad // bt),
-        grid_names=("b", "t"),
-        interpret=plgpu.InterpretGPUParams() if cfg.interpret else False,
+    out_type = (
+        jax.ShapeDtypeStruct((m, batch, t_pad, d), cfg.acc_dtype),
+        jax.ShapeDtypeStruct((3 * mh, batch, t_pad), F32),
+        jax.ShapeDtypeStruct((n_gate_rows if gate else 1, batch, t_pad), F32),
     )
-
-    @jax.jit
-    def run(*inputs):
-        with jax.named_scope("depth_attention_phase2_bwd_state_mosaic"):
-            return kernel(*inputs)
-
-    return run
+    return _jitted_kernel(plgpu, body, out_type, [scratch[k] for k in names],
+                          name="depth_attention_phase2_bwd_state_mosaic", batch=batch, t_pad=t_pad,
+                          interpret=cfg.interpret)
