@@ -7,7 +7,9 @@ state) and AttnRes (kernels (0,), one stream). Median of 21 timings of 5 calls e
 largest magnitude; the floor is the bytes the design must move (the partial read three times,
 the state twice, ``h`` written) at the measured copy bandwidth. Run on the GPU:
 ``python experiments/mgpu/time_phase2.py``; with ``--profile``, the device time per op of phase
-2's forward + Pallas backward at `base` with each forward lowering instead."""
+2's forward + Pallas backward at `base` with each ``gpu_kernels`` instead; with ``--backward``,
+the whole Pallas backward with its passes 1-2 in Triton and in Mosaic GPU (``time_backward``;
+``--backward-smoke`` runs that on the CPU in interpret mode at a tiny shape)."""
 import collections
 import os
 import sys
@@ -42,13 +44,14 @@ def profile_fwd_bwd(shape=(64, 1024, 1024), kernels=(0, 4, 8, 12), steps=5):
     batch, t_len, d = shape
     state, x, bank, q, gate = inputs(batch, t_len, d, kernels)
     ct = jnp.ones((batch, t_len, d), jnp.float32)
-    for gpu_kernels in ("triton", "mosaic"):
+    for gpu_kernels in ("triton", "auto", "mosaic"):
         def loss(st, x, b, q, g, gk=gpu_kernels):
             h = api.phase2_fused(st, x, b, q, True, g, implementation="pallas_gpu", backward="pallas",
                                  stream_kernels=kernels, gpu_kernels=gk, out_dtype=jnp.bfloat16)
             return jnp.sum(h.astype(jnp.float32) * ct)
 
-        grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+        # value_and_grad: the forward's outputs kept, as a model needs them (bench.run_config says why)
+        grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
         jax.block_until_ready(grad(state, x, bank, q, gate))
         trace_dir = tempfile.mkdtemp(prefix="trace_p2_")
         with jax.profiler.trace(trace_dir):
@@ -65,9 +68,51 @@ def profile_fwd_bwd(shape=(64, 1024, 1024), kernels=(0, 4, 8, 12), steps=5):
                 print(f"  {ms:8.3f} ms  {op}", flush=True)
 
 
+def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))), kernels=(0, 4, 8, 12),
+                  interpret=False, reps=21):
+    """Phase 2 + gate's whole Pallas backward (``fused_bwd_phase2.phase2_fused_backward``, from the
+    forward's scores) with its statistics and ``d_acc`` passes in Triton (two kernels and XLA
+    between them) and in Mosaic GPU (``mosaic_gpu.phase2_backward_state``); the rest (the
+    reverse-T input kernel) is the same. Median ms per call and the largest difference between
+    the two forms' gradients, relative to each gradient's largest magnitude. ``interpret``: a
+    CPU smoke of this script at a tiny shape (no timing)."""
+    from pallas_kernels.depth_attention import fused_bwd_phase2
+
+    for name, (batch, t_len, d) in shapes:
+        m = len(kernels)
+        state, x, bank, q, gate = inputs(batch, t_len, d, kernels)
+        dh = jax.random.normal(jax.random.key(7), (batch, t_len, d), jnp.float32)
+        kw = dict(stream_kernels=kernels, heads=1, eps=1e-6, gate_eps=1e-6)
+        _, scores = mosaic_gpu.phase2_fused_forward(state, x, bank, q, True, gate, None, fuse="gate",
+                                                    interpret=interpret, **kw)
+        tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=max(kernels), n_targets=1,
+                                    backend="tpu" if interpret else "triton", n_streams=m)
+        grads = {}
+        for label, mosaic_state in (("triton passes 1-2", False), ("mosaic passes 1-2", True)):
+            f = jax.jit(lambda st, x, b, q, g, dh, sc, ms=mosaic_state: fused_bwd_phase2.phase2_fused_backward(
+                st, x, b, q, True, g, None, dh, tiles=tiles, backend="interpret" if interpret else "triton",
+                interpret=interpret, scores=sc, mosaic_state=ms, **kw))
+            args = (state, x, bank, q, gate, dh, scores)
+            grads[label] = f(*args)
+            ms = float("nan") if interpret else bench.timeit(f, *args, reps=reps, inner=2)[0] * 1e3
+            print(f"## {name} backward, {label}: {ms:.3f} ms per call", flush=True)
+        a, b = (jax.tree.leaves(g) for g in grads.values())
+        errs = [(str(v.dtype), float(jnp.max(jnp.abs(u.astype(jnp.float32) - v.astype(jnp.float32))) /
+                                     jnp.maximum(jnp.max(jnp.abs(v.astype(jnp.float32))), 1e-30)))
+                for u, v in zip(a, b)]
+        print("   relative difference between the two forms, per gradient (dtype: largest): "
+              + ", ".join(f"{dt}: {e:.1e}" for dt, e in errs), flush=True)
+
+
 def main():
     if "--profile" in sys.argv:
         profile_fwd_bwd()
+        return
+    if "--backward" in sys.argv:
+        time_backward()
+        return
+    if "--backward-smoke" in sys.argv:  # CPU, interpret mode
+        time_backward(shapes=(("tiny", (1, 70, 64)),), interpret=True)
         return
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (bytes read + written)", flush=True)
