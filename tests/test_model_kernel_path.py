@@ -70,7 +70,7 @@ def test_mosaic_gpu_phase2_in_the_model():
 
 @pytest.mark.parametrize("overrides, want", [
     ({}, None),  # "auto": the kernels choose (Mosaic GPU for phase 2's forward on a GPU)
-    ({"model.save_read_outputs": True}, "triton"),  # the re-run keeps only the scores
+    ({"model.save_read_outputs": True}, "triton_forward"),  # the re-run keeps only the scores
     ({"model.save_read_outputs": True, "model.residual.gpu_kernels": "mosaic"}, "mosaic"),
     ({"model.residual.gpu_kernels": "triton"}, "triton"),
 ])

@@ -142,14 +142,15 @@ class BlockDepthAttention(ResidualMechanism):
         return "pallas" if op in (depth_api.phase1, depth_api.phase2_fused) and len(self.stream_kernels) > 1 else "xla"
 
     def _gpu_kernels(self) -> str:
-        """The ops' ``gpu_kernels``: the config's, except that ``"auto"`` becomes ``"triton"`` under
+        """The ops' ``gpu_kernels``: the config's, except that ``"auto"`` becomes
+        ``"triton_forward"`` (the forward in Triton, the backward's Mosaic kernel kept) under
         ``model.save_read_outputs``. There the backward's re-run of a read keeps only its scores
         (the output ``h`` is saved), and XLA drops the Triton forward's gate passes, leaving its
         scoring pass (0.48 ms per call at `base`), while the Mosaic GPU forward is one kernel that
         runs whole (1.38 ms in the model; BENCHMARKS.md, kernels, session 16). Predicted from
         those per-call figures, not yet timed as a step."""
         choice = self.res_cfg.get("gpu_kernels", "auto")
-        return "triton" if choice == "auto" and self.save_read_outputs else choice
+        return "triton_forward" if choice == "auto" and self.save_read_outputs else choice
 
     def _lean_vjp(self, op) -> bool:
         """Run ``op`` without a checkpoint: it runs a Pallas kernel whose backward keeps only its

@@ -9,28 +9,39 @@ from pallas_kernels.depth_attention import (conv_transpose, fused, fused_bwd_pha
                                             tiling, vjp)
 
 
-GPU_KERNELS = ("auto", "mosaic", "triton")
+GPU_KERNELS = ("auto", "mosaic", "triton", "triton_forward")
 
 
-def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype, interpret: bool) -> bool:
-    """Whether phase 2's fused forward runs as the Mosaic GPU kernel (``mosaic_gpu.py``) rather
-    than the three Triton calls of ``fused.phase2_forward``.
+def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype, interpret: bool,
+                   kernel: str = "forward") -> bool:
+    """Whether phase 2's fused ``kernel`` runs in Mosaic GPU (``mosaic_gpu.py``) rather than in
+    Triton: ``"forward"`` (``mosaic_gpu.phase2_fused_forward`` against the three Triton calls of
+    ``fused.phase2_forward``) or ``"backward_state"`` (the backward's statistics and ``d_acc``
+    passes, ``mosaic_gpu.phase2_backward_state``, against two Triton calls with XLA between).
 
     ``"auto"``: on a GPU (not in interpret mode), with several streams, whenever the kernel takes
-    the shape. Measured on the H200 at `base` (BENCHMARKS.md, kernels, session 16): MSAR's
-    forward 1.42 against 1.80 ms per call, its `base` step 1735.3 against 1764.4 ms; a single
-    stream (AttnRes) ran 0.235 against 0.209 ms, so it keeps Triton. ``"mosaic"``: always
+    the shape. Measured on the H200 at `base` (BENCHMARKS.md, kernels, sessions 16-17): MSAR's
+    forward 1.42 against 1.80 ms per call, its `base` step 1735.3 against 1764.4 ms; the whole
+    Pallas backward 5.40 against 6.19 ms per call with the backward's kernel. A single stream
+    (AttnRes) ran the forward 0.235 against 0.209 ms, so it keeps Triton. ``"mosaic"``: always
     (interpreted off the GPU, as the tests run it; an error for a shape it does not take);
-    ``"triton"``: never. The unfused ``phase2`` (``fuse=None``) has the Triton kernels only."""
+    ``"triton"``: never; ``"triton_forward"``: the forward in Triton, the backward's kernel as
+    ``"auto"`` (what a model saving its reads' outputs wants: its backward re-runs only the
+    forward's scoring pass, which Triton has as a call of its own). The unfused ``phase2``
+    (``fuse=None``) has the Triton kernels only."""
+    if choice == "triton_forward":
+        choice = "triton" if kernel == "forward" else "auto"
     if choice == "triton" or backend != "triton" or static.fuse is None:
         return False
     if choice == "auto" and (interpret or len(static.stream_kernels) == 1):
         return False
+    smem = {"forward": mosaic_gpu.smem_bytes, "backward_state": mosaic_gpu.state_smem_bytes}[kernel]
     bd = mosaic_gpu.choose_block_d(d=partial.shape[-1], heads=static.heads, stream_kernels=static.stream_kernels,
                                    x_dtype=partial.dtype, acc_dtype=state.acc.dtype, out_dtype=out_dtype,
-                                   gate=static.fuse == "gate", smem_limit=None if interpret else mosaic_gpu.SMEM_BYTES)
+                                   gate=static.fuse == "gate", smem_limit=None if interpret else mosaic_gpu.SMEM_BYTES,
+                                   smem=smem)
     if choice == "mosaic" and bd is None:
-        raise ValueError(f"gpu_kernels='mosaic': the Mosaic GPU phase 2 does not take d={partial.shape[-1]}, "
+        raise ValueError(f"gpu_kernels='mosaic': the Mosaic GPU phase 2 ({kernel}) does not take d={partial.shape[-1]}, "
                          f"heads={static.heads}, kernels {static.stream_kernels}, a {partial.dtype} partial "
                          f"(no channel chunk divides the head with a program in shared memory: "
                          f"mosaic_gpu.choose_block_d)")
@@ -58,7 +69,7 @@ def build(backend: str, native_platform: str):
         gpu_kernels = opts.pop("gpu_kernels", "auto")
         if gpu_kernels not in GPU_KERNELS:
             raise ValueError(f"gpu_kernels={gpu_kernels!r}: must be one of {GPU_KERNELS}")
-        if gpu_kernels == "mosaic" and backend != "triton":
+        if gpu_kernels == "mosaic" and backend != "triton":  # "triton_forward" is "auto" for the backward
             raise ValueError(f"gpu_kernels='mosaic' asks for Mosaic GPU kernels; this is the {backend} back end")
         interpret = opts.pop("interpret", jax.default_backend() != native_platform)
         tiles = opts.pop("tiles", None) or tiling.choose_tiles(
@@ -122,8 +133,8 @@ def build(backend: str, native_platform: str):
             state, partial, bank, query, include, gate if static.fuse == "gate" else None, segment_ids,
             jnp.asarray(dh, jnp.float32), stream_kernels=static.stream_kernels, heads=static.heads, eps=static.eps,
             gate_eps=static.gate_eps, scores=scores, form=form, **kw,
-            # passes 1-2 in Mosaic GPU: "mosaic" only until timed on a GPU (BENCHMARKS.md, session 16)
-            mosaic_state=rest["gpu_kernels"] == "mosaic",
+            mosaic_state=_mosaic_phase2(rest["gpu_kernels"], backend, static, partial, state, jnp.float32,
+                                        kw["interpret"], kernel="backward_state"),
         )
 
     return (

@@ -18,7 +18,9 @@ Each pass streams the chunks through a double-buffered TMA pipeline (the partial
 windows, the conv taps, the queries; the state's chunk and the gate's ``W`` in B and C). A
 conv lag's rows ``[t0 - delta, t0 - delta + 64)`` come by their own TMA copy into their own
 shared-memory window: loading them from one window at a row offset gave wrong values on the
-H200 (BENCHMARKS.md, kernels, session 15, calls 2-4; ``experiments/mgpu/scores_mgpu.py``).
+H200 (BENCHMARKS.md, kernels, session 15, calls 2-4; ``experiments/mgpu/scores_mgpu.py``;
+session 17's probe, ``experiments/mgpu/offset_loads.py``: a WGMMA-layout load is exact only at
+offsets that are multiples of 8 rows, for float32 and bf16 alike).
 Rows before token 0 come from TMA's zero fill on the GPU; Pallas' Mosaic GPU interpret mode
 does not emulate it, so interpreted calls get the rows padded in front by XLA. Segment
 boundaries (the conv restarts at a segment start) are one ``int32`` of lag bits per token,
@@ -493,8 +495,9 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     ``acc[m, B, T, d]``; ``dh[B, T, d]``; ``gate_params = (w, scale, bias)`` or None. Returns
     ``d_acc`` (``acc``'s dtype), ``(S1, Sm, Ss)`` each ``[m, B, T, H]``, and for the gate
     ``(g, dy, coef, d_scale, d_bias)`` (``[B, T, m]``, ``[B, T, m]``, ``[B, T]``, the scale's
-    and bias's gradients) or None. Not yet timed on a GPU (BENCHMARKS.md, kernels, session 16):
-    ``fused_bwd_phase2`` takes it with ``gpu_kernels="mosaic"`` only."""
+    and bias's gradients) or None. On the H200 at `base` the whole Pallas backward ran 5.40 ms
+    per call with it against 6.19 with the two Triton passes (BENCHMARKS.md, kernels, session
+    17), so ``gpu_kernels="auto"`` takes it wherever it takes the forward."""
     m, bt = len(stream_kernels), BLOCK_T
     gate = gate_params is not None
     sh = _shape("phase2_backward_state", partial, segment_ids, stream_kernels=stream_kernels, heads=heads,

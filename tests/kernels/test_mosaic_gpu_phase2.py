@@ -1,8 +1,7 @@
 """Phase 2 in Mosaic GPU (``pallas_kernels/depth_attention/mosaic_gpu.py``) against the oracle:
 the fused forward (``phase2_fused_forward``) and the backward's gate-statistics and ``d_acc``
 passes (``phase2_backward_state``). On the CPU they run in Pallas' Mosaic GPU interpret mode
-(``gpu_kernels="mosaic"`` takes both; ``"auto"`` takes the forward on a GPU only, the backward's
-kernel not until it is timed); the forward's per-token scores feed the Pallas backward, so the
+(``gpu_kernels="mosaic"`` takes both; ``"auto"`` takes both on a GPU, for several streams); the forward's per-token scores feed the Pallas backward, so the
 gradients check them too. The GPU-marked test runs the compiled kernels (TMA's zero fill
 before token 0 instead of the interpreted pad)."""
 
@@ -129,26 +128,54 @@ def test_option_errors_and_auto_off_the_gpu(monkeypatch):
     _check_tree(got, want, F32_TOL)
 
 
+@pytest.mark.parametrize("choice, kernels, forward, backward_state", [
+    ("auto", (0, 4, 8, 12), True, True),
+    ("auto", (0,), False, False),  # one stream (AttnRes) keeps Triton
+    ("mosaic", (0,), True, True),
+    ("triton", (0, 4, 8, 12), False, False),
+    ("triton_forward", (0, 4, 8, 12), False, True),  # model.save_read_outputs
+])
+def test_which_kernels_each_choice_takes_on_a_gpu(choice, kernels, forward, backward_state):
+    """``_backend._mosaic_phase2``'s choice for a compiled (not interpreted) GPU call at `base`'s
+    shape; the ``"fuse=None"`` phase 2 and the TPU back end never take Mosaic GPU."""
+    import types
+
+    from pallas_kernels.depth_attention import _backend
+
+    static = types.SimpleNamespace(fuse="gate", stream_kernels=kernels, heads=1)
+    partial = jax.ShapeDtypeStruct((64, 1024, 1024), jnp.bfloat16)
+    state = reference.SoftmaxState(None, None, jax.ShapeDtypeStruct((len(kernels), 64, 1024, 1024), jnp.float32))
+    got = [_backend._mosaic_phase2(choice, "triton", static, partial, state, jnp.bfloat16, False, kernel=k)
+           for k in ("forward", "backward_state")]
+    assert got == [forward, backward_state]
+    assert not _backend._mosaic_phase2(choice, "tpu", static, partial, state, jnp.bfloat16, False)
+    assert not _backend._mosaic_phase2(choice, "triton", types.SimpleNamespace(fuse=None, stream_kernels=kernels,
+                                                                                 heads=1), partial, state,
+                                       jnp.float32, False)
+
+
+GPU_CASES = [  # each configuration's two Mosaic GPU lowerings take 15-35 s of CPU each
+    (("msar", 2, 300, 256, (0, 4, 8, 12), 2, True, 77, "gate"), jnp.float32),
+    (("msar_mean_excluded", 3, 128, 512, (0, 4, 8, 12), 1, False, 40, "mean"), jnp.bfloat16),
+]
+
+
 @pytest.mark.gpu
-def test_gpu_mosaic_matches_reference(monkeypatch):
-    """On a GPU: the compiled forward, taken by ``gpu_kernels="auto"``, and the backward's kernel
-    (``"mosaic"``) against the oracle (bf16 partial; a float32 and a bf16 state; segments, two
-    heads, ragged T, an excluded partial)."""
+@pytest.mark.parametrize("case, state_dtype", GPU_CASES, ids=[c[0][0] for c in GPU_CASES])
+def test_gpu_mosaic_matches_reference(monkeypatch, case, state_dtype):
+    """On a GPU: the compiled forward and the backward's kernel, both taken by
+    ``gpu_kernels="auto"``, against the oracle (bf16 partial; a float32 and a bf16 state;
+    segments, two heads, ragged T, an excluded partial, mean fusion)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     calls = []
     for name in ("phase2_fused_forward", "phase2_backward_state"):
         real = getattr(mosaic_gpu, name)
         monkeypatch.setattr(mosaic_gpu, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
-    # each configuration's Mosaic GPU lowering takes 15-25 s of CPU: three of them
-    for case, state_dtype, gpu_kernels in (
-            (("msar", 2, 300, 256, (0, 4, 8, 12), 2, True, 77, "gate"), jnp.float32, "auto"),
-            (("msar_mean_excluded", 3, 128, 512, (0, 4, 8, 12), 1, False, 40, "mean"), jnp.bfloat16, "auto"),
-            (("msar_backward", 2, 300, 256, (0, 4, 8, 12), 2, True, 77, "gate"), jnp.float32, "mosaic")):
-        with jax.default_matmul_precision("highest"):
-            got, got_grads = _run(case, gpu_kernels, jnp.bfloat16, state_dtype)
-            want, want_grads = _run(case, None, jnp.bfloat16, state_dtype)
-        _check_tree(got, want, 1e-4)  # h in float32 from the same bf16 inputs
-        _check_grads(got_grads, want_grads, 1e-4)
-    assert calls.count("phase2_backward_state") == 1, calls  # "auto" keeps the Triton backward
-    assert calls.count("phase2_fused_forward") == 3, "gpu_kernels='auto' did not take the Mosaic GPU forward"
+    with jax.default_matmul_precision("highest"):
+        got, got_grads = _run(case, "auto", jnp.bfloat16, state_dtype)
+        want, want_grads = _run(case, None, jnp.bfloat16, state_dtype)
+    _check_tree(got, want, 1e-4)  # h in float32 from the same bf16 inputs
+    _check_grads(got_grads, want_grads, 1e-4)
+    # the forward is traced once for the value and once for the VJP (jit_vjp)
+    assert set(calls) == {"phase2_fused_forward", "phase2_backward_state"}, calls
