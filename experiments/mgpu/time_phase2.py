@@ -1,6 +1,7 @@
 """Phase 2's fused forward (merge + gate) on the GPU: the Triton form (``fused.phase2_forward``:
 scoring, gate-statistics and gate calls with XLA between them) against the Mosaic GPU kernel
-(``mosaic_gpu.phase2_fused_forward``) at each channel chunk, at `base`'s shape (B x T = 64 x
+(``mosaic_gpu.phase2_fused_forward``) with each way of building the streams
+(``mosaic_gpu.EXPANDS``), at `base`'s shape (B x T = 64 x
 1024, d = 1024) and the issue's (8 x 2048, d = 2048); MSAR (kernels (0, 4, 8, 12), gate, float32
 state) and AttnRes (kernels (0,), one stream). Median of 21 timings of 5 calls each after warm-up
 (``bench.timeit``); the error of each output against the plain-jnp reference, relative to its
@@ -8,8 +9,10 @@ largest magnitude; the floor is the bytes the design must move (the partial read
 the state twice, ``h`` written) at the measured copy bandwidth. Run on the GPU:
 ``python experiments/mgpu/time_phase2.py``; with ``--profile``, the device time per op of phase
 2's forward + Pallas backward at `base` with each ``gpu_kernels`` instead; with ``--backward``,
-the whole Pallas backward with its passes 1-2 in Triton and in Mosaic GPU (``time_backward``;
-``--backward-smoke`` runs that on the CPU in interpret mode at a tiny shape)."""
+the whole Pallas backward with its passes 1-2 in Triton and in Mosaic GPU, with each
+``mosaic_gpu.EXPANDS`` (``time_backward``;
+``--backward-smoke`` runs that on the CPU in interpret mode at a tiny shape). ``--base-only``:
+`base`'s shape only; ``--msar-only``: no AttnRes rows."""
 import collections
 import os
 import sys
@@ -88,7 +91,10 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
         tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=max(kernels), n_targets=1,
                                     backend="tpu" if interpret else "triton", n_streams=m)
         grads = {}
-        for label, mosaic_state in (("triton passes 1-2", False), ("mosaic passes 1-2", True)):
+        for label, mosaic_state, expand in (("triton passes 1-2", False, None),
+                                            ("mosaic passes 1-2, shared windows", True, "shared"),
+                                            ("mosaic passes 1-2, windows per stream", True, "per_stream")):
+            mosaic_gpu.DEFAULT_EXPAND = expand or "shared"  # read when the kernel is traced (below)
             f = jax.jit(lambda st, x, b, q, g, dh, sc, ms=mosaic_state: fused_bwd_phase2.phase2_fused_backward(
                 st, x, b, q, True, g, None, dh, tiles=tiles, backend="interpret" if interpret else "triton",
                 interpret=interpret, scores=sc, mosaic_state=ms, **kw))
@@ -96,28 +102,35 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             grads[label] = f(*args)
             ms = float("nan") if interpret else bench.timeit(f, *args, reps=reps, inner=2)[0] * 1e3
             print(f"## {name} backward, {label}: {ms:.3f} ms per call", flush=True)
-        a, b = (jax.tree.leaves(g) for g in grads.values())
-        errs = [(str(v.dtype), float(jnp.max(jnp.abs(u.astype(jnp.float32) - v.astype(jnp.float32))) /
-                                     jnp.maximum(jnp.max(jnp.abs(v.astype(jnp.float32))), 1e-30)))
-                for u, v in zip(a, b)]
-        print("   relative difference between the two forms, per gradient (dtype: largest): "
-              + ", ".join(f"{dt}: {e:.1e}" for dt, e in errs), flush=True)
+        mosaic_gpu.DEFAULT_EXPAND = "shared"
+        first, *others = grads.items()
+        for label, other in others:
+            a, b = jax.tree.leaves(first[1]), jax.tree.leaves(other)
+            errs = [(str(v.dtype), float(jnp.max(jnp.abs(u.astype(jnp.float32) - v.astype(jnp.float32))) /
+                                         jnp.maximum(jnp.max(jnp.abs(v.astype(jnp.float32))), 1e-30)))
+                    for u, v in zip(a, b)]
+            print(f"   relative difference, {first[0]} against {label}, per gradient (dtype: largest): "
+                  + ", ".join(f"{dt}: {e:.1e}" for dt, e in errs), flush=True)
 
 
 def main():
     if "--profile" in sys.argv:
         profile_fwd_bwd()
         return
+    shapes = (("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048)))
+    if "--base-only" in sys.argv:  # a shorter device call
+        shapes = shapes[:1]
     if "--backward" in sys.argv:
-        time_backward()
+        time_backward(shapes=shapes)
         return
     if "--backward-smoke" in sys.argv:  # CPU, interpret mode
         time_backward(shapes=(("tiny", (1, 70, 64)),), interpret=True)
         return
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (bytes read + written)", flush=True)
-    for name, (batch, t_len, d) in (("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))):
-        for mech, kernels in (("msar", (0, 4, 8, 12)), ("attnres", (0,))):
+    mechs = (("msar", (0, 4, 8, 12)), ("attnres", (0,)))
+    for name, (batch, t_len, d) in shapes:
+        for mech, kernels in mechs[:1] if "--msar-only" in sys.argv else mechs:
             m = len(kernels)
             state, x, bank, q, gate = inputs(batch, t_len, d, kernels)
             gate = gate if m > 1 else None
@@ -136,9 +149,9 @@ def main():
                                             backend="triton", interpret=False, out_dtype=jnp.bfloat16, **kw)
 
             variants = {"triton (3 calls + XLA)": triton}
-            for bd in (32, 16) if m > 1 else (32,):  # (16,) with m = 1 crashed (call 1)
-                variants[f"mosaic bd{bd}"] = (lambda bd: lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
-                    st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, block_d=bd, **kw)[0])(bd)
+            for expand in mosaic_gpu.EXPANDS:  # 16-channel chunks: slower, and crashed with m = 1 (session 16)
+                variants[f"mosaic {expand}"] = (lambda ex: lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
+                    st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, expand=ex, **kw)[0])(expand)
             print(f"## {name} {mech}: B x T = {batch} x {t_len}, d = {d}; floor {floor_ms:.4f} ms", flush=True)
             for label, fn in variants.items():
                 try:

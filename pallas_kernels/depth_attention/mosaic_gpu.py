@@ -176,6 +176,33 @@ def _expand(plgpu, xs, bs, slot, kernel, off, masks, bt, bd):
     return e
 
 
+EXPANDS = ("shared", "per_stream")
+DEFAULT_EXPAND = "shared"  # what the kernels take when called with expand=None (the ops do)
+
+
+def _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, expand="shared"):
+    """``[E_r for every stream]`` of the chunk in ``slot`` (Eq. 10). ``"shared"``: each lag
+    window is loaded (and masked) once and feeds every stream whose kernel reaches it (12 window
+    loads for kernels (0, 4, 8, 12)); ``"per_stream"``: ``_expand`` per stream (25 loads).
+    The same sums in the same order either way: identical values."""
+    if expand == "per_stream":
+        return [_expand(plgpu, xs, bs, slot, kernel, off, masks, bt, bd) for kernel, off in layout]
+    tile, col = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0)
+    es = [None] * len(layout)
+    for delta in range(max([1, *(kernel for kernel, _ in layout)])):
+        xl = plgpu.load(xs, (slot, delta), layout=tile).astype(F32)
+        masked = xl if masks[delta] is None else xl * masks[delta]
+        for r, (kernel, off) in enumerate(layout):
+            if kernel == 0:
+                if delta == 0:
+                    es[r] = xl
+                continue
+            if delta < kernel:
+                term = _cols(plgpu.load(bs, (slot, off + delta), layout=col), bt, bd) * masked
+                es[r] = term if es[r] is None else es[r] + term
+    return es
+
+
 class _Shape(NamedTuple):
     """What both kernels' wrappers derive from their inputs (``_shape``)."""
 
@@ -215,15 +242,19 @@ def _shape(name, partial, segment_ids, *, stream_kernels, heads, block_d, interp
 
 def phase2_fused_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *, fuse: str,
                          stream_kernels: Sequence[int], heads: int, eps: float, gate_eps: float, out_dtype=F32,
-                         block_d: int | None = None, interpret: bool = False):
+                         block_d: int | None = None, expand: str | None = None, interpret: bool = False):
     """``h[B, T, d]`` and the scores ``(dots[m, B, T, H], sumsq[m, B, T])``.
 
     ``state``: ``reference.SoftmaxState`` (``[m, B, T, H]`` max and denom, ``[m, B, T, d]`` acc,
     float32 or bf16); ``partial[B, T, d]``; ``bank[K, d]`` or None; ``query[m, d]``;
     ``include_partial`` a (traced) bool; ``gate_params = (w[m d, m], scale, bias[m])`` for
     ``fuse="gate"``. ``block_d``: the channel chunk (None: ``choose_block_d``; it raises
-    ``NotImplementedError`` when no chunk fits). ``interpret``: run in Pallas' Mosaic GPU
+    ``NotImplementedError`` when no chunk fits). ``expand``: how the streams are built from the
+    lag windows (``EXPANDS``, ``_expand_all``; None: ``DEFAULT_EXPAND``). ``interpret``: run in Pallas' Mosaic GPU
     interpret mode (CPU tests)."""
+    expand = expand or DEFAULT_EXPAND
+    if expand not in EXPANDS:
+        raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
     if fuse not in ("gate", "mean"):
         raise ValueError(f"fuse={fuse!r}: the Mosaic GPU phase 2 fuses the streams ('gate' or 'mean')")
     m, bt = len(stream_kernels), BLOCK_T
@@ -259,7 +290,8 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     call = _kernel(_Config(batch=batch, t_pad=t_pad, d=d, stream_kernels=tuple(stream_kernels), heads=heads,
                            block_d=bd, gate=gate, has_seg=has_seg, front=front, eps=float(eps),
                            gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
-                           out_dtype=jnp.dtype(out_dtype), n_consts=consts.shape[0], interpret=bool(interpret)))
+                           out_dtype=jnp.dtype(out_dtype), n_consts=consts.shape[0], expand=expand,
+                           interpret=bool(interpret)))
     h, dots, sumsq = call(*inputs)
     dots = jnp.moveaxis(dots.reshape(m, heads, batch, t_pad), 1, -1)[:, :, :t_len]
     return h[:, :t_len], (dots, sumsq[:, :, :t_len])
@@ -297,6 +329,7 @@ class _Config(NamedTuple):
     acc_dtype: jnp.dtype
     out_dtype: jnp.dtype
     n_consts: int
+    expand: str
     interpret: bool
 
 
@@ -386,14 +419,13 @@ def _kernel(cfg: _Config):
         plgpu.barrier_wait(bar_in.at[0])
         masks = _lag_masks_of(plgpu, bits_s, max_lag, bt, bd)
 
-        def expand(slot, kernel, off):
-            return _expand(plgpu, xs, bs, slot, kernel, off, masks, bt, bd)
+        def expand(slot):
+            return _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, cfg.expand)
 
         # ---- A: per-head dots and the keys' sums of squares
         def scores_chunk(c, slot, head, carry):
             dots, sqs = [list(v) for v in carry[0]], list(carry[1])
-            for r, (kernel, off) in enumerate(layout):
-                e = expand(slot, kernel, off)
+            for r, e in enumerate(expand(slot)):
                 qr = _cols(plgpu.load(qs, (slot, r), layout=col), bt, bd)
                 dots[r][head] = dots[r][head] + jnp.sum(e * qr, axis=1)
                 sqs[r] = sqs[r] + jnp.sum(e * e, axis=1)
@@ -425,9 +457,8 @@ def _kernel(cfg: _Config):
         plgpu.copy_smem_to_gmem(dots_s, dots_ref.at[:, b, pl.ds(t0, bt)])
         plgpu.copy_smem_to_gmem(ss_s, ss_ref.at[:, b, pl.ds(t0, bt)])
 
-        def merged(slot, r, head, kernel, off):
+        def merged(slot, r, head, e):
             """``z_r = a A_r + b E_r`` of the chunk in ``slot`` (Eq. 11, merged)."""
-            e = expand(slot, kernel, off)
             a_state = plgpu.load(accs, (slot, r), layout=tile).astype(F32)
             return _rows(coef_a[r][head], bt, bd) * a_state + _rows(coef_b[r][head], bt, bd) * e
 
@@ -437,8 +468,8 @@ def _kernel(cfg: _Config):
 
             def stats_chunk(c, slot, head, carry):
                 sq, zw = carry[0], list(carry[1])
-                for r, (kernel, off) in enumerate(layout):
-                    z = merged(slot, r, head, kernel, off)
+                for r, e in enumerate(expand(slot)):
+                    z = merged(slot, r, head, e)
                     sq = sq + jnp.sum(z * z, axis=1)
                     for j in range(m):
                         wj = _cols(plgpu.load(ws, (slot, r * m + j), layout=col), bt, bd)
@@ -455,8 +486,8 @@ def _kernel(cfg: _Config):
         # ---- C: h = sum_r g_r z_r, chunk by chunk to the output
         def fuse_chunk(c, slot, head, carry):
             h = None
-            for r, (kernel, off) in enumerate(layout):
-                z = merged(slot, r, head, kernel, off)
+            for r, e in enumerate(expand(slot)):
+                z = merged(slot, r, head, e)
                 term = z * (1.0 / m) if mix[r] is None else _rows(mix[r], bt, bd) * z
                 h = term if h is None else h + term
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that last read this slot is done
@@ -481,7 +512,8 @@ def _kernel(cfg: _Config):
 
 
 def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segment_ids, *, stream_kernels,
-                          heads: int, gate_eps: float, block_d: int | None = None, interpret: bool = False):
+                          heads: int, gate_eps: float, block_d: int | None = None, expand: str | None = None,
+                          interpret: bool = False):
     """Passes 1 and 2 of ``fused_bwd_phase2`` (the gate's statistics and backward, then
     ``d_acc``) as one Mosaic GPU kernel: per (batch row, 64-token tile), (1) recompute ``z_r =
     a A_r + b E_r`` chunk by chunk and sum ``sum z^2``, ``y_j = z . W[:, j]`` and ``dg_r = <dh,
@@ -498,6 +530,9 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     and bias's gradients) or None. On the H200 at `base` the whole Pallas backward ran 5.40 ms
     per call with it against 6.19 with the two Triton passes (BENCHMARKS.md, kernels, session
     17), so ``gpu_kernels="auto"`` takes it wherever it takes the forward."""
+    expand = expand or DEFAULT_EXPAND
+    if expand not in EXPANDS:
+        raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
     m, bt = len(stream_kernels), BLOCK_T
     gate = gate_params is not None
     sh = _shape("phase2_backward_state", partial, segment_ids, stream_kernels=stream_kernels, heads=heads,
@@ -524,7 +559,7 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     call = _state_kernel(_StateConfig(batch=batch, t_pad=t_pad, t_len=t_len, d=d, stream_kernels=tuple(stream_kernels),
                                       heads=heads, block_d=bd, gate=gate, has_seg=has_seg, front=front,
                                       gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype),
-                                      acc_dtype=jnp.dtype(acc.dtype), interpret=bool(interpret)))
+                                      acc_dtype=jnp.dtype(acc.dtype), expand=expand, interpret=bool(interpret)))
     d_acc, sums, gate_rows_out = call(*inputs)
     per_head = lambda v: jnp.moveaxis(v.reshape(m, heads, batch, t_pad), 1, -1)[:, :, :t_len]  # noqa: E731
     s1, sm, ss = (per_head(sums[i * mh:(i + 1) * mh]) for i in range(3))
@@ -554,6 +589,7 @@ class _StateConfig(NamedTuple):
     gate_eps: float
     x_dtype: jnp.dtype
     acc_dtype: jnp.dtype
+    expand: str
     interpret: bool
 
 
@@ -625,11 +661,13 @@ def _state_kernel(cfg: _StateConfig):
         coef_b = [[plgpu.load(rows_s, (1, r * heads + h), layout=row) for h in range(heads)] for r in range(m)]
         dold = [[plgpu.load(rows_s, (2, r * heads + h), layout=row) for h in range(heads)] for r in range(m)]
 
-        def chunk_values(slot, r, head, kernel, off):
-            """``E_r``, ``A_r`` and ``z_r = a A_r + b E_r`` of the chunk in ``slot``."""
-            e = _expand(plgpu, xs, bs, slot, kernel, off, masks, bt, bd)
+        def expand(slot):
+            return _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, cfg.expand)
+
+        def chunk_values(slot, r, head, e):
+            """``A_r`` and ``z_r = a A_r + b E_r`` of the chunk in ``slot``."""
             acc = plgpu.load(accs, (slot, r), layout=tile).astype(F32)
-            return e, acc, _rows(coef_a[r][head], bt, bd) * acc + _rows(coef_b[r][head], bt, bd) * e
+            return acc, _rows(coef_a[r][head], bt, bd) * acc + _rows(coef_b[r][head], bt, bd) * e
 
         def w_col(slot, r, j):
             return _cols(plgpu.load(ws, (slot, r * m + j), layout=col), bt, bd)
@@ -641,8 +679,8 @@ def _state_kernel(cfg: _StateConfig):
             def stats_chunk(c, slot, head, carry):
                 sq, zw, dg = carry[0], list(carry[1]), list(carry[2])
                 dh = plgpu.load(dhs, slot, layout=tile)
-                for r, (kernel, off) in enumerate(layout):
-                    _, _, z = chunk_values(slot, r, head, kernel, off)
+                for r, e in enumerate(expand(slot)):
+                    _, z = chunk_values(slot, r, head, e)
                     sq = sq + jnp.sum(z * z, axis=1)
                     for j in range(m):
                         zw[j] = zw[j] + jnp.sum(z * w_col(slot, r, j), axis=1)
@@ -675,8 +713,8 @@ def _state_kernel(cfg: _StateConfig):
         def state_chunk(c, slot, head, carry):
             s1, sm, ss = (list(v) for v in carry)
             dh = plgpu.load(dhs, slot, layout=tile)
-            for r, (kernel, off) in enumerate(layout):
-                e, acc, z = chunk_values(slot, r, head, kernel, off)
+            for r, e in enumerate(expand(slot)):
+                acc, z = chunk_values(slot, r, head, e)
                 if gate_vals is None:
                     dz = dh * (1.0 / m)
                 else:
