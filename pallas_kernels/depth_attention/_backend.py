@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -48,6 +50,24 @@ def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype,
     return bd is not None
 
 
+def _mosaic_phase1_scores(choice: str, backend: str, static, sources, n_targets: int, interpret: bool) -> bool:
+    """Whether phase 1's scoring pass (forward and backward) runs as the Mosaic GPU kernel
+    (``mosaic_gpu.phase1_scores``) rather than Triton's ``fused.scores_call``. Written in
+    session 17 and not yet timed on a GPU, so ``"auto"`` keeps Triton; ``"mosaic"`` takes it
+    (an error for a shape it does not take)."""
+    if choice != "mosaic" or backend != "triton":
+        return False
+    bd = mosaic_gpu.choose_block_d(d=sources.shape[-1], heads=static.heads, stream_kernels=static.stream_kernels,
+                                   x_dtype=sources.dtype, acc_dtype=jnp.float32, out_dtype=jnp.float32,
+                                   smem_limit=None if interpret else mosaic_gpu.SMEM_BYTES,
+                                   smem=functools.partial(mosaic_gpu.scores_smem_bytes, n_targets=n_targets))
+    if bd is None:
+        raise ValueError(f"gpu_kernels='mosaic': the Mosaic GPU phase-1 scoring pass does not take "
+                         f"d={sources.shape[-1]}, heads={static.heads}, kernels {static.stream_kernels}, "
+                         f"{n_targets} targets, {sources.dtype} sources (mosaic_gpu.choose_block_d)")
+    return True
+
+
 def build(backend: str, native_platform: str):
     """``backend``: ``"triton"`` or ``"tpu"`` (tile heuristics and the halo load).
 
@@ -83,14 +103,16 @@ def build(backend: str, native_platform: str):
 
     def p1_forward(sources, banks, queries, valid, segment_ids, static):
         kw, rest = setup(sources.shape[-1], static.heads, static.stream_kernels, queries.shape[0], static.kernel_opts)
-        rest.pop("gpu_kernels")  # phase 1 has the Triton kernels only
+        mosaic = _mosaic_phase1_scores(rest.pop("gpu_kernels"), backend, static, sources, queries.shape[0],
+                                       kw["interpret"])
         per_target = rest.pop("per_target", False)
         state_dtype = jnp.dtype(rest.pop("state_dtype", "float32"))
         if rest:
             raise TypeError(f"phase1: unknown options {sorted(rest)}")
         return fused.phase1_forward(
             sources, banks, queries, valid, stream_kernels=static.stream_kernels, heads=static.heads,
-            segment_ids=segment_ids, eps=static.eps, per_target=per_target, state_dtype=state_dtype, **kw,
+            segment_ids=segment_ids, eps=static.eps, per_target=per_target, state_dtype=state_dtype,
+            mosaic_scores=mosaic, **kw,
         )
 
     def p2_forward(state, partial, bank, query, include, gate, segment_ids, static, return_scores=False):
@@ -114,11 +136,13 @@ def build(backend: str, native_platform: str):
         )
 
     def p1_backward(sources, banks, queries, valid, segment_ids, smax, ct, static):
-        kw, _ = setup(sources.shape[-1], static.heads, static.stream_kernels, queries.shape[0], static.kernel_opts)
+        kw, rest = setup(sources.shape[-1], static.heads, static.stream_kernels, queries.shape[0], static.kernel_opts)
         form = dict(static.kernel_opts).get("phase1_backward_form", fused_bwd_phase1.DEFAULT_FORM)
         return fused_bwd_phase1.phase1_backward(
             sources, banks, queries, valid, segment_ids, smax, ct, stream_kernels=static.stream_kernels,
             heads=static.heads, eps=static.eps, form=form, **kw,
+            mosaic_scores=_mosaic_phase1_scores(rest["gpu_kernels"], backend, static, sources, queries.shape[0],
+                                                kw["interpret"]),
         )
 
     def expansion_transpose(d_e, x, bank, segment_ids, static, n_targets):

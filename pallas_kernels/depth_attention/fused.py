@@ -485,6 +485,22 @@ def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, 
     return dots, sumsq[..., 0]
 
 
+def phase1_scores(sources, x, banks, queries, seg, segment_ids, *, valid, stream_kernels, heads, tiles: Tiles,
+                  backend, interpret, mosaic=False):
+    """Phase 1's scoring pass: ``scores_call`` on the T-padded sources ``x``, or with ``mosaic``
+    the Mosaic GPU kernel (``mosaic_gpu.phase1_scores``) on the unpadded ``sources`` and
+    ``segment_ids``, its outputs padded to ``x``'s T (zeros, as the Triton kernel gives there)."""
+    if not mosaic:
+        return scores_call(x, banks, queries, seg, stream_kernels=stream_kernels, heads=heads, tiles=tiles,
+                           backend=backend, interpret=interpret, valid=valid)
+    from pallas_kernels.depth_attention import mosaic_gpu  # it imports this module
+
+    dots, sumsq = mosaic_gpu.phase1_scores(sources, banks, queries, segment_ids, valid, stream_kernels=stream_kernels,
+                                           heads=heads, interpret=interpret)
+    t_pad = x.shape[2]
+    return _pad_t(dots, 4, t_pad), _pad_t(sumsq, 3, t_pad)
+
+
 def gate_rows(w, m: int, d: int):
     """The gate's ``W[m d, m]`` as ``wt[r, j, c] = W[r d + c, j]`` (float32), the layout the
     statistics kernels (``mix_call(mode="stats")``, ``fused_bwd_phase2._stats_kernel``) read it
@@ -584,16 +600,17 @@ def _prepare(t_len, segment_ids, tiles):
 
 
 def phase1_forward(sources, banks, queries, valid=None, *, stream_kernels, heads, segment_ids, eps, tiles,
-                   backend, interpret, per_target=False, state_dtype=F32):
+                   backend, interpret, per_target=False, state_dtype=F32, mosaic_scores=False):
     """Fused phase 1; same contract as ``reference.phase1`` (with ``per_target``, as
     ``reference.split_targets`` of it: each target's state is its own output of the kernel).
     ``state_dtype``: the dtype the kernel writes ``acc`` in (``api.phase1`` says why); the
-    weights and sums are float32 either way."""
+    weights and sums are float32 either way. ``mosaic_scores``: the scoring pass as the Mosaic
+    GPU kernel (``phase1_scores``)."""
     n, _, t_len, d = sources.shape
     t_pad, seg = _prepare(t_len, segment_ids, tiles)
     x = _pad_t(sources, 2, t_pad)
     kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)
-    dots, sumsq = scores_call(x, banks, queries, seg, valid=valid, **kw)
+    dots, sumsq = phase1_scores(sources, x, banks, queries, seg, segment_ids, valid=valid, mosaic=mosaic_scores, **kw)
     s = dots * jax.lax.rsqrt(sumsq / d + eps)[None, ..., None]  # [S, n, m, B, Tp, H]
     ok = reference._source_valid(n, valid)[None, :, None, None, None, None]
     s = jnp.where(ok, s, reference.NEG_LARGE)

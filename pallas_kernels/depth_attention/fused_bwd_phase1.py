@@ -543,7 +543,7 @@ DEFAULT_FORM = "wide"
 
 
 def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, stream_kernels: Sequence[int], heads,
-                    eps, tiles: Tiles, backend, interpret, shift=None, form=DEFAULT_FORM):
+                    eps, tiles: Tiles, backend, interpret, shift=None, form=DEFAULT_FORM, mosaic_scores=False):
     """Gradients ``(d sources, d banks or None, d queries)`` of phase 1: the values of
     ``xla_streaming.phase1_backward(...)[:3]`` (``banks``: ``[n, K, d]`` or None without conv;
     ``valid``: ``[n]`` or None; ``smax``: the forward's running max; ``g``: the state cotangent,
@@ -554,7 +554,8 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     tokens in reverse) or ``"wide"`` (pass 4 is ``dstreams_call``, every source's stream
     cotangents from one load of each ``g_A`` tile, written in the sources' dtype; then
     ``conv_transpose.sources_transpose`` for the source and bank gradients and token-axis
-    matrix products for the query gradient, ``_query_grads``)."""
+    matrix products for the query gradient, ``_query_grads``). ``mosaic_scores``: pass 1 as the
+    Mosaic GPU kernel (``fused.phase1_scores``)."""
     if form not in FORMS:
         raise ValueError(f"form={form!r}: must be one of {FORMS}")
     n, batch, t_len, d = sources.shape
@@ -566,7 +567,8 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     kw = dict(stream_kernels=stream_kernels, tiles=tiles, backend=backend, interpret=interpret)
 
     # pass 1: per-head dots and sums of squares -> rho, s, p
-    dots, sumsq = fused.scores_call(x, conv_banks, queries, seg, heads=heads, valid=valid, **kw)
+    dots, sumsq = fused.phase1_scores(sources, x, conv_banks, queries, seg, segment_ids, heads=heads, valid=valid,
+                                      mosaic=mosaic_scores, **kw)
     rho = jax.lax.rsqrt(sumsq / d + eps)  # [n, m, B, Tp]
     s = dots * rho[None, ..., None]  # [S, n, m, B, Tp, H]
     ok = reference._source_valid(n, valid)[None, :, None, None, None, None]

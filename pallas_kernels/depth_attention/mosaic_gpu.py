@@ -755,3 +755,160 @@ def _state_kernel(cfg: _StateConfig):
     return _jitted_kernel(plgpu, body, out_type, [scratch[k] for k in names],
                           name="depth_attention_phase2_bwd_state_mosaic", batch=batch, t_pad=t_pad,
                           interpret=cfg.interpret)
+
+
+# --------------------------------------------------------------------------- phase 1's scoring pass
+
+
+def scores_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, n_targets: int,
+                      **_unused) -> int:
+    """Shared memory of one program of ``phase1_scores`` (its scratch list)."""
+    bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
+    n_windows, n_taps = max([1, *stream_kernels]), max(1, sum(stream_kernels))
+    return (2 * n_windows * bt * bd * jnp.dtype(x_dtype).itemsize + 2 * n_taps * bd * 4
+            + 2 * n_targets * m * bd * 4 + (n_targets * m * heads + m + 1) * bt * 4 + 64 * 4)
+
+
+def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels, heads: int,
+                  block_d: int | None = None, expand: str | None = None, interpret: bool = False):
+    """Phase 1's scoring pass (``fused.scores_call``'s sums) as one Mosaic GPU kernel: per
+    (batch row, 64-token tile), for each valid source, the chunks of its lag windows stream
+    through a double-buffered TMA pipeline, its streams are built in registers (Eq. 10) and
+    reduced against every target's query and against themselves.
+
+    ``sources[n, B, T, d]``, ``banks[n, K, d]`` or None, ``queries[S, m, d]``, ``segment_ids
+    [B, T]`` or None, ``valid[n]`` (bool, may be traced) or None. Returns float32 ``dots[S, n,
+    m, B, T, H]`` (``q_{s,r} . E_{i,r}`` per head) and ``sumsq[n, m, B, T]`` (``sum E_{i,r}^2``
+    over all ``d``), zeros for a source ``valid`` rules out (not computed)."""
+    n, batch, t_len, d = sources.shape
+    n_targets, m = queries.shape[:2]
+    expand = expand or DEFAULT_EXPAND
+    if expand not in EXPANDS:
+        raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
+    if queries.shape[-1] != d or m != len(stream_kernels):
+        raise ValueError(f"queries {queries.shape}: want [S, {len(stream_kernels)}, {d}]")
+    smem = functools.partial(scores_smem_bytes, n_targets=n_targets)
+    sh = _shape("phase1_scores", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
+                heads=heads, block_d=block_d, interpret=interpret, smem=smem, x_dtype=sources.dtype, acc_dtype=F32,
+                out_dtype=F32)
+    has_bank = sh.has_bank and banks is not None
+    live = jnp.ones((n,), jnp.int32) if valid is None else jnp.asarray(valid, jnp.int32).reshape(n)
+    inputs = [sh.x, jnp.asarray(banks, F32) if has_bank else jnp.zeros((n, 1, d), F32),
+              jnp.asarray(queries, F32).reshape(n_targets * m, d), jnp.broadcast_to(live[:, None], (n, 64))]
+    if sh.has_seg:
+        inputs.append(sh.bits)
+    call = _scores_kernel(_ScoresConfig(n=n, batch=batch, t_pad=sh.t_pad, d=d, stream_kernels=tuple(stream_kernels),
+                                        heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
+                                        has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
+                                        expand=expand, interpret=bool(interpret)))
+    dots, sumsq = call(*inputs)  # [n, S m H, B, Tp], [n, m, B, Tp]
+    dots = dots.reshape(n, n_targets, m, heads, batch, sh.t_pad).transpose(1, 0, 2, 4, 5, 3)
+    return dots[:, :, :, :, :t_len], sumsq[..., :t_len]
+
+
+class _ScoresConfig(NamedTuple):
+    """Everything ``phase1_scores``'s kernel code depends on (see ``_Config``)."""
+
+    n: int
+    batch: int
+    t_pad: int
+    d: int
+    stream_kernels: tuple
+    heads: int
+    n_targets: int
+    block_d: int
+    has_bank: bool
+    has_seg: bool
+    front: int
+    x_dtype: jnp.dtype
+    expand: str
+    interpret: bool
+
+
+@functools.lru_cache(maxsize=None)
+def _scores_kernel(cfg: _ScoresConfig):
+    """``phase1_scores``'s kernel for ``cfg``, built and jitted once (``_kernel`` says why)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n, batch, d, heads, bd, n_targets = cfg.n, cfg.batch, cfg.d, cfg.heads, cfg.block_d, cfg.n_targets
+    stream_kernels, has_bank, has_seg, front = cfg.stream_kernels, cfg.has_bank, cfg.has_seg, cfg.front
+    m, bt = len(stream_kernels), BLOCK_T
+    layout = _stream_layout(stream_kernels)
+    max_lag = max([1, *stream_kernels])
+    n_windows, n_taps = max_lag, max(1, sum(stream_kernels))
+    nc, smh = d // bd, n_targets * m * heads
+    row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    scratch = dict(
+        xs=plgpu.SMEM((2, n_windows, bt, bd), cfg.x_dtype),
+        bs=plgpu.SMEM((2, n_taps, bd), F32) if has_bank else None,
+        qs=plgpu.SMEM((2, n_targets * m, bd), F32),
+        live_s=plgpu.SMEM((n, 64), jnp.int32),
+        bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
+        dots_s=plgpu.SMEM((smh, bt), F32),
+        ss_s=plgpu.SMEM((m, bt), F32),
+        bar=plgpu.Barrier(num_arrivals=n_windows + has_bank + 1, num_barriers=2),
+        bar_in=plgpu.Barrier(num_arrivals=1 + has_seg, num_barriers=1),
+    )
+    names = [k for k, v in scratch.items() if v is not None]
+
+    def body(*refs):
+        it = iter(refs)
+        x_ref, bank_ref, q_ref, live_ref = (next(it) for _ in range(4))
+        bits_ref = next(it) if has_seg else None
+        dots_ref, ss_ref = next(it), next(it)
+        sc = dict(zip(names, it))
+        xs, bs, qs, live_s, bits_s, dots_s, ss_s = (sc.get(k) for k in ("xs", "bs", "qs", "live_s", "bits_s",
+                                                                        "dots_s", "ss_s"))
+        bar, bar_in = sc["bar"], sc["bar_in"]
+        b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
+        plgpu.copy_gmem_to_smem(live_ref, live_s, bar_in.at[0])
+        if has_seg:
+            plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t0, bt)], bits_s, bar_in.at[0])
+        plgpu.barrier_wait(bar_in.at[0])
+        masks = _lag_masks_of(plgpu, bits_s, max_lag, bt, bd)
+        zero = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
+
+        def store(i, dots, sqs):
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last source's stores have read the staging
+            for k in range(smh):
+                dots_s[k] = dots[k]
+            for r in range(m):
+                ss_s[r] = sqs[r]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dots_s, dots_ref.at[i, :, b, pl.ds(t0, bt)])
+            plgpu.copy_smem_to_gmem(ss_s, ss_ref.at[i, :, b, pl.ds(t0, bt)])
+
+        def source_body(i, carry):
+            def fetch(c, slot):
+                _fetch_partial(plgpu, x_ref, bank_ref.at[i] if has_bank else None, xs, bs, i * batch + b, t0,
+                               front, c, bd, slot, bar, n_windows)
+                plgpu.copy_gmem_to_smem(q_ref.at[:, pl.ds(c * bd, bd)], qs.at[slot], bar.at[slot])
+
+            def chunk(c, slot, head, carry):
+                dots, sqs = list(carry[0]), list(carry[1])
+                for r, e in enumerate(_expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, cfg.expand)):
+                    sqs[r] = sqs[r] + jnp.sum(e * e, axis=1)
+                    for s in range(n_targets):
+                        q = _cols(plgpu.load(qs, (slot, s * m + r), layout=col), bt, bd)
+                        k = (s * m + r) * heads + head
+                        dots[k] = dots[k] + jnp.sum(e * q, axis=1)
+                return dots, sqs
+
+            @pl.when(live_s[i, 0] != 0)
+            def _():
+                dots, sqs = _pipelined(plgpu, fetch, bar, nc, heads, chunk, ([zero] * smh, [zero] * m))
+                store(i, dots, sqs)
+
+            @pl.when(live_s[i, 0] == 0)
+            def _():
+                store(i, [zero] * smh, [zero] * m)
+
+            return carry
+
+        lax.fori_loop(0, n, source_body, 0)
+        plgpu.wait_smem_to_gmem(0)
+
+    out_type = (jax.ShapeDtypeStruct((n, smh, batch, cfg.t_pad), F32),
+                jax.ShapeDtypeStruct((n, m, batch, cfg.t_pad), F32))
+    return _jitted_kernel(plgpu, body, out_type, [scratch[k] for k in names], name="depth_attention_scores_mosaic",
+                          batch=batch, t_pad=cfg.t_pad, interpret=cfg.interpret)

@@ -7,6 +7,7 @@ numbers, are left to the GPU-marked tests."""
 
 from __future__ import annotations
 
+import re
 import types
 
 import jax
@@ -94,6 +95,29 @@ def test_phase2_mosaic_gpu_kernels_lower(h200, gpu_kernels, triton_calls, mosaic
     text = _lower(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), state, partial, bank, jnp.ones((m, d)), gate)
     assert text.count(MOSAIC_GPU_CALL) == mosaic_calls
     assert text.count(TRITON_CALL) == triton_calls
+
+
+@pytest.mark.parametrize("gpu_kernels, mosaic", [("mosaic", True), ("auto", False)])
+def test_phase1_mosaic_gpu_scores_lower(h200, gpu_kernels, mosaic):
+    """Phase 1 with the Pallas backward for an H200: ``"mosaic"`` takes the Mosaic GPU scoring
+    pass in the forward and in the backward (the segment bits, a source ruled out, two heads);
+    ``"auto"`` keeps Triton's until it is timed."""
+    kernels, n, batch, t_len, d, n_targets, m = (0, 4, 8, 12), 3, 2, 100, 64, 2, 4
+    keys = jax.random.split(jax.random.key(0), 3)
+    sources = jax.random.normal(keys[0], (n, batch, t_len, d), jnp.bfloat16)
+    banks = 0.5 * jax.random.normal(keys[1], (n, sum(kernels), d))
+    seg = jnp.asarray([[0] * 17 + [1] * (t_len - 17)] * batch, jnp.int32)
+
+    def loss(x, b, q):
+        st = api.phase1(x, b, q, jnp.asarray([True, False, True]), stream_kernels=kernels, heads=2, segment_ids=seg,
+                        implementation="pallas_gpu", interpret=False, backward="pallas", gpu_kernels=gpu_kernels)
+        return jnp.sum(st.acc) + jnp.sum(st.denom)
+
+    text = _lower(jax.grad(loss, argnums=(0, 1, 2)), sources, banks, jax.random.normal(keys[2], (n_targets, m, d)))
+    # the forward's and the backward's scoring calls share one jitted kernel: one function, two calls
+    assert text.count(MOSAIC_GPU_CALL) == (1 if mosaic else 0)
+    assert len(re.findall(r"call @run", text)) == (2 if mosaic else 0)
+    assert ('name = "depth_attention_scores"' in text) is not mosaic  # Triton's scoring kernel
 
 
 # the Pallas kernels each jitted gradient must contain (phase 1, phase 2 + fusion)

@@ -1,0 +1,150 @@
+"""Phase 1's scoring pass in Mosaic GPU (``mosaic_gpu.phase1_scores``) against Triton's
+(``fused.scores_call``, interpreted) and, through the op with ``gpu_kernels="mosaic"`` (its
+forward and its Pallas backward both score), phase 1's forward and gradients against the
+oracle. On the CPU the kernel runs in Pallas' Mosaic GPU interpret mode; the GPU-marked test
+runs it compiled (TMA's zero fill before token 0 instead of the interpreted pad)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.depth_attention import api, fused, mosaic_gpu, reference, tiling
+from tests.kernels.test_depth_attention_fused import F32_TOL, _check_tree, _phase1_inputs, _rnd, jit_vjp
+
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+KERNELS = (0, 4, 8, 12)
+
+
+def _segments(batch, t_len, cut):
+    seg = np.zeros((batch, t_len), np.int32)
+    seg[0, cut:] = 1
+    seg[-1, cut // 2:] = 2  # a boundary inside the first lag window of row -1 too
+    return jnp.asarray(seg)
+
+
+def _triton_scores(sources, banks, queries, seg, valid, heads):
+    """``fused.scores_call`` (interpreted) on the same inputs, cut back to T."""
+    n, batch, t_len, d = sources.shape
+    tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=max(KERNELS), n_targets=queries.shape[0],
+                                backend="tpu", n_streams=len(KERNELS)).with_min_block_t(16)
+    t_pad, seg_p = fused._prepare(t_len, seg, tiles)
+    dots, sumsq = fused.scores_call(fused._pad_t(sources, 2, t_pad), banks, queries, seg_p, stream_kernels=KERNELS,
+                                    heads=heads, tiles=tiles, backend="interpret", interpret=True, valid=valid)
+    return dots[..., :t_len, :], sumsq[..., :t_len]
+
+
+@pytest.mark.parametrize("n, batch, t_len, d, n_targets, heads, valid, cut, dtype", [
+    # two 64-token tiles and a ragged end, a source ruled out, segments, two heads, bf16 sources
+    (3, 2, 100, 64, 2, 2, (True, False, True), 37, jnp.bfloat16),
+    # T shorter than the largest kernel, float32 sources, one target, no mask
+    (2, 1, 7, 32, 1, 1, None, None, jnp.float32),
+])
+def test_interpreted_scores_match_triton(n, batch, t_len, d, n_targets, heads, valid, cut, dtype):
+    sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=dtype)
+    seg = None if cut is None else _segments(batch, t_len, cut)
+    valid = None if valid is None else jnp.asarray(valid)
+    got = mosaic_gpu.phase1_scores(sources, banks, queries, seg, valid, stream_kernels=KERNELS, heads=heads,
+                                   interpret=True)
+    want = _triton_scores(sources, banks, queries, seg, valid, heads)
+    _check_tree(got, want, F32_TOL)
+    if valid is not None:  # a ruled-out source is not computed: zeros, as the Triton kernel gives
+        assert not np.any(np.asarray(got[0][:, 1])) and not np.any(np.asarray(got[1][1]))
+
+
+def test_shared_and_per_stream_windows_agree():
+    """``expand="shared"`` (each lag window loaded once) and ``"per_stream"``: the same sums in
+    the same order, so the same values to the last bit."""
+    sources, banks, queries = _phase1_inputs(2, 1, 70, 32, 2, KERNELS, dtype=jnp.bfloat16)
+    run = lambda expand: mosaic_gpu.phase1_scores(sources, banks, queries, None, None,  # noqa: E731
+                                                  stream_kernels=KERNELS, heads=1, expand=expand, interpret=True)
+    for a, b in zip(run("shared"), run("per_stream")):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_option_errors():
+    sources, banks, queries = _phase1_inputs(2, 1, 8, 32, 1, KERNELS)
+    with pytest.raises(ValueError, match="expand='wide'"):
+        mosaic_gpu.phase1_scores(sources, banks, queries, None, None, stream_kernels=KERNELS, heads=1,
+                                 expand="wide", interpret=True)
+    with pytest.raises(ValueError, match="want \\[S, 4, 32\\]"):
+        mosaic_gpu.phase1_scores(sources, banks, queries[:, :2], None, None, stream_kernels=KERNELS, heads=1,
+                                 interpret=True)
+    sources, banks, queries = _phase1_inputs(2, 1, 8, 48, 1, KERNELS)
+    with pytest.raises(NotImplementedError, match="no channel chunk"):  # 48 channels: no 32-channel chunk
+        mosaic_gpu.phase1_scores(sources, banks, queries, None, None, stream_kernels=KERNELS, heads=1,
+                                 interpret=True)
+
+
+def _op_and_oracle(gpu_kernels, *, n=3, batch=2, t_len=70, d=64, n_targets=2, heads=2, dtype=jnp.bfloat16,
+                   valid=(True, False, True), cut=23):
+    sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=dtype)
+    seg = None if cut is None else _segments(batch, t_len, cut)
+    valid = None if valid is None else jnp.asarray(valid)
+    kw = dict(stream_kernels=KERNELS, heads=heads, segment_ids=seg)
+
+    def run(fn):
+        return jit_vjp(lambda x, b, q: fn(x, b, q, valid, **kw), (sources, banks, queries),
+                       lambda out: jax.tree.map(lambda a: _rnd(9, a.shape), out))
+
+    got = run(lambda *a, **k: api.phase1(*a, implementation="pallas_gpu", backward="pallas", gpu_kernels=gpu_kernels,
+                                         **k))
+    want = run(reference.phase1)
+    return got, want
+
+
+def test_phase1_op_with_mosaic_scores_matches_reference(monkeypatch):
+    """``gpu_kernels="mosaic"``: phase 1's forward and its Pallas backward score with the Mosaic
+    GPU kernel (interpreted here); state and every gradient (sources, banks, queries) match."""
+    calls = []
+    real = mosaic_gpu.phase1_scores
+    monkeypatch.setattr(mosaic_gpu, "phase1_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    (got, got_grads), (want, want_grads) = _op_and_oracle("mosaic", dtype=jnp.float32)
+    _check_tree(got, want, F32_TOL)
+    _check_tree(got_grads, want_grads, F32_TOL)
+    assert len(calls) >= 2, "the forward and the backward should both take the Mosaic GPU scoring pass"
+
+
+def test_auto_keeps_triton_for_phase1_scores(monkeypatch):
+    """Untimed on a GPU, so ``"auto"`` keeps the Triton scoring pass (also compiled for a GPU:
+    ``_backend._mosaic_phase1_scores`` says no before it looks at the platform)."""
+    import types
+
+    from pallas_kernels.depth_attention import _backend
+
+    static = types.SimpleNamespace(stream_kernels=KERNELS, heads=1)
+    src = jax.ShapeDtypeStruct((7, 64, 1024, 1024), jnp.bfloat16)
+    for choice, want in (("auto", False), ("triton", False), ("triton_forward", False), ("mosaic", True)):
+        assert _backend._mosaic_phase1_scores(choice, "triton", static, src, 8, False) is want
+    assert not _backend._mosaic_phase1_scores("mosaic", "tpu", static, src, 8, False)
+    with pytest.raises(ValueError, match="phase-1 scoring pass does not take"):
+        _backend._mosaic_phase1_scores("mosaic", "triton", static, jax.ShapeDtypeStruct((7, 64, 1024, 1000),
+                                                                                       jnp.bfloat16), 8, False)
+
+
+@pytest.mark.gpu
+def test_gpu_phase1_scores_match_triton():
+    """On a GPU: the compiled kernel against the compiled Triton kernel (bf16 sources, a source
+    ruled out, segments, two heads, ragged T), and the op's state and gradients against the
+    oracle with ``gpu_kernels="mosaic"``."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    n, batch, t_len, d, n_targets, heads = 4, 3, 300, 256, 8, 2
+    sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
+    seg, valid = _segments(batch, t_len, 77), jnp.asarray([True, True, False, True])
+    with jax.default_matmul_precision("highest"):
+        got = jax.jit(lambda *a: mosaic_gpu.phase1_scores(*a, stream_kernels=KERNELS, heads=heads))(
+            sources, banks, queries, seg, valid)
+        tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=12, n_targets=n_targets, backend="triton",
+                                    n_streams=4)
+        t_pad, seg_p = fused._prepare(t_len, seg, tiles)
+        want = jax.jit(lambda x, b, q, s, v: fused.scores_call(
+            fused._pad_t(x, 2, t_pad), b, q, s, stream_kernels=KERNELS, heads=heads, tiles=tiles, backend="triton",
+            interpret=False, valid=v))(sources, banks, queries, seg_p, valid)
+        _check_tree(got, (want[0][..., :t_len, :], want[1][..., :t_len]), 1e-5)
+        (g, g_grads), (w, w_grads) = _op_and_oracle("mosaic", t_len=300, d=256, heads=2)
+    _check_tree(g, w, 1e-4)
+    _check_tree(g_grads, w_grads, 1e-4)
