@@ -52,20 +52,30 @@ def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype,
 
 def _mosaic_phase1_scores(choice: str, backend: str, static, sources, n_targets: int, interpret: bool) -> bool:
     """Whether phase 1's scoring pass (forward and backward) runs as the Mosaic GPU kernel
-    (``mosaic_gpu.phase1_scores``) rather than Triton's ``fused.scores_call``. Written in
-    session 17 and not yet timed on a GPU, so ``"auto"`` keeps Triton; ``"mosaic"`` takes it
-    (an error for a shape it does not take)."""
-    if choice != "mosaic" or backend != "triton":
+    (``mosaic_gpu.phase1_scores``) rather than Triton's ``fused.scores_call``.
+
+    ``"auto"`` (and ``"triton_forward"``, which concerns phase 2's forward): on a GPU (not in
+    interpret mode), with several streams and 16-bit sources (as timed; float32 sources double
+    its shared memory), whenever the kernel takes the shape. Measured on the
+    H200 (BENCHMARKS.md, kernels, session 17): 3.18 against 4.82 ms per call at `base`'s shape
+    (4 of 7 sources valid, 8 targets), 3.95 against 5.38 at the issue's; the MSAR `base` step
+    1692.0 -> 1651.8 ms. One stream (AttnRes) is untimed and keeps Triton. ``"mosaic"``:
+    always (an error for a shape it does not take); ``"triton"``: never."""
+    if choice == "triton_forward":
+        choice = "auto"
+    if choice == "triton" or backend != "triton":
+        return False
+    if choice == "auto" and (interpret or len(static.stream_kernels) == 1 or jnp.dtype(sources.dtype).itemsize > 2):
         return False
     bd = mosaic_gpu.choose_block_d(d=sources.shape[-1], heads=static.heads, stream_kernels=static.stream_kernels,
                                    x_dtype=sources.dtype, acc_dtype=jnp.float32, out_dtype=jnp.float32,
                                    smem_limit=None if interpret else mosaic_gpu.SMEM_BYTES,
                                    smem=functools.partial(mosaic_gpu.scores_smem_bytes, n_targets=n_targets))
-    if bd is None:
+    if choice == "mosaic" and bd is None:
         raise ValueError(f"gpu_kernels='mosaic': the Mosaic GPU phase-1 scoring pass does not take "
                          f"d={sources.shape[-1]}, heads={static.heads}, kernels {static.stream_kernels}, "
                          f"{n_targets} targets, {sources.dtype} sources (mosaic_gpu.choose_block_d)")
-    return True
+    return bd is not None
 
 
 def build(backend: str, native_platform: str):
