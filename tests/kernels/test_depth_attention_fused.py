@@ -65,6 +65,13 @@ def _segments(batch, t_len, cut):
     return jnp.asarray(seg)
 
 
+def _phase1_vjp(fn, sources, banks, queries, valid, **kw):
+    """``fn(sources, banks, queries, valid, **kw)`` (a phase-1 op) and its vjp at a random
+    cotangent of every output leaf, as one compiled program (``jit_vjp``)."""
+    return jit_vjp(lambda x, b, q: fn(x, b, q, valid, **kw), (sources, banks, queries),
+                   lambda out: jax.tree.map(lambda a: _rnd(9, a.shape), out))
+
+
 def _phase1_inputs(n, batch, t_len, d, n_targets, kernels, seed=0, dtype=jnp.float32):
     m, k = len(kernels), reference.bank_size(kernels)
     sources = _rnd(seed, (n, batch, t_len, d), dtype=dtype)
@@ -101,13 +108,9 @@ def test_phase1_forward_and_grads(impl, case):
     seg = None if cut is None else _segments(batch, t_len, cut)
     valid = None if valid is None else jnp.asarray(valid)
     kw = dict(stream_kernels=kernels, heads=heads, segment_ids=seg)
-
-    def run(fn):
-        return jit_vjp(lambda x, b, q: fn(x, b, q, valid, **kw), (sources, banks, queries),
-                       lambda out: jax.tree.map(lambda a: _rnd(9, a.shape), out))
-
-    got, got_grads = run(lambda *a, **k: api.phase1(*a, implementation=impl, **k))
-    want, want_grads = run(reference.phase1)
+    got, got_grads = _phase1_vjp(lambda *a, **k: api.phase1(*a, implementation=impl, **k),
+                                 sources, banks, queries, valid, **kw)
+    want, want_grads = _phase1_vjp(reference.phase1, sources, banks, queries, valid, **kw)
     _check_tree(got, want, F32_TOL)
     _check_tree(got_grads, want_grads, F32_TOL)  # sources, banks, queries
 
@@ -263,8 +266,7 @@ def test_phase1_pallas_backward_through_the_op(case):
     kw = dict(stream_kernels=kernels, heads=heads, segment_ids=seg)
 
     def run(fn):
-        return jit_vjp(lambda x, b, q: fn(x, b, q, valid, **kw), (sources, banks, queries),
-                       lambda out: jax.tree.map(lambda a: _rnd(9, a.shape), out))
+        return _phase1_vjp(fn, sources, banks, queries, valid, **kw)
 
     got, got_grads = run(lambda *a, **k: api.phase1(*a, implementation="pallas_tpu", backward="pallas", **k))
     want, want_grads = run(reference.phase1)
