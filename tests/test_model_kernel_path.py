@@ -57,18 +57,18 @@ def test_kernel_path_matches_xla_path(mechanism, implementation, kernel_backward
 
 
 def test_mosaic_gpu_kernels_in_the_model(monkeypatch):
-    """``gpu_kernels="mosaic"``: phase 1's scoring pass, phase 2's fused forward and its
-    backward's statistics and ``d_acc`` passes as Mosaic GPU kernels (interpreted; the forward's
-    scores feeding the Pallas backward) give the XLA path's loss and gradients."""
+    """``gpu_kernels="mosaic"``: phase 1's scoring and mixing passes, phase 2's fused forward and
+    its backward's statistics and ``d_acc`` passes as Mosaic GPU kernels (interpreted; the
+    forward's scores feeding the Pallas backward) give the XLA path's loss and gradients."""
     from pallas_kernels.depth_attention import mosaic_gpu
 
     calls = set()
-    for name in ("phase1_scores", "phase2_fused_forward", "phase2_backward_state"):
+    for name in ("phase1_scores", "phase1_mix", "phase2_fused_forward", "phase2_backward_state"):
         real = getattr(mosaic_gpu, name)
         monkeypatch.setattr(mosaic_gpu, name, lambda *a, real=real, name=name, **k: calls.add(name) or real(*a, **k))
     want_loss, want = loss_and_grads("msar", "xla")
     got_loss, got = loss_and_grads("msar", "pallas_gpu", "pallas", **{"model.residual.gpu_kernels": "mosaic"})
-    assert calls == {"phase1_scores", "phase2_fused_forward", "phase2_backward_state"}, calls
+    assert calls == {"phase1_scores", "phase1_mix", "phase2_fused_forward", "phase2_backward_state"}, calls
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     flat_got, flat_want = jax.tree.leaves(got), jax.tree.leaves(want)
     scale = max(float(np.max(np.abs(w))) for w in flat_want)

@@ -50,32 +50,43 @@ def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype,
     return bd is not None
 
 
-def _mosaic_phase1_scores(choice: str, backend: str, static, sources, n_targets: int, interpret: bool) -> bool:
-    """Whether phase 1's scoring pass (forward and backward) runs as the Mosaic GPU kernel
-    (``mosaic_gpu.phase1_scores``) rather than Triton's ``fused.scores_call``.
+def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, interpret: bool, *,
+                   kernel: str = "scores", state_dtype=jnp.float32) -> bool:
+    """Whether phase 1's ``kernel`` runs in Mosaic GPU rather than Triton: ``"scores"`` (the
+    scoring pass of the forward and of the Pallas backward, ``mosaic_gpu.phase1_scores``, against
+    ``fused.scores_call``) or ``"mix"`` (the forward's mixing pass, ``mosaic_gpu.phase1_mix``,
+    against ``fused.mix_call(mode="acc")``; ``state_dtype`` is what it writes).
 
     ``"auto"`` (and ``"triton_forward"``, which concerns phase 2's forward): on a GPU (not in
     interpret mode), with several streams and 16-bit sources (as timed; float32 sources double
-    its shared memory), whenever the kernel takes the shape. Measured on the
-    H200 (BENCHMARKS.md, kernels, session 17): 3.18 against 4.82 ms per call at `base`'s shape
-    (4 of 7 sources valid, 8 targets), 3.95 against 5.38 at the issue's; the MSAR `base` step
-    1692.0 -> 1651.8 ms. One stream (AttnRes) is untimed and keeps Triton. ``"mosaic"``:
-    always (an error for a shape it does not take); ``"triton"``: never."""
+    the kernels' shared memory), whenever the kernel takes the shape, for the kernels in
+    ``AUTO_PHASE1``. Measured on the H200 (BENCHMARKS.md, kernels, session 17): the scoring
+    pass 3.18 against 4.82 ms per call at `base`'s shape (4 of 7 sources valid, 8 targets), 3.95
+    against 5.38 at the issue's; the MSAR `base` step 1692.0 -> 1651.8 ms. One stream (AttnRes)
+    is untimed and keeps Triton. ``"mosaic"``: always (an error for a shape it does not take);
+    ``"triton"``: never."""
     if choice == "triton_forward":
         choice = "auto"
     if choice == "triton" or backend != "triton":
         return False
-    if choice == "auto" and (interpret or len(static.stream_kernels) == 1 or jnp.dtype(sources.dtype).itemsize > 2):
+    if choice == "auto" and (interpret or kernel not in AUTO_PHASE1 or len(static.stream_kernels) == 1
+                             or jnp.dtype(sources.dtype).itemsize > 2):
         return False
+    smem = {"scores": mosaic_gpu.scores_smem_bytes, "mix": mosaic_gpu.mix_smem_bytes}[kernel]
     bd = mosaic_gpu.choose_block_d(d=sources.shape[-1], heads=static.heads, stream_kernels=static.stream_kernels,
-                                   x_dtype=sources.dtype, acc_dtype=jnp.float32, out_dtype=jnp.float32,
+                                   x_dtype=sources.dtype, acc_dtype=jnp.float32, out_dtype=state_dtype,
                                    smem_limit=None if interpret else mosaic_gpu.SMEM_BYTES,
-                                   smem=functools.partial(mosaic_gpu.scores_smem_bytes, n_targets=n_targets))
+                                   smem=functools.partial(smem, n_targets=n_targets))
     if choice == "mosaic" and bd is None:
-        raise ValueError(f"gpu_kernels='mosaic': the Mosaic GPU phase-1 scoring pass does not take "
+        what = {"scores": "scoring", "mix": "mixing"}[kernel]
+        raise ValueError(f"gpu_kernels='mosaic': the Mosaic GPU phase-1 {what} pass does not take "
                          f"d={sources.shape[-1]}, heads={static.heads}, kernels {static.stream_kernels}, "
                          f"{n_targets} targets, {sources.dtype} sources (mosaic_gpu.choose_block_d)")
     return bd is not None
+
+
+# the phase-1 kernels ``gpu_kernels="auto"`` takes in Mosaic GPU (``_mosaic_phase1``)
+AUTO_PHASE1 = ("scores",)
 
 
 def build(backend: str, native_platform: str):
@@ -113,16 +124,16 @@ def build(backend: str, native_platform: str):
 
     def p1_forward(sources, banks, queries, valid, segment_ids, static):
         kw, rest = setup(sources.shape[-1], static.heads, static.stream_kernels, queries.shape[0], static.kernel_opts)
-        mosaic = _mosaic_phase1_scores(rest.pop("gpu_kernels"), backend, static, sources, queries.shape[0],
-                                       kw["interpret"])
+        choice = rest.pop("gpu_kernels")
         per_target = rest.pop("per_target", False)
         state_dtype = jnp.dtype(rest.pop("state_dtype", "float32"))
+        mosaic = functools.partial(_mosaic_phase1, choice, backend, static, sources, queries.shape[0], kw["interpret"])
         if rest:
             raise TypeError(f"phase1: unknown options {sorted(rest)}")
         return fused.phase1_forward(
             sources, banks, queries, valid, stream_kernels=static.stream_kernels, heads=static.heads,
             segment_ids=segment_ids, eps=static.eps, per_target=per_target, state_dtype=state_dtype,
-            mosaic_scores=mosaic, **kw,
+            mosaic_scores=mosaic(kernel="scores"), mosaic_mix=mosaic(kernel="mix", state_dtype=state_dtype), **kw,
         )
 
     def p2_forward(state, partial, bank, query, include, gate, segment_ids, static, return_scores=False):
@@ -151,8 +162,8 @@ def build(backend: str, native_platform: str):
         return fused_bwd_phase1.phase1_backward(
             sources, banks, queries, valid, segment_ids, smax, ct, stream_kernels=static.stream_kernels,
             heads=static.heads, eps=static.eps, form=form, **kw,
-            mosaic_scores=_mosaic_phase1_scores(rest["gpu_kernels"], backend, static, sources, queries.shape[0],
-                                                kw["interpret"]),
+            mosaic_scores=_mosaic_phase1(rest["gpu_kernels"], backend, static, sources, queries.shape[0],
+                                         kw["interpret"]),
         )
 
     def expansion_transpose(d_e, x, bank, segment_ids, static, n_targets):

@@ -600,12 +600,12 @@ def _prepare(t_len, segment_ids, tiles):
 
 
 def phase1_forward(sources, banks, queries, valid=None, *, stream_kernels, heads, segment_ids, eps, tiles,
-                   backend, interpret, per_target=False, state_dtype=F32, mosaic_scores=False):
+                   backend, interpret, per_target=False, state_dtype=F32, mosaic_scores=False, mosaic_mix=False):
     """Fused phase 1; same contract as ``reference.phase1`` (with ``per_target``, as
     ``reference.split_targets`` of it: each target's state is its own output of the kernel).
     ``state_dtype``: the dtype the kernel writes ``acc`` in (``api.phase1`` says why); the
-    weights and sums are float32 either way. ``mosaic_scores``: the scoring pass as the Mosaic
-    GPU kernel (``phase1_scores``)."""
+    weights and sums are float32 either way. ``mosaic_scores`` / ``mosaic_mix``: the scoring /
+    mixing pass as the Mosaic GPU kernel (``mosaic_gpu.phase1_scores`` / ``phase1_mix``)."""
     n, _, t_len, d = sources.shape
     t_pad, seg = _prepare(t_len, segment_ids, tiles)
     x = _pad_t(sources, 2, t_pad)
@@ -617,7 +617,14 @@ def phase1_forward(sources, banks, queries, valid=None, *, stream_kernels, heads
     smax = jnp.max(s, axis=1)
     p = jnp.where(ok, jnp.exp(s - smax[:, None]), 0.0)
     denom = jnp.sum(p, axis=1)
-    acc = mix_call(x, banks, p, seg, mode="acc", valid=valid, split_targets=per_target, out_dtype=state_dtype, **kw)
+    if mosaic_mix:
+        from pallas_kernels.depth_attention import mosaic_gpu  # it imports this module
+
+        acc = mosaic_gpu.phase1_mix(sources, banks, p, segment_ids, valid, stream_kernels=stream_kernels, heads=heads,
+                                    out_dtype=state_dtype, per_target=per_target, interpret=interpret)
+    else:
+        acc = mix_call(x, banks, p, seg, mode="acc", valid=valid, split_targets=per_target, out_dtype=state_dtype,
+                       **kw)
     cut = lambda a: a[..., :t_len, :]  # noqa: E731
     if per_target:
         return tuple(reference.SoftmaxState(max=cut(smax[i]), denom=cut(denom[i]), acc=cut(acc[i]))

@@ -912,3 +912,212 @@ def _scores_kernel(cfg: _ScoresConfig):
                 jax.ShapeDtypeStruct((n, m, batch, cfg.t_pad), F32))
     return _jitted_kernel(plgpu, body, out_type, [scratch[k] for k in names], name="depth_attention_scores_mosaic",
                           batch=batch, t_pad=cfg.t_pad, interpret=cfg.interpret)
+
+
+# --------------------------------------------------------------------------- phase 1's mixing pass
+
+MIX_SLOTS = 2  # items in flight in ``phase1_mix``'s TMA pipeline (``mix_smem_bytes`` counts them)
+
+
+def mix_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, out_dtype, n_targets: int,
+                   n_slots: int = MIX_SLOTS, **_unused) -> int:
+    """Shared memory of one program of ``phase1_mix`` (its scratch list)."""
+    bt, bd = BLOCK_T, block_d
+    n_windows = max([1, *stream_kernels])
+    return (n_slots * n_windows * bt * bd * jnp.dtype(x_dtype).itemsize + n_slots * sum(stream_kernels) * bd * 4
+            + n_slots * n_targets * heads * bt * 4 + n_targets * bt * bd * jnp.dtype(out_dtype).itemsize
+            + (len(stream_kernels) + 1) * 64 * 4 + 64 * 4 * (2 + 1))
+
+
+def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: int, out_dtype=F32,
+               per_target: bool = False, block_d: int | None = None, n_slots: int = MIX_SLOTS,
+               interpret: bool = False):
+    """Phase 1's mixing pass (``fused.mix_call(mode="acc")``) as one Mosaic GPU kernel:
+    ``acc[s, r] = sum_i p[s, i, r] E_r[x_i]`` (Eq. 11's weighted sum over the completed sources,
+    before the merge with the partial), each source's stream ``E_r`` built in registers (Eq. 10)
+    and never written.
+
+    One program per (batch row, 64-token tile) runs over the channel chunks; for each chunk and
+    stream ``r`` it sums the valid sources into ``S`` register tiles (one per target) and writes
+    them with TMA stores. The work items (chunk, stream, valid source) stream through an
+    ``n_slots``-deep TMA pipeline: the stream's lag windows of the source's chunk (its kernel's
+    count, ``_fetch_partial``'s rule), its taps and its ``p`` rows. The valid sources are listed
+    first by XLA, so the ones ``valid`` rules out cost nothing (their ``p`` is 0).
+
+    ``sources[n, B, T, d]``, ``banks[n, K, d]`` or None, ``p[S, n, m, B, T', H]`` float32
+    (``T' >= T``), ``segment_ids[B, T]`` or None, ``valid[n]`` (bool, may be traced) or None.
+    Returns ``acc[S, m, B, T, d]`` in ``out_dtype`` or, with ``per_target``, a list of ``S``
+    arrays ``[m, B, T, d]`` (each its own output of the kernel)."""
+    n, batch, t_len, d = sources.shape
+    n_targets, m = p.shape[0], p.shape[2]
+    if p.shape[1] != n or p.shape[3] != batch or p.shape[4] < t_len or m != len(stream_kernels):
+        raise ValueError(f"p {p.shape}: want [S, {n}, {len(stream_kernels)}, {batch}, >= {t_len}, H]")
+    if p.shape[5] != heads:
+        raise ValueError(f"p {p.shape}: its last axis is the {heads} heads")
+    smem = functools.partial(mix_smem_bytes, n_targets=n_targets, n_slots=n_slots)
+    sh = _shape("phase1_mix", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
+                heads=heads, block_d=block_d, interpret=interpret, smem=smem, x_dtype=sources.dtype, acc_dtype=F32,
+                out_dtype=out_dtype)
+    has_bank = sh.has_bank and banks is not None
+    # the valid sources first (their order kept), then their count: the kernel loops over those only
+    live = jnp.ones((n,), jnp.int32) if valid is None else jnp.asarray(valid, jnp.int32).reshape(n)
+    order = jnp.argsort(1 - live, stable=True).astype(jnp.int32)
+    meta = jnp.broadcast_to(jnp.concatenate([order, jnp.sum(live, keepdims=True)])[:, None], (n + 1, 64))
+    # [S, n, m, B, T', H] -> [n, m, S H, B, Tp]: one TMA copy per (source, stream) brings a tile's p rows
+    p_rows = _pad_t(jnp.asarray(p, F32)[:, :, :, :, :t_len], 4, sh.t_pad)
+    p_rows = p_rows.transpose(1, 2, 0, 5, 3, 4).reshape(n, m, n_targets * heads, batch, sh.t_pad)
+    inputs = [sh.x, jnp.asarray(banks, F32) if has_bank else jnp.zeros((n, 1, d), F32), p_rows, meta]
+    if sh.has_seg:
+        inputs.append(sh.bits)
+    call = _mix_kernel(_MixConfig(n=n, batch=batch, t_pad=sh.t_pad, d=d, stream_kernels=tuple(stream_kernels),
+                                  heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
+                                  has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
+                                  out_dtype=jnp.dtype(out_dtype), per_target=bool(per_target), n_slots=n_slots,
+                                  interpret=bool(interpret)))
+    out = call(*inputs)
+    cut = lambda a: a[..., :t_len, :]  # noqa: E731
+    return [cut(a) for a in out] if per_target else cut(out)
+
+
+class _MixConfig(NamedTuple):
+    """Everything ``phase1_mix``'s kernel code depends on (see ``_Config``)."""
+
+    n: int
+    batch: int
+    t_pad: int
+    d: int
+    stream_kernels: tuple
+    heads: int
+    n_targets: int
+    block_d: int
+    has_bank: bool
+    has_seg: bool
+    front: int
+    x_dtype: jnp.dtype
+    out_dtype: jnp.dtype
+    per_target: bool
+    n_slots: int
+    interpret: bool
+
+
+@functools.lru_cache(maxsize=None)
+def _mix_kernel(cfg: _MixConfig):
+    """``phase1_mix``'s kernel for ``cfg``, built and jitted once (``_kernel`` says why)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    n, batch, d, heads, bd, n_targets = cfg.n, cfg.batch, cfg.d, cfg.heads, cfg.block_d, cfg.n_targets
+    stream_kernels, has_bank, has_seg, front, n_slots = (cfg.stream_kernels, cfg.has_bank, cfg.has_seg, cfg.front,
+                                                         cfg.n_slots)
+    m, bt = len(stream_kernels), BLOCK_T
+    layout = _stream_layout(stream_kernels)
+    max_lag = max([1, *stream_kernels])
+    nc, nch = d // bd, d // bd // heads
+    row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
+    windows = [max(1, kernel) for kernel in stream_kernels]  # lag windows a stream's item brings
+    taps = [has_bank and kernel > 0 for kernel in stream_kernels]
+    scratch = dict(
+        xs=plgpu.SMEM((n_slots, max_lag, bt, bd), cfg.x_dtype),
+        **{f"bs{r}": plgpu.SMEM((n_slots, kernel, bd), F32) for r, kernel in enumerate(stream_kernels) if taps[r]},
+        ps=plgpu.SMEM((n_slots, n_targets * heads, bt), F32),
+        out_s=plgpu.SMEM((n_targets, bt, bd), cfg.out_dtype),
+        meta_s=plgpu.SMEM((n + 1, 64), jnp.int32),
+        bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
+        **{f"bar{r}": plgpu.Barrier(num_arrivals=windows[r] + taps[r] + 1, num_barriers=n_slots) for r in range(m)},
+        bar_in=plgpu.Barrier(num_arrivals=1 + has_seg, num_barriers=1),
+    )
+    names = [k for k, v in scratch.items() if v is not None]
+
+    def body(*refs):
+        it = iter(refs)
+        x_ref, bank_ref, p_ref, meta_ref = (next(it) for _ in range(4))
+        bits_ref = next(it) if has_seg else None
+        outs = [next(it) for _ in range(n_targets if cfg.per_target else 1)]
+        sc = dict(zip(names, it))
+        xs, ps, out_s, meta_s, bits_s = (sc.get(k) for k in ("xs", "ps", "out_s", "meta_s", "bits_s"))
+        bss = [sc.get(f"bs{r}") for r in range(m)]
+        bars = [sc[f"bar{r}"] for r in range(m)]
+        bar_in = sc["bar_in"]
+        b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
+        rows = pl.ds(t0, bt)
+        plgpu.copy_gmem_to_smem(meta_ref, meta_s, bar_in.at[0])
+        if has_seg:
+            plgpu.copy_gmem_to_smem(bits_ref.at[b, rows], bits_s, bar_in.at[0])
+        plgpu.barrier_wait(bar_in.at[0])
+        masks = _lag_masks_of(plgpu, bits_s, max_lag, bt, bd)
+        n_live = meta_s[n, 0]
+        per_chunk = m * n_live
+        total = nc * per_chunk
+
+        def fetch_stream(r, c, i, slot):
+            """Item (chunk ``c``, stream ``r``, source ``i``)'s copies into ``slot``."""
+            cs = pl.ds(c * bd, bd)
+            for delta in range(windows[r]):
+                plgpu.copy_gmem_to_smem(x_ref.at[i * batch + b, pl.ds(t0 + front - delta, bt), cs],
+                                        xs.at[slot, delta], bars[r].at[slot])
+            if taps[r]:
+                kernel, off = layout[r]
+                plgpu.copy_gmem_to_smem(bank_ref.at[i, pl.ds(off, kernel), cs], bss[r].at[slot], bars[r].at[slot])
+            plgpu.copy_gmem_to_smem(p_ref.at[i, r, :, b, rows], ps.at[slot], bars[r].at[slot])
+
+        def fetch(f):
+            """Item ``f`` of the flat order (chunk, stream, valid source), if there is one."""
+            @pl.when(f < total)
+            def _():
+                c, r, j = f // per_chunk, lax.rem(f // n_live, m), lax.rem(f, n_live)
+                i, slot = meta_s[j, 0], lax.rem(f, n_slots)
+                for rr in range(m):
+                    pl.when(r == rr)(functools.partial(fetch_stream, rr, c, i, slot))
+
+        def expand(r, slot):
+            """``E_r`` of the item in ``slot`` (Eq. 10; ``_expand_all``'s sums for one stream)."""
+            kernel = stream_kernels[r]
+            if kernel == 0:
+                return plgpu.load(xs, (slot, 0), layout=tile).astype(F32)
+            e = None
+            for delta in range(kernel):
+                xl = plgpu.load(xs, (slot, delta), layout=tile).astype(F32)
+                if masks[delta] is not None:
+                    xl = xl * masks[delta]
+                tap = _cols(plgpu.load(bss[r], (slot, delta), layout=col), bt, bd) if taps[r] else 0.0
+                term = tap * xl
+                e = term if e is None else e + term
+            return e
+
+        for k in range(n_slots):
+            fetch(k)
+        zero = plgpu.layout_cast(jnp.zeros((bt, bd), F32), tile)
+        for head in range(heads):
+
+            def chunk_body(c, carry, head=head):
+                for r in range(m):
+
+                    def source_body(j, accs, r=r):
+                        f = c * per_chunk + r * n_live + j
+                        slot = lax.rem(f, n_slots)
+                        plgpu.barrier_wait(bars[r].at[slot])
+                        e = expand(r, slot)
+                        accs = [accs[s] + _rows(plgpu.load(ps, (slot, s * heads + head), layout=row), bt, bd) * e
+                                for s in range(n_targets)]
+                        fetch(f + n_slots)
+                        return accs
+
+                    accs = lax.fori_loop(0, n_live, source_body, [zero] * n_targets)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores have read the staging
+                    for s in range(n_targets):
+                        out_s[s] = accs[s].astype(out_s.dtype)
+                    plgpu.commit_smem()
+                    cs = pl.ds(c * bd, bd)
+                    for s in range(n_targets):
+                        dst = outs[s].at[r, b, rows, cs] if cfg.per_target else outs[0].at[s, r, b, rows, cs]
+                        plgpu.copy_smem_to_gmem(out_s.at[s], dst)
+                return carry
+
+            lax.fori_loop(head * nch, (head + 1) * nch, chunk_body, 0)
+        plgpu.wait_smem_to_gmem(0)
+
+    if cfg.per_target:
+        out_type = [jax.ShapeDtypeStruct((m, batch, cfg.t_pad, d), cfg.out_dtype)] * n_targets
+    else:
+        out_type = jax.ShapeDtypeStruct((n_targets, m, batch, cfg.t_pad, d), cfg.out_dtype)
+    return _jitted_kernel(plgpu, body, out_type, [scratch[k] for k in names], name="depth_attention_mix_mosaic",
+                          batch=batch, t_pad=cfg.t_pad, interpret=cfg.interpret)

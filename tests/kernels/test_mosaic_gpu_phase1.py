@@ -1,7 +1,9 @@
 """Phase 1's scoring pass in Mosaic GPU (``mosaic_gpu.phase1_scores``) against Triton's
-(``fused.scores_call``, interpreted) and, through the op with ``gpu_kernels="mosaic"`` (its
-forward and its Pallas backward both score), phase 1's forward and gradients against the
-oracle (``"auto"`` takes it on a GPU for several streams). On the CPU the kernel runs in
+(``fused.scores_call``, interpreted), its mixing pass (``mosaic_gpu.phase1_mix``) against the
+direct sum of Eq. 11 over the reference's streams, and, through the op with
+``gpu_kernels="mosaic"`` (its forward scores and mixes, its Pallas backward scores), phase 1's
+forward and gradients against the oracle (``"auto"`` takes the scoring pass on a GPU for
+several streams). On the CPU the kernel runs in
 Pallas' Mosaic GPU interpret mode; the GPU-marked test
 runs it compiled (TMA's zero fill before token 0 instead of the interpreted pad)."""
 
@@ -81,6 +83,58 @@ def test_option_errors():
                                  interpret=True)
 
 
+def _direct_mix(sources, banks, p, seg, heads):
+    """``acc[s, r] = sum_i p[s, i, r] E_r[x_i]`` with the reference's streams (Eq. 10-11)."""
+    n, batch, t_len, d = sources.shape
+    streams = reference.expand(sources, banks, KERNELS, seg)  # [n, m, B, T, d]
+    weights = jnp.repeat(p[..., :t_len, :], d // heads, axis=-1)  # [S, n, m, B, T, d]
+    return jnp.einsum("sirbtc,irbtc->srbtc", weights, streams, precision="highest")
+
+
+@pytest.mark.parametrize("n, batch, t_len, d, n_targets, heads, valid, cut, dtype, out_dtype, per_target, slots", [
+    # two 64-token tiles and a ragged end, a source ruled out, segments, two heads, bf16 sources
+    (3, 2, 100, 64, 2, 2, (True, False, True), 37, jnp.bfloat16, jnp.float32, False, 2),
+    # T shorter than the largest kernel, float32 sources, one output per target, a bf16 state, 3 slots
+    (2, 1, 7, 32, 3, 1, None, None, jnp.float32, jnp.bfloat16, True, 3),
+    # every source ruled out (a block's first read of an empty stack): zeros
+    (2, 1, 70, 32, 2, 1, (False, False), None, jnp.bfloat16, jnp.float32, False, 2),
+])
+def test_interpreted_mix_matches_direct_sum(n, batch, t_len, d, n_targets, heads, valid, cut, dtype, out_dtype,
+                                            per_target, slots):
+    sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=dtype)
+    seg = None if cut is None else _segments(batch, t_len, cut)
+    # non-zero weights on every source, zero where ``valid`` rules one out (as phase 1 gives them);
+    # T padded past the tokens, as Triton's tiles leave it
+    p = jax.random.uniform(jax.random.key(7), (n_targets, n, len(KERNELS), batch, t_len + 29, heads), minval=0.1)
+    if valid is not None:
+        p = p * jnp.asarray(valid)[None, :, None, None, None, None]
+    got = mosaic_gpu.phase1_mix(sources, banks, p, seg, None if valid is None else jnp.asarray(valid),
+                                stream_kernels=KERNELS, heads=heads, out_dtype=out_dtype, per_target=per_target,
+                                n_slots=slots, interpret=True)
+    want = _direct_mix(sources, banks, p, seg, heads)
+    if per_target:
+        assert isinstance(got, list) and len(got) == n_targets
+        got = jnp.stack(got)
+    assert got.shape == want.shape and got.dtype == out_dtype
+    if valid is not None and not any(valid):
+        assert not np.any(np.asarray(got)) and not np.any(np.asarray(want))
+    else:
+        _check_tree(got.astype(jnp.float32), want, 1e-2 if out_dtype == jnp.bfloat16 else F32_TOL)
+
+
+def test_mix_errors():
+    sources, banks, _ = _phase1_inputs(2, 1, 8, 32, 1, KERNELS)
+    p = jnp.ones((1, 2, 4, 1, 8, 1))
+    with pytest.raises(ValueError, match="want \\[S, 2, 4, 1, >= 8, H\\]"):
+        mosaic_gpu.phase1_mix(sources, banks, p[:, :, :2], None, None, stream_kernels=KERNELS, heads=1,
+                              interpret=True)
+    with pytest.raises(ValueError, match="last axis is the 2 heads"):
+        mosaic_gpu.phase1_mix(sources, banks, p, None, None, stream_kernels=KERNELS, heads=2, interpret=True)
+    sources, banks, _ = _phase1_inputs(2, 1, 8, 48, 1, KERNELS)
+    with pytest.raises(NotImplementedError, match="phase1_mix: no channel chunk"):
+        mosaic_gpu.phase1_mix(sources, banks, p, None, None, stream_kernels=KERNELS, heads=1, interpret=True)
+
+
 def _op_and_oracle(gpu_kernels, *, n=3, batch=2, t_len=70, d=64, n_targets=2, heads=2, dtype=jnp.bfloat16,
                    valid=(True, False, True), cut=23):
     sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=dtype)
@@ -92,16 +146,20 @@ def _op_and_oracle(gpu_kernels, *, n=3, batch=2, t_len=70, d=64, n_targets=2, he
     return got, _phase1_vjp(reference.phase1, sources, banks, queries, valid, **kw)
 
 
-def test_phase1_op_with_mosaic_scores_matches_reference(monkeypatch):
-    """``gpu_kernels="mosaic"``: phase 1's forward and its Pallas backward score with the Mosaic
-    GPU kernel (interpreted here); state and every gradient (sources, banks, queries) match."""
-    calls = []
-    real = mosaic_gpu.phase1_scores
-    monkeypatch.setattr(mosaic_gpu, "phase1_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+def test_phase1_op_with_mosaic_kernels_matches_reference(monkeypatch):
+    """``gpu_kernels="mosaic"``: phase 1's forward scores and mixes with the Mosaic GPU kernels
+    and its Pallas backward scores with the Mosaic one (interpreted here); state and every
+    gradient (sources, banks, queries) match."""
+    calls = {"phase1_scores": 0, "phase1_mix": 0}
+    for name in calls:
+        real = getattr(mosaic_gpu, name)
+        monkeypatch.setattr(mosaic_gpu, name, lambda *a, _real=real, _name=name, **k: calls.__setitem__(
+            _name, calls[_name] + 1) or _real(*a, **k))
     (got, got_grads), (want, want_grads) = _op_and_oracle("mosaic", dtype=jnp.float32)
     _check_tree(got, want, F32_TOL)
     _check_tree(got_grads, want_grads, F32_TOL)
-    assert len(calls) >= 2, "the forward and the backward should both take the Mosaic GPU scoring pass"
+    assert calls["phase1_scores"] >= 2, "the forward and the backward should both take the Mosaic GPU scoring pass"
+    assert calls["phase1_mix"] >= 1, "the forward should take the Mosaic GPU mixing pass"
 
 
 @pytest.mark.parametrize("choice, kernels, interpret, want", [
@@ -113,22 +171,28 @@ def test_phase1_op_with_mosaic_scores_matches_reference(monkeypatch):
     ("mosaic", (0,), True, True),
 ])
 def test_which_scoring_pass_each_choice_takes(choice, kernels, interpret, want):
-    """``_backend._mosaic_phase1_scores`` at `base`'s shape; the TPU back end never takes it and
-    ``"mosaic"`` is an error for a shape it does not take."""
+    """``_backend._mosaic_phase1`` (the scoring pass) at `base`'s shape; the TPU back end never
+    takes it and ``"mosaic"`` is an error for a shape it does not take."""
     import types
 
     from pallas_kernels.depth_attention import _backend
 
     static = types.SimpleNamespace(stream_kernels=kernels, heads=1)
     src = jax.ShapeDtypeStruct((7, 64, 1024, 1024), jnp.bfloat16)
-    assert _backend._mosaic_phase1_scores(choice, "triton", static, src, 8, interpret) is want
-    assert not _backend._mosaic_phase1_scores(choice, "tpu", static, src, 8, interpret)
+    assert _backend._mosaic_phase1(choice, "triton", static, src, 8, interpret) is want
+    assert not _backend._mosaic_phase1(choice, "tpu", static, src, 8, interpret)
     if choice == "auto" and want:  # float32 sources: untimed, Triton
         f32 = jax.ShapeDtypeStruct(src.shape, jnp.float32)
-        assert not _backend._mosaic_phase1_scores(choice, "triton", static, f32, 8, interpret)
+        assert not _backend._mosaic_phase1(choice, "triton", static, f32, 8, interpret)
+    # the mixing pass: only "mosaic" takes it (``AUTO_PHASE1``)
+    assert _backend._mosaic_phase1(choice, "triton", static, src, 8, interpret, kernel="mix") is (
+        want and ("mix" in _backend.AUTO_PHASE1 or choice == "mosaic"))
     if choice == "mosaic":
+        with pytest.raises(ValueError, match="phase-1 mixing pass does not take"):
+            _backend._mosaic_phase1("mosaic", "triton", static, jax.ShapeDtypeStruct((7, 64, 1024, 1000),
+                                                                                   jnp.bfloat16), 8, False, kernel="mix")
         with pytest.raises(ValueError, match="phase-1 scoring pass does not take"):
-            _backend._mosaic_phase1_scores("mosaic", "triton", static, jax.ShapeDtypeStruct((7, 64, 1024, 1000),
+            _backend._mosaic_phase1("mosaic", "triton", static, jax.ShapeDtypeStruct((7, 64, 1024, 1000),
                                                                                            jnp.bfloat16), 8, False)
 
 
@@ -154,5 +218,35 @@ def test_gpu_phase1_scores_match_triton():
         _check_tree(got, (want[0][..., :t_len, :], want[1][..., :t_len]), 1e-5)
         (g, g_grads), (w, w_grads) = _op_and_oracle("mosaic", t_len=300, d=256, heads=2)
     _check_tree(g, w, 1e-4)
-    # the bf16 sources' gradient within one bf16 rounding (session 17, call 4: 3.6e-3, one ulp apart)
-    _check_grads(g_grads, w_grads, 1e-4)
+    # Per leaf (sources, banks, queries). The sources' gradient is bf16: within one bf16 rounding
+    # (session 17, call 4: 3.6e-3, one ulp apart). The banks' is float32 but sums the stream
+    # cotangents, which the wide backward writes in the sources' dtype (``fused_bwd_phase1``,
+    # "wide"): bf16 inputs, so bf16's tolerance (session 18, call 1: 2.2e-3). The queries' is
+    # exact (``_query_grads`` splits its operand into bf16 parts).
+    for got_leaf, want_leaf, tol in zip(g_grads, w_grads, (1e-2, 1e-2, 1e-4), strict=True):
+        _check_grads(got_leaf, want_leaf, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_phase1_mix_matches_triton(state_dtype):
+    """On a GPU: the compiled mixing kernel against the compiled Triton one (bf16 sources, a
+    source ruled out, segments, two heads, ragged T, one output per target)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    n, batch, t_len, d, n_targets, heads = 4, 3, 300, 256, 8, 2
+    sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
+    seg, valid = _segments(batch, t_len, 77), jnp.asarray([True, True, False, True])
+    tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=12, n_targets=n_targets, backend="triton", n_streams=4)
+    t_pad, seg_p = fused._prepare(t_len, seg, tiles)
+    p = jax.random.uniform(jax.random.key(7), (n_targets, n, 4, batch, t_pad, heads), minval=0.1)
+    p = p * valid[None, :, None, None, None, None]
+    got = jax.jit(lambda *a: mosaic_gpu.phase1_mix(*a, stream_kernels=KERNELS, heads=heads, out_dtype=state_dtype,
+                                                   per_target=True))(sources, banks, p, seg, valid)
+    want = jax.jit(lambda x, b, pp, s, v: fused.mix_call(
+        fused._pad_t(x, 2, t_pad), b, pp, s, mode="acc", stream_kernels=KERNELS, heads=heads, tiles=tiles,
+        backend="triton", interpret=False, out_dtype=state_dtype, valid=v, split_targets=True))(
+        sources, banks, p, seg_p, valid)
+    tol = 1e-2 if state_dtype == jnp.bfloat16 else 1e-5
+    _check_tree([g.astype(jnp.float32) for g in got], [w[..., :t_len, :].astype(jnp.float32) for w in want], tol)
+    _check_tree(jnp.stack(got).astype(jnp.float32), _direct_mix(sources, banks, p, seg, heads), tol)

@@ -97,11 +97,12 @@ def test_phase2_mosaic_gpu_kernels_lower(h200, gpu_kernels, triton_calls, mosaic
     assert text.count(TRITON_CALL) == triton_calls
 
 
-@pytest.mark.parametrize("gpu_kernels, mosaic", [("auto", True), ("triton", False)])
-def test_phase1_mosaic_gpu_scores_lower(h200, gpu_kernels, mosaic):
+@pytest.mark.parametrize("gpu_kernels, mosaic, mosaic_mix", [("auto", True, False), ("mosaic", True, True),
+                                                            ("triton", False, False)])
+def test_phase1_mosaic_gpu_scores_lower(h200, gpu_kernels, mosaic, mosaic_mix):
     """Phase 1 with the Pallas backward for an H200: ``"auto"`` takes the Mosaic GPU scoring
     pass in the forward and in the backward (the segment bits, a source ruled out, two heads);
-    ``"triton"`` keeps Triton's."""
+    ``"mosaic"`` its mixing pass too; ``"triton"`` keeps Triton's."""
     kernels, n, batch, t_len, d, n_targets, m = (0, 4, 8, 12), 3, 2, 100, 64, 2, 4
     keys = jax.random.split(jax.random.key(0), 3)
     sources = jax.random.normal(keys[0], (n, batch, t_len, d), jnp.bfloat16)
@@ -113,11 +114,15 @@ def test_phase1_mosaic_gpu_scores_lower(h200, gpu_kernels, mosaic):
                         implementation="pallas_gpu", interpret=False, backward="pallas", gpu_kernels=gpu_kernels)
         return jnp.sum(st.acc) + jnp.sum(st.denom)
 
-    text = _lower(jax.grad(loss, argnums=(0, 1, 2)), sources, banks, jax.random.normal(keys[2], (n_targets, m, d)))
+    # value_and_grad: the state's value is not needed for the gradient of this loss, so a gradient
+    # alone would drop the (jitted) Mosaic mixing call from the program
+    text = _lower(jax.value_and_grad(loss, argnums=(0, 1, 2)), sources, banks,
+                  jax.random.normal(keys[2], (n_targets, m, d)))
     # the forward's and the backward's scoring calls share one jitted kernel: one function, two calls
-    assert text.count(MOSAIC_GPU_CALL) == (1 if mosaic else 0)
-    assert len(re.findall(r"call @run", text)) == (2 if mosaic else 0)
+    assert text.count(MOSAIC_GPU_CALL) == mosaic + mosaic_mix
+    assert len(re.findall(r"call @run", text)) == 2 * mosaic + mosaic_mix
     assert ('name = "depth_attention_scores"' in text) is not mosaic  # Triton's scoring kernel
+    assert ('name = "depth_attention_mix_acc"' in text) is not mosaic_mix  # Triton's mixing kernel
 
 
 # the Pallas kernels each jitted gradient must contain (phase 1, phase 2 + fusion)

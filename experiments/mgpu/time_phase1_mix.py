@@ -1,0 +1,78 @@
+"""Phase 1's mixing pass on the GPU: Triton's ``fused.mix_call(mode="acc")`` (the tiles
+``tiling.choose_tiles`` gives it) against the Mosaic GPU kernel ``mosaic_gpu.phase1_mix``
+with 2 and 3 items in flight (``n_slots``). Both write one output per target
+(``per_target=True``, as the model calls phase 1), float32 and, with ``--bf16``, bf16 states.
+Shapes: `base`'s last block (B x T = 64 x 1024, d = 1024, S = 8 targets, 7 stacked sources of
+which ``--live`` (default 4) are valid) and the issue's (8 x 2048, d = 2048, S = 8, all 9
+sources). MSAR's kernels (0, 4, 8, 12), one head, bf16 sources, random weights ``p`` (zero on
+the invalid sources). Median of 21 timings of 3 calls each after warm-up (``bench.timeit``);
+the error of the Mosaic states against Triton's, relative to their largest magnitude; the
+floor: the states written once and the live sources read once at the measured copy bandwidth.
+Run on the GPU: ``python experiments/mgpu/time_phase1_mix.py [--bf16] [--base-only]``."""
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.depth_attention import bench, fused, mosaic_gpu, tiling
+
+KERNELS = (0, 4, 8, 12)
+
+
+def main():
+    live = int(sys.argv[sys.argv.index("--live") + 1]) if "--live" in sys.argv else 4
+    state_dtypes = [jnp.float32] + ([jnp.bfloat16] if "--bf16" in sys.argv else [])
+    shapes = (("base", (7, live, 64, 1024, 1024, 8)), ("issue", (9, 9, 8, 2048, 2048, 8)))
+    if "--base-only" in sys.argv:
+        shapes = shapes[:1]
+    bw = bench.copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (bytes read + written)", flush=True)
+    for name, (n, n_live, batch, t_len, d, n_targets) in shapes:
+        m = len(KERNELS)
+        k = jax.random.split(jax.random.key(0), 3)
+        sources = jax.random.normal(k[0], (n, batch, t_len, d), jnp.bfloat16)
+        banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32)
+        valid = jnp.arange(n) < n_live
+        tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=max(KERNELS), n_targets=n_targets, backend="triton",
+                                    n_streams=m)
+        t_pad, _ = fused._prepare(t_len, None, tiles)
+        p = jax.random.uniform(k[2], (n_targets, n, m, batch, t_pad, 1)) * valid[None, :, None, None, None, None]
+        for dtype in state_dtypes:
+            floor_ms = (n_targets * m * batch * t_len * d * jnp.dtype(dtype).itemsize
+                        + n_live * batch * t_len * d * 2) / bw * 1e3
+
+            def triton(x, b, p, v, dtype=dtype):
+                out = fused.mix_call(fused._pad_t(x, 2, t_pad), b, p, None, mode="acc", stream_kernels=KERNELS,
+                                     heads=1, tiles=tiles, backend="triton", interpret=False, out_dtype=dtype,
+                                     valid=v, split_targets=True)
+                return [a[..., :t_len, :] for a in out]
+
+            variants = {"triton": triton}
+            for slots in (2, 3):
+                variants[f"mosaic n_slots={slots}"] = (lambda sl, dt: lambda x, b, p, v: mosaic_gpu.phase1_mix(
+                    x, b, p, None, v, stream_kernels=KERNELS, heads=1, out_dtype=dt, per_target=True,
+                    n_slots=sl))(slots, dtype)
+            print(f"## {name}: {n} sources ({n_live} valid), S = {n_targets}, B x T = {batch} x {t_len}, d = {d}, "
+                  f"{jnp.dtype(dtype).name} state; floor {floor_ms:.4f} ms", flush=True)
+            want = None
+            for label, fn in variants.items():
+                try:
+                    f = jax.jit(fn)
+                    got = f(sources, banks, p, valid)
+                    if want is None:
+                        want, err = got, 0.0
+                    else:
+                        err = max(float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))
+                                        / jnp.max(jnp.abs(w.astype(jnp.float32)))) for g, w in zip(got, want))
+                    del got
+                    ms = bench.timeit(f, sources, banks, p, valid, reps=21, inner=3)[0] * 1e3
+                    print(f"{label:20s} {ms:8.3f} ms  {floor_ms / ms:6.1%} of floor  rel err vs triton {err:.1e}",
+                          flush=True)
+                except Exception:  # noqa: BLE001
+                    print(f"{label:20s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
+            del want
+
+
+if __name__ == "__main__":
+    main()
