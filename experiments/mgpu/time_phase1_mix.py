@@ -1,6 +1,8 @@
 """Phase 1's mixing pass on the GPU: Triton's ``fused.mix_call(mode="acc")`` (the tiles
 ``tiling.choose_tiles`` gives it) against the Mosaic GPU kernel ``mosaic_gpu.phase1_mix``
-with 2 and 3 items in flight (``n_slots``). Both write one output per target
+with 32- and 16-channel chunks (``block_d``) and 2 to 4 items in flight (``n_slots``); a
+variant whose program does not fit in shared memory is reported as such, with each one's
+shared memory and how many programs fit on an SM. Both write one output per target
 (``per_target=True``, as the model calls phase 1), float32 and, with ``--bf16``, bf16 states.
 Shapes: `base`'s last block (B x T = 64 x 1024, d = 1024, S = 8 targets, 7 stacked sources of
 which ``--live`` (default 4) are valid) and the issue's (8 x 2048, d = 2048, S = 8, all 9
@@ -18,6 +20,8 @@ import jax.numpy as jnp
 from pallas_kernels.depth_attention import bench, fused, mosaic_gpu, tiling
 
 KERNELS = (0, 4, 8, 12)
+MOSAIC_VARIANTS = ((32, 2), (32, 3), (16, 2), (16, 3), (16, 4))  # (block_d, n_slots)
+SM_SMEM = 233472  # the H200's shared memory per SM (228 KiB), 1 KiB of it reserved per program
 
 
 def main():
@@ -49,10 +53,18 @@ def main():
                 return [a[..., :t_len, :] for a in out]
 
             variants = {"triton": triton}
-            for slots in (2, 3):
-                variants[f"mosaic n_slots={slots}"] = (lambda sl, dt: lambda x, b, p, v: mosaic_gpu.phase1_mix(
+            for bd, slots in MOSAIC_VARIANTS:
+                smem = mosaic_gpu.mix_smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
+                                                 out_dtype=dtype, n_targets=n_targets, n_slots=slots)
+                label = f"mosaic bd={bd} n_slots={slots}"
+                if smem > mosaic_gpu.SMEM_BYTES:
+                    print(f"{label:28s} does not fit: {smem} bytes of shared memory", flush=True)
+                    continue
+                print(f"{label:28s} {smem} bytes of shared memory: {SM_SMEM // (smem + 1024)} programs per SM",
+                      flush=True)
+                variants[label] = (lambda sl, dt, bd: lambda x, b, p, v: mosaic_gpu.phase1_mix(
                     x, b, p, None, v, stream_kernels=KERNELS, heads=1, out_dtype=dt, per_target=True,
-                    n_slots=sl))(slots, dtype)
+                    n_slots=sl, block_d=bd))(slots, dtype, bd)
             print(f"## {name}: {n} sources ({n_live} valid), S = {n_targets}, B x T = {batch} x {t_len}, d = {d}, "
                   f"{jnp.dtype(dtype).name} state; floor {floor_ms:.4f} ms", flush=True)
             want = None
@@ -67,10 +79,10 @@ def main():
                                         / jnp.max(jnp.abs(w.astype(jnp.float32)))) for g, w in zip(got, want))
                     del got
                     ms = bench.timeit(f, sources, banks, p, valid, reps=21, inner=3)[0] * 1e3
-                    print(f"{label:20s} {ms:8.3f} ms  {floor_ms / ms:6.1%} of floor  rel err vs triton {err:.1e}",
+                    print(f"{label:28s} {ms:8.3f} ms  {floor_ms / ms:6.1%} of floor  rel err vs triton {err:.1e}",
                           flush=True)
                 except Exception:  # noqa: BLE001
-                    print(f"{label:20s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
+                    print(f"{label:28s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
             del want
 
 

@@ -59,34 +59,34 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
 
     ``"auto"`` (and ``"triton_forward"``, which concerns phase 2's forward): on a GPU (not in
     interpret mode), with several streams and 16-bit sources (as timed; float32 sources double
-    the kernels' shared memory), whenever the kernel takes the shape, for the kernels in
-    ``AUTO_PHASE1``. Measured on the H200 (BENCHMARKS.md, kernels, session 17): the scoring
+    the kernels' shared memory), whenever the kernel takes the shape; the mixing pass only for a
+    float32 state. Measured on the H200 (BENCHMARKS.md, kernels, sessions 17-18): the scoring
     pass 3.18 against 4.82 ms per call at `base`'s shape (4 of 7 sources valid, 8 targets), 3.95
-    against 5.38 at the issue's; the MSAR `base` step 1692.0 -> 1651.8 ms. One stream (AttnRes)
-    is untimed and keeps Triton. ``"mosaic"``: always (an error for a shape it does not take);
-    ``"triton"``: never."""
+    against 5.38 at the issue's; the MSAR `base` step 1692.0 -> 1651.8 ms. The mixing pass with
+    a float32 state 5.74-5.77 against 6.86-6.91 ms at `base`, 5.29 against 5.78 at the issue's
+    (step 1644.4-1648.4 ms); with a bf16 state Triton's was faster (4.45 against 5.03-5.21 ms),
+    so that keeps Triton. One stream (AttnRes) is untimed and keeps Triton. ``"mosaic"``:
+    always (an error for a shape it does not take); ``"triton"``: never."""
     if choice == "triton_forward":
         choice = "auto"
     if choice == "triton" or backend != "triton":
         return False
-    if choice == "auto" and (interpret or kernel not in AUTO_PHASE1 or len(static.stream_kernels) == 1
-                             or jnp.dtype(sources.dtype).itemsize > 2):
+    if choice == "auto" and (interpret or len(static.stream_kernels) == 1 or jnp.dtype(sources.dtype).itemsize > 2
+                             or (kernel == "mix" and jnp.dtype(state_dtype).itemsize < 4)):
         return False
     smem = {"scores": mosaic_gpu.scores_smem_bytes, "mix": mosaic_gpu.mix_smem_bytes}[kernel]
     bd = mosaic_gpu.choose_block_d(d=sources.shape[-1], heads=static.heads, stream_kernels=static.stream_kernels,
                                    x_dtype=sources.dtype, acc_dtype=jnp.float32, out_dtype=state_dtype,
                                    smem_limit=None if interpret else mosaic_gpu.SMEM_BYTES,
-                                   smem=functools.partial(smem, n_targets=n_targets))
+                                   smem=functools.partial(smem, n_targets=n_targets),
+                                   choices={"scores": mosaic_gpu.BLOCK_D_CHOICES,
+                                            "mix": mosaic_gpu.MIX_BLOCK_D_CHOICES}[kernel])
     if choice == "mosaic" and bd is None:
         what = {"scores": "scoring", "mix": "mixing"}[kernel]
         raise ValueError(f"gpu_kernels='mosaic': the Mosaic GPU phase-1 {what} pass does not take "
                          f"d={sources.shape[-1]}, heads={static.heads}, kernels {static.stream_kernels}, "
                          f"{n_targets} targets, {sources.dtype} sources (mosaic_gpu.choose_block_d)")
     return bd is not None
-
-
-# the phase-1 kernels ``gpu_kernels="auto"`` takes in Mosaic GPU (``_mosaic_phase1``)
-AUTO_PHASE1 = ("scores",)
 
 
 def build(backend: str, native_platform: str):

@@ -82,12 +82,13 @@ def state_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int,
 
 
 def choose_block_d(*, d: int, heads: int, stream_kernels: Sequence[int], x_dtype, acc_dtype, out_dtype,
-                   gate: bool = True, smem_limit: int | None = SMEM_BYTES, smem=smem_bytes) -> int | None:
-    """The widest channel chunk of ``BLOCK_D_CHOICES`` that divides a head and whose program fits
-    in ``smem_limit`` bytes of shared memory (``smem``: ``smem_bytes`` for the forward,
+                   gate: bool = True, smem_limit: int | None = SMEM_BYTES, smem=smem_bytes,
+                   choices: Sequence[int] = BLOCK_D_CHOICES) -> int | None:
+    """The first channel chunk of ``choices`` that divides a head and whose program fits in
+    ``smem_limit`` bytes of shared memory (``smem``: ``smem_bytes`` for the forward,
     ``state_smem_bytes`` for the backward's kernel; None: no limit, as in interpret mode), or
     None (the shape is not supported)."""
-    for bd in BLOCK_D_CHOICES:
+    for bd in choices:
         fits = smem_limit is None or smem(block_d=bd, stream_kernels=stream_kernels, heads=heads,
                                           x_dtype=x_dtype, acc_dtype=acc_dtype, out_dtype=out_dtype,
                                           gate=gate) <= smem_limit
@@ -219,15 +220,17 @@ class _Shape(NamedTuple):
     bits: jax.Array | None  # ``lag_bits`` of the segment ids, T padded
 
 
-def _shape(name, partial, segment_ids, *, stream_kernels, heads, block_d, interpret, smem, **dtypes) -> _Shape:
-    """The channel chunk (``choose_block_d`` with the kernel's shared memory ``smem``; raises
-    ``NotImplementedError`` when none fits), the tiling of T and the padded partial."""
+def _shape(name, partial, segment_ids, *, stream_kernels, heads, block_d, interpret, smem,
+           choices: Sequence[int] = BLOCK_D_CHOICES, **dtypes) -> _Shape:
+    """The channel chunk (``choose_block_d`` over ``choices`` with the kernel's shared memory
+    ``smem``; raises ``NotImplementedError`` when none fits), the tiling of T and the padded
+    partial."""
     batch, t_len, d = partial.shape
     bd = block_d or choose_block_d(d=d, heads=heads, stream_kernels=stream_kernels, smem=smem, **dtypes,
-                                   smem_limit=None if interpret else SMEM_BYTES)
+                                   smem_limit=None if interpret else SMEM_BYTES, choices=choices)
     if bd is None or d % heads or (d // heads) % bd:
         raise NotImplementedError(
-            f"mosaic_gpu.{name}: no channel chunk of {BLOCK_D_CHOICES} divides the head width "
+            f"mosaic_gpu.{name}: no channel chunk of {tuple(choices)} divides the head width "
             f"d/heads = {d}/{heads} with a program in {SMEM_BYTES} bytes of shared memory (block_d={block_d})")
     max_lag = max([1, *stream_kernels])
     has_seg = segment_ids is not None and max_lag > 1
@@ -917,12 +920,15 @@ def _scores_kernel(cfg: _ScoresConfig):
 # --------------------------------------------------------------------------- phase 1's mixing pass
 
 MIX_SLOTS = 2  # items in flight in ``phase1_mix``'s TMA pipeline (``mix_smem_bytes`` counts them)
+# ``phase1_mix``'s channel chunks, first choice first (``choose_block_d``)
+MIX_BLOCK_D_CHOICES = (32,)
 
 
 def mix_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, out_dtype, n_targets: int,
-                   n_slots: int = MIX_SLOTS, **_unused) -> int:
-    """Shared memory of one program of ``phase1_mix`` (its scratch list)."""
-    bt, bd = BLOCK_T, block_d
+                   n_slots: int | None = None, **_unused) -> int:
+    """Shared memory of one program of ``phase1_mix`` (its scratch list; ``n_slots``: None is
+    ``MIX_SLOTS``)."""
+    bt, bd, n_slots = BLOCK_T, block_d, n_slots or MIX_SLOTS
     n_windows = max([1, *stream_kernels])
     return (n_slots * n_windows * bt * bd * jnp.dtype(x_dtype).itemsize + n_slots * sum(stream_kernels) * bd * 4
             + n_slots * n_targets * heads * bt * 4 + n_targets * bt * bd * jnp.dtype(out_dtype).itemsize
@@ -930,7 +936,7 @@ def mix_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x
 
 
 def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: int, out_dtype=F32,
-               per_target: bool = False, block_d: int | None = None, n_slots: int = MIX_SLOTS,
+               per_target: bool = False, block_d: int | None = None, n_slots: int | None = None,
                interpret: bool = False):
     """Phase 1's mixing pass (``fused.mix_call(mode="acc")``) as one Mosaic GPU kernel:
     ``acc[s, r] = sum_i p[s, i, r] E_r[x_i]`` (Eq. 11's weighted sum over the completed sources,
@@ -946,9 +952,11 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
 
     ``sources[n, B, T, d]``, ``banks[n, K, d]`` or None, ``p[S, n, m, B, T', H]`` float32
     (``T' >= T``), ``segment_ids[B, T]`` or None, ``valid[n]`` (bool, may be traced) or None.
-    Returns ``acc[S, m, B, T, d]`` in ``out_dtype`` or, with ``per_target``, a list of ``S``
-    arrays ``[m, B, T, d]`` (each its own output of the kernel)."""
+    ``block_d``: the channel chunk (None: the first of ``MIX_BLOCK_D_CHOICES`` that fits);
+    ``n_slots``: None is ``MIX_SLOTS``. Returns ``acc[S, m, B, T, d]`` in ``out_dtype`` or, with
+    ``per_target``, a list of ``S`` arrays ``[m, B, T, d]`` (each its own output of the kernel)."""
     n, batch, t_len, d = sources.shape
+    n_slots = n_slots or MIX_SLOTS
     n_targets, m = p.shape[0], p.shape[2]
     if p.shape[1] != n or p.shape[3] != batch or p.shape[4] < t_len or m != len(stream_kernels):
         raise ValueError(f"p {p.shape}: want [S, {n}, {len(stream_kernels)}, {batch}, >= {t_len}, H]")
@@ -956,8 +964,8 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
         raise ValueError(f"p {p.shape}: its last axis is the {heads} heads")
     smem = functools.partial(mix_smem_bytes, n_targets=n_targets, n_slots=n_slots)
     sh = _shape("phase1_mix", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
-                heads=heads, block_d=block_d, interpret=interpret, smem=smem, x_dtype=sources.dtype, acc_dtype=F32,
-                out_dtype=out_dtype)
+                heads=heads, block_d=block_d, interpret=interpret, smem=smem, choices=MIX_BLOCK_D_CHOICES,
+                x_dtype=sources.dtype, acc_dtype=F32, out_dtype=out_dtype)
     has_bank = sh.has_bank and banks is not None
     # the valid sources first (their order kept), then their count: the kernel loops over those only
     live = jnp.ones((n,), jnp.int32) if valid is None else jnp.asarray(valid, jnp.int32).reshape(n)

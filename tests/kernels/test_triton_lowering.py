@@ -97,12 +97,13 @@ def test_phase2_mosaic_gpu_kernels_lower(h200, gpu_kernels, triton_calls, mosaic
     assert text.count(TRITON_CALL) == triton_calls
 
 
-@pytest.mark.parametrize("gpu_kernels, mosaic, mosaic_mix", [("auto", True, False), ("mosaic", True, True),
+@pytest.mark.parametrize("gpu_kernels, mosaic, mosaic_mix", [("auto", True, True), ("mosaic", True, True),
                                                             ("triton", False, False)])
 def test_phase1_mosaic_gpu_scores_lower(h200, gpu_kernels, mosaic, mosaic_mix):
-    """Phase 1 with the Pallas backward for an H200: ``"auto"`` takes the Mosaic GPU scoring
-    pass in the forward and in the backward (the segment bits, a source ruled out, two heads);
-    ``"mosaic"`` its mixing pass too; ``"triton"`` keeps Triton's."""
+    """Phase 1 with the Pallas backward for an H200: ``"auto"`` and ``"mosaic"`` take the Mosaic
+    GPU scoring pass in the forward and in the backward (the segment bits, a source ruled out,
+    two heads) and its mixing pass in the forward (a float32 state); ``"triton"`` keeps
+    Triton's."""
     kernels, n, batch, t_len, d, n_targets, m = (0, 4, 8, 12), 3, 2, 100, 64, 2, 4
     keys = jax.random.split(jax.random.key(0), 3)
     sources = jax.random.normal(keys[0], (n, batch, t_len, d), jnp.bfloat16)
