@@ -144,7 +144,9 @@ def test_reads_run_their_forward_kernels_once_per_pass(monkeypatch, mechanism, s
     the model calls them without a checkpoint: no forward kernel runs a third time. Lowered
     for an H200 through Pallas' Triton lowering on this CPU (``test_triton_lowering``). With
     ``state_dtype="bfloat16"`` the kernels write and read the state and its cotangent in bf16
-    (no float32 copy of either)."""
+    (no float32 copy of either). The Triton kernels throughout (``gpu_kernels="triton"``): the
+    counts are of Triton calls, and with a bf16 state the Mosaic phase 2 takes this model's
+    float32 partial since its lag windows shrank (session 18)."""
     import collections
     import re
     import types
@@ -156,7 +158,7 @@ def test_reads_run_their_forward_kernels_once_per_pass(monkeypatch, mechanism, s
     cfg = load_config(f"configs/{mechanism}.py:smoke=1,seq_len=32",
                       {"model.n_layers": 4, "model.residual.block_size": 2,
                        "model.residual.implementation": "pallas_gpu", "model.residual.kernel_backward": "auto",
-                       "model.residual.state_dtype": state_dtype})
+                       "model.residual.state_dtype": state_dtype, "model.residual.gpu_kernels": "triton"})
     model_def, params = step.init_model(cfg.model, seed=5)
     batch = jax.numpy.zeros((2, 33), jax.numpy.int32)
     grad = jax.jit(jax.grad(lambda p: lm_loss(model_def.merge(p), batch)[0]))

@@ -1,6 +1,7 @@
 """Phase 1's mixing pass on the GPU: Triton's ``fused.mix_call(mode="acc")`` (the tiles
 ``tiling.choose_tiles`` gives it) against the Mosaic GPU kernel ``mosaic_gpu.phase1_mix``
-with 32- and 16-channel chunks (``block_d``) and 2 to 4 items in flight (``n_slots``); a
+with 32-channel chunks, 2 or 3 items in flight (``n_slots``) and each placement of the lag
+windows (``mosaic_gpu.WINDOWS``; with ``--narrow`` also 16-channel chunks with 2 to 4); a
 variant whose program does not fit in shared memory is reported as such, with each one's
 shared memory and how many programs fit on an SM. Both write one output per target
 (``per_target=True``, as the model calls phase 1), float32 and, with ``--bf16``, bf16 states.
@@ -10,7 +11,7 @@ sources). MSAR's kernels (0, 4, 8, 12), one head, bf16 sources, random weights `
 the invalid sources). Median of 21 timings of 3 calls each after warm-up (``bench.timeit``);
 the error of the Mosaic states against Triton's, relative to their largest magnitude; the
 floor: the states written once and the live sources read once at the measured copy bandwidth.
-Run on the GPU: ``python experiments/mgpu/time_phase1_mix.py [--bf16] [--base-only]``."""
+Run on the GPU: ``python experiments/mgpu/time_phase1_mix.py [--bf16] [--base-only] [--narrow]``."""
 import sys
 import traceback
 
@@ -20,7 +21,9 @@ import jax.numpy as jnp
 from pallas_kernels.depth_attention import bench, fused, mosaic_gpu, tiling
 
 KERNELS = (0, 4, 8, 12)
-MOSAIC_VARIANTS = ((32, 2), (32, 3), (16, 2), (16, 3), (16, 4))  # (block_d, n_slots)
+# (block_d, n_slots, windows); 16-channel chunks (slower, session 18 call 3) with --narrow
+MOSAIC_VARIANTS = ((32, 2, "per_lag"), (32, 3, "per_lag"), (32, 2, "aligned"), (32, 3, "aligned"))
+NARROW_VARIANTS = ((16, 2, "per_lag"), (16, 3, "per_lag"), (16, 4, "per_lag"))
 SM_SMEM = 233472  # the H200's shared memory per SM (228 KiB), 1 KiB of it reserved per program
 
 
@@ -53,18 +56,18 @@ def main():
                 return [a[..., :t_len, :] for a in out]
 
             variants = {"triton": triton}
-            for bd, slots in MOSAIC_VARIANTS:
+            for bd, slots, windows in MOSAIC_VARIANTS + (NARROW_VARIANTS if "--narrow" in sys.argv else ()):
                 smem = mosaic_gpu.mix_smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
-                                                 out_dtype=dtype, n_targets=n_targets, n_slots=slots)
-                label = f"mosaic bd={bd} n_slots={slots}"
+                                                 out_dtype=dtype, n_targets=n_targets, n_slots=slots, windows=windows)
+                label = f"mosaic bd={bd} n_slots={slots} {windows}"
                 if smem > mosaic_gpu.SMEM_BYTES:
-                    print(f"{label:28s} does not fit: {smem} bytes of shared memory", flush=True)
+                    print(f"{label:36s} does not fit: {smem} bytes of shared memory", flush=True)
                     continue
-                print(f"{label:28s} {smem} bytes of shared memory: {SM_SMEM // (smem + 1024)} programs per SM",
+                print(f"{label:36s} {smem} bytes of shared memory: {SM_SMEM // (smem + 1024)} programs per SM",
                       flush=True)
-                variants[label] = (lambda sl, dt, bd: lambda x, b, p, v: mosaic_gpu.phase1_mix(
+                variants[label] = (lambda sl, dt, bd, w: lambda x, b, p, v: mosaic_gpu.phase1_mix(
                     x, b, p, None, v, stream_kernels=KERNELS, heads=1, out_dtype=dt, per_target=True,
-                    n_slots=sl, block_d=bd))(slots, dtype, bd)
+                    n_slots=sl, block_d=bd, windows=w))(slots, dtype, bd, windows)
             print(f"## {name}: {n} sources ({n_live} valid), S = {n_targets}, B x T = {batch} x {t_len}, d = {d}, "
                   f"{jnp.dtype(dtype).name} state; floor {floor_ms:.4f} ms", flush=True)
             want = None
@@ -79,10 +82,10 @@ def main():
                                         / jnp.max(jnp.abs(w.astype(jnp.float32)))) for g, w in zip(got, want))
                     del got
                     ms = bench.timeit(f, sources, banks, p, valid, reps=21, inner=3)[0] * 1e3
-                    print(f"{label:28s} {ms:8.3f} ms  {floor_ms / ms:6.1%} of floor  rel err vs triton {err:.1e}",
+                    print(f"{label:36s} {ms:8.3f} ms  {floor_ms / ms:6.1%} of floor  rel err vs triton {err:.1e}",
                           flush=True)
                 except Exception:  # noqa: BLE001
-                    print(f"{label:28s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
+                    print(f"{label:36s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
             del want
 
 

@@ -1,13 +1,14 @@
 """Phase 1's scoring pass on the GPU: Triton's ``fused.scores_call`` (the tiles
 ``tiling.choose_tiles`` gives it) against the Mosaic GPU kernel ``mosaic_gpu.phase1_scores``
-with each way of building the streams (``mosaic_gpu.EXPANDS``). Shapes: `base`'s last block
+with each way of building the streams (``mosaic_gpu.EXPANDS``) and, for the shared one, each
+placement of the lag windows (``mosaic_gpu.WINDOWS``). Shapes: `base`'s last block
 (B x T = 64 x 1024, d = 1024, S = 8 targets, 7 stacked sources of which ``--live`` (default 4)
 are valid, as the model's blocks run it) and the issue's (8 x 2048, d = 2048, S = 8, all 9
 sources). MSAR's kernels (0, 4, 8, 12), one head, bf16 sources. Median of 21 timings of 3 calls
 each after warm-up (``bench.timeit``); the error of the Mosaic outputs against Triton's,
 relative to their largest magnitude; the floor: the live sources read once at the measured
 copy bandwidth (the pass is compute-bound well above it). Run on the GPU:
-``python experiments/mgpu/time_phase1_scores.py``."""
+``python experiments/mgpu/time_phase1_scores.py [--base-only]``."""
 import sys
 import traceback
 
@@ -23,8 +24,8 @@ def main():
     live = int(sys.argv[sys.argv.index("--live") + 1]) if "--live" in sys.argv else 4
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (bytes read + written)", flush=True)
-    for name, (n, n_live, batch, t_len, d, n_targets) in (("base", (7, live, 64, 1024, 1024, 8)),
-                                                         ("issue", (9, 9, 8, 2048, 2048, 8))):
+    shapes = (("base", (7, live, 64, 1024, 1024, 8)), ("issue", (9, 9, 8, 2048, 2048, 8)))
+    for name, (n, n_live, batch, t_len, d, n_targets) in shapes[:1] if "--base-only" in sys.argv else shapes:
         m = len(KERNELS)
         k = jax.random.split(jax.random.key(0), 3)
         sources = jax.random.normal(k[0], (n, batch, t_len, d), jnp.bfloat16)
@@ -42,9 +43,9 @@ def main():
             return dots[..., :t_len, :], sumsq[..., :t_len]
 
         variants = {"triton": triton}
-        for expand in mosaic_gpu.EXPANDS:
-            variants[f"mosaic {expand}"] = (lambda ex: lambda x, b, q, v: mosaic_gpu.phase1_scores(
-                x, b, q, None, v, stream_kernels=KERNELS, heads=1, expand=ex))(expand)
+        for expand, windows in [(ex, "per_lag") for ex in mosaic_gpu.EXPANDS] + [("shared", "aligned")]:
+            variants[f"mosaic {expand} {windows}"] = (lambda ex, w: lambda x, b, q, v: mosaic_gpu.phase1_scores(
+                x, b, q, None, v, stream_kernels=KERNELS, heads=1, expand=ex, windows=w))(expand, windows)
         print(f"## {name}: {n} sources ({n_live} valid), S = {n_targets}, B x T = {batch} x {t_len}, d = {d}; "
               f"floor {floor_ms:.4f} ms", flush=True)
         want = None
@@ -57,10 +58,10 @@ def main():
                 else:
                     err = max(float(jnp.max(jnp.abs(g - w)) / jnp.max(jnp.abs(w))) for g, w in zip(got, want))
                 ms = bench.timeit(f, sources, banks, queries, valid, reps=21, inner=3)[0] * 1e3
-                print(f"{label:20s} {ms:8.3f} ms  {floor_ms / ms:6.1%} of floor  rel err vs triton {err:.1e}",
+                print(f"{label:28s} {ms:8.3f} ms  {floor_ms / ms:6.1%} of floor  rel err vs triton {err:.1e}",
                       flush=True)
             except Exception:  # noqa: BLE001
-                print(f"{label:20s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
+                print(f"{label:28s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
 
 
 if __name__ == "__main__":

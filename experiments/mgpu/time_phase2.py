@@ -1,7 +1,8 @@
 """Phase 2's fused forward (merge + gate) on the GPU: the Triton form (``fused.phase2_forward``:
 scoring, gate-statistics and gate calls with XLA between them) against the Mosaic GPU kernel
 (``mosaic_gpu.phase2_fused_forward``) with each way of building the streams
-(``mosaic_gpu.EXPANDS``), at `base`'s shape (B x T = 64 x
+(``mosaic_gpu.EXPANDS``) and, for the shared one, each placement of the lag windows
+(``mosaic_gpu.WINDOWS``), at `base`'s shape (B x T = 64 x
 1024, d = 1024) and the issue's (8 x 2048, d = 2048); MSAR (kernels (0, 4, 8, 12), gate, float32
 state) and AttnRes (kernels (0,), one stream). Median of 21 timings of 5 calls each after warm-up
 (``bench.timeit``); the error of each output against the plain-jnp reference, relative to its
@@ -149,9 +150,11 @@ def main():
                                             backend="triton", interpret=False, out_dtype=jnp.bfloat16, **kw)
 
             variants = {"triton (3 calls + XLA)": triton}
-            for expand in mosaic_gpu.EXPANDS:  # 16-channel chunks: slower, and crashed with m = 1 (session 16)
-                variants[f"mosaic {expand}"] = (lambda ex: lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
-                    st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, expand=ex, **kw)[0])(expand)
+            # 16-channel chunks: slower, and crashed with m = 1 (session 16)
+            for expand, windows in [(ex, "per_lag") for ex in mosaic_gpu.EXPANDS] + [("shared", "aligned")]:
+                variants[f"mosaic {expand} {windows}"] = (lambda ex, w: lambda st, x, b, q, g: (
+                    mosaic_gpu.phase2_fused_forward(st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16,
+                                                    expand=ex, windows=w, **kw)[0]))(expand, windows)
             print(f"## {name} {mech}: B x T = {batch} x {t_len}, d = {d}; floor {floor_ms:.4f} ms", flush=True)
             for label, fn in variants.items():
                 try:
@@ -159,9 +162,9 @@ def main():
                     got = f(state, x, bank, q, gate)
                     err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
                     ms = bench.timeit(f, state, x, bank, q, gate, reps=21, inner=5)[0] * 1e3
-                    print(f"{label:24s} {ms:8.4f} ms  {floor_ms / ms:6.1%} of floor  rel err {err:.1e}", flush=True)
+                    print(f"{label:28s} {ms:8.4f} ms  {floor_ms / ms:6.1%} of floor  rel err {err:.1e}", flush=True)
                 except Exception:  # noqa: BLE001
-                    print(f"{label:24s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
+                    print(f"{label:28s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,11 +16,14 @@ C. fusion: ``h = sum_r g_r z_r`` (``1 / m`` each for mean fusion), written chunk
 
 Each pass streams the chunks through a double-buffered TMA pipeline (the partial's lag
 windows, the conv taps, the queries; the state's chunk and the gate's ``W`` in B and C). A
-conv lag's rows ``[t0 - delta, t0 - delta + 64)`` come by their own TMA copy into their own
-shared-memory window: loading them from one window at a row offset gave wrong values on the
-H200 (BENCHMARKS.md, kernels, session 15, calls 2-4; ``experiments/mgpu/scores_mgpu.py``;
-session 17's probe, ``experiments/mgpu/offset_loads.py``: a WGMMA-layout load is exact only at
-offsets that are multiples of 8 rows, for float32 and bf16 alike).
+conv lag's rows ``[t0 - delta, t0 - delta + 64)`` cannot be loaded from one window at any row
+offset: that gave wrong values on the H200 (BENCHMARKS.md, kernels, session 15, calls 2-4;
+``experiments/mgpu/scores_mgpu.py``; session 17's probe, ``experiments/mgpu/offset_loads.py``:
+a WGMMA-layout load is exact only at offsets that are multiples of 8 rows, for float32 and bf16
+alike). So each lag class modulo 8 has its own window, 72 rows tall where it serves two lags,
+each lag at a multiple of 8 rows in it (``_Lags``, ``windows="aligned"``, the default: 8 TMA
+copies for kernels up to 12 where one window per lag, ``"per_lag"``, takes 12; the kernels
+were bound by their count of small copies, session 18).
 Rows before token 0 come from TMA's zero fill on the GPU; Pallas' Mosaic GPU interpret mode
 does not emulate it, so interpreted calls get the rows padded in front by XLA. Segment
 boundaries (the conv restarts at a segment start) are one ``int32`` of lag bits per token,
@@ -60,23 +63,23 @@ BLOCK_D_CHOICES = (32,)
 
 
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, out_dtype,
-               gate: bool = True) -> int:
+               gate: bool = True, windows: str | None = None) -> int:
     """Shared memory of one program of ``phase2_fused_forward`` (its scratch list)."""
     bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
-    n_windows, n_taps = max([1, *stream_kernels]), max(1, sum(stream_kernels))
-    return (2 * n_windows * bt * bd * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bd * 4
+    n_taps = max(1, sum(stream_kernels))
+    return (2 * _window_rows(stream_kernels, windows) * bd * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bd * 4
             + 2 * m * bt * bd * size(acc_dtype) + (2 * m * m * bd * 4 if gate else 0)
             + (2 * m * heads + 1 + m + 2 + m * heads + m) * bt * 4 + 2 * bt * bd * size(out_dtype))
 
 
 def state_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype,
-                     out_dtype=F32, gate: bool = True) -> int:
+                     out_dtype=F32, gate: bool = True, windows: str | None = None) -> int:
     """Shared memory of one program of ``phase2_backward_state`` (its scratch list)."""
     bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
-    n_windows, n_taps = max([1, *stream_kernels]), max(1, sum(stream_kernels))
-    return (2 * n_windows * bt * bd * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bt * bd * size(acc_dtype)
+    n_taps = max(1, sum(stream_kernels))
+    return (2 * _window_rows(stream_kernels, windows) * bd * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bt * bd * size(acc_dtype)
             + 2 * bt * bd * 4 + (2 * m * m * bd * 4 if gate else 0)
             + (6 * m * heads + 1 + (4 * m + 3 if gate else 0)) * bt * 4)
 
@@ -113,13 +116,76 @@ def _cols(v, bt, bd):
     return lax.broadcast_in_dim(v, (bt, bd), [1])
 
 
-def _fetch_partial(plgpu, x_ref, bank_ref, xs, bs, b, t0, front, c, bd, slot, bar, n_windows):
-    """TMA copies of chunk ``c``'s lag windows of the partial (window ``delta``: rows
-    ``t0 - delta ...``, one copy each; see the module docstring) and of its conv taps."""
+WINDOWS = ("per_lag", "aligned")
+# what the kernels take when called with windows=None (the ops do): on the H200 at `base` the step
+# went from 1648.4 to 1595.2 ms with it (BENCHMARKS.md, kernels, session 18, call 4)
+DEFAULT_WINDOWS = "aligned"
+
+
+class _Lags(NamedTuple):
+    """Where a tile's conv lags sit in shared memory (``windows``). ``"per_lag"``: lag ``delta``
+    in window ``delta`` (``[64, bd]``, rows ``t0 - delta ...``, one TMA copy each). ``"aligned"``:
+    one window per lag modulo 8 (``min(8, max_lag)`` copies instead of ``max_lag``), ``64 + 8
+    extra`` rows tall, lag ``w + 8 q`` at row ``8 (extra - q)`` of window ``w``: every load at a
+    row offset that is a multiple of 8, the only offsets a WGMMA-layout load gets right on the
+    H200 (session 17's probe, ``experiments/mgpu/offset_loads.py``)."""
+
+    kind: str
+    count: int  # windows, each one TMA copy when every lag is fetched
+    rows: int  # rows of each window
+    extra: int  # 8-row groups above the 64 rows
+
+    @staticmethod
+    def of(max_lag: int, windows: str | None) -> "_Lags":
+        windows = windows or DEFAULT_WINDOWS
+        if windows not in WINDOWS:
+            raise ValueError(f"windows={windows!r}: must be one of {WINDOWS}")
+        if windows == "per_lag":
+            return _Lags(windows, max_lag, BLOCK_T, 0)
+        extra = (max_lag - 1) // 8
+        return _Lags(windows, min(8, max_lag), BLOCK_T + 8 * extra, extra)
+
+    def copies(self, n_lags: int):
+        """``(window, first row in it, rows, lag of its first row)`` of the TMA copies that bring
+        lags ``0 .. n_lags - 1``."""
+        n_lags = max(1, n_lags)
+        if self.kind == "per_lag":
+            return [(delta, 0, BLOCK_T, delta) for delta in range(n_lags)]
+        out = []
+        for w in range(min(8, n_lags)):
+            q = (n_lags - 1 - w) // 8  # the deepest 8-row group of this window's lags
+            out.append((w, 8 * (self.extra - q), BLOCK_T + 8 * q, w + 8 * q))
+        return out
+
+    def fetch(self, plgpu, src_rows, xs, slot, bar, n_lags: int):
+        """The copies of ``copies(n_lags)`` into ``xs[slot]`` on ``bar``; ``src_rows(lag, rows)``
+        is the global-memory ref of the rows starting ``lag`` rows before the tile."""
+        for w, first, rows, lag in self.copies(n_lags):
+            dst = xs.at[slot, w] if self.kind == "per_lag" else xs.at[slot, w, pl.ds(first, rows)]
+            plgpu.copy_gmem_to_smem(src_rows(lag, rows), dst, bar)
+
+    def load(self, plgpu, xs, slot, delta: int):
+        """Lag ``delta``'s ``[64, bd]`` tile (WGMMA layout, the window's dtype)."""
+        tile = plgpu.Layout.WGMMA
+        if self.kind == "per_lag":
+            return plgpu.load(xs, (slot, delta), layout=tile)
+        return plgpu.load(xs.at[slot, delta % 8, pl.ds(8 * (self.extra - delta // 8), BLOCK_T)], (), layout=tile)
+
+    def smem_rows(self) -> int:
+        return self.count * self.rows
+
+
+def _window_rows(stream_kernels, windows) -> int:
+    """Rows of one slot's lag windows (``_Lags``), for the shared-memory counts."""
+    return _Lags.of(max([1, *stream_kernels]), windows).smem_rows()
+
+
+def _fetch_partial(plgpu, x_ref, bank_ref, xs, bs, b, t0, front, c, bd, slot, bar, lags: _Lags, n_lags: int):
+    """TMA copies of chunk ``c``'s lag windows of the partial (``lags``: where each lag goes; see
+    the module docstring) and of its conv taps."""
     cs = pl.ds(c * bd, bd)
-    for delta in range(n_windows):
-        plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(t0 + front - delta, BLOCK_T), cs], xs.at[slot, delta],
-                                bar.at[slot])
+    lags.fetch(plgpu, lambda lag, rows: x_ref.at[b, pl.ds(t0 + front - lag, rows), cs], xs, slot, bar.at[slot],
+               n_lags)
     if bank_ref is not None:
         plgpu.copy_gmem_to_smem(bank_ref.at[:, cs], bs.at[slot], bar.at[slot])
 
@@ -162,14 +228,14 @@ def _lag_masks_of(plgpu, bits_s, max_lag, bt, bd):
     return [None] + [_rows(((bits >> delta) & 1).astype(F32), bt, bd) for delta in range(1, max_lag)]
 
 
-def _expand(plgpu, xs, bs, slot, kernel, off, masks, bt, bd):
+def _expand(plgpu, xs, bs, slot, kernel, off, masks, bt, bd, lags: _Lags):
     """``E_r`` of the chunk in ``slot`` (``[bt, bd]`` float32, Eq. 10) from its lag windows."""
-    tile, col = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0)
+    col = plgpu.Layout.WGMMA.reduce(0)
     if kernel == 0:
-        return plgpu.load(xs, (slot, 0), layout=tile).astype(F32)
+        return lags.load(plgpu, xs, slot, 0).astype(F32)
     e = None
     for delta in range(kernel):
-        xl = plgpu.load(xs, (slot, delta), layout=tile).astype(F32)
+        xl = lags.load(plgpu, xs, slot, delta).astype(F32)
         term = _cols(plgpu.load(bs, (slot, off + delta), layout=col), bt, bd) * xl
         if masks[delta] is not None:
             term = term * masks[delta]
@@ -181,17 +247,17 @@ EXPANDS = ("shared", "per_stream")
 DEFAULT_EXPAND = "shared"  # what the kernels take when called with expand=None (the ops do)
 
 
-def _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, expand="shared"):
+def _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags: _Lags, expand="shared"):
     """``[E_r for every stream]`` of the chunk in ``slot`` (Eq. 10). ``"shared"``: each lag
     window is loaded (and masked) once and feeds every stream whose kernel reaches it (12 window
     loads for kernels (0, 4, 8, 12)); ``"per_stream"``: ``_expand`` per stream (25 loads).
     The same sums in the same order either way: identical values."""
     if expand == "per_stream":
-        return [_expand(plgpu, xs, bs, slot, kernel, off, masks, bt, bd) for kernel, off in layout]
-    tile, col = plgpu.Layout.WGMMA, plgpu.Layout.WGMMA.reduce(0)
+        return [_expand(plgpu, xs, bs, slot, kernel, off, masks, bt, bd, lags) for kernel, off in layout]
+    col = plgpu.Layout.WGMMA.reduce(0)
     es = [None] * len(layout)
     for delta in range(max([1, *(kernel for kernel, _ in layout)])):
-        xl = plgpu.load(xs, (slot, delta), layout=tile).astype(F32)
+        xl = lags.load(plgpu, xs, slot, delta).astype(F32)
         masked = xl if masks[delta] is None else xl * masks[delta]
         for r, (kernel, off) in enumerate(layout):
             if kernel == 0:
@@ -245,7 +311,8 @@ def _shape(name, partial, segment_ids, *, stream_kernels, heads, block_d, interp
 
 def phase2_fused_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *, fuse: str,
                          stream_kernels: Sequence[int], heads: int, eps: float, gate_eps: float, out_dtype=F32,
-                         block_d: int | None = None, expand: str | None = None, interpret: bool = False):
+                         block_d: int | None = None, expand: str | None = None, windows: str | None = None,
+                         interpret: bool = False):
     """``h[B, T, d]`` and the scores ``(dots[m, B, T, H], sumsq[m, B, T])``.
 
     ``state``: ``reference.SoftmaxState`` (``[m, B, T, H]`` max and denom, ``[m, B, T, d]`` acc,
@@ -253,9 +320,10 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     ``include_partial`` a (traced) bool; ``gate_params = (w[m d, m], scale, bias[m])`` for
     ``fuse="gate"``. ``block_d``: the channel chunk (None: ``choose_block_d``; it raises
     ``NotImplementedError`` when no chunk fits). ``expand``: how the streams are built from the
-    lag windows (``EXPANDS``, ``_expand_all``; None: ``DEFAULT_EXPAND``). ``interpret``: run in Pallas' Mosaic GPU
+    lag windows (``EXPANDS``, ``_expand_all``; None: ``DEFAULT_EXPAND``). ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
+    ``DEFAULT_WINDOWS``). ``interpret``: run in Pallas' Mosaic GPU
     interpret mode (CPU tests)."""
-    expand = expand or DEFAULT_EXPAND
+    expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows).kind
     if expand not in EXPANDS:
         raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
     if fuse not in ("gate", "mean"):
@@ -263,8 +331,8 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     m, bt = len(stream_kernels), BLOCK_T
     gate = fuse == "gate"
     sh = _shape("phase2_fused_forward", partial, segment_ids, stream_kernels=stream_kernels, heads=heads,
-                block_d=block_d, interpret=interpret, smem=smem_bytes, x_dtype=partial.dtype,
-                acc_dtype=state.acc.dtype, out_dtype=out_dtype, gate=gate)
+                block_d=block_d, interpret=interpret, smem=functools.partial(smem_bytes, windows=windows),
+                x_dtype=partial.dtype, acc_dtype=state.acc.dtype, out_dtype=out_dtype, gate=gate)
     batch, t_len, d, bd, t_pad, x = sh.batch, sh.t_len, sh.d, sh.block_d, sh.t_pad, sh.x
     front, has_bank, has_seg, mh = sh.front, sh.has_bank, sh.has_seg, m * heads
 
@@ -293,7 +361,7 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     call = _kernel(_Config(batch=batch, t_pad=t_pad, d=d, stream_kernels=tuple(stream_kernels), heads=heads,
                            block_d=bd, gate=gate, has_seg=has_seg, front=front, eps=float(eps),
                            gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
-                           out_dtype=jnp.dtype(out_dtype), n_consts=consts.shape[0], expand=expand,
+                           out_dtype=jnp.dtype(out_dtype), n_consts=consts.shape[0], expand=expand, windows=windows,
                            interpret=bool(interpret)))
     h, dots, sumsq = call(*inputs)
     dots = jnp.moveaxis(dots.reshape(m, heads, batch, t_pad), 1, -1)[:, :, :t_len]
@@ -333,6 +401,7 @@ class _Config(NamedTuple):
     out_dtype: jnp.dtype
     n_consts: int
     expand: str
+    windows: str
     interpret: bool
 
 
@@ -357,13 +426,13 @@ def _kernel(cfg: _Config):
     row = plgpu.Layout.WGMMA.reduce(1)  # one value per token row
     col = plgpu.Layout.WGMMA.reduce(0)  # one value per channel
     tile = plgpu.Layout.WGMMA
-    n_windows = max_lag
+    lags = _Lags.of(max_lag, cfg.windows)
 
     n_in = 2 + (1 if has_seg else 0) + 1  # max, denom, (bits), constants
-    arrivals_a = n_windows + has_bank + 1
-    arrivals_bc = n_windows + has_bank + m + gate
+    arrivals_a = lags.count + has_bank + 1
+    arrivals_bc = lags.count + has_bank + m + gate
     scratch = dict(
-        xs=plgpu.SMEM((2, n_windows, bt, bd), cfg.x_dtype),
+        xs=plgpu.SMEM((2, lags.count, lags.rows, bd), cfg.x_dtype),
         bs=plgpu.SMEM((2, n_taps, bd), F32) if has_bank else None,
         qs=plgpu.SMEM((2, m, bd), F32),
         accs=plgpu.SMEM((2, m, bt, bd), cfg.acc_dtype),
@@ -404,7 +473,7 @@ def _kernel(cfg: _Config):
         def fetch(bar, with_state):
             def issue(c, slot):
                 _fetch_partial(plgpu, x_ref, bank_ref if has_bank else None, xs, bs, b, t0, front, c, bd, slot,
-                               bar, n_windows)
+                               bar, lags, max_lag)
                 cs = pl.ds(c * bd, bd)
                 if with_state:
                     for r in range(m):
@@ -423,7 +492,7 @@ def _kernel(cfg: _Config):
         masks = _lag_masks_of(plgpu, bits_s, max_lag, bt, bd)
 
         def expand(slot):
-            return _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, cfg.expand)
+            return _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags, cfg.expand)
 
         # ---- A: per-head dots and the keys' sums of squares
         def scores_chunk(c, slot, head, carry):
@@ -516,7 +585,7 @@ def _kernel(cfg: _Config):
 
 def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segment_ids, *, stream_kernels,
                           heads: int, gate_eps: float, block_d: int | None = None, expand: str | None = None,
-                          interpret: bool = False):
+                          windows: str | None = None, interpret: bool = False):
     """Passes 1 and 2 of ``fused_bwd_phase2`` (the gate's statistics and backward, then
     ``d_acc``) as one Mosaic GPU kernel: per (batch row, 64-token tile), (1) recompute ``z_r =
     a A_r + b E_r`` chunk by chunk and sum ``sum z^2``, ``y_j = z . W[:, j]`` and ``dg_r = <dh,
@@ -532,15 +601,16 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     ``(g, dy, coef, d_scale, d_bias)`` (``[B, T, m]``, ``[B, T, m]``, ``[B, T]``, the scale's
     and bias's gradients) or None. On the H200 at `base` the whole Pallas backward ran 5.40 ms
     per call with it against 6.19 with the two Triton passes (BENCHMARKS.md, kernels, session
-    17), so ``gpu_kernels="auto"`` takes it wherever it takes the forward."""
-    expand = expand or DEFAULT_EXPAND
+    17), so ``gpu_kernels="auto"`` takes it wherever it takes the forward. ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
+    ``DEFAULT_WINDOWS``)."""
+    expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows).kind
     if expand not in EXPANDS:
         raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
     m, bt = len(stream_kernels), BLOCK_T
     gate = gate_params is not None
     sh = _shape("phase2_backward_state", partial, segment_ids, stream_kernels=stream_kernels, heads=heads,
-                block_d=block_d, interpret=interpret, smem=state_smem_bytes, x_dtype=partial.dtype,
-                acc_dtype=acc.dtype, out_dtype=F32, gate=gate)
+                block_d=block_d, interpret=interpret, smem=functools.partial(state_smem_bytes, windows=windows),
+                x_dtype=partial.dtype, acc_dtype=acc.dtype, out_dtype=F32, gate=gate)
     batch, t_len, d, bd, t_pad, x = sh.batch, sh.t_len, sh.d, sh.block_d, sh.t_pad, sh.x
     front, has_bank, has_seg, mh = sh.front, sh.has_bank, sh.has_seg, m * heads
 
@@ -562,7 +632,8 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     call = _state_kernel(_StateConfig(batch=batch, t_pad=t_pad, t_len=t_len, d=d, stream_kernels=tuple(stream_kernels),
                                       heads=heads, block_d=bd, gate=gate, has_seg=has_seg, front=front,
                                       gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype),
-                                      acc_dtype=jnp.dtype(acc.dtype), expand=expand, interpret=bool(interpret)))
+                                      acc_dtype=jnp.dtype(acc.dtype), expand=expand, windows=windows,
+                                      interpret=bool(interpret)))
     d_acc, sums, gate_rows_out = call(*inputs)
     per_head = lambda v: jnp.moveaxis(v.reshape(m, heads, batch, t_pad), 1, -1)[:, :, :t_len]  # noqa: E731
     s1, sm, ss = (per_head(sums[i * mh:(i + 1) * mh]) for i in range(3))
@@ -593,6 +664,7 @@ class _StateConfig(NamedTuple):
     x_dtype: jnp.dtype
     acc_dtype: jnp.dtype
     expand: str
+    windows: str
     interpret: bool
 
 
@@ -606,14 +678,15 @@ def _state_kernel(cfg: _StateConfig):
     stream_kernels = cfg.stream_kernels
     m, bt = len(stream_kernels), BLOCK_T
     layout = _stream_layout(stream_kernels)
-    max_lag = n_windows = max([1, *stream_kernels])
+    max_lag = max([1, *stream_kernels])
+    lags = _Lags.of(max_lag, cfg.windows)
     has_bank = any(stream_kernels)
     nc, mh = d // bd, m * heads
     n_taps = max(1, sum(stream_kernels))
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
     n_gate_rows = 3 * m + 2  # g, dy, coef, dlogit, dlogit . rz y
     scratch = dict(
-        xs=plgpu.SMEM((2, n_windows, bt, bd), cfg.x_dtype),
+        xs=plgpu.SMEM((2, lags.count, lags.rows, bd), cfg.x_dtype),
         bs=plgpu.SMEM((2, n_taps, bd), F32) if has_bank else None,
         accs=plgpu.SMEM((2, m, bt, bd), cfg.acc_dtype),  # the state's chunk; d_acc's, stored in place
         dhs=plgpu.SMEM((2, bt, bd), F32),
@@ -623,7 +696,7 @@ def _state_kernel(cfg: _StateConfig):
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
         sums_s=plgpu.SMEM((3 * mh, bt), F32),
         gate_s=plgpu.SMEM((n_gate_rows, bt), F32) if gate else None,
-        bar=plgpu.Barrier(num_arrivals=n_windows + has_bank + m + 1 + gate, num_barriers=2),
+        bar=plgpu.Barrier(num_arrivals=lags.count + has_bank + m + 1 + gate, num_barriers=2),
         bar_in=plgpu.Barrier(num_arrivals=3 + gate + has_seg, num_barriers=1),
     )
     names = [k for k, v in scratch.items() if v is not None]
@@ -650,7 +723,7 @@ def _state_kernel(cfg: _StateConfig):
 
         def fetch(c, slot):
             _fetch_partial(plgpu, x_ref, bank_ref if has_bank else None, xs, bs, bi, t0, front, c, bd, slot, bar,
-                           n_windows)
+                           lags, max_lag)
             cs = pl.ds(c * bd, bd)
             for r in range(m):
                 plgpu.copy_gmem_to_smem(acc_ref.at[r, bi, rows, cs], accs.at[slot, r], bar.at[slot])
@@ -665,7 +738,7 @@ def _state_kernel(cfg: _StateConfig):
         dold = [[plgpu.load(rows_s, (2, r * heads + h), layout=row) for h in range(heads)] for r in range(m)]
 
         def expand(slot):
-            return _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, cfg.expand)
+            return _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags, cfg.expand)
 
         def chunk_values(slot, r, head, e):
             """``A_r`` and ``z_r = a A_r + b E_r`` of the chunk in ``slot``."""
@@ -764,16 +837,17 @@ def _state_kernel(cfg: _StateConfig):
 
 
 def scores_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, n_targets: int,
-                      **_unused) -> int:
+                      windows: str | None = None, **_unused) -> int:
     """Shared memory of one program of ``phase1_scores`` (its scratch list)."""
     bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
-    n_windows, n_taps = max([1, *stream_kernels]), max(1, sum(stream_kernels))
-    return (2 * n_windows * bt * bd * jnp.dtype(x_dtype).itemsize + 2 * n_taps * bd * 4
+    n_taps = max(1, sum(stream_kernels))
+    return (2 * _window_rows(stream_kernels, windows) * bd * jnp.dtype(x_dtype).itemsize + 2 * n_taps * bd * 4
             + 2 * n_targets * m * bd * 4 + (n_targets * m * heads + m + 1) * bt * 4 + 64 * 4)
 
 
 def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels, heads: int,
-                  block_d: int | None = None, expand: str | None = None, interpret: bool = False):
+                  block_d: int | None = None, expand: str | None = None, windows: str | None = None,
+                  interpret: bool = False):
     """Phase 1's scoring pass (``fused.scores_call``'s sums) as one Mosaic GPU kernel: per
     (batch row, 64-token tile), for each valid source, the chunks of its lag windows stream
     through a double-buffered TMA pipeline, its streams are built in registers (Eq. 10) and
@@ -782,15 +856,16 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
     ``sources[n, B, T, d]``, ``banks[n, K, d]`` or None, ``queries[S, m, d]``, ``segment_ids
     [B, T]`` or None, ``valid[n]`` (bool, may be traced) or None. Returns float32 ``dots[S, n,
     m, B, T, H]`` (``q_{s,r} . E_{i,r}`` per head) and ``sumsq[n, m, B, T]`` (``sum E_{i,r}^2``
-    over all ``d``), zeros for a source ``valid`` rules out (not computed)."""
+    over all ``d``), zeros for a source ``valid`` rules out (not computed). ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
+    ``DEFAULT_WINDOWS``)."""
     n, batch, t_len, d = sources.shape
     n_targets, m = queries.shape[:2]
-    expand = expand or DEFAULT_EXPAND
+    expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows).kind
     if expand not in EXPANDS:
         raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
     if queries.shape[-1] != d or m != len(stream_kernels):
         raise ValueError(f"queries {queries.shape}: want [S, {len(stream_kernels)}, {d}]")
-    smem = functools.partial(scores_smem_bytes, n_targets=n_targets)
+    smem = functools.partial(scores_smem_bytes, n_targets=n_targets, windows=windows)
     sh = _shape("phase1_scores", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, x_dtype=sources.dtype, acc_dtype=F32,
                 out_dtype=F32)
@@ -803,7 +878,7 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
     call = _scores_kernel(_ScoresConfig(n=n, batch=batch, t_pad=sh.t_pad, d=d, stream_kernels=tuple(stream_kernels),
                                         heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
                                         has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
-                                        expand=expand, interpret=bool(interpret)))
+                                        expand=expand, windows=windows, interpret=bool(interpret)))
     dots, sumsq = call(*inputs)  # [n, S m H, B, Tp], [n, m, B, Tp]
     dots = dots.reshape(n, n_targets, m, heads, batch, sh.t_pad).transpose(1, 0, 2, 4, 5, 3)
     return dots[:, :, :, :, :t_len], sumsq[..., :t_len]
@@ -825,6 +900,7 @@ class _ScoresConfig(NamedTuple):
     front: int
     x_dtype: jnp.dtype
     expand: str
+    windows: str
     interpret: bool
 
 
@@ -838,18 +914,18 @@ def _scores_kernel(cfg: _ScoresConfig):
     m, bt = len(stream_kernels), BLOCK_T
     layout = _stream_layout(stream_kernels)
     max_lag = max([1, *stream_kernels])
-    n_windows, n_taps = max_lag, max(1, sum(stream_kernels))
+    lags, n_taps = _Lags.of(max_lag, cfg.windows), max(1, sum(stream_kernels))
     nc, smh = d // bd, n_targets * m * heads
     row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     scratch = dict(
-        xs=plgpu.SMEM((2, n_windows, bt, bd), cfg.x_dtype),
+        xs=plgpu.SMEM((2, lags.count, lags.rows, bd), cfg.x_dtype),
         bs=plgpu.SMEM((2, n_taps, bd), F32) if has_bank else None,
         qs=plgpu.SMEM((2, n_targets * m, bd), F32),
         live_s=plgpu.SMEM((n, 64), jnp.int32),
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
         dots_s=plgpu.SMEM((smh, bt), F32),
         ss_s=plgpu.SMEM((m, bt), F32),
-        bar=plgpu.Barrier(num_arrivals=n_windows + has_bank + 1, num_barriers=2),
+        bar=plgpu.Barrier(num_arrivals=lags.count + has_bank + 1, num_barriers=2),
         bar_in=plgpu.Barrier(num_arrivals=1 + has_seg, num_barriers=1),
     )
     names = [k for k, v in scratch.items() if v is not None]
@@ -884,12 +960,12 @@ def _scores_kernel(cfg: _ScoresConfig):
         def source_body(i, carry):
             def fetch(c, slot):
                 _fetch_partial(plgpu, x_ref, bank_ref.at[i] if has_bank else None, xs, bs, i * batch + b, t0,
-                               front, c, bd, slot, bar, n_windows)
+                               front, c, bd, slot, bar, lags, max_lag)
                 plgpu.copy_gmem_to_smem(q_ref.at[:, pl.ds(c * bd, bd)], qs.at[slot], bar.at[slot])
 
             def chunk(c, slot, head, carry):
                 dots, sqs = list(carry[0]), list(carry[1])
-                for r, e in enumerate(_expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, cfg.expand)):
+                for r, e in enumerate(_expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags, cfg.expand)):
                     sqs[r] = sqs[r] + jnp.sum(e * e, axis=1)
                     for s in range(n_targets):
                         q = _cols(plgpu.load(qs, (slot, s * m + r), layout=col), bt, bd)
@@ -919,25 +995,27 @@ def _scores_kernel(cfg: _ScoresConfig):
 
 # --------------------------------------------------------------------------- phase 1's mixing pass
 
-MIX_SLOTS = 2  # items in flight in ``phase1_mix``'s TMA pipeline (``mix_smem_bytes`` counts them)
+# Items in flight in ``phase1_mix``'s TMA pipeline (``mix_smem_bytes`` counts them). 3 fits a
+# float32 state with the aligned windows (194 KB) and ran 5.18 against 5.60 ms with 2 at `base`
+# (session 18, call 4); with ``windows="per_lag"`` a float32 state needs ``n_slots=2``.
+MIX_SLOTS = 3
 # ``phase1_mix``'s channel chunks, first choice first (``choose_block_d``)
 MIX_BLOCK_D_CHOICES = (32,)
 
 
 def mix_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, out_dtype, n_targets: int,
-                   n_slots: int | None = None, **_unused) -> int:
+                   n_slots: int | None = None, windows: str | None = None, **_unused) -> int:
     """Shared memory of one program of ``phase1_mix`` (its scratch list; ``n_slots``: None is
     ``MIX_SLOTS``)."""
     bt, bd, n_slots = BLOCK_T, block_d, n_slots or MIX_SLOTS
-    n_windows = max([1, *stream_kernels])
-    return (n_slots * n_windows * bt * bd * jnp.dtype(x_dtype).itemsize + n_slots * sum(stream_kernels) * bd * 4
+    return (n_slots * _window_rows(stream_kernels, windows) * bd * jnp.dtype(x_dtype).itemsize + n_slots * sum(stream_kernels) * bd * 4
             + n_slots * n_targets * heads * bt * 4 + n_targets * bt * bd * jnp.dtype(out_dtype).itemsize
             + (len(stream_kernels) + 1) * 64 * 4 + 64 * 4 * (2 + 1))
 
 
 def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: int, out_dtype=F32,
                per_target: bool = False, block_d: int | None = None, n_slots: int | None = None,
-               interpret: bool = False):
+               windows: str | None = None, interpret: bool = False):
     """Phase 1's mixing pass (``fused.mix_call(mode="acc")``) as one Mosaic GPU kernel:
     ``acc[s, r] = sum_i p[s, i, r] E_r[x_i]`` (Eq. 11's weighted sum over the completed sources,
     before the merge with the partial), each source's stream ``E_r`` built in registers (Eq. 10)
@@ -954,15 +1032,17 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
     (``T' >= T``), ``segment_ids[B, T]`` or None, ``valid[n]`` (bool, may be traced) or None.
     ``block_d``: the channel chunk (None: the first of ``MIX_BLOCK_D_CHOICES`` that fits);
     ``n_slots``: None is ``MIX_SLOTS``. Returns ``acc[S, m, B, T, d]`` in ``out_dtype`` or, with
-    ``per_target``, a list of ``S`` arrays ``[m, B, T, d]`` (each its own output of the kernel)."""
+    ``per_target``, a list of ``S`` arrays ``[m, B, T, d]`` (each its own output of the kernel).
+    ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
+    ``DEFAULT_WINDOWS``)."""
     n, batch, t_len, d = sources.shape
-    n_slots = n_slots or MIX_SLOTS
+    n_slots, windows = n_slots or MIX_SLOTS, _Lags.of(1, windows).kind
     n_targets, m = p.shape[0], p.shape[2]
     if p.shape[1] != n or p.shape[3] != batch or p.shape[4] < t_len or m != len(stream_kernels):
         raise ValueError(f"p {p.shape}: want [S, {n}, {len(stream_kernels)}, {batch}, >= {t_len}, H]")
     if p.shape[5] != heads:
         raise ValueError(f"p {p.shape}: its last axis is the {heads} heads")
-    smem = functools.partial(mix_smem_bytes, n_targets=n_targets, n_slots=n_slots)
+    smem = functools.partial(mix_smem_bytes, n_targets=n_targets, n_slots=n_slots, windows=windows)
     sh = _shape("phase1_mix", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, choices=MIX_BLOCK_D_CHOICES,
                 x_dtype=sources.dtype, acc_dtype=F32, out_dtype=out_dtype)
@@ -981,7 +1061,7 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
                                   heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
                                   has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                                   out_dtype=jnp.dtype(out_dtype), per_target=bool(per_target), n_slots=n_slots,
-                                  interpret=bool(interpret)))
+                                  windows=windows, interpret=bool(interpret)))
     out = call(*inputs)
     cut = lambda a: a[..., :t_len, :]  # noqa: E731
     return [cut(a) for a in out] if per_target else cut(out)
@@ -1005,6 +1085,7 @@ class _MixConfig(NamedTuple):
     out_dtype: jnp.dtype
     per_target: bool
     n_slots: int
+    windows: str
     interpret: bool
 
 
@@ -1021,16 +1102,17 @@ def _mix_kernel(cfg: _MixConfig):
     max_lag = max([1, *stream_kernels])
     nc, nch = d // bd, d // bd // heads
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
-    windows = [max(1, kernel) for kernel in stream_kernels]  # lag windows a stream's item brings
+    lags = _Lags.of(max_lag, cfg.windows)
+    copies = [len(lags.copies(kernel)) for kernel in stream_kernels]  # lag-window copies of a stream's item
     taps = [has_bank and kernel > 0 for kernel in stream_kernels]
     scratch = dict(
-        xs=plgpu.SMEM((n_slots, max_lag, bt, bd), cfg.x_dtype),
+        xs=plgpu.SMEM((n_slots, lags.count, lags.rows, bd), cfg.x_dtype),
         **{f"bs{r}": plgpu.SMEM((n_slots, kernel, bd), F32) for r, kernel in enumerate(stream_kernels) if taps[r]},
         ps=plgpu.SMEM((n_slots, n_targets * heads, bt), F32),
         out_s=plgpu.SMEM((n_targets, bt, bd), cfg.out_dtype),
         meta_s=plgpu.SMEM((n + 1, 64), jnp.int32),
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
-        **{f"bar{r}": plgpu.Barrier(num_arrivals=windows[r] + taps[r] + 1, num_barriers=n_slots) for r in range(m)},
+        **{f"bar{r}": plgpu.Barrier(num_arrivals=copies[r] + taps[r] + 1, num_barriers=n_slots) for r in range(m)},
         bar_in=plgpu.Barrier(num_arrivals=1 + has_seg, num_barriers=1),
     )
     names = [k for k, v in scratch.items() if v is not None]
@@ -1059,9 +1141,8 @@ def _mix_kernel(cfg: _MixConfig):
         def fetch_stream(r, c, i, slot):
             """Item (chunk ``c``, stream ``r``, source ``i``)'s copies into ``slot``."""
             cs = pl.ds(c * bd, bd)
-            for delta in range(windows[r]):
-                plgpu.copy_gmem_to_smem(x_ref.at[i * batch + b, pl.ds(t0 + front - delta, bt), cs],
-                                        xs.at[slot, delta], bars[r].at[slot])
+            lags.fetch(plgpu, lambda lag, n_rows: x_ref.at[i * batch + b, pl.ds(t0 + front - lag, n_rows), cs], xs,
+                       slot, bars[r].at[slot], stream_kernels[r])
             if taps[r]:
                 kernel, off = layout[r]
                 plgpu.copy_gmem_to_smem(bank_ref.at[i, pl.ds(off, kernel), cs], bss[r].at[slot], bars[r].at[slot])
@@ -1080,10 +1161,10 @@ def _mix_kernel(cfg: _MixConfig):
             """``E_r`` of the item in ``slot`` (Eq. 10; ``_expand_all``'s sums for one stream)."""
             kernel = stream_kernels[r]
             if kernel == 0:
-                return plgpu.load(xs, (slot, 0), layout=tile).astype(F32)
+                return lags.load(plgpu, xs, slot, 0).astype(F32)
             e = None
             for delta in range(kernel):
-                xl = plgpu.load(xs, (slot, delta), layout=tile).astype(F32)
+                xl = lags.load(plgpu, xs, slot, delta).astype(F32)
                 if masks[delta] is not None:
                     xl = xl * masks[delta]
                 tap = _cols(plgpu.load(bss[r], (slot, delta), layout=col), bt, bd) if taps[r] else 0.0

@@ -102,6 +102,31 @@ def test_block_d_choice_and_shared_memory():
     # MSAR at `base` with a float32 state fits both kernels (the H200's 227 KiB per block)
     for smem in (mosaic_gpu.smem_bytes, mosaic_gpu.state_smem_bytes):
         assert 150_000 < smem(block_d=32, **dict(kw, heads=1)) <= mosaic_gpu.SMEM_BYTES
+        # one window per lag modulo 8: 8 windows of 72 rows instead of 12 of 64 (two slots, bf16)
+        saved = (smem(block_d=32, **dict(kw, heads=1), windows="per_lag")
+                 - smem(block_d=32, **dict(kw, heads=1), windows="aligned"))
+        assert saved == 2 * (12 * 64 - 8 * 72) * 32 * 2
+
+
+@pytest.mark.parametrize("max_lag, n_lags, want", [
+    # (window, first row in it, rows, lag of its first row) per copy; lag w + 8 q at row 8 (extra - q)
+    (12, 12, [(0, 0, 72, 8), (1, 0, 72, 9), (2, 0, 72, 10), (3, 0, 72, 11), (4, 8, 64, 4), (5, 8, 64, 5),
+              (6, 8, 64, 6), (7, 8, 64, 7)]),
+    (12, 4, [(0, 8, 64, 0), (1, 8, 64, 1), (2, 8, 64, 2), (3, 8, 64, 3)]),  # a short stream of the same tile
+    (12, 0, [(0, 8, 64, 0)]),  # the identity stream: lag 0
+    (4, 4, [(0, 0, 64, 0), (1, 0, 64, 1), (2, 0, 64, 2), (3, 0, 64, 3)]),
+    (20, 20, [(w, 0, 80, w + 16) for w in range(4)] + [(w, 8, 72, w + 8) for w in range(4, 8)]),
+])
+def test_aligned_lag_windows(max_lag, n_lags, want):
+    lags = mosaic_gpu._Lags.of(max_lag, "aligned")
+    assert lags.copies(n_lags) == want
+    assert lags.rows == 64 + 8 * ((max_lag - 1) // 8) and lags.count == min(8, max_lag)
+    for w, first, rows, lag in want:  # every lag lands at a multiple of 8, inside its window
+        for delta in range(lag % 8, lag + 1, 8):
+            row = 8 * (lags.extra - delta // 8)
+            assert row % 8 == 0 and first <= row and row + 64 <= first + rows and delta % 8 == w
+    per_lag = mosaic_gpu._Lags.of(max_lag, "per_lag")
+    assert per_lag.copies(n_lags) == [(k, 0, 64, k) for k in range(max(1, n_lags))]
 
 
 def test_option_errors_and_auto_off_the_gpu(monkeypatch):
@@ -179,3 +204,40 @@ def test_gpu_mosaic_matches_reference(monkeypatch, case, state_dtype):
     _check_grads(got_grads, want_grads, 1e-4)
     # the forward is traced once for the value and once for the VJP (jit_vjp)
     assert set(calls) == {"phase2_fused_forward", "phase2_backward_state"}, calls
+
+
+def test_window_placements_agree_in_every_kernel():
+    """``windows="aligned"`` (one lag window per lag modulo 8, loads at multiples of 8 rows)
+    and ``"per_lag"`` put the same rows in the same sums: the four Mosaic GPU kernels give the
+    same values to the last bit (interpreted; segments, a ragged second tile, bf16 inputs)."""
+    from tests.kernels.test_depth_attention_fused import _phase1_inputs
+
+    kernels, batch, t_len, d, heads = (0, 4, 8, 12), 2, 100, 64, 2
+    seg = _segments(batch, t_len, 37)
+    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
+    partial = partial.astype(jnp.bfloat16)
+    m = len(kernels)
+    coef = [jax.random.uniform(jax.random.key(k), (m, batch, t_len, heads), minval=0.1) for k in range(3)]
+    dh = _rnd(5, (batch, t_len, d))
+    sources, banks, queries = _phase1_inputs(3, batch, t_len, d, 2, kernels, dtype=jnp.bfloat16)
+    valid = jnp.asarray([True, False, True])
+    p = jax.random.uniform(jax.random.key(9), (2, 3, m, batch, t_len, heads), minval=0.1)
+    runs = {
+        "forward": lambda w: mosaic_gpu.phase2_fused_forward(
+            state, partial, bank, query, True, gate, seg, fuse="gate", stream_kernels=kernels, heads=heads, eps=1e-6,
+            gate_eps=1e-6, windows=w, interpret=True),
+        "backward_state": lambda w: mosaic_gpu.phase2_backward_state(
+            partial, bank, *coef, state.acc, dh, gate, seg, stream_kernels=kernels, heads=heads, gate_eps=1e-6,
+            windows=w, interpret=True),
+        "scores": lambda w: mosaic_gpu.phase1_scores(sources, banks, queries, seg, valid, stream_kernels=kernels,
+                                                     heads=heads, windows=w, interpret=True),
+        "mix": lambda w: mosaic_gpu.phase1_mix(sources, banks, p * valid[None, :, None, None, None, None], seg, valid,
+                                               stream_kernels=kernels, heads=heads, windows=w, interpret=True),
+    }
+    for name, run in runs.items():
+        got, want = jax.tree.leaves(run("aligned")), jax.tree.leaves(run("per_lag"))
+        assert len(got) == len(want) and any(np.any(np.asarray(w)) for w in want), name
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+    with pytest.raises(ValueError, match="windows='tall'"):
+        runs["scores"]("tall")
