@@ -11,7 +11,7 @@ the state twice, ``h`` written) at the measured copy bandwidth. Run on the GPU:
 ``python experiments/mgpu/time_phase2.py``; with ``--profile``, the device time per op of phase
 2's forward + Pallas backward at `base` with each ``gpu_kernels`` instead; with ``--backward``,
 the whole Pallas backward with its passes 1-2 in Triton and in Mosaic GPU, with each
-``mosaic_gpu.EXPANDS`` (``time_backward``;
+``mosaic_gpu.EXPANDS`` and ``mosaic_gpu.WINDOWS`` (``time_backward``;
 ``--backward-smoke`` runs that on the CPU in interpret mode at a tiny shape). ``--base-only``:
 `base`'s shape only; ``--msar-only``: no AttnRes rows."""
 import collections
@@ -92,10 +92,13 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
         tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=max(kernels), n_targets=1,
                                     backend="tpu" if interpret else "triton", n_streams=m)
         grads = {}
-        for label, mosaic_state, expand in (("triton passes 1-2", False, None),
-                                            ("mosaic passes 1-2, shared windows", True, "shared"),
-                                            ("mosaic passes 1-2, windows per stream", True, "per_stream")):
-            mosaic_gpu.DEFAULT_EXPAND = expand or "shared"  # read when the kernel is traced (below)
+        for label, mosaic_state, expand, windows in (
+                ("triton passes 1-2", False, None, None),
+                ("mosaic passes 1-2, shared windows, aligned", True, "shared", "aligned"),
+                ("mosaic passes 1-2, shared windows, per lag", True, "shared", "per_lag"),
+                ("mosaic passes 1-2, windows per stream, aligned", True, "per_stream", "aligned")):
+            # read when the kernel is traced (below)
+            mosaic_gpu.DEFAULT_EXPAND, mosaic_gpu.DEFAULT_WINDOWS = expand or "shared", windows or "aligned"
             f = jax.jit(lambda st, x, b, q, g, dh, sc, ms=mosaic_state: fused_bwd_phase2.phase2_fused_backward(
                 st, x, b, q, True, g, None, dh, tiles=tiles, backend="interpret" if interpret else "triton",
                 interpret=interpret, scores=sc, mosaic_state=ms, **kw))
@@ -103,7 +106,7 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             grads[label] = f(*args)
             ms = float("nan") if interpret else bench.timeit(f, *args, reps=reps, inner=2)[0] * 1e3
             print(f"## {name} backward, {label}: {ms:.3f} ms per call", flush=True)
-        mosaic_gpu.DEFAULT_EXPAND = "shared"
+        mosaic_gpu.DEFAULT_EXPAND, mosaic_gpu.DEFAULT_WINDOWS = "shared", "aligned"
         first, *others = grads.items()
         for label, other in others:
             a, b = jax.tree.leaves(first[1]), jax.tree.leaves(other)

@@ -1024,8 +1024,8 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
     One program per (batch row, 64-token tile) runs over the channel chunks; for each chunk and
     stream ``r`` it sums the valid sources into ``S`` register tiles (one per target) and writes
     them with TMA stores. The work items (chunk, stream, valid source) stream through an
-    ``n_slots``-deep TMA pipeline: the stream's lag windows of the source's chunk (its kernel's
-    count, ``_fetch_partial``'s rule), its taps and its ``p`` rows. The valid sources are listed
+    ``n_slots``-deep TMA pipeline: the lag windows of the source's chunk that the stream's kernel
+    reaches (``_Lags.copies``), its taps and its ``p`` rows. The valid sources are listed
     first by XLA, so the ones ``valid`` rules out cost nothing (their ``p`` is 0).
 
     ``sources[n, B, T, d]``, ``banks[n, K, d]`` or None, ``p[S, n, m, B, T', H]`` float32
