@@ -145,8 +145,7 @@ def test_reads_run_their_forward_kernels_once_per_pass(monkeypatch, mechanism, s
     for an H200 through Pallas' Triton lowering on this CPU (``test_triton_lowering``). With
     ``state_dtype="bfloat16"`` the kernels write and read the state and its cotangent in bf16
     (no float32 copy of either). The Triton kernels throughout (``gpu_kernels="triton"``): the
-    counts are of Triton calls, and with a bf16 state the Mosaic phase 2 takes this model's
-    float32 partial since its lag windows shrank (session 18)."""
+    counts are of Triton calls, whatever ``"auto"`` takes in Mosaic GPU."""
     import collections
     import re
     import types

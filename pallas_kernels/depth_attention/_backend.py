@@ -21,8 +21,8 @@ def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype,
     ``fused.phase2_forward``) or ``"backward_state"`` (the backward's statistics and ``d_acc``
     passes, ``mosaic_gpu.phase2_backward_state``, against two Triton calls with XLA between).
 
-    ``"auto"``: on a GPU (not in interpret mode), with several streams, whenever the kernel takes
-    the shape. Measured on the H200 at `base` (BENCHMARKS.md, kernels, sessions 16-17): MSAR's
+    ``"auto"``: on a GPU (not in interpret mode), with several streams and a 16-bit partial (as
+    timed), whenever the kernel takes the shape. Measured on the H200 at `base` (BENCHMARKS.md, kernels, sessions 16-17): MSAR's
     forward 1.42 against 1.80 ms per call, its `base` step 1735.3 against 1764.4 ms; the whole
     Pallas backward 5.40 against 6.19 ms per call with the backward's kernel. A single stream
     (AttnRes) ran the forward 0.235 against 0.209 ms, so it keeps Triton. ``"mosaic"``: always
@@ -35,8 +35,8 @@ def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype,
         choice = "triton" if kernel == "forward" else "auto"
     if choice == "triton" or backend != "triton" or static.fuse is None:
         return False
-    if choice == "auto" and (interpret or len(static.stream_kernels) == 1):
-        return False
+    if choice == "auto" and (interpret or len(static.stream_kernels) == 1 or jnp.dtype(partial.dtype).itemsize > 2):
+        return False  # a float32 partial: untimed (it fits shared memory only with a bf16 state since session 18)
     smem = {"forward": mosaic_gpu.smem_bytes, "backward_state": mosaic_gpu.state_smem_bytes}[kernel]
     bd = mosaic_gpu.choose_block_d(d=partial.shape[-1], heads=static.heads, stream_kernels=static.stream_kernels,
                                    x_dtype=partial.dtype, acc_dtype=state.acc.dtype, out_dtype=out_dtype,

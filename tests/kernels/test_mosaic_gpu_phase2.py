@@ -173,6 +173,12 @@ def test_which_kernels_each_choice_takes_on_a_gpu(choice, kernels, forward, back
     got = [_backend._mosaic_phase2(choice, "triton", static, partial, state, jnp.bfloat16, False, kernel=k)
            for k in ("forward", "backward_state")]
     assert got == [forward, backward_state]
+    # a float32 partial with a bf16 state fits shared memory (aligned windows) but is untimed:
+    # "auto" keeps Triton; "mosaic" takes it
+    f32, bf16_state = jax.ShapeDtypeStruct(partial.shape, jnp.float32), state._replace(
+        acc=jax.ShapeDtypeStruct(state.acc.shape, jnp.bfloat16))
+    assert _backend._mosaic_phase2(choice, "triton", static, f32, bf16_state, jnp.bfloat16, False) is (
+        choice == "mosaic")
     assert not _backend._mosaic_phase2(choice, "tpu", static, partial, state, jnp.bfloat16, False)
     assert not _backend._mosaic_phase2(choice, "triton", types.SimpleNamespace(fuse=None, stream_kernels=kernels,
                                                                                  heads=1), partial, state,
