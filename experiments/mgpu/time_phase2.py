@@ -13,7 +13,9 @@ the state twice, ``h`` written) at the measured copy bandwidth. Run on the GPU:
 the whole Pallas backward with its passes 1-2 in Triton and in Mosaic GPU, with each
 ``mosaic_gpu.EXPANDS`` and ``mosaic_gpu.WINDOWS`` (``time_backward``;
 ``--backward-smoke`` runs that on the CPU in interpret mode at a tiny shape). ``--base-only``:
-`base`'s shape only; ``--msar-only``: no AttnRes rows."""
+`base`'s shape only; ``--msar-only``: no AttnRes rows. ``--state-boxes``: forward or backward,
+only the Mosaic default (shared, aligned) with each ``mosaic_gpu.STATE_BOXES`` (the state's
+chunk as one TMA copy per stream or one 3D box)."""
 import collections
 import os
 import sys
@@ -73,7 +75,7 @@ def profile_fwd_bwd(shape=(64, 1024, 1024), kernels=(0, 4, 8, 12), steps=5):
 
 
 def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))), kernels=(0, 4, 8, 12),
-                  interpret=False, reps=21):
+                  interpret=False, reps=21, state_boxes=False):
     """Phase 2 + gate's whole Pallas backward (``fused_bwd_phase2.phase2_fused_backward``, from the
     forward's scores) with its statistics and ``d_acc`` passes in Triton (two kernels and XLA
     between them) and in Mosaic GPU (``mosaic_gpu.phase2_backward_state``); the rest (the
@@ -92,13 +94,17 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
         tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=max(kernels), n_targets=1,
                                     backend="tpu" if interpret else "triton", n_streams=m)
         grads = {}
-        for label, mosaic_state, expand, windows in (
-                ("triton passes 1-2", False, None, None),
-                ("mosaic passes 1-2, shared windows, aligned", True, "shared", "aligned"),
-                ("mosaic passes 1-2, shared windows, per lag", True, "shared", "per_lag"),
-                ("mosaic passes 1-2, windows per stream, aligned", True, "per_stream", "aligned")):
+        forms = [("triton passes 1-2", False, None, None, None),
+                 ("mosaic passes 1-2, shared windows, aligned", True, "shared", "aligned", None),
+                 ("mosaic passes 1-2, shared windows, per lag", True, "shared", "per_lag", None),
+                 ("mosaic passes 1-2, windows per stream, aligned", True, "per_stream", "aligned", None)]
+        if state_boxes:
+            forms = [(f"mosaic passes 1-2, state boxes {sb}", True, "shared", "aligned", sb)
+                     for sb in mosaic_gpu.STATE_BOXES]
+        for label, mosaic_state, expand, windows, boxes in forms:
             # read when the kernel is traced (below)
             mosaic_gpu.DEFAULT_EXPAND, mosaic_gpu.DEFAULT_WINDOWS = expand or "shared", windows or "aligned"
+            mosaic_gpu.DEFAULT_STATE_BOXES = boxes or "one"
             f = jax.jit(lambda st, x, b, q, g, dh, sc, ms=mosaic_state: fused_bwd_phase2.phase2_fused_backward(
                 st, x, b, q, True, g, None, dh, tiles=tiles, backend="interpret" if interpret else "triton",
                 interpret=interpret, scores=sc, mosaic_state=ms, **kw))
@@ -106,7 +112,7 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             grads[label] = f(*args)
             ms = float("nan") if interpret else bench.timeit(f, *args, reps=reps, inner=2)[0] * 1e3
             print(f"## {name} backward, {label}: {ms:.3f} ms per call", flush=True)
-        mosaic_gpu.DEFAULT_EXPAND, mosaic_gpu.DEFAULT_WINDOWS = "shared", "aligned"
+        mosaic_gpu.DEFAULT_EXPAND, mosaic_gpu.DEFAULT_WINDOWS, mosaic_gpu.DEFAULT_STATE_BOXES = "shared", "aligned", "one"
         first, *others = grads.items()
         for label, other in others:
             a, b = jax.tree.leaves(first[1]), jax.tree.leaves(other)
@@ -125,10 +131,10 @@ def main():
     if "--base-only" in sys.argv:  # a shorter device call
         shapes = shapes[:1]
     if "--backward" in sys.argv:
-        time_backward(shapes=shapes)
+        time_backward(shapes=shapes, state_boxes="--state-boxes" in sys.argv)
         return
     if "--backward-smoke" in sys.argv:  # CPU, interpret mode
-        time_backward(shapes=(("tiny", (1, 70, 64)),), interpret=True)
+        time_backward(shapes=(("tiny", (1, 70, 64)),), interpret=True, state_boxes="--state-boxes" in sys.argv)
         return
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (bytes read + written)", flush=True)
@@ -152,15 +158,20 @@ def main():
                 return fused.phase2_forward(st, x, b, q, True, g, fuse=fuse, segment_ids=None, tiles=tiles,
                                             backend="triton", interpret=False, out_dtype=jnp.bfloat16, **kw)
 
-            variants = {"triton (3 calls + XLA)": triton}
+            variants = {"triton (3 calls + XLA)": (triton, None)}
             # 16-channel chunks: slower, and crashed with m = 1 (session 16)
-            for expand, windows in [(ex, "per_lag") for ex in mosaic_gpu.EXPANDS] + [("shared", "aligned")]:
-                variants[f"mosaic {expand} {windows}"] = (lambda ex, w: lambda st, x, b, q, g: (
-                    mosaic_gpu.phase2_fused_forward(st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16,
-                                                    expand=ex, windows=w, **kw)[0]))(expand, windows)
+            forms = [(ex, "per_lag", None) for ex in mosaic_gpu.EXPANDS] + [("shared", "aligned", None)]
+            if "--state-boxes" in sys.argv:
+                variants, forms = {}, [("shared", "aligned", sb) for sb in mosaic_gpu.STATE_BOXES]
+            for expand, windows, boxes in forms:
+                variants[f"mosaic {expand} {windows}" + (f" state {boxes}" if boxes else "")] = ((
+                    lambda ex, w: lambda st, x, b, q, g: (mosaic_gpu.phase2_fused_forward(
+                        st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, expand=ex, windows=w,
+                        **kw)[0]))(expand, windows), boxes)
             print(f"## {name} {mech}: B x T = {batch} x {t_len}, d = {d}; floor {floor_ms:.4f} ms", flush=True)
-            for label, fn in variants.items():
+            for label, (fn, boxes) in variants.items():
                 try:
+                    mosaic_gpu.DEFAULT_STATE_BOXES = boxes or "one"  # read when the kernel is traced
                     f = jax.jit(fn)
                     got = f(state, x, bank, q, gate)
                     err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))

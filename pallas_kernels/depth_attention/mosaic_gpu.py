@@ -190,6 +190,35 @@ def _fetch_partial(plgpu, x_ref, bank_ref, xs, bs, b, t0, front, c, bd, slot, ba
         plgpu.copy_gmem_to_smem(bank_ref.at[:, cs], bs.at[slot], bar.at[slot])
 
 
+STATE_BOXES = ("per_stream", "one")
+# how phase 2's kernels move a chunk of the state (``[m, 64, bd]``, in and, for ``d_acc``, out):
+# one TMA copy per stream, or one 3D box for all streams
+DEFAULT_STATE_BOXES = "one"
+
+
+def _state_copies(m: int, state_boxes: str) -> int:
+    return 1 if state_boxes == "one" else m
+
+
+def _state_rows(state, t_pad: int):
+    """``[m, B, T, d]`` -> ``[m, B * Tp, d]`` (T padded): a tile's rows of every stream are then
+    one 3D box (``[m, 64, bd]``), which TMA takes in one copy. (With the batch row as a fourth,
+    squeezed dimension, Mosaic GPU's tiled shared-memory view of the box needs 6 dimensions,
+    one more than TMA has.)"""
+    m, batch, _, d = state.shape
+    return _pad_t(state, 2, t_pad).reshape(m, batch * t_pad, d)
+
+
+def _copy_state(plgpu, acc_ref, accs, rows, cs, slot, bar, state_boxes: str):
+    """TMA copies of the state's chunk ``acc[:, rows, cs]`` (``[m, 64, bd]``; ``acc`` as
+    ``_state_rows`` lays it out) into ``accs[slot]`` (``STATE_BOXES``)."""
+    if state_boxes == "one":
+        plgpu.copy_gmem_to_smem(acc_ref.at[:, rows, cs], accs.at[slot], bar)
+    else:
+        for r in range(accs.shape[1]):
+            plgpu.copy_gmem_to_smem(acc_ref.at[r, rows, cs], accs.at[slot, r], bar)
+
+
 def _pipelined(plgpu, fetch, bar, nc, heads, per_chunk, carry, before_refill=None):
     """``per_chunk(c, slot, head, carry)`` over the ``nc`` channel chunks, head by head (a static
     head index; ``nc / heads`` chunks each), with the next-but-one chunk's copies in flight:
@@ -341,7 +370,7 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
 
     banks = (jnp.asarray(bank, F32) if has_bank else jnp.zeros((1, d), F32))
     q = jnp.asarray(query, F32)
-    acc = pad_t(state.acc, 2)
+    acc = _state_rows(state.acc, t_pad)
     # [m, B, T, H] -> [m H, B, T]: a head's row of tokens contiguous (a reshape when H = 1)
     pmax = pad_t(jnp.moveaxis(jnp.asarray(state.max, F32), -1, 1).reshape(mh, batch, t_len), 2)
     pden = pad_t(jnp.moveaxis(jnp.asarray(state.denom, F32), -1, 1).reshape(mh, batch, t_len), 2, 1.0)
@@ -362,6 +391,7 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
                            block_d=bd, gate=gate, has_seg=has_seg, front=front, eps=float(eps),
                            gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
                            out_dtype=jnp.dtype(out_dtype), n_consts=consts.shape[0], expand=expand, windows=windows,
+                           state_boxes=DEFAULT_STATE_BOXES,
                            interpret=bool(interpret)))
     h, dots, sumsq = call(*inputs)
     dots = jnp.moveaxis(dots.reshape(m, heads, batch, t_pad), 1, -1)[:, :, :t_len]
@@ -402,6 +432,7 @@ class _Config(NamedTuple):
     n_consts: int
     expand: str
     windows: str
+    state_boxes: str
     interpret: bool
 
 
@@ -430,7 +461,7 @@ def _kernel(cfg: _Config):
 
     n_in = 2 + (1 if has_seg else 0) + 1  # max, denom, (bits), constants
     arrivals_a = lags.count + has_bank + 1
-    arrivals_bc = lags.count + has_bank + m + gate
+    arrivals_bc = lags.count + has_bank + _state_copies(m, cfg.state_boxes) + gate
     scratch = dict(
         xs=plgpu.SMEM((2, lags.count, lags.rows, bd), cfg.x_dtype),
         bs=plgpu.SMEM((2, n_taps, bd), F32) if has_bank else None,
@@ -476,8 +507,8 @@ def _kernel(cfg: _Config):
                                bar, lags, max_lag)
                 cs = pl.ds(c * bd, bd)
                 if with_state:
-                    for r in range(m):
-                        plgpu.copy_gmem_to_smem(acc_ref.at[r, b, pl.ds(t0, bt), cs], accs.at[slot, r], bar.at[slot])
+                    _copy_state(plgpu, acc_ref, accs, pl.ds(b * t_pad + t0, bt), cs, slot, bar.at[slot],
+                                cfg.state_boxes)
                     if gate:
                         plgpu.copy_gmem_to_smem(w_ref.at[:, cs], ws.at[slot], bar.at[slot])
                 else:
@@ -621,7 +652,7 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
         return pad_t(jnp.moveaxis(jnp.asarray(v, F32), -1, 1).reshape(mh, batch, t_len), 2, value)
 
     inputs = [x, jnp.asarray(bank, F32) if has_bank else jnp.zeros((1, d), F32), head_rows(a), head_rows(b),
-              head_rows(dold, 1.0), pad_t(acc, 2), pad_t(jnp.asarray(dh, F32), 1)]
+              head_rows(dold, 1.0), _state_rows(acc, t_pad), pad_t(jnp.asarray(dh, F32), 1)]
     if gate:
         w, scale, bias = gate_params
         inputs.append(jnp.asarray(w, F32).reshape(m, d, m).transpose(0, 2, 1).reshape(m * m, d))  # [(r, j), c]
@@ -633,6 +664,7 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
                                       heads=heads, block_d=bd, gate=gate, has_seg=has_seg, front=front,
                                       gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype),
                                       acc_dtype=jnp.dtype(acc.dtype), expand=expand, windows=windows,
+                                      state_boxes=DEFAULT_STATE_BOXES,
                                       interpret=bool(interpret)))
     d_acc, sums, gate_rows_out = call(*inputs)
     per_head = lambda v: jnp.moveaxis(v.reshape(m, heads, batch, t_pad), 1, -1)[:, :, :t_len]  # noqa: E731
@@ -644,7 +676,7 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
         d_bias = jnp.sum(rows[2 * m + 1:3 * m + 1], axis=(1, 2))
         d_scale = jnp.sum(rows[3 * m + 1]).reshape(jnp.shape(scale))
         gate_out = (g, dy, coef, d_scale, d_bias)
-    return d_acc[:, :, :t_len], (s1, sm, ss), gate_out
+    return d_acc.reshape(m, batch, t_pad, d)[:, :, :t_len], (s1, sm, ss), gate_out
 
 
 class _StateConfig(NamedTuple):
@@ -665,6 +697,7 @@ class _StateConfig(NamedTuple):
     acc_dtype: jnp.dtype
     expand: str
     windows: str
+    state_boxes: str
     interpret: bool
 
 
@@ -696,7 +729,8 @@ def _state_kernel(cfg: _StateConfig):
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
         sums_s=plgpu.SMEM((3 * mh, bt), F32),
         gate_s=plgpu.SMEM((n_gate_rows, bt), F32) if gate else None,
-        bar=plgpu.Barrier(num_arrivals=lags.count + has_bank + m + 1 + gate, num_barriers=2),
+        bar=plgpu.Barrier(num_arrivals=lags.count + has_bank + _state_copies(m, cfg.state_boxes) + 1 + gate,
+                          num_barriers=2),
         bar_in=plgpu.Barrier(num_arrivals=3 + gate + has_seg, num_barriers=1),
     )
     names = [k for k, v in scratch.items() if v is not None]
@@ -714,6 +748,7 @@ def _state_kernel(cfg: _StateConfig):
         bar, bar_in = sc["bar"], sc["bar_in"]
         bi, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
         rows = pl.ds(t0, bt)
+        state_rows = pl.ds(bi * t_pad + t0, bt)  # the tile's rows in the state's [m, B * Tp, d] layout
         for i, ref in enumerate((a_ref, b_ref, dold_ref)):
             plgpu.copy_gmem_to_smem(ref.at[:, bi, rows], rows_s.at[i], bar_in.at[0])
         if gate:
@@ -725,8 +760,7 @@ def _state_kernel(cfg: _StateConfig):
             _fetch_partial(plgpu, x_ref, bank_ref if has_bank else None, xs, bs, bi, t0, front, c, bd, slot, bar,
                            lags, max_lag)
             cs = pl.ds(c * bd, bd)
-            for r in range(m):
-                plgpu.copy_gmem_to_smem(acc_ref.at[r, bi, rows, cs], accs.at[slot, r], bar.at[slot])
+            _copy_state(plgpu, acc_ref, accs, state_rows, cs, slot, bar.at[slot], cfg.state_boxes)
             plgpu.copy_gmem_to_smem(dh_ref.at[bi, rows, cs], dhs.at[slot], bar.at[slot])
             if gate:
                 plgpu.copy_gmem_to_smem(w_ref.at[:, cs], ws.at[slot], bar.at[slot])
@@ -805,8 +839,12 @@ def _state_kernel(cfg: _StateConfig):
                 # d_acc over the state's chunk in shared memory, read by this thread alone (same layout)
                 accs[slot, r] = (_rows(coef_a[r][head], bt, bd) * dz).astype(accs.dtype)
             plgpu.commit_smem()
-            for r in range(m):
-                plgpu.copy_smem_to_gmem(accs.at[slot, r], dacc_ref.at[r, bi, rows, pl.ds(c * bd, bd)])
+            cs = pl.ds(c * bd, bd)
+            if cfg.state_boxes == "one":
+                plgpu.copy_smem_to_gmem(accs.at[slot], dacc_ref.at[:, state_rows, cs])
+            else:
+                for r in range(m):
+                    plgpu.copy_smem_to_gmem(accs.at[slot, r], dacc_ref.at[r, state_rows, cs])
             return s1, sm, ss
 
         def stores_done():  # d_acc's stores from this slot have read it before the slot is refilled
@@ -824,7 +862,7 @@ def _state_kernel(cfg: _StateConfig):
         plgpu.wait_smem_to_gmem(0)
 
     out_type = (
-        jax.ShapeDtypeStruct((m, batch, t_pad, d), cfg.acc_dtype),
+        jax.ShapeDtypeStruct((m, batch * t_pad, d), cfg.acc_dtype),
         jax.ShapeDtypeStruct((3 * mh, batch, t_pad), F32),
         jax.ShapeDtypeStruct((n_gate_rows if gate else 1, batch, t_pad), F32),
     )
