@@ -196,6 +196,12 @@ STATE_BOXES = ("per_stream", "one")
 DEFAULT_STATE_BOXES = "one"
 
 
+def _state_boxes() -> str:
+    if DEFAULT_STATE_BOXES not in STATE_BOXES:
+        raise ValueError(f"mosaic_gpu.DEFAULT_STATE_BOXES={DEFAULT_STATE_BOXES!r}: must be one of {STATE_BOXES}")
+    return DEFAULT_STATE_BOXES
+
+
 def _state_copies(m: int, state_boxes: str) -> int:
     return 1 if state_boxes == "one" else m
 
@@ -391,7 +397,7 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
                            block_d=bd, gate=gate, has_seg=has_seg, front=front, eps=float(eps),
                            gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
                            out_dtype=jnp.dtype(out_dtype), n_consts=consts.shape[0], expand=expand, windows=windows,
-                           state_boxes=DEFAULT_STATE_BOXES,
+                           state_boxes=_state_boxes(),
                            interpret=bool(interpret)))
     h, dots, sumsq = call(*inputs)
     dots = jnp.moveaxis(dots.reshape(m, heads, batch, t_pad), 1, -1)[:, :, :t_len]
@@ -664,7 +670,7 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
                                       heads=heads, block_d=bd, gate=gate, has_seg=has_seg, front=front,
                                       gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype),
                                       acc_dtype=jnp.dtype(acc.dtype), expand=expand, windows=windows,
-                                      state_boxes=DEFAULT_STATE_BOXES,
+                                      state_boxes=_state_boxes(),
                                       interpret=bool(interpret)))
     d_acc, sums, gate_rows_out = call(*inputs)
     per_head = lambda v: jnp.moveaxis(v.reshape(m, heads, batch, t_pad), 1, -1)[:, :, :t_len]  # noqa: E731

@@ -247,3 +247,31 @@ def test_window_placements_agree_in_every_kernel():
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
     with pytest.raises(ValueError, match="windows='tall'"):
         runs["scores"]("tall")
+
+
+def test_state_boxes_agree(monkeypatch):
+    """Phase 2's kernels move the state's chunk (and ``d_acc``'s) as one 3D TMA box
+    (``STATE_BOXES = "one"``, the default) or one copy per stream: the same values to the last
+    bit (interpreted; segments, a ragged second tile, two heads); an unknown choice is refused."""
+    kernels, batch, t_len, d, heads = (0, 4, 8, 12), 2, 100, 64, 2
+    seg = _segments(batch, t_len, 37)
+    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
+    m = len(kernels)
+    coef = [jax.random.uniform(jax.random.key(k), (m, batch, t_len, heads), minval=0.1) for k in range(3)]
+    dh = _rnd(5, (batch, t_len, d))
+
+    def run(boxes):
+        monkeypatch.setattr(mosaic_gpu, "DEFAULT_STATE_BOXES", boxes)
+        fwd = mosaic_gpu.phase2_fused_forward(state, partial, bank, query, True, gate, seg, fuse="gate",
+                                              stream_kernels=kernels, heads=heads, eps=1e-6, gate_eps=1e-6,
+                                              interpret=True)
+        bwd = mosaic_gpu.phase2_backward_state(partial, bank, *coef, state.acc, dh, gate, seg, stream_kernels=kernels,
+                                               heads=heads, gate_eps=1e-6, interpret=True)
+        return jax.tree.leaves((fwd, bwd))
+
+    got, want = run("one"), run("per_stream")
+    assert len(got) == len(want) and all(np.any(np.asarray(w)) for w in want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    with pytest.raises(ValueError, match="DEFAULT_STATE_BOXES='two'"):
+        run("two")

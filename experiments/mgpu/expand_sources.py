@@ -1,0 +1,165 @@
+"""Where should a Mosaic GPU kernel get a tile's conv lags from: TMA-filled lag windows in shared
+memory (what the kernels do: ``mosaic_gpu._Lags``, one window per lag modulo 8), or loads
+straight from global memory at any row offset (through L1)?
+
+Session 19's ``tma_rate.py`` found TMA copies cost bytes, not copies: the aligned windows
+bring 544 rows into shared memory per 64-row tile and chunk (8.5x the partial, from L2) and that
+traffic, not the count of copies, bounds the kernels. A WGMMA-layout load from shared memory
+is exact only at multiples of 8 rows (session 17, ``offset_loads.py``), so one window of 75
+rows cannot serve all lags. A load from global memory (``plgpu.load(gmem_ref.at[...],
+optimized=False)``) takes any row offset; its overlap would hit L1 instead of L2.
+
+This script runs the expansion alone (Eq. 10, kernels (0, 4, 8, 12), every stream's sum of
+squares per token, as the scoring pass does) both ways at `base`'s phase-2 shape (B x T = 64 x
+1024, d = 1024, bf16 partial; 32-channel chunks, and 64 for global memory), checks both against plain jnp, and times them (median of 21).
+First it checks WGMMA-layout loads from global memory at row offsets 0..15 for exactness.
+Run: ``python experiments/mgpu/expand_sources.py`` (GPU); ``--interpret`` on the CPU at a tiny
+shape (a smoke test; interpret mode is exact either way)."""
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.depth_attention import mosaic_gpu
+from pallas_kernels.depth_attention.fused import _stream_layout
+
+KERNELS = (0, 4, 8, 12)
+FRONT = 16  # rows of zeros in front of the partial (a multiple of 8, so TMA windows stay aligned)
+
+
+def gmem_offset_probe(dtype, interpret):
+    """Per row offset 0..15: does a WGMMA-layout load of rows [off, off + 64) from global memory
+    equal those rows?"""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    def body(x_ref, out, out_s):
+        for off in range(16):
+            v = plgpu.load(x_ref.at[pl.ds(off, 64)], layout=plgpu.Layout.WGMMA, optimized=False)
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            out_s[off % 2] = v
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_s.at[off % 2], out.at[off])
+        plgpu.wait_smem_to_gmem(0)
+
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((16, 64, 32), dtype), grid=(1,), grid_names=("g",),
+                          scratch_types=[plgpu.SMEM((2, 64, 32), dtype)],
+                          interpret=plgpu.InterpretGPUParams() if interpret else False)
+    x = (jnp.arange(128 * 32, dtype=jnp.float32).reshape(128, 32) % 251).astype(dtype)
+    got = np.asarray(jax.jit(kernel)(x))
+    return [off for off in range(16) if not np.array_equal(got[off], np.asarray(x[off:off + 64]))]
+
+
+def build(source, batch, t_len, d, bd=32, interpret=False):
+    """``sumsq[m, B, T]`` of the streams of ``x[B, FRONT + T, d]`` (bf16) with ``bank[24, d]``."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    bt, m = mosaic_gpu.BLOCK_T, len(KERNELS)
+    layout = _stream_layout(KERNELS)
+    max_lag, nc = max(KERNELS), d // bd
+    lags = mosaic_gpu._Lags.of(max_lag, "aligned")
+    row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
+    n_taps = sum(KERNELS)
+
+    def finish(sqs, ss_s, ss_ref, b, t0):
+        for r in range(m):
+            ss_s[r] = sqs[r]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(ss_s, ss_ref.at[:, b, pl.ds(t0, bt)])
+        plgpu.wait_smem_to_gmem(0)
+
+    zero = lambda: plgpu.layout_cast(jnp.zeros((bt,), jnp.float32), row)  # noqa: E731
+
+    if source == "tma":
+        def body(x_ref, bank_ref, ss_ref, xs, bs, ss_s, bar):
+            b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
+
+            def fetch(c, slot):
+                mosaic_gpu._fetch_partial(plgpu, x_ref, bank_ref, xs, bs, b, t0, FRONT, c, bd, slot, bar, lags,
+                                          max_lag)
+
+            def chunk(c, slot, head, sqs):
+                es = mosaic_gpu._expand_all(plgpu, xs, bs, slot, layout, [None] * max_lag, bt, bd, lags)
+                return [sq + jnp.sum(e * e, axis=1) for sq, e in zip(sqs, es)]
+
+            sqs = mosaic_gpu._pipelined(plgpu, fetch, bar, nc, 1, chunk, [zero() for _ in range(m)])
+            finish(sqs, ss_s, ss_ref, b, t0)
+
+        scratch = [plgpu.SMEM((2, lags.count, lags.rows, bd), jnp.bfloat16), plgpu.SMEM((2, n_taps, bd), jnp.float32),
+                   plgpu.SMEM((m, bt), jnp.float32), plgpu.Barrier(num_arrivals=lags.count + 1, num_barriers=2)]
+    else:
+        def body(x_ref, bank_ref, ss_ref, ss_s):
+            b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
+
+            def chunk(c, sqs):
+                cs = pl.ds(c * bd, bd)
+                es = [None] * m
+                for delta in range(max_lag):
+                    xl = plgpu.load(x_ref.at[b, pl.ds(t0 + FRONT - delta, bt), cs], layout=tile,
+                                    optimized=False).astype(jnp.float32)
+                    for r, (kernel, off) in enumerate(layout):
+                        if kernel == 0:
+                            es[r] = xl if delta == 0 else es[r]
+                        elif delta < kernel:
+                            tap = plgpu.load(bank_ref.at[off + delta, cs], layout=col, optimized=False)
+                            term = lax.broadcast_in_dim(tap, (bt, bd), [1]) * xl
+                            es[r] = term if es[r] is None else es[r] + term
+                return [sq + jnp.sum(e * e, axis=1) for sq, e in zip(sqs, es)]
+
+            sqs = lax.fori_loop(0, nc, chunk, [zero() for _ in range(m)])
+            finish(sqs, ss_s, ss_ref, b, t0)
+
+        scratch = [plgpu.SMEM((m, bt), jnp.float32)]
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, batch, t_len), jnp.float32),
+                          grid=(batch, t_len // bt), grid_names=("b", "t"), scratch_types=scratch,
+                          interpret=plgpu.InterpretGPUParams() if interpret else False)
+    return jax.jit(kernel)
+
+
+def reference_sumsq(x, bank, t_len):
+    layout = _stream_layout(KERNELS)
+    xf = x.astype(jnp.float32)
+    out = []
+    for kernel, off in layout:
+        if kernel == 0:
+            e = xf[:, FRONT:]
+        else:
+            e = sum(bank[off + delta] * xf[:, FRONT - delta:FRONT - delta + t_len] for delta in range(kernel))
+        out.append(jnp.sum(e * e, axis=-1))
+    return jnp.stack(out)
+
+
+def main():
+    interpret = "--interpret" in sys.argv
+    for dtype in (jnp.float32, jnp.bfloat16):
+        bad = gmem_offset_probe(dtype, interpret)
+        print(f"global-memory WGMMA-layout loads, {jnp.dtype(dtype).name}: "
+              f"{'exact at offsets 0..15' if not bad else 'WRONG at offsets ' + str(bad)}", flush=True)
+    batch, t_len, d = (1, 128, 64) if interpret else (64, 1024, 1024)
+    k = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(k[0], (batch, FRONT + t_len, d), jnp.float32).at[:, :FRONT].set(0).astype(jnp.bfloat16)
+    bank = 0.3 * jax.random.normal(k[1], (sum(KERNELS), d), jnp.float32)
+    want = reference_sumsq(x, bank, t_len)
+    nbytes = x.size * 2
+    for source, bd in (("tma", 32), ("gmem", 32), ("gmem", 64)):
+        try:
+            run = build(source, batch, t_len, d, bd=bd, interpret=interpret)
+            got = run(x, bank)
+            err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+            times = []
+            for _ in range(1 if interpret else 21):
+                start = time.perf_counter()
+                run(x, bank).block_until_ready()
+                times.append(time.perf_counter() - start)
+            ms = float(np.median(times)) * 1e3
+            print(f"expansion from {source:4s}, {bd} channels: {ms:8.4f} ms (partial read once: {nbytes / ms / 1e6:6.0f} GB/s)  "
+                  f"rel err {err:.1e}", flush=True)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            print(f"expansion from {source}, {bd} channels: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
