@@ -14,7 +14,8 @@ squares per token, as the scoring pass does) both ways at `base`'s phase-2 shape
 1024, d = 1024, bf16 partial; 32-channel chunks, and 64 for global memory), checks both against plain jnp, and times them (median of 21).
 First it checks WGMMA-layout loads from global memory at row offsets 0..15 for exactness.
 Run: ``python experiments/mgpu/expand_sources.py`` (GPU); ``--interpret`` on the CPU at a tiny
-shape (a smoke test; interpret mode is exact either way)."""
+shape (a smoke test; interpret mode is exact either way). ``tma_fetch``: the TMA form's copies
+with one load per chunk and no conv, to split the fetch's time from the loads' and arithmetic's."""
 import sys
 import time
 
@@ -73,7 +74,7 @@ def build(source, batch, t_len, d, bd=32, interpret=False):
 
     zero = lambda: plgpu.layout_cast(jnp.zeros((bt,), jnp.float32), row)  # noqa: E731
 
-    if source == "tma":
+    if source in ("tma", "tma_fetch"):
         def body(x_ref, bank_ref, ss_ref, xs, bs, ss_s, bar):
             b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
 
@@ -82,7 +83,10 @@ def build(source, batch, t_len, d, bd=32, interpret=False):
                                           max_lag)
 
             def chunk(c, slot, head, sqs):
-                es = mosaic_gpu._expand_all(plgpu, xs, bs, slot, layout, [None] * max_lag, bt, bd, lags)
+                if source == "tma_fetch":  # the same copies, one load and no conv: what the fetch alone costs
+                    es = [lags.load(plgpu, xs, slot, 0).astype(jnp.float32)] * m
+                else:
+                    es = mosaic_gpu._expand_all(plgpu, xs, bs, slot, layout, [None] * max_lag, bt, bd, lags)
                 return [sq + jnp.sum(e * e, axis=1) for sq, e in zip(sqs, es)]
 
             sqs = mosaic_gpu._pipelined(plgpu, fetch, bar, nc, 1, chunk, [zero() for _ in range(m)])
@@ -144,10 +148,12 @@ def main():
     bank = 0.3 * jax.random.normal(k[1], (sum(KERNELS), d), jnp.float32)
     want = reference_sumsq(x, bank, t_len)
     nbytes = x.size * 2
-    for source, bd in (("tma", 32), ("gmem", 32), ("gmem", 64)):
+    for source, bd in (("tma", 32), ("gmem", 32), ("gmem", 64), ("tma_fetch", 32)):
         try:
             run = build(source, batch, t_len, d, bd=bd, interpret=interpret)
             got = run(x, bank)
+            if source == "tma_fetch":  # every stream is the partial itself
+                want = jnp.broadcast_to(jnp.sum(x[:, FRONT:].astype(jnp.float32) ** 2, axis=-1), want.shape)
             err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
             times = []
             for _ in range(1 if interpret else 21):
