@@ -31,9 +31,9 @@ SM_SMEM = 233472  # the H200's shared memory per SM (228 KiB), 1 KiB of it reser
 def main():
     live = int(sys.argv[sys.argv.index("--live") + 1]) if "--live" in sys.argv else 4
     state_dtypes = [jnp.float32] + ([jnp.bfloat16] if "--bf16" in sys.argv else [])
-    variants = MOSAIC_VARIANTS
+    mosaic_variants = MOSAIC_VARIANTS
     if "--bf16-aligned" in sys.argv:  # a shorter device call: bf16 state, aligned windows only
-        state_dtypes, variants = [jnp.bfloat16], tuple(v for v in MOSAIC_VARIANTS if v[2] == "aligned")
+        state_dtypes, mosaic_variants = [jnp.bfloat16], tuple(v for v in MOSAIC_VARIANTS if v[2] == "aligned")
     shapes = (("base", (7, live, 64, 1024, 1024, 8)), ("issue", (9, 9, 8, 2048, 2048, 8)))
     if "--base-only" in sys.argv:
         shapes = shapes[:1]
@@ -60,7 +60,7 @@ def main():
                 return [a[..., :t_len, :] for a in out]
 
             variants = {"triton": triton}
-            for bd, slots, windows in variants + (NARROW_VARIANTS if "--narrow" in sys.argv else ()):
+            for bd, slots, windows in mosaic_variants + (NARROW_VARIANTS if "--narrow" in sys.argv else ()):
                 smem = mosaic_gpu.mix_smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
                                                  out_dtype=dtype, n_targets=n_targets, n_slots=slots, windows=windows)
                 label = f"mosaic bd={bd} n_slots={slots} {windows}"

@@ -22,8 +22,10 @@ offset: that gave wrong values on the H200 (BENCHMARKS.md, kernels, session 15, 
 a WGMMA-layout load is exact only at offsets that are multiples of 8 rows, for float32 and bf16
 alike). So each lag class modulo 8 has its own window, 72 rows tall where it serves two lags,
 each lag at a multiple of 8 rows in it (``_Lags``, ``windows="aligned"``, the default: 8 TMA
-copies for kernels up to 12 where one window per lag, ``"per_lag"``, takes 12; the kernels
-were bound by their count of small copies, session 18).
+copies for kernels up to 12 where one window per lag, ``"per_lag"``, takes 12). The windows
+bring 544 rows into shared memory per 64-row tile and chunk, 8.5x the partial's (12x per lag):
+those bytes, not the number of copies, bound the kernels (BENCHMARKS.md, kernels, session 19,
+``experiments/mgpu/tma_rate.py``).
 Rows before token 0 come from TMA's zero fill on the GPU; Pallas' Mosaic GPU interpret mode
 does not emulate it, so interpreted calls get the rows padded in front by XLA. Segment
 boundaries (the conv restarts at a segment start) are one ``int32`` of lag bits per token,
