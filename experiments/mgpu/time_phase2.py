@@ -15,7 +15,9 @@ the whole Pallas backward with its passes 1-2 in Triton and in Mosaic GPU, with 
 ``--backward-smoke`` runs that on the CPU in interpret mode at a tiny shape). ``--base-only``:
 `base`'s shape only; ``--msar-only``: no AttnRes rows. ``--state-boxes``: forward or backward,
 only the Mosaic default (shared, aligned) with each ``mosaic_gpu.STATE_BOXES`` (the state's
-chunk as one TMA copy per stream or one 3D box)."""
+chunk as one TMA copy per stream or one 3D box). ``--gate-stats``: the forward only, the Mosaic
+default with each ``mosaic_gpu.GATE_STATS`` (the gate's statistics in their own pass or summed
+in the scoring pass)."""
 import collections
 import os
 import sys
@@ -160,14 +162,17 @@ def main():
 
             variants = {"triton (3 calls + XLA)": (triton, None)}
             # 16-channel chunks: slower, and crashed with m = 1 (session 16)
-            forms = [(ex, "per_lag", None) for ex in mosaic_gpu.EXPANDS] + [("shared", "aligned", None)]
+            forms = [(ex, "per_lag", None, None) for ex in mosaic_gpu.EXPANDS] + [("shared", "aligned", None, None)]
             if "--state-boxes" in sys.argv:
-                variants, forms = {}, [("shared", "aligned", sb) for sb in mosaic_gpu.STATE_BOXES]
-            for expand, windows, boxes in forms:
-                variants[f"mosaic {expand} {windows}" + (f" state {boxes}" if boxes else "")] = ((
-                    lambda ex, w: lambda st, x, b, q, g: (mosaic_gpu.phase2_fused_forward(
-                        st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, expand=ex, windows=w,
-                        **kw)[0]))(expand, windows), boxes)
+                variants, forms = {}, [("shared", "aligned", sb, None) for sb in mosaic_gpu.STATE_BOXES]
+            if "--gate-stats" in sys.argv:
+                variants, forms = {}, [("shared", "aligned", None, gs) for gs in mosaic_gpu.GATE_STATS]
+            for expand, windows, boxes, stats in forms:
+                label = f"mosaic {expand} {windows}" + (f" state {boxes}" if boxes else "") + (
+                    f" gate stats {stats}" if stats else "")
+                variants[label] = ((lambda ex, w, gs: lambda st, x, b, q, g: (mosaic_gpu.phase2_fused_forward(
+                    st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, expand=ex, windows=w, gate_stats=gs,
+                    **kw)[0]))(expand, windows, stats), boxes)
             print(f"## {name} {mech}: B x T = {batch} x {t_len}, d = {d}; floor {floor_ms:.4f} ms", flush=True)
             for label, (fn, boxes) in variants.items():
                 try:

@@ -346,10 +346,17 @@ def _shape(name, partial, segment_ids, *, stream_kernels, heads, block_d, interp
     return _Shape(batch, t_len, d, bd, max_lag, any(stream_kernels), has_seg, t_pad, front, x, bits)
 
 
+GATE_STATS = ("own_pass", "in_scores")
+# ``"own_pass"``: the forward's pass B re-expands the partial to sum ``sum z^2`` and ``z . W_j``;
+# ``"in_scores"``: pass A sums ``A.A``, ``A.E``, ``E.E``, ``A.W_j``, ``E.W_j`` per stream and head
+# and the statistics follow from them once a and b are known, so the forward expands twice
+DEFAULT_GATE_STATS = "in_scores"
+
+
 def phase2_fused_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *, fuse: str,
                          stream_kernels: Sequence[int], heads: int, eps: float, gate_eps: float, out_dtype=F32,
                          block_d: int | None = None, expand: str | None = None, windows: str | None = None,
-                         interpret: bool = False):
+                         gate_stats: str | None = None, interpret: bool = False):
     """``h[B, T, d]`` and the scores ``(dots[m, B, T, H], sumsq[m, B, T])``.
 
     ``state``: ``reference.SoftmaxState`` (``[m, B, T, H]`` max and denom, ``[m, B, T, d]`` acc,
@@ -358,11 +365,15 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     ``fuse="gate"``. ``block_d``: the channel chunk (None: ``choose_block_d``; it raises
     ``NotImplementedError`` when no chunk fits). ``expand``: how the streams are built from the
     lag windows (``EXPANDS``, ``_expand_all``; None: ``DEFAULT_EXPAND``). ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
-    ``DEFAULT_WINDOWS``). ``interpret``: run in Pallas' Mosaic GPU
-    interpret mode (CPU tests)."""
+    ``DEFAULT_WINDOWS``). ``gate_stats``: where the gate's statistics are summed (``GATE_STATS``;
+    None: ``DEFAULT_GATE_STATS``). ``interpret``: run in Pallas' Mosaic GPU interpret mode (CPU
+    tests)."""
     expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows).kind
     if expand not in EXPANDS:
         raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
+    gate_stats = gate_stats or DEFAULT_GATE_STATS
+    if gate_stats not in GATE_STATS:
+        raise ValueError(f"gate_stats={gate_stats!r}: must be one of {GATE_STATS}")
     if fuse not in ("gate", "mean"):
         raise ValueError(f"fuse={fuse!r}: the Mosaic GPU phase 2 fuses the streams ('gate' or 'mean')")
     m, bt = len(stream_kernels), BLOCK_T
@@ -399,8 +410,7 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
                            block_d=bd, gate=gate, has_seg=has_seg, front=front, eps=float(eps),
                            gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
                            out_dtype=jnp.dtype(out_dtype), n_consts=consts.shape[0], expand=expand, windows=windows,
-                           state_boxes=_state_boxes(),
-                           interpret=bool(interpret)))
+                           state_boxes=_state_boxes(), gate_stats=gate_stats, interpret=bool(interpret)))
     h, dots, sumsq = call(*inputs)
     dots = jnp.moveaxis(dots.reshape(m, heads, batch, t_pad), 1, -1)[:, :, :t_len]
     return h[:, :t_len], (dots, sumsq[:, :, :t_len])
@@ -441,6 +451,7 @@ class _Config(NamedTuple):
     expand: str
     windows: str
     state_boxes: str
+    gate_stats: str
     interpret: bool
 
 
@@ -468,7 +479,9 @@ def _kernel(cfg: _Config):
     lags = _Lags.of(max_lag, cfg.windows)
 
     n_in = 2 + (1 if has_seg else 0) + 1  # max, denom, (bits), constants
-    arrivals_a = lags.count + has_bank + 1
+    # the gate's statistics summed in pass A (``GATE_STATS``): pass A then also brings the state and W
+    fused_stats = gate and cfg.gate_stats == "in_scores"
+    arrivals_a = lags.count + has_bank + 1 + (_state_copies(m, cfg.state_boxes) + 1 if fused_stats else 0)
     arrivals_bc = lags.count + has_bank + _state_copies(m, cfg.state_boxes) + gate
     scratch = dict(
         xs=plgpu.SMEM((2, lags.count, lags.rows, bd), cfg.x_dtype),
@@ -509,7 +522,7 @@ def _kernel(cfg: _Config):
             plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t0, bt)], bits_s, bar_in.at[0])
         plgpu.copy_gmem_to_smem(consts_ref, scal_s, bar_in.at[0])
 
-        def fetch(bar, with_state):
+        def fetch(bar, with_state, with_query):
             def issue(c, slot):
                 _fetch_partial(plgpu, x_ref, bank_ref if has_bank else None, xs, bs, b, t0, front, c, bd, slot,
                                bar, lags, max_lag)
@@ -519,13 +532,13 @@ def _kernel(cfg: _Config):
                                 cfg.state_boxes)
                     if gate:
                         plgpu.copy_gmem_to_smem(w_ref.at[:, cs], ws.at[slot], bar.at[slot])
-                else:
+                if with_query:
                     plgpu.copy_gmem_to_smem(q_ref.at[:, cs], qs.at[slot], bar.at[slot])
 
             return issue
 
-        def pipelined(bar, with_state, per_chunk, carry):
-            return _pipelined(plgpu, fetch(bar, with_state), bar, nc, heads, per_chunk, carry)
+        def pipelined(bar, with_state, per_chunk, carry, with_query=False):
+            return _pipelined(plgpu, fetch(bar, with_state, with_query), bar, nc, heads, per_chunk, carry)
 
         plgpu.barrier_wait(bar_in.at[0])
         masks = _lag_masks_of(plgpu, bits_s, max_lag, bt, bd)
@@ -533,17 +546,43 @@ def _kernel(cfg: _Config):
         def expand(slot):
             return _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags, cfg.expand)
 
-        # ---- A: per-head dots and the keys' sums of squares
+        def w_col(slot, r, j):
+            return _cols(plgpu.load(ws, (slot, r * m + j), layout=col), bt, bd)
+
+        # ---- A: per-head dots and the keys' sums of squares; with ``fused_stats`` also, per stream
+        # and head, the sums that give the gate's statistics once a and b are known:
+        # sum z^2 = a^2 A.A + 2 a b A.E + b^2 E.E and z . W_j = a A.W_j + b E.W_j (z = a A + b E)
         def scores_chunk(c, slot, head, carry):
             dots, sqs = [list(v) for v in carry[0]], list(carry[1])
+            if fused_stats:
+                aa, ae, ee = ([list(v) for v in sums] for sums in carry[2])
+                aw, ew = ([[list(u) for u in v] for v in sums] for sums in carry[3])
             for r, e in enumerate(expand(slot)):
                 qr = _cols(plgpu.load(qs, (slot, r), layout=col), bt, bd)
                 dots[r][head] = dots[r][head] + jnp.sum(e * qr, axis=1)
-                sqs[r] = sqs[r] + jnp.sum(e * e, axis=1)
+                e2 = jnp.sum(e * e, axis=1)
+                sqs[r] = sqs[r] + e2
+                if fused_stats:
+                    a_state = plgpu.load(accs, (slot, r), layout=tile).astype(F32)
+                    aa[r][head] = aa[r][head] + jnp.sum(a_state * a_state, axis=1)
+                    ae[r][head] = ae[r][head] + jnp.sum(a_state * e, axis=1)
+                    ee[r][head] = ee[r][head] + e2
+                    for j in range(m):
+                        wj = w_col(slot, r, j)
+                        aw[r][j][head] = aw[r][j][head] + jnp.sum(a_state * wj, axis=1)
+                        ew[r][j][head] = ew[r][j][head] + jnp.sum(e * wj, axis=1)
+            if fused_stats:
+                return dots, sqs, (aa, ae, ee), (aw, ew)
             return dots, sqs
 
         zero = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
-        dots, sqs = pipelined(bar_a, False, scores_chunk, ([[zero] * heads for _ in range(m)], [zero] * m))
+        per_head = lambda: [[zero] * heads for _ in range(m)]  # noqa: E731
+        carry = (per_head(), [zero] * m)
+        if fused_stats:
+            per_head_j = lambda: [[[zero] * heads for _ in range(m)] for _ in range(m)]  # noqa: E731
+            carry += ((per_head(), per_head(), per_head()), (per_head_j(), per_head_j()))
+        out = pipelined(bar_a, fused_stats, scores_chunk, carry, with_query=True)
+        dots, sqs = out[0], out[1]
 
         # the scores and the online-softmax merge with the phase-1 state: a, b per (stream, head)
         inc = plgpu.load(scal_s, 0, layout=row) > 0.5
@@ -575,7 +614,16 @@ def _kernel(cfg: _Config):
 
         # ---- B: the gate's statistics, then the gate (Eq. 13-14)
         mix = [None] * m
-        if gate:
+        if fused_stats:  # from pass A's sums (see there)
+            (aa, ae, ee), (aw, ew) = out[2], out[3]
+            sq, zw = zero, [zero] * m
+            for r in range(m):
+                for head in range(heads):
+                    ca, cb = coef_a[r][head], coef_b[r][head]
+                    sq = sq + ca * ca * aa[r][head] + 2.0 * ca * cb * ae[r][head] + cb * cb * ee[r][head]
+                    for j in range(m):
+                        zw[j] = zw[j] + ca * aw[r][j][head] + cb * ew[r][j][head]
+        elif gate:
 
             def stats_chunk(c, slot, head, carry):
                 sq, zw = carry[0], list(carry[1])
@@ -583,11 +631,11 @@ def _kernel(cfg: _Config):
                     z = merged(slot, r, head, e)
                     sq = sq + jnp.sum(z * z, axis=1)
                     for j in range(m):
-                        wj = _cols(plgpu.load(ws, (slot, r * m + j), layout=col), bt, bd)
-                        zw[j] = zw[j] + jnp.sum(z * wj, axis=1)
+                        zw[j] = zw[j] + jnp.sum(z * w_col(slot, r, j), axis=1)
                 return sq, zw
 
             sq, zw = pipelined(bar_bc, True, stats_chunk, (zero, [zero] * m))
+        if gate:
             inv = lax.rsqrt(sq * (1.0 / (m * d)) + gate_eps)
             scale = plgpu.load(scal_s, 1, layout=row)
             for j in range(m):

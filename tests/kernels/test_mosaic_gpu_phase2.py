@@ -275,3 +275,29 @@ def test_state_boxes_agree(monkeypatch):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     with pytest.raises(ValueError, match="DEFAULT_STATE_BOXES='two'"):
         run("two")
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]], ids=lambda c: c[0])
+def test_gate_statistics_summed_in_the_scoring_pass(case):
+    """``gate_stats="in_scores"`` (pass A sums A.A, A.E, E.E, A.W_j and E.W_j per stream and head;
+    the gate's ``sum z^2`` and ``z . W_j`` follow once a and b are known, so the forward expands
+    twice, not three times) gives the reference's ``h`` and scores, and ``"own_pass"``'s to float32
+    rounding (interpreted; segments and a ragged tile, two heads with the partial excluded,
+    AttnRes's one stream); an unknown choice is refused."""
+    _, batch, t_len, d, kernels, heads, include, cut, _ = case
+    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
+    seg = None if cut is None else _segments(batch, t_len, cut)
+    kw = dict(stream_kernels=kernels, heads=heads)
+
+    def run(gate_stats):
+        return mosaic_gpu.phase2_fused_forward(state, partial, bank, query, include, gate, seg, fuse="gate", eps=1e-6,
+                                               gate_eps=1e-6, gate_stats=gate_stats, interpret=True, **kw)
+
+    (h, scores), (h_own, scores_own) = run("in_scores"), run("own_pass")
+    want = reference.phase2_fused(state, partial, bank, query, include, gate, segment_ids=seg, eps=1e-6,
+                                  gate_eps=1e-6, **kw)
+    assert _rel(h, want) < F32_TOL and _rel(h, h_own) < F32_TOL
+    for got, own in zip(scores, scores_own):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(own))  # pass A's own sums are unchanged
+    with pytest.raises(ValueError, match="gate_stats='both'"):
+        run("both")
