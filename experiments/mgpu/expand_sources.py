@@ -94,6 +94,52 @@ def build(source, batch, t_len, d, bd=32, interpret=False):
 
         scratch = [plgpu.SMEM((2, lags.count, lags.rows, bd), jnp.bfloat16), plgpu.SMEM((2, n_taps, bd), jnp.float32),
                    plgpu.SMEM((m, bt), jnp.float32), plgpu.Barrier(num_arrivals=lags.count + 1, num_barriers=2)]
+    elif source == "tma_wgmma":
+        # one window of the tile's rows, the FRONT rows before it and FRONT after (one TMA copy,
+        # 1.5x the tile's bytes), each lag's tile the product of a 0/1 shift matrix [64, 80] (built in registers)
+        # with it on the tensor cores: exact for bf16 values with float32 accumulation
+        rows = bt + 2 * FRONT  # the K of a WGMMA with 64-byte swizzled bf16 rows is a multiple of 32
+        win_transforms = (plgpu.TilingTransform((8, bd)), plgpu.SwizzleTransform(bd * 2))
+
+        def body(x_ref, bank_ref, ss_ref, xs, bs, ss_s, bar):
+            b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
+
+            def fetch(c, slot):
+                cs = pl.ds(c * bd, bd)
+                plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(t0, rows), cs], xs.at[slot], bar.at[slot])
+                plgpu.copy_gmem_to_smem(bank_ref.at[:, cs], bs.at[slot], bar.at[slot])
+
+            out_rows = plgpu.broadcasted_iota(jnp.int32, (bt, rows), 0, layout=tile)
+            win_rows = plgpu.broadcasted_iota(jnp.int32, (bt, rows), 1, layout=tile)
+
+            def lag_tile(slot, delta):
+                shift = (win_rows == out_rows + (FRONT - delta)).astype(jnp.bfloat16)
+
+                def product(acc_ref):
+                    plgpu.wgmma(acc_ref, shift, xs.at[slot])
+                    return acc_ref[...]
+
+                return pl.run_scoped(product, plgpu.ACC((bt, bd), jnp.float32))
+
+            def chunk(c, slot, head, sqs):
+                es = [None] * m
+                for delta in range(max_lag):
+                    xl = lag_tile(slot, delta)
+                    for r, (kernel, off) in enumerate(layout):
+                        if kernel == 0:
+                            es[r] = xl if delta == 0 else es[r]
+                        elif delta < kernel:
+                            tap = plgpu.load(bs, (slot, off + delta), layout=col)
+                            term = lax.broadcast_in_dim(tap, (bt, bd), [1]) * xl
+                            es[r] = term if es[r] is None else es[r] + term
+                return [sq + jnp.sum(e * e, axis=1) for sq, e in zip(sqs, es)]
+
+            sqs = mosaic_gpu._pipelined(plgpu, fetch, bar, nc, 1, chunk, [zero() for _ in range(m)])
+            finish(sqs, ss_s, ss_ref, b, t0)
+
+        scratch = [plgpu.SMEM((2, rows, bd), jnp.bfloat16, transforms=win_transforms),
+                   plgpu.SMEM((2, n_taps, bd), jnp.float32), plgpu.SMEM((m, bt), jnp.float32),
+                   plgpu.Barrier(num_arrivals=2, num_barriers=2)]
     else:
         def body(x_ref, bank_ref, ss_ref, ss_s):
             b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
@@ -129,7 +175,7 @@ def reference_sumsq(x, bank, t_len):
     out = []
     for kernel, off in layout:
         if kernel == 0:
-            e = xf[:, FRONT:]
+            e = xf[:, FRONT:FRONT + t_len]
         else:
             e = sum(bank[off + delta] * xf[:, FRONT - delta:FRONT - delta + t_len] for delta in range(kernel))
         out.append(jnp.sum(e * e, axis=-1))
@@ -144,16 +190,21 @@ def main():
               f"{'exact at offsets 0..15' if not bad else 'WRONG at offsets ' + str(bad)}", flush=True)
     batch, t_len, d = (1, 128, 64) if interpret else (64, 1024, 1024)
     k = jax.random.split(jax.random.key(0), 2)
-    x = jax.random.normal(k[0], (batch, FRONT + t_len, d), jnp.float32).at[:, :FRONT].set(0).astype(jnp.bfloat16)
+    # FRONT zero rows before the tokens and after them (the WGMMA form's window reaches past the tile)
+    x = jax.random.normal(k[0], (batch, 2 * FRONT + t_len, d), jnp.float32)
+    x = x.at[:, :FRONT].set(0).at[:, FRONT + t_len:].set(0).astype(jnp.bfloat16)
     bank = 0.3 * jax.random.normal(k[1], (sum(KERNELS), d), jnp.float32)
     want = reference_sumsq(x, bank, t_len)
-    nbytes = x.size * 2
-    for source, bd in (("tma", 32), ("gmem", 32), ("gmem", 64), ("tma_fetch", 32)):
+    nbytes = batch * t_len * d * 2
+    sources = (("tma", 32), ("gmem", 32), ("gmem", 64), ("tma_fetch", 32), ("tma_wgmma", 32))
+    if "--wgmma" in sys.argv:  # a shorter device call
+        sources = (("tma", 32), ("tma_wgmma", 32))
+    for source, bd in sources:
         try:
             run = build(source, batch, t_len, d, bd=bd, interpret=interpret)
             got = run(x, bank)
             if source == "tma_fetch":  # every stream is the partial itself
-                want = jnp.broadcast_to(jnp.sum(x[:, FRONT:].astype(jnp.float32) ** 2, axis=-1), want.shape)
+                want = jnp.broadcast_to(jnp.sum(x[:, FRONT:FRONT + t_len].astype(jnp.float32) ** 2, axis=-1), want.shape)
             err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
             times = []
             for _ in range(1 if interpret else 21):

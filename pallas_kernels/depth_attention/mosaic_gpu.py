@@ -349,8 +349,10 @@ def _shape(name, partial, segment_ids, *, stream_kernels, heads, block_d, interp
 GATE_STATS = ("own_pass", "in_scores")
 # ``"own_pass"``: the forward's pass B re-expands the partial to sum ``sum z^2`` and ``z . W_j``;
 # ``"in_scores"``: pass A sums ``A.A``, ``A.E``, ``E.E``, ``A.W_j``, ``E.W_j`` per stream and head
-# and the statistics follow from them once a and b are known, so the forward expands twice
-DEFAULT_GATE_STATS = "in_scores"
+# and the statistics follow from them once a and b are known, so the forward expands twice. On
+# the H200 at `base` that was slower (1.385 against 1.234 ms per call; BENCHMARKS.md, kernels,
+# session 19, call 6): pass A's extra sums cost more than the expansion they save.
+DEFAULT_GATE_STATS = "own_pass"
 
 
 def phase2_fused_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *, fuse: str,
