@@ -17,7 +17,6 @@ Run: ``python experiments/mgpu/expand_sources.py`` (GPU); ``--interpret`` on the
 shape (a smoke test; interpret mode is exact either way). ``tma_fetch``: the TMA form's copies
 with one load per chunk and no conv, to split the fetch's time from the loads' and arithmetic's."""
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention import mosaic_gpu
+from pallas_kernels.depth_attention import bench, mosaic_gpu
 from pallas_kernels.depth_attention.fused import _stream_layout
 
 KERNELS = (0, 4, 8, 12)
@@ -203,15 +202,12 @@ def main():
         try:
             run = build(source, batch, t_len, d, bd=bd, interpret=interpret)
             got = run(x, bank)
+            expected = want
             if source == "tma_fetch":  # every stream is the partial itself
-                want = jnp.broadcast_to(jnp.sum(x[:, FRONT:FRONT + t_len].astype(jnp.float32) ** 2, axis=-1), want.shape)
-            err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-            times = []
-            for _ in range(1 if interpret else 21):
-                start = time.perf_counter()
-                run(x, bank).block_until_ready()
-                times.append(time.perf_counter() - start)
-            ms = float(np.median(times)) * 1e3
+                expected = jnp.broadcast_to(jnp.sum(x[:, FRONT:FRONT + t_len].astype(jnp.float32) ** 2, axis=-1),
+                                            want.shape)
+            err = float(jnp.max(jnp.abs(got - expected)) / jnp.max(jnp.abs(expected)))
+            ms = bench.timeit(run, x, bank, reps=1 if interpret else 21, inner=1, warmup=0)[0] * 1e3
             print(f"expansion from {source:4s}, {bd} channels: {ms:8.4f} ms (partial read once: {nbytes / ms / 1e6:6.0f} GB/s)  "
                   f"rel err {err:.1e}", flush=True)
         except Exception as e:  # noqa: BLE001 - report and go on

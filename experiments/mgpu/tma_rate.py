@@ -16,12 +16,12 @@ copy per SM (time x 132 SMs / programs / copies per program) and the bandwidth.
 Run: ``python experiments/mgpu/tma_rate.py`` (GPU); ``--interpret`` runs each variant once in
 Pallas' Mosaic GPU interpret mode on tiny shapes (a smoke test of the harness)."""
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
+
+from pallas_kernels.depth_attention import bench
 
 SMS = 132  # the H200's streaming multiprocessors
 
@@ -117,12 +117,7 @@ def main():
         out = run(x, acc)
         out.block_until_ready()
         assert float(jnp.min(out)) == 1.0
-        times = []
-        for _ in range(1 if interpret else 20):
-            start = time.perf_counter()
-            run(x, acc).block_until_ready()
-            times.append(time.perf_counter() - start)
-        ms = float(np.median(times)) * 1e3
+        ms = bench.timeit(run, x, acc, reps=1 if interpret else 20, inner=1, warmup=0)[0] * 1e3
         copies = steps * len(boxes)
         nbytes = steps * sum(r * c * (lead or 1) * (2 if a == "x" else 4) for a, r, c, lead in boxes)
         per_copy = ms * 1e3 * SMS / programs / copies

@@ -1,0 +1,57 @@
+"""The Mosaic GPU probes of session 19 (``experiments/mgpu/expand_sources.py``,
+``experiments/mgpu/tma_rate.py``; BENCHMARKS.md, kernels, session 19) in Pallas' Mosaic GPU
+interpret mode: the expansion from TMA windows, from loads straight from global memory (at row
+offsets that are not multiples of 8) and the fetch-only form each give the plain-jnp sums of
+squares of the streams, and the copy-rate harness runs every variant (each program's marker row
+written). The ``tma_wgmma`` form is not here: the interpret mode cannot run a WGMMA whose left
+operand is in registers (it lowers for sm_90; ``expand_sources.py --wgmma`` runs it on the
+GPU). In the slow suite (CI runs it): probes outside the package, about 40 s."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "mgpu"))
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source, bd", [("tma", 32), ("gmem", 32), ("gmem", 64), ("tma_fetch", 32)])
+def test_interpreted_expansion_sources(source, bd):
+    import expand_sources as es
+
+    batch, t_len, d = 1, 128, 128  # 2 token tiles, several chunks: both pipeline slots turn over
+    keys = jax.random.split(jax.random.key(4), 2)
+    x = jax.random.normal(keys[0], (batch, 2 * es.FRONT + t_len, d), jnp.float32)
+    x = x.at[:, :es.FRONT].set(0).at[:, es.FRONT + t_len:].set(0).astype(jnp.bfloat16)
+    bank = 0.3 * jax.random.normal(keys[1], (sum(es.KERNELS), d), jnp.float32)
+    got = es.build(source, batch, t_len, d, bd=bd, interpret=True)(x, bank)
+    want = es.reference_sumsq(x, bank, t_len)
+    if source == "tma_fetch":  # no conv: every stream is the partial itself
+        want = jnp.broadcast_to(want[0], want.shape)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_interpreted_global_memory_loads_at_any_offset():
+    import expand_sources as es
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        assert es.gmem_offset_probe(dtype, interpret=True) == []
+
+
+@pytest.mark.slow
+def test_interpreted_copy_rate_harness_runs_every_variant():
+    import tma_rate
+
+    x = jnp.ones((1, 128 + 32, 2048), jnp.bfloat16)
+    acc = jnp.ones((4, 1, 128, 2048), jnp.float32)
+    for name, (steps, boxes) in tma_rate.variants().items():
+        out = tma_rate.build(min(steps, 3), boxes, batch=1, t_len=128, d=2048, interpret=True)(x, acc)
+        assert out.shape == (1, 2, 128) and float(jnp.min(out)) == 1.0, name
