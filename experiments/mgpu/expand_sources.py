@@ -1,6 +1,7 @@
 """Where should a Mosaic GPU kernel get a tile's conv lags from: TMA-filled lag windows in shared
-memory (what the kernels do: ``mosaic_gpu._Lags``, one window per lag modulo 8), or loads
-straight from global memory at any row offset (through L1)?
+memory (what the kernels do: ``mosaic_gpu._Lags``, one window per lag modulo 8), loads straight
+from global memory at any row offset (through L1), or one window and a 0/1 shift matrix per lag
+on the tensor cores?
 
 Session 19's ``tma_rate.py`` found TMA copies cost bytes, not copies: the aligned windows
 bring 544 rows into shared memory per 64-row tile and chunk (8.5x the partial, from L2) and that
@@ -11,11 +12,17 @@ optimized=False)``) takes any row offset; its overlap would hit L1 instead of L2
 
 This script runs the expansion alone (Eq. 10, kernels (0, 4, 8, 12), every stream's sum of
 squares per token, as the scoring pass does) both ways at `base`'s phase-2 shape (B x T = 64 x
-1024, d = 1024, bf16 partial; 32-channel chunks, and 64 for global memory), checks both against plain jnp, and times them (median of 21).
-First it checks WGMMA-layout loads from global memory at row offsets 0..15 for exactness.
-Run: ``python experiments/mgpu/expand_sources.py`` (GPU); ``--interpret`` on the CPU at a tiny
-shape (a smoke test; interpret mode is exact either way). ``tma_fetch``: the TMA form's copies
-with one load per chunk and no conv, to split the fetch's time from the loads' and arithmetic's."""
+1024, d = 1024, bf16 partial; 32-channel chunks, and 64 for global memory), checks each against
+plain jnp, and times them (median of 21). First it checks WGMMA-layout loads from global memory
+at row offsets 0..15 for exactness. Run: ``python experiments/mgpu/expand_sources.py`` (GPU);
+``--interpret`` on the CPU at a tiny shape (a smoke test; interpret mode is exact either way).
+``tma_fetch``: the TMA form's copies with one load per chunk and no conv, to split the fetch's
+time from the loads' and arithmetic's. ``tma_wgmma``: one window of 96 rows (128 for 64
+channels) per chunk, each lag's tile ``S_delta @ window`` with ``S_delta[i, k] = [k == i + 16 -
+delta]`` built in registers (exact: bf16 values, float32 accumulation); the interpret mode
+cannot run it (a WGMMA with its left operand in registers), so ``--interpret`` reports it
+FAILED; ``--wgmma`` runs only the TMA windows and this form, 32 and 64 channels (untimed as of
+session 19)."""
 import sys
 
 import jax
@@ -94,10 +101,12 @@ def build(source, batch, t_len, d, bd=32, interpret=False):
         scratch = [plgpu.SMEM((2, lags.count, lags.rows, bd), jnp.bfloat16), plgpu.SMEM((2, n_taps, bd), jnp.float32),
                    plgpu.SMEM((m, bt), jnp.float32), plgpu.Barrier(num_arrivals=lags.count + 1, num_barriers=2)]
     elif source == "tma_wgmma":
-        # one window of the tile's rows, the FRONT rows before it and FRONT after (one TMA copy,
-        # 1.5x the tile's bytes), each lag's tile the product of a 0/1 shift matrix [64, 80] (built in registers)
+        # one window of the tile's rows, the FRONT rows before it and more after (one TMA copy,
+        # 1.5x the tile's bytes for 32 channels, 2x for 64), each lag's tile the product of a 0/1 shift matrix [64, 80] (built in registers)
         # with it on the tensor cores: exact for bf16 values with float32 accumulation
-        rows = bt + 2 * FRONT  # the K of a WGMMA with 64-byte swizzled bf16 rows is a multiple of 32
+        # the window's rows are the WGMMA's K, a multiple of the swizzle's width in elements (bd for
+        # bf16 rows of bd channels: 96 rows for 32 channels, 128 for 64)
+        rows = -(-(bt + FRONT) // bd) * bd
         win_transforms = (plgpu.TilingTransform((8, bd)), plgpu.SwizzleTransform(bd * 2))
 
         def body(x_ref, bank_ref, ss_ref, xs, bs, ss_s, bar):
@@ -197,7 +206,7 @@ def main():
     nbytes = batch * t_len * d * 2
     sources = (("tma", 32), ("gmem", 32), ("gmem", 64), ("tma_fetch", 32), ("tma_wgmma", 32))
     if "--wgmma" in sys.argv:  # a shorter device call
-        sources = (("tma", 32), ("tma_wgmma", 32))
+        sources = (("tma", 32), ("tma_wgmma", 32), ("tma_wgmma", 64))
     for source, bd in sources:
         try:
             run = build(source, batch, t_len, d, bd=bd, interpret=interpret)
