@@ -80,19 +80,22 @@ def build(source, batch, t_len, d, bd=32, interpret=False):
 
     zero = lambda: plgpu.layout_cast(jnp.zeros((bt,), jnp.float32), row)  # noqa: E731
 
-    if source in ("tma", "tma_fetch"):
+    if source in ("tma_single", "tma_single_dyn"):
+        lags = mosaic_gpu._Lags.of(max_lag, "single")
+    if source in ("tma", "tma_fetch", "tma_single", "tma_single_dyn"):
         def body(x_ref, bank_ref, ss_ref, xs, bs, ss_s, bar):
             b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
+            lags_ = lags._replace(zero=b // 4096) if source == "tma_single_dyn" else lags  # a runtime 0
 
             def fetch(c, slot):
-                mosaic_gpu._fetch_partial(plgpu, x_ref, bank_ref, xs, bs, b, t0, FRONT, c, bd, slot, bar, lags,
+                mosaic_gpu._fetch_partial(plgpu, x_ref, bank_ref, xs, bs, b, t0, FRONT, c, bd, slot, bar, lags_,
                                           max_lag)
 
             def chunk(c, slot, head, sqs):
                 if source == "tma_fetch":  # the same copies, one load and no conv: what the fetch alone costs
-                    es = [lags.load(plgpu, xs, slot, 0).astype(jnp.float32)] * m
+                    es = [lags_.load(plgpu, xs, slot, 0).astype(jnp.float32)] * m
                 else:
-                    es = mosaic_gpu._expand_all(plgpu, xs, bs, slot, layout, [None] * max_lag, bt, bd, lags)
+                    es = mosaic_gpu._expand_all(plgpu, xs, bs, slot, layout, [None] * max_lag, bt, bd, lags_)
                 return [sq + jnp.sum(e * e, axis=1) for sq, e in zip(sqs, es)]
 
             sqs = mosaic_gpu._pipelined(plgpu, fetch, bar, nc, 1, chunk, [zero() for _ in range(m)])
@@ -171,8 +174,10 @@ def build(source, batch, t_len, d, bd=32, interpret=False):
             finish(sqs, ss_s, ss_ref, b, t0)
 
         scratch = [plgpu.SMEM((m, bt), jnp.float32)]
+    lane = {} if interpret or "--lane" not in sys.argv else dict(  # no inferred swizzle (session 20)
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
     kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, batch, t_len), jnp.float32),
-                          grid=(batch, t_len // bt), grid_names=("b", "t"), scratch_types=scratch,
+                          grid=(batch, t_len // bt), grid_names=("b", "t"), scratch_types=scratch, **lane,
                           interpret=plgpu.InterpretGPUParams() if interpret else False)
     return jax.jit(kernel)
 
@@ -207,6 +212,8 @@ def main():
     sources = (("tma", 32), ("gmem", 32), ("gmem", 64), ("tma_fetch", 32), ("tma_wgmma", 32))
     if "--wgmma" in sys.argv:  # a shorter device call
         sources = (("tma", 32), ("tma_wgmma", 32), ("tma_wgmma", 64))
+    if "--single" in sys.argv:  # one window per chunk, loads at any row offset (static, then runtime)
+        sources = (("tma", 32), ("tma_single", 32), ("tma_single_dyn", 32))
     for source, bd in sources:
         try:
             run = build(source, batch, t_len, d, bd=bd, interpret=interpret)

@@ -12,7 +12,8 @@ the invalid sources). Median of 21 timings of 3 calls each after warm-up (``benc
 the error of the Mosaic states against Triton's, relative to their largest magnitude; the
 floor: the states written once and the live sources read once at the measured copy bandwidth.
 Run on the GPU: ``python experiments/mgpu/time_phase1_mix.py [--bf16] [--base-only] [--narrow]``;
-``--bf16-aligned``: only the bf16 state and the aligned windows."""
+``--bf16-aligned``: only the bf16 state and the aligned windows. ``--single``: 3 slots, the
+aligned windows against one window per chunk (``"single"``, Lane semantics; session 20)."""
 import sys
 import traceback
 
@@ -35,6 +36,8 @@ def main():
     if "--bf16-aligned" in sys.argv:  # a shorter device call: bf16 state, aligned windows only
         state_dtypes, mosaic_variants = [jnp.bfloat16], tuple(v for v in MOSAIC_VARIANTS if v[2] == "aligned")
     shapes = (("base", (7, live, 64, 1024, 1024, 8)), ("issue", (9, 9, 8, 2048, 2048, 8)))
+    if "--single" in sys.argv:  # aligned against one window per chunk (Lane semantics), float32 state, 3 slots
+        mosaic_variants = ((32, 3, "aligned"), (32, 3, "single"))
     if "--base-only" in sys.argv:
         shapes = shapes[:1]
     bw = bench.copy_bandwidth()

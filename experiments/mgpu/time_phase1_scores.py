@@ -43,7 +43,10 @@ def main():
             return dots[..., :t_len, :], sumsq[..., :t_len]
 
         variants = {"triton": triton}
-        for expand, windows in [(ex, "per_lag") for ex in mosaic_gpu.EXPANDS] + [("shared", "aligned")]:
+        forms = [(ex, "per_lag") for ex in mosaic_gpu.EXPANDS] + [("shared", "aligned")]
+        if "--single" in sys.argv:  # aligned against one window per chunk (Lane semantics; session 20)
+            variants, forms = {}, [("shared", "aligned"), ("shared", "single")]
+        for expand, windows in forms:
             variants[f"mosaic {expand} {windows}"] = (lambda ex, w: lambda x, b, q, v: mosaic_gpu.phase1_scores(
                 x, b, q, None, v, stream_kernels=KERNELS, heads=1, expand=ex, windows=w))(expand, windows)
         print(f"## {name}: {n} sources ({n_live} valid), S = {n_targets}, B x T = {batch} x {t_len}, d = {d}; "

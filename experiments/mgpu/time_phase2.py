@@ -17,7 +17,8 @@ the whole Pallas backward with its passes 1-2 in Triton and in Mosaic GPU, with 
 only the Mosaic default (shared, aligned) with each ``mosaic_gpu.STATE_BOXES`` (the state's
 chunk as one TMA copy per stream or one 3D box). ``--gate-stats``: the forward only, the Mosaic
 default with each ``mosaic_gpu.GATE_STATS`` (the gate's statistics in their own pass or summed
-in the scoring pass)."""
+in the scoring pass). ``--single``: forward or backward, the Mosaic default's aligned windows
+against one window per chunk (``"single"``, Lane semantics; session 20)."""
 import collections
 import os
 import sys
@@ -103,6 +104,8 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
         if state_boxes:
             forms = [(f"mosaic passes 1-2, state boxes {sb}", True, "shared", "aligned", sb)
                      for sb in mosaic_gpu.STATE_BOXES]
+        if "--single" in sys.argv:
+            forms = [(f"mosaic passes 1-2, windows {w}", True, "shared", w, None) for w in ("aligned", "single")]
         for label, mosaic_state, expand, windows, boxes in forms:
             # read when the kernel is traced (below)
             mosaic_gpu.DEFAULT_EXPAND, mosaic_gpu.DEFAULT_WINDOWS = expand or "shared", windows or "aligned"
@@ -167,6 +170,8 @@ def main():
                 variants, forms = {}, [("shared", "aligned", sb, None) for sb in mosaic_gpu.STATE_BOXES]
             if "--gate-stats" in sys.argv:
                 variants, forms = {}, [("shared", "aligned", None, gs) for gs in mosaic_gpu.GATE_STATS]
+            if "--single" in sys.argv:
+                variants, forms = {}, [("shared", w, None, None) for w in ("aligned", "single")]
             for expand, windows, boxes, stats in forms:
                 label = f"mosaic {expand} {windows}" + (f" state {boxes}" if boxes else "") + (
                     f" gate stats {stats}" if stats else "")

@@ -118,7 +118,7 @@ def _cols(v, bt, bd):
     return lax.broadcast_in_dim(v, (bt, bd), [1])
 
 
-WINDOWS = ("per_lag", "aligned")
+WINDOWS = ("per_lag", "aligned", "single")
 # what the kernels take when called with windows=None (the ops do): on the H200 at `base` the step
 # went from 1648.4 to 1595.2 ms with it (BENCHMARKS.md, kernels, session 18, call 4)
 DEFAULT_WINDOWS = "aligned"
@@ -130,12 +130,16 @@ class _Lags(NamedTuple):
     one window per lag modulo 8 (``min(8, max_lag)`` copies instead of ``max_lag``), ``64 + 8
     extra`` rows tall, lag ``w + 8 q`` at row ``8 (extra - q)`` of window ``w``: every load at a
     row offset that is a multiple of 8, the only offsets a WGMMA-layout load gets right on the
-    H200 (session 17's probe, ``experiments/mgpu/offset_loads.py``)."""
+    H200 (session 17's probe, ``experiments/mgpu/offset_loads.py``). ``"single"``: one window
+    of ``64 + 8 extra`` rows, lag ``delta`` at row ``8 extra - delta``: one copy of about the
+    tile's bytes, but loads at row offsets that are not multiples of 8 (``zero``: a runtime 0
+    added to the offset; session 20 probes whether that makes them exact)."""
 
     kind: str
     count: int  # windows, each one TMA copy when every lag is fetched
     rows: int  # rows of each window
     extra: int  # 8-row groups above the 64 rows
+    zero: object = 0  # "single": added to the row offset of each load (a traced 0 makes it dynamic)
 
     @staticmethod
     def of(max_lag: int, windows: str | None) -> "_Lags":
@@ -144,8 +148,8 @@ class _Lags(NamedTuple):
             raise ValueError(f"windows={windows!r}: must be one of {WINDOWS}")
         if windows == "per_lag":
             return _Lags(windows, max_lag, BLOCK_T, 0)
-        extra = (max_lag - 1) // 8
-        return _Lags(windows, min(8, max_lag), BLOCK_T + 8 * extra, extra)
+        extra = -(-(max_lag - 1) // 8) if windows == "single" else (max_lag - 1) // 8
+        return _Lags(windows, 1 if windows == "single" else min(8, max_lag), BLOCK_T + 8 * extra, extra)
 
     def copies(self, n_lags: int):
         """``(window, first row in it, rows, lag of its first row)`` of the TMA copies that bring
@@ -153,6 +157,10 @@ class _Lags(NamedTuple):
         n_lags = max(1, n_lags)
         if self.kind == "per_lag":
             return [(delta, 0, BLOCK_T, delta) for delta in range(n_lags)]
+        if self.kind == "single":
+            # the whole window: a TMA copy into shared memory must start 128-byte aligned (a
+            # window starting at row 8 extra - (n_lags - 1) failed with a misaligned address)
+            return [(0, 0, self.rows, 8 * self.extra)]
         out = []
         for w in range(min(8, n_lags)):
             q = (n_lags - 1 - w) // 8  # the deepest 8-row group of this window's lags
@@ -171,6 +179,9 @@ class _Lags(NamedTuple):
         tile = plgpu.Layout.WGMMA
         if self.kind == "per_lag":
             return plgpu.load(xs, (slot, delta), layout=tile)
+        if self.kind == "single":
+            return plgpu.load(xs.at[slot, 0, pl.ds(self.zero + 8 * self.extra - delta, BLOCK_T)], (), layout=tile,
+                              optimized=False)
         return plgpu.load(xs.at[slot, delta % 8, pl.ds(8 * (self.extra - delta // 8), BLOCK_T)], (), layout=tile)
 
     def smem_rows(self) -> int:
@@ -338,7 +349,7 @@ def _shape(name, partial, segment_ids, *, stream_kernels, heads, block_d, interp
     max_lag = max([1, *stream_kernels])
     has_seg = segment_ids is not None and max_lag > 1
     t_pad = -(-t_len // BLOCK_T) * BLOCK_T
-    front = max_lag - 1 if interpret else 0
+    front = 8 * -(-(max_lag - 1) // 8) if interpret else 0  # rows a "single" window reaches back: whole 8s
     x = _pad_t(partial, 1, t_pad)
     if front:
         x = jnp.pad(x, ((0, 0), (front, 0), (0, 0)))
@@ -418,11 +429,47 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     return h[:, :t_len], (dots, sumsq[:, :, :t_len])
 
 
+class _LanePlgpu:
+    """``plgpu`` for a kernel lowered in Lane semantics (``windows="single"``): the default
+    Warpgroup semantics infers a swizzle for every shared-memory ref (64 bytes for a window of
+    32 bf16 channels), and a WGMMA-layout load that starts at a row offset that is not a
+    multiple of the swizzle's 8 rows unswizzles it relative to its own start, so it returns the
+    right rows with their 16-byte column groups permuted (session 20, ``experiments/mgpu/
+    offset_loads.py --map``). Lane semantics leaves unannotated refs unswizzled; their loads
+    must then be unoptimized (no bank-conflict-free plan exists for them), so ``load`` passes
+    ``optimized=False``. Everything else is ``plgpu``'s."""
+
+    lane = True
+
+    def __init__(self, plgpu):
+        self._plgpu = plgpu
+
+    def __getattr__(self, name):
+        return getattr(self._plgpu, name)
+
+    def load(self, src, *idx, layout=None, optimized=True):
+        del optimized
+        return self._plgpu.load(src, *idx, layout=layout, optimized=False)
+
+
+def _plgpu_for(windows: str, interpret: bool):
+    """The ``plgpu`` module a kernel body uses: the Lane-semantics wrapper for ``"single"``
+    windows on the GPU (``_LanePlgpu``), else the module."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return _LanePlgpu(plgpu) if windows == "single" and not interpret else plgpu
+
+
 def _jitted_kernel(plgpu, body, out_type, scratch_types, *, name, batch, t_pad, interpret):
     """``body`` as a ``plgpu.kernel`` over (batch row, 64-token tile), one warpgroup each, jitted
-    under the named scope ``name`` (the kernel's name in profiles)."""
+    under the named scope ``name`` (the kernel's name in profiles); in Lane semantics when
+    ``plgpu`` is ``_LanePlgpu``."""
+    params = {}
+    if getattr(plgpu, "lane", False):
+        params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
     kernel = plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, grid=(batch, t_pad // BLOCK_T),
-                          grid_names=("b", "t"), interpret=plgpu.InterpretGPUParams() if interpret else False)
+                          grid_names=("b", "t"), interpret=plgpu.InterpretGPUParams() if interpret else False,
+                          **params)
 
     @jax.jit
     def run(*inputs):
@@ -463,7 +510,7 @@ def _kernel(cfg: _Config):
     jitted once per configuration, so that every call site of a model traces the same function:
     JAX then lowers it once per program instead of once per call (the Mosaic GPU lowering of this
     kernel takes about 15 s on the CPU; a `base` step has 56 call sites of one configuration)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+    plgpu = _plgpu_for(cfg.windows, cfg.interpret)
 
     batch, t_pad, d, heads, bd, gate, has_seg, front = (cfg.batch, cfg.t_pad, cfg.d, cfg.heads, cfg.block_d,
                                                         cfg.gate, cfg.has_seg, cfg.front)
@@ -762,7 +809,7 @@ class _StateConfig(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def _state_kernel(cfg: _StateConfig):
     """``phase2_backward_state``'s kernel for ``cfg``, built and jitted once (``_kernel`` says why)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+    plgpu = _plgpu_for(cfg.windows, cfg.interpret)
 
     batch, t_pad, d, heads, bd, gate, has_seg, front = (cfg.batch, cfg.t_pad, cfg.d, cfg.heads, cfg.block_d,
                                                         cfg.gate, cfg.has_seg, cfg.front)
@@ -1003,7 +1050,7 @@ class _ScoresConfig(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def _scores_kernel(cfg: _ScoresConfig):
     """``phase1_scores``'s kernel for ``cfg``, built and jitted once (``_kernel`` says why)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+    plgpu = _plgpu_for(cfg.windows, cfg.interpret)
 
     n, batch, d, heads, bd, n_targets = cfg.n, cfg.batch, cfg.d, cfg.heads, cfg.block_d, cfg.n_targets
     stream_kernels, has_bank, has_seg, front = cfg.stream_kernels, cfg.has_bank, cfg.has_seg, cfg.front
@@ -1188,7 +1235,7 @@ class _MixConfig(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def _mix_kernel(cfg: _MixConfig):
     """``phase1_mix``'s kernel for ``cfg``, built and jitted once (``_kernel`` says why)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+    plgpu = _plgpu_for(cfg.windows, cfg.interpret)
 
     n, batch, d, heads, bd, n_targets = cfg.n, cfg.batch, cfg.d, cfg.heads, cfg.block_d, cfg.n_targets
     stream_kernels, has_bank, has_seg, front, n_slots = (cfg.stream_kernels, cfg.has_bank, cfg.has_seg, cfg.front,

@@ -213,9 +213,10 @@ def test_gpu_mosaic_matches_reference(monkeypatch, case, state_dtype):
 
 
 def test_window_placements_agree_in_every_kernel():
-    """``windows="aligned"`` (one lag window per lag modulo 8, loads at multiples of 8 rows)
-    and ``"per_lag"`` put the same rows in the same sums: the four Mosaic GPU kernels give the
-    same values to the last bit (interpreted; segments, a ragged second tile, bf16 inputs)."""
+    """``windows="aligned"`` (one lag window per lag modulo 8, loads at multiples of 8 rows),
+    ``"single"`` (one window, loads at any row offset) and ``"per_lag"`` put the same rows in
+    the same sums: the four Mosaic GPU kernels give the same values to the last bit
+    (interpreted; segments, a ragged second tile, bf16 inputs)."""
     from tests.kernels.test_depth_attention_fused import _phase1_inputs
 
     kernels, batch, t_len, d, heads = (0, 4, 8, 12), 2, 100, 64, 2
@@ -241,10 +242,13 @@ def test_window_placements_agree_in_every_kernel():
                                                stream_kernels=kernels, heads=heads, windows=w, interpret=True),
     }
     for name, run in runs.items():
-        got, want = jax.tree.leaves(run("aligned")), jax.tree.leaves(run("per_lag"))
-        assert len(got) == len(want) and any(np.any(np.asarray(w)) for w in want), name
-        for g, w in zip(got, want):
-            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+        want = jax.tree.leaves(run("per_lag"))
+        assert any(np.any(np.asarray(w)) for w in want), name
+        for windows in ("aligned", "single"):
+            got = jax.tree.leaves(run(windows))
+            assert len(got) == len(want), (name, windows)
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name}, {windows}")
     with pytest.raises(ValueError, match="windows='tall'"):
         runs["scores"]("tall")
 

@@ -297,3 +297,57 @@ def test_phase2_wide_form_lowers(h200):
     with jax.sharding.use_abstract_mesh(mesh):
         text = lowered("pallas_tpu", "tpu")
     assert "depth_attention_phase2_bwd_dstreams" in text and "depth_attention_expansion_transpose" in text
+
+
+def test_single_windows_lower_in_lane_semantics(h200, monkeypatch):
+    """``windows="single"`` (one lag window per chunk, loads at any row offset) lowers each of
+    the four Mosaic GPU kernels in Lane semantics, whose shared-memory refs carry no inferred
+    swizzle (BENCHMARKS.md, kernels, session 20), with every explicit load unoptimized; the
+    other placements keep the default Warpgroup semantics."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels.depth_attention import mosaic_gpu
+
+    semantics, loads = [], []
+    kernel, load = plgpu.kernel, plgpu.load
+
+    def spy_kernel(*args, **kwargs):
+        params = kwargs.get("compiler_params")
+        semantics.append(params.lowering_semantics if params is not None else None)
+        return kernel(*args, **kwargs)
+
+    def spy_load(*args, **kwargs):
+        loads.append(kwargs.get("optimized", True))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(plgpu, "kernel", spy_kernel)
+    monkeypatch.setattr(plgpu, "load", spy_load)
+    kernels, n, batch, t_len, d, m = (0, 4, 8, 12), 3, 2, 100, 64, 4
+    keys = jax.random.split(jax.random.key(1), 6)
+    seg = jnp.asarray([[0] * 17 + [1] * (t_len - 17)] * batch, jnp.int32)
+    state = reference.SoftmaxState(jax.random.normal(keys[0], (m, batch, t_len, 1)),
+                                   jnp.ones((m, batch, t_len, 1)), jax.random.normal(keys[1], (m, batch, t_len, d)))
+    partial = jax.random.normal(keys[2], (batch, t_len, d), jnp.bfloat16)
+    gate = (jax.random.normal(keys[3], (m * d, m)), jnp.float32(0.7), jnp.zeros((m,)))
+    sources = jax.random.normal(keys[4], (n, batch, t_len, d), jnp.bfloat16)
+    banks = 0.5 * jax.random.normal(keys[5], (n, sum(kernels), d))
+
+    def loss2(st, x, b, q, g):
+        return jnp.sum(api.phase2_fused(st, x, b, q, True, g, stream_kernels=kernels, segment_ids=seg,
+                                        implementation="pallas_gpu", interpret=False, backward="pallas"))
+
+    def loss1(x, b, q):
+        st = api.phase1(x, b, q, jnp.asarray([True, False, True]), stream_kernels=kernels, heads=1,
+                        segment_ids=seg, implementation="pallas_gpu", interpret=False, backward="pallas",
+                        gpu_kernels="mosaic")
+        return jnp.sum(st.acc) + jnp.sum(st.denom)
+
+    monkeypatch.setattr(mosaic_gpu, "DEFAULT_WINDOWS", "single")
+    text = _lower(jax.grad(loss2, argnums=(0, 1, 2, 3, 4)), state, partial, banks[0], jnp.ones((m, d)), gate)
+    text += _lower(jax.value_and_grad(loss1, argnums=(0, 1, 2)), sources, banks, jnp.ones((2, m, d)))
+    assert text.count(MOSAIC_GPU_CALL) == 4  # phase 2's two kernels, phase 1's scoring and mixing
+    assert semantics == [plgpu.LoweringSemantics.Lane] * 4, semantics
+    assert loads and not any(loads)
+    # the other placements (lowered by the tests above) take the module itself: Warpgroup semantics
+    assert all(mosaic_gpu._plgpu_for(w, False) is plgpu for w in ("aligned", "per_lag"))
+    assert mosaic_gpu._plgpu_for("single", True) is plgpu  # interpreted: no lowering, plain loads
