@@ -3,7 +3,9 @@
 interpret mode: the expansion from TMA windows, from loads straight from global memory (at row
 offsets that are not multiples of 8) and the fetch-only form each give the plain-jnp sums of
 squares of the streams, and the copy-rate harness runs every variant (each program's marker row
-written). The ``tma_wgmma`` form is not here: the interpret mode cannot run a WGMMA whose left
+written), and (session 20) the one-window form, with static and runtime row offsets, and the
+shared-memory offset probe of ``offset_loads.py`` (exact when interpreted: the swizzle it
+exposes on the GPU is not emulated). The ``tma_wgmma`` form is not here: the interpret mode cannot run a WGMMA whose left
 operand is in registers (it lowers for sm_90; ``expand_sources.py --wgmma`` runs it on the
 GPU). In the slow suite (CI runs it): probes outside the package, about 40 s."""
 
@@ -22,7 +24,8 @@ pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source, bd", [("tma", 32), ("gmem", 32), ("gmem", 64), ("tma_fetch", 32)])
+@pytest.mark.parametrize("source, bd", [("tma", 32), ("gmem", 32), ("gmem", 64), ("tma_fetch", 32), ("tma_single", 32),
+                                        ("tma_single_dyn", 32)])
 def test_interpreted_expansion_sources(source, bd):
     import expand_sources as es
 
@@ -55,3 +58,12 @@ def test_interpreted_copy_rate_harness_runs_every_variant():
     for name, (steps, boxes) in tma_rate.variants().items():
         out = tma_rate.build(min(steps, 3), boxes, batch=1, t_len=128, d=2048, interpret=True)(x, acc)
         assert out.shape == (1, 2, 128) and float(jnp.min(out)) == 1.0, name
+
+
+@pytest.mark.slow
+def test_interpreted_shared_memory_offset_probe():
+    import offset_loads
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        res = offset_loads.probe_runtime_offsets(dtype, interpret=True)
+        assert res == {"static": ([], None), "dynamic": ([], None)}, dtype
