@@ -13,7 +13,8 @@ the error of the Mosaic states against Triton's, relative to their largest magni
 floor: the states written once and the live sources read once at the measured copy bandwidth.
 Run on the GPU: ``python experiments/mgpu/time_phase1_mix.py [--bf16] [--base-only] [--narrow]``;
 ``--bf16-aligned``: only the bf16 state and the aligned windows. ``--single``: 3 slots, the
-aligned windows against one window per chunk (``"single"``, Lane semantics; session 20)."""
+aligned windows against one window per chunk (``"single"``, Lane semantics; session 20), with
+its output tiles swizzled and plain."""
 import sys
 import traceback
 
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.depth_attention import bench, fused, mosaic_gpu, tiling
+from time_phase2 import PLAIN, set_lane_tile_swizzle  # this folder, on the path when run as a script
 
 KERNELS = (0, 4, 8, 12)
 # (block_d, n_slots, windows); 16-channel chunks (slower, session 18 call 3) with --narrow
@@ -37,7 +39,7 @@ def main():
         state_dtypes, mosaic_variants = [jnp.bfloat16], tuple(v for v in MOSAIC_VARIANTS if v[2] == "aligned")
     shapes = (("base", (7, live, 64, 1024, 1024, 8)), ("issue", (9, 9, 8, 2048, 2048, 8)))
     if "--single" in sys.argv:  # aligned against one window per chunk (Lane semantics), float32 state, 3 slots
-        mosaic_variants = ((32, 3, "aligned"), (32, 3, "single"))
+        mosaic_variants = ((32, 3, "aligned"), (32, 3, "single"), (32, 3, PLAIN))
     if "--base-only" in sys.argv:
         shapes = shapes[:1]
     bw = bench.copy_bandwidth()
@@ -64,9 +66,10 @@ def main():
 
             variants = {"triton": triton}
             for bd, slots, windows in mosaic_variants + (NARROW_VARIANTS if "--narrow" in sys.argv else ()):
+                label = f"mosaic bd={bd} n_slots={slots} {windows}"
+                windows = "single" if windows == PLAIN else windows
                 smem = mosaic_gpu.mix_smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
                                                  out_dtype=dtype, n_targets=n_targets, n_slots=slots, windows=windows)
-                label = f"mosaic bd={bd} n_slots={slots} {windows}"
                 if smem > mosaic_gpu.SMEM_BYTES:
                     print(f"{label:36s} does not fit: {smem} bytes of shared memory", flush=True)
                     continue
@@ -80,6 +83,7 @@ def main():
             want = None
             for label, fn in variants.items():
                 try:
+                    set_lane_tile_swizzle(PLAIN not in label)
                     f = jax.jit(fn)
                     got = f(sources, banks, p, valid)
                     if want is None:

@@ -45,7 +45,7 @@ def main():
         variants = {"triton": triton}
         forms = [(ex, "per_lag") for ex in mosaic_gpu.EXPANDS] + [("shared", "aligned")]
         if "--single" in sys.argv:  # aligned against one window per chunk (Lane semantics; session 20)
-            variants, forms = {}, [("shared", "aligned"), ("shared", "single")]
+            variants, forms = {}, [("shared", "aligned"), ("shared", "single")]  # no tile buffers here
         for expand, windows in forms:
             variants[f"mosaic {expand} {windows}"] = (lambda ex, w: lambda x, b, q, v: mosaic_gpu.phase1_scores(
                 x, b, q, None, v, stream_kernels=KERNELS, heads=1, expand=ex, windows=w))(expand, windows)

@@ -18,7 +18,8 @@ only the Mosaic default (shared, aligned) with each ``mosaic_gpu.STATE_BOXES`` (
 chunk as one TMA copy per stream or one 3D box). ``--gate-stats``: the forward only, the Mosaic
 default with each ``mosaic_gpu.GATE_STATS`` (the gate's statistics in their own pass or summed
 in the scoring pass). ``--single``: forward or backward, the Mosaic default's aligned windows
-against one window per chunk (``"single"``, Lane semantics; session 20)."""
+against one window per chunk (``"single"``, Lane semantics; session 20), with its tile buffers
+swizzled (``LANE_TILE_SWIZZLE``) and plain."""
 import collections
 import os
 import sys
@@ -32,6 +33,17 @@ from pallas_kernels.depth_attention import api, bench, fused, mosaic_gpu, refere
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from profile_step import device_op_events  # noqa: E402
+
+
+def set_lane_tile_swizzle(on: bool):
+    """``mosaic_gpu.LANE_TILE_SWIZZLE`` for the kernels built from now on (the built ones are
+    dropped: the flag is not part of their cache keys)."""
+    mosaic_gpu.LANE_TILE_SWIZZLE = on
+    for build in (mosaic_gpu._kernel, mosaic_gpu._state_kernel, mosaic_gpu._scores_kernel, mosaic_gpu._mix_kernel):
+        build.cache_clear()
+
+
+PLAIN = "single, plain tiles"  # windows="single" with LANE_TILE_SWIZZLE off (a label, not a WINDOWS value)
 
 
 def inputs(batch, t_len, d, kernels, key=0):
@@ -105,8 +117,10 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             forms = [(f"mosaic passes 1-2, state boxes {sb}", True, "shared", "aligned", sb)
                      for sb in mosaic_gpu.STATE_BOXES]
         if "--single" in sys.argv:
-            forms = [(f"mosaic passes 1-2, windows {w}", True, "shared", w, None) for w in ("aligned", "single")]
+            forms = [(f"mosaic passes 1-2, windows {w}", True, "shared", w, None) for w in ("aligned", "single", PLAIN)]
         for label, mosaic_state, expand, windows, boxes in forms:
+            set_lane_tile_swizzle(windows != PLAIN)
+            windows = "single" if windows == PLAIN else windows
             # read when the kernel is traced (below)
             mosaic_gpu.DEFAULT_EXPAND, mosaic_gpu.DEFAULT_WINDOWS = expand or "shared", windows or "aligned"
             mosaic_gpu.DEFAULT_STATE_BOXES = boxes or "one"
@@ -171,16 +185,17 @@ def main():
             if "--gate-stats" in sys.argv:
                 variants, forms = {}, [("shared", "aligned", None, gs) for gs in mosaic_gpu.GATE_STATS]
             if "--single" in sys.argv:
-                variants, forms = {}, [("shared", w, None, None) for w in ("aligned", "single")]
+                variants, forms = {}, [("shared", w, None, None) for w in ("aligned", "single", PLAIN)]
             for expand, windows, boxes, stats in forms:
                 label = f"mosaic {expand} {windows}" + (f" state {boxes}" if boxes else "") + (
                     f" gate stats {stats}" if stats else "")
                 variants[label] = ((lambda ex, w, gs: lambda st, x, b, q, g: (mosaic_gpu.phase2_fused_forward(
-                    st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, expand=ex, windows=w, gate_stats=gs,
-                    **kw)[0]))(expand, windows, stats), boxes)
+                    st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, expand=ex,
+                    windows="single" if w == PLAIN else w, gate_stats=gs, **kw)[0]))(expand, windows, stats), boxes)
             print(f"## {name} {mech}: B x T = {batch} x {t_len}, d = {d}; floor {floor_ms:.4f} ms", flush=True)
             for label, (fn, boxes) in variants.items():
                 try:
+                    set_lane_tile_swizzle(PLAIN not in label)
                     mosaic_gpu.DEFAULT_STATE_BOXES = boxes or "one"  # read when the kernel is traced
                     f = jax.jit(fn)
                     got = f(state, x, bank, q, gate)

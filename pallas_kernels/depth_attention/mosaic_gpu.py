@@ -452,12 +452,30 @@ class _LanePlgpu:
         return self._plgpu.load(src, *idx, layout=layout, optimized=False)
 
 
+# Lane semantics only (``windows="single"``): give the buffers of whole [64, bd] tiles (the state's
+# chunk, dh, the outputs' staging) the (8, bd) tiling and the swizzle that Warpgroup semantics
+# would infer, so that their loads and stores stay free of bank conflicts; the lag window stays
+# unswizzled (its loads start at any row). False: every buffer plain (session 20, call 4).
+LANE_TILE_SWIZZLE = True
+
+
+def _tile_smem(plgpu, shape, dtype):
+    """``plgpu.SMEM(shape, dtype)`` for a buffer of ``[.., 64, bd]`` tiles, swizzled in Lane
+    semantics (``LANE_TILE_SWIZZLE``) when its rows are 32, 64 or 128 bytes."""
+    row_bytes = shape[-1] * jnp.dtype(dtype).itemsize
+    if getattr(plgpu, "lane", False) and LANE_TILE_SWIZZLE and row_bytes in (32, 64, 128):
+        return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, shape[-1])),
+                                                    plgpu.SwizzleTransform(row_bytes)))
+    return plgpu.SMEM(shape, dtype)
+
+
 def _plgpu_for(windows: str, interpret: bool):
     """The ``plgpu`` module a kernel body uses: the Lane-semantics wrapper for ``"single"``
-    windows on the GPU (``_LanePlgpu``), else the module."""
+    windows (``_LanePlgpu``; interpreted too, so that the CPU tests run its buffers' transforms
+    and unoptimized loads), else the module."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return _LanePlgpu(plgpu) if windows == "single" and not interpret else plgpu
+    return _LanePlgpu(plgpu) if windows == "single" else plgpu
 
 
 def _jitted_kernel(plgpu, body, out_type, scratch_types, *, name, batch, t_pad, interpret):
@@ -536,14 +554,14 @@ def _kernel(cfg: _Config):
         xs=plgpu.SMEM((2, lags.count, lags.rows, bd), cfg.x_dtype),
         bs=plgpu.SMEM((2, n_taps, bd), F32) if has_bank else None,
         qs=plgpu.SMEM((2, m, bd), F32),
-        accs=plgpu.SMEM((2, m, bt, bd), cfg.acc_dtype),
+        accs=_tile_smem(plgpu, (2, m, bt, bd), cfg.acc_dtype),
         ws=plgpu.SMEM((2, m * m, bd), F32) if gate else None,
         rows_s=plgpu.SMEM((2, mh, bt), F32),
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
         scal_s=plgpu.SMEM((cfg.n_consts, bt), F32),
         dots_s=plgpu.SMEM((mh, bt), F32),
         ss_s=plgpu.SMEM((m, bt), F32),
-        h_s=plgpu.SMEM((2, bt, bd), cfg.out_dtype),
+        h_s=_tile_smem(plgpu, (2, bt, bd), cfg.out_dtype),
         bar_a=plgpu.Barrier(num_arrivals=arrivals_a, num_barriers=2),
         bar_bc=plgpu.Barrier(num_arrivals=arrivals_bc, num_barriers=2),
         bar_in=plgpu.Barrier(num_arrivals=n_in, num_barriers=1),
@@ -826,8 +844,8 @@ def _state_kernel(cfg: _StateConfig):
     scratch = dict(
         xs=plgpu.SMEM((2, lags.count, lags.rows, bd), cfg.x_dtype),
         bs=plgpu.SMEM((2, n_taps, bd), F32) if has_bank else None,
-        accs=plgpu.SMEM((2, m, bt, bd), cfg.acc_dtype),  # the state's chunk; d_acc's, stored in place
-        dhs=plgpu.SMEM((2, bt, bd), F32),
+        accs=_tile_smem(plgpu, (2, m, bt, bd), cfg.acc_dtype),  # the state's chunk; d_acc's, stored in place
+        dhs=_tile_smem(plgpu, (2, bt, bd), F32),
         ws=plgpu.SMEM((2, m * m, bd), F32) if gate else None,
         rows_s=plgpu.SMEM((3, mh, bt), F32),  # a, b, dold
         scal_s=plgpu.SMEM((1 + m, bt), F32) if gate else None,
@@ -1252,7 +1270,7 @@ def _mix_kernel(cfg: _MixConfig):
         xs=plgpu.SMEM((n_slots, lags.count, lags.rows, bd), cfg.x_dtype),
         **{f"bs{r}": plgpu.SMEM((n_slots, kernel, bd), F32) for r, kernel in enumerate(stream_kernels) if taps[r]},
         ps=plgpu.SMEM((n_slots, n_targets * heads, bt), F32),
-        out_s=plgpu.SMEM((n_targets, bt, bd), cfg.out_dtype),
+        out_s=_tile_smem(plgpu, (n_targets, bt, bd), cfg.out_dtype),
         meta_s=plgpu.SMEM((n + 1, 64), jnp.int32),
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
         **{f"bar{r}": plgpu.Barrier(num_arrivals=copies[r] + taps[r] + 1, num_barriers=n_slots) for r in range(m)},

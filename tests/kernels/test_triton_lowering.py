@@ -350,4 +350,4 @@ def test_single_windows_lower_in_lane_semantics(h200, monkeypatch):
     assert loads and not any(loads)
     # the other placements (lowered by the tests above) take the module itself: Warpgroup semantics
     assert all(mosaic_gpu._plgpu_for(w, False) is plgpu for w in ("aligned", "per_lag"))
-    assert mosaic_gpu._plgpu_for("single", True) is plgpu  # interpreted: no lowering, plain loads
+    assert isinstance(mosaic_gpu._plgpu_for("single", True), mosaic_gpu._LanePlgpu)  # interpreted too
