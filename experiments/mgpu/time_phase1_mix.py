@@ -14,7 +14,8 @@ floor: the states written once and the live sources read once at the measured co
 Run on the GPU: ``python experiments/mgpu/time_phase1_mix.py [--bf16] [--base-only] [--narrow]``;
 ``--bf16-aligned``: only the bf16 state and the aligned windows. ``--single``: 3 slots, the
 aligned windows against one window per chunk (``"single"``, Lane semantics; session 20), with
-its output tiles swizzled and plain."""
+its output tiles swizzled and plain. ``--single-slots``: one window per chunk with 2, 3 and 4 slots.
+"""
 import sys
 import traceback
 
@@ -40,6 +41,8 @@ def main():
     shapes = (("base", (7, live, 64, 1024, 1024, 8)), ("issue", (9, 9, 8, 2048, 2048, 8)))
     if "--single" in sys.argv:  # aligned against one window per chunk (Lane semantics), float32 state, 3 slots
         mosaic_variants = ((32, 3, "aligned"), (32, 3, "single"), (32, 3, PLAIN))
+    if "--single-slots" in sys.argv:  # one window per chunk with 2-4 slots (2: three programs per SM)
+        mosaic_variants = ((32, 2, "single"), (32, 3, "single"), (32, 4, "single"))
     if "--base-only" in sys.argv:
         shapes = shapes[:1]
     bw = bench.copy_bandwidth()

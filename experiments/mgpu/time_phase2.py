@@ -131,7 +131,7 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             grads[label] = f(*args)
             ms = float("nan") if interpret else bench.timeit(f, *args, reps=reps, inner=2)[0] * 1e3
             print(f"## {name} backward, {label}: {ms:.3f} ms per call", flush=True)
-        mosaic_gpu.DEFAULT_EXPAND, mosaic_gpu.DEFAULT_WINDOWS, mosaic_gpu.DEFAULT_STATE_BOXES = "shared", "aligned", "one"
+        mosaic_gpu.DEFAULT_EXPAND, mosaic_gpu.DEFAULT_WINDOWS, mosaic_gpu.DEFAULT_STATE_BOXES = "shared", None, "one"
         first, *others = grads.items()
         for label, other in others:
             a, b = jax.tree.leaves(first[1]), jax.tree.leaves(other)

@@ -16,16 +16,19 @@ C. fusion: ``h = sum_r g_r z_r`` (``1 / m`` each for mean fusion), written chunk
 
 Each pass streams the chunks through a double-buffered TMA pipeline (the partial's lag
 windows, the conv taps, the queries; the state's chunk and the gate's ``W`` in B and C). A
-conv lag's rows ``[t0 - delta, t0 - delta + 64)`` cannot be loaded from one window at any row
-offset: that gave wrong values on the H200 (BENCHMARKS.md, kernels, session 15, calls 2-4;
-``experiments/mgpu/scores_mgpu.py``; session 17's probe, ``experiments/mgpu/offset_loads.py``:
-a WGMMA-layout load is exact only at offsets that are multiples of 8 rows, for float32 and bf16
-alike). So each lag class modulo 8 has its own window, 72 rows tall where it serves two lags,
-each lag at a multiple of 8 rows in it (``_Lags``, ``windows="aligned"``, the default: 8 TMA
-copies for kernels up to 12 where one window per lag, ``"per_lag"``, takes 12). The windows
-bring 544 rows into shared memory per 64-row tile and chunk, 8.5x the partial's (12x per lag):
-those bytes, not the number of copies, bound the kernels (BENCHMARKS.md, kernels, session 19,
-``experiments/mgpu/tma_rate.py``).
+conv lag's rows ``[t0 - delta, t0 - delta + 64)`` loaded from one window at a row offset that
+is not a multiple of 8 came out wrong on the H200 in Pallas' default Warpgroup semantics, whose
+layout inference swizzles every shared-memory ref (BENCHMARKS.md, kernels, sessions 15, 17 and
+20; ``experiments/mgpu/offset_loads.py``). Two placements of the lags (``_Lags``, ``WINDOWS``)
+work: ``"aligned"``, one window per lag class modulo 8, 72 rows tall where it serves two lags,
+each lag at a multiple of 8 rows in it (8 TMA copies for kernels up to 12; 544 rows into shared
+memory per 64-row tile and chunk, 8.5x the partial's), and ``"single"``, one window of 80 rows
+per chunk with each lag loaded at its own offset, the kernel lowered in Lane semantics (no
+inferred swizzle; half the shared memory). Those bytes, not the number of copies, bound the
+kernels (session 19, ``experiments/mgpu/tma_rate.py``), yet the single window's unoptimized
+loads cost more than they save in the forward and the scoring pass; each kernel takes the
+placement measured best for it (``KERNEL_WINDOWS``; ``"per_lag"``, one window per lag, stays for
+comparison).
 Rows before token 0 come from TMA's zero fill on the GPU; Pallas' Mosaic GPU interpret mode
 does not emulate it, so interpreted calls get the rows padded in front by XLA. Segment
 boundaries (the conv restarts at a segment start) are one ``int32`` of lag bits per token,
@@ -70,7 +73,7 @@ def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dty
     bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
     n_taps = max(1, sum(stream_kernels))
-    return (2 * _window_rows(stream_kernels, windows) * bd * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bd * 4
+    return (2 * _window_rows(stream_kernels, windows or default_windows("forward")) * bd * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bd * 4
             + 2 * m * bt * bd * size(acc_dtype) + (2 * m * m * bd * 4 if gate else 0)
             + (2 * m * heads + 1 + m + 2 + m * heads + m) * bt * 4 + 2 * bt * bd * size(out_dtype))
 
@@ -81,7 +84,7 @@ def state_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int,
     bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
     n_taps = max(1, sum(stream_kernels))
-    return (2 * _window_rows(stream_kernels, windows) * bd * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bt * bd * size(acc_dtype)
+    return (2 * _window_rows(stream_kernels, windows or default_windows("backward_state")) * bd * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bt * bd * size(acc_dtype)
             + 2 * bt * bd * 4 + (2 * m * m * bd * 4 if gate else 0)
             + (6 * m * heads + 1 + (4 * m + 3 if gate else 0)) * bt * 4)
 
@@ -119,9 +122,20 @@ def _cols(v, bt, bd):
 
 
 WINDOWS = ("per_lag", "aligned", "single")
-# what the kernels take when called with windows=None (the ops do): on the H200 at `base` the step
-# went from 1648.4 to 1595.2 ms with it (BENCHMARKS.md, kernels, session 18, call 4)
-DEFAULT_WINDOWS = "aligned"
+# What each kernel takes when called with windows=None (the ops do), by measurement on the H200 at
+# `base` (BENCHMARKS.md, kernels, session 20, calls 4-5). "aligned" took the step from 1648.4 to
+# 1595.2 ms (session 18, call 4); "single" halves each program's shared memory (two programs per
+# SM where one fitted) and made the mixing pass 5.04 -> 4.44 ms and the backward's kernel 1.46 ->
+# 1.40 ms per call, but the forward 1.20 -> 1.26 and the scoring pass 1.88 -> 2.16 (its lags'
+# unoptimized row-offset loads cost more there than the bytes they save).
+KERNEL_WINDOWS = {"forward": "aligned", "backward_state": "single", "scores": "aligned", "mix": "single"}
+# one placement for every kernel (timing scripts and tests set it); None: ``KERNEL_WINDOWS``
+DEFAULT_WINDOWS: str | None = None
+
+
+def default_windows(kernel: str) -> str:
+    """The lag windows ``kernel`` (a key of ``KERNEL_WINDOWS``) takes when called with None."""
+    return DEFAULT_WINDOWS or KERNEL_WINDOWS[kernel]
 
 
 class _Lags(NamedTuple):
@@ -143,7 +157,6 @@ class _Lags(NamedTuple):
 
     @staticmethod
     def of(max_lag: int, windows: str | None) -> "_Lags":
-        windows = windows or DEFAULT_WINDOWS
         if windows not in WINDOWS:
             raise ValueError(f"windows={windows!r}: must be one of {WINDOWS}")
         if windows == "per_lag":
@@ -378,10 +391,10 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     ``fuse="gate"``. ``block_d``: the channel chunk (None: ``choose_block_d``; it raises
     ``NotImplementedError`` when no chunk fits). ``expand``: how the streams are built from the
     lag windows (``EXPANDS``, ``_expand_all``; None: ``DEFAULT_EXPAND``). ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
-    ``DEFAULT_WINDOWS``). ``gate_stats``: where the gate's statistics are summed (``GATE_STATS``;
+    ``default_windows``). ``gate_stats``: where the gate's statistics are summed (``GATE_STATS``;
     None: ``DEFAULT_GATE_STATS``). ``interpret``: run in Pallas' Mosaic GPU interpret mode (CPU
     tests)."""
-    expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows).kind
+    expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows or default_windows("forward")).kind
     if expand not in EXPANDS:
         raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
     gate_stats = gate_stats or DEFAULT_GATE_STATS
@@ -756,8 +769,8 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     and bias's gradients) or None. On the H200 at `base` the whole Pallas backward ran 5.40 ms
     per call with it against 6.19 with the two Triton passes (BENCHMARKS.md, kernels, session
     17), so ``gpu_kernels="auto"`` takes it wherever it takes the forward. ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
-    ``DEFAULT_WINDOWS``)."""
-    expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows).kind
+    ``default_windows``)."""
+    expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows or default_windows("backward_state")).kind
     if expand not in EXPANDS:
         raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
     m, bt = len(stream_kernels), BLOCK_T
@@ -1002,7 +1015,7 @@ def scores_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int
     """Shared memory of one program of ``phase1_scores`` (its scratch list)."""
     bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
     n_taps = max(1, sum(stream_kernels))
-    return (2 * _window_rows(stream_kernels, windows) * bd * jnp.dtype(x_dtype).itemsize + 2 * n_taps * bd * 4
+    return (2 * _window_rows(stream_kernels, windows or default_windows("scores")) * bd * jnp.dtype(x_dtype).itemsize + 2 * n_taps * bd * 4
             + 2 * n_targets * m * bd * 4 + (n_targets * m * heads + m + 1) * bt * 4 + 64 * 4)
 
 
@@ -1018,10 +1031,10 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
     [B, T]`` or None, ``valid[n]`` (bool, may be traced) or None. Returns float32 ``dots[S, n,
     m, B, T, H]`` (``q_{s,r} . E_{i,r}`` per head) and ``sumsq[n, m, B, T]`` (``sum E_{i,r}^2``
     over all ``d``), zeros for a source ``valid`` rules out (not computed). ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
-    ``DEFAULT_WINDOWS``)."""
+    ``default_windows``)."""
     n, batch, t_len, d = sources.shape
     n_targets, m = queries.shape[:2]
-    expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows).kind
+    expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows or default_windows("scores")).kind
     if expand not in EXPANDS:
         raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
     if queries.shape[-1] != d or m != len(stream_kernels):
@@ -1169,7 +1182,7 @@ def mix_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x
     """Shared memory of one program of ``phase1_mix`` (its scratch list; ``n_slots``: None is
     ``MIX_SLOTS``)."""
     bt, bd, n_slots = BLOCK_T, block_d, n_slots or MIX_SLOTS
-    return (n_slots * _window_rows(stream_kernels, windows) * bd * jnp.dtype(x_dtype).itemsize + n_slots * sum(stream_kernels) * bd * 4
+    return (n_slots * _window_rows(stream_kernels, windows or default_windows("mix")) * bd * jnp.dtype(x_dtype).itemsize + n_slots * sum(stream_kernels) * bd * 4
             + n_slots * n_targets * heads * bt * 4 + n_targets * bt * bd * jnp.dtype(out_dtype).itemsize
             + (len(stream_kernels) + 1) * 64 * 4 + 64 * 4 * (2 + 1))
 
@@ -1195,9 +1208,9 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
     ``n_slots``: None is ``MIX_SLOTS``. Returns ``acc[S, m, B, T, d]`` in ``out_dtype`` or, with
     ``per_target``, a list of ``S`` arrays ``[m, B, T, d]`` (each its own output of the kernel).
     ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
-    ``DEFAULT_WINDOWS``)."""
+    ``default_windows``)."""
     n, batch, t_len, d = sources.shape
-    n_slots, windows = n_slots or MIX_SLOTS, _Lags.of(1, windows).kind
+    n_slots, windows = n_slots or MIX_SLOTS, _Lags.of(1, windows or default_windows("mix")).kind
     n_targets, m = p.shape[0], p.shape[2]
     if p.shape[1] != n or p.shape[3] != batch or p.shape[4] < t_len or m != len(stream_kernels):
         raise ValueError(f"p {p.shape}: want [S, {n}, {len(stream_kernels)}, {batch}, >= {t_len}, H]")

@@ -311,10 +311,10 @@ def test_single_windows_lower_in_lane_semantics(h200, monkeypatch):
     semantics, loads = [], []
     kernel, load = plgpu.kernel, plgpu.load
 
-    def spy_kernel(*args, **kwargs):
+    def spy_kernel(body, *args, **kwargs):
         params = kwargs.get("compiler_params")
         semantics.append(params.lowering_semantics if params is not None else None)
-        return kernel(*args, **kwargs)
+        return kernel(body, *args, **kwargs)
 
     def spy_load(*args, **kwargs):
         loads.append(kwargs.get("optimized", True))
@@ -342,12 +342,25 @@ def test_single_windows_lower_in_lane_semantics(h200, monkeypatch):
                         gpu_kernels="mosaic")
         return jnp.sum(st.acc) + jnp.sum(st.denom)
 
+    def lower_all():
+        for cached in (mosaic_gpu._kernel, mosaic_gpu._state_kernel, mosaic_gpu._scores_kernel, mosaic_gpu._mix_kernel):
+            cached.cache_clear()  # each kernel built anew, so that the spies see all four
+        semantics.clear(), loads.clear()
+        text = _lower(jax.grad(loss2, argnums=(0, 1, 2, 3, 4)), state, partial, banks[0], jnp.ones((m, d)), gate)
+        text += _lower(jax.value_and_grad(loss1, argnums=(0, 1, 2)), sources, banks, jnp.ones((2, m, d)))
+        assert text.count(MOSAIC_GPU_CALL) == 4  # phase 2's two kernels, phase 1's scoring and mixing
+
     monkeypatch.setattr(mosaic_gpu, "DEFAULT_WINDOWS", "single")
-    text = _lower(jax.grad(loss2, argnums=(0, 1, 2, 3, 4)), state, partial, banks[0], jnp.ones((m, d)), gate)
-    text += _lower(jax.value_and_grad(loss1, argnums=(0, 1, 2)), sources, banks, jnp.ones((2, m, d)))
-    assert text.count(MOSAIC_GPU_CALL) == 4  # phase 2's two kernels, phase 1's scoring and mixing
+    lower_all()
     assert semantics == [plgpu.LoweringSemantics.Lane] * 4, semantics
     assert loads and not any(loads)
+    # with no override each kernel takes its own placement (built in this order: phase 2's forward
+    # and backward kernels, phase 1's scoring and mixing passes)
+    monkeypatch.setattr(mosaic_gpu, "DEFAULT_WINDOWS", None)
+    lower_all()
+    lane = {"single": plgpu.LoweringSemantics.Lane}
+    assert semantics == [lane.get(mosaic_gpu.KERNEL_WINDOWS[k]) for k in ("forward", "backward_state", "scores", "mix")]
+    assert set(mosaic_gpu.KERNEL_WINDOWS.values()) <= set(mosaic_gpu.WINDOWS)
     # the other placements (lowered by the tests above) take the module itself: Warpgroup semantics
     assert all(mosaic_gpu._plgpu_for(w, False) is plgpu for w in ("aligned", "per_lag"))
     assert isinstance(mosaic_gpu._plgpu_for("single", True), mosaic_gpu._LanePlgpu)  # interpreted too
