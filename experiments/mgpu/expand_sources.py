@@ -22,7 +22,10 @@ channels) per chunk, each lag's tile ``S_delta @ window`` with ``S_delta[i, k] =
 delta]`` built in registers (exact: bf16 values, float32 accumulation); the interpret mode
 cannot run it (a WGMMA with its left operand in registers), so ``--interpret`` reports it
 FAILED; ``--wgmma`` runs only the TMA windows and this form, 32 and 64 channels (untimed as of
-session 19)."""
+session 19). ``--single`` (session 20): one window of 80 rows per chunk, each lag loaded at
+its own row offset (needs ``--lane``: Lane semantics, no inferred swizzle); ``--single-pad``:
+the same with 64-byte rows against rows padded to 80 bytes (``PAD`` more channels fetched), to
+see whether bank conflicts slow the single window's loads."""
 import sys
 
 import jax
@@ -35,6 +38,7 @@ from pallas_kernels.depth_attention import bench, mosaic_gpu
 from pallas_kernels.depth_attention.fused import _stream_layout
 
 KERNELS = (0, 4, 8, 12)
+PAD = 8  # channels past the chunk in "tma_single_pad"'s window rows
 FRONT = 16  # rows of zeros in front of the partial (a multiple of 8, so TMA windows stay aligned)
 
 
@@ -103,6 +107,42 @@ def build(source, batch, t_len, d, bd=32, interpret=False):
 
         scratch = [plgpu.SMEM((2, lags.count, lags.rows, bd), jnp.bfloat16), plgpu.SMEM((2, n_taps, bd), jnp.float32),
                    plgpu.SMEM((m, bt), jnp.float32), plgpu.Barrier(num_arrivals=lags.count + 1, num_barriers=2)]
+    elif source == "tma_single_pad":
+        # one window per chunk as "single", but its rows PAD channels wider (80 bytes for 32 bf16
+        # channels + 8): the 8 rows a warp's WGMMA-layout load touches then start 20 banks apart
+        # instead of 16 (64-byte rows put rows r and r + 2 on the same banks: 4-way conflicts,
+        # if the unoptimized loads are what slows "single" down); the PAD extra channels are
+        # fetched and never read (x carries PAD columns past d)
+        lags = mosaic_gpu._Lags.of(max_lag, "single")
+        front = 8 * lags.extra
+
+        def body(x_ref, bank_ref, ss_ref, xs, bs, ss_s, bar):
+            b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
+
+            def fetch(c, slot):
+                plgpu.copy_gmem_to_smem(x_ref.at[b, pl.ds(t0 + FRONT - front, lags.rows), pl.ds(c * bd, bd + PAD)],
+                                        xs.at[slot], bar.at[slot])
+                plgpu.copy_gmem_to_smem(bank_ref.at[:, pl.ds(c * bd, bd)], bs.at[slot], bar.at[slot])
+
+            def chunk(c, slot, head, sqs):
+                es = [None] * m
+                for delta in range(max_lag):
+                    xl = plgpu.load(xs.at[slot, pl.ds(front - delta, bt), pl.ds(0, bd)], (), layout=tile,
+                                    optimized=False).astype(jnp.float32)
+                    for r, (kernel, off) in enumerate(layout):
+                        if kernel == 0:
+                            es[r] = xl if delta == 0 else es[r]
+                        elif delta < kernel:
+                            tap = plgpu.load(bs, (slot, off + delta), layout=col)
+                            term = lax.broadcast_in_dim(tap, (bt, bd), [1]) * xl
+                            es[r] = term if es[r] is None else es[r] + term
+                return [sq + jnp.sum(e * e, axis=1) for sq, e in zip(sqs, es)]
+
+            sqs = mosaic_gpu._pipelined(plgpu, fetch, bar, nc, 1, chunk, [zero() for _ in range(m)])
+            finish(sqs, ss_s, ss_ref, b, t0)
+
+        scratch = [plgpu.SMEM((2, lags.rows, bd + PAD), jnp.bfloat16), plgpu.SMEM((2, n_taps, bd), jnp.float32),
+                   plgpu.SMEM((m, bt), jnp.float32), plgpu.Barrier(num_arrivals=2, num_barriers=2)]
     elif source == "tma_wgmma":
         # one window of the tile's rows, the FRONT rows before it and more after (one TMA copy,
         # 1.5x the tile's bytes for 32 channels, 2x for 64), each lag's tile the product of a 0/1 shift matrix [64, 80] (built in registers)
@@ -214,16 +254,19 @@ def main():
         sources = (("tma", 32), ("tma_wgmma", 32), ("tma_wgmma", 64))
     if "--single" in sys.argv:  # one window per chunk, loads at any row offset (static, then runtime)
         sources = (("tma", 32), ("tma_single", 32), ("tma_single_dyn", 32))
+    if "--single-pad" in sys.argv:  # one window per chunk, its rows plain (64 bytes) and padded (80)
+        sources = (("tma_single", 32), ("tma_single_pad", 32))
     for source, bd in sources:
         try:
             run = build(source, batch, t_len, d, bd=bd, interpret=interpret)
-            got = run(x, bank)
+            xin = jnp.pad(x, ((0, 0), (0, 0), (0, PAD))) if source == "tma_single_pad" else x
+            got = run(xin, bank)
             expected = want
             if source == "tma_fetch":  # every stream is the partial itself
                 expected = jnp.broadcast_to(jnp.sum(x[:, FRONT:FRONT + t_len].astype(jnp.float32) ** 2, axis=-1),
                                             want.shape)
             err = float(jnp.max(jnp.abs(got - expected)) / jnp.max(jnp.abs(expected)))
-            ms = bench.timeit(run, x, bank, reps=1 if interpret else 21, inner=1, warmup=0)[0] * 1e3
+            ms = bench.timeit(run, xin, bank, reps=1 if interpret else 21, inner=1, warmup=0)[0] * 1e3
             print(f"expansion from {source:4s}, {bd} channels: {ms:8.4f} ms (partial read once: {nbytes / ms / 1e6:6.0f} GB/s)  "
                   f"rel err {err:.1e}", flush=True)
         except Exception as e:  # noqa: BLE001 - report and go on
