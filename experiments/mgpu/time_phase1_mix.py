@@ -41,6 +41,8 @@ def main():
     shapes = (("base", (7, live, 64, 1024, 1024, 8)), ("issue", (9, 9, 8, 2048, 2048, 8)))
     if "--single" in sys.argv:  # aligned against one window per chunk (Lane semantics), float32 state, 3 slots
         mosaic_variants = ((32, 3, "aligned"), (32, 3, "single"), (32, 3, PLAIN))
+    if "--padded" in sys.argv:  # the one window with 64-byte against 80-byte rows, 3 slots
+        mosaic_variants = ((32, 3, "single"), (32, 3, "padded"))
     if "--single-slots" in sys.argv:  # one window per chunk with 2-4 slots (2: three programs per SM)
         mosaic_variants = ((32, 2, "single"), (32, 3, "single"), (32, 4, "single"))
     if "--base-only" in sys.argv:

@@ -46,6 +46,8 @@ def main():
         forms = [(ex, "per_lag") for ex in mosaic_gpu.EXPANDS] + [("shared", "aligned")]
         if "--single" in sys.argv:  # aligned against one window per chunk (Lane semantics; session 20)
             variants, forms = {}, [("shared", "aligned"), ("shared", "single")]  # no tile buffers here
+        if "--padded" in sys.argv:  # the one window with 80-byte rows (session 20, call 8)
+            variants, forms = {}, [("shared", "aligned"), ("shared", "padded")]
         for expand, windows in forms:
             variants[f"mosaic {expand} {windows}"] = (lambda ex, w: lambda x, b, q, v: mosaic_gpu.phase1_scores(
                 x, b, q, None, v, stream_kernels=KERNELS, heads=1, expand=ex, windows=w))(expand, windows)

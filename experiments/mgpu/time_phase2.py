@@ -118,6 +118,8 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
                      for sb in mosaic_gpu.STATE_BOXES]
         if "--single" in sys.argv:
             forms = [(f"mosaic passes 1-2, windows {w}", True, "shared", w, None) for w in ("aligned", "single", PLAIN)]
+        if "--padded" in sys.argv:
+            forms = [(f"mosaic passes 1-2, windows {w}", True, "shared", w, None) for w in ("single", "padded")]
         for label, mosaic_state, expand, windows, boxes in forms:
             set_lane_tile_swizzle(windows != PLAIN)
             windows = "single" if windows == PLAIN else windows
@@ -186,6 +188,8 @@ def main():
                 variants, forms = {}, [("shared", "aligned", None, gs) for gs in mosaic_gpu.GATE_STATS]
             if "--single" in sys.argv:
                 variants, forms = {}, [("shared", w, None, None) for w in ("aligned", "single", PLAIN)]
+            if "--padded" in sys.argv:  # the one window with 80-byte rows (session 20, call 8)
+                variants, forms = {}, [("shared", w, None, None) for w in ("aligned", "single", "padded")]
             for expand, windows, boxes, stats in forms:
                 label = f"mosaic {expand} {windows}" + (f" state {boxes}" if boxes else "") + (
                     f" gate stats {stats}" if stats else "")

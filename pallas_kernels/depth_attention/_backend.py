@@ -36,7 +36,7 @@ def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype,
     if choice == "triton" or backend != "triton" or static.fuse is None:
         return False
     if choice == "auto" and (interpret or len(static.stream_kernels) == 1 or jnp.dtype(partial.dtype).itemsize > 2):
-        return False  # a float32 partial: untimed (it fits shared memory only with a bf16 state since session 18)
+        return False  # a float32 partial: untimed in Mosaic (it fits shared memory with the padded windows, session 20)
     smem = {"forward": mosaic_gpu.smem_bytes, "backward_state": mosaic_gpu.state_smem_bytes}[kernel]
     bd = mosaic_gpu.choose_block_d(d=partial.shape[-1], heads=static.heads, stream_kernels=static.stream_kernels,
                                    x_dtype=partial.dtype, acc_dtype=state.acc.dtype, out_dtype=out_dtype,

@@ -19,16 +19,18 @@ windows, the conv taps, the queries; the state's chunk and the gate's ``W`` in B
 conv lag's rows ``[t0 - delta, t0 - delta + 64)`` loaded from one window at a row offset that
 is not a multiple of 8 came out wrong on the H200 in Pallas' default Warpgroup semantics, whose
 layout inference swizzles every shared-memory ref (BENCHMARKS.md, kernels, sessions 15, 17 and
-20; ``experiments/mgpu/offset_loads.py``). Two placements of the lags (``_Lags``, ``WINDOWS``)
-work: ``"aligned"``, one window per lag class modulo 8, 72 rows tall where it serves two lags,
+20; ``experiments/mgpu/offset_loads.py``). Placements of the lags that
+work (``_Lags``, ``WINDOWS``): ``"aligned"``, one window per lag class modulo 8, 72 rows tall where it serves two lags,
 each lag at a multiple of 8 rows in it (8 TMA copies for kernels up to 12; 544 rows into shared
 memory per 64-row tile and chunk, 8.5x the partial's), and ``"single"``, one window of 80 rows
 per chunk with each lag loaded at its own offset, the kernel lowered in Lane semantics (no
 inferred swizzle; half the shared memory). Those bytes, not the number of copies, bound the
-kernels (session 19, ``experiments/mgpu/tma_rate.py``), yet the single window's unoptimized
-loads cost more than they save in the forward and the scoring pass; each kernel takes the
-placement measured best for it (``KERNEL_WINDOWS``; ``"per_lag"``, one window per lag, stays for
-comparison).
+kernels (session 19, ``experiments/mgpu/tma_rate.py``), yet with 64-byte rows the single
+window's loads meet 4-way bank conflicts (rows ``r`` and ``r + 2`` on the same banks) and cost
+more than they save; ``"padded"`` widens its rows to 80 bytes (``WINDOW_PAD`` channels fetched
+and never read) and is the fastest placement in every kernel (session 20, calls 7-9). Each
+kernel takes the placement measured best for it (``KERNEL_WINDOWS``: ``"padded"`` in all four;
+``"per_lag"``, one window per lag, stays for comparison).
 Rows before token 0 come from TMA's zero fill on the GPU; Pallas' Mosaic GPU interpret mode
 does not emulate it, so interpreted calls get the rows padded in front by XLA. Segment
 boundaries (the conv restarts at a segment start) are one ``int32`` of lag bits per token,
@@ -73,7 +75,7 @@ def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dty
     bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
     n_taps = max(1, sum(stream_kernels))
-    return (2 * _window_rows(stream_kernels, windows or default_windows("forward")) * bd * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bd * 4
+    return (2 * _window_elems(stream_kernels, windows or default_windows("forward"), bd) * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bd * 4
             + 2 * m * bt * bd * size(acc_dtype) + (2 * m * m * bd * 4 if gate else 0)
             + (2 * m * heads + 1 + m + 2 + m * heads + m) * bt * 4 + 2 * bt * bd * size(out_dtype))
 
@@ -84,7 +86,7 @@ def state_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int,
     bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
     n_taps = max(1, sum(stream_kernels))
-    return (2 * _window_rows(stream_kernels, windows or default_windows("backward_state")) * bd * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bt * bd * size(acc_dtype)
+    return (2 * _window_elems(stream_kernels, windows or default_windows("backward_state"), bd) * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bt * bd * size(acc_dtype)
             + 2 * bt * bd * 4 + (2 * m * m * bd * 4 if gate else 0)
             + (6 * m * heads + 1 + (4 * m + 3 if gate else 0)) * bt * 4)
 
@@ -121,14 +123,20 @@ def _cols(v, bt, bd):
     return lax.broadcast_in_dim(v, (bt, bd), [1])
 
 
-WINDOWS = ("per_lag", "aligned", "single")
+WINDOWS = ("per_lag", "aligned", "single", "padded")
+ONE_WINDOW = ("single", "padded")  # one window per chunk, lowered in Lane semantics
+# channels past the chunk in each row of a "padded" window: 80-byte rows for 32 bf16 channels, so
+# that the 8 rows of a warp's load start on different banks (64-byte rows put rows r and r + 2 on
+# the same banks; session 20, call 7: the expansion alone 0.594 -> 0.364 ms); fetched, never read
+WINDOW_PAD = 8
 # What each kernel takes when called with windows=None (the ops do), by measurement on the H200 at
-# `base` (BENCHMARKS.md, kernels, session 20, calls 4-5). "aligned" took the step from 1648.4 to
-# 1595.2 ms (session 18, call 4); "single" halves each program's shared memory (two programs per
-# SM where one fitted) and made the mixing pass 5.04 -> 4.44 ms and the backward's kernel 1.46 ->
-# 1.40 ms per call, but the forward 1.20 -> 1.26 and the scoring pass 1.88 -> 2.16 (its lags'
-# unoptimized row-offset loads cost more there than the bytes they save).
-KERNEL_WINDOWS = {"forward": "aligned", "backward_state": "single", "scores": "aligned", "mix": "single"}
+# `base` (BENCHMARKS.md, kernels, session 20, calls 4-9). "aligned" took the step from 1648.4 to
+# 1595.2 ms (session 18, call 4); "single" halves each program's shared memory but its loads meet
+# bank conflicts (the forward 1.20 -> 1.26 ms, the scoring pass 1.88 -> 2.16); "padded" avoids
+# them and is the fastest in all four kernels (the forward 1.245 -> 0.964 ms, the scoring pass
+# 2.00 -> 1.79, the mixing pass 4.37 -> 4.09 against "single", the backward's kernel as "single"):
+# the step 1571.2 -> 1530.1 ms. A dict, so that a later kernel or device can differ.
+KERNEL_WINDOWS = {"forward": "padded", "backward_state": "padded", "scores": "padded", "mix": "padded"}
 # one placement for every kernel (timing scripts and tests set it); None: ``KERNEL_WINDOWS``
 DEFAULT_WINDOWS: str | None = None
 
@@ -146,14 +154,16 @@ class _Lags(NamedTuple):
     row offset that is a multiple of 8, the only offsets a WGMMA-layout load gets right on the
     H200 (session 17's probe, ``experiments/mgpu/offset_loads.py``). ``"single"``: one window
     of ``64 + 8 extra`` rows, lag ``delta`` at row ``8 extra - delta``: one copy of about the
-    tile's bytes, but loads at row offsets that are not multiples of 8 (``zero``: a runtime 0
-    added to the offset; session 20 probes whether that makes them exact)."""
+    tile's bytes, loads at row offsets that are not multiples of 8 (exact in Lane semantics;
+    ``zero``: a runtime 0 added to the offset). ``"padded"``: the same with ``WINDOW_PAD`` more
+    channels in each row (``pad``), against shared-memory bank conflicts."""
 
     kind: str
     count: int  # windows, each one TMA copy when every lag is fetched
     rows: int  # rows of each window
     extra: int  # 8-row groups above the 64 rows
     zero: object = 0  # "single": added to the row offset of each load (a traced 0 makes it dynamic)
+    pad: int = 0  # channels past the chunk in each window row ("padded": ``WINDOW_PAD``)
 
     @staticmethod
     def of(max_lag: int, windows: str | None) -> "_Lags":
@@ -161,8 +171,10 @@ class _Lags(NamedTuple):
             raise ValueError(f"windows={windows!r}: must be one of {WINDOWS}")
         if windows == "per_lag":
             return _Lags(windows, max_lag, BLOCK_T, 0)
-        extra = -(-(max_lag - 1) // 8) if windows == "single" else (max_lag - 1) // 8
-        return _Lags(windows, 1 if windows == "single" else min(8, max_lag), BLOCK_T + 8 * extra, extra)
+        one = windows in ONE_WINDOW
+        extra = -(-(max_lag - 1) // 8) if one else (max_lag - 1) // 8
+        return _Lags(windows, 1 if one else min(8, max_lag), BLOCK_T + 8 * extra, extra,
+                     pad=WINDOW_PAD if windows == "padded" else 0)
 
     def copies(self, n_lags: int):
         """``(window, first row in it, rows, lag of its first row)`` of the TMA copies that bring
@@ -170,7 +182,7 @@ class _Lags(NamedTuple):
         n_lags = max(1, n_lags)
         if self.kind == "per_lag":
             return [(delta, 0, BLOCK_T, delta) for delta in range(n_lags)]
-        if self.kind == "single":
+        if self.kind in ONE_WINDOW:
             # the whole window: a TMA copy into shared memory must start 128-byte aligned (a
             # window starting at row 8 extra - (n_lags - 1) failed with a misaligned address)
             return [(0, 0, self.rows, 8 * self.extra)]
@@ -192,25 +204,38 @@ class _Lags(NamedTuple):
         tile = plgpu.Layout.WGMMA
         if self.kind == "per_lag":
             return plgpu.load(xs, (slot, delta), layout=tile)
-        if self.kind == "single":
-            return plgpu.load(xs.at[slot, 0, pl.ds(self.zero + 8 * self.extra - delta, BLOCK_T)], (), layout=tile,
-                              optimized=False)
+        if self.kind in ONE_WINDOW:
+            return plgpu.load(xs.at[slot, 0, pl.ds(self.zero + 8 * self.extra - delta, BLOCK_T),
+                                    pl.ds(0, xs.shape[-1] - self.pad)], (), layout=tile, optimized=False)
         return plgpu.load(xs.at[slot, delta % 8, pl.ds(8 * (self.extra - delta // 8), BLOCK_T)], (), layout=tile)
 
     def smem_rows(self) -> int:
         return self.count * self.rows
 
+    def width(self, bd: int) -> int:
+        """Channels of each window row (the chunk's ``bd`` and the pad)."""
+        return bd + self.pad
 
-def _window_rows(stream_kernels, windows) -> int:
-    """Rows of one slot's lag windows (``_Lags``), for the shared-memory counts."""
-    return _Lags.of(max([1, *stream_kernels]), windows).smem_rows()
+    def columns(self, c, bd: int):
+        """The partial's columns that chunk ``c``'s windows copy. A padded window's last chunk
+        reaches past d on purpose (TMA fills those columns with zeros; they are never read), so
+        its start is made a traced value: Pallas checks static slices against the ref's bounds."""
+        if self.pad:
+            c = c + lax.axis_index("b") * 0
+        return pl.ds(c * bd, self.width(bd))
+
+
+def _window_elems(stream_kernels, windows, bd: int) -> int:
+    """Elements of one slot's lag windows (``_Lags``), for the shared-memory counts."""
+    lags = _Lags.of(max([1, *stream_kernels]), windows)
+    return lags.smem_rows() * lags.width(bd)
 
 
 def _fetch_partial(plgpu, x_ref, bank_ref, xs, bs, b, t0, front, c, bd, slot, bar, lags: _Lags, n_lags: int):
     """TMA copies of chunk ``c``'s lag windows of the partial (``lags``: where each lag goes; see
     the module docstring) and of its conv taps."""
-    cs = pl.ds(c * bd, bd)
-    lags.fetch(plgpu, lambda lag, rows: x_ref.at[b, pl.ds(t0 + front - lag, rows), cs], xs, slot, bar.at[slot],
+    cs, xcs = pl.ds(c * bd, bd), lags.columns(c, bd)
+    lags.fetch(plgpu, lambda lag, rows: x_ref.at[b, pl.ds(t0 + front - lag, rows), xcs], xs, slot, bar.at[slot],
                n_lags)
     if bank_ref is not None:
         plgpu.copy_gmem_to_smem(bank_ref.at[:, cs], bs.at[slot], bar.at[slot])
@@ -364,8 +389,8 @@ def _shape(name, partial, segment_ids, *, stream_kernels, heads, block_d, interp
     t_pad = -(-t_len // BLOCK_T) * BLOCK_T
     front = 8 * -(-(max_lag - 1) // 8) if interpret else 0  # rows a "single" window reaches back: whole 8s
     x = _pad_t(partial, 1, t_pad)
-    if front:
-        x = jnp.pad(x, ((0, 0), (front, 0), (0, 0)))
+    if interpret:  # rows before token 0 and the "padded" windows' channels past d: zeros, as TMA fills them
+        x = jnp.pad(x, ((0, 0), (front, 0), (0, WINDOW_PAD)))
     bits = _pad_t(lag_bits(segment_ids, t_len, max_lag), 1, t_pad) if has_seg else None
     return _Shape(batch, t_len, d, bd, max_lag, any(stream_kernels), has_seg, t_pad, front, x, bits)
 
@@ -488,7 +513,7 @@ def _plgpu_for(windows: str, interpret: bool):
     and unoptimized loads), else the module."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return _LanePlgpu(plgpu) if windows == "single" else plgpu
+    return _LanePlgpu(plgpu) if windows in ONE_WINDOW else plgpu
 
 
 def _jitted_kernel(plgpu, body, out_type, scratch_types, *, name, batch, t_pad, interpret):
@@ -564,7 +589,7 @@ def _kernel(cfg: _Config):
     arrivals_a = lags.count + has_bank + 1 + (_state_copies(m, cfg.state_boxes) + 1 if fused_stats else 0)
     arrivals_bc = lags.count + has_bank + _state_copies(m, cfg.state_boxes) + gate
     scratch = dict(
-        xs=plgpu.SMEM((2, lags.count, lags.rows, bd), cfg.x_dtype),
+        xs=plgpu.SMEM((2, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
         bs=plgpu.SMEM((2, n_taps, bd), F32) if has_bank else None,
         qs=plgpu.SMEM((2, m, bd), F32),
         accs=_tile_smem(plgpu, (2, m, bt, bd), cfg.acc_dtype),
@@ -855,7 +880,7 @@ def _state_kernel(cfg: _StateConfig):
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
     n_gate_rows = 3 * m + 2  # g, dy, coef, dlogit, dlogit . rz y
     scratch = dict(
-        xs=plgpu.SMEM((2, lags.count, lags.rows, bd), cfg.x_dtype),
+        xs=plgpu.SMEM((2, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
         bs=plgpu.SMEM((2, n_taps, bd), F32) if has_bank else None,
         accs=_tile_smem(plgpu, (2, m, bt, bd), cfg.acc_dtype),  # the state's chunk; d_acc's, stored in place
         dhs=_tile_smem(plgpu, (2, bt, bd), F32),
@@ -1015,7 +1040,7 @@ def scores_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int
     """Shared memory of one program of ``phase1_scores`` (its scratch list)."""
     bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
     n_taps = max(1, sum(stream_kernels))
-    return (2 * _window_rows(stream_kernels, windows or default_windows("scores")) * bd * jnp.dtype(x_dtype).itemsize + 2 * n_taps * bd * 4
+    return (2 * _window_elems(stream_kernels, windows or default_windows("scores"), bd) * jnp.dtype(x_dtype).itemsize + 2 * n_taps * bd * 4
             + 2 * n_targets * m * bd * 4 + (n_targets * m * heads + m + 1) * bt * 4 + 64 * 4)
 
 
@@ -1092,7 +1117,7 @@ def _scores_kernel(cfg: _ScoresConfig):
     nc, smh = d // bd, n_targets * m * heads
     row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     scratch = dict(
-        xs=plgpu.SMEM((2, lags.count, lags.rows, bd), cfg.x_dtype),
+        xs=plgpu.SMEM((2, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
         bs=plgpu.SMEM((2, n_taps, bd), F32) if has_bank else None,
         qs=plgpu.SMEM((2, n_targets * m, bd), F32),
         live_s=plgpu.SMEM((n, 64), jnp.int32),
@@ -1182,7 +1207,7 @@ def mix_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x
     """Shared memory of one program of ``phase1_mix`` (its scratch list; ``n_slots``: None is
     ``MIX_SLOTS``)."""
     bt, bd, n_slots = BLOCK_T, block_d, n_slots or MIX_SLOTS
-    return (n_slots * _window_rows(stream_kernels, windows or default_windows("mix")) * bd * jnp.dtype(x_dtype).itemsize + n_slots * sum(stream_kernels) * bd * 4
+    return (n_slots * _window_elems(stream_kernels, windows or default_windows("mix"), bd) * jnp.dtype(x_dtype).itemsize + n_slots * sum(stream_kernels) * bd * 4
             + n_slots * n_targets * heads * bt * 4 + n_targets * bt * bd * jnp.dtype(out_dtype).itemsize
             + (len(stream_kernels) + 1) * 64 * 4 + 64 * 4 * (2 + 1))
 
@@ -1280,7 +1305,7 @@ def _mix_kernel(cfg: _MixConfig):
     copies = [len(lags.copies(kernel)) for kernel in stream_kernels]  # lag-window copies of a stream's item
     taps = [has_bank and kernel > 0 for kernel in stream_kernels]
     scratch = dict(
-        xs=plgpu.SMEM((n_slots, lags.count, lags.rows, bd), cfg.x_dtype),
+        xs=plgpu.SMEM((n_slots, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
         **{f"bs{r}": plgpu.SMEM((n_slots, kernel, bd), F32) for r, kernel in enumerate(stream_kernels) if taps[r]},
         ps=plgpu.SMEM((n_slots, n_targets * heads, bt), F32),
         out_s=_tile_smem(plgpu, (n_targets, bt, bd), cfg.out_dtype),
@@ -1314,8 +1339,8 @@ def _mix_kernel(cfg: _MixConfig):
 
         def fetch_stream(r, c, i, slot):
             """Item (chunk ``c``, stream ``r``, source ``i``)'s copies into ``slot``."""
-            cs = pl.ds(c * bd, bd)
-            lags.fetch(plgpu, lambda lag, n_rows: x_ref.at[i * batch + b, pl.ds(t0 + front - lag, n_rows), cs], xs,
+            cs, xcs = pl.ds(c * bd, bd), lags.columns(c, bd)
+            lags.fetch(plgpu, lambda lag, n_rows: x_ref.at[i * batch + b, pl.ds(t0 + front - lag, n_rows), xcs], xs,
                        slot, bars[r].at[slot], stream_kernels[r])
             if taps[r]:
                 kernel, off = layout[r]

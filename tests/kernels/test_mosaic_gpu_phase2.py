@@ -7,6 +7,8 @@ before token 0 instead of the interpreted pad)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,8 +97,11 @@ def test_lag_bits_follow_the_reference_masks():
 def test_block_d_choice_and_shared_memory():
     kw = dict(stream_kernels=(0, 4, 8, 12), x_dtype=jnp.bfloat16, acc_dtype=jnp.float32, out_dtype=jnp.bfloat16)
     assert mosaic_gpu.choose_block_d(d=1024, heads=1, **kw) == 32
-    # a float32 partial doubles the lag windows past the shared memory: not taken (Triton runs it)
-    assert mosaic_gpu.choose_block_d(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32)) is None
+    # a float32 partial doubles the aligned lag windows past the shared memory; one padded window
+    # per chunk fits (``"auto"`` still runs a float32 partial on Triton: untimed in Mosaic)
+    aligned = functools.partial(mosaic_gpu.smem_bytes, windows="aligned")
+    assert mosaic_gpu.choose_block_d(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32), smem=aligned) is None
+    assert mosaic_gpu.choose_block_d(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32)) == 32
     assert mosaic_gpu.choose_block_d(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32, stream_kernels=(0,))) == 32
     assert mosaic_gpu.choose_block_d(d=48, heads=1, **kw) is None  # no chunk divides the head
     # MSAR at `base` with a float32 state fits both kernels (the H200's 227 KiB per block)
@@ -110,6 +115,7 @@ def test_block_d_choice_and_shared_memory():
         # one window of 64 + 16 rows per chunk: two programs fit an SM (228 KiB) where one did
         assert by_windows["aligned"] - by_windows["single"] == 2 * (8 * 72 - 80) * 32 * 2
         assert 2 * (by_windows["single"] + 1024) <= 233472 < 2 * (by_windows["aligned"] + 1024)
+        assert by_windows["padded"] - by_windows["single"] == 2 * 80 * mosaic_gpu.WINDOW_PAD * 2
 
 
 @pytest.mark.parametrize("max_lag, n_lags, want", [
@@ -177,7 +183,7 @@ def test_which_kernels_each_choice_takes_on_a_gpu(choice, kernels, forward, back
     got = [_backend._mosaic_phase2(choice, "triton", static, partial, state, jnp.bfloat16, False, kernel=k)
            for k in ("forward", "backward_state")]
     assert got == [forward, backward_state]
-    # a float32 partial with a bf16 state fits shared memory (aligned windows) but is untimed:
+    # a float32 partial with a bf16 state fits shared memory but is untimed in Mosaic:
     # "auto" keeps Triton; "mosaic" takes it
     f32, bf16_state = jax.ShapeDtypeStruct(partial.shape, jnp.float32), state._replace(
         acc=jax.ShapeDtypeStruct(state.acc.shape, jnp.bfloat16))
@@ -218,7 +224,8 @@ def test_gpu_mosaic_matches_reference(monkeypatch, case, state_dtype):
 
 def test_window_placements_agree_in_every_kernel():
     """``windows="aligned"`` (one lag window per lag modulo 8, loads at multiples of 8 rows),
-    ``"single"`` (one window, loads at any row offset) and ``"per_lag"`` put the same rows in
+    ``"single"`` (one window, loads at any row offset), ``"padded"`` (the same with wider rows,
+    their pad past d on the last chunk) and ``"per_lag"`` put the same rows in
     the same sums: the four Mosaic GPU kernels give the same values to the last bit
     (interpreted; segments, a ragged second tile, bf16 inputs)."""
     from tests.kernels.test_depth_attention_fused import _phase1_inputs
@@ -248,7 +255,7 @@ def test_window_placements_agree_in_every_kernel():
     for name, run in runs.items():
         want = jax.tree.leaves(run("per_lag"))
         assert any(np.any(np.asarray(w)) for w in want), name
-        for windows in ("aligned", "single"):
+        for windows in ("aligned", "single", "padded"):
             got = jax.tree.leaves(run(windows))
             assert len(got) == len(want), (name, windows)
             for g, w in zip(got, want):

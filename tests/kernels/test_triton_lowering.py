@@ -299,7 +299,8 @@ def test_phase2_wide_form_lowers(h200):
     assert "depth_attention_phase2_bwd_dstreams" in text and "depth_attention_expansion_transpose" in text
 
 
-def test_single_windows_lower_in_lane_semantics(h200, monkeypatch):
+@pytest.mark.parametrize("one_window", ["single", "padded"])
+def test_single_windows_lower_in_lane_semantics(h200, monkeypatch, one_window):
     """``windows="single"`` (one lag window per chunk, loads at any row offset) lowers each of
     the four Mosaic GPU kernels in Lane semantics, whose shared-memory refs carry no inferred
     swizzle (BENCHMARKS.md, kernels, session 20), with every explicit load unoptimized; the
@@ -350,7 +351,7 @@ def test_single_windows_lower_in_lane_semantics(h200, monkeypatch):
         text += _lower(jax.value_and_grad(loss1, argnums=(0, 1, 2)), sources, banks, jnp.ones((2, m, d)))
         assert text.count(MOSAIC_GPU_CALL) == 4  # phase 2's two kernels, phase 1's scoring and mixing
 
-    monkeypatch.setattr(mosaic_gpu, "DEFAULT_WINDOWS", "single")
+    monkeypatch.setattr(mosaic_gpu, "DEFAULT_WINDOWS", one_window)
     lower_all()
     assert semantics == [plgpu.LoweringSemantics.Lane] * 4, semantics
     assert loads and not any(loads)
@@ -358,7 +359,7 @@ def test_single_windows_lower_in_lane_semantics(h200, monkeypatch):
     # and backward kernels, phase 1's scoring and mixing passes)
     monkeypatch.setattr(mosaic_gpu, "DEFAULT_WINDOWS", None)
     lower_all()
-    lane = {"single": plgpu.LoweringSemantics.Lane}
+    lane = dict.fromkeys(mosaic_gpu.ONE_WINDOW, plgpu.LoweringSemantics.Lane)
     assert semantics == [lane.get(mosaic_gpu.KERNEL_WINDOWS[k]) for k in ("forward", "backward_state", "scores", "mix")]
     assert set(mosaic_gpu.KERNEL_WINDOWS.values()) <= set(mosaic_gpu.WINDOWS)
     # the other placements (lowered by the tests above) take the module itself: Warpgroup semantics
