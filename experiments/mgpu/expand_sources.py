@@ -84,6 +84,21 @@ def build(source, batch, t_len, d, bd=32, interpret=False):
 
     zero = lambda: plgpu.layout_cast(jnp.zeros((bt,), jnp.float32), row)  # noqa: E731
 
+    def sumsq_of(sqs, bs, slot, lag_tile):
+        """``sqs`` plus each stream's sum of squares over the chunk, its lags from ``lag_tile(delta)``
+        and its taps from ``bs[slot]``."""
+        es = [None] * m
+        for delta in range(max_lag):
+            xl = lag_tile(delta).astype(jnp.float32)
+            for r, (kernel, off) in enumerate(layout):
+                if kernel == 0:
+                    es[r] = xl if delta == 0 else es[r]
+                elif delta < kernel:
+                    tap = plgpu.load(bs, (slot, off + delta), layout=col)
+                    term = lax.broadcast_in_dim(tap, (bt, bd), [1]) * xl
+                    es[r] = term if es[r] is None else es[r] + term
+        return [sq + jnp.sum(e * e, axis=1) for sq, e in zip(sqs, es)]
+
     if source in ("tma_single", "tma_single_dyn"):
         lags = mosaic_gpu._Lags.of(max_lag, "single")
     if source in ("tma", "tma_fetch", "tma_single", "tma_single_dyn"):
@@ -125,18 +140,8 @@ def build(source, batch, t_len, d, bd=32, interpret=False):
                 plgpu.copy_gmem_to_smem(bank_ref.at[:, pl.ds(c * bd, bd)], bs.at[slot], bar.at[slot])
 
             def chunk(c, slot, head, sqs):
-                es = [None] * m
-                for delta in range(max_lag):
-                    xl = plgpu.load(xs.at[slot, pl.ds(front - delta, bt), pl.ds(0, bd)], (), layout=tile,
-                                    optimized=False).astype(jnp.float32)
-                    for r, (kernel, off) in enumerate(layout):
-                        if kernel == 0:
-                            es[r] = xl if delta == 0 else es[r]
-                        elif delta < kernel:
-                            tap = plgpu.load(bs, (slot, off + delta), layout=col)
-                            term = lax.broadcast_in_dim(tap, (bt, bd), [1]) * xl
-                            es[r] = term if es[r] is None else es[r] + term
-                return [sq + jnp.sum(e * e, axis=1) for sq, e in zip(sqs, es)]
+                return sumsq_of(sqs, bs, slot, lambda delta: plgpu.load(
+                    xs.at[slot, pl.ds(front - delta, bt), pl.ds(0, bd)], (), layout=tile, optimized=False))
 
             sqs = mosaic_gpu._pipelined(plgpu, fetch, bar, nc, 1, chunk, [zero() for _ in range(m)])
             finish(sqs, ss_s, ss_ref, b, t0)
@@ -173,17 +178,7 @@ def build(source, batch, t_len, d, bd=32, interpret=False):
                 return pl.run_scoped(product, plgpu.ACC((bt, bd), jnp.float32))
 
             def chunk(c, slot, head, sqs):
-                es = [None] * m
-                for delta in range(max_lag):
-                    xl = lag_tile(slot, delta)
-                    for r, (kernel, off) in enumerate(layout):
-                        if kernel == 0:
-                            es[r] = xl if delta == 0 else es[r]
-                        elif delta < kernel:
-                            tap = plgpu.load(bs, (slot, off + delta), layout=col)
-                            term = lax.broadcast_in_dim(tap, (bt, bd), [1]) * xl
-                            es[r] = term if es[r] is None else es[r] + term
-                return [sq + jnp.sum(e * e, axis=1) for sq, e in zip(sqs, es)]
+                return sumsq_of(sqs, bs, slot, lambda delta: lag_tile(slot, delta))
 
             sqs = mosaic_gpu._pipelined(plgpu, fetch, bar, nc, 1, chunk, [zero() for _ in range(m)])
             finish(sqs, ss_s, ss_ref, b, t0)
