@@ -25,7 +25,7 @@ pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("source, bd", [("tma", 32), ("gmem", 32), ("gmem", 64), ("tma_fetch", 32), ("tma_single", 32),
-                                        ("tma_single_dyn", 32)])
+                                        ("tma_single_dyn", 32), ("tma_single_pad", 32)])
 def test_interpreted_expansion_sources(source, bd):
     import expand_sources as es
 
@@ -34,7 +34,8 @@ def test_interpreted_expansion_sources(source, bd):
     x = jax.random.normal(keys[0], (batch, 2 * es.FRONT + t_len, d), jnp.float32)
     x = x.at[:, :es.FRONT].set(0).at[:, es.FRONT + t_len:].set(0).astype(jnp.bfloat16)
     bank = 0.3 * jax.random.normal(keys[1], (sum(es.KERNELS), d), jnp.float32)
-    got = es.build(source, batch, t_len, d, bd=bd, interpret=True)(x, bank)
+    xin = jnp.pad(x, ((0, 0), (0, 0), (0, es.PAD))) if source == "tma_single_pad" else x  # rows PAD wider
+    got = es.build(source, batch, t_len, d, bd=bd, interpret=True)(xin, bank)
     want = es.reference_sumsq(x, bank, t_len)
     if source == "tma_fetch":  # no conv: every stream is the partial itself
         want = jnp.broadcast_to(want[0], want.shape)
