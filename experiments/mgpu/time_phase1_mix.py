@@ -15,6 +15,7 @@ Run on the GPU: ``python experiments/mgpu/time_phase1_mix.py [--bf16] [--base-on
 ``--bf16-aligned``: only the bf16 state and the aligned windows. ``--single``: 3 slots, the
 aligned windows against one window per chunk (``"single"``, Lane semantics; session 20), with
 its output tiles swizzled and plain. ``--single-slots``: one window per chunk with 2, 3 and 4 slots.
+``--chunks``: the padded window with 32-channel chunks (3 slots) and 64 (2 and 3 slots).
 """
 import sys
 import traceback
@@ -45,6 +46,8 @@ def main():
         mosaic_variants = ((32, 3, "single"), (32, 3, "padded"))
     if "--single-slots" in sys.argv:  # one window per chunk with 2-4 slots (2: three programs per SM)
         mosaic_variants = ((32, 2, "single"), (32, 3, "single"), (32, 4, "single"))
+    if "--chunks" in sys.argv:  # the padded window with 32- and 64-channel chunks (session 21)
+        mosaic_variants = ((32, 3, "padded"), (64, 2, "padded"), (64, 3, "padded"))
     if "--base-only" in sys.argv:
         shapes = shapes[:1]
     bw = bench.copy_bandwidth()

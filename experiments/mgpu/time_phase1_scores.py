@@ -8,7 +8,8 @@ sources). MSAR's kernels (0, 4, 8, 12), one head, bf16 sources. Median of 21 tim
 each after warm-up (``bench.timeit``); the error of the Mosaic outputs against Triton's,
 relative to their largest magnitude; the floor: the live sources read once at the measured
 copy bandwidth (the pass is compute-bound well above it). Run on the GPU:
-``python experiments/mgpu/time_phase1_scores.py [--base-only]``."""
+``python experiments/mgpu/time_phase1_scores.py [--base-only]``; ``--chunks``: the padded
+windows with 32- and 64-channel chunks."""
 import sys
 import traceback
 
@@ -48,9 +49,15 @@ def main():
             variants, forms = {}, [("shared", "aligned"), ("shared", "single")]  # no tile buffers here
         if "--padded" in sys.argv:  # the one window with 80-byte rows (session 20, call 8)
             variants, forms = {}, [("shared", "aligned"), ("shared", "padded")]
+        chunk_sizes = (None,)
+        if "--chunks" in sys.argv:  # the padded window with 32- and 64-channel chunks (session 21)
+            variants, forms, chunk_sizes = {}, [("shared", "padded")], (32, 64)
         for expand, windows in forms:
-            variants[f"mosaic {expand} {windows}"] = (lambda ex, w: lambda x, b, q, v: mosaic_gpu.phase1_scores(
-                x, b, q, None, v, stream_kernels=KERNELS, heads=1, expand=ex, windows=w))(expand, windows)
+            for bd in chunk_sizes:
+                label = f"mosaic {expand} {windows}" + (f" bd={bd}" if bd else "")
+                variants[label] = (lambda ex, w, bd: lambda x, b, q, v: mosaic_gpu.phase1_scores(
+                    x, b, q, None, v, stream_kernels=KERNELS, heads=1, expand=ex, windows=w, block_d=bd))(
+                    expand, windows, bd)
         print(f"## {name}: {n} sources ({n_live} valid), S = {n_targets}, B x T = {batch} x {t_len}, d = {d}; "
               f"floor {floor_ms:.4f} ms", flush=True)
         want = None

@@ -19,7 +19,10 @@ chunk as one TMA copy per stream or one 3D box). ``--gate-stats``: the forward o
 default with each ``mosaic_gpu.GATE_STATS`` (the gate's statistics in their own pass or summed
 in the scoring pass). ``--single``: forward or backward, the Mosaic default's aligned windows
 against one window per chunk (``"single"``, Lane semantics; session 20), with its tile buffers
-swizzled (``LANE_TILE_SWIZZLE``) and plain."""
+swizzled (``LANE_TILE_SWIZZLE``) and plain. ``--wide``: the backward, Mosaic passes 1-2 with
+each ``fused_bwd_phase2.FORMS`` of pass 3 (the reverse-T input kernel, or the stream cotangents
+written and transposed by ``conv_transpose``). ``--chunks``: forward or backward, the padded
+windows with 32- and 64-channel chunks (``block_d``)."""
 import collections
 import os
 import sys
@@ -113,6 +116,7 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
                  ("mosaic passes 1-2, shared windows, aligned", True, "shared", "aligned", None),
                  ("mosaic passes 1-2, shared windows, per lag", True, "shared", "per_lag", None),
                  ("mosaic passes 1-2, windows per stream, aligned", True, "per_stream", "aligned", None)]
+        pass3 = {}  # label -> fused_bwd_phase2.FORMS value (default: its DEFAULT_FORM)
         if state_boxes:
             forms = [(f"mosaic passes 1-2, state boxes {sb}", True, "shared", "aligned", sb)
                      for sb in mosaic_gpu.STATE_BOXES]
@@ -120,20 +124,31 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             forms = [(f"mosaic passes 1-2, windows {w}", True, "shared", w, None) for w in ("aligned", "single", PLAIN)]
         if "--padded" in sys.argv:
             forms = [(f"mosaic passes 1-2, windows {w}", True, "shared", w, None) for w in ("single", "padded")]
+        if "--wide" in sys.argv:
+            forms = [(f"mosaic passes 1-2, pass 3 {form}", True, "shared", "padded", None)
+                     for form in fused_bwd_phase2.FORMS]
+            pass3 = {label: label.rsplit(" ", 1)[1] for label, *_ in forms}
+        chunks = {}  # label -> mosaic_gpu.BLOCK_D_CHOICES while it is traced
+        if "--chunks" in sys.argv:  # 32- against 64-channel chunks, padded windows (session 21)
+            forms = [(f"mosaic passes 1-2, padded, bd={bd}", True, "shared", "padded", None) for bd in (32, 64)]
+            chunks = {label: (int(label.rsplit("=", 1)[1]),) for label, *_ in forms}
         for label, mosaic_state, expand, windows, boxes in forms:
             set_lane_tile_swizzle(windows != PLAIN)
             windows = "single" if windows == PLAIN else windows
             # read when the kernel is traced (below)
             mosaic_gpu.DEFAULT_EXPAND, mosaic_gpu.DEFAULT_WINDOWS = expand or "shared", windows or "aligned"
             mosaic_gpu.DEFAULT_STATE_BOXES = boxes or "one"
-            f = jax.jit(lambda st, x, b, q, g, dh, sc, ms=mosaic_state: fused_bwd_phase2.phase2_fused_backward(
+            mosaic_gpu.BLOCK_D_CHOICES = chunks.get(label, (32,))
+            form = pass3.get(label, fused_bwd_phase2.DEFAULT_FORM)
+            f = jax.jit(lambda st, x, b, q, g, dh, sc, ms=mosaic_state, form=form: fused_bwd_phase2.phase2_fused_backward(
                 st, x, b, q, True, g, None, dh, tiles=tiles, backend="interpret" if interpret else "triton",
-                interpret=interpret, scores=sc, mosaic_state=ms, **kw))
+                interpret=interpret, scores=sc, mosaic_state=ms, form=form, **kw))
             args = (state, x, bank, q, gate, dh, scores)
             grads[label] = f(*args)
             ms = float("nan") if interpret else bench.timeit(f, *args, reps=reps, inner=2)[0] * 1e3
             print(f"## {name} backward, {label}: {ms:.3f} ms per call", flush=True)
         mosaic_gpu.DEFAULT_EXPAND, mosaic_gpu.DEFAULT_WINDOWS, mosaic_gpu.DEFAULT_STATE_BOXES = "shared", None, "one"
+        mosaic_gpu.BLOCK_D_CHOICES = (32,)
         first, *others = grads.items()
         for label, other in others:
             a, b = jax.tree.leaves(first[1]), jax.tree.leaves(other)
@@ -190,6 +205,12 @@ def main():
                 variants, forms = {}, [("shared", w, None, None) for w in ("aligned", "single", PLAIN)]
             if "--padded" in sys.argv:  # the one window with 80-byte rows (session 20, call 8)
                 variants, forms = {}, [("shared", w, None, None) for w in ("aligned", "single", "padded")]
+            if "--chunks" in sys.argv:  # 32- against 64-channel chunks, padded windows (session 21)
+                variants, forms = {}, []
+                for bd in (32, 64):
+                    variants[f"mosaic padded bd={bd}"] = ((lambda bd: lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
+                        st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, windows="padded", block_d=bd,
+                        **kw)[0])(bd), None)
             for expand, windows, boxes, stats in forms:
                 label = f"mosaic {expand} {windows}" + (f" state {boxes}" if boxes else "") + (
                     f" gate stats {stats}" if stats else "")

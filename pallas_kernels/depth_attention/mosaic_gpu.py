@@ -93,12 +93,13 @@ def state_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int,
 
 def choose_block_d(*, d: int, heads: int, stream_kernels: Sequence[int], x_dtype, acc_dtype, out_dtype,
                    gate: bool = True, smem_limit: int | None = SMEM_BYTES, smem=smem_bytes,
-                   choices: Sequence[int] = BLOCK_D_CHOICES) -> int | None:
+                   choices: Sequence[int] | None = None) -> int | None:
     """The first channel chunk of ``choices`` that divides a head and whose program fits in
     ``smem_limit`` bytes of shared memory (``smem``: ``smem_bytes`` for the forward,
     ``state_smem_bytes`` for the backward's kernel; None: no limit, as in interpret mode), or
-    None (the shape is not supported)."""
-    for bd in choices:
+    None (the shape is not supported). ``choices``: None is ``BLOCK_D_CHOICES`` (read at the call, so
+    that a timing script may set it)."""
+    for bd in choices or BLOCK_D_CHOICES:
         fits = smem_limit is None or smem(block_d=bd, stream_kernels=stream_kernels, heads=heads,
                                           x_dtype=x_dtype, acc_dtype=acc_dtype, out_dtype=out_dtype,
                                           gate=gate) <= smem_limit
@@ -373,10 +374,11 @@ class _Shape(NamedTuple):
 
 
 def _shape(name, partial, segment_ids, *, stream_kernels, heads, block_d, interpret, smem,
-           choices: Sequence[int] = BLOCK_D_CHOICES, **dtypes) -> _Shape:
+           choices: Sequence[int] | None = None, **dtypes) -> _Shape:
     """The channel chunk (``choose_block_d`` over ``choices`` with the kernel's shared memory
     ``smem``; raises ``NotImplementedError`` when none fits), the tiling of T and the padded
-    partial."""
+    partial (``choices``: None is ``BLOCK_D_CHOICES``)."""
+    choices = choices or BLOCK_D_CHOICES
     batch, t_len, d = partial.shape
     bd = block_d or choose_block_d(d=d, heads=heads, stream_kernels=stream_kernels, smem=smem, **dtypes,
                                    smem_limit=None if interpret else SMEM_BYTES, choices=choices)
