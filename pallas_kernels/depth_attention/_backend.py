@@ -12,6 +12,8 @@ from pallas_kernels.depth_attention import (conv_transpose, fused, fused_bwd_pha
 
 
 GPU_KERNELS = ("auto", "mosaic", "triton", "triton_forward")
+# whether "auto" takes phase 2's backward input kernel in Mosaic GPU (``mosaic_gpu.phase2_backward_inputs``)
+AUTO_INPUTS = False
 
 
 def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype, interpret: bool,
@@ -37,6 +39,16 @@ def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype,
         return False
     if choice == "auto" and (interpret or len(static.stream_kernels) == 1 or jnp.dtype(partial.dtype).itemsize > 2):
         return False  # a float32 partial: untimed in Mosaic (it fits shared memory with the padded windows, session 20)
+    if kernel == "inputs":
+        if choice == "auto" and not AUTO_INPUTS:
+            return False
+        try:
+            mosaic_gpu.check_inputs_shape(d=partial.shape[-1], heads=static.heads, stream_kernels=static.stream_kernels)
+        except NotImplementedError as e:
+            if choice == "mosaic":
+                raise ValueError(f"gpu_kernels='mosaic': {e}") from None
+            return False
+        return True
     smem = {"forward": mosaic_gpu.smem_bytes, "backward_state": mosaic_gpu.state_smem_bytes}[kernel]
     bd = mosaic_gpu.choose_block_d(d=partial.shape[-1], heads=static.heads, stream_kernels=static.stream_kernels,
                                    x_dtype=partial.dtype, acc_dtype=state.acc.dtype, out_dtype=out_dtype,
@@ -59,20 +71,19 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
 
     ``"auto"`` (and ``"triton_forward"``, which concerns phase 2's forward): on a GPU (not in
     interpret mode), with several streams and 16-bit sources (as timed; float32 sources double
-    the kernels' shared memory), whenever the kernel takes the shape; the mixing pass only for a
-    float32 state. Measured on the H200 (BENCHMARKS.md, kernels, sessions 17-18): the scoring
+    the kernels' shared memory), whenever the kernel takes the shape. Measured on the H200 (BENCHMARKS.md, kernels, sessions 17-18): the scoring
     pass 3.18 against 4.82 ms per call at `base`'s shape (4 of 7 sources valid, 8 targets), 3.95
     against 5.38 at the issue's; the MSAR `base` step 1692.0 -> 1651.8 ms. The mixing pass with
     a float32 state 5.74-5.77 against 6.86-6.91 ms at `base`, 5.29 against 5.78 at the issue's
-    (step 1644.4-1648.4 ms); with a bf16 state Triton's was faster (4.45 against 5.03-5.21 ms),
-    so that keeps Triton. One stream (AttnRes) is untimed and keeps Triton. ``"mosaic"``:
+    (step 1644.4-1648.4 ms). With a bf16 state Triton's was faster with the aligned windows (4.45
+    against 5.03-5.21 ms, session 18); with the padded ones (session 21, call 3) Mosaic's is, 3.81
+    against 4.42 ms at `base` (float32 state: 4.04 against 6.79). One stream (AttnRes) is untimed and keeps Triton. ``"mosaic"``:
     always (an error for a shape it does not take); ``"triton"``: never."""
     if choice == "triton_forward":
         choice = "auto"
     if choice == "triton" or backend != "triton":
         return False
-    if choice == "auto" and (interpret or len(static.stream_kernels) == 1 or jnp.dtype(sources.dtype).itemsize > 2
-                             or (kernel == "mix" and jnp.dtype(state_dtype).itemsize < 4)):
+    if choice == "auto" and (interpret or len(static.stream_kernels) == 1 or jnp.dtype(sources.dtype).itemsize > 2):
         return False
     smem = {"scores": mosaic_gpu.scores_smem_bytes, "mix": mosaic_gpu.mix_smem_bytes}[kernel]
     bd = mosaic_gpu.choose_block_d(d=sources.shape[-1], heads=static.heads, stream_kernels=static.stream_kernels,
@@ -180,6 +191,8 @@ def build(backend: str, native_platform: str):
             gate_eps=static.gate_eps, scores=scores, form=form, **kw,
             mosaic_state=_mosaic_phase2(rest["gpu_kernels"], backend, static, partial, state, jnp.float32,
                                         kw["interpret"], kernel="backward_state"),
+            mosaic_inputs=form == "reverse_t" and _mosaic_phase2(rest["gpu_kernels"], backend, static, partial, state,
+                                                                 jnp.float32, kw["interpret"], kernel="inputs"),
         )
 
     return (

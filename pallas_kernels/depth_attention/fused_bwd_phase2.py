@@ -609,7 +609,8 @@ DEFAULT_FORM = "reverse_t"  # "wide" is untimed on the H200 (BENCHMARKS.md, kern
 
 
 def phase2_fused_backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps,
-                          gate_eps, tiles, backend, interpret, scores=None, form=DEFAULT_FORM, mosaic_state=False):
+                          gate_eps, tiles, backend, interpret, scores=None, form=DEFAULT_FORM, mosaic_state=False,
+                          mosaic_inputs=False):
     """Gradients of ``reference.phase2_fused`` (same values as ``xla_streaming._phase2_fused_bwd``).
 
     Returns ``(d_state, d_partial, d_bank, d_query, d_gate)``: ``d_state`` a
@@ -622,16 +623,18 @@ def phase2_fused_backward(state, partial, bank, query, include, gate, segment_id
     (the partial's stream cotangents written in its dtype) followed by
     ``conv_transpose.expansion_transpose`` (``"wide"``, as phase 1's default form).
     ``mosaic_state``: passes 1 and 2, with the gate's backward between them, as one Mosaic GPU
-    kernel (``mosaic_gpu.phase2_backward_state``; on a GPU, or interpreted).
+    kernel (``mosaic_gpu.phase2_backward_state``; on a GPU, or interpreted). ``mosaic_inputs``:
+    pass 3 of the ``"reverse_t"`` form as a Mosaic GPU kernel (``mosaic_gpu.phase2_backward_inputs``).
     """
     return _backward(state, partial, bank, query, include, gate, segment_ids, dh, stream_kernels=stream_kernels,
                      heads=heads, eps=eps, gate_eps=gate_eps, tiles=tiles, backend=backend, interpret=interpret,
                      shift="buffer" if backend == "triton" else "concat", scores=scores, form=form,
-                     mosaic_state=mosaic_state)
+                     mosaic_state=mosaic_state, mosaic_inputs=mosaic_inputs)
 
 
 def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps, gate_eps,
-              tiles, backend, interpret, shift, scores=None, form=DEFAULT_FORM, mosaic_state=False):
+              tiles, backend, interpret, shift, scores=None, form=DEFAULT_FORM, mosaic_state=False,
+              mosaic_inputs=False):
     """``phase2_fused_backward`` with the transposed conv's row shift chosen explicitly
     (``row_shift.SHIFTS``; the tests run the Triton ones, ``"dot"`` and ``"buffer"``, in
     interpret mode too)."""
@@ -729,6 +732,12 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
             d_streams, x, kbank, seg, stream_kernels=stream_kernels, tiles=tiles, backend=backend, interpret=interpret,
             out_dtype=F32)
         dbank = dbank[None] if has_bank else None
+    elif mosaic_inputs:
+        cut_t = lambda w, axis: jax.lax.slice_in_dim(w, 0, t_len, axis=axis)  # noqa: E731
+        gate3 = None if gate_in is None else (*(cut_t(w, 1) for w in gate_in[:3]), gate_in[3])
+        dx, dq, dbank, dw = mosaic_gpu.phase2_backward_inputs(
+            partial, kbank, q, cut_t(a, 2), cut_t(b, 2), cut_t(u, 2), cut_t(v, 2), state.acc, dh, gate3, segment_ids,
+            stream_kernels=stream_kernels, heads=heads, interpret=interpret)
     else:
         dx, dq, dbank, dw = _dinput_call(x, kbank, q, a, b, u, v, acc, g_h, gate_in, seg, shift=shift, **kw)
 

@@ -1411,3 +1411,296 @@ def _mix_kernel(cfg: _MixConfig):
         out_type = jax.ShapeDtypeStruct((n_targets, m, batch, cfg.t_pad, d), cfg.out_dtype)
     return _jitted_kernel(plgpu, body, out_type, [scratch[k] for k in names], name="depth_attention_mix_mosaic",
                           batch=batch, t_pad=cfg.t_pad, interpret=cfg.interpret)
+
+
+# --------------------------------------------------------------------------- phase 2's input kernel
+
+# ``phase2_backward_inputs``' channel chunk: 8 channels keep its carried token sums (44 ``[64, 8]``
+# float32 tiles for kernels (0, 4, 8, 12) with the gate, 4 registers each per thread) in
+# registers; its 16-byte rows (bf16) and 32-byte rows (float32) make every row-offset load one
+# contiguous run of shared memory, so no window needs padding against bank conflicts.
+INPUTS_BLOCK_D = 8
+INPUTS_NEXT_ROWS = 16  # rows of the next token tile the transposed conv reaches (max_lag - 1, in 8s)
+# Lane semantics copies only whole multiples of 128 bytes: the lag bits come as 96-row windows
+# (the tile's 64 and the 16 it reaches, padded), the small per-chunk rows padded to 4 (4 x 32 bytes)
+INPUTS_BITS_ROWS = 96
+
+
+def _rows4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+def _pad_rows4(w):
+    """``w[n, ...]`` with zero rows appended up to a multiple of 4 (``_rows4``)."""
+    return jnp.pad(w, ((0, _rows4(w.shape[0]) - w.shape[0]),) + ((0, 0),) * (w.ndim - 1))
+
+
+def check_inputs_shape(*, d: int, heads: int, stream_kernels: Sequence[int]) -> None:
+    """Raises ``NotImplementedError`` (saying why) unless ``phase2_backward_inputs`` takes the shape."""
+    if d % heads or (d // heads) % INPUTS_BLOCK_D:
+        raise NotImplementedError(f"mosaic_gpu.phase2_backward_inputs: the head width d/heads = {d}/{heads} must be "
+                                  f"a multiple of {INPUTS_BLOCK_D}")
+    max_lag = max([1, *stream_kernels])
+    if max_lag - 1 > INPUTS_NEXT_ROWS or max_lag > MAX_LAG_BITS:
+        raise NotImplementedError(f"mosaic_gpu.phase2_backward_inputs: kernels up to {INPUTS_NEXT_ROWS + 1} taps "
+                                  f"(got {tuple(stream_kernels)})")
+
+
+def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, segment_ids, *, stream_kernels,
+                           heads: int, interpret: bool = False):
+    """Pass 3 of ``fused_bwd_phase2`` (its reverse-T input kernel, ``_dinput_kernel``) as one
+    Mosaic GPU kernel: per (batch row, 8-channel chunk), the 64-token tiles in reverse; per
+    tile and stream ``r`` it recomputes ``E_r`` (Eq. 10), ``z_r = a A_r + b E_r`` (Eq. 11),
+    ``dz_r = g_r dh + sum_j W[r, :, j] dy_j + coef z_r`` (the H_pre gate's backward, Eq. 13-14;
+    ``dh / m`` for mean fusion) and ``d_E_r = b dz_r + u q_r + v E_r``, and applies the
+    transposed causal conv: ``d_x[t] = sum_r sum_delta c_r[delta] mask_delta[t + delta]
+    d_E_r[t + delta]``. Rows ``t + delta`` reach up to 11 rows into the next tile, which the
+    reverse loop has already made: each stream's ``d_E`` goes through a 128-row shared-memory
+    buffer (this tile's rows, then the next tile's) and is loaded back at each lag's row offset
+    (Lane semantics, as the ``"single"`` windows). The token sums ``d_query_r = sum_t u E_r``,
+    ``d_bank[delta] = sum_t mask_delta d_E_r x[t - delta]`` and ``d_W[r, :, j] = sum_t z_r
+    dy_j`` ride in the loop carry as whole tiles and are reduced over rows once per program.
+
+    ``a, b, u``: ``[m, B, T, H]``; ``v``: ``[m, B, T]``; ``acc[m, B, T, d]``; ``dh[B, T, d]``
+    float32; ``gate_in``: ``(g[B, T, m], dy[B, T, m], coef[B, T], w3[m, d, m])``
+    (``fused.gate_cols``) or None (mean fusion). Returns what ``fused_bwd_phase2._dinput_call``
+    does: ``d_x[B, T, d]`` float32 and the per-batch-row partials ``d_query[B, m, d]``,
+    ``d_bank[B, K, d]`` (None without a bank) and ``d_W[B, m, d, m]`` (None without the gate)."""
+    stream_kernels = tuple(stream_kernels)
+    batch, t_len, d = partial.shape
+    m, bt = len(stream_kernels), BLOCK_T
+    check_inputs_shape(d=d, heads=heads, stream_kernels=stream_kernels)
+    max_lag = max([1, *stream_kernels])
+    gate = gate_in is not None
+    has_bank = any(stream_kernels) and bank is not None
+    has_seg = segment_ids is not None and max_lag > 1
+    t_pad = -(-t_len // bt) * bt
+    lags = _Lags.of(max_lag, "single")
+    front = 8 * lags.extra if interpret else 0
+    x = _pad_t(partial, 1, t_pad)
+    if interpret:  # the rows before token 0: zeros, as TMA fills them on the GPU
+        x = jnp.pad(x, ((0, 0), (front, 0), (0, 0)))
+    pad_t = lambda w, axis: _pad_t(jnp.asarray(w, F32), axis, t_pad)  # noqa: E731
+
+    # per-token rows [H, R, B, Tp]: a, b, u, v per stream (v repeated per head), then g, dy, coef
+    per_head = [jnp.moveaxis(pad_t(w, 2), -1, 0) for w in (a, b, u)]  # [H, m, B, Tp] each
+    per_head.append(jnp.broadcast_to(pad_t(v, 2)[None], (heads, m, batch, t_pad)))
+    if gate:
+        g, dy, coef, w3 = gate_in
+        for w in (g, dy):
+            per_head.append(jnp.broadcast_to(jnp.moveaxis(pad_t(w, 1), -1, 0)[None], (heads, m, batch, t_pad)))
+        per_head.append(jnp.broadcast_to(pad_t(coef, 1)[None, None], (heads, 1, batch, t_pad)))
+    rows = jnp.concatenate(per_head, axis=1)
+    inputs = [x, _pad_rows4(jnp.asarray(bank, F32) if has_bank else jnp.zeros((1, d), F32)),
+              _pad_rows4(jnp.asarray(query, F32)), rows, _state_rows(acc, t_pad), pad_t(dh, 1)]
+    if gate:
+        inputs.append(_pad_rows4(jnp.asarray(w3, F32).transpose(0, 2, 1).reshape(m * m, d)))  # [(r, j), c]
+    if has_seg:  # each tile's window: its rows and the next tile's first ones (zeros past the end)
+        bits = _pad_t(lag_bits(segment_ids, t_len, max_lag), 1, t_pad)
+        inputs.append(jnp.pad(bits, ((0, 0), (0, INPUTS_BITS_ROWS - bt))))
+    call = _inputs_kernel(_InputsConfig(batch=batch, t_pad=t_pad, d=d, stream_kernels=stream_kernels, heads=heads,
+                                        gate=gate, has_bank=has_bank, has_seg=has_seg, front=front,
+                                        x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
+                                        interpret=bool(interpret)))
+    dx, sums = call(*inputs)
+    n_taps = sum(stream_kernels) if has_bank else 0
+    dq = sums[:, :m]
+    dbank = sums[:, m:m + n_taps] if has_bank else None
+    dw = sums[:, m + n_taps:m + n_taps + m * m].reshape(batch, m, m, d).transpose(0, 1, 3, 2) if gate else None
+    return dx[:, :t_len], dq, dbank, dw
+
+
+class _InputsConfig(NamedTuple):
+    """Everything ``phase2_backward_inputs``' kernel code depends on (see ``_Config``)."""
+
+    batch: int
+    t_pad: int
+    d: int
+    stream_kernels: tuple
+    heads: int
+    gate: bool
+    has_bank: bool
+    has_seg: bool
+    front: int
+    x_dtype: jnp.dtype
+    acc_dtype: jnp.dtype
+    interpret: bool
+
+
+@functools.lru_cache(maxsize=None)
+def _inputs_kernel(cfg: _InputsConfig):
+    """``phase2_backward_inputs``' kernel for ``cfg``, built and jitted once (``_kernel`` says why)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu_module
+
+    plgpu = _LanePlgpu(plgpu_module)
+    batch, t_pad, d, heads, gate, has_seg, front = (cfg.batch, cfg.t_pad, cfg.d, cfg.heads, cfg.gate, cfg.has_seg,
+                                                    cfg.front)
+    stream_kernels = cfg.stream_kernels
+    m, bt, bd = len(stream_kernels), BLOCK_T, INPUTS_BLOCK_D
+    layout = _stream_layout(stream_kernels)
+    max_lag = max([1, *stream_kernels])
+    lags = _Lags.of(max_lag, "single")
+    has_bank = cfg.has_bank
+    n_taps = sum(stream_kernels)
+    nc, n_tiles = d // bd, t_pad // bt
+    n_rows = 4 * m + (2 * m + 1 if gate else 0)
+    convs = [r for r, (kernel, _) in enumerate(layout) if kernel > 0]  # streams with a transposed conv
+    n_sums = m + (n_taps if has_bank else 0) + (m * m if gate else 0)
+    row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
+    scratch = dict(
+        xs=plgpu.SMEM((2, 1, lags.rows, bd), cfg.x_dtype),
+        accs=plgpu.SMEM((2, m, bt, bd), cfg.acc_dtype),
+        dhs=plgpu.SMEM((2, bt, bd), F32),
+        rows_s=plgpu.SMEM((2, n_rows, bt), F32),
+        bits_s=plgpu.SMEM((2, INPUTS_BITS_ROWS), jnp.int32) if has_seg else None,
+        consts=plgpu.SMEM((_rows4(max(1, n_taps)) + _rows4(m) + (_rows4(m * m) if gate else 0), bd), F32),
+        des=plgpu.SMEM((max(1, len(convs)), 2 * bt, bd), F32),  # d_E: this tile's rows, then the next tile's
+        dxs=plgpu.SMEM((2, bt, bd), F32),
+        sums_s=plgpu.SMEM((_rows4(n_sums), bd), F32),
+        bar=plgpu.Barrier(num_arrivals=4 + has_seg, num_barriers=2),  # one per copy of ``fetch``
+        bar_in=plgpu.Barrier(num_arrivals=1 + has_bank + gate, num_barriers=1),
+    )
+    names = [k for k, v in scratch.items() if v is not None]
+
+    def body(*refs):
+        it = iter(refs)
+        x_ref, bank_ref, q_ref, rows_ref, acc_ref, dh_ref = (next(it) for _ in range(6))
+        w_ref = next(it) if gate else None
+        bits_ref = next(it) if has_seg else None
+        dx_ref, sums_ref = next(it), next(it)
+        sc = dict(zip(names, it))
+        xs, accs, dhs, rows_s, bits_s, consts = (sc.get(k) for k in ("xs", "accs", "dhs", "rows_s", "bits_s",
+                                                                     "consts"))
+        des, dxs, sums_s, bar, bar_in = (sc[k] for k in ("des", "dxs", "sums_s", "bar", "bar_in"))
+        bi, c = lax.axis_index("b"), lax.axis_index("c")
+        cs = pl.ds(c * bd, bd)
+        head = (c * bd) // (d // heads)
+        # per-program constants: the taps, the queries and W's columns of this chunk
+        taps_at, q_at = 0, _rows4(max(1, n_taps))
+        w_at = q_at + _rows4(m)
+        if has_bank:
+            plgpu.copy_gmem_to_smem(bank_ref.at[:, cs], consts.at[pl.ds(taps_at, bank_ref.shape[0])], bar_in.at[0])
+        plgpu.copy_gmem_to_smem(q_ref.at[:, cs], consts.at[pl.ds(q_at, q_ref.shape[0])], bar_in.at[0])
+        if gate:
+            plgpu.copy_gmem_to_smem(w_ref.at[:, cs], consts.at[pl.ds(w_at, w_ref.shape[0])], bar_in.at[0])
+
+        def fetch(k, slot):
+            t0 = k * bt
+            plgpu.copy_gmem_to_smem(x_ref.at[bi, pl.ds(t0 + front - 8 * lags.extra, lags.rows), cs],
+                                    xs.at[slot, 0], bar.at[slot])
+            plgpu.copy_gmem_to_smem(acc_ref.at[:, pl.ds(bi * t_pad + t0, bt), cs], accs.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(dh_ref.at[bi, pl.ds(t0, bt), cs], dhs.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(rows_ref.at[head, :, bi, pl.ds(t0, bt)], rows_s.at[slot], bar.at[slot])
+            if has_seg:
+                plgpu.copy_gmem_to_smem(bits_ref.at[bi, pl.ds(t0, INPUTS_BITS_ROWS)], bits_s.at[slot], bar.at[slot])
+
+        fetch(n_tiles - 1, 0)
+        if n_tiles > 1:
+            fetch(n_tiles - 2, 1)
+        # the next tile's rows of d_E start as zeros (nothing lies past the last tile)
+        zero = plgpu.layout_cast(jnp.zeros((bt, bd), F32), tile)
+        for i in range(len(convs)):
+            des[i, pl.ds(bt, bt)] = zero
+        plgpu.barrier_wait(bar_in.at[0])
+
+        def tap(k):
+            return _cols(plgpu.load(consts, taps_at + k, layout=col), bt, bd)
+
+        def step(i, carry):
+            dq, dbank, dw = list(carry[0]), list(carry[1]), [list(w) for w in carry[2]]
+            k = n_tiles - 1 - i
+            slot = lax.rem(i, 2)
+            plgpu.barrier_wait(bar.at[slot])
+            bits = masks = None
+            if has_seg:
+                bits = plgpu.load(bits_s.at[slot, pl.ds(0, bt)], (), layout=row)
+                masks = [None] + [_rows(((bits >> delta) & 1).astype(F32), bt, bd) for delta in range(1, max_lag)]
+            else:
+                masks = [None] * max_lag
+
+            def rows_of(j):
+                return _rows(plgpu.load(rows_s, (slot, j), layout=row), bt, bd)
+
+            def x_lag(delta):
+                return lags.load(plgpu, xs, slot, delta).astype(F32)
+
+            dh = plgpu.load(dhs, slot, layout=tile)
+            dx = None
+            for r, (kernel, off) in enumerate(layout):
+                if kernel == 0:
+                    e = x_lag(0)
+                else:
+                    e = None
+                    for delta in range(kernel):
+                        term = tap(off + delta) * x_lag(delta)
+                        if masks[delta] is not None:
+                            term = term * masks[delta]
+                        e = term if e is None else e + term
+                acc = plgpu.load(accs, (slot, r), layout=tile).astype(F32)
+                coef_b = rows_of(m + r)
+                z = rows_of(r) * acc + coef_b * e
+                if gate:
+                    dz = rows_of(4 * m + r) * dh + rows_of(6 * m) * z
+                    for j in range(m):
+                        dz = dz + _cols(plgpu.load(consts, w_at + r * m + j, layout=col), bt, bd) * rows_of(5 * m + j)
+                        dw[r][j] = dw[r][j] + z * rows_of(5 * m + j)
+                else:
+                    dz = dh * (1.0 / m)
+                coef_u = rows_of(2 * m + r)
+                de = coef_b * dz + coef_u * _cols(plgpu.load(consts, q_at + r, layout=col), bt, bd) + rows_of(3 * m + r) * e
+                dq[r] = dq[r] + coef_u * e
+                if kernel == 0:
+                    dx = de if dx is None else dx + de
+                    continue
+                for delta in range(kernel):
+                    masked = de if masks[delta] is None else de * masks[delta]
+                    dbank[off + delta] = dbank[off + delta] + masked * x_lag(delta)
+                des[convs.index(r), pl.ds(0, bt)] = de
+            plgpu.commit_smem()  # d_E of this tile visible to every thread
+            # transposed conv: row t of this tile takes d_E_r[t + delta] (this tile's or the next's)
+            for r in convs:
+                kernel, off = layout[r]
+                for delta in range(kernel):
+                    shifted = plgpu.load(des.at[convs.index(r), pl.ds(delta, bt)], (), layout=tile)
+                    term = tap(off + delta) * shifted
+                    if has_seg and delta:
+                        nbits = plgpu.load(bits_s.at[slot, pl.ds(delta, bt)], (), layout=row)
+                        term = term * _rows(((nbits >> delta) & 1).astype(F32), bt, bd)
+                    dx = term if dx is None else dx + term
+            if dx is None:
+                dx = zero
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot two tiles ago is read
+            dxs[slot] = dx
+            # this tile's d_E becomes the next (earlier) tile's "next rows", once every thread has read them
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dxs.at[slot], dx_ref.at[bi, pl.ds(k * bt, bt), cs])
+            for i_conv in range(len(convs)):
+                des[i_conv, pl.ds(bt, bt)] = plgpu.load(des.at[i_conv, pl.ds(0, bt)], (), layout=tile)
+
+            @pl.when(i + 2 < n_tiles)
+            def _():
+                fetch(k - 2, slot)
+
+            return dq, dbank, dw
+
+        carry = ([zero] * m, [zero] * (n_taps if has_bank else 0), [[zero] * m for _ in range(m)] if gate else [])
+        dq, dbank, dw = lax.fori_loop(0, n_tiles, step, carry)
+        sums = list(dq) + list(dbank) + [w for ws in dw for w in ws]
+        for i, s in enumerate(sums):
+            sums_s[i] = jnp.sum(s, axis=0)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(sums_s, sums_ref.at[bi, :, cs])
+        plgpu.wait_smem_to_gmem(0)
+
+    out_type = (jax.ShapeDtypeStruct((batch, t_pad, d), F32), jax.ShapeDtypeStruct((batch, _rows4(n_sums), d), F32))
+    params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
+    kernel = plgpu.kernel(body, out_type=out_type, scratch_types=[scratch[k] for k in names], grid=(batch, nc),
+                          grid_names=("b", "c"), interpret=plgpu.InterpretGPUParams() if cfg.interpret else False,
+                          **params)
+
+    @jax.jit
+    def run(*inputs):
+        with jax.named_scope("depth_attention_phase2_bwd_inputs_mosaic"):
+            return kernel(*inputs)
+
+    return run
