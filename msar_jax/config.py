@@ -44,7 +44,7 @@ def residual_config() -> ml_collections.ConfigDict:
             final_merge="residual",  # MSAR final: "residual" (h_L + v_L) or "sum" (all sources)
             implementation="xla",  # depth-attention kernels: "xla", "pallas_tpu", "pallas_gpu", "auto"
             kernel_backward="auto",  # backward of the Pallas kernels: "xla" (closed form), "pallas", "hybrid" (phase 1's closed form with the conv-transpose kernel), or "auto" (per op, the faster on the H200)
-            gpu_kernels="auto",  # GPU lowering of the Pallas kernels that have two: "mosaic" (Mosaic GPU: phase 1's scoring and mixing passes, phase 2's fused forward and its backward's statistics/d_acc passes), "triton", "triton_forward" (phase 2's forward in Triton, the rest as "auto"), or "auto" (per kernel, the faster on the H200; "triton_forward" with model.save_read_outputs)
+            gpu_kernels="auto",  # GPU lowering of the Pallas kernels that have two: "mosaic" (Mosaic GPU: phase 1's scoring and mixing passes, phase 2's fused forward and its backward's statistics/d_acc and input passes), "triton", "triton_forward" (phase 2's forward in Triton, the rest as "auto"), or "auto" (per kernel, the faster on the H200; "triton_forward" with model.save_read_outputs)
             read_chunks=1,  # XLA path: run each depth read over this many batch slices (bounds its memory)
             state_dtype="float32",  # dtype of the phase-1 state's weighted sum: "float32" (SPEC 5) or "bfloat16" (half the bytes)
         )

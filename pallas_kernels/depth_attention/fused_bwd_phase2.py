@@ -605,7 +605,9 @@ def _dstreams_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_
 # --------------------------------------------------------------------------- entry point
 
 FORMS = ("reverse_t", "wide")
-DEFAULT_FORM = "reverse_t"  # "wide" is untimed on the H200 (BENCHMARKS.md, kernels, what remains)
+# "wide" was slower on the H200 at `base`: the whole backward (Mosaic passes 1-2) 5.62 against 4.75 ms
+# per call with Triton's reverse-T pass (BENCHMARKS.md, kernels, session 21, call 1)
+DEFAULT_FORM = "reverse_t"
 
 
 def phase2_fused_backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps,

@@ -42,6 +42,10 @@ Pallas backward (``fused_bwd_phase2``) starts from them.
 Why Mosaic GPU for this op: session 15 timed the scoring pass alone 1.55-1.70x faster than the
 Triton kernel; this module's whole forward against the Triton three-call form is in
 BENCHMARKS.md, kernels, session 16.
+
+The module also holds the Pallas backward's phase-2 kernels (``phase2_backward_state``: the
+gate's statistics and ``d_acc``; ``phase2_backward_inputs``: the reverse-T input pass, in
+8-channel chunks) and phase 1's scoring and mixing passes (``phase1_scores``, ``phase1_mix``).
 """
 
 from __future__ import annotations
@@ -1585,7 +1589,9 @@ def _inputs_kernel(cfg: _InputsConfig):
             plgpu.copy_gmem_to_smem(w_ref.at[:, cs], consts.at[pl.ds(w_at, w_ref.shape[0])], bar_in.at[0])
 
         def fetch(k, slot):
-            t0 = k * bt
+            # a traced start: the first tile's window starts before row 0 on the GPU (TMA fills the
+            # rows with zeros), which Pallas refuses as a static slice
+            t0 = k * bt + bi * 0
             plgpu.copy_gmem_to_smem(x_ref.at[bi, pl.ds(t0 + front - 8 * lags.extra, lags.rows), cs],
                                     xs.at[slot, 0], bar.at[slot])
             plgpu.copy_gmem_to_smem(acc_ref.at[:, pl.ds(bi * t_pad + t0, bt), cs], accs.at[slot], bar.at[slot])

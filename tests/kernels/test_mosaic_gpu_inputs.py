@@ -144,3 +144,17 @@ def test_gpu_inputs_kernel_matches_the_triton_pass():
     got = jax.jit(lambda *a: _mosaic(a, kernels, heads, interpret=False))(*args)
     want = jax.jit(lambda *a: _pass3(a, kernels, heads, "triton"))(*args)
     _check(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("t_len", [64, 128, 200])
+@pytest.mark.parametrize("segments", [False, True], ids=["no_segments", "segments"])
+def test_inputs_kernel_lowers_for_sm90(t_len, segments):
+    """The compiled (not interpreted) kernel lowers for the H200 in Lane semantics for one, two
+    and more token tiles: its first tile's window starts 16 rows before token 0, a start that
+    must stay traced (TMA fills those rows; a static negative start failed on the GPU with two
+    tiles, session 21, call 5)."""
+    kernels, heads = (0, 4, 8, 12), 1
+    args = _inputs(2, t_len, 64, kernels, heads, True, 30 if segments else None)
+    text = jax.jit(lambda *a: mosaic_gpu.phase2_backward_inputs(*a, stream_kernels=kernels, heads=heads)).trace(
+        *args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu_v2") == 1

@@ -1,7 +1,8 @@
 """Phase 2 in Mosaic GPU (``pallas_kernels/depth_attention/mosaic_gpu.py``) against the oracle:
-the fused forward (``phase2_fused_forward``) and the backward's gate-statistics and ``d_acc``
-passes (``phase2_backward_state``). On the CPU they run in Pallas' Mosaic GPU interpret mode
-(``gpu_kernels="mosaic"`` takes both; ``"auto"`` takes both on a GPU, for several streams); the forward's per-token scores feed the Pallas backward, so the
+the fused forward (``phase2_fused_forward``), the backward's gate-statistics and ``d_acc``
+passes (``phase2_backward_state``) and its input pass (``phase2_backward_inputs``; its own
+tests are in ``test_mosaic_gpu_inputs.py``). On the CPU they run in Pallas' Mosaic GPU interpret
+mode (``gpu_kernels="mosaic"`` takes all three; ``"auto"`` takes them on a GPU, for several streams); the forward's per-token scores feed the Pallas backward, so the
 gradients check them too. The GPU-marked test runs the compiled kernels (TMA's zero fill
 before token 0 instead of the interpreted pad)."""
 
@@ -210,7 +211,7 @@ def test_gpu_mosaic_matches_reference(monkeypatch, case, state_dtype):
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     calls = []
-    for name in ("phase2_fused_forward", "phase2_backward_state"):
+    for name in ("phase2_fused_forward", "phase2_backward_state", "phase2_backward_inputs"):
         real = getattr(mosaic_gpu, name)
         monkeypatch.setattr(mosaic_gpu, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     with jax.default_matmul_precision("highest"):
@@ -219,7 +220,7 @@ def test_gpu_mosaic_matches_reference(monkeypatch, case, state_dtype):
     _check_tree(got, want, 1e-4)  # h in float32 from the same bf16 inputs
     _check_grads(got_grads, want_grads, 1e-4)
     # the forward is traced once for the value and once for the VJP (jit_vjp)
-    assert set(calls) == {"phase2_fused_forward", "phase2_backward_state"}, calls
+    assert set(calls) == {"phase2_fused_forward", "phase2_backward_state", "phase2_backward_inputs"}, calls
 
 
 def test_window_placements_agree_in_every_kernel():

@@ -71,11 +71,11 @@ def test_kernels_lower_to_triton(h200, kernels, heads, segments, backward, calls
     assert text.count(TRITON_CALL) == calls[1]
 
 
-@pytest.mark.parametrize("gpu_kernels, triton_calls, mosaic_calls", [("auto", 1, 2), ("triton", 6, 0)])
+@pytest.mark.parametrize("gpu_kernels, triton_calls, mosaic_calls", [("auto", 0, 3), ("triton", 6, 0)])
 def test_phase2_mosaic_gpu_kernels_lower(h200, gpu_kernels, triton_calls, mosaic_calls):
     """Phase 2 + gate with the Pallas backward for an H200: ``"auto"`` takes the Mosaic forward
-    and the backward's Mosaic gate-statistics and ``d_acc`` kernel for several streams, leaving
-    the backward's input pass in Triton; ``"triton"`` keeps the forward's three calls and the
+    and the backward's two Mosaic kernels (gate statistics and ``d_acc``; the reverse-T input
+    pass) for several streams; ``"triton"`` keeps the forward's three calls and the
     backward's three passes in Triton. (The Mosaic GPU lowering
     compiles each kernel here: about 15-35 s of CPU each.)"""
     kernels, batch, t_len, d, m = (0, 4, 8, 12), 2, 100, 64, 4
@@ -307,7 +307,7 @@ def test_single_windows_lower_in_lane_semantics(h200, monkeypatch, one_window):
     other placements keep the default Warpgroup semantics."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.depth_attention import mosaic_gpu
+    from pallas_kernels.depth_attention import _backend, mosaic_gpu
 
     semantics, loads = [], []
     kernel, load = plgpu.kernel, plgpu.load
@@ -342,6 +342,10 @@ def test_single_windows_lower_in_lane_semantics(h200, monkeypatch, one_window):
                         segment_ids=seg, implementation="pallas_gpu", interpret=False, backward="pallas",
                         gpu_kernels="mosaic")
         return jnp.sum(st.acc) + jnp.sum(st.denom)
+
+    # the backward's input kernel is always Lane semantics, whatever the windows (its own test
+    # lowers it: test_mosaic_gpu_inputs.py); here the four kernels that take a placement
+    monkeypatch.setattr(_backend, "AUTO_INPUTS", False)
 
     def lower_all():
         for cached in (mosaic_gpu._kernel, mosaic_gpu._state_kernel, mosaic_gpu._scores_kernel, mosaic_gpu._mix_kernel):
