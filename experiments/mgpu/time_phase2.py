@@ -23,7 +23,8 @@ swizzled (``LANE_TILE_SWIZZLE``) and plain. ``--wide``: the backward, Mosaic pas
 each ``fused_bwd_phase2.FORMS`` of pass 3 (the reverse-T input kernel, or the stream cotangents
 written and transposed by ``conv_transpose``). ``--chunks``: forward or backward, the padded
 windows with 32- and 64-channel chunks (``block_d``). ``--inputs``: the backward with pass 3 (the
-reverse-T input kernel) in Triton and in Mosaic GPU (``mosaic_gpu.phase2_backward_inputs``)."""
+reverse-T input kernel) in Triton and in Mosaic GPU (``mosaic_gpu.phase2_backward_inputs``, one
+and two warpgroups per program)."""
 import collections
 import os
 import sys
@@ -130,9 +131,10 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
                      for form in fused_bwd_phase2.FORMS]
             pass3 = {label: label.rsplit(" ", 1)[1] for label, *_ in forms}
         inputs_kernel = {}  # label -> pass 3's reverse-T input kernel in Mosaic GPU
-        if "--inputs" in sys.argv:  # pass 3 in Triton and in Mosaic GPU (session 21)
-            forms = [(f"mosaic passes 1-2, pass 3 {k}", True, "shared", "padded", None) for k in ("triton", "mosaic")]
-            inputs_kernel = {label: label.endswith("mosaic") for label, *_ in forms}
+        if "--inputs" in sys.argv:  # pass 3 in Triton and in Mosaic GPU with 1 and 2 warpgroups (session 21)
+            forms = [(f"mosaic passes 1-2, pass 3 {k}", True, "shared", "padded", None)
+                     for k in ("triton", "mosaic 1 wg", "mosaic 2 wg")]
+            inputs_kernel = {label: int(label.split()[-2]) for label, *_ in forms if label.endswith("wg")}
         chunks = {}  # label -> mosaic_gpu.BLOCK_D_CHOICES while it is traced
         if "--chunks" in sys.argv:  # 32- against 64-channel chunks, padded windows (session 21)
             forms = [(f"mosaic passes 1-2, padded, bd={bd}", True, "shared", "padded", None) for bd in (32, 64)]
@@ -145,7 +147,8 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             mosaic_gpu.DEFAULT_STATE_BOXES = boxes or "one"
             mosaic_gpu.BLOCK_D_CHOICES = chunks.get(label, (32,))
             form = pass3.get(label, fused_bwd_phase2.DEFAULT_FORM)
-            mi = inputs_kernel.get(label, False)
+            mi = label in inputs_kernel
+            mosaic_gpu.INPUTS_WARPGROUPS = inputs_kernel.get(label, 1)  # read when the kernel is traced
             f = jax.jit(lambda st, x, b, q, g, dh, sc, ms=mosaic_state, form=form, mi=mi: fused_bwd_phase2.phase2_fused_backward(
                 st, x, b, q, True, g, None, dh, tiles=tiles, backend="interpret" if interpret else "triton",
                 interpret=interpret, scores=sc, mosaic_state=ms, form=form, mosaic_inputs=mi, **kw))

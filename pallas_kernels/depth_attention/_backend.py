@@ -13,7 +13,8 @@ from pallas_kernels.depth_attention import (conv_transpose, fused, fused_bwd_pha
 
 GPU_KERNELS = ("auto", "mosaic", "triton", "triton_forward")
 # whether "auto" takes phase 2's backward input kernel in Mosaic GPU (``mosaic_gpu.phase2_backward_inputs``):
-# 2.61 against Triton's 3.10 ms per call in the `base` step, 1530.1 -> 1506.5 ms (session 21, call 4)
+# 1.63 against Triton's 3.10 ms per call in the `base` step (two warpgroups per program), 1530.1 -> 1445.1 ms
+# (session 21, calls 4 and 10)
 AUTO_INPUTS = True
 
 

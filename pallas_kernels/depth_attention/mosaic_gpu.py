@@ -1428,6 +1428,9 @@ INPUTS_NEXT_ROWS = 16  # rows of the next token tile the transposed conv reaches
 # Lane semantics copies only whole multiples of 128 bytes: the lag bits come as 96-row windows
 # (the tile's 64 and the 16 it reaches, padded), the small per-chunk rows padded to 4 (4 x 32 bytes)
 INPUTS_BITS_ROWS = 96
+# warpgroups per program of ``phase2_backward_inputs`` (1 or 2; ``_inputs_kernel`` says why 2): with
+# two, no spills and 1.63 against 2.61 ms per call in the `base` step (session 21, calls 9-10)
+INPUTS_WARPGROUPS = 2
 
 
 def _rows4(n: int) -> int:
@@ -1451,7 +1454,7 @@ def check_inputs_shape(*, d: int, heads: int, stream_kernels: Sequence[int]) -> 
 
 
 def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, segment_ids, *, stream_kernels,
-                           heads: int, interpret: bool = False):
+                           heads: int, warpgroups: int | None = None, interpret: bool = False):
     """Pass 3 of ``fused_bwd_phase2`` (its reverse-T input kernel, ``_dinput_kernel``) as one
     Mosaic GPU kernel: per (batch row, 8-channel chunk), the 64-token tiles in reverse; per
     tile and stream ``r`` it recomputes ``E_r`` (Eq. 10), ``z_r = a A_r + b E_r`` (Eq. 11),
@@ -1469,7 +1472,10 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     float32; ``gate_in``: ``(g[B, T, m], dy[B, T, m], coef[B, T], w3[m, d, m])``
     (``fused.gate_cols``) or None (mean fusion). Returns what ``fused_bwd_phase2._dinput_call``
     does: ``d_x[B, T, d]`` float32 and the per-batch-row partials ``d_query[B, m, d]``,
-    ``d_bank[B, K, d]`` (None without a bank) and ``d_W[B, m, d, m]`` (None without the gate)."""
+    ``d_bank[B, K, d]`` (None without a bank) and ``d_W[B, m, d, m]`` (None without the gate).
+    ``warpgroups``: 1 or 2 per program (None: ``INPUTS_WARPGROUPS``; ``_inputs_kernel``)."""
+    if warpgroups not in (None, 1, 2):
+        raise ValueError(f"warpgroups={warpgroups!r}: must be 1 or 2")
     stream_kernels = tuple(stream_kernels)
     batch, t_len, d = partial.shape
     m, bt = len(stream_kernels), BLOCK_T
@@ -1505,7 +1511,7 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     call = _inputs_kernel(_InputsConfig(batch=batch, t_pad=t_pad, d=d, stream_kernels=stream_kernels, heads=heads,
                                         gate=gate, has_bank=has_bank, has_seg=has_seg, front=front,
                                         x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
-                                        interpret=bool(interpret)))
+                                        warpgroups=warpgroups or INPUTS_WARPGROUPS, interpret=bool(interpret)))
     dx, sums = call(*inputs)
     n_taps = sum(stream_kernels) if has_bank else 0
     dq = sums[:, :m]
@@ -1528,12 +1534,34 @@ class _InputsConfig(NamedTuple):
     front: int
     x_dtype: jnp.dtype
     acc_dtype: jnp.dtype
+    warpgroups: int
     interpret: bool
+
+
+def _stream_groups(layout, gate: bool, n_groups: int):
+    """The streams (indices into ``layout``) each warpgroup of ``phase2_backward_inputs`` takes:
+    balanced by the token sums each stream carries (``d_query``, its taps' ``d_bank``, its row of
+    ``d_W``), largest first to the group with the fewest. Every group is non-empty or dropped."""
+    m = len(layout)
+    cost = lambda r: 1 + layout[r][0] + (m if gate else 0)  # noqa: E731
+    groups, loads = [[] for _ in range(n_groups)], [0] * n_groups
+    for r in sorted(range(m), key=lambda r: (-cost(r), r)):
+        g = loads.index(min(loads))
+        groups[g].append(r)
+        loads[g] += cost(r)
+    return tuple(tuple(sorted(g)) for g in groups if g)
 
 
 @functools.lru_cache(maxsize=None)
 def _inputs_kernel(cfg: _InputsConfig):
-    """``phase2_backward_inputs``' kernel for ``cfg``, built and jitted once (``_kernel`` says why)."""
+    """``phase2_backward_inputs``' kernel for ``cfg``, built and jitted once (``_kernel`` says why).
+
+    With ``cfg.warpgroups = 2`` each program runs two warpgroups, each with its own streams
+    (``_stream_groups``) and so half the carried token sums: with one warpgroup the 44 sums of
+    kernels (0, 4, 8, 12) with the gate take 176 registers per thread and ptxas spills (session
+    21, call 7). The streams meet only in ``d_x``: the second warpgroup hands its part over
+    through shared memory (``dx1s``, a barrier per slot); the first adds it, stores ``d_x`` and
+    issues every TMA copy."""
     from jax.experimental.pallas import mosaic_gpu as plgpu_module
 
     plgpu = _LanePlgpu(plgpu_module)
@@ -1550,6 +1578,8 @@ def _inputs_kernel(cfg: _InputsConfig):
     n_rows = 4 * m + (2 * m + 1 if gate else 0)
     convs = [r for r, (kernel, _) in enumerate(layout) if kernel > 0]  # streams with a transposed conv
     n_sums = m + (n_taps if has_bank else 0) + (m * m if gate else 0)
+    groups = _stream_groups(layout, gate, cfg.warpgroups)
+    n_wg = len(groups)
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
     scratch = dict(
         xs=plgpu.SMEM((2, 1, lags.rows, bd), cfg.x_dtype),
@@ -1560,9 +1590,12 @@ def _inputs_kernel(cfg: _InputsConfig):
         consts=plgpu.SMEM((_rows4(max(1, n_taps)) + _rows4(m) + (_rows4(m * m) if gate else 0), bd), F32),
         des=plgpu.SMEM((max(1, len(convs)), 2 * bt, bd), F32),  # d_E: this tile's rows, then the next tile's
         dxs=plgpu.SMEM((2, bt, bd), F32),
+        dx1s=plgpu.SMEM((2, bt, bd), F32) if n_wg > 1 else None,  # the second warpgroup's part of d_x
         sums_s=plgpu.SMEM((_rows4(n_sums), bd), F32),
         bar=plgpu.Barrier(num_arrivals=4 + has_seg, num_barriers=2),  # one per copy of ``fetch``
         bar_in=plgpu.Barrier(num_arrivals=1 + has_bank + gate, num_barriers=1),
+        handoff=plgpu.Barrier(num_arrivals=1, num_barriers=2) if n_wg > 1 else None,
+        done=plgpu.Barrier(num_arrivals=1, num_barriers=1) if n_wg > 1 else None,
     )
     names = [k for k, v in scratch.items() if v is not None]
 
@@ -1575,18 +1608,13 @@ def _inputs_kernel(cfg: _InputsConfig):
         sc = dict(zip(names, it))
         xs, accs, dhs, rows_s, bits_s, consts = (sc.get(k) for k in ("xs", "accs", "dhs", "rows_s", "bits_s",
                                                                      "consts"))
-        des, dxs, sums_s, bar, bar_in = (sc[k] for k in ("des", "dxs", "sums_s", "bar", "bar_in"))
+        des, dxs, dx1s, sums_s, bar, bar_in = (sc.get(k) for k in ("des", "dxs", "dx1s", "sums_s", "bar", "bar_in"))
+        handoff, done = sc.get("handoff"), sc.get("done")
         bi, c = lax.axis_index("b"), lax.axis_index("c")
         cs = pl.ds(c * bd, bd)
         head = (c * bd) // (d // heads)
-        # per-program constants: the taps, the queries and W's columns of this chunk
         taps_at, q_at = 0, _rows4(max(1, n_taps))
         w_at = q_at + _rows4(m)
-        if has_bank:
-            plgpu.copy_gmem_to_smem(bank_ref.at[:, cs], consts.at[pl.ds(taps_at, bank_ref.shape[0])], bar_in.at[0])
-        plgpu.copy_gmem_to_smem(q_ref.at[:, cs], consts.at[pl.ds(q_at, q_ref.shape[0])], bar_in.at[0])
-        if gate:
-            plgpu.copy_gmem_to_smem(w_ref.at[:, cs], consts.at[pl.ds(w_at, w_ref.shape[0])], bar_in.at[0])
 
         def fetch(k, slot):
             # a traced start: the first tile's window starts before row 0 on the GPU (TMA fills the
@@ -1600,113 +1628,153 @@ def _inputs_kernel(cfg: _InputsConfig):
             if has_seg:
                 plgpu.copy_gmem_to_smem(bits_ref.at[bi, pl.ds(t0, INPUTS_BITS_ROWS)], bits_s.at[slot], bar.at[slot])
 
-        fetch(n_tiles - 1, 0)
-        if n_tiles > 1:
-            fetch(n_tiles - 2, 1)
-        # the next tile's rows of d_E start as zeros (nothing lies past the last tile)
-        zero = plgpu.layout_cast(jnp.zeros((bt, bd), F32), tile)
-        for i in range(len(convs)):
-            des[i, pl.ds(bt, bt)] = zero
-        plgpu.barrier_wait(bar_in.at[0])
-
         def tap(k):
             return _cols(plgpu.load(consts, taps_at + k, layout=col), bt, bd)
 
-        def step(i, carry):
-            dq, dbank, dw = list(carry[0]), list(carry[1]), [list(w) for w in carry[2]]
-            k = n_tiles - 1 - i
-            slot = lax.rem(i, 2)
-            plgpu.barrier_wait(bar.at[slot])
-            bits = masks = None
-            if has_seg:
-                bits = plgpu.load(bits_s.at[slot, pl.ds(0, bt)], (), layout=row)
-                masks = [None] + [_rows(((bits >> delta) & 1).astype(F32), bt, bd) for delta in range(1, max_lag)]
-            else:
-                masks = [None] * max_lag
-
-            def rows_of(j):
-                return _rows(plgpu.load(rows_s, (slot, j), layout=row), bt, bd)
-
-            def x_lag(delta):
-                return lags.load(plgpu, xs, slot, delta).astype(F32)
-
-            dh = plgpu.load(dhs, slot, layout=tile)
-            dx = None
-            for r, (kernel, off) in enumerate(layout):
-                if kernel == 0:
-                    e = x_lag(0)
-                else:
-                    e = None
-                    for delta in range(kernel):
-                        term = tap(off + delta) * x_lag(delta)
-                        if masks[delta] is not None:
-                            term = term * masks[delta]
-                        e = term if e is None else e + term
-                acc = plgpu.load(accs, (slot, r), layout=tile).astype(F32)
-                coef_b = rows_of(m + r)
-                z = rows_of(r) * acc + coef_b * e
+        def run(group, leader: bool):
+            """One warpgroup's loop over the token tiles, for the streams in ``group``."""
+            zero = plgpu.layout_cast(jnp.zeros((bt, bd), F32), tile)
+            own_convs = [r for r in group if r in convs]
+            if leader:  # the per-program constants (taps, queries, W's columns) and the first tiles
+                if has_bank:
+                    plgpu.copy_gmem_to_smem(bank_ref.at[:, cs], consts.at[pl.ds(taps_at, bank_ref.shape[0])],
+                                            bar_in.at[0])
+                plgpu.copy_gmem_to_smem(q_ref.at[:, cs], consts.at[pl.ds(q_at, q_ref.shape[0])], bar_in.at[0])
                 if gate:
-                    dz = rows_of(4 * m + r) * dh + rows_of(6 * m) * z
-                    for j in range(m):
-                        dz = dz + _cols(plgpu.load(consts, w_at + r * m + j, layout=col), bt, bd) * rows_of(5 * m + j)
-                        dw[r][j] = dw[r][j] + z * rows_of(5 * m + j)
+                    plgpu.copy_gmem_to_smem(w_ref.at[:, cs], consts.at[pl.ds(w_at, w_ref.shape[0])], bar_in.at[0])
+                fetch(n_tiles - 1, 0)
+                if n_tiles > 1:
+                    fetch(n_tiles - 2, 1)
+            for r in own_convs:  # the next tile's rows of d_E start as zeros (nothing lies past the last tile)
+                des[convs.index(r), pl.ds(bt, bt)] = zero
+            plgpu.barrier_wait(bar_in.at[0])
+
+            def step(i, carry):
+                dq, dbank, dw = dict(carry[0]), dict(carry[1]), dict(carry[2])
+                k = n_tiles - 1 - i
+                slot = lax.rem(i, 2)
+                plgpu.barrier_wait(bar.at[slot])
+                masks = [None] * max_lag
+                if has_seg:
+                    bits = plgpu.load(bits_s.at[slot, pl.ds(0, bt)], (), layout=row)
+                    masks = [None] + [_rows(((bits >> delta) & 1).astype(F32), bt, bd) for delta in range(1, max_lag)]
+
+                def rows_of(j):
+                    return _rows(plgpu.load(rows_s, (slot, j), layout=row), bt, bd)
+
+                def x_lag(delta):
+                    return lags.load(plgpu, xs, slot, delta).astype(F32)
+
+                dh = plgpu.load(dhs, slot, layout=tile)
+                dx = None
+                for r in group:
+                    kernel, off = layout[r]
+                    if kernel == 0:
+                        e = x_lag(0)
+                    else:
+                        e = None
+                        for delta in range(kernel):
+                            term = tap(off + delta) * x_lag(delta)
+                            if masks[delta] is not None:
+                                term = term * masks[delta]
+                            e = term if e is None else e + term
+                    acc = plgpu.load(accs, (slot, r), layout=tile).astype(F32)
+                    coef_b = rows_of(m + r)
+                    z = rows_of(r) * acc + coef_b * e
+                    if gate:
+                        dz = rows_of(4 * m + r) * dh + rows_of(6 * m) * z
+                        for j in range(m):
+                            w_rj = _cols(plgpu.load(consts, w_at + r * m + j, layout=col), bt, bd)
+                            dz = dz + w_rj * rows_of(5 * m + j)
+                            dw[r, j] = dw[r, j] + z * rows_of(5 * m + j)
+                    else:
+                        dz = dh * (1.0 / m)
+                    coef_u = rows_of(2 * m + r)
+                    q_r = _cols(plgpu.load(consts, q_at + r, layout=col), bt, bd)
+                    de = coef_b * dz + coef_u * q_r + rows_of(3 * m + r) * e
+                    dq[r] = dq[r] + coef_u * e
+                    if kernel == 0:
+                        dx = de if dx is None else dx + de
+                        continue
+                    for delta in range(kernel):
+                        masked = de if masks[delta] is None else de * masks[delta]
+                        dbank[off + delta] = dbank[off + delta] + masked * x_lag(delta)
+                    des[convs.index(r), pl.ds(0, bt)] = de
+                plgpu.commit_smem()  # this warpgroup's d_E visible to all its threads
+                # transposed conv: row t of this tile takes d_E_r[t + delta] (this tile's or the next's)
+                for r in own_convs:
+                    kernel, off = layout[r]
+                    for delta in range(kernel):
+                        term = tap(off + delta) * plgpu.load(des.at[convs.index(r), pl.ds(delta, bt)], (),
+                                                             layout=tile)
+                        if has_seg and delta:
+                            nbits = plgpu.load(bits_s.at[slot, pl.ds(delta, bt)], (), layout=row)
+                            term = term * _rows(((nbits >> delta) & 1).astype(F32), bt, bd)
+                        dx = term if dx is None else dx + term
+                dx = zero if dx is None else dx
+                if not leader:  # hand this warpgroup's part of d_x to the first
+                    dx1s[slot] = dx
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(handoff.at[slot])
                 else:
-                    dz = dh * (1.0 / m)
-                coef_u = rows_of(2 * m + r)
-                de = coef_b * dz + coef_u * _cols(plgpu.load(consts, q_at + r, layout=col), bt, bd) + rows_of(3 * m + r) * e
-                dq[r] = dq[r] + coef_u * e
-                if kernel == 0:
-                    dx = de if dx is None else dx + de
-                    continue
-                for delta in range(kernel):
-                    masked = de if masks[delta] is None else de * masks[delta]
-                    dbank[off + delta] = dbank[off + delta] + masked * x_lag(delta)
-                des[convs.index(r), pl.ds(0, bt)] = de
-            plgpu.commit_smem()  # d_E of this tile visible to every thread
-            # transposed conv: row t of this tile takes d_E_r[t + delta] (this tile's or the next's)
-            for r in convs:
-                kernel, off = layout[r]
-                for delta in range(kernel):
-                    shifted = plgpu.load(des.at[convs.index(r), pl.ds(delta, bt)], (), layout=tile)
-                    term = tap(off + delta) * shifted
-                    if has_seg and delta:
-                        nbits = plgpu.load(bits_s.at[slot, pl.ds(delta, bt)], (), layout=row)
-                        term = term * _rows(((nbits >> delta) & 1).astype(F32), bt, bd)
-                    dx = term if dx is None else dx + term
-            if dx is None:
-                dx = zero
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot two tiles ago is read
-            dxs[slot] = dx
-            # this tile's d_E becomes the next (earlier) tile's "next rows", once every thread has read them
+                    if n_wg > 1:
+                        plgpu.barrier_wait(handoff.at[slot])
+                        dx = dx + plgpu.load(dx1s, slot, layout=tile)
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot two tiles ago is read
+                    dxs[slot] = dx
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(dxs.at[slot], dx_ref.at[bi, pl.ds(k * bt, bt), cs])
+                # this tile's d_E becomes the next (earlier) tile's "next rows" (read by this thread
+                # only; every thread of the warpgroup has done its shifted loads: the commit above)
+                for r in own_convs:
+                    des[convs.index(r), pl.ds(bt, bt)] = plgpu.load(des.at[convs.index(r), pl.ds(0, bt)], (),
+                                                                    layout=tile)
+                if leader:  # both warpgroups are done with this slot (the handoff above)
+                    @pl.when(i + 2 < n_tiles)
+                    def _():
+                        fetch(k - 2, slot)
+
+                return dq, dbank, dw
+
+            own_taps = [layout[r][1] + delta for r in group for delta in range(layout[r][0])] if has_bank else []
+            carry = ({r: zero for r in group}, {t: zero for t in own_taps},
+                     {(r, j): zero for r in group for j in range(m)} if gate else {})
+            dq, dbank, dw = lax.fori_loop(0, n_tiles, step, carry)
+            # the token sums: one row each of [d_query (m) | d_bank (taps) | d_W (m x m)]; the
+            # warpgroups reduce in turn (the cross-warp reductions share a scratch buffer)
+            if leader and n_wg > 1:
+                plgpu.barrier_wait(done.at[0])
+            for r, v in dq.items():
+                sums_s[r] = jnp.sum(v, axis=0)
+            for t, v in dbank.items():
+                sums_s[m + t] = jnp.sum(v, axis=0)
+            for (r, j), v in dw.items():
+                sums_s[m + (n_taps if has_bank else 0) + r * m + j] = jnp.sum(v, axis=0)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dxs.at[slot], dx_ref.at[bi, pl.ds(k * bt, bt), cs])
-            for i_conv in range(len(convs)):
-                des[i_conv, pl.ds(bt, bt)] = plgpu.load(des.at[i_conv, pl.ds(0, bt)], (), layout=tile)
+            if not leader:
+                plgpu.barrier_arrive(done.at[0])
+            else:
+                plgpu.copy_smem_to_gmem(sums_s, sums_ref.at[bi, :, cs])
+                plgpu.wait_smem_to_gmem(0)
 
-            @pl.when(i + 2 < n_tiles)
-            def _():
-                fetch(k - 2, slot)
-
-            return dq, dbank, dw
-
-        carry = ([zero] * m, [zero] * (n_taps if has_bank else 0), [[zero] * m for _ in range(m)] if gate else [])
-        dq, dbank, dw = lax.fori_loop(0, n_tiles, step, carry)
-        sums = list(dq) + list(dbank) + [w for ws in dw for w in ws]
-        for i, s in enumerate(sums):
-            sums_s[i] = jnp.sum(s, axis=0)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(sums_s, sums_ref.at[bi, :, cs])
-        plgpu.wait_smem_to_gmem(0)
+        if n_wg == 1:
+            run(groups[0], True)
+        else:
+            wg = lax.axis_index("wg")
+            for g, group in enumerate(groups):
+                pl.when(wg == g)(functools.partial(run, group, g == 0))
 
     out_type = (jax.ShapeDtypeStruct((batch, t_pad, d), F32), jax.ShapeDtypeStruct((batch, _rows4(n_sums), d), F32))
     params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
+    if n_wg > 1:
+        params.update(num_threads=n_wg, thread_name="wg")
     kernel = plgpu.kernel(body, out_type=out_type, scratch_types=[scratch[k] for k in names], grid=(batch, nc),
                           grid_names=("b", "c"), interpret=plgpu.InterpretGPUParams() if cfg.interpret else False,
                           **params)
 
     @jax.jit
-    def run(*inputs):
+    def run_kernel(*inputs):
         with jax.named_scope("depth_attention_phase2_bwd_inputs_mosaic"):
             return kernel(*inputs)
 
-    return run
+    return run_kernel

@@ -77,9 +77,9 @@ def _summed(out, t_len):
         None if dw is None else jnp.sum(dw, 0))
 
 
-def _mosaic(args, kernels, heads, interpret=True):
+def _mosaic(args, kernels, heads, interpret=True, warpgroups=None):
     return _summed(mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=heads,
-                                                     interpret=interpret), args[0].shape[1])
+                                                     warpgroups=warpgroups, interpret=interpret), args[0].shape[1])
 
 
 def _check(got, want, tol):
@@ -92,15 +92,25 @@ def _check(got, want, tol):
             assert err < tol, (name, err)
 
 
+@pytest.mark.parametrize("warpgroups", [1, 2])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_interpreted_inputs_kernel_matches_the_pallas_pass(case):
+def test_interpreted_inputs_kernel_matches_the_pallas_pass(case, warpgroups):
+    """One warpgroup per program, or two with the streams split between them (for one stream,
+    one: ``_stream_groups`` drops an empty group)."""
     _, batch, t_len, d, kernels, heads, gate, cut = case
     args = _inputs(batch, t_len, d, kernels, heads, gate, cut)
-    got = _mosaic(args, kernels, heads)
+    got = _mosaic(args, kernels, heads, warpgroups=warpgroups)
     _check(got, _pass3(args, kernels, heads, "interpret"), 1e-5)
     if cut is not None:  # the segment boundaries reach the kernel: without them d_x differs
-        no_seg = _mosaic(args[:-1] + (None,), kernels, heads)
+        no_seg = _mosaic(args[:-1] + (None,), kernels, heads, warpgroups=warpgroups)
         assert float(jnp.max(jnp.abs(no_seg[0] - got[0]))) > 1e-3
+
+
+def test_stream_groups_balance_the_carried_sums():
+    layout = fused._stream_layout((0, 4, 8, 12))
+    assert mosaic_gpu._stream_groups(layout, True, 2) == ((0, 3), (1, 2))  # 22 carried sums each
+    assert mosaic_gpu._stream_groups(layout, True, 1) == ((0, 1, 2, 3),)
+    assert mosaic_gpu._stream_groups(fused._stream_layout((0,)), True, 2) == ((0,),)
 
 
 def test_inputs_kernel_refuses_shapes_it_does_not_take():
@@ -109,6 +119,9 @@ def test_inputs_kernel_refuses_shapes_it_does_not_take():
         mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=(0, 4), heads=1, interpret=True)
     with pytest.raises(NotImplementedError, match="kernels up to 17 taps"):
         mosaic_gpu.check_inputs_shape(d=64, heads=1, stream_kernels=(0, 20))
+    with pytest.raises(ValueError, match="warpgroups=3"):
+        mosaic_gpu.phase2_backward_inputs(*_inputs(1, 70, 16, (0, 4), 1, True, None), stream_kernels=(0, 4), heads=1,
+                                          warpgroups=3, interpret=True)
 
 
 @pytest.mark.parametrize("choice", ["auto", "mosaic", "triton", "triton_forward"])
@@ -141,20 +154,22 @@ def test_gpu_inputs_kernel_matches_the_triton_pass():
         pytest.skip("needs a GPU")
     kernels, heads = (0, 4, 8, 12), 2
     args = _inputs(2, 300, 256, kernels, heads, True, 77)
-    got = jax.jit(lambda *a: _mosaic(a, kernels, heads, interpret=False))(*args)
+    got = jax.jit(lambda *a: _mosaic(a, kernels, heads, interpret=False))(*args)  # INPUTS_WARPGROUPS
     want = jax.jit(lambda *a: _pass3(a, kernels, heads, "triton"))(*args)
     _check(got, want, 1e-5)
 
 
+@pytest.mark.parametrize("warpgroups", [1, 2])
 @pytest.mark.parametrize("t_len", [64, 128, 200])
 @pytest.mark.parametrize("segments", [False, True], ids=["no_segments", "segments"])
-def test_inputs_kernel_lowers_for_sm90(t_len, segments):
+def test_inputs_kernel_lowers_for_sm90(t_len, segments, warpgroups):
     """The compiled (not interpreted) kernel lowers for the H200 in Lane semantics for one, two
     and more token tiles: its first tile's window starts 16 rows before token 0, a start that
     must stay traced (TMA fills those rows; a static negative start failed on the GPU with two
     tiles, session 21, call 5)."""
     kernels, heads = (0, 4, 8, 12), 1
     args = _inputs(2, t_len, 64, kernels, heads, True, 30 if segments else None)
-    text = jax.jit(lambda *a: mosaic_gpu.phase2_backward_inputs(*a, stream_kernels=kernels, heads=heads)).trace(
+    text = jax.jit(lambda *a: mosaic_gpu.phase2_backward_inputs(*a, stream_kernels=kernels, heads=heads,
+                                                                warpgroups=warpgroups)).trace(
         *args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1
