@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.depth_attention import (conv_transpose, fused, fused_bwd_phase1, fused_bwd_phase2, mosaic_gpu,
-                                            tiling, vjp)
+                                            mosaic_gpu_bwd1, tiling, vjp)
 
 
 GPU_KERNELS = ("auto", "mosaic", "triton", "triton_forward")
@@ -16,6 +16,8 @@ GPU_KERNELS = ("auto", "mosaic", "triton", "triton_forward")
 # 1.63 against Triton's 3.10 ms per call in the `base` step (two warpgroups per program), 1530.1 -> 1445.1 ms
 # (session 21, calls 4 and 10)
 AUTO_INPUTS = True
+# whether "auto" takes phase 1's backward passes 2 and 4 (wide form) in Mosaic GPU (``mosaic_gpu_bwd1``)
+AUTO_PHASE1_BWD = True
 
 
 def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype, interpret: bool,
@@ -69,7 +71,10 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
     """Whether phase 1's ``kernel`` runs in Mosaic GPU rather than Triton: ``"scores"`` (the
     scoring pass of the forward and of the Pallas backward, ``mosaic_gpu.phase1_scores``, against
     ``fused.scores_call``) or ``"mix"`` (the forward's mixing pass, ``mosaic_gpu.phase1_mix``,
-    against ``fused.mix_call(mode="acc")``; ``state_dtype`` is what it writes).
+    against ``fused.mix_call(mode="acc")``; ``state_dtype`` is what it writes), ``"gdots"`` or
+    ``"dstreams"`` (the Pallas backward's pass 2 and the wide form's pass 4,
+    ``mosaic_gpu_bwd1``, against ``fused_bwd_phase1.gdots_call`` and ``dstreams_call``;
+    ``state_dtype`` is the state cotangent's, which they read; ``AUTO_PHASE1_BWD``).
 
     ``"auto"`` (and ``"triton_forward"``, which concerns phase 2's forward): on a GPU (not in
     interpret mode), with several streams and 16-bit sources (as timed; float32 sources double
@@ -87,15 +92,24 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
         return False
     if choice == "auto" and (interpret or len(static.stream_kernels) == 1 or jnp.dtype(sources.dtype).itemsize > 2):
         return False
-    smem = {"scores": mosaic_gpu.scores_smem_bytes, "mix": mosaic_gpu.mix_smem_bytes}[kernel]
+    if choice == "auto" and kernel in mosaic_gpu_bwd1.MODES and not AUTO_PHASE1_BWD:
+        return False
+    acc_dtype, out_dtype = jnp.float32, state_dtype
+    if kernel in mosaic_gpu_bwd1.MODES:  # they read the state's cotangent and write dE in the sources' dtype
+        acc_dtype, out_dtype = state_dtype, jnp.promote_types(sources.dtype, jnp.bfloat16)
+        smem = functools.partial(mosaic_gpu_bwd1.smem_bytes, mode=kernel, n_sources=sources.shape[0])
+    else:
+        smem = {"scores": mosaic_gpu.scores_smem_bytes, "mix": mosaic_gpu.mix_smem_bytes}[kernel]
     bd = mosaic_gpu.choose_block_d(d=sources.shape[-1], heads=static.heads, stream_kernels=static.stream_kernels,
-                                   x_dtype=sources.dtype, acc_dtype=jnp.float32, out_dtype=state_dtype,
+                                   x_dtype=sources.dtype, acc_dtype=acc_dtype, out_dtype=out_dtype,
                                    smem_limit=None if interpret else mosaic_gpu.SMEM_BYTES,
                                    smem=functools.partial(smem, n_targets=n_targets),
                                    choices={"scores": mosaic_gpu.BLOCK_D_CHOICES,
-                                            "mix": mosaic_gpu.MIX_BLOCK_D_CHOICES}[kernel])
+                                            "mix": mosaic_gpu.MIX_BLOCK_D_CHOICES}.get(
+                                                kernel, mosaic_gpu_bwd1.BLOCK_D_CHOICES))
     if choice == "mosaic" and bd is None:
-        what = {"scores": "scoring", "mix": "mixing"}[kernel]
+        what = {"scores": "scoring", "mix": "mixing", "gdots": "backward's value-dot",
+                "dstreams": "backward's stream-cotangent"}[kernel]
         raise ValueError(f"gpu_kernels='mosaic': the Mosaic GPU phase-1 {what} pass does not take "
                          f"d={sources.shape[-1]}, heads={static.heads}, kernels {static.stream_kernels}, "
                          f"{n_targets} targets, {sources.dtype} sources (mosaic_gpu.choose_block_d)")
@@ -172,11 +186,13 @@ def build(backend: str, native_platform: str):
     def p1_backward(sources, banks, queries, valid, segment_ids, smax, ct, static):
         kw, rest = setup(sources.shape[-1], static.heads, static.stream_kernels, queries.shape[0], static.kernel_opts)
         form = dict(static.kernel_opts).get("phase1_backward_form", fused_bwd_phase1.DEFAULT_FORM)
+        acc = ct.acc[0] if isinstance(ct.acc, (list, tuple)) else ct.acc
+        mosaic = functools.partial(_mosaic_phase1, rest["gpu_kernels"], backend, static, sources, queries.shape[0],
+                                   kw["interpret"], state_dtype=acc.dtype)
         return fused_bwd_phase1.phase1_backward(
             sources, banks, queries, valid, segment_ids, smax, ct, stream_kernels=static.stream_kernels,
-            heads=static.heads, eps=static.eps, form=form, **kw,
-            mosaic_scores=_mosaic_phase1(rest["gpu_kernels"], backend, static, sources, queries.shape[0],
-                                         kw["interpret"]),
+            heads=static.heads, eps=static.eps, form=form, **kw, mosaic_scores=mosaic(kernel="scores"),
+            mosaic_gdots=mosaic(kernel="gdots"), mosaic_dstreams=form == "wide" and mosaic(kernel="dstreams"),
         )
 
     def expansion_transpose(d_e, x, bank, segment_ids, static, n_targets):

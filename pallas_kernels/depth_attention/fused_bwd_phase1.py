@@ -108,8 +108,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention import fused, reference
-from pallas_kernels.depth_attention import conv_transpose
+from pallas_kernels.depth_attention import conv_transpose, fused, mosaic_gpu_bwd1, reference
 from pallas_kernels.depth_attention.fused import (
     F32, _call_kwargs, _expand_chunk, _head_col, _if_live, _lag_masks, _next_target_ref, _pad_t, _stream_layout,
     _target_input, _token_inputs, _Window,
@@ -543,7 +542,8 @@ DEFAULT_FORM = "wide"
 
 
 def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, stream_kernels: Sequence[int], heads,
-                    eps, tiles: Tiles, backend, interpret, shift=None, form=DEFAULT_FORM, mosaic_scores=False):
+                    eps, tiles: Tiles, backend, interpret, shift=None, form=DEFAULT_FORM, mosaic_scores=False,
+                    mosaic_gdots=False, mosaic_dstreams=False):
     """Gradients ``(d sources, d banks or None, d queries)`` of phase 1: the values of
     ``xla_streaming.phase1_backward(...)[:3]`` (``banks``: ``[n, K, d]`` or None without conv;
     ``valid``: ``[n]`` or None; ``smax``: the forward's running max; ``g``: the state cotangent,
@@ -555,7 +555,8 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     cotangents from one load of each ``g_A`` tile, written in the sources' dtype; then
     ``conv_transpose.sources_transpose`` for the source and bank gradients and token-axis
     matrix products for the query gradient, ``_query_grads``). ``mosaic_scores``: pass 1 as the
-    Mosaic GPU kernel (``fused.phase1_scores``)."""
+    Mosaic GPU kernel (``fused.phase1_scores``); ``mosaic_gdots`` / ``mosaic_dstreams``: pass 2 /
+    the wide form's pass 4 as the Mosaic GPU kernels of ``mosaic_gpu_bwd1``."""
     if form not in FORMS:
         raise ValueError(f"form={form!r}: must be one of {FORMS}")
     n, batch, t_len, d = sources.shape
@@ -583,16 +584,28 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
         g_acc = [_pad_t(a, 2, t_pad) for a in g.acc]
     else:
         g_acc = _pad_t(g.acc, 3, t_pad)
-    gd = gdots_call(x, conv_banks, g_acc, seg, valid=valid, **kw)  # [S, n, m, B, Tp, nc]
-    gd = jnp.sum(gd.reshape(*gd.shape[:-1], heads, -1), axis=-1)  # [S, n, m, B, Tp, H]
+    if mosaic_gdots:
+        gd = mosaic_gpu_bwd1.phase1_gdots(sources, conv_banks, g_acc, segment_ids, valid, stream_kernels=stream_kernels,
+                                          heads=heads, interpret=interpret)  # [S, n, m, B, T, H]
+        gd = _pad_t(gd, 4, t_pad)
+    else:
+        gd = gdots_call(x, conv_banks, g_acc, seg, valid=valid, **kw)  # [S, n, m, B, Tp, nc]
+        gd = jnp.sum(gd.reshape(*gd.shape[:-1], heads, -1), axis=-1)  # [S, n, m, B, Tp, H]
 
     # pass 3 (XLA): the per-token coefficients of dE
     ds = p * (g_denom[:, None] + gd)
     dsr = ds * rho[None, ..., None]
     w = rho * rho * jnp.sum(ds * s, axis=(0, 5)) / d  # [n, m, B, Tp]
     if form == "wide":
-        d_streams = dstreams_call(x, conv_banks, queries, g_acc, p, dsr, w[..., None], seg, heads=heads,
-                                  out_dtype=jnp.promote_types(sources.dtype, jnp.bfloat16), valid=valid, **kw)
+        streams_dtype = jnp.promote_types(sources.dtype, jnp.bfloat16)
+        if mosaic_dstreams:  # the valid sources' dE only: sources_transpose skips or masks the others
+            d_streams = mosaic_gpu_bwd1.phase1_dstreams(
+                sources, conv_banks, queries, g_acc, p, dsr, w, segment_ids, valid, stream_kernels=stream_kernels,
+                heads=heads, out_dtype=streams_dtype, interpret=interpret)
+            d_streams = _pad_t(d_streams, 3, t_pad)
+        else:
+            d_streams = dstreams_call(x, conv_banks, queries, g_acc, p, dsr, w[..., None], seg, heads=heads,
+                                      out_dtype=streams_dtype, valid=valid, **kw)
         dx, dbank = conv_transpose.sources_transpose(
             d_streams, x, conv_banks, seg, valid, stream_kernels=stream_kernels, tiles=tiles, backend=backend,
             interpret=interpret, out_dtype=sources.dtype)

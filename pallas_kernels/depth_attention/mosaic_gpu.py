@@ -141,7 +141,9 @@ WINDOW_PAD = 8
 # them and is the fastest in all four kernels (the forward 1.245 -> 0.964 ms, the scoring pass
 # 2.00 -> 1.79, the mixing pass 4.37 -> 4.09 against "single", the backward's kernel as "single"):
 # the step 1571.2 -> 1530.1 ms. A dict, so that a later kernel or device can differ.
-KERNEL_WINDOWS = {"forward": "padded", "backward_state": "padded", "scores": "padded", "mix": "padded"}
+# Phase 1's backward passes 2 and 4 (``mosaic_gpu_bwd1``, session 22) were written and timed with "padded".
+KERNEL_WINDOWS = {"forward": "padded", "backward_state": "padded", "scores": "padded", "mix": "padded",
+                  "gdots": "padded", "dstreams": "padded"}
 # one placement for every kernel (timing scripts and tests set it); None: ``KERNEL_WINDOWS``
 DEFAULT_WINDOWS: str | None = None
 

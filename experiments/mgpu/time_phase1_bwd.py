@@ -1,0 +1,118 @@
+"""Phase 1's backward passes 2 and 4 (wide form) on the GPU: Triton's
+``fused_bwd_phase1.gdots_call`` (with the XLA sum of its chunk partials into heads) and
+``dstreams_call`` (the tiles ``tiling.choose_tiles`` gives them) against the Mosaic GPU kernels
+``mosaic_gpu_bwd1.phase1_gdots`` and ``phase1_dstreams``. Shapes: `base`'s last block (B x T =
+64 x 1024, d = 1024, S = 8 targets, 7 stacked sources of which ``--live`` (default 4) are
+valid) and the issue's (8 x 2048, d = 2048, S = 8, all 9 sources). MSAR's kernels (0, 4, 8,
+12), one head, bf16 sources, a float32 ``g_A`` as ``S`` per-target arrays (as the model's
+phase 1 hands it over), random non-zero ``P``, ``DSR``, ``W``. Median of 21 timings of 3
+calls each after warm-up (``bench.timeit``); the error against Triton's outputs (the valid
+sources' ``dE``), relative to their largest magnitude; the floor: ``g_A`` and the live sources
+read once and, for ``dstreams``, the live sources' ``dE`` (bf16) written once, at the measured
+copy bandwidth. Each Mosaic variant is (items in flight ``n_slots``, groups' ``g_A`` in shared
+memory ``group_slots``, ``regs``: ``GA_REGISTERS``), with its shared memory and how many
+programs fit on an SM. Run on the
+GPU: ``python experiments/mgpu/time_phase1_bwd.py [--base-only]``."""
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.depth_attention import bench, fused, fused_bwd_phase1, mosaic_gpu_bwd1, tiling
+
+KERNELS = (0, 4, 8, 12)
+# (n_slots, group_slots, GA_REGISTERS)
+VARIANTS = {"gdots": ((3, 2, False), (2, 1, False), (3, 1, False), (3, 2, True), (2, 1, True)),
+            "dstreams": ((3, 2, False), (2, 1, False), (3, 2, True), (2, 1, True))}
+SM_SMEM = 233472  # the H200's shared memory per SM (228 KiB), 1 KiB of it reserved per program
+
+
+def _variant_label(mode, n, n_targets, slots, groups, regs):
+    smem = mosaic_gpu_bwd1.smem_bytes(block_d=32, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
+                                      acc_dtype=jnp.float32, n_targets=n_targets, n_sources=n, mode=mode,
+                                      n_slots=slots, group_slots=groups)
+    return f"mosaic {mode} {slots}/{groups}{' regs' if regs else ''} ({smem // 1024} KB, {SM_SMEM // (smem + 1024)}/SM)"
+
+
+def _timed(label, fn, args, want, floor_ms, rows=None):
+    try:
+        f = jax.jit(fn)
+        got = f(*args)
+        if want is None:
+            want, err = got, 0.0
+        else:
+            g, w = (got, want) if rows is None else (got[rows], want[rows])
+            err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))
+                        / jnp.max(jnp.abs(w.astype(jnp.float32))))
+        del got
+        ms = bench.timeit(f, *args, reps=21, inner=3)[0] * 1e3
+        print(f"{label:50s} {ms:8.3f} ms  {floor_ms / ms:6.1%} of floor  rel err vs triton {err:.1e}", flush=True)
+    except Exception:  # noqa: BLE001
+        print(f"{label:50s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
+    return want
+
+
+def main():
+    live = int(sys.argv[sys.argv.index("--live") + 1]) if "--live" in sys.argv else 4
+    shapes = (("base", (7, live, 64, 1024, 1024, 8)), ("issue", (9, 9, 8, 2048, 2048, 8)))
+    bw = bench.copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s (bytes read + written)", flush=True)
+    for name, (n, n_live, batch, t_len, d, n_targets) in shapes[:1] if "--base-only" in sys.argv else shapes:
+        m, heads = len(KERNELS), 1
+        k = jax.random.split(jax.random.key(0), 7)
+        sources = jax.random.normal(k[0], (n, batch, t_len, d), jnp.bfloat16)
+        banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32)
+        queries = jax.random.normal(k[2], (n_targets, m, d), jnp.float32)
+        g_acc = [jax.random.normal(kk, (m, batch, t_len, d), jnp.float32) for kk in jax.random.split(k[3], n_targets)]
+        valid = jnp.arange(n) < n_live
+        p = jax.random.uniform(k[4], (n_targets, n, m, batch, t_len, heads)) * valid[None, :, None, None, None, None]
+        dsr = jax.random.normal(k[5], (n_targets, n, m, batch, t_len, heads))
+        w = jax.random.normal(k[6], (n, m, batch, t_len))
+        tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=max(KERNELS), n_targets=n_targets, backend="triton",
+                                    n_streams=m)
+        t_pad, _ = fused._prepare(t_len, None, tiles)
+        pad = fused._pad_t
+        kw = dict(stream_kernels=KERNELS, tiles=tiles, backend="triton", interpret=False)
+        ga_bytes = n_targets * m * batch * t_len * d * 4
+        x_bytes = n_live * batch * t_len * d * 2
+        print(f"## {name}: {n} sources ({n_live} valid), S = {n_targets}, B x T = {batch} x {t_len}, d = {d}",
+              flush=True)
+
+        def triton_gdots(x, b, ga, v):
+            gd = fused_bwd_phase1.gdots_call(pad(x, 2, t_pad), b, [pad(a, 2, t_pad) for a in ga], None, valid=v,
+                                             **kw)
+            return jnp.sum(gd.reshape(*gd.shape[:-1], heads, -1), axis=-1)[..., :t_len, :]
+
+        floor = (ga_bytes + x_bytes) / bw * 1e3
+        print(f"# gdots: floor {floor:.4f} ms", flush=True)
+        want = _timed("triton gdots", triton_gdots, (sources, banks, g_acc, valid), None, floor)
+        for slots, groups, regs in VARIANTS["gdots"]:
+            mosaic_gpu_bwd1.GA_REGISTERS = regs  # read when the jitted function traces (first call in _timed)
+            fn = (lambda sl, gs: lambda x, b, ga, v: mosaic_gpu_bwd1.phase1_gdots(
+                x, b, ga, None, v, stream_kernels=KERNELS, heads=heads, n_slots=sl, group_slots=gs))(slots, groups)
+            _timed(_variant_label("gdots", n, n_targets, slots, groups, regs), fn, (sources, banks, g_acc, valid),
+                   want, floor)
+        del want
+
+        def triton_dstreams(x, b, q, ga, p, dsr, w, v):
+            return fused_bwd_phase1.dstreams_call(
+                pad(x, 2, t_pad), b, q, [pad(a, 2, t_pad) for a in ga], pad(p, 4, t_pad), pad(dsr, 4, t_pad),
+                pad(w, 3, t_pad)[..., None], None, heads=heads, out_dtype=jnp.bfloat16, valid=v, **kw)[:, :, :, :t_len]
+
+        floor = (ga_bytes + x_bytes + x_bytes * m) / bw * 1e3
+        print(f"# dstreams: floor {floor:.4f} ms", flush=True)
+        args = (sources, banks, queries, g_acc, p, dsr, w, valid)
+        want = _timed("triton dstreams", triton_dstreams, args, None, floor)
+        for slots, groups, regs in VARIANTS["dstreams"]:
+            mosaic_gpu_bwd1.GA_REGISTERS = regs
+            fn = (lambda sl, gs: lambda x, b, q, ga, p, dsr, w, v: mosaic_gpu_bwd1.phase1_dstreams(
+                x, b, q, ga, p, dsr, w, None, v, stream_kernels=KERNELS, heads=heads, out_dtype=jnp.bfloat16,
+                n_slots=sl, group_slots=gs))(slots, groups)
+            _timed(_variant_label("dstreams", n, n_targets, slots, groups, regs), fn, args, want, floor,
+                   rows=slice(0, n_live))
+        del want
+
+
+if __name__ == "__main__":
+    main()

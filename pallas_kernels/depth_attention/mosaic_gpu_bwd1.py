@@ -1,0 +1,402 @@
+"""Phase 1's backward passes 2 and 4 (wide form) as Mosaic GPU kernels.
+
+The math is ``fused_bwd_phase1``'s (its module docstring): with the state cotangent's
+weighted-sum part ``g_A`` (``[S, m, B, T, d]``, one ``[64, bd]`` tile per target, stream, token
+tile and channel chunk) and the stream ``E = E_r[x_i]`` (Eq. 10) rebuilt in registers,
+
+* ``phase1_gdots`` (pass 2): ``gd[s, i, r, t, h] = <g_A{s,r}[t], E_{i,r}[t]>`` over head ``h``'s
+  channels, the value-path term of ``ds`` (the Triton form is ``fused_bwd_phase1.gdots_call``,
+  which writes per-chunk partials for XLA to sum);
+* ``phase1_dstreams`` (pass 4 of the wide form): ``dE[i, r] = sum_s (P g_A{s,r} + DSR
+  q_{s,r}) - W E_{i,r}``, the stream cotangents (Triton: ``fused_bwd_phase1.dstreams_call``).
+
+``g_A`` is most of both passes' bytes (``S m d`` float32 per token against ``n d`` bf16 of
+sources), so both kernels are built around reading it once: one program per (batch row, 64-token
+tile) walks the work in groups (head, stream, channel chunk). Each group's ``S`` tiles of
+``g_A`` (and, for ``dstreams``, the stream's query chunks) come in one TMA copy set into
+one of ``GROUP_SLOTS`` buffers, the group that reuses a buffer issued once a group is done; inside a group the valid
+sources are the items of ``phase1_mix``'s pipeline (their lag windows, taps and per-token
+rows, ``n_slots`` deep). ``gdots`` sums each item's ``S`` row dots into a shared-memory
+accumulator per (source, target) and stores it when the (head, stream) is done; ``dstreams``
+stores each item's ``dE`` tile as it is formed.
+
+Lane semantics and ``"padded"`` lag windows as in ``mosaic_gpu`` (whose helpers these kernels
+use); the ``g_A`` buffer is tiled and swizzled (``mosaic_gpu._tile_smem``) so its row loads
+are free of bank conflicts.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
+from pallas_kernels.depth_attention.mosaic_gpu import (
+    BLOCK_T, F32, _cols, _jitted_kernel, _Lags, _lag_masks_of, _plgpu_for, _rows, _shape, _tile_smem,
+    _window_elems, default_windows,
+)
+
+MODES = ("gdots", "dstreams")
+# Per mode, by measurement on the H200 at `base` (BENCHMARKS.md, kernels, session 22, call 2):
+# items (one valid source of one group) in flight, each with its lag windows, taps and, for
+# "dstreams", its per-token rows; and groups whose g_A is in shared memory at once (64 KB each for
+# 8 float32 targets and 32 channels): 2 overlaps the next group's copies with this one's work in
+# one program per SM, 1 leaves room for two programs per SM, which overlap each other's.
+# gdots: 4.25 ms with (2, 1) against 5.16 with (3, 2); dstreams: 4.81 with (3, 2) against 5.06.
+SLOTS = {"gdots": 2, "dstreams": 3}
+GROUP_SLOTS = {"gdots": 1, "dstreams": 2}
+BLOCK_D_CHOICES = (32,)
+# whether a group's g_A tiles are loaded into registers once for all its items (128 registers per
+# thread for 8 float32 targets; no spills) rather than read from shared memory by each item:
+# gdots 7.27 -> 5.16 ms, dstreams 6.29 -> 4.81 (session 22, call 2). Read at the call.
+GA_REGISTERS = True
+
+
+def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, n_targets: int,
+               n_sources: int, mode: str, out_dtype=jnp.bfloat16, n_slots: int | None = None,
+               group_slots: int | None = None, windows: str | None = None, **_unused) -> int:
+    """Shared memory of one program of ``mode``'s kernel (its scratch list); ``acc_dtype``:
+    ``g_A``'s."""
+    bt, bd, n_slots, n_groups = BLOCK_T, block_d, n_slots or SLOTS[mode], group_slots or GROUP_SLOTS[mode]
+    size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
+    total = (n_slots * _window_elems(stream_kernels, windows or default_windows(mode), bd) * size(x_dtype)
+             + n_slots * sum(stream_kernels) * bd * 4 + n_groups * n_targets * bt * bd * size(acc_dtype)
+             + (n_sources + 1) * 64 * 4 + bt * 4)
+    if mode == "gdots":
+        return total + n_sources * n_targets * bt * 4
+    return total + n_groups * n_targets * bd * 4 + n_slots * (2 * n_targets + 1) * bt * 4 + 2 * bt * bd * size(out_dtype)
+
+
+def _meta(valid, n: int):
+    """The valid sources first (their order kept), then their count, as ``[n + 1, 64]`` int32
+    rows (one TMA copy): the kernels loop over the valid ones only."""
+    live = jnp.ones((n,), jnp.int32) if valid is None else jnp.asarray(valid, jnp.int32).reshape(n)
+    order = jnp.argsort(1 - live, stable=True).astype(jnp.int32)
+    return jnp.broadcast_to(jnp.concatenate([order, jnp.sum(live, keepdims=True)])[:, None], (n + 1, 64))
+
+
+def _acc_rows(g_acc, t_len: int, t_pad: int):
+    """``g_A`` as ``S`` arrays ``[m, B * Tp, d]`` (``T`` cut or padded to ``Tp``; free reshapes
+    when it is already ``Tp`` long): each group copies one 2D box per target, the copy
+    ``mosaic_gpu._copy_state`` makes per stream."""
+    parts = list(g_acc) if isinstance(g_acc, (list, tuple)) else [g_acc[s] for s in range(g_acc.shape[0])]
+    out = []
+    for a in parts:
+        a = a[:, :, :t_len] if a.shape[2] > t_len else a
+        m, batch, _, d = a.shape
+        out.append(_pad_t(a, 2, t_pad).reshape(m, batch * t_pad, d))
+    return out
+
+
+def _check(name, sources, g_acc, stream_kernels):
+    n, batch, t_len, d = sources.shape
+    m = len(stream_kernels)
+    shapes = [a.shape for a in g_acc] if isinstance(g_acc, (list, tuple)) else [g_acc.shape[1:]] * g_acc.shape[0]
+    for shape in shapes:
+        if len(shape) != 4 or shape[0] != m or shape[1] != batch or shape[2] < t_len or shape[3] != d:
+            raise ValueError(f"mosaic_gpu_bwd1.{name}: g_acc per target {shape}: want [{m}, {batch}, >= {t_len}, {d}]")
+    return len(shapes)
+
+
+def phase1_gdots(sources, banks, g_acc, segment_ids, valid, *, stream_kernels, heads: int,
+                 block_d: int | None = None, n_slots: int | None = None, group_slots: int | None = None,
+                 windows: str | None = None, interpret: bool = False):
+    """``gd[S, n, m, B, T, H]`` float32: ``<g_A{s,r}, E_r[x_i]>`` per head (the value-path dots of
+    ``fused_bwd_phase1``'s pass 2; zeros for a source ``valid`` rules out, not computed).
+
+    ``sources[n, B, T, d]``, ``banks[n, K, d]`` or None, ``g_acc`` one ``[S, m, B, T', d]`` array
+    or ``S`` arrays ``[m, B, T', d]`` (``T' >= T``; float32 or bf16), ``segment_ids[B, T]`` or
+    None, ``valid[n]`` or None. ``n_slots``: items in flight (None: ``SLOTS``); ``group_slots``:
+    groups' ``g_A`` in shared memory (None: ``GROUP_SLOTS``); both per mode."""
+    return _call("gdots", sources, banks, g_acc, segment_ids, valid, stream_kernels=stream_kernels, heads=heads,
+                 block_d=block_d, n_slots=n_slots, group_slots=group_slots, windows=windows, interpret=interpret)
+
+
+def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, valid, *, stream_kernels, heads: int,
+                    out_dtype, block_d: int | None = None, n_slots: int | None = None,
+                    group_slots: int | None = None, windows: str | None = None, interpret: bool = False):
+    """The stream cotangents ``dE[n, m, B, T, d]`` (``out_dtype``) of the wide form's pass 4:
+    ``dE[i, r] = sum_s (P_{s,i,r} g_A{s,r} + DSR_{s,i,r} q_{s,r}) - W_{i,r} E_r[x_i]`` (per head
+    for ``P`` and ``DSR``). A source ``valid`` rules out is not written (its rows hold whatever
+    the output buffer held): pass the same ``valid`` to the consumer
+    (``conv_transpose.sources_transpose`` skips or masks those sources).
+
+    ``queries[S, m, d]``, ``p``/``dsr`` ``[S, n, m, B, T', H]`` and ``w[n, m, B, T']`` float32
+    (``T' >= T``); the rest as ``phase1_gdots``."""
+    n, batch, t_len, d = sources.shape
+    m = len(stream_kernels)
+    n_targets = _check("phase1_dstreams", sources, g_acc, stream_kernels)
+    if queries.shape != (n_targets, m, d):
+        raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: queries {queries.shape}: want [{n_targets}, {m}, {d}]")
+    for name, a in (("p", p), ("dsr", dsr)):
+        if a.shape[:4] != (n_targets, n, m, batch) or a.shape[4] < t_len or a.shape[5] != heads:
+            raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: {name} {a.shape}: want [{n_targets}, {n}, {m}, "
+                             f"{batch}, >= {t_len}, {heads}]")
+    if w.shape[:3] != (n, m, batch) or w.shape[3] < t_len:
+        raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: w {w.shape}: want [{n}, {m}, {batch}, >= {t_len}]")
+    return _call("dstreams", sources, banks, g_acc, segment_ids, valid, stream_kernels=stream_kernels, heads=heads,
+                 block_d=block_d, n_slots=n_slots, group_slots=group_slots, windows=windows, interpret=interpret,
+                 queries=queries, p=p,
+                 dsr=dsr, w=w, out_dtype=out_dtype)
+
+
+def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, heads, block_d, n_slots, group_slots,
+          windows, interpret, queries=None, p=None, dsr=None, w=None, out_dtype=jnp.bfloat16):
+    n, batch, t_len, d = sources.shape
+    m = len(stream_kernels)
+    n_targets = _check(f"phase1_{mode}", sources, g_acc, stream_kernels)
+    n_slots, windows = n_slots or SLOTS[mode], _Lags.of(1, windows or default_windows(mode)).kind
+    group_slots = group_slots or GROUP_SLOTS[mode]
+    if group_slots not in (1, 2) or n_slots < 1:
+        raise ValueError(f"mosaic_gpu_bwd1.phase1_{mode}: group_slots={group_slots} must be 1 or 2, "
+                         f"n_slots={n_slots} at least 1")
+    acc_dtype = (g_acc[0] if isinstance(g_acc, (list, tuple)) else g_acc).dtype
+    smem = functools.partial(smem_bytes, n_targets=n_targets, n_sources=n, mode=mode, n_slots=n_slots,
+                             group_slots=group_slots, windows=windows, out_dtype=out_dtype)
+    sh = _shape(f"phase1_{mode}", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
+                heads=heads, block_d=block_d, interpret=interpret, smem=smem, choices=BLOCK_D_CHOICES,
+                x_dtype=sources.dtype, acc_dtype=acc_dtype, out_dtype=out_dtype)
+    has_bank = sh.has_bank and banks is not None
+    t_pad = sh.t_pad
+    inputs = [sh.x, jnp.asarray(banks, F32) if has_bank else jnp.zeros((n, 1, d), F32), _meta(valid, n),
+              *_acc_rows(g_acc, t_len, t_pad)]
+    if mode == "dstreams":
+        # per (source, stream, head): the rows [P_s (S) | DSR_s (S) | W], one TMA copy per item
+        cut = lambda a: _pad_t(jnp.asarray(a, F32)[..., :t_len, :], 4, t_pad)  # noqa: E731
+        per_head = jnp.concatenate([cut(p), cut(dsr)]).transpose(1, 2, 5, 0, 3, 4)  # [n, m, H, 2S, B, Tp]
+        w_rows = _pad_t(jnp.asarray(w, F32)[..., :t_len], 3, t_pad)[:, :, None, None]
+        rows = jnp.concatenate([per_head, jnp.broadcast_to(w_rows, (n, m, heads, 1, batch, t_pad))], axis=3)
+        inputs += [jnp.asarray(queries, F32), rows.reshape(n, m, heads * (2 * n_targets + 1), batch, t_pad)]
+    if sh.has_seg:
+        inputs.append(sh.bits)
+    call = _kernel(_Config(mode=mode, n=n, batch=batch, t_pad=t_pad, d=d, stream_kernels=tuple(stream_kernels),
+                           heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
+                           has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
+                           acc_dtype=jnp.dtype(acc_dtype), out_dtype=jnp.dtype(out_dtype), n_slots=n_slots,
+                           group_slots=group_slots, ga_registers=bool(GA_REGISTERS), windows=windows,
+                           interpret=bool(interpret)))
+    out = call(*inputs)
+    if mode == "gdots":  # [n, m H S, B, Tp] -> [S, n, m, B, T, H]
+        out = out.reshape(n, m, heads, n_targets, batch, t_pad).transpose(3, 0, 1, 4, 5, 2)
+        return out[:, :, :, :, :t_len]
+    return out[:, :, :, :t_len]
+
+
+class _Config(NamedTuple):
+    """Everything the kernels' code depends on (see ``mosaic_gpu._Config``)."""
+
+    mode: str
+    n: int
+    batch: int
+    t_pad: int
+    d: int
+    stream_kernels: tuple
+    heads: int
+    n_targets: int
+    block_d: int
+    has_bank: bool
+    has_seg: bool
+    front: int
+    x_dtype: jnp.dtype
+    acc_dtype: jnp.dtype
+    out_dtype: jnp.dtype
+    n_slots: int
+    group_slots: int
+    ga_registers: bool
+    windows: str
+    interpret: bool
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(cfg: _Config):
+    """``cfg.mode``'s kernel for ``cfg``, built and jitted once."""
+    plgpu = _plgpu_for(cfg.windows, cfg.interpret)
+    mode, n, batch, d, heads, bd, n_targets = cfg.mode, cfg.n, cfg.batch, cfg.d, cfg.heads, cfg.block_d, cfg.n_targets
+    stream_kernels, has_bank, has_seg, front, n_slots = (cfg.stream_kernels, cfg.has_bank, cfg.has_seg, cfg.front,
+                                                         cfg.n_slots)
+    n_gslots = cfg.group_slots
+    gdots = mode == "gdots"
+    m, bt, t_pad = len(stream_kernels), BLOCK_T, cfg.t_pad
+    layout = _stream_layout(stream_kernels)
+    max_lag = max([1, *stream_kernels])
+    nch = d // bd // heads  # chunks per head
+    n_groups = heads * m * nch  # (head, stream, chunk) groups, in this order
+    n_rows = 2 * n_targets + 1  # "dstreams": an item's per-token rows
+    row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
+    lags = _Lags.of(max_lag, cfg.windows)
+    copies = [len(lags.copies(kernel)) for kernel in stream_kernels]
+    taps = [has_bank and kernel > 0 for kernel in stream_kernels]
+    scratch = dict(
+        xs=plgpu.SMEM((n_slots, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
+        **{f"bs{r}": plgpu.SMEM((n_slots, kernel, bd), F32) for r, kernel in enumerate(stream_kernels) if taps[r]},
+        gas=_tile_smem(plgpu, (n_gslots, n_targets, bt, bd), cfg.acc_dtype),
+        qs=None if gdots else plgpu.SMEM((n_gslots, n_targets, bd), F32),
+        rs=None if gdots else plgpu.SMEM((n_slots, n_rows, bt), F32),
+        out_s=None if gdots else _tile_smem(plgpu, (2, bt, bd), cfg.out_dtype),
+        dots_s=plgpu.SMEM((n, n_targets, bt), F32) if gdots else None,
+        meta_s=plgpu.SMEM((n + 1, 64), jnp.int32),
+        bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
+        **{f"bar{r}": plgpu.Barrier(num_arrivals=copies[r] + taps[r] + (not gdots), num_barriers=n_slots)
+           for r in range(m)},
+        gbar=plgpu.Barrier(num_arrivals=n_targets + (not gdots), num_barriers=n_gslots),
+        bar_in=plgpu.Barrier(num_arrivals=1 + has_seg, num_barriers=1),
+    )
+    names = [k for k, v in scratch.items() if v is not None]
+
+    def body(*refs):
+        it = iter(refs)
+        x_ref, bank_ref, meta_ref = next(it), next(it), next(it)
+        ga_refs = [next(it) for _ in range(n_targets)]  # [m, B Tp, d] each
+        q_ref, rows_ref = (None, None) if gdots else (next(it), next(it))
+        bits_ref = next(it) if has_seg else None
+        out_ref = next(it)
+        sc = dict(zip(names, it))
+        xs, gas, qs, rs, out_s, dots_s, meta_s, bits_s = (
+            sc.get(k) for k in ("xs", "gas", "qs", "rs", "out_s", "dots_s", "meta_s", "bits_s"))
+        bss = [sc.get(f"bs{r}") for r in range(m)]
+        bars = [sc[f"bar{r}"] for r in range(m)]
+        gbar, bar_in = sc["gbar"], sc["bar_in"]
+        b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
+        rows = pl.ds(t0, bt)
+        plgpu.copy_gmem_to_smem(meta_ref, meta_s, bar_in.at[0])
+        if has_seg:
+            plgpu.copy_gmem_to_smem(bits_ref.at[b, rows], bits_s, bar_in.at[0])
+        plgpu.barrier_wait(bar_in.at[0])
+        masks = _lag_masks_of(plgpu, bits_s, max_lag, bt, bd)
+        n_live = meta_s[n, 0]
+        total = n_groups * n_live
+
+        def group_of(g):
+            """(head, stream, chunk) of group ``g``."""
+            return g // (m * nch), lax.rem(g // nch, m), (g // (m * nch)) * nch + lax.rem(g, nch)
+
+        def fetch_group(g):
+            """Group ``g``'s ``g_A`` tiles (and query chunks) into its slot, if it has items."""
+            @pl.when((g < n_groups) & (n_live > 0))
+            def _():
+                _, r, c = group_of(g)
+                cs, gslot = pl.ds(c * bd, bd), lax.rem(g, n_gslots)
+                for s in range(n_targets):
+                    plgpu.copy_gmem_to_smem(ga_refs[s].at[r, pl.ds(b * t_pad + t0, bt), cs], gas.at[gslot, s],
+                                            gbar.at[gslot])
+                if not gdots:
+                    plgpu.copy_gmem_to_smem(q_ref.at[:, r, cs], qs.at[gslot], gbar.at[gslot])
+
+        def fetch_item(r, head, c, i, slot):
+            """Item (stream ``r``, chunk ``c``, source ``i``)'s copies into ``slot``."""
+            cs, xcs = pl.ds(c * bd, bd), lags.columns(c, bd)
+            lags.fetch(plgpu, lambda lag, n_rows: x_ref.at[i * batch + b, pl.ds(t0 + front - lag, n_rows), xcs], xs,
+                       slot, bars[r].at[slot], stream_kernels[r])
+            if taps[r]:
+                kernel, off = layout[r]
+                plgpu.copy_gmem_to_smem(bank_ref.at[i, pl.ds(off, kernel), cs], bss[r].at[slot], bars[r].at[slot])
+            if not gdots:
+                plgpu.copy_gmem_to_smem(rows_ref.at[i, r, pl.ds(head * n_rows, n_rows), b, rows], rs.at[slot],
+                                        bars[r].at[slot])
+
+        def fetch(f):
+            """Item ``f`` of the flat order (group, valid source), if there is one."""
+            @pl.when(f < total)
+            def _():
+                g, j = f // n_live, lax.rem(f, n_live)
+                head, r, c = group_of(g)
+                i, slot = meta_s[j, 0], lax.rem(f, n_slots)
+                for rr in range(m):
+                    pl.when(r == rr)(functools.partial(fetch_item, rr, head, c, i, slot))
+
+        def expand(r, slot):
+            """``E_r`` of the item in ``slot`` (Eq. 10)."""
+            kernel = stream_kernels[r]
+            if kernel == 0:
+                return lags.load(plgpu, xs, slot, 0).astype(F32)
+            e = None
+            for delta in range(kernel):
+                xl = lags.load(plgpu, xs, slot, delta).astype(F32)
+                if masks[delta] is not None:
+                    xl = xl * masks[delta]
+                tap = _cols(plgpu.load(bss[r], (slot, delta), layout=col), bt, bd) if taps[r] else 0.0
+                term = tap * xl
+                e = term if e is None else e + term
+            return e
+
+        for k in range(n_slots):
+            fetch(k)
+        for g in range(n_gslots):
+            fetch_group(g)
+        zero_row = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
+        for head in range(heads):
+            for r in range(m):
+                if gdots:  # this (head, stream)'s sums start at zero, once the last one's stores have read them
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for i in range(n):
+                        for s in range(n_targets):
+                            dots_s[i, s] = zero_row
+                    plgpu.commit_smem()
+
+                def chunk_body(cc, carry, head=head, r=r):
+                    g = (head * m + r) * nch + cc
+                    gslot, cs = lax.rem(g, n_gslots), pl.ds((head * nch + cc) * bd, bd)
+
+                    @pl.when(n_live > 0)
+                    def _():
+                        plgpu.barrier_wait(gbar.at[gslot])
+
+                    def ga_tile(s):
+                        return plgpu.load(gas, (gslot, s), layout=tile).astype(F32)
+
+                    if cfg.ga_registers:  # loaded once for the group's items (garbage when it has none)
+                        held = [ga_tile(s) for s in range(n_targets)]
+                        ga_tile = held.__getitem__  # noqa: F811
+
+                    def source_body(j, carry):
+                        f = g * n_live + j
+                        slot = lax.rem(f, n_slots)
+                        plgpu.barrier_wait(bars[r].at[slot])
+                        e = expand(r, slot)
+                        i = meta_s[j, 0]
+                        if gdots:
+                            for s in range(n_targets):
+                                ga = ga_tile(s)
+                                dots_s[i, s] = plgpu.load(dots_s, (i, s), layout=row) + jnp.sum(ga * e, axis=1)
+                        else:
+                            def row_of(k):
+                                return _rows(plgpu.load(rs, (slot, k), layout=row), bt, bd)
+
+                            de = -row_of(2 * n_targets) * e
+                            for s in range(n_targets):
+                                ga = ga_tile(s)
+                                q = _cols(plgpu.load(qs, (gslot, s), layout=col), bt, bd)
+                                de = de + row_of(s) * ga + row_of(n_targets + s) * q
+                            oslot = lax.rem(f, 2)
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot is read
+                            out_s[oslot] = de.astype(out_s.dtype)
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(out_s.at[oslot], out_ref.at[i, r, b, rows, cs])
+                        fetch(f + n_slots)
+                        return carry
+
+                    lax.fori_loop(0, n_live, source_body, 0)
+                    # every thread is done with this group's g_A slot (and, for gdots, its sums)
+                    plgpu.commit_smem()
+                    fetch_group(g + n_gslots)
+                    return carry
+
+                lax.fori_loop(0, nch, chunk_body, 0)
+                if gdots:
+                    for i in range(n):
+                        plgpu.copy_smem_to_gmem(dots_s.at[i], out_ref.at[i, pl.ds((r * heads + head) * n_targets,
+                                                                                  n_targets), b, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    if gdots:
+        out_type = jax.ShapeDtypeStruct((n, m * heads * n_targets, batch, t_pad), F32)
+    else:
+        out_type = jax.ShapeDtypeStruct((n, m, batch, t_pad, d), cfg.out_dtype)
+    return _jitted_kernel(plgpu, body, out_type, [scratch[k] for k in names],
+                          name=f"depth_attention_bwd1_{mode}_mosaic", batch=batch, t_pad=t_pad,
+                          interpret=cfg.interpret)

@@ -1,0 +1,187 @@
+"""Phase 1's backward passes 2 and 4 in Mosaic GPU (``mosaic_gpu_bwd1.phase1_gdots`` and
+``phase1_dstreams``) against the Pallas passes they replace (``fused_bwd_phase1.gdots_call`` and
+``dstreams_call``, themselves checked against the XLA closed form through the whole backward) on
+random non-zero inputs: interpreted on the CPU, compiled in the GPU-marked test. The model-level
+check (phase 1's state and every gradient against the oracle with ``gpu_kernels="mosaic"``, which
+takes both kernels) is ``test_mosaic_gpu_phase1.test_phase1_op_with_mosaic_kernels_matches_reference``."""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.depth_attention import _backend, fused, fused_bwd_phase1, mosaic_gpu_bwd1, tiling
+from tests.kernels.test_depth_attention_fused import F32_TOL, _check_tree, _phase1_inputs
+from tests.kernels.test_mosaic_gpu_phase1 import _segments
+
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+KERNELS = (0, 4, 8, 12)
+
+CASES = [
+    # name, n, B, T, d, S, heads, valid, segment cut, sources' dtype, g_A's dtype, g_A per target,
+    # (n_slots, group_slots): two 64-token tiles and a ragged end, two heads (a chunk each),
+    # a source ruled out, segment boundaries inside the lag windows, g_A as the model hands it
+    # over (one array per target); T under the largest kernel, float32 sources, one array;
+    # a bf16 state's cotangent with one group buffer and two items in flight
+    ("segments_heads2_ruled_out", 3, 2, 100, 64, 2, 2, (True, False, True), 37, jnp.bfloat16, jnp.float32, True,
+     (None, None)),
+    ("T_shorter_than_kernel", 2, 1, 7, 32, 1, 1, None, None, jnp.float32, jnp.float32, False, (None, None)),
+    ("bf16_state_one_group_slot", 2, 1, 64, 32, 2, 1, None, 20, jnp.bfloat16, jnp.bfloat16, True, (2, 1)),
+]
+
+
+def _inputs(n, batch, t_len, d, n_targets, heads, valid, cut, dtype, acc_dtype, per_target):
+    sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=dtype)
+    m = len(KERNELS)
+    ks = jax.random.split(jax.random.key(11), 4)
+    g_acc = jax.random.normal(ks[0], (n_targets, m, batch, t_len, d)).astype(acc_dtype)
+    g_acc = [g_acc[s] for s in range(n_targets)] if per_target else g_acc
+    p = jax.random.uniform(ks[1], (n_targets, n, m, batch, t_len, heads), minval=0.1)
+    dsr = jax.random.normal(ks[2], (n_targets, n, m, batch, t_len, heads))
+    w = jax.random.normal(ks[3], (n, m, batch, t_len))
+    seg = None if cut is None else _segments(batch, t_len, cut)
+    valid = None if valid is None else jnp.asarray(valid)
+    return sources, banks, queries, g_acc, p, dsr, w, seg, valid
+
+
+def _triton_form(args, heads, backend="interpret"):
+    """``gdots_call`` (its chunk partials summed into heads) and ``dstreams_call`` on the same
+    inputs, T padded to their tiles and cut back."""
+    sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
+    n, batch, t_len, d = sources.shape
+    n_targets = queries.shape[0]
+    tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=max(KERNELS), n_targets=n_targets,
+                                backend="tpu" if backend == "interpret" else backend,
+                                n_streams=len(KERNELS))
+    if backend == "interpret":
+        tiles = tiles.with_min_block_t(16)
+    t_pad, seg_p = fused._prepare(t_len, seg, tiles)
+    pad = fused._pad_t
+    kw = dict(stream_kernels=KERNELS, tiles=tiles, backend=backend, interpret=backend == "interpret")
+    ga = [pad(a, 2, t_pad) for a in g_acc] if isinstance(g_acc, list) else pad(g_acc, 3, t_pad)
+    x = pad(sources, 2, t_pad)
+    gd = fused_bwd_phase1.gdots_call(x, banks, ga, seg_p, valid=valid, **kw)
+    gd = jnp.sum(gd.reshape(*gd.shape[:-1], heads, -1), axis=-1)[..., :t_len, :]
+    de = fused_bwd_phase1.dstreams_call(x, banks, queries, ga, pad(p, 4, t_pad), pad(dsr, 4, t_pad),
+                                        pad(w, 3, t_pad)[..., None], seg_p, heads=heads, out_dtype=jnp.float32,
+                                        valid=valid, **kw)
+    return gd, de[:, :, :, :t_len]
+
+
+def _mosaic(args, heads, interpret=True, slots=(None, None)):
+    sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
+    kw = dict(stream_kernels=KERNELS, heads=heads, interpret=interpret, n_slots=slots[0], group_slots=slots[1])
+    gd = mosaic_gpu_bwd1.phase1_gdots(sources, banks, g_acc, seg, valid, **kw)
+    de = mosaic_gpu_bwd1.phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, seg, valid,
+                                         out_dtype=jnp.float32, **kw)
+    return gd, de
+
+
+def _live(valid, n):
+    return np.ones(n, bool) if valid is None else np.asarray(valid)
+
+
+@pytest.mark.parametrize("case", [CASES[0], *(pytest.param(c, marks=pytest.mark.slow) for c in CASES[1:])],
+                         ids=[c[0] for c in CASES])
+def test_interpreted_kernels_match_the_pallas_passes(case):
+    _, n, batch, t_len, d, n_targets, heads, valid, cut, dtype, acc_dtype, per_target, slots = case
+    args = _inputs(n, batch, t_len, d, n_targets, heads, valid, cut, dtype, acc_dtype, per_target)
+    got_gd, got_de = _mosaic(args, heads, slots=slots)
+    want_gd, want_de = _triton_form(args, heads)
+    _check_tree(got_gd, want_gd, F32_TOL)
+    live = _live(args[-1], n)
+    _check_tree(got_de[live], want_de[live], F32_TOL)  # the ruled-out sources' dE is not written
+    if not live.all():  # a ruled-out source is not computed: zeros, as the Triton pass gives
+        assert not np.any(np.asarray(got_gd[:, ~live]))
+
+
+@pytest.mark.slow
+def test_segments_matter():
+    """The conv restarts at a segment start inside the kernels: dropping the ids changes both
+    outputs (so the cases above check the masks, not a no-op)."""
+    args = _inputs(2, 1, 64, 32, 1, 1, None, 20, jnp.float32, jnp.float32, False)
+    with_seg = _mosaic(args, 1)
+    without = _mosaic(args[:-2] + (None, args[-1]), 1)
+    for a, b in zip(with_seg, without):
+        assert float(jnp.max(jnp.abs(a - b))) > 1e-3
+
+
+def test_kernels_refuse_bad_inputs():
+    args = _inputs(2, 1, 8, 32, 2, 1, None, None, jnp.float32, jnp.float32, False)
+    sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
+    kw = dict(stream_kernels=KERNELS, heads=1, interpret=True)
+    with pytest.raises(ValueError, match=r"g_acc per target \(3, 1, 8, 32\): want \[4, 1, >= 8, 32\]"):
+        mosaic_gpu_bwd1.phase1_gdots(sources, banks, g_acc[:, :3], seg, valid, **kw)
+    with pytest.raises(ValueError, match=r"dsr \(2, 2, 4, 1, 8, 2\): want \[2, 2, 4, 1, >= 8, 1\]"):
+        mosaic_gpu_bwd1.phase1_dstreams(sources, banks, queries, g_acc, p, jnp.concatenate([dsr, dsr], -1), w, seg,
+                                        valid, out_dtype=jnp.float32, **kw)
+    with pytest.raises(ValueError, match=r"queries \(1, 4, 32\): want \[2, 4, 32\]"):
+        mosaic_gpu_bwd1.phase1_dstreams(sources, banks, queries[:1], g_acc, p, dsr, w, seg, valid,
+                                        out_dtype=jnp.float32, **kw)
+    with pytest.raises(ValueError, match="group_slots=3 must be 1 or 2"):
+        mosaic_gpu_bwd1.phase1_gdots(sources, banks, g_acc, seg, valid, group_slots=3, **kw)
+    with pytest.raises(NotImplementedError, match="no channel chunk"):
+        mosaic_gpu_bwd1.phase1_gdots(sources[..., :24], banks[..., :24], g_acc[..., :24], seg, valid, **kw)
+
+
+@pytest.mark.parametrize("choice, auto_bwd, interpret, want", [
+    ("auto", True, False, True),
+    ("auto", False, False, False),  # AUTO_PHASE1_BWD off: Triton's passes
+    ("auto", True, True, False),  # interpret mode: the Triton kernels (the default suite's path)
+    ("mosaic", False, True, True),
+    ("triton", True, False, False),
+])
+def test_which_choice_takes_the_kernels(monkeypatch, choice, auto_bwd, interpret, want):
+    """``_backend._mosaic_phase1`` for both kernels at `base`'s shape (float32 and bf16 state);
+    ``"mosaic"`` is an error for a shape they do not take."""
+    monkeypatch.setattr(_backend, "AUTO_PHASE1_BWD", auto_bwd)
+    static = types.SimpleNamespace(stream_kernels=KERNELS, heads=1)
+    src = jax.ShapeDtypeStruct((7, 64, 1024, 1024), jnp.bfloat16)
+    for kernel in mosaic_gpu_bwd1.MODES:
+        for state_dtype in (jnp.float32, jnp.bfloat16):
+            assert _backend._mosaic_phase1(choice, "triton", static, src, 8, interpret, kernel=kernel,
+                                           state_dtype=state_dtype) is want
+        assert not _backend._mosaic_phase1(choice, "tpu", static, src, 8, interpret, kernel=kernel)
+        if choice == "mosaic":
+            odd = jax.ShapeDtypeStruct((7, 64, 1024, 1000), jnp.bfloat16)
+            with pytest.raises(ValueError, match="phase-1 backward's .* pass does not take"):
+                _backend._mosaic_phase1("mosaic", "triton", static, odd, 8, False, kernel=kernel)
+
+
+@pytest.mark.parametrize("mode", mosaic_gpu_bwd1.MODES)
+@pytest.mark.parametrize("t_len, segments, group_slots", [pytest.param(64, False, 2, marks=pytest.mark.slow),
+                                                          (200, True, 2), (200, True, 1)])
+def test_kernels_lower_for_sm90(mode, t_len, segments, group_slots):
+    """The compiled (not interpreted) kernels lower for the H200 in Lane semantics for one and
+    several token tiles, with and without segments, with one and two group buffers."""
+    args = _inputs(3, 2, t_len, 64, 2, 1, (True, True, False), 30 if segments else None, jnp.bfloat16,
+                   jnp.float32, True)
+    sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
+    kw = dict(stream_kernels=KERNELS, heads=1, group_slots=group_slots)
+    if mode == "gdots":
+        fn, inputs = (lambda *a: mosaic_gpu_bwd1.phase1_gdots(*a, **kw)), (sources, banks, g_acc, seg, valid)
+    else:
+        fn = lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, out_dtype=jnp.bfloat16, **kw)  # noqa: E731
+        inputs = (sources, banks, queries, g_acc, p, dsr, w, seg, valid)
+    text = jax.jit(fn).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu_v2") == 1
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_match_the_triton_passes():
+    """On a GPU: the compiled kernels against the compiled Triton passes (bf16 sources, a source
+    ruled out, segments, two heads, ragged T, g_A per target)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    heads = 2
+    args = _inputs(4, 3, 300, 256, 8, heads, (True, True, False, True), 77, jnp.bfloat16, jnp.float32, True)
+    got = jax.jit(lambda *a: _mosaic(a, heads, interpret=False))(*args)
+    want = jax.jit(lambda *a: _triton_form(a, heads, backend="triton"))(*args)
+    live = _live(args[-1], 4)
+    _check_tree(got[0], want[0], 1e-5)
+    _check_tree(got[1][live], want[1][live], 1e-5)
