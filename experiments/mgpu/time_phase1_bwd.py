@@ -1,7 +1,9 @@
-"""Phase 1's backward passes 2 and 4 (wide form) on the GPU: Triton's
+"""Phase 1's backward passes 2 and 4 (wide form) and the expansion's transpose on the GPU: Triton's
 ``fused_bwd_phase1.gdots_call`` (with the XLA sum of its chunk partials into heads) and
 ``dstreams_call`` (the tiles ``tiling.choose_tiles`` gives them) against the Mosaic GPU kernels
-``mosaic_gpu_bwd1.phase1_gdots`` and ``phase1_dstreams``. Shapes: `base`'s last block (B x T =
+``mosaic_gpu_bwd1.phase1_gdots`` and ``phase1_dstreams``; ``conv_transpose.sources_transpose``
+against ``mosaic_gpu_bwd1.sources_transpose`` (bf16 stream cotangents; its floor: the live
+sources' cotangents and rows read, their ``d x`` written, the others' zeros written). Shapes: `base`'s last block (B x T =
 64 x 1024, d = 1024, S = 8 targets, 7 stacked sources of which ``--live`` (default 4) are
 valid) and the issue's (8 x 2048, d = 2048, S = 8, all 9 sources). MSAR's kernels (0, 4, 8,
 12), one head, bf16 sources, a float32 ``g_A`` as ``S`` per-target arrays (as the model's
@@ -11,20 +13,22 @@ sources' ``dE``), relative to their largest magnitude; the floor: ``g_A`` and th
 read once and, for ``dstreams``, the live sources' ``dE`` (bf16) written once, at the measured
 copy bandwidth. Each Mosaic variant is (items in flight ``n_slots``, groups' ``g_A`` in shared
 memory ``group_slots``, ``regs``: ``GA_REGISTERS``), with its shared memory and how many
-programs fit on an SM. Run on the
-GPU: ``python experiments/mgpu/time_phase1_bwd.py [--base-only]``."""
+programs fit on an SM: the defaults, or with ``--variants`` session 22's set. Run on the
+GPU: ``python experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants]``."""
 import sys
 import traceback
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.depth_attention import bench, fused, fused_bwd_phase1, mosaic_gpu_bwd1, tiling
+from pallas_kernels.depth_attention import bench, conv_transpose, fused, fused_bwd_phase1, mosaic_gpu_bwd1, tiling
 
 KERNELS = (0, 4, 8, 12)
 # (n_slots, group_slots, GA_REGISTERS)
-VARIANTS = {"gdots": ((3, 2, False), (2, 1, False), (3, 1, False), (3, 2, True), (2, 1, True)),
-            "dstreams": ((3, 2, False), (2, 1, False), (3, 2, True), (2, 1, True))}
+VARIANTS = {"gdots": ((2, 1, True),), "dstreams": ((3, 2, True),)}
+if "--variants" in sys.argv:  # session 22, call 2
+    VARIANTS = {"gdots": ((3, 2, False), (2, 1, False), (3, 1, False), (3, 2, True), (2, 1, True)),
+                "dstreams": ((3, 2, False), (2, 1, False), (3, 2, True), (2, 1, True))}
 SM_SMEM = 233472  # the H200's shared memory per SM (228 KiB), 1 KiB of it reserved per program
 
 
@@ -112,6 +116,25 @@ def main():
             _timed(_variant_label("dstreams", n, n_targets, slots, groups, regs), fn, args, want, floor,
                    rows=slice(0, n_live))
         del want
+
+        # the expansion's transpose of the live sources' stream cotangents (bf16, as the wide form writes them)
+        d_streams = jax.random.normal(k[6], (n, m, batch, t_len, d), jnp.bfloat16)
+
+        def triton_transpose(de, x, b, v):
+            dx, dbank = conv_transpose.sources_transpose(de, x, b, None, v, stream_kernels=KERNELS, tiles=tiles,
+                                                         backend="triton", interpret=False)
+            return dx[:n_live], dbank
+
+        def mosaic_transpose(de, x, b, v):
+            dx, dbank = mosaic_gpu_bwd1.sources_transpose(de, x, b, None, v, stream_kernels=KERNELS)
+            return dx[:n_live], dbank
+
+        floor = (x_bytes * m + 2 * x_bytes + (n - n_live) * batch * t_len * d * 2) / bw * 1e3
+        print(f"# transpose: floor {floor:.4f} ms", flush=True)
+        args = (d_streams, sources, banks, valid)
+        want = _timed("triton transpose", triton_transpose, args, None, floor)
+        _timed("mosaic transpose", mosaic_transpose, args, want, floor)
+        del want, d_streams
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ each ``fused_bwd_phase2.FORMS`` of pass 3 (the reverse-T input kernel, or the st
 written and transposed by ``conv_transpose``). ``--chunks``: forward or backward, the padded
 windows with 32- and 64-channel chunks (``block_d``). ``--inputs``: the backward with pass 3 (the
 reverse-T input kernel) in Triton and in Mosaic GPU (``mosaic_gpu.phase2_backward_inputs``, one
-and two warpgroups per program)."""
+and two warpgroups per program). ``--state-rows``: the backward, all three passes in Mosaic GPU,
+with the state kernel's sums stored through their own buffer and through its rows' buffer
+(``mosaic_gpu.STATE_SUMS_IN_ROWS``: one or two programs per SM)."""
 import collections
 import os
 import sys
@@ -139,7 +141,14 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
         if "--chunks" in sys.argv:  # 32- against 64-channel chunks, padded windows (session 21)
             forms = [(f"mosaic passes 1-2, padded, bd={bd}", True, "shared", "padded", None) for bd in (32, 64)]
             chunks = {label: (int(label.rsplit("=", 1)[1]),) for label, *_ in forms}
+        sums_in_rows = {}  # label -> mosaic_gpu.STATE_SUMS_IN_ROWS while it is traced
+        if "--state-rows" in sys.argv:  # the state kernel's sums in their own buffer or its rows' (session 22)
+            forms = [(f"mosaic passes 1-3, sums in rows {flag}", True, "shared", "padded", None)
+                     for flag in (False, True)]
+            sums_in_rows = {label: label.endswith("True") for label, *_ in forms}
+            inputs_kernel = {label: 2 for label, *_ in forms}
         for label, mosaic_state, expand, windows, boxes in forms:
+            mosaic_gpu.STATE_SUMS_IN_ROWS = sums_in_rows.get(label, True)
             set_lane_tile_swizzle(windows != PLAIN)
             windows = "single" if windows == PLAIN else windows
             # read when the kernel is traced (below)
@@ -157,7 +166,7 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             ms = float("nan") if interpret else bench.timeit(f, *args, reps=reps, inner=2)[0] * 1e3
             print(f"## {name} backward, {label}: {ms:.3f} ms per call", flush=True)
         mosaic_gpu.DEFAULT_EXPAND, mosaic_gpu.DEFAULT_WINDOWS, mosaic_gpu.DEFAULT_STATE_BOXES = "shared", None, "one"
-        mosaic_gpu.BLOCK_D_CHOICES = (32,)
+        mosaic_gpu.BLOCK_D_CHOICES, mosaic_gpu.STATE_SUMS_IN_ROWS, mosaic_gpu.INPUTS_WARPGROUPS = (32,), True, 2
         first, *others = grads.items()
         for label, other in others:
             a, b = jax.tree.leaves(first[1]), jax.tree.leaves(other)

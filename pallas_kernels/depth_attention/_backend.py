@@ -16,8 +16,12 @@ GPU_KERNELS = ("auto", "mosaic", "triton", "triton_forward")
 # 1.63 against Triton's 3.10 ms per call in the `base` step (two warpgroups per program), 1530.1 -> 1445.1 ms
 # (session 21, calls 4 and 10)
 AUTO_INPUTS = True
-# whether "auto" takes phase 1's backward passes 2 and 4 (wide form) in Mosaic GPU (``mosaic_gpu_bwd1``)
+# whether "auto" takes phase 1's backward passes 2 and 4 (wide form) in Mosaic GPU (``mosaic_gpu_bwd1``):
+# 4.25 and 4.81 against Triton's 7.72 and 7.94 ms per call at `base`, the step 1445.1 -> 1415.3 ms
+# (session 22, calls 2-3)
 AUTO_PHASE1_BWD = True
+# whether "auto" takes the wide form's transpose in Mosaic GPU (``mosaic_gpu_bwd1.sources_transpose``)
+AUTO_TRANSPOSE = True
 
 
 def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype, interpret: bool,
@@ -74,7 +78,9 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
     against ``fused.mix_call(mode="acc")``; ``state_dtype`` is what it writes), ``"gdots"`` or
     ``"dstreams"`` (the Pallas backward's pass 2 and the wide form's pass 4,
     ``mosaic_gpu_bwd1``, against ``fused_bwd_phase1.gdots_call`` and ``dstreams_call``;
-    ``state_dtype`` is the state cotangent's, which they read; ``AUTO_PHASE1_BWD``).
+    ``state_dtype`` is the state cotangent's, which they read; ``AUTO_PHASE1_BWD``) or
+    ``"transpose"`` (the wide form's transpose, ``mosaic_gpu_bwd1.sources_transpose``, against
+    ``conv_transpose.sources_transpose``; ``AUTO_TRANSPOSE``).
 
     ``"auto"`` (and ``"triton_forward"``, which concerns phase 2's forward): on a GPU (not in
     interpret mode), with several streams and 16-bit sources (as timed; float32 sources double
@@ -94,6 +100,16 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
         return False
     if choice == "auto" and kernel in mosaic_gpu_bwd1.MODES and not AUTO_PHASE1_BWD:
         return False
+    if kernel == "transpose":
+        if (choice == "auto" and not AUTO_TRANSPOSE) or not any(static.stream_kernels):
+            return False  # no conv: the transpose is a sum over the streams (conv_transpose does it in XLA)
+        try:
+            mosaic_gpu_bwd1.check_transpose_shape(d=sources.shape[-1], stream_kernels=static.stream_kernels)
+        except NotImplementedError as e:
+            if choice == "mosaic":
+                raise ValueError(f"gpu_kernels='mosaic': {e}") from None
+            return False
+        return True
     acc_dtype, out_dtype = jnp.float32, state_dtype
     if kernel in mosaic_gpu_bwd1.MODES:  # they read the state's cotangent and write dE in the sources' dtype
         acc_dtype, out_dtype = state_dtype, jnp.promote_types(sources.dtype, jnp.bfloat16)
@@ -193,6 +209,7 @@ def build(backend: str, native_platform: str):
             sources, banks, queries, valid, segment_ids, smax, ct, stream_kernels=static.stream_kernels,
             heads=static.heads, eps=static.eps, form=form, **kw, mosaic_scores=mosaic(kernel="scores"),
             mosaic_gdots=mosaic(kernel="gdots"), mosaic_dstreams=form == "wide" and mosaic(kernel="dstreams"),
+            mosaic_transpose=form == "wide" and mosaic(kernel="transpose"),
         )
 
     def expansion_transpose(d_e, x, bank, segment_ids, static, n_targets):

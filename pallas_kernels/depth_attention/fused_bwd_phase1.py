@@ -543,7 +543,7 @@ DEFAULT_FORM = "wide"
 
 def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, stream_kernels: Sequence[int], heads,
                     eps, tiles: Tiles, backend, interpret, shift=None, form=DEFAULT_FORM, mosaic_scores=False,
-                    mosaic_gdots=False, mosaic_dstreams=False):
+                    mosaic_gdots=False, mosaic_dstreams=False, mosaic_transpose=False):
     """Gradients ``(d sources, d banks or None, d queries)`` of phase 1: the values of
     ``xla_streaming.phase1_backward(...)[:3]`` (``banks``: ``[n, K, d]`` or None without conv;
     ``valid``: ``[n]`` or None; ``smax``: the forward's running max; ``g``: the state cotangent,
@@ -556,7 +556,8 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     ``conv_transpose.sources_transpose`` for the source and bank gradients and token-axis
     matrix products for the query gradient, ``_query_grads``). ``mosaic_scores``: pass 1 as the
     Mosaic GPU kernel (``fused.phase1_scores``); ``mosaic_gdots`` / ``mosaic_dstreams``: pass 2 /
-    the wide form's pass 4 as the Mosaic GPU kernels of ``mosaic_gpu_bwd1``."""
+    the wide form's pass 4 as the Mosaic GPU kernels of ``mosaic_gpu_bwd1``; ``mosaic_transpose``:
+    the wide form's transpose as ``mosaic_gpu_bwd1.sources_transpose``."""
     if form not in FORMS:
         raise ValueError(f"form={form!r}: must be one of {FORMS}")
     n, batch, t_len, d = sources.shape
@@ -602,13 +603,18 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
             d_streams = mosaic_gpu_bwd1.phase1_dstreams(
                 sources, conv_banks, queries, g_acc, p, dsr, w, segment_ids, valid, stream_kernels=stream_kernels,
                 heads=heads, out_dtype=streams_dtype, interpret=interpret)
-            d_streams = _pad_t(d_streams, 3, t_pad)
+            d_streams = d_streams if mosaic_transpose else _pad_t(d_streams, 3, t_pad)
         else:
             d_streams = dstreams_call(x, conv_banks, queries, g_acc, p, dsr, w[..., None], seg, heads=heads,
                                       out_dtype=streams_dtype, valid=valid, **kw)
-        dx, dbank = conv_transpose.sources_transpose(
-            d_streams, x, conv_banks, seg, valid, stream_kernels=stream_kernels, tiles=tiles, backend=backend,
-            interpret=interpret, out_dtype=sources.dtype)
+        if mosaic_transpose:
+            dx, dbank = mosaic_gpu_bwd1.sources_transpose(
+                d_streams[:, :, :, :t_len], sources, conv_banks, segment_ids, valid, stream_kernels=stream_kernels,
+                out_dtype=sources.dtype, interpret=interpret)
+        else:
+            dx, dbank = conv_transpose.sources_transpose(
+                d_streams, x, conv_banks, seg, valid, stream_kernels=stream_kernels, tiles=tiles, backend=backend,
+                interpret=interpret, out_dtype=sources.dtype)
         d_queries = _query_grads(x, conv_banks, dsr, seg, valid, stream_kernels=stream_kernels, heads=heads)
         d_banks = None if banks is None else (jnp.zeros_like(banks) if conv_banks is None
                                               else dbank.astype(banks.dtype))

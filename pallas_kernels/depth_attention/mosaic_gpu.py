@@ -45,7 +45,8 @@ BENCHMARKS.md, kernels, session 16.
 
 The module also holds the Pallas backward's phase-2 kernels (``phase2_backward_state``: the
 gate's statistics and ``d_acc``; ``phase2_backward_inputs``: the reverse-T input pass, in
-8-channel chunks) and phase 1's scoring and mixing passes (``phase1_scores``, ``phase1_mix``).
+8-channel chunks) and phase 1's scoring and mixing passes (``phase1_scores``, ``phase1_mix``);
+phase 1's backward passes are in ``mosaic_gpu_bwd1``, which uses this module's helpers.
 """
 
 from __future__ import annotations
@@ -84,15 +85,24 @@ def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dty
             + (2 * m * heads + 1 + m + 2 + m * heads + m) * bt * 4 + 2 * bt * bd * size(out_dtype))
 
 
+# Whether ``phase2_backward_state`` stores its per-head sums through the buffer its per-token
+# coefficients came in (read into registers at the start): 3 KB less per program at `base`, which
+# then fits two programs per SM (read at the call).
+STATE_SUMS_IN_ROWS = True
+
+
 def state_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype,
-                     out_dtype=F32, gate: bool = True, windows: str | None = None) -> int:
-    """Shared memory of one program of ``phase2_backward_state`` (its scratch list)."""
+                     out_dtype=F32, gate: bool = True, windows: str | None = None,
+                     sums_in_rows: bool | None = None) -> int:
+    """Shared memory of one program of ``phase2_backward_state`` (its scratch list;
+    ``sums_in_rows``: None is ``STATE_SUMS_IN_ROWS``)."""
+    sums_in_rows = STATE_SUMS_IN_ROWS if sums_in_rows is None else sums_in_rows
     bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
     n_taps = max(1, sum(stream_kernels))
     return (2 * _window_elems(stream_kernels, windows or default_windows("backward_state"), bd) * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bt * bd * size(acc_dtype)
             + 2 * bt * bd * 4 + (2 * m * m * bd * 4 if gate else 0)
-            + (6 * m * heads + 1 + (4 * m + 3 if gate else 0)) * bt * 4)
+            + ((3 if sums_in_rows else 6) * m * heads + 1 + (4 * m + 3 if gate else 0)) * bt * 4)
 
 
 def choose_block_d(*, d: int, heads: int, stream_kernels: Sequence[int], x_dtype, acc_dtype, out_dtype,
@@ -809,7 +819,8 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     m, bt = len(stream_kernels), BLOCK_T
     gate = gate_params is not None
     sh = _shape("phase2_backward_state", partial, segment_ids, stream_kernels=stream_kernels, heads=heads,
-                block_d=block_d, interpret=interpret, smem=functools.partial(state_smem_bytes, windows=windows),
+                block_d=block_d, interpret=interpret,
+                smem=functools.partial(state_smem_bytes, windows=windows, sums_in_rows=STATE_SUMS_IN_ROWS),
                 x_dtype=partial.dtype, acc_dtype=acc.dtype, out_dtype=F32, gate=gate)
     batch, t_len, d, bd, t_pad, x = sh.batch, sh.t_len, sh.d, sh.block_d, sh.t_pad, sh.x
     front, has_bank, has_seg, mh = sh.front, sh.has_bank, sh.has_seg, m * heads
@@ -833,7 +844,7 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
                                       heads=heads, block_d=bd, gate=gate, has_seg=has_seg, front=front,
                                       gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype),
                                       acc_dtype=jnp.dtype(acc.dtype), expand=expand, windows=windows,
-                                      state_boxes=_state_boxes(),
+                                      state_boxes=_state_boxes(), sums_in_rows=bool(STATE_SUMS_IN_ROWS),
                                       interpret=bool(interpret)))
     d_acc, sums, gate_rows_out = call(*inputs)
     per_head = lambda v: jnp.moveaxis(v.reshape(m, heads, batch, t_pad), 1, -1)[:, :, :t_len]  # noqa: E731
@@ -867,6 +878,7 @@ class _StateConfig(NamedTuple):
     expand: str
     windows: str
     state_boxes: str
+    sums_in_rows: bool
     interpret: bool
 
 
@@ -893,10 +905,10 @@ def _state_kernel(cfg: _StateConfig):
         accs=_tile_smem(plgpu, (2, m, bt, bd), cfg.acc_dtype),  # the state's chunk; d_acc's, stored in place
         dhs=_tile_smem(plgpu, (2, bt, bd), F32),
         ws=plgpu.SMEM((2, m * m, bd), F32) if gate else None,
-        rows_s=plgpu.SMEM((3, mh, bt), F32),  # a, b, dold
+        rows_s=plgpu.SMEM((3 * mh, bt), F32),  # a, b, dold; the sums at the end with ``sums_in_rows``
         scal_s=plgpu.SMEM((1 + m, bt), F32) if gate else None,
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
-        sums_s=plgpu.SMEM((3 * mh, bt), F32),
+        sums_s=None if cfg.sums_in_rows else plgpu.SMEM((3 * mh, bt), F32),
         gate_s=plgpu.SMEM((n_gate_rows, bt), F32) if gate else None,
         bar=plgpu.Barrier(num_arrivals=lags.count + has_bank + _state_copies(m, cfg.state_boxes) + 1 + gate,
                           num_barriers=2),
@@ -918,8 +930,9 @@ def _state_kernel(cfg: _StateConfig):
         bi, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
         rows = pl.ds(t0, bt)
         state_rows = pl.ds(bi * t_pad + t0, bt)  # the tile's rows in the state's [m, B * Tp, d] layout
+        sums_s = rows_s if cfg.sums_in_rows else sums_s  # the rows are in registers before the sums are stored
         for i, ref in enumerate((a_ref, b_ref, dold_ref)):
-            plgpu.copy_gmem_to_smem(ref.at[:, bi, rows], rows_s.at[i], bar_in.at[0])
+            plgpu.copy_gmem_to_smem(ref.at[:, bi, rows], rows_s.at[pl.ds(i * mh, mh)], bar_in.at[0])
         if gate:
             plgpu.copy_gmem_to_smem(consts_ref, scal_s, bar_in.at[0])
         if has_seg:
@@ -936,9 +949,8 @@ def _state_kernel(cfg: _StateConfig):
 
         plgpu.barrier_wait(bar_in.at[0])
         masks = _lag_masks_of(plgpu, bits_s, max_lag, bt, bd)
-        coef_a = [[plgpu.load(rows_s, (0, r * heads + h), layout=row) for h in range(heads)] for r in range(m)]
-        coef_b = [[plgpu.load(rows_s, (1, r * heads + h), layout=row) for h in range(heads)] for r in range(m)]
-        dold = [[plgpu.load(rows_s, (2, r * heads + h), layout=row) for h in range(heads)] for r in range(m)]
+        coef_a, coef_b, dold = ([[plgpu.load(rows_s, i * mh + r * heads + h, layout=row) for h in range(heads)]
+                                 for r in range(m)] for i in range(3))
 
         def expand(slot):
             return _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags, cfg.expand)

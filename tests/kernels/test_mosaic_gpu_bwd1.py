@@ -1,9 +1,10 @@
 """Phase 1's backward passes 2 and 4 in Mosaic GPU (``mosaic_gpu_bwd1.phase1_gdots`` and
-``phase1_dstreams``) against the Pallas passes they replace (``fused_bwd_phase1.gdots_call`` and
-``dstreams_call``, themselves checked against the XLA closed form through the whole backward) on
-random non-zero inputs: interpreted on the CPU, compiled in the GPU-marked test. The model-level
+``phase1_dstreams``) and its transpose (``mosaic_gpu_bwd1.sources_transpose``) against the Pallas
+kernels they replace (``fused_bwd_phase1.gdots_call``, ``dstreams_call`` and
+``conv_transpose.sources_transpose``, themselves checked against the XLA closed form through the
+whole backward) on random non-zero inputs: interpreted on the CPU, compiled in the GPU-marked test. The model-level
 check (phase 1's state and every gradient against the oracle with ``gpu_kernels="mosaic"``, which
-takes both kernels) is ``test_mosaic_gpu_phase1.test_phase1_op_with_mosaic_kernels_matches_reference``."""
+takes all three) is ``test_mosaic_gpu_phase1.test_phase1_op_with_mosaic_kernels_matches_reference``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.depth_attention import _backend, fused, fused_bwd_phase1, mosaic_gpu_bwd1, tiling
+from pallas_kernels.depth_attention import _backend, conv_transpose, fused, fused_bwd_phase1, mosaic_gpu_bwd1, tiling
 from tests.kernels.test_depth_attention_fused import F32_TOL, _check_tree, _phase1_inputs
 from tests.kernels.test_mosaic_gpu_phase1 import _segments
 
@@ -129,6 +130,53 @@ def test_kernels_refuse_bad_inputs():
         mosaic_gpu_bwd1.phase1_gdots(sources[..., :24], banks[..., :24], g_acc[..., :24], seg, valid, **kw)
 
 
+TRANSPOSE_CASES = [
+    # name, n, B, T, d, valid, segment cut: two tiles and a ragged end (rows ahead past T), two
+    # channel chunks, a source ruled out, segments; T under the largest kernel, one chunk
+    ("segments_ruled_out", 3, 2, 100, 16, (True, False, True), 37),
+    ("T_shorter_than_kernel", 2, 1, 7, 8, None, None),
+]
+
+
+def _transpose_inputs(n, batch, t_len, d, valid, cut):
+    ks = jax.random.split(jax.random.key(5), 3)
+    d_streams = jax.random.normal(ks[0], (n, len(KERNELS), batch, t_len, d), jnp.bfloat16)
+    x = jax.random.normal(ks[1], (n, batch, t_len, d), jnp.bfloat16)
+    banks = jax.random.normal(ks[2], (n, sum(KERNELS), d))
+    return d_streams, x, banks, None if cut is None else _segments(batch, t_len, cut), (
+        None if valid is None else jnp.asarray(valid))
+
+
+@pytest.mark.parametrize("case", [TRANSPOSE_CASES[0], pytest.param(TRANSPOSE_CASES[1], marks=pytest.mark.slow)],
+                         ids=[c[0] for c in TRANSPOSE_CASES])
+def test_interpreted_transpose_matches_the_pallas_kernel(case):
+    """``d x`` (zeros for a ruled-out source) and the bank gradient against the Pallas kernel."""
+    _, n, batch, t_len, d, valid, cut = case
+    args = _transpose_inputs(n, batch, t_len, d, valid, cut)
+    got = mosaic_gpu_bwd1.sources_transpose(*args, stream_kernels=KERNELS, out_dtype=jnp.float32, interpret=True)
+    tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=max(KERNELS), n_targets=1, backend="tpu",
+                                n_streams=len(KERNELS)).with_min_block_t(16)
+    want = conv_transpose.sources_transpose(*args, stream_kernels=KERNELS, tiles=tiles, backend="interpret",
+                                            interpret=True, out_dtype=jnp.float32)
+    _check_tree(got, want, F32_TOL)
+    if valid is not None:
+        live = np.asarray(valid)
+        assert not np.any(np.asarray(got[0][~live])) and not np.any(np.asarray(got[1][~live]))
+
+
+def test_transpose_refuses_bad_inputs():
+    d_streams, x, banks, seg, valid = _transpose_inputs(2, 1, 8, 8, None, None)
+    kw = dict(stream_kernels=KERNELS, interpret=True)
+    with pytest.raises(ValueError, match="do not match 4 streams"):
+        mosaic_gpu_bwd1.sources_transpose(d_streams[:, :3], x, banks, seg, valid, **kw)
+    with pytest.raises(ValueError, match=r"banks \(2, 23, 8\): want \(2, 24, 8\)"):
+        mosaic_gpu_bwd1.sources_transpose(d_streams, x, banks[:, 1:], seg, valid, **kw)
+    with pytest.raises(NotImplementedError, match="multiple of 8"):
+        mosaic_gpu_bwd1.sources_transpose(d_streams[..., :4], x[..., :4], banks[..., :4], seg, valid, **kw)
+    with pytest.raises(NotImplementedError, match="kernels up to 17 taps"):
+        mosaic_gpu_bwd1.check_transpose_shape(d=8, stream_kernels=(0, 20))
+
+
 @pytest.mark.parametrize("choice, auto_bwd, interpret, want", [
     ("auto", True, False, True),
     ("auto", False, False, False),  # AUTO_PHASE1_BWD off: Triton's passes
@@ -140,17 +188,21 @@ def test_which_choice_takes_the_kernels(monkeypatch, choice, auto_bwd, interpret
     """``_backend._mosaic_phase1`` for both kernels at `base`'s shape (float32 and bf16 state);
     ``"mosaic"`` is an error for a shape they do not take."""
     monkeypatch.setattr(_backend, "AUTO_PHASE1_BWD", auto_bwd)
+    monkeypatch.setattr(_backend, "AUTO_TRANSPOSE", auto_bwd)
     static = types.SimpleNamespace(stream_kernels=KERNELS, heads=1)
     src = jax.ShapeDtypeStruct((7, 64, 1024, 1024), jnp.bfloat16)
-    for kernel in mosaic_gpu_bwd1.MODES:
+    for kernel in (*mosaic_gpu_bwd1.MODES, "transpose"):
         for state_dtype in (jnp.float32, jnp.bfloat16):
             assert _backend._mosaic_phase1(choice, "triton", static, src, 8, interpret, kernel=kernel,
                                            state_dtype=state_dtype) is want
         assert not _backend._mosaic_phase1(choice, "tpu", static, src, 8, interpret, kernel=kernel)
         if choice == "mosaic":
-            odd = jax.ShapeDtypeStruct((7, 64, 1024, 1000), jnp.bfloat16)
-            with pytest.raises(ValueError, match="phase-1 backward's .* pass does not take"):
+            odd = jax.ShapeDtypeStruct((7, 64, 1024, 1004), jnp.bfloat16)
+            with pytest.raises(ValueError, match="does not take|must be a multiple of 8"):
                 _backend._mosaic_phase1("mosaic", "triton", static, odd, 8, False, kernel=kernel)
+    # no conv: the transpose is a sum over the streams, no kernel (also under "mosaic")
+    no_conv = types.SimpleNamespace(stream_kernels=(0, 0), heads=1)
+    assert not _backend._mosaic_phase1(choice, "triton", no_conv, src, 8, interpret, kernel="transpose")
 
 
 @pytest.mark.parametrize("mode", mosaic_gpu_bwd1.MODES)
@@ -172,10 +224,20 @@ def test_kernels_lower_for_sm90(mode, t_len, segments, group_slots):
     assert text.count("custom_call @mosaic_gpu_v2") == 1
 
 
+@pytest.mark.parametrize("t_len, segments", [pytest.param(64, False, marks=pytest.mark.slow), (200, True)])
+def test_transpose_lowers_for_sm90(t_len, segments):
+    """The compiled transpose lowers for the H200 (one and several tiles: its x window starts 16
+    rows before token 0, its cotangents' window reaches 16 rows past the tile)."""
+    inputs = _transpose_inputs(3, 2, t_len, 64, (True, True, False), 30 if segments else None)
+    text = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS)).trace(
+        *inputs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu_v2") == 1
+
+
 @pytest.mark.gpu
 def test_gpu_kernels_match_the_triton_passes():
     """On a GPU: the compiled kernels against the compiled Triton passes (bf16 sources, a source
-    ruled out, segments, two heads, ragged T, g_A per target)."""
+    ruled out, segments, two heads, ragged T, g_A per target), and the transpose against Triton's."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     heads = 2
@@ -185,3 +247,13 @@ def test_gpu_kernels_match_the_triton_passes():
     live = _live(args[-1], 4)
     _check_tree(got[0], want[0], 1e-5)
     _check_tree(got[1][live], want[1][live], 1e-5)
+    # the transpose (bf16 cotangents and sources, float32 outputs)
+    t_args = _transpose_inputs(4, 3, 300, 256, (True, True, False, True), 77)
+    got = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS,
+                                                               out_dtype=jnp.float32))(*t_args)
+    tiles = tiling.choose_tiles(d=256, heads=1, max_kernel=max(KERNELS), n_targets=1, backend="triton",
+                                n_streams=len(KERNELS))
+    want = jax.jit(lambda *a: conv_transpose.sources_transpose(*a, stream_kernels=KERNELS, tiles=tiles,
+                                                               backend="triton", interpret=False,
+                                                               out_dtype=jnp.float32))(*t_args)
+    _check_tree(got, want, 1e-5)

@@ -2,7 +2,7 @@
 (``fused.scores_call``, interpreted), its mixing pass (``mosaic_gpu.phase1_mix``) against the
 direct sum of Eq. 11 over the reference's streams, and, through the op with
 ``gpu_kernels="mosaic"`` (its forward scores and mixes, its Pallas backward scores and runs
-passes 2 and 4 in ``mosaic_gpu_bwd1``), phase 1's
+passes 2 and 4 and the transpose in ``mosaic_gpu_bwd1``), phase 1's
 forward and gradients against the oracle (``"auto"`` takes both on a GPU for several streams,
 the mixing pass for a float32 state). On the CPU the kernel runs in
 Pallas' Mosaic GPU interpret mode; the GPU-marked test
@@ -150,11 +150,11 @@ def _op_and_oracle(gpu_kernels, *, n=3, batch=2, t_len=70, d=64, n_targets=2, he
 
 def test_phase1_op_with_mosaic_kernels_matches_reference(monkeypatch):
     """``gpu_kernels="mosaic"``: phase 1's forward scores and mixes with the Mosaic GPU kernels
-    and its Pallas backward scores and runs passes 2 and 4 with the Mosaic ones (interpreted
-    here); state and every gradient (sources, banks, queries) match."""
-    calls = {"phase1_scores": 0, "phase1_mix": 0, "phase1_gdots": 0, "phase1_dstreams": 0}
+    and its Pallas backward scores and runs passes 2 and 4 and the transpose with the Mosaic ones
+    (interpreted here); state and every gradient (sources, banks, queries) match."""
+    calls = {"phase1_scores": 0, "phase1_mix": 0, "phase1_gdots": 0, "phase1_dstreams": 0, "sources_transpose": 0}
     for name in calls:
-        module = mosaic_gpu_bwd1 if name in ("phase1_gdots", "phase1_dstreams") else mosaic_gpu
+        module = mosaic_gpu_bwd1 if name in ("phase1_gdots", "phase1_dstreams", "sources_transpose") else mosaic_gpu
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.__setitem__(
             _name, calls[_name] + 1) or _real(*a, **k))
@@ -163,8 +163,8 @@ def test_phase1_op_with_mosaic_kernels_matches_reference(monkeypatch):
     _check_tree(got_grads, want_grads, F32_TOL)
     assert calls["phase1_scores"] >= 2, "the forward and the backward should both take the Mosaic GPU scoring pass"
     assert calls["phase1_mix"] >= 1, "the forward should take the Mosaic GPU mixing pass"
-    assert calls["phase1_gdots"] >= 1 and calls["phase1_dstreams"] >= 1, \
-        "the Pallas backward should take the Mosaic GPU passes 2 and 4 (mosaic_gpu_bwd1)"
+    assert calls["phase1_gdots"] >= 1 and calls["phase1_dstreams"] >= 1 and calls["sources_transpose"] >= 1, \
+        "the Pallas backward should take the Mosaic GPU passes 2 and 4 and the transpose (mosaic_gpu_bwd1)"
 
 
 @pytest.mark.parametrize("choice, kernels, interpret, want", [

@@ -103,7 +103,7 @@ def test_phase1_mosaic_gpu_scores_lower(h200, gpu_kernels, mosaic, mosaic_mix, m
     """Phase 1 with the Pallas backward for an H200: ``"auto"`` and ``"mosaic"`` take the Mosaic
     GPU scoring pass in the forward and in the backward (the segment bits, a source ruled out,
     two heads), its mixing pass in the forward (a float32 state) and the backward's passes 2
-    and 4 (``mosaic_gpu_bwd1``); ``"triton"`` keeps Triton's."""
+    and 4 and its transpose (``mosaic_gpu_bwd1``); ``"triton"`` keeps Triton's."""
     kernels, n, batch, t_len, d, n_targets, m = (0, 4, 8, 12), 3, 2, 100, 64, 2, 4
     keys = jax.random.split(jax.random.key(0), 3)
     sources = jax.random.normal(keys[0], (n, batch, t_len, d), jnp.bfloat16)
@@ -120,11 +120,12 @@ def test_phase1_mosaic_gpu_scores_lower(h200, gpu_kernels, mosaic, mosaic_mix, m
     text = _lower(jax.value_and_grad(loss, argnums=(0, 1, 2)), sources, banks,
                   jax.random.normal(keys[2], (n_targets, m, d)))
     # the forward's and the backward's scoring calls share one jitted kernel: one function, two calls
-    assert text.count(MOSAIC_GPU_CALL) == mosaic + mosaic_mix + 2 * mosaic_bwd
-    assert len(re.findall(r"call @run", text)) == 2 * mosaic + mosaic_mix + 2 * mosaic_bwd
+    assert text.count(MOSAIC_GPU_CALL) == mosaic + mosaic_mix + 3 * mosaic_bwd
+    assert len(re.findall(r"call @run", text)) == 2 * mosaic + mosaic_mix + 3 * mosaic_bwd
     assert ('name = "depth_attention_scores"' in text) is not mosaic  # Triton's scoring kernel
     assert ('name = "depth_attention_mix_acc"' in text) is not mosaic_mix  # Triton's mixing kernel
-    for name in ("depth_attention_bwd1_gdots", "depth_attention_bwd1_dstreams"):  # Triton's passes 2 and 4
+    # Triton's passes 2 and 4 and its transpose
+    for name in ("depth_attention_bwd1_gdots", "depth_attention_bwd1_dstreams", "depth_attention_expansion_transpose"):
         assert (f'name = "{name}"' in text) is not mosaic_bwd
 
 
@@ -304,7 +305,8 @@ def test_phase2_wide_form_lowers(h200):
 @pytest.mark.parametrize("one_window", ["single", "padded"])
 def test_single_windows_lower_in_lane_semantics(h200, monkeypatch, one_window):
     """``windows="single"`` (one lag window per chunk, loads at any row offset) lowers each of
-    the six Mosaic GPU kernels that take a placement in Lane semantics, whose shared-memory refs carry no inferred
+    the six Mosaic GPU kernels that take a placement (and phase 1's transpose, which takes none) in
+    Lane semantics, whose shared-memory refs carry no inferred
     swizzle (BENCHMARKS.md, kernels, session 20), with every explicit load unoptimized; the
     other placements keep the default Warpgroup semantics."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -351,17 +353,18 @@ def test_single_windows_lower_in_lane_semantics(h200, monkeypatch, one_window):
 
     def lower_all():
         for cached in (mosaic_gpu._kernel, mosaic_gpu._state_kernel, mosaic_gpu._scores_kernel, mosaic_gpu._mix_kernel,
-                       mosaic_gpu_bwd1._kernel):
-            cached.cache_clear()  # each kernel built anew, so that the spies see all six
+                       mosaic_gpu_bwd1._kernel, mosaic_gpu_bwd1._transpose_kernel):
+            cached.cache_clear()  # each kernel built anew, so that the spies see all seven
         semantics.clear(), loads.clear()
         text = _lower(jax.grad(loss2, argnums=(0, 1, 2, 3, 4)), state, partial, banks[0], jnp.ones((m, d)), gate)
         text += _lower(jax.value_and_grad(loss1, argnums=(0, 1, 2)), sources, banks, jnp.ones((2, m, d)))
-        # phase 2's two kernels, phase 1's scoring and mixing passes, its backward's passes 2 and 4
-        assert text.count(MOSAIC_GPU_CALL) == 6
+        # phase 2's two kernels, phase 1's scoring and mixing passes, its backward's passes 2 and 4,
+        # its transpose (always Lane semantics, no placement)
+        assert text.count(MOSAIC_GPU_CALL) == 7
 
     monkeypatch.setattr(mosaic_gpu, "DEFAULT_WINDOWS", one_window)
     lower_all()
-    assert semantics == [plgpu.LoweringSemantics.Lane] * 6, semantics
+    assert semantics == [plgpu.LoweringSemantics.Lane] * 7, semantics
     assert loads and not any(loads)
     # with no override each kernel takes its own placement (built in this order: phase 2's forward
     # and backward kernels, phase 1's scoring and mixing passes, its backward's passes 2 and 4)
@@ -369,7 +372,8 @@ def test_single_windows_lower_in_lane_semantics(h200, monkeypatch, one_window):
     lower_all()
     lane = dict.fromkeys(mosaic_gpu.ONE_WINDOW, plgpu.LoweringSemantics.Lane)
     assert semantics == [lane.get(mosaic_gpu.KERNEL_WINDOWS[k])
-                         for k in ("forward", "backward_state", "scores", "mix", "gdots", "dstreams")]
+                         for k in ("forward", "backward_state", "scores", "mix", "gdots", "dstreams")] + [
+                             plgpu.LoweringSemantics.Lane]
     assert set(mosaic_gpu.KERNEL_WINDOWS.values()) <= set(mosaic_gpu.WINDOWS)
     # the other placements (lowered by the tests above) take the module itself: Warpgroup semantics
     assert all(mosaic_gpu._plgpu_for(w, False) is plgpu for w in ("aligned", "per_lag"))
