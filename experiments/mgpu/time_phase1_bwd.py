@@ -47,8 +47,9 @@ def _timed(label, fn, args, want, floor_ms, rows=None):
             want, err = got, 0.0
         else:
             g, w = (got, want) if rows is None else (got[rows], want[rows])
-            err = float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))
-                        / jnp.max(jnp.abs(w.astype(jnp.float32))))
+            err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+                            / jnp.max(jnp.abs(b.astype(jnp.float32))))
+                      for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)))
         del got
         ms = bench.timeit(f, *args, reps=21, inner=3)[0] * 1e3
         print(f"{label:50s} {ms:8.3f} ms  {floor_ms / ms:6.1%} of floor  rel err vs triton {err:.1e}", flush=True)

@@ -87,8 +87,10 @@ def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dty
 
 # Whether ``phase2_backward_state`` stores its per-head sums through the buffer its per-token
 # coefficients came in (read into registers at the start): 3 KB less per program at `base`, which
-# then fits two programs per SM (read at the call).
-STATE_SUMS_IN_ROWS = True
+# then fits two programs per SM. Measured (session 22, call 5: the whole Pallas backward of phase 2)
+# 3.352 against 3.231 ms at `base` (slower), 1.557 against 1.676 at the shape, so off
+# (read at the call; ``time_phase2.py --backward --state-rows`` times both).
+STATE_SUMS_IN_ROWS = False
 
 
 def state_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype,

@@ -318,3 +318,31 @@ def test_gate_statistics_summed_in_the_scoring_pass(case):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(own))  # pass A's own sums are unchanged
     with pytest.raises(ValueError, match="gate_stats='both'"):
         run("both")
+
+
+@pytest.mark.slow
+def test_state_sums_through_the_rows_buffer_agree(monkeypatch):
+    """``STATE_SUMS_IN_ROWS``: the backward's state kernel stores its per-head sums through the
+    buffer its per-token coefficients came in, or through their own: the same values to the last
+    bit (interpreted; segments, a ragged second tile, two heads), and 3 * m * heads rows of 64
+    floats less shared memory."""
+    kernels, batch, t_len, d, heads = (0, 4, 8, 12), 2, 100, 64, 2
+    seg = _segments(batch, t_len, 37)
+    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
+    m = len(kernels)
+    coef = [jax.random.uniform(jax.random.key(k), (m, batch, t_len, heads), minval=0.1) for k in range(3)]
+    dh = _rnd(5, (batch, t_len, d))
+
+    def run(flag):
+        monkeypatch.setattr(mosaic_gpu, "STATE_SUMS_IN_ROWS", flag)
+        return jax.tree.leaves(mosaic_gpu.phase2_backward_state(partial, bank, *coef, state.acc, dh, gate, seg,
+                                                                stream_kernels=kernels, heads=heads, gate_eps=1e-6,
+                                                                interpret=True))
+
+    got, want = run(True), run(False)
+    assert len(got) == len(want) and all(np.any(np.asarray(w)) for w in want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    smem = {flag: mosaic_gpu.state_smem_bytes(block_d=32, stream_kernels=kernels, heads=heads, x_dtype=jnp.bfloat16,
+                                              acc_dtype=jnp.float32, sums_in_rows=flag) for flag in (True, False)}
+    assert smem[False] - smem[True] == 3 * m * heads * 64 * 4
