@@ -375,6 +375,32 @@ def _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags: _Lags, expand=
     return es
 
 
+def _expand_item(plgpu, lags: "_Lags", xs, taps_s, slot, kernel: int, masks, bt, bd):
+    """``E_r`` (Eq. 10) of one pipeline item: a stream of ``kernel`` taps from the lag windows in
+    ``xs[slot]`` and its taps in ``taps_s[slot]`` (``[kernel, bd]``; None: the taps are zero);
+    ``_expand_all``'s sums for one stream, in the same order."""
+    if kernel == 0:
+        return lags.load(plgpu, xs, slot, 0).astype(F32)
+    col = plgpu.Layout.WGMMA.reduce(0)
+    e = None
+    for delta in range(kernel):
+        xl = lags.load(plgpu, xs, slot, delta).astype(F32)
+        if masks[delta] is not None:
+            xl = xl * masks[delta]
+        tap = _cols(plgpu.load(taps_s, (slot, delta), layout=col), bt, bd) if taps_s is not None else 0.0
+        term = tap * xl
+        e = term if e is None else e + term
+    return e
+
+
+def _valid_first(valid, n: int):
+    """The valid sources first (their order kept), then their count, as ``[n + 1, 64]`` int32
+    rows (one TMA copy): a kernel loops over the valid ones only."""
+    live = jnp.ones((n,), jnp.int32) if valid is None else jnp.asarray(valid, jnp.int32).reshape(n)
+    order = jnp.argsort(1 - live, stable=True).astype(jnp.int32)
+    return jnp.broadcast_to(jnp.concatenate([order, jnp.sum(live, keepdims=True)])[:, None], (n + 1, 64))
+
+
 class _Shape(NamedTuple):
     """What both kernels' wrappers derive from their inputs (``_shape``)."""
 
@@ -1268,10 +1294,7 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, choices=MIX_BLOCK_D_CHOICES,
                 x_dtype=sources.dtype, acc_dtype=F32, out_dtype=out_dtype)
     has_bank = sh.has_bank and banks is not None
-    # the valid sources first (their order kept), then their count: the kernel loops over those only
-    live = jnp.ones((n,), jnp.int32) if valid is None else jnp.asarray(valid, jnp.int32).reshape(n)
-    order = jnp.argsort(1 - live, stable=True).astype(jnp.int32)
-    meta = jnp.broadcast_to(jnp.concatenate([order, jnp.sum(live, keepdims=True)])[:, None], (n + 1, 64))
+    meta = _valid_first(valid, n)  # the kernel loops over the valid sources only
     # [S, n, m, B, T', H] -> [n, m, S H, B, Tp]: one TMA copy per (source, stream) brings a tile's p rows
     p_rows = _pad_t(jnp.asarray(p, F32)[:, :, :, :, :t_len], 4, sh.t_pad)
     p_rows = p_rows.transpose(1, 2, 0, 5, 3, 4).reshape(n, m, n_targets * heads, batch, sh.t_pad)
@@ -1379,19 +1402,7 @@ def _mix_kernel(cfg: _MixConfig):
                     pl.when(r == rr)(functools.partial(fetch_stream, rr, c, i, slot))
 
         def expand(r, slot):
-            """``E_r`` of the item in ``slot`` (Eq. 10; ``_expand_all``'s sums for one stream)."""
-            kernel = stream_kernels[r]
-            if kernel == 0:
-                return lags.load(plgpu, xs, slot, 0).astype(F32)
-            e = None
-            for delta in range(kernel):
-                xl = lags.load(plgpu, xs, slot, delta).astype(F32)
-                if masks[delta] is not None:
-                    xl = xl * masks[delta]
-                tap = _cols(plgpu.load(bss[r], (slot, delta), layout=col), bt, bd) if taps[r] else 0.0
-                term = tap * xl
-                e = term if e is None else e + term
-            return e
+            return _expand_item(plgpu, lags, xs, bss[r] if taps[r] else None, slot, stream_kernels[r], masks, bt, bd)
 
         for k in range(n_slots):
             fetch(k)

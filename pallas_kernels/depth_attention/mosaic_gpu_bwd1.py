@@ -37,8 +37,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu import (
-    BLOCK_T, F32, MAX_LAG_BITS, _cols, _jitted_kernel, _Lags, _lag_masks_of, _LanePlgpu, _pad_rows4, _plgpu_for,
-    _rows, _rows4, _shape, _tile_smem, _window_elems, default_windows, lag_bits,
+    BLOCK_T, F32, MAX_LAG_BITS, _cols, _expand_item, _jitted_kernel, _Lags, _lag_masks_of, _LanePlgpu, _pad_rows4,
+    _plgpu_for, _rows, _rows4, _shape, _tile_smem, _valid_first, _window_elems, default_windows, lag_bits,
 )
 
 MODES = ("gdots", "dstreams")
@@ -70,14 +70,6 @@ def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dty
     if mode == "gdots":
         return total + n_sources * n_targets * bt * 4
     return total + n_groups * n_targets * bd * 4 + n_slots * (2 * n_targets + 1) * bt * 4 + 2 * bt * bd * size(out_dtype)
-
-
-def _meta(valid, n: int):
-    """The valid sources first (their order kept), then their count, as ``[n + 1, 64]`` int32
-    rows (one TMA copy): the kernels loop over the valid ones only."""
-    live = jnp.ones((n,), jnp.int32) if valid is None else jnp.asarray(valid, jnp.int32).reshape(n)
-    order = jnp.argsort(1 - live, stable=True).astype(jnp.int32)
-    return jnp.broadcast_to(jnp.concatenate([order, jnp.sum(live, keepdims=True)])[:, None], (n + 1, 64))
 
 
 def _acc_rows(g_acc, t_len: int, t_pad: int):
@@ -163,7 +155,7 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
                 x_dtype=sources.dtype, acc_dtype=acc_dtype, out_dtype=out_dtype)
     has_bank = sh.has_bank and banks is not None
     t_pad = sh.t_pad
-    inputs = [sh.x, jnp.asarray(banks, F32) if has_bank else jnp.zeros((n, 1, d), F32), _meta(valid, n),
+    inputs = [sh.x, jnp.asarray(banks, F32) if has_bank else jnp.zeros((n, 1, d), F32), _valid_first(valid, n),
               *_acc_rows(g_acc, t_len, t_pad)]
     if mode == "dstreams":
         # per (source, stream, head): the rows [P_s (S) | DSR_s (S) | W], one TMA copy per item
@@ -310,19 +302,7 @@ def _kernel(cfg: _Config):
                     pl.when(r == rr)(functools.partial(fetch_item, rr, head, c, i, slot))
 
         def expand(r, slot):
-            """``E_r`` of the item in ``slot`` (Eq. 10)."""
-            kernel = stream_kernels[r]
-            if kernel == 0:
-                return lags.load(plgpu, xs, slot, 0).astype(F32)
-            e = None
-            for delta in range(kernel):
-                xl = lags.load(plgpu, xs, slot, delta).astype(F32)
-                if masks[delta] is not None:
-                    xl = xl * masks[delta]
-                tap = _cols(plgpu.load(bss[r], (slot, delta), layout=col), bt, bd) if taps[r] else 0.0
-                term = tap * xl
-                e = term if e is None else e + term
-            return e
+            return _expand_item(plgpu, lags, xs, bss[r] if taps[r] else None, slot, stream_kernels[r], masks, bt, bd)
 
         for k in range(n_slots):
             fetch(k)
@@ -461,7 +441,7 @@ def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels
     front, back = (ahead, ahead) if interpret else (0, 0)
     de = jnp.pad(d_streams, ((0, 0),) * 3 + ((0, t_pad - t_len + back), (0, 0))).reshape(n * m, batch, -1, d)
     xp = jnp.pad(x, ((0, 0), (0, 0), (front, t_pad - t_len), (0, 0))).reshape(n * batch, -1, d)
-    inputs = [de, xp, _pad_rows4(jnp.asarray(banks, F32).transpose(1, 0, 2).reshape(n_taps, n * d)), _meta(valid, n)]
+    inputs = [de, xp, _pad_rows4(jnp.asarray(banks, F32).transpose(1, 0, 2).reshape(n_taps, n * d)), _valid_first(valid, n)]
     if has_seg:  # each tile's window: its rows and the next tile's first ones (zeros past the end)
         bits = _pad_t(lag_bits(segment_ids, t_len, max_lag), 1, t_pad)
         inputs.append(jnp.pad(bits, ((0, 0), (0, _BITS_ROWS - bt))))

@@ -265,16 +265,19 @@ def test_window_placements_agree_in_every_kernel():
         runs["scores"]("tall")
 
 
+def _state_kernel_inputs():
+    """Inputs of phase 2's kernels for the option checks: segments, a ragged second tile, two heads."""
+    kernels, batch, t_len, d, heads = (0, 4, 8, 12), 2, 100, 64, 2
+    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
+    coef = [jax.random.uniform(jax.random.key(k), (len(kernels), batch, t_len, heads), minval=0.1) for k in range(3)]
+    return kernels, heads, _segments(batch, t_len, 37), state, partial, bank, query, gate, coef, _rnd(5, (batch, t_len, d))
+
+
 def test_state_boxes_agree(monkeypatch):
     """Phase 2's kernels move the state's chunk (and ``d_acc``'s) as one 3D TMA box
     (``STATE_BOXES = "one"``, the default) or one copy per stream: the same values to the last
     bit (interpreted; segments, a ragged second tile, two heads); an unknown choice is refused."""
-    kernels, batch, t_len, d, heads = (0, 4, 8, 12), 2, 100, 64, 2
-    seg = _segments(batch, t_len, 37)
-    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
-    m = len(kernels)
-    coef = [jax.random.uniform(jax.random.key(k), (m, batch, t_len, heads), minval=0.1) for k in range(3)]
-    dh = _rnd(5, (batch, t_len, d))
+    kernels, heads, seg, state, partial, bank, query, gate, coef, dh = _state_kernel_inputs()
 
     def run(boxes):
         monkeypatch.setattr(mosaic_gpu, "DEFAULT_STATE_BOXES", boxes)
@@ -326,12 +329,8 @@ def test_state_sums_through_the_rows_buffer_agree(monkeypatch):
     buffer its per-token coefficients came in, or through their own: the same values to the last
     bit (interpreted; segments, a ragged second tile, two heads), and 3 * m * heads rows of 64
     floats less shared memory."""
-    kernels, batch, t_len, d, heads = (0, 4, 8, 12), 2, 100, 64, 2
-    seg = _segments(batch, t_len, 37)
-    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
+    kernels, heads, seg, state, partial, bank, query, gate, coef, dh = _state_kernel_inputs()
     m = len(kernels)
-    coef = [jax.random.uniform(jax.random.key(k), (m, batch, t_len, heads), minval=0.1) for k in range(3)]
-    dh = _rnd(5, (batch, t_len, d))
 
     def run(flag):
         monkeypatch.setattr(mosaic_gpu, "STATE_SUMS_IN_ROWS", flag)
