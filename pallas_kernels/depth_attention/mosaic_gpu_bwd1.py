@@ -515,6 +515,7 @@ def _transpose_kernel(cfg: _TransposeConfig):
         plgpu.barrier_wait(bar_in.at[0])
         n_live = meta_s[n, 0]
         total = n_live * n_tiles
+        front = ahead if cfg.interpret else 0  # the rows the interpreted x carries before token 0
 
         def fetch(f):
             """Item ``f`` (valid source ``f // n_tiles``, tile ``f % n_tiles``), if there is one."""
@@ -524,13 +525,11 @@ def _transpose_kernel(cfg: _TransposeConfig):
                 t0 = k * bt + b * 0  # traced: the x window starts before row 0 (TMA fills zeros)
                 plgpu.copy_gmem_to_smem(de_ref.at[pl.ds(i * m, m), b, pl.ds(t0, rows_in), cs], des.at[slot],
                                         bar.at[slot])
-                plgpu.copy_gmem_to_smem(x_ref.at[i * batch + b, pl.ds(t0 + cfg_front - ahead, rows_in), cs],
+                plgpu.copy_gmem_to_smem(x_ref.at[i * batch + b, pl.ds(t0 + front - ahead, rows_in), cs],
                                         xs.at[slot], bar.at[slot])
                 plgpu.copy_gmem_to_smem(bank_ref.at[:, pl.ds(i * d + c * bd, bd)], taps.at[slot], bar.at[slot])
                 if has_seg:
                     plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t0, _BITS_ROWS)], bits_s.at[slot], bar.at[slot])
-
-        cfg_front = ahead if cfg.interpret else 0
 
         def tile_step(f, dbank):
             """Tile ``f % n_tiles`` of valid source ``f // n_tiles``: ``d x`` stored, the bank sums carried."""
@@ -586,18 +585,20 @@ def _transpose_kernel(cfg: _TransposeConfig):
         fetch(1)
         lax.fori_loop(0, n_live, source_body, 0)
 
-        def zero_source(j, carry):  # a ruled-out source: zeros for d x and the bank partial
-            i = meta_s[j, 0]
-            for k in range(n_tiles):
-                plgpu.copy_smem_to_gmem(zero_s, dx_ref.at[i, b, pl.ds(k * bt, bt), cs])
-            plgpu.copy_smem_to_gmem(zero_taps_s, dbank_ref.at[i, b, :, cs])
-            return carry
-
-        zero_taps_s = sums_s.at[0]
+        # the ruled-out sources: zeros for d x and the bank partial (sums_s[0] zeroed once its
+        # last store has read it)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         for t in range(cfg.n_tap_rows):
             sums_s[0, t] = plgpu.layout_cast(jnp.zeros((bd,), F32), col)
         plgpu.commit_smem()
+
+        def zero_source(j, carry):
+            i = meta_s[j, 0]
+            for k in range(n_tiles):
+                plgpu.copy_smem_to_gmem(zero_s, dx_ref.at[i, b, pl.ds(k * bt, bt), cs])
+            plgpu.copy_smem_to_gmem(sums_s.at[0], dbank_ref.at[i, b, :, cs])
+            return carry
+
         lax.fori_loop(n_live, n, zero_source, 0)
         plgpu.wait_smem_to_gmem(0)
 
