@@ -21,10 +21,9 @@ AUTO_INPUTS = True
 # (session 22, calls 2-3)
 AUTO_PHASE1_BWD = True
 # whether "auto" takes the wide form's transpose in Mosaic GPU (``mosaic_gpu_bwd1.sources_transpose``):
-# 2.98 against Triton's 5.87 ms per call in the `base` step (session 22, call 5), exact in interpret
-# mode, but not yet run against Triton's on the GPU (its GPU-marked test; the session's device time
-# ran out), so "auto" keeps Triton's until it has; "mosaic" takes it
-AUTO_TRANSPOSE = False
+# 3.20 against Triton's 6.30 ms per call at `base`, 2.98 in the step, which went 1415.3 -> 1384.9 ms; its
+# GPU test against Triton's passed (session 22, call 5; session 23, call 1)
+AUTO_TRANSPOSE = True
 
 
 def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype, interpret: bool,
