@@ -147,8 +147,9 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
                      for flag in (False, True)]
             sums_in_rows = {label: label.endswith("True") for label, *_ in forms}
             inputs_kernel = {label: 2 for label, *_ in forms}
+        rows_default = mosaic_gpu.STATE_SUMS_IN_ROWS
         for label, mosaic_state, expand, windows, boxes in forms:
-            mosaic_gpu.STATE_SUMS_IN_ROWS = sums_in_rows.get(label, True)
+            mosaic_gpu.STATE_SUMS_IN_ROWS = sums_in_rows.get(label, rows_default)
             set_lane_tile_swizzle(windows != PLAIN)
             windows = "single" if windows == PLAIN else windows
             # read when the kernel is traced (below)
@@ -166,7 +167,7 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             ms = float("nan") if interpret else bench.timeit(f, *args, reps=reps, inner=2)[0] * 1e3
             print(f"## {name} backward, {label}: {ms:.3f} ms per call", flush=True)
         mosaic_gpu.DEFAULT_EXPAND, mosaic_gpu.DEFAULT_WINDOWS, mosaic_gpu.DEFAULT_STATE_BOXES = "shared", None, "one"
-        mosaic_gpu.BLOCK_D_CHOICES, mosaic_gpu.STATE_SUMS_IN_ROWS, mosaic_gpu.INPUTS_WARPGROUPS = (32,), True, 2
+        mosaic_gpu.BLOCK_D_CHOICES, mosaic_gpu.STATE_SUMS_IN_ROWS, mosaic_gpu.INPUTS_WARPGROUPS = (32,), rows_default, 2
         first, *others = grads.items()
         for label, other in others:
             a, b = jax.tree.leaves(first[1]), jax.tree.leaves(other)
