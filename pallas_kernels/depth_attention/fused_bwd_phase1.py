@@ -282,20 +282,20 @@ def dstreams_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, h
     )(*args)
 
 
-def _bf16_parts(a: jax.Array, n_parts: int = 3) -> jax.Array:
+def _bf16_parts(a: jax.Array, n_parts: int = 3, axis: int = 0) -> jax.Array:
     """``a`` (float32) as ``n_parts`` bfloat16 terms whose float32 sum is ``a``: each term is
     the next 8 significant bits of what the earlier ones left, cut by masking the low 16 bits
     of the float32 pattern (so three terms hold all 24 bits of float32's significand and the
     split is exact). A round trip through bfloat16 (``astype``) would not do: XLA may drop a
     float32 -> bfloat16 -> float32 pair as excess precision (on the H200 it did, leaving one
-    term of 8 bits). Stacked on a new leading axis."""
+    term of 8 bits). Stacked on a new axis ``axis``."""
     parts, rest = [], a.astype(F32)
     for _ in range(n_parts):
         high = jax.lax.bitcast_convert_type(
             jax.lax.bitcast_convert_type(rest, jnp.uint32) & jnp.uint32(0xFFFF0000), F32)
         parts.append(high.astype(jnp.bfloat16))  # exact: the low 16 bits are zero
         rest = rest - high  # exact: the bits below the cut
-    return jnp.stack(parts)
+    return jnp.stack(parts, axis=axis)
 
 
 def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads):
@@ -304,7 +304,7 @@ def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads):
     ``sum_t DSR[t] E[t] = sum_delta c[delta] sum_u DSR[u + delta] mask_delta[u + delta] x[u]``.
     ``x[n, B, Tp, d]``, ``dsr[S, n, m, B, Tp, H]`` -> ``[S, m, d]`` float32 (exact float32 products).
 
-    Every stream's lag-shifted ``DSR`` rows go into one ``[K, S, n, B Tp, H]`` operand (``K =
+    Every stream's lag-shifted ``DSR`` rows go into one ``[n, K, S, B Tp, H]`` operand (``K =
     sum(max(kernel, 1))``, 25 for kernels (0, 4, 8, 12)), so ``x`` is read once per block, not
     once per stream. A bfloat16 ``x`` (the model's sources) stays in its dtype: it is exact in
     bfloat16, so the operand is split into three bfloat16 terms (``_bf16_parts``) and the product
@@ -317,17 +317,20 @@ def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads):
     masks = reference._lag_masks(seg, t_pad, max([1, *stream_kernels]), batch)  # [delta, B, Tp]
     ok = reference._source_valid(n, valid)
     x = jnp.where(ok[:, None, None, None], x, jnp.zeros((), x.dtype)).reshape(n, batch * t_pad, heads, dh)
+    # the sources' axis leads the operand, as the product's batch axis: the matrix-product call
+    # then takes it as built, with no transpose of its 25 x 3 lagged copies (session 23)
+    dsr = jnp.moveaxis(dsr, 1, 0)  # [n, S, m, B, Tp, H]
     lagged = []
     for r, kernel in enumerate(stream_kernels):
-        a = dsr[:, :, r]  # [S, n, B, Tp, H]
+        a = dsr[:, :, r]  # [n, S, B, Tp, H]
         lagged.append(a)
         lagged += [reference._unshift(a * masks[delta][:, :, None], delta) for delta in range(1, kernel)]
-    lagged = jnp.stack(lagged).reshape(len(lagged), n_targets, n, batch * t_pad, heads)  # [K, S, n, U, H]
+    lagged = jnp.stack(lagged, axis=1).reshape(n, len(lagged), n_targets, batch * t_pad, heads)  # [n, K, S, U, H]
     if x.dtype == jnp.bfloat16:
-        y = jnp.einsum("pksnuh,nuhe->pksnhe", _bf16_parts(lagged), x, preferred_element_type=F32)
+        y = jnp.einsum("npksuh,nuhe->pksnhe", _bf16_parts(lagged, axis=1), x, preferred_element_type=F32)
         y = jnp.sum(y, axis=0)  # [K, S, n, H, dh]
     else:
-        y = jnp.einsum("ksnuh,nuhe->ksnhe", lagged, x.astype(F32), precision=jax.lax.Precision.HIGHEST)
+        y = jnp.einsum("nksuh,nuhe->ksnhe", lagged, x.astype(F32), precision=jax.lax.Precision.HIGHEST)
     out, off, row = [], 0, 0
     for r, kernel in enumerate(stream_kernels):
         if kernel == 0:
