@@ -24,7 +24,7 @@ each ``fused_bwd_phase2.FORMS`` of pass 3 (the reverse-T input kernel, or the st
 written and transposed by ``conv_transpose``). ``--chunks``: forward or backward, the padded
 windows with 32- and 64-channel chunks (``block_d``). ``--inputs``: the backward with pass 3 (the
 reverse-T input kernel) in Triton and in Mosaic GPU (``mosaic_gpu.phase2_backward_inputs``, one
-and two warpgroups per program). ``--state-rows``: the backward, all three passes in Mosaic GPU,
+to four warpgroups per program). ``--state-rows``: the backward, all three passes in Mosaic GPU,
 with the state kernel's sums stored through their own buffer and through its rows' buffer
 (``mosaic_gpu.STATE_SUMS_IN_ROWS``: one or two programs per SM)."""
 import collections
@@ -133,9 +133,9 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
                      for form in fused_bwd_phase2.FORMS]
             pass3 = {label: label.rsplit(" ", 1)[1] for label, *_ in forms}
         inputs_kernel = {}  # label -> pass 3's reverse-T input kernel in Mosaic GPU
-        if "--inputs" in sys.argv:  # pass 3 in Triton and in Mosaic GPU with 1 and 2 warpgroups (session 21)
+        if "--inputs" in sys.argv:  # pass 3 in Triton and in Mosaic GPU with 1-4 warpgroups (sessions 21, 23)
             forms = [(f"mosaic passes 1-2, pass 3 {k}", True, "shared", "padded", None)
-                     for k in ("triton", "mosaic 1 wg", "mosaic 2 wg")]
+                     for k in ("triton", "mosaic 1 wg", "mosaic 2 wg", "mosaic 3 wg", "mosaic 4 wg")]
             inputs_kernel = {label: int(label.split()[-2]) for label, *_ in forms if label.endswith("wg")}
         chunks = {}  # label -> mosaic_gpu.BLOCK_D_CHOICES while it is traced
         if "--chunks" in sys.argv:  # 32- against 64-channel chunks, padded windows (session 21)

@@ -1455,9 +1455,13 @@ INPUTS_NEXT_ROWS = 16  # rows of the next token tile the transposed conv reaches
 # Lane semantics copies only whole multiples of 128 bytes: the lag bits come as 96-row windows
 # (the tile's 64 and the 16 it reaches, padded), the small per-chunk rows padded to 4 (4 x 32 bytes)
 INPUTS_BITS_ROWS = 96
-# warpgroups per program of ``phase2_backward_inputs`` (1 or 2; ``_inputs_kernel`` says why 2): with
-# two, no spills and 1.63 against 2.61 ms per call in the `base` step (session 21, calls 9-10)
+# warpgroups per program of ``phase2_backward_inputs`` (``INPUTS_WARPGROUPS_CHOICES``; ``_inputs_kernel``
+# says why 2): with two, no spills and 1.63 against 2.61 ms per call in the `base` step (session 21,
+# calls 9-10). Nsight Compute found two warps per scheduler issuing every 2.6 cycles (session 23,
+# call 1), but more warpgroups did not pay: phase 2's whole backward at `base` 3.217 ms with two,
+# 3.426 with three (168 registers, no spills), 3.721 with four (128, spills) (session 23, call 2)
 INPUTS_WARPGROUPS = 2
+INPUTS_WARPGROUPS_CHOICES = (1, 2, 3, 4)
 
 
 def _rows4(n: int) -> int:
@@ -1500,9 +1504,10 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     (``fused.gate_cols``) or None (mean fusion). Returns what ``fused_bwd_phase2._dinput_call``
     does: ``d_x[B, T, d]`` float32 and the per-batch-row partials ``d_query[B, m, d]``,
     ``d_bank[B, K, d]`` (None without a bank) and ``d_W[B, m, d, m]`` (None without the gate).
-    ``warpgroups``: 1 or 2 per program (None: ``INPUTS_WARPGROUPS``; ``_inputs_kernel``)."""
-    if warpgroups not in (None, 1, 2):
-        raise ValueError(f"warpgroups={warpgroups!r}: must be 1 or 2")
+    ``warpgroups``: per program, one of ``INPUTS_WARPGROUPS_CHOICES`` (None: ``INPUTS_WARPGROUPS``;
+    ``_inputs_kernel``)."""
+    if warpgroups is not None and warpgroups not in INPUTS_WARPGROUPS_CHOICES:
+        raise ValueError(f"warpgroups={warpgroups!r}: must be one of {INPUTS_WARPGROUPS_CHOICES}")
     stream_kernels = tuple(stream_kernels)
     batch, t_len, d = partial.shape
     m, bt = len(stream_kernels), BLOCK_T
@@ -1583,11 +1588,13 @@ def _stream_groups(layout, gate: bool, n_groups: int):
 def _inputs_kernel(cfg: _InputsConfig):
     """``phase2_backward_inputs``' kernel for ``cfg``, built and jitted once (``_kernel`` says why).
 
-    With ``cfg.warpgroups = 2`` each program runs two warpgroups, each with its own streams
-    (``_stream_groups``) and so half the carried token sums: with one warpgroup the 44 sums of
-    kernels (0, 4, 8, 12) with the gate take 176 registers per thread and ptxas spills (session
-    21, call 7). The streams meet only in ``d_x``: the second warpgroup hands its part over
-    through shared memory (``dx1s``, a barrier per slot); the first adds it, stores ``d_x`` and
+    With ``cfg.warpgroups > 1`` each program runs that many warpgroups, each with its own streams
+    (``_stream_groups``) and so its share of the carried token sums: with one warpgroup the 44
+    sums of kernels (0, 4, 8, 12) with the gate take 176 registers per thread and ptxas spills
+    (session 21, call 7); more warpgroups also give each scheduler more warps to issue from (the
+    kernel is issue-bound at two, session 23, call 1). The streams meet only in ``d_x``: the other
+    warpgroups hand their parts over through shared memory (``dx1s``, one buffer each per slot,
+    a barrier per slot that all of them arrive at); the first adds them, stores ``d_x`` and
     issues every TMA copy."""
     from jax.experimental.pallas import mosaic_gpu as plgpu_module
 
@@ -1617,12 +1624,12 @@ def _inputs_kernel(cfg: _InputsConfig):
         consts=plgpu.SMEM((_rows4(max(1, n_taps)) + _rows4(m) + (_rows4(m * m) if gate else 0), bd), F32),
         des=plgpu.SMEM((max(1, len(convs)), 2 * bt, bd), F32),  # d_E: this tile's rows, then the next tile's
         dxs=plgpu.SMEM((2, bt, bd), F32),
-        dx1s=plgpu.SMEM((2, bt, bd), F32) if n_wg > 1 else None,  # the second warpgroup's part of d_x
+        dx1s=plgpu.SMEM((n_wg - 1, 2, bt, bd), F32) if n_wg > 1 else None,  # the other warpgroups' parts of d_x
         sums_s=plgpu.SMEM((_rows4(n_sums), bd), F32),
         bar=plgpu.Barrier(num_arrivals=4 + has_seg, num_barriers=2),  # one per copy of ``fetch``
         bar_in=plgpu.Barrier(num_arrivals=1 + has_bank + gate, num_barriers=1),
-        handoff=plgpu.Barrier(num_arrivals=1, num_barriers=2) if n_wg > 1 else None,
-        done=plgpu.Barrier(num_arrivals=1, num_barriers=1) if n_wg > 1 else None,
+        handoff=plgpu.Barrier(num_arrivals=n_wg - 1, num_barriers=2) if n_wg > 1 else None,
+        done=plgpu.Barrier(num_arrivals=1, num_barriers=n_wg - 1) if n_wg > 1 else None,  # the sums' relay
     )
     names = [k for k, v in scratch.items() if v is not None]
 
@@ -1658,8 +1665,9 @@ def _inputs_kernel(cfg: _InputsConfig):
         def tap(k):
             return _cols(plgpu.load(consts, taps_at + k, layout=col), bt, bd)
 
-        def run(group, leader: bool):
-            """One warpgroup's loop over the token tiles, for the streams in ``group``."""
+        def run(g: int):
+            """Warpgroup ``g``'s loop over the token tiles, for its streams ``groups[g]``."""
+            group, leader = groups[g], g == 0
             zero = plgpu.layout_cast(jnp.zeros((bt, bd), F32), tile)
             own_convs = [r for r in group if r in convs]
             if leader:  # the per-program constants (taps, queries, W's columns) and the first tiles
@@ -1740,13 +1748,14 @@ def _inputs_kernel(cfg: _InputsConfig):
                         dx = term if dx is None else dx + term
                 dx = zero if dx is None else dx
                 if not leader:  # hand this warpgroup's part of d_x to the first
-                    dx1s[slot] = dx
+                    dx1s[g - 1, slot] = dx
                     plgpu.commit_smem()
                     plgpu.barrier_arrive(handoff.at[slot])
                 else:
                     if n_wg > 1:
                         plgpu.barrier_wait(handoff.at[slot])
-                        dx = dx + plgpu.load(dx1s, slot, layout=tile)
+                        for other in range(n_wg - 1):
+                            dx = dx + plgpu.load(dx1s, (other, slot), layout=tile)
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot two tiles ago is read
                     dxs[slot] = dx
                     plgpu.commit_smem()
@@ -1768,9 +1777,10 @@ def _inputs_kernel(cfg: _InputsConfig):
                      {(r, j): zero for r in group for j in range(m)} if gate else {})
             dq, dbank, dw = lax.fori_loop(0, n_tiles, step, carry)
             # the token sums: one row each of [d_query (m) | d_bank (taps) | d_W (m x m)]; the
-            # warpgroups reduce in turn (the cross-warp reductions share a scratch buffer)
-            if leader and n_wg > 1:
-                plgpu.barrier_wait(done.at[0])
+            # warpgroups reduce in turn, the last first (the cross-warp reductions share a scratch
+            # buffer): warpgroup g waits for g + 1 (``done[g]``) and then lets g - 1 go (``done[g - 1]``)
+            if g < n_wg - 1:
+                plgpu.barrier_wait(done.at[g])
             for r, v in dq.items():
                 sums_s[r] = jnp.sum(v, axis=0)
             for t, v in dbank.items():
@@ -1779,17 +1789,17 @@ def _inputs_kernel(cfg: _InputsConfig):
                 sums_s[m + (n_taps if has_bank else 0) + r * m + j] = jnp.sum(v, axis=0)
             plgpu.commit_smem()
             if not leader:
-                plgpu.barrier_arrive(done.at[0])
+                plgpu.barrier_arrive(done.at[g - 1])
             else:
                 plgpu.copy_smem_to_gmem(sums_s, sums_ref.at[bi, :, cs])
                 plgpu.wait_smem_to_gmem(0)
 
         if n_wg == 1:
-            run(groups[0], True)
+            run(0)
         else:
             wg = lax.axis_index("wg")
-            for g, group in enumerate(groups):
-                pl.when(wg == g)(functools.partial(run, group, g == 0))
+            for g in range(n_wg):
+                pl.when(wg == g)(functools.partial(run, g))
 
     out_type = (jax.ShapeDtypeStruct((batch, t_pad, d), F32), jax.ShapeDtypeStruct((batch, _rows4(n_sums), d), F32))
     params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))

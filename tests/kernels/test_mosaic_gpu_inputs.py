@@ -93,17 +93,20 @@ def _check(got, want, tol):
 
 
 def _case_params():
-    """Every case with two warpgroups (the default); with one, the cheapest in the default suite and
-    the rest in the slow one (the suite's time on 2 cores)."""
-    slow = lambda c, wg: wg == 1 and c[0] != "msar_mean"  # noqa: E731
+    """Every case with two warpgroups (the default); with one and three, one case each in the
+    default suite and the rest in the slow one, with four all in the slow one (the suite's time
+    on 2 cores)."""
+    fast = {1: "msar_mean", 3: "msar_mean", 4: None}
+    slow = lambda c, wg: wg != 2 and c[0] != fast[wg]  # noqa: E731
     return [pytest.param(c, wg, id=f"{c[0]}-{wg}wg", marks=(pytest.mark.slow,) if slow(c, wg) else ())
-            for wg in (2, 1) for c in CASES]
+            for wg in (2, 1, 3, 4) for c in CASES]
 
 
 @pytest.mark.parametrize("case, warpgroups", _case_params())
 def test_interpreted_inputs_kernel_matches_the_pallas_pass(case, warpgroups):
-    """One warpgroup per program, or two with the streams split between them (for one stream,
-    one: ``_stream_groups`` drops an empty group)."""
+    """One warpgroup per program, or two to four with the streams split between them (for one
+    stream, one: ``_stream_groups`` drops the empty groups); with three or four the other
+    warpgroups' parts of ``d_x`` and their token sums meet in the first."""
     _, batch, t_len, d, kernels, heads, gate, cut = case
     args = _inputs(batch, t_len, d, kernels, heads, gate, cut)
     got = _mosaic(args, kernels, heads, warpgroups=warpgroups)
@@ -117,6 +120,8 @@ def test_stream_groups_balance_the_carried_sums():
     layout = fused._stream_layout((0, 4, 8, 12))
     assert mosaic_gpu._stream_groups(layout, True, 2) == ((0, 3), (1, 2))  # 22 carried sums each
     assert mosaic_gpu._stream_groups(layout, True, 1) == ((0, 1, 2, 3),)
+    assert mosaic_gpu._stream_groups(layout, True, 3) == ((3,), (2,), (0, 1))  # 17, 13 and 14
+    assert mosaic_gpu._stream_groups(layout, True, 4) == ((3,), (2,), (1,), (0,))
     assert mosaic_gpu._stream_groups(fused._stream_layout((0,)), True, 2) == ((0,),)
 
 
@@ -126,9 +131,9 @@ def test_inputs_kernel_refuses_shapes_it_does_not_take():
         mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=(0, 4), heads=1, interpret=True)
     with pytest.raises(NotImplementedError, match="kernels up to 17 taps"):
         mosaic_gpu.check_inputs_shape(d=64, heads=1, stream_kernels=(0, 20))
-    with pytest.raises(ValueError, match="warpgroups=3"):
+    with pytest.raises(ValueError, match="warpgroups=5"):
         mosaic_gpu.phase2_backward_inputs(*_inputs(1, 70, 16, (0, 4), 1, True, None), stream_kernels=(0, 4), heads=1,
-                                          warpgroups=3, interpret=True)
+                                          warpgroups=5, interpret=True)
 
 
 @pytest.mark.parametrize("choice", ["auto", "mosaic", "triton", "triton_forward"])
@@ -154,19 +159,20 @@ def test_which_choice_takes_the_inputs_kernel(monkeypatch, choice, auto_inputs):
 
 
 @pytest.mark.gpu
-def test_gpu_inputs_kernel_matches_the_triton_pass():
+@pytest.mark.parametrize("warpgroups", [2, 3, 4])
+def test_gpu_inputs_kernel_matches_the_triton_pass(warpgroups):
     """On a GPU: the compiled kernel (TMA's zero fill before token 0 and past the last tile)
     against Triton's reverse-T pass (bf16 partial, segments, two heads, ragged T, the gate)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     kernels, heads = (0, 4, 8, 12), 2
     args = _inputs(2, 300, 256, kernels, heads, True, 77)
-    got = jax.jit(lambda *a: _mosaic(a, kernels, heads, interpret=False))(*args)  # INPUTS_WARPGROUPS
+    got = jax.jit(lambda *a: _mosaic(a, kernels, heads, interpret=False, warpgroups=warpgroups))(*args)
     want = jax.jit(lambda *a: _pass3(a, kernels, heads, "triton"))(*args)
     _check(got, want, 1e-5)
 
 
-@pytest.mark.parametrize("warpgroups", [2, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("warpgroups", [2, *(pytest.param(wg, marks=pytest.mark.slow) for wg in (1, 3))])
 @pytest.mark.parametrize("t_len", [64, 128, 200])
 @pytest.mark.parametrize("segments", [False, True], ids=["no_segments", "segments"])
 def test_inputs_kernel_lowers_for_sm90(t_len, segments, warpgroups):
