@@ -24,7 +24,8 @@ each ``fused_bwd_phase2.FORMS`` of pass 3 (the reverse-T input kernel, or the st
 written and transposed by ``conv_transpose``). ``--chunks``: forward or backward, the padded
 windows with 32- and 64-channel chunks (``block_d``). ``--inputs``: the backward with pass 3 (the
 reverse-T input kernel) in Triton and in Mosaic GPU (``mosaic_gpu.phase2_backward_inputs``, one
-to four warpgroups per program). ``--state-rows``: the backward, all three passes in Mosaic GPU,
+to four warpgroups per program; with ``--reuse`` two and three warpgroups loading each lag and
+per-token row once per tile, ``INPUTS_REUSE_LOADS``). ``--state-rows``: the backward, all three passes in Mosaic GPU,
 with the state kernel's sums stored through their own buffer and through its rows' buffer
 (``mosaic_gpu.STATE_SUMS_IN_ROWS``: one or two programs per SM)."""
 import collections
@@ -133,10 +134,14 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
                      for form in fused_bwd_phase2.FORMS]
             pass3 = {label: label.rsplit(" ", 1)[1] for label, *_ in forms}
         inputs_kernel = {}  # label -> pass 3's reverse-T input kernel in Mosaic GPU
+        reuse_loads = {}  # label -> mosaic_gpu.INPUTS_REUSE_LOADS while it is traced
         if "--inputs" in sys.argv:  # pass 3 in Triton and in Mosaic GPU with 1-4 warpgroups (sessions 21, 23)
-            forms = [(f"mosaic passes 1-2, pass 3 {k}", True, "shared", "padded", None)
-                     for k in ("triton", "mosaic 1 wg", "mosaic 2 wg", "mosaic 3 wg", "mosaic 4 wg")]
-            inputs_kernel = {label: int(label.split()[-2]) for label, *_ in forms if label.endswith("wg")}
+            kinds = ("triton", "mosaic 1 wg", "mosaic 2 wg", "mosaic 3 wg", "mosaic 4 wg")
+            if "--reuse" in sys.argv:  # each lag and per-token row loaded once per tile (session 23)
+                kinds = ("mosaic 2 wg", "mosaic 2 wg reuse", "mosaic 3 wg reuse")
+            forms = [(f"mosaic passes 1-2, pass 3 {k}", True, "shared", "padded", None) for k in kinds]
+            inputs_kernel = {label: int(label.split(" wg")[0].split()[-1]) for label, *_ in forms if " wg" in label}
+            reuse_loads = {label: label.endswith("reuse") for label, *_ in forms}
         chunks = {}  # label -> mosaic_gpu.BLOCK_D_CHOICES while it is traced
         if "--chunks" in sys.argv:  # 32- against 64-channel chunks, padded windows (session 21)
             forms = [(f"mosaic passes 1-2, padded, bd={bd}", True, "shared", "padded", None) for bd in (32, 64)]
@@ -159,6 +164,7 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             form = pass3.get(label, fused_bwd_phase2.DEFAULT_FORM)
             mi = label in inputs_kernel
             mosaic_gpu.INPUTS_WARPGROUPS = inputs_kernel.get(label, 1)  # read when the kernel is traced
+            mosaic_gpu.INPUTS_REUSE_LOADS = reuse_loads.get(label, False)
             f = jax.jit(lambda st, x, b, q, g, dh, sc, ms=mosaic_state, form=form, mi=mi: fused_bwd_phase2.phase2_fused_backward(
                 st, x, b, q, True, g, None, dh, tiles=tiles, backend="interpret" if interpret else "triton",
                 interpret=interpret, scores=sc, mosaic_state=ms, form=form, mosaic_inputs=mi, **kw))
@@ -168,6 +174,7 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             print(f"## {name} backward, {label}: {ms:.3f} ms per call", flush=True)
         mosaic_gpu.DEFAULT_EXPAND, mosaic_gpu.DEFAULT_WINDOWS, mosaic_gpu.DEFAULT_STATE_BOXES = "shared", None, "one"
         mosaic_gpu.BLOCK_D_CHOICES, mosaic_gpu.STATE_SUMS_IN_ROWS, mosaic_gpu.INPUTS_WARPGROUPS = (32,), rows_default, 2
+        mosaic_gpu.INPUTS_REUSE_LOADS = False
         first, *others = grads.items()
         for label, other in others:
             a, b = jax.tree.leaves(first[1]), jax.tree.leaves(other)

@@ -1462,6 +1462,12 @@ INPUTS_BITS_ROWS = 96
 # 3.426 with three (168 registers, no spills), 3.721 with four (128, spills) (session 23, call 2)
 INPUTS_WARPGROUPS = 2
 INPUTS_WARPGROUPS_CHOICES = (1, 2, 3, 4)
+# whether ``phase2_backward_inputs`` loads each lag of the partial's window and each per-token row
+# once per tile and reuses the values (False: once per use; a stream's expansion and its bank
+# gradient each load the lags, 49 loads where 12 lags exist). Bitwise the same gradients, no
+# spills; phase 2's whole backward at `base` 3.220 against 3.297 ms in the same call (session 23,
+# call 4). Read when the kernel is built.
+INPUTS_REUSE_LOADS = True
 
 
 def _rows4(n: int) -> int:
@@ -1543,7 +1549,8 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     call = _inputs_kernel(_InputsConfig(batch=batch, t_pad=t_pad, d=d, stream_kernels=stream_kernels, heads=heads,
                                         gate=gate, has_bank=has_bank, has_seg=has_seg, front=front,
                                         x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
-                                        warpgroups=warpgroups or INPUTS_WARPGROUPS, interpret=bool(interpret)))
+                                        warpgroups=warpgroups or INPUTS_WARPGROUPS,
+                                        reuse_loads=bool(INPUTS_REUSE_LOADS), interpret=bool(interpret)))
     dx, sums = call(*inputs)
     n_taps = sum(stream_kernels) if has_bank else 0
     dq = sums[:, :m]
@@ -1567,6 +1574,7 @@ class _InputsConfig(NamedTuple):
     x_dtype: jnp.dtype
     acc_dtype: jnp.dtype
     warpgroups: int
+    reuse_loads: bool
     interpret: bool
 
 
@@ -1694,11 +1702,20 @@ def _inputs_kernel(cfg: _InputsConfig):
                     bits = plgpu.load(bits_s.at[slot, pl.ds(0, bt)], (), layout=row)
                     masks = [None] + [_rows(((bits >> delta) & 1).astype(F32), bt, bd) for delta in range(1, max_lag)]
 
+                loaded = {}  # with ``reuse_loads``: this tile's values, loaded at their first use
+
+                def once(key, load):
+                    if not cfg.reuse_loads:
+                        return load()
+                    if key not in loaded:
+                        loaded[key] = load()
+                    return loaded[key]
+
                 def rows_of(j):
-                    return _rows(plgpu.load(rows_s, (slot, j), layout=row), bt, bd)
+                    return once(("rows", j), lambda: _rows(plgpu.load(rows_s, (slot, j), layout=row), bt, bd))
 
                 def x_lag(delta):
-                    return lags.load(plgpu, xs, slot, delta).astype(F32)
+                    return once(("x", delta), lambda: lags.load(plgpu, xs, slot, delta).astype(F32))
 
                 dh = plgpu.load(dhs, slot, layout=tile)
                 dx = None

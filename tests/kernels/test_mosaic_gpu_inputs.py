@@ -116,6 +116,16 @@ def test_interpreted_inputs_kernel_matches_the_pallas_pass(case, warpgroups):
         assert float(jnp.max(jnp.abs(no_seg[0] - got[0]))) > 1e-3
 
 
+@pytest.mark.parametrize("case", [CASES[1], pytest.param(CASES[0], marks=pytest.mark.slow)], ids=lambda c: c[0])
+def test_interpreted_inputs_kernel_loading_at_every_use_matches(monkeypatch, case):
+    """``INPUTS_REUSE_LOADS`` off: each lag and per-token row loaded at every use (the other
+    tests run the default, once per tile) gives the same gradients."""
+    monkeypatch.setattr(mosaic_gpu, "INPUTS_REUSE_LOADS", False)
+    _, batch, t_len, d, kernels, heads, gate, cut = case
+    args = _inputs(batch, t_len, d, kernels, heads, gate, cut)
+    _check(_mosaic(args, kernels, heads), _pass3(args, kernels, heads, "interpret"), 1e-5)
+
+
 def test_stream_groups_balance_the_carried_sums():
     layout = fused._stream_layout((0, 4, 8, 12))
     assert mosaic_gpu._stream_groups(layout, True, 2) == ((0, 3), (1, 2))  # 22 carried sums each
@@ -159,12 +169,13 @@ def test_which_choice_takes_the_inputs_kernel(monkeypatch, choice, auto_inputs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("warpgroups", [2, 3, 4])
-def test_gpu_inputs_kernel_matches_the_triton_pass(warpgroups):
+@pytest.mark.parametrize("warpgroups, reuse_loads", [(2, False), (3, False), (4, False), (2, True)])
+def test_gpu_inputs_kernel_matches_the_triton_pass(monkeypatch, warpgroups, reuse_loads):
     """On a GPU: the compiled kernel (TMA's zero fill before token 0 and past the last tile)
     against Triton's reverse-T pass (bf16 partial, segments, two heads, ragged T, the gate)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
+    monkeypatch.setattr(mosaic_gpu, "INPUTS_REUSE_LOADS", reuse_loads)
     kernels, heads = (0, 4, 8, 12), 2
     args = _inputs(2, 300, 256, kernels, heads, True, 77)
     got = jax.jit(lambda *a: _mosaic(a, kernels, heads, interpret=False, warpgroups=warpgroups))(*args)

@@ -223,6 +223,7 @@ def test_gpu_mosaic_matches_reference(monkeypatch, case, state_dtype):
     assert set(calls) == {"phase2_fused_forward", "phase2_backward_state", "phase2_backward_inputs"}, calls
 
 
+@pytest.mark.slow  # options against the default (98 s on 2 cores); the default's oracle checks stay in the default suite
 def test_window_placements_agree_in_every_kernel():
     """``windows="aligned"`` (one lag window per lag modulo 8, loads at multiples of 8 rows),
     ``"single"`` (one window, loads at any row offset), ``"padded"`` (the same with wider rows,
@@ -273,6 +274,7 @@ def _state_kernel_inputs():
     return kernels, heads, _segments(batch, t_len, 37), state, partial, bank, query, gate, coef, _rnd(5, (batch, t_len, d))
 
 
+@pytest.mark.slow  # an option against the default (33 s on 2 cores)
 def test_state_boxes_agree(monkeypatch):
     """Phase 2's kernels move the state's chunk (and ``d_acc``'s) as one 3D TMA box
     (``STATE_BOXES = "one"``, the default) or one copy per stream: the same values to the last
