@@ -20,18 +20,14 @@ import jax.numpy as jnp
 
 from pallas_kernels.depth_attention import api
 
-KERNELS = (0, 4, 8, 12)
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from time_phase1_scores import KERNELS, phase1_inputs  # noqa: E402
 
 
 def main():
     interpret = "--interpret" in sys.argv
     n, n_live, batch, t_len, d, n_targets = (3, 2, 1, 70, 64, 2) if interpret else (7, 4, 64, 1024, 1024, 8)
-    m = len(KERNELS)
-    k = jax.random.split(jax.random.key(0), 4)
-    sources = jax.random.normal(k[0], (n, batch, t_len, d), jnp.bfloat16)
-    banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32)
-    queries = jax.random.normal(k[2], (n_targets, m, d), jnp.float32)
-    valid = jnp.arange(n) < n_live
+    sources, banks, queries, valid = phase1_inputs(n, n_live, batch, t_len, d, n_targets)
     kw = dict(stream_kernels=KERNELS, heads=1, implementation="pallas_gpu", backward="pallas",
               gpu_kernels="mosaic" if interpret else "auto", per_target=True)
 

@@ -21,6 +21,17 @@ from pallas_kernels.depth_attention import bench, fused, mosaic_gpu, tiling
 KERNELS = (0, 4, 8, 12)
 
 
+def phase1_inputs(n, n_live, batch, t_len, d, n_targets):
+    """Random ``(sources[n, B, T, d] bf16, banks[n, K, d], queries[S, m, d], valid[n])`` with the
+    first ``n_live`` sources valid (the model's blocks stack all their sources and rule out the
+    later ones)."""
+    k = jax.random.split(jax.random.key(0), 3)
+    sources = jax.random.normal(k[0], (n, batch, t_len, d), jnp.bfloat16)
+    banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32)
+    queries = jax.random.normal(k[2], (n_targets, len(KERNELS), d), jnp.float32)
+    return sources, banks, queries, jnp.arange(n) < n_live
+
+
 def main():
     live = int(sys.argv[sys.argv.index("--live") + 1]) if "--live" in sys.argv else 4
     bw = bench.copy_bandwidth()
@@ -28,11 +39,7 @@ def main():
     shapes = (("base", (7, live, 64, 1024, 1024, 8)), ("issue", (9, 9, 8, 2048, 2048, 8)))
     for name, (n, n_live, batch, t_len, d, n_targets) in shapes[:1] if "--base-only" in sys.argv else shapes:
         m = len(KERNELS)
-        k = jax.random.split(jax.random.key(0), 3)
-        sources = jax.random.normal(k[0], (n, batch, t_len, d), jnp.bfloat16)
-        banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32)
-        queries = jax.random.normal(k[2], (n_targets, m, d), jnp.float32)
-        valid = jnp.arange(n) < n_live
+        sources, banks, queries, valid = phase1_inputs(n, n_live, batch, t_len, d, n_targets)
         floor_ms = n_live * batch * t_len * d * 2 / bw * 1e3
         tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=max(KERNELS), n_targets=n_targets, backend="triton",
                                     n_streams=m)
