@@ -298,8 +298,8 @@ def test_state_boxes_agree(monkeypatch):
         run("two")
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c[0], marks=() if i == 0 else (pytest.mark.slow,))
-                                  for i, c in enumerate((CASES[0], CASES[1], CASES[3]))])
+@pytest.mark.slow  # an option against the default (14 s and more on 2 cores)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in (CASES[0], CASES[1], CASES[3])])
 def test_gate_statistics_summed_in_the_scoring_pass(case):
     """``gate_stats="in_scores"`` (pass A sums A.A, A.E, E.E, A.W_j and E.W_j per stream and head;
     the gate's ``sum z^2`` and ``z . W_j`` follow once a and b are known, so the forward expands

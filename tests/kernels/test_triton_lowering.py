@@ -307,7 +307,7 @@ def test_phase2_wide_form_lowers(h200):
     assert "depth_attention_phase2_bwd_dstreams" in text and "depth_attention_expansion_transpose" in text
 
 
-@pytest.mark.parametrize("one_window", ["single", "padded"])
+@pytest.mark.parametrize("one_window", [pytest.param("single", marks=pytest.mark.slow), "padded"])  # padded: the default
 def test_single_windows_lower_in_lane_semantics(h200, monkeypatch, one_window):
     """``windows="single"`` (one lag window per chunk, loads at any row offset) lowers each of
     the six Mosaic GPU kernels that take a placement (and phase 1's transpose, which takes none) in
