@@ -25,7 +25,9 @@ written and transposed by ``conv_transpose``). ``--chunks``: forward or backward
 windows with 32- and 64-channel chunks (``block_d``). ``--inputs``: the backward with pass 3 (the
 reverse-T input kernel) in Triton and in Mosaic GPU (``mosaic_gpu.phase2_backward_inputs``, one
 to four warpgroups per program; with ``--reuse`` two and three warpgroups loading each lag and
-per-token row once per tile, ``INPUTS_REUSE_LOADS``). ``--state-rows``: the backward, all three passes in Mosaic GPU,
+per-token row once per tile, ``INPUTS_REUSE_LOADS``). ``--rows``: the backward with pass 3 in Mosaic GPU (two
+warpgroups, loads reused) walking 1, 2, 4 and 8 batch rows per program (``INPUTS_ROWS_PER_PROGRAM``).
+``--state-rows``: the backward, all three passes in Mosaic GPU,
 with the state kernel's sums stored through their own buffer and through its rows' buffer
 (``mosaic_gpu.STATE_SUMS_IN_ROWS``: one or two programs per SM)."""
 import collections
@@ -142,6 +144,13 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             forms = [(f"mosaic passes 1-2, pass 3 {k}", True, "shared", "padded", None) for k in kinds]
             inputs_kernel = {label: int(label.split(" wg")[0].split()[-1]) for label, *_ in forms if " wg" in label}
             reuse_loads = {label: label.endswith("reuse") for label, *_ in forms}
+        rows_per_program = {}  # label -> mosaic_gpu.INPUTS_ROWS_PER_PROGRAM while it is traced
+        if "--rows" in sys.argv:  # batch rows per program of the input kernel (session 24)
+            forms = [(f"mosaic passes 1-2, pass 3 mosaic 2 wg reuse, {k} rows per program", True, "shared", "padded",
+                      None) for k in mosaic_gpu.INPUTS_ROWS_PER_PROGRAM_CHOICES]
+            inputs_kernel = {label: 2 for label, *_ in forms}
+            reuse_loads = {label: True for label, *_ in forms}
+            rows_per_program = {label: int(label.rsplit(" rows", 1)[0].rsplit(" ", 1)[1]) for label, *_ in forms}
         chunks = {}  # label -> mosaic_gpu.BLOCK_D_CHOICES while it is traced
         if "--chunks" in sys.argv:  # 32- against 64-channel chunks, padded windows (session 21)
             forms = [(f"mosaic passes 1-2, padded, bd={bd}", True, "shared", "padded", None) for bd in (32, 64)]
@@ -153,6 +162,8 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             sums_in_rows = {label: label.endswith("True") for label, *_ in forms}
             inputs_kernel = {label: 2 for label, *_ in forms}
         rows_default = mosaic_gpu.STATE_SUMS_IN_ROWS
+        module_defaults = (mosaic_gpu.INPUTS_WARPGROUPS, mosaic_gpu.INPUTS_REUSE_LOADS,
+                           mosaic_gpu.INPUTS_ROWS_PER_PROGRAM)
         for label, mosaic_state, expand, windows, boxes in forms:
             mosaic_gpu.STATE_SUMS_IN_ROWS = sums_in_rows.get(label, rows_default)
             set_lane_tile_swizzle(windows != PLAIN)
@@ -165,6 +176,7 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             mi = label in inputs_kernel
             mosaic_gpu.INPUTS_WARPGROUPS = inputs_kernel.get(label, 1)  # read when the kernel is traced
             mosaic_gpu.INPUTS_REUSE_LOADS = reuse_loads.get(label, False)
+            mosaic_gpu.INPUTS_ROWS_PER_PROGRAM = rows_per_program.get(label, 1)
             f = jax.jit(lambda st, x, b, q, g, dh, sc, ms=mosaic_state, form=form, mi=mi: fused_bwd_phase2.phase2_fused_backward(
                 st, x, b, q, True, g, None, dh, tiles=tiles, backend="interpret" if interpret else "triton",
                 interpret=interpret, scores=sc, mosaic_state=ms, form=form, mosaic_inputs=mi, **kw))
@@ -173,8 +185,9 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             ms = float("nan") if interpret else bench.timeit(f, *args, reps=reps, inner=2)[0] * 1e3
             print(f"## {name} backward, {label}: {ms:.3f} ms per call", flush=True)
         mosaic_gpu.DEFAULT_EXPAND, mosaic_gpu.DEFAULT_WINDOWS, mosaic_gpu.DEFAULT_STATE_BOXES = "shared", None, "one"
-        mosaic_gpu.BLOCK_D_CHOICES, mosaic_gpu.STATE_SUMS_IN_ROWS, mosaic_gpu.INPUTS_WARPGROUPS = (32,), rows_default, 2
-        mosaic_gpu.INPUTS_REUSE_LOADS = False
+        mosaic_gpu.BLOCK_D_CHOICES, mosaic_gpu.STATE_SUMS_IN_ROWS = (32,), rows_default
+        (mosaic_gpu.INPUTS_WARPGROUPS, mosaic_gpu.INPUTS_REUSE_LOADS,
+         mosaic_gpu.INPUTS_ROWS_PER_PROGRAM) = module_defaults
         first, *others = grads.items()
         for label, other in others:
             a, b = jax.tree.leaves(first[1]), jax.tree.leaves(other)

@@ -1468,6 +1468,11 @@ INPUTS_WARPGROUPS_CHOICES = (1, 2, 3, 4)
 # spills; phase 2's whole backward at `base` 3.220 against 3.297 ms in the same call (session 23,
 # call 4). Read when the kernel is built.
 INPUTS_REUSE_LOADS = True
+# batch rows each program of ``phase2_backward_inputs`` walks, one after the other (the largest
+# divisor of the batch up to this): its carried token sums are reduced over the 64 rows, and its
+# first copies waited for, once per program rather than once per row. Read when the kernel is built.
+INPUTS_ROWS_PER_PROGRAM = 4
+INPUTS_ROWS_PER_PROGRAM_CHOICES = (1, 2, 4, 8)
 
 
 def _rows4(n: int) -> int:
@@ -1490,10 +1495,21 @@ def check_inputs_shape(*, d: int, heads: int, stream_kernels: Sequence[int]) -> 
                                   f"(got {tuple(stream_kernels)})")
 
 
+def inputs_rows_per_program(batch: int, rows: int | None = None) -> int:
+    """The batch rows one program of ``phase2_backward_inputs`` walks: the largest divisor of
+    ``batch`` up to ``rows`` (None: ``INPUTS_ROWS_PER_PROGRAM``)."""
+    rows = INPUTS_ROWS_PER_PROGRAM if rows is None else rows
+    if rows not in INPUTS_ROWS_PER_PROGRAM_CHOICES:
+        raise ValueError(f"rows_per_program={rows!r}: must be one of {INPUTS_ROWS_PER_PROGRAM_CHOICES}")
+    return max(k for k in range(1, rows + 1) if batch % k == 0)
+
+
 def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, segment_ids, *, stream_kernels,
-                           heads: int, warpgroups: int | None = None, interpret: bool = False):
+                           heads: int, warpgroups: int | None = None, rows_per_program: int | None = None,
+                           interpret: bool = False):
     """Pass 3 of ``fused_bwd_phase2`` (its reverse-T input kernel, ``_dinput_kernel``) as one
-    Mosaic GPU kernel: per (batch row, 8-channel chunk), the 64-token tiles in reverse; per
+    Mosaic GPU kernel: per (group of batch rows, 8-channel chunk), each row's 64-token tiles in
+    reverse (``rows_per_program``: the carried sums are reduced once per group); per
     tile and stream ``r`` it recomputes ``E_r`` (Eq. 10), ``z_r = a A_r + b E_r`` (Eq. 11),
     ``dz_r = g_r dh + sum_j W[r, :, j] dy_j + coef z_r`` (the H_pre gate's backward, Eq. 13-14;
     ``dh / m`` for mean fusion) and ``d_E_r = b dz_r + u q_r + v E_r``, and applies the
@@ -1508,14 +1524,18 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     ``a, b, u``: ``[m, B, T, H]``; ``v``: ``[m, B, T]``; ``acc[m, B, T, d]``; ``dh[B, T, d]``
     float32; ``gate_in``: ``(g[B, T, m], dy[B, T, m], coef[B, T], w3[m, d, m])``
     (``fused.gate_cols``) or None (mean fusion). Returns what ``fused_bwd_phase2._dinput_call``
-    does: ``d_x[B, T, d]`` float32 and the per-batch-row partials ``d_query[B, m, d]``,
-    ``d_bank[B, K, d]`` (None without a bank) and ``d_W[B, m, d, m]`` (None without the gate).
-    ``warpgroups``: per program, one of ``INPUTS_WARPGROUPS_CHOICES`` (None: ``INPUTS_WARPGROUPS``;
-    ``_inputs_kernel``)."""
+    does, except that the token sums come per program, not per batch row: ``d_x[B, T, d]``
+    float32 and the partials ``d_query[P, m, d]``, ``d_bank[P, K, d]`` (None without a bank) and
+    ``d_W[P, m, d, m]`` (None without the gate), ``P = B / inputs_rows_per_program(B, rows_per_program)``;
+    their sum over the first axis is the gradient. ``warpgroups``: per program, one of
+    ``INPUTS_WARPGROUPS_CHOICES`` (None: ``INPUTS_WARPGROUPS``; ``_inputs_kernel``);
+    ``rows_per_program``: one of ``INPUTS_ROWS_PER_PROGRAM_CHOICES`` (None:
+    ``INPUTS_ROWS_PER_PROGRAM``)."""
     if warpgroups is not None and warpgroups not in INPUTS_WARPGROUPS_CHOICES:
         raise ValueError(f"warpgroups={warpgroups!r}: must be one of {INPUTS_WARPGROUPS_CHOICES}")
     stream_kernels = tuple(stream_kernels)
     batch, t_len, d = partial.shape
+    rows_per_program = inputs_rows_per_program(batch, rows_per_program)
     m, bt = len(stream_kernels), BLOCK_T
     check_inputs_shape(d=d, heads=heads, stream_kernels=stream_kernels)
     max_lag = max([1, *stream_kernels])
@@ -1550,12 +1570,13 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
                                         gate=gate, has_bank=has_bank, has_seg=has_seg, front=front,
                                         x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
                                         warpgroups=warpgroups or INPUTS_WARPGROUPS,
-                                        reuse_loads=bool(INPUTS_REUSE_LOADS), interpret=bool(interpret)))
+                                        reuse_loads=bool(INPUTS_REUSE_LOADS), rows_per_program=rows_per_program,
+                                        interpret=bool(interpret)))
     dx, sums = call(*inputs)
     n_taps = sum(stream_kernels) if has_bank else 0
     dq = sums[:, :m]
     dbank = sums[:, m:m + n_taps] if has_bank else None
-    dw = sums[:, m + n_taps:m + n_taps + m * m].reshape(batch, m, m, d).transpose(0, 1, 3, 2) if gate else None
+    dw = sums[:, m + n_taps:m + n_taps + m * m].reshape(-1, m, m, d).transpose(0, 1, 3, 2) if gate else None
     return dx[:, :t_len], dq, dbank, dw
 
 
@@ -1575,6 +1596,7 @@ class _InputsConfig(NamedTuple):
     acc_dtype: jnp.dtype
     warpgroups: int
     reuse_loads: bool
+    rows_per_program: int
     interpret: bool
 
 
@@ -1617,6 +1639,8 @@ def _inputs_kernel(cfg: _InputsConfig):
     has_bank = cfg.has_bank
     n_taps = sum(stream_kernels)
     nc, n_tiles = d // bd, t_pad // bt
+    rows_per_program = cfg.rows_per_program
+    n_steps = rows_per_program * n_tiles  # the program's tiles: each of its batch rows' in reverse
     n_rows = 4 * m + (2 * m + 1 if gate else 0)
     convs = [r for r, (kernel, _) in enumerate(layout) if kernel > 0]  # streams with a transposed conv
     n_sums = m + (n_taps if has_bank else 0) + (m * m if gate else 0)
@@ -1652,13 +1676,19 @@ def _inputs_kernel(cfg: _InputsConfig):
                                                                      "consts"))
         des, dxs, dx1s, sums_s, bar, bar_in = (sc.get(k) for k in ("des", "dxs", "dx1s", "sums_s", "bar", "bar_in"))
         handoff, done = sc.get("handoff"), sc.get("done")
-        bi, c = lax.axis_index("b"), lax.axis_index("c")
+        program, c = lax.axis_index("b"), lax.axis_index("c")
         cs = pl.ds(c * bd, bd)
         head = (c * bd) // (d // heads)
         taps_at, q_at = 0, _rows4(max(1, n_taps))
         w_at = q_at + _rows4(m)
 
-        def fetch(k, slot):
+        def tile_of(j):
+            """Step ``j``'s batch row and token tile: the program's rows one after the other, each
+            row's tiles in reverse."""
+            return program * rows_per_program + j // n_tiles, n_tiles - 1 - j % n_tiles
+
+        def fetch(j, slot):
+            bi, k = tile_of(j)
             # a traced start: the first tile's window starts before row 0 on the GPU (TMA fills the
             # rows with zeros), which Pallas refuses as a static slice
             t0 = k * bt + bi * 0
@@ -1685,16 +1715,16 @@ def _inputs_kernel(cfg: _InputsConfig):
                 plgpu.copy_gmem_to_smem(q_ref.at[:, cs], consts.at[pl.ds(q_at, q_ref.shape[0])], bar_in.at[0])
                 if gate:
                     plgpu.copy_gmem_to_smem(w_ref.at[:, cs], consts.at[pl.ds(w_at, w_ref.shape[0])], bar_in.at[0])
-                fetch(n_tiles - 1, 0)
-                if n_tiles > 1:
-                    fetch(n_tiles - 2, 1)
+                fetch(0, 0)
+                if n_steps > 1:
+                    fetch(1, 1)
             for r in own_convs:  # the next tile's rows of d_E start as zeros (nothing lies past the last tile)
                 des[convs.index(r), pl.ds(bt, bt)] = zero
             plgpu.barrier_wait(bar_in.at[0])
 
             def step(i, carry):
                 dq, dbank, dw = dict(carry[0]), dict(carry[1]), dict(carry[2])
-                k = n_tiles - 1 - i
+                bi, k = tile_of(i)
                 slot = lax.rem(i, 2)
                 plgpu.barrier_wait(bar.at[slot])
                 masks = [None] * max_lag
@@ -1778,21 +1808,23 @@ def _inputs_kernel(cfg: _InputsConfig):
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(dxs.at[slot], dx_ref.at[bi, pl.ds(k * bt, bt), cs])
                 # this tile's d_E becomes the next (earlier) tile's "next rows" (read by this thread
-                # only; every thread of the warpgroup has done its shifted loads: the commit above)
+                # only; every thread of the warpgroup has done its shifted loads: the commit above);
+                # after a row's first tile the next step starts another row, past whose end lie zeros
+                keep = (k > 0).astype(F32) if rows_per_program > 1 else None
                 for r in own_convs:
-                    des[convs.index(r), pl.ds(bt, bt)] = plgpu.load(des.at[convs.index(r), pl.ds(0, bt)], (),
-                                                                    layout=tile)
+                    de = plgpu.load(des.at[convs.index(r), pl.ds(0, bt)], (), layout=tile)
+                    des[convs.index(r), pl.ds(bt, bt)] = de if keep is None else de * keep
                 if leader:  # both warpgroups are done with this slot (the handoff above)
-                    @pl.when(i + 2 < n_tiles)
+                    @pl.when(i + 2 < n_steps)
                     def _():
-                        fetch(k - 2, slot)
+                        fetch(i + 2, slot)
 
                 return dq, dbank, dw
 
             own_taps = [layout[r][1] + delta for r in group for delta in range(layout[r][0])] if has_bank else []
             carry = ({r: zero for r in group}, {t: zero for t in own_taps},
                      {(r, j): zero for r in group for j in range(m)} if gate else {})
-            dq, dbank, dw = lax.fori_loop(0, n_tiles, step, carry)
+            dq, dbank, dw = lax.fori_loop(0, n_steps, step, carry)
             # the token sums: one row each of [d_query (m) | d_bank (taps) | d_W (m x m)]; the
             # warpgroups reduce in turn, the last first (the cross-warp reductions share a scratch
             # buffer): warpgroup g waits for g + 1 (``done[g]``) and then lets g - 1 go (``done[g - 1]``)
@@ -1808,7 +1840,7 @@ def _inputs_kernel(cfg: _InputsConfig):
             if not leader:
                 plgpu.barrier_arrive(done.at[g - 1])
             else:
-                plgpu.copy_smem_to_gmem(sums_s, sums_ref.at[bi, :, cs])
+                plgpu.copy_smem_to_gmem(sums_s, sums_ref.at[program, :, cs])
                 plgpu.wait_smem_to_gmem(0)
 
         if n_wg == 1:
@@ -1818,11 +1850,13 @@ def _inputs_kernel(cfg: _InputsConfig):
             for g in range(n_wg):
                 pl.when(wg == g)(functools.partial(run, g))
 
-    out_type = (jax.ShapeDtypeStruct((batch, t_pad, d), F32), jax.ShapeDtypeStruct((batch, _rows4(n_sums), d), F32))
+    out_type = (jax.ShapeDtypeStruct((batch, t_pad, d), F32),
+                jax.ShapeDtypeStruct((batch // rows_per_program, _rows4(n_sums), d), F32))
     params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
     if n_wg > 1:
         params.update(num_threads=n_wg, thread_name="wg")
-    kernel = plgpu.kernel(body, out_type=out_type, scratch_types=[scratch[k] for k in names], grid=(batch, nc),
+    kernel = plgpu.kernel(body, out_type=out_type, scratch_types=[scratch[k] for k in names],
+                          grid=(batch // rows_per_program, nc),
                           grid_names=("b", "c"), interpret=plgpu.InterpretGPUParams() if cfg.interpret else False,
                           **params)
 

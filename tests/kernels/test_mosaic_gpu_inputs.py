@@ -21,11 +21,13 @@ from pallas_kernels.depth_attention import _backend, fused, fused_bwd_phase2, mo
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 CASES = [
-    # name, B, T, d, kernels, heads, gate, segment cut: three 64-token tiles (the reverse loop and
-    # the next tile's rows), a ragged last tile, two heads, a segment boundary inside the lag
-    # windows; mean fusion; one identity stream without a bank (AttnRes); T under the kernel
+    # name, B, T, d, kernels, heads, gate, segment cut: three 64-token tiles (the reverse loop
+    # and the next tile's rows), two heads, a segment boundary inside the lag windows; mean
+    # fusion, without segments, and two batch rows of whole tiles in one program (the second row
+    # must not see the first's d_E past its end: no segment mask hides it); one identity stream
+    # without a bank (AttnRes) and a ragged last tile; T under the kernel
     ("msar_gate_segments_heads2", 2, 150, 32, (0, 4, 8, 12), 2, True, 37),
-    ("msar_mean", 1, 64, 16, (0, 4, 8, 12), 1, False, None),
+    ("msar_mean", 2, 128, 16, (0, 4, 8, 12), 1, False, None),
     ("attnres_m1", 1, 70, 16, (0,), 1, True, None),
     ("T_shorter_than_kernel", 1, 7, 8, (0, 4, 8, 12), 1, True, 3),
 ]
@@ -77,9 +79,10 @@ def _summed(out, t_len):
         None if dw is None else jnp.sum(dw, 0))
 
 
-def _mosaic(args, kernels, heads, interpret=True, warpgroups=None):
-    return _summed(mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=heads,
-                                                     warpgroups=warpgroups, interpret=interpret), args[0].shape[1])
+def _mosaic(args, kernels, heads, interpret=True, warpgroups=None, rows_per_program=None):
+    return _summed(mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=heads, warpgroups=warpgroups,
+                                                     rows_per_program=rows_per_program, interpret=interpret),
+                   args[0].shape[1])
 
 
 def _check(got, want, tol):
@@ -126,6 +129,30 @@ def test_interpreted_inputs_kernel_loading_at_every_use_matches(monkeypatch, cas
     _check(_mosaic(args, kernels, heads), _pass3(args, kernels, heads, "interpret"), 1e-5)
 
 
+@pytest.mark.slow  # an option against the default (case 0's two rows already share a program there)
+@pytest.mark.parametrize("rows_per_program", [1, 2, 4])
+def test_interpreted_inputs_kernel_with_rows_per_program_matches(rows_per_program):
+    """Four batch rows in programs of one, two or four rows: each row's transposed conv starts
+    from zeros past its end (not the previous row's first tile), and the token sums of all the
+    rows add up."""
+    kernels, heads = (0, 4, 8, 12), 1
+    args = _inputs(4, 128, 16, kernels, heads, True, None)  # whole tiles: the last rows reach past the end
+    got = mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=heads,
+                                            rows_per_program=rows_per_program, interpret=True)
+    assert got[1].shape[0] == 4 // rows_per_program  # per-program partial sums
+    _check(_summed(got, 128), _pass3(args, kernels, heads, "interpret"), 1e-5)
+
+
+def test_rows_per_program_is_the_largest_divisor_of_the_batch():
+    assert mosaic_gpu.inputs_rows_per_program(64, 4) == 4
+    assert mosaic_gpu.inputs_rows_per_program(6, 4) == 3
+    assert mosaic_gpu.inputs_rows_per_program(7, 8) == 7
+    assert mosaic_gpu.inputs_rows_per_program(5, 4) == 1
+    assert mosaic_gpu.inputs_rows_per_program(2) == min(2, mosaic_gpu.INPUTS_ROWS_PER_PROGRAM)
+    with pytest.raises(ValueError, match="rows_per_program=3: must be one of"):
+        mosaic_gpu.inputs_rows_per_program(6, 3)
+
+
 def test_stream_groups_balance_the_carried_sums():
     layout = fused._stream_layout((0, 4, 8, 12))
     assert mosaic_gpu._stream_groups(layout, True, 2) == ((0, 3), (1, 2))  # 22 carried sums each
@@ -169,16 +196,21 @@ def test_which_choice_takes_the_inputs_kernel(monkeypatch, choice, auto_inputs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("warpgroups, reuse_loads", [(2, False), (3, False), (4, False), (2, True)])
-def test_gpu_inputs_kernel_matches_the_triton_pass(monkeypatch, warpgroups, reuse_loads):
-    """On a GPU: the compiled kernel (TMA's zero fill before token 0 and past the last tile)
-    against Triton's reverse-T pass (bf16 partial, segments, two heads, ragged T, the gate)."""
+@pytest.mark.parametrize("warpgroups, reuse_loads, rows_per_program, t_len",
+                         [(2, False, 4, 300), (3, False, 4, 300), (4, False, 4, 300), (2, True, 4, 300),
+                          (2, True, 4, 320), (2, True, 1, 320), (3, True, 2, 320), (2, True, 4, -320)])
+def test_gpu_inputs_kernel_matches_the_triton_pass(monkeypatch, warpgroups, reuse_loads, rows_per_program, t_len):
+    """On a GPU: the compiled kernel (TMA's zero fill before token 0 and past the last tile, at
+    each row of a program) against Triton's reverse-T pass (bf16 partial, segments, two heads,
+    the gate; four batch rows; ragged T, and whole tiles, whose last rows reach past the end;
+    ``-t_len``: without segments, whose masks would hide a row's reach into the next one)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     monkeypatch.setattr(mosaic_gpu, "INPUTS_REUSE_LOADS", reuse_loads)
     kernels, heads = (0, 4, 8, 12), 2
-    args = _inputs(2, 300, 256, kernels, heads, True, 77)
-    got = jax.jit(lambda *a: _mosaic(a, kernels, heads, interpret=False, warpgroups=warpgroups))(*args)
+    args = _inputs(4, abs(t_len), 256, kernels, heads, True, 77 if t_len > 0 else None)
+    got = jax.jit(lambda *a: _mosaic(a, kernels, heads, interpret=False, warpgroups=warpgroups,
+                                     rows_per_program=rows_per_program))(*args)
     want = jax.jit(lambda *a: _pass3(a, kernels, heads, "triton"))(*args)
     _check(got, want, 1e-5)
 
