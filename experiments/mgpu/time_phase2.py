@@ -27,6 +27,8 @@ reverse-T input kernel) in Triton and in Mosaic GPU (``mosaic_gpu.phase2_backwar
 to four warpgroups per program; with ``--reuse`` two and three warpgroups loading each lag and
 per-token row once per tile, ``INPUTS_REUSE_LOADS``). ``--rows``: the backward with pass 3 in Mosaic GPU (two
 warpgroups, loads reused) walking 1, 2, 4 and 8 batch rows per program (``INPUTS_ROWS_PER_PROGRAM``).
+``--split``: the forward as one Mosaic kernel, as the split form's two (``split=True``), and its
+scores kernel alone (``h`` unused: XLA drops the second; the floor printed is the whole forward's).
 ``--state-rows``: the backward, all three passes in Mosaic GPU,
 with the state kernel's sums stored through their own buffer and through its rows' buffer
 (``mosaic_gpu.STATE_SUMS_IN_ROWS``: one or two programs per SM)."""
@@ -250,6 +252,14 @@ def main():
                     variants[f"mosaic padded bd={bd}"] = ((lambda bd: lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
                         st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, windows="padded", block_d=bd,
                         **kw)[0])(bd), None)
+            if "--split" in sys.argv:  # one kernel against the split form, and its scores kernel alone (session 24)
+                variants, forms = {}, []
+                for label, split, scores_only in (("mosaic one kernel", False, False), ("mosaic split", True, False),
+                                                  ("mosaic split, scores only", True, True)):
+                    variants[label] = ((lambda split, scores_only: lambda st, x, b, q, g: (lambda out: (
+                        out[1][0] if scores_only else out[0]))(mosaic_gpu.phase2_fused_forward(
+                            st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, split=split, **kw)))(
+                        split, scores_only), None)
             for expand, windows, boxes, stats in forms:
                 label = f"mosaic {expand} {windows}" + (f" state {boxes}" if boxes else "") + (
                     f" gate stats {stats}" if stats else "")
@@ -263,7 +273,13 @@ def main():
                     mosaic_gpu.DEFAULT_STATE_BOXES = boxes or "one"  # read when the kernel is traced
                     f = jax.jit(fn)
                     got = f(state, x, bank, q, gate)
-                    err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
+                    if got.shape != want.shape:  # the scores alone: checked against the one-kernel forward's
+                        ref = jax.jit(lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
+                            st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, **kw)[1][0])(
+                            state, x, bank, q, gate)
+                        err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+                    else:
+                        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
                     ms = bench.timeit(f, state, x, bank, q, gate, reps=21, inner=5)[0] * 1e3
                     print(f"{label:28s} {ms:8.4f} ms  {floor_ms / ms:6.1%} of floor  rel err {err:.1e}", flush=True)
                 except Exception:  # noqa: BLE001

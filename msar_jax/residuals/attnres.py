@@ -143,14 +143,14 @@ class BlockDepthAttention(ResidualMechanism):
 
     def _gpu_kernels(self) -> str:
         """The ops' ``gpu_kernels``: the config's, except that ``"auto"`` becomes
-        ``"triton_forward"`` (the forward in Triton, the backward's Mosaic kernel kept) under
-        ``model.save_read_outputs``. There the backward's re-run of a read keeps only its scores
-        (the output ``h`` is saved), and XLA drops the Triton forward's gate passes, leaving its
-        scoring pass (0.48 ms per call at `base`), while the Mosaic GPU forward is one kernel that
-        runs whole (1.38 ms in the model; BENCHMARKS.md, kernels, session 16). Predicted from
-        those per-call figures, not yet timed as a step."""
+        ``"split_forward"`` (phase 2's Mosaic forward as two kernels, the scores and then the
+        rest) under ``model.save_read_outputs``. There the backward's re-run of a read keeps only
+        its scores (the output ``h`` is saved), so XLA drops the second kernel. Until session 24
+        this was ``"triton_forward"`` (Triton's scoring pass alone in the re-run), which at `base`
+        cost 118.8 ms per step against 103.6 for the one-kernel Mosaic forward run twice
+        (BENCHMARKS.md, kernels, session 24, call 1)."""
         choice = self.res_cfg.get("gpu_kernels", "auto")
-        return "triton_forward" if choice == "auto" and self.save_read_outputs else choice
+        return "split_forward" if choice == "auto" and self.save_read_outputs else choice
 
     def _lean_vjp(self, op) -> bool:
         """Run ``op`` without a checkpoint: it runs a Pallas kernel whose backward keeps only its

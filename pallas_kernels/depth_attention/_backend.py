@@ -11,7 +11,7 @@ from pallas_kernels.depth_attention import (conv_transpose, fused, fused_bwd_pha
                                             mosaic_gpu_bwd1, tiling, vjp)
 
 
-GPU_KERNELS = ("auto", "mosaic", "triton", "triton_forward")
+GPU_KERNELS = ("auto", "mosaic", "triton", "triton_forward", "split_forward")
 # whether "auto" takes phase 2's backward input kernel in Mosaic GPU (``mosaic_gpu.phase2_backward_inputs``):
 # 1.63 against Triton's 3.10 ms per call in the `base` step (two warpgroups per program), 1530.1 -> 1445.1 ms
 # (session 21, calls 4 and 10)
@@ -40,11 +40,15 @@ def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype,
     (AttnRes) ran the forward 0.235 against 0.209 ms, so it keeps Triton. ``"mosaic"``: always
     (interpreted off the GPU, as the tests run it; an error for a shape it does not take);
     ``"triton"``: never; ``"triton_forward"``: the forward in Triton, the backward's kernel as
-    ``"auto"`` (what a model saving its reads' outputs wants: its backward re-runs only the
-    forward's scoring pass, which Triton has as a call of its own). The unfused ``phase2``
-    (``fuse=None``) has the Triton kernels only."""
+    ``"auto"`` (its backward re-runs only the forward's scoring pass, which Triton has as a call
+    of its own); ``"split_forward"``: as ``"auto"``, with a Mosaic forward split in two kernels,
+    the scores and then the rest (``mosaic_gpu.phase2_fused_forward(split=True)``: what a model
+    saving its reads' outputs wants, whose re-run then runs the first alone). The unfused
+    ``phase2`` (``fuse=None``) has the Triton kernels only."""
     if choice == "triton_forward":
         choice = "triton" if kernel == "forward" else "auto"
+    if choice == "split_forward":
+        choice = "auto"
     if choice == "triton" or backend != "triton" or static.fuse is None:
         return False
     if choice == "auto" and (interpret or len(static.stream_kernels) == 1 or jnp.dtype(partial.dtype).itemsize > 2):
@@ -84,7 +88,7 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
     ``"transpose"`` (the wide form's transpose, ``mosaic_gpu_bwd1.sources_transpose``, against
     ``conv_transpose.sources_transpose``; ``AUTO_TRANSPOSE``).
 
-    ``"auto"`` (and ``"triton_forward"``, which concerns phase 2's forward): on a GPU (not in
+    ``"auto"`` (and ``"triton_forward"`` and ``"split_forward"``, which concern phase 2's forward): on a GPU (not in
     interpret mode), with several streams and 16-bit sources (as timed; float32 sources double
     the kernels' shared memory), whenever the kernel takes the shape. Measured on the H200 (BENCHMARKS.md, kernels, sessions 17-18): the scoring
     pass 3.18 against 4.82 ms per call at `base`'s shape (4 of 7 sources valid, 8 targets), 3.95
@@ -94,7 +98,7 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
     against 5.03-5.21 ms, session 18); with the padded ones (session 21, call 3) Mosaic's is, 3.81
     against 4.42 ms at `base` (float32 state: 4.04 against 6.79). One stream (AttnRes) is untimed and keeps Triton. ``"mosaic"``:
     always (an error for a shape it does not take); ``"triton"``: never."""
-    if choice == "triton_forward":
+    if choice in ("triton_forward", "split_forward"):
         choice = "auto"
     if choice == "triton" or backend != "triton":
         return False
@@ -192,7 +196,7 @@ def build(backend: str, native_platform: str):
             out, scores = mosaic_gpu.phase2_fused_forward(
                 state, partial, bank, query, include, gate_args, segment_ids, fuse=static.fuse,
                 stream_kernels=static.stream_kernels, heads=static.heads, eps=static.eps, gate_eps=static.gate_eps,
-                out_dtype=out_dtype, interpret=kw["interpret"],
+                out_dtype=out_dtype, split=gpu_kernels == "split_forward", interpret=kw["interpret"],
             )
             return (out, scores) if return_scores else out
         return fused.phase2_forward(

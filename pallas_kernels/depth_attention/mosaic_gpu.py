@@ -453,7 +453,7 @@ DEFAULT_GATE_STATS = "own_pass"
 def phase2_fused_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *, fuse: str,
                          stream_kernels: Sequence[int], heads: int, eps: float, gate_eps: float, out_dtype=F32,
                          block_d: int | None = None, expand: str | None = None, windows: str | None = None,
-                         gate_stats: str | None = None, interpret: bool = False):
+                         gate_stats: str | None = None, split: bool = False, interpret: bool = False):
     """``h[B, T, d]`` and the scores ``(dots[m, B, T, H], sumsq[m, B, T])``.
 
     ``state``: ``reference.SoftmaxState`` (``[m, B, T, H]`` max and denom, ``[m, B, T, d]`` acc,
@@ -463,14 +463,19 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     ``NotImplementedError`` when no chunk fits). ``expand``: how the streams are built from the
     lag windows (``EXPANDS``, ``_expand_all``; None: ``DEFAULT_EXPAND``). ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
     ``default_windows``). ``gate_stats``: where the gate's statistics are summed (``GATE_STATS``;
-    None: ``DEFAULT_GATE_STATS``). ``interpret``: run in Pallas' Mosaic GPU interpret mode (CPU
-    tests)."""
+    None: ``DEFAULT_GATE_STATS``). ``split``: two kernels (``FORWARD_PASSES``), the scores and
+    then the merge with the state, the gate and ``h``, the same values to the last bit; where
+    ``h`` is not used (the backward's re-run of a read whose output a model saved) XLA drops the
+    second, so the re-run reads the partial once and the state not at all. ``interpret``: run in
+    Pallas' Mosaic GPU interpret mode (CPU tests)."""
     expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows or default_windows("forward")).kind
     if expand not in EXPANDS:
         raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
     gate_stats = gate_stats or DEFAULT_GATE_STATS
     if gate_stats not in GATE_STATS:
         raise ValueError(f"gate_stats={gate_stats!r}: must be one of {GATE_STATS}")
+    if split and gate_stats == "in_scores":
+        raise ValueError("split=True: the scores kernel does not sum the gate's statistics (gate_stats='in_scores')")
     if fuse not in ("gate", "mean"):
         raise ValueError(f"fuse={fuse!r}: the Mosaic GPU phase 2 fuses the streams ('gate' or 'mean')")
     m, bt = len(stream_kernels), BLOCK_T
@@ -503,12 +508,16 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
         inputs.append(w_rows)
     if has_seg:
         inputs.append(sh.bits)
-    call = _kernel(_Config(batch=batch, t_pad=t_pad, d=d, stream_kernels=tuple(stream_kernels), heads=heads,
-                           block_d=bd, gate=gate, has_seg=has_seg, front=front, eps=float(eps),
-                           gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
-                           out_dtype=jnp.dtype(out_dtype), n_consts=consts.shape[0], expand=expand, windows=windows,
-                           state_boxes=_state_boxes(), gate_stats=gate_stats, interpret=bool(interpret)))
-    h, dots, sumsq = call(*inputs)
+    cfg = _Config(batch=batch, t_pad=t_pad, d=d, stream_kernels=tuple(stream_kernels), heads=heads,
+                  block_d=bd, gate=gate, has_seg=has_seg, front=front, eps=float(eps),
+                  gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
+                  out_dtype=jnp.dtype(out_dtype), n_consts=consts.shape[0], expand=expand, windows=windows,
+                  state_boxes=_state_boxes(), gate_stats=gate_stats, passes="all", interpret=bool(interpret))
+    if split:
+        dots, sumsq = _kernel(cfg._replace(passes="scores"))(*inputs)
+        (h,) = _kernel(cfg._replace(passes="merge"))(*inputs, dots, sumsq)
+    else:
+        h, dots, sumsq = _kernel(cfg)(*inputs)
     dots = jnp.moveaxis(dots.reshape(m, heads, batch, t_pad), 1, -1)[:, :, :t_len]
     return h[:, :t_len], (dots, sumsq[:, :, :t_len])
 
@@ -603,7 +612,14 @@ class _Config(NamedTuple):
     windows: str
     state_boxes: str
     gate_stats: str
+    passes: str  # FORWARD_PASSES
     interpret: bool
+
+
+# What one kernel of ``phase2_fused_forward`` runs: ``"all"`` (passes A-C, one kernel), or the
+# split form's two kernels, ``"scores"`` (pass A: the partial's scores alone, written out) and
+# ``"merge"`` (passes B-C from those scores: the merge with the state, the gate and ``h``)
+FORWARD_PASSES = ("all", "scores", "merge")
 
 
 @functools.lru_cache(maxsize=None)
@@ -628,8 +644,10 @@ def _kernel(cfg: _Config):
     col = plgpu.Layout.WGMMA.reduce(0)  # one value per channel
     tile = plgpu.Layout.WGMMA
     lags = _Lags.of(max_lag, cfg.windows)
+    scores_pass, merge_pass = cfg.passes in ("all", "scores"), cfg.passes in ("all", "merge")
 
-    n_in = 2 + (1 if has_seg else 0) + 1  # max, denom, (bits), constants
+    # max, denom, constants and the scores for the merge; the lag bits
+    n_in = (3 + 2 * (not scores_pass) if merge_pass else 0) + (1 if has_seg else 0)
     # the gate's statistics summed in pass A (``GATE_STATS``): pass A then also brings the state and W
     fused_stats = gate and cfg.gate_stats == "in_scores"
     arrivals_a = lags.count + has_bank + 1 + (_state_copies(m, cfg.state_boxes) + 1 if fused_stats else 0)
@@ -637,18 +655,18 @@ def _kernel(cfg: _Config):
     scratch = dict(
         xs=plgpu.SMEM((2, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
         bs=plgpu.SMEM((2, n_taps, bd), F32) if has_bank else None,
-        qs=plgpu.SMEM((2, m, bd), F32),
-        accs=_tile_smem(plgpu, (2, m, bt, bd), cfg.acc_dtype),
-        ws=plgpu.SMEM((2, m * m, bd), F32) if gate else None,
-        rows_s=plgpu.SMEM((2, mh, bt), F32),
+        qs=plgpu.SMEM((2, m, bd), F32) if scores_pass else None,
+        accs=_tile_smem(plgpu, (2, m, bt, bd), cfg.acc_dtype) if merge_pass or fused_stats else None,
+        ws=plgpu.SMEM((2, m * m, bd), F32) if gate and (merge_pass or fused_stats) else None,
+        rows_s=plgpu.SMEM((2, mh, bt), F32) if merge_pass else None,
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
-        scal_s=plgpu.SMEM((cfg.n_consts, bt), F32),
+        scal_s=plgpu.SMEM((cfg.n_consts, bt), F32) if merge_pass else None,
         dots_s=plgpu.SMEM((mh, bt), F32),
         ss_s=plgpu.SMEM((m, bt), F32),
-        h_s=_tile_smem(plgpu, (2, bt, bd), cfg.out_dtype),
-        bar_a=plgpu.Barrier(num_arrivals=arrivals_a, num_barriers=2),
-        bar_bc=plgpu.Barrier(num_arrivals=arrivals_bc, num_barriers=2),
-        bar_in=plgpu.Barrier(num_arrivals=n_in, num_barriers=1),
+        h_s=_tile_smem(plgpu, (2, bt, bd), cfg.out_dtype) if merge_pass else None,
+        bar_a=plgpu.Barrier(num_arrivals=arrivals_a, num_barriers=2) if scores_pass else None,
+        bar_bc=plgpu.Barrier(num_arrivals=arrivals_bc, num_barriers=2) if merge_pass else None,
+        bar_in=plgpu.Barrier(num_arrivals=n_in, num_barriers=1) if n_in else None,
     )
     scratch_names = [k for k, v in scratch.items() if v is not None]
 
@@ -657,21 +675,28 @@ def _kernel(cfg: _Config):
         x_ref, bank_ref, q_ref, acc_ref, pmax_ref, pden_ref, consts_ref = (next(it) for _ in range(7))
         w_ref = next(it) if gate else None
         bits_ref = next(it) if has_seg else None
-        h_ref, dots_ref, ss_ref = next(it), next(it), next(it)
+        dots_in, ss_in = (next(it), next(it)) if not scores_pass else (None, None)  # the split form's scores
+        h_ref = next(it) if merge_pass else None
+        dots_ref, ss_ref = (next(it), next(it)) if scores_pass else (None, None)
         sc = dict(zip(scratch_names, it))
         xs, bs, qs, accs, ws = (sc.get(k) for k in ("xs", "bs", "qs", "accs", "ws"))
         rows_s, bits_s, scal_s, dots_s, ss_s, h_s = (sc.get(k) for k in ("rows_s", "bits_s", "scal_s", "dots_s",
                                                                           "ss_s", "h_s"))
-        bar_a, bar_bc, bar_in = sc["bar_a"], sc["bar_bc"], sc["bar_in"]
+        bar_a, bar_bc, bar_in = sc.get("bar_a"), sc.get("bar_bc"), sc.get("bar_in")
         b, t = lax.axis_index("b"), lax.axis_index("t")
         t0 = t * bt
 
-        # ---- per-tile inputs: the state's max / denom rows, the lag bits, the constants
-        plgpu.copy_gmem_to_smem(pmax_ref.at[:, b, pl.ds(t0, bt)], rows_s.at[0], bar_in.at[0])
-        plgpu.copy_gmem_to_smem(pden_ref.at[:, b, pl.ds(t0, bt)], rows_s.at[1], bar_in.at[0])
+        # ---- per-tile inputs: the state's max / denom rows, the lag bits, the constants (and the
+        # scores, for the split form's merge)
+        if merge_pass:
+            plgpu.copy_gmem_to_smem(pmax_ref.at[:, b, pl.ds(t0, bt)], rows_s.at[0], bar_in.at[0])
+            plgpu.copy_gmem_to_smem(pden_ref.at[:, b, pl.ds(t0, bt)], rows_s.at[1], bar_in.at[0])
+            plgpu.copy_gmem_to_smem(consts_ref, scal_s, bar_in.at[0])
+        if not scores_pass:
+            plgpu.copy_gmem_to_smem(dots_in.at[:, b, pl.ds(t0, bt)], dots_s, bar_in.at[0])
+            plgpu.copy_gmem_to_smem(ss_in.at[:, b, pl.ds(t0, bt)], ss_s, bar_in.at[0])
         if has_seg:
             plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t0, bt)], bits_s, bar_in.at[0])
-        plgpu.copy_gmem_to_smem(consts_ref, scal_s, bar_in.at[0])
 
         def fetch(bar, with_state, with_query):
             def issue(c, slot):
@@ -691,7 +716,8 @@ def _kernel(cfg: _Config):
         def pipelined(bar, with_state, per_chunk, carry, with_query=False):
             return _pipelined(plgpu, fetch(bar, with_state, with_query), bar, nc, heads, per_chunk, carry)
 
-        plgpu.barrier_wait(bar_in.at[0])
+        if n_in:
+            plgpu.barrier_wait(bar_in.at[0])
         masks = _lag_masks_of(plgpu, bits_s, max_lag, bt, bd)
 
         def expand(slot):
@@ -727,13 +753,27 @@ def _kernel(cfg: _Config):
             return dots, sqs
 
         zero = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
-        per_head = lambda: [[zero] * heads for _ in range(m)]  # noqa: E731
-        carry = (per_head(), [zero] * m)
-        if fused_stats:
-            per_head_j = lambda: [[[zero] * heads for _ in range(m)] for _ in range(m)]  # noqa: E731
-            carry += ((per_head(), per_head(), per_head()), (per_head_j(), per_head_j()))
-        out = pipelined(bar_a, fused_stats, scores_chunk, carry, with_query=True)
-        dots, sqs = out[0], out[1]
+        if scores_pass:
+            per_head = lambda: [[zero] * heads for _ in range(m)]  # noqa: E731
+            carry = (per_head(), [zero] * m)
+            if fused_stats:
+                per_head_j = lambda: [[[zero] * heads for _ in range(m)] for _ in range(m)]  # noqa: E731
+                carry += ((per_head(), per_head(), per_head()), (per_head_j(), per_head_j()))
+            out = pipelined(bar_a, fused_stats, scores_chunk, carry, with_query=True)
+            dots, sqs = out[0], out[1]
+        else:  # the split form's merge: the scores its first kernel wrote
+            dots = [[plgpu.load(dots_s, r * heads + head, layout=row) for head in range(heads)] for r in range(m)]
+            sqs = [plgpu.load(ss_s, r, layout=row) for r in range(m)]
+        if not merge_pass:  # the split form's first kernel: the scores are its output
+            for r in range(m):
+                for head in range(heads):
+                    dots_s[r * heads + head] = dots[r][head]
+                ss_s[r] = sqs[r]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dots_s, dots_ref.at[:, b, pl.ds(t0, bt)])
+            plgpu.copy_smem_to_gmem(ss_s, ss_ref.at[:, b, pl.ds(t0, bt)])
+            plgpu.wait_smem_to_gmem(0)
+            return
 
         # the scores and the online-softmax merge with the phase-1 state: a, b per (stream, head)
         inc = plgpu.load(scal_s, 0, layout=row) > 0.5
@@ -752,11 +792,14 @@ def _kernel(cfg: _Config):
                 new_den = den * keep + pnew
                 coef_a[r].append(keep / new_den)
                 coef_b[r].append(pnew / new_den)
-                dots_s[r * heads + head] = dots[r][head]
-            ss_s[r] = sqs[r]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dots_s, dots_ref.at[:, b, pl.ds(t0, bt)])
-        plgpu.copy_smem_to_gmem(ss_s, ss_ref.at[:, b, pl.ds(t0, bt)])
+                if scores_pass:
+                    dots_s[r * heads + head] = dots[r][head]
+            if scores_pass:
+                ss_s[r] = sqs[r]
+        if scores_pass:
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(dots_s, dots_ref.at[:, b, pl.ds(t0, bt)])
+            plgpu.copy_smem_to_gmem(ss_s, ss_ref.at[:, b, pl.ds(t0, bt)])
 
         def merged(slot, r, head, e):
             """``z_r = a A_r + b E_r`` of the chunk in ``slot`` (Eq. 11, merged)."""
@@ -809,13 +852,13 @@ def _kernel(cfg: _Config):
         pipelined(bar_bc, True, fuse_chunk, 0)
         plgpu.wait_smem_to_gmem(0)
 
-    out_type = (
-        jax.ShapeDtypeStruct((batch, t_pad, d), cfg.out_dtype),
-        jax.ShapeDtypeStruct((mh, batch, t_pad), F32),
-        jax.ShapeDtypeStruct((m, batch, t_pad), F32),
-    )
-    return _jitted_kernel(plgpu, body, out_type, [scratch[k] for k in scratch_names],
-                          name="depth_attention_phase2_mosaic", batch=batch, t_pad=t_pad, interpret=cfg.interpret)
+    out_type = ([jax.ShapeDtypeStruct((batch, t_pad, d), cfg.out_dtype)] if merge_pass else []) + (
+        [jax.ShapeDtypeStruct((mh, batch, t_pad), F32), jax.ShapeDtypeStruct((m, batch, t_pad), F32)]
+        if scores_pass else [])
+    name = {"all": "depth_attention_phase2_mosaic", "scores": "depth_attention_phase2_scores_mosaic",
+            "merge": "depth_attention_phase2_merge_mosaic"}[cfg.passes]
+    return _jitted_kernel(plgpu, body, tuple(out_type), [scratch[k] for k in scratch_names],
+                          name=name, batch=batch, t_pad=t_pad, interpret=cfg.interpret)
 
 
 # --------------------------------------------------------------------------- backward

@@ -169,7 +169,9 @@ def test_option_errors_and_auto_off_the_gpu(monkeypatch):
     ("auto", (0,), False, False),  # one stream (AttnRes) keeps Triton
     ("mosaic", (0,), True, True),
     ("triton", (0, 4, 8, 12), False, False),
-    ("triton_forward", (0, 4, 8, 12), False, True),  # model.save_read_outputs
+    ("triton_forward", (0, 4, 8, 12), False, True),
+    ("split_forward", (0, 4, 8, 12), True, True),  # model.save_read_outputs: the forward as two kernels
+    ("split_forward", (0,), False, False),
 ])
 def test_which_kernels_each_choice_takes_on_a_gpu(choice, kernels, forward, backward_state):
     """``_backend._mosaic_phase2``'s choice for a compiled (not interpreted) GPU call at `base`'s
@@ -221,6 +223,38 @@ def test_gpu_mosaic_matches_reference(monkeypatch, case, state_dtype):
     _check_grads(got_grads, want_grads, 1e-4)
     # the forward is traced once for the value and once for the VJP (jit_vjp)
     assert set(calls) == {"phase2_fused_forward", "phase2_backward_state", "phase2_backward_inputs"}, calls
+
+
+def _forward(case, split, **opts):
+    _, batch, t_len, d, kernels, heads, include, cut, fuse = case
+    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
+    seg = None if cut is None else _segments(batch, t_len, cut)
+    return mosaic_gpu.phase2_fused_forward(state, partial.astype(jnp.bfloat16), bank, query, include,
+                                           gate if fuse == "gate" else None, seg, fuse=fuse, stream_kernels=kernels,
+                                           heads=heads, eps=1e-6, gate_eps=1e-6, split=split, **opts)
+
+
+@pytest.mark.parametrize("case", [pytest.param(CASES[0], id=CASES[0][0]),
+                                  pytest.param(CASES[1], id=CASES[1][0], marks=pytest.mark.slow)])
+def test_split_forward_gives_the_same_values(case):
+    """``split=True`` (the scores kernel, then the merge kernel from the scores it wrote) gives
+    ``h`` and the scores of the one-kernel forward to the last bit (interpreted; segments and a
+    ragged tile; two heads with the partial excluded)."""
+    one, split = _forward(case, False, interpret=True), _forward(case, True, interpret=True)
+    for got, want in zip(jax.tree.leaves(split), jax.tree.leaves(one), strict=True):
+        assert np.any(np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    with pytest.raises(ValueError, match="split=True"):
+        _forward(case, True, gate_stats="in_scores", interpret=True)
+
+
+@pytest.mark.slow  # two Mosaic GPU lowerings (about 30 s of CPU)
+def test_split_forward_lowers_for_sm90():
+    """Both kernels of the split forward lower for the H200; the scores kernel holds no state,
+    gate or output buffers."""
+    case = ("msar", 2, 128, 64, (0, 4, 8, 12), 1, True, 30, "gate")
+    text = jax.jit(lambda: _forward(case, True)).trace().lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu_v2") == 2
 
 
 @pytest.mark.slow  # options against the default (98 s on 2 cores); the default's oracle checks stay in the default suite
