@@ -4,6 +4,9 @@ kernels' XLA backward and with their Pallas backward (``kernel_backward="pallas"
 
 from __future__ import annotations
 
+import collections
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -147,8 +150,6 @@ def test_reads_run_their_forward_kernels_once_per_pass(monkeypatch, mechanism, s
     ``state_dtype="bfloat16"`` the kernels write and read the state and its cotangent in bf16
     (no float32 copy of either). The Triton kernels throughout (``gpu_kernels="triton"``): the
     counts are of Triton calls, whatever ``"auto"`` takes in Mosaic GPU."""
-    import collections
-    import re
     import types
 
     from jax._src.pallas.triton import gpu_info
@@ -218,6 +219,19 @@ def test_bf16_state_costs_less_accuracy_than_bf16_activations():
     assert 0 < max(errors(state, exact)) < 0.5 * max(errors(acts, exact))
 
 
+def _run_counting_kernels(cfg, marker: str, pattern: str, scale=0.3):
+    """Loss and gradients of ``cfg``'s model (``loss_and_grads_fn``) and, in its compiled
+    program, how many custom calls (lines holding ``marker``) carry each kernel name matching
+    ``pattern``. Matmuls in float32 throughout: with the GPU's default TF32 matmuls the
+    re-run's recomputed inputs differ from the forward's at 1e-3, and so would the gradients."""
+    fn, params = loss_and_grads_fn(cfg, scale=scale)
+    with jax.default_matmul_precision("highest"):
+        text = fn.lower(params).compile().as_text()
+        result = fn(params)
+    calls = [ln for ln in text.splitlines() if marker in ln]
+    return collections.Counter(name for ln in calls for name in set(re.findall(pattern, ln))), result
+
+
 @pytest.mark.gpu
 def test_saved_read_outputs_drop_the_rerun_read_kernels():
     """On a GPU (the compiled program: the jaxpr keeps every ``pallas_call``, XLA removes the
@@ -225,9 +239,6 @@ def test_saved_read_outputs_drop_the_rerun_read_kernels():
     sublayer's input from the forward pass, so phase 2's gate kernels run once per read instead
     of twice. The scoring kernel stays (its scores are the Pallas backward's residual), and so
     does phase 1 (its state feeds phase 2's backward). Same loss and gradients."""
-    import collections
-    import re
-
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     counts, results = {}, {}
@@ -235,16 +246,9 @@ def test_saved_read_outputs_drop_the_rerun_read_kernels():
         cfg = load_config("configs/msar.py:smoke=1,seq_len=64",
                           {"model.dtype": "float32", "model.n_layers": 4, "model.residual.block_size": 4,
                            "model.residual.implementation": "pallas_gpu", "model.save_read_outputs": save})
-        fn, params = loss_and_grads_fn(cfg)
-        # float32 products everywhere: with the GPU's default TF32 matmuls the re-run's
-        # recomputed inputs differ from the forward's at 1e-3, and so would the gradients
-        with jax.default_matmul_precision("highest"):
-            text = fn.lower(params).compile().as_text()
-            results[save] = fn(params)
         # one Triton custom call per kernel launch site (the name also appears in metadata)
-        calls = [ln for ln in text.splitlines() if "__gpu$xla.gpu.triton" in ln]
-        counts[save] = collections.Counter(
-            m for ln in calls for m in set(re.findall(r"depth_attention_(?:mix_stats|mix_gate|mix_acc|scores)", ln)))
+        counts[save], results[save] = _run_counting_kernels(
+            cfg, "__gpu$xla.gpu.triton", r"depth_attention_(?:mix_stats|mix_gate|mix_acc|scores)")
     off, on = counts[False], counts[True]
     for name in ("mix_stats", "mix_gate"):  # forward + re-run -> forward only
         assert off[f"depth_attention_{name}"] == 2 * on[f"depth_attention_{name}"] > 0, counts
@@ -265,9 +269,6 @@ def test_saved_read_outputs_run_only_the_scores_kernel_in_the_rerun():
     The parameters' noise is 0.1, not the usual 0.3: at 0.3 this model's bf16 gradients are 84%
     (relative L2) from its float32 ones on the CPU's XLA path too, 79-81% here (session 24, call
     3), where no comparison means anything; at 0.1, 3.9% on the CPU."""
-    import collections
-    import re
-
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     counts, results = {}, {}
@@ -277,13 +278,8 @@ def test_saved_read_outputs_run_only_the_scores_kernel_in_the_rerun():
                           {"model.dtype": dtype, "model.n_layers": 4, "model.residual.block_size": 4,
                            "model.d_model": 64, "model.residual.implementation": implementation,
                            "model.save_read_outputs": save is True})
-        fn, params = loss_and_grads_fn(cfg, scale=0.1)
-        with jax.default_matmul_precision("highest"):
-            text = fn.lower(params).compile().as_text()
-            results[save] = fn(params)
-        calls = [ln for ln in text.splitlines() if "custom_call_target=\"mosaic_gpu" in ln]
-        counts[save] = collections.Counter(
-            m for ln in calls for m in set(re.findall(r"depth_attention_phase2_(?:scores_|merge_)?mosaic", ln)))
+        counts[save], results[save] = _run_counting_kernels(
+            cfg, 'custom_call_target="mosaic_gpu', r"depth_attention_phase2_(?:scores_|merge_)?mosaic", scale=0.1)
     off, on = counts[False], counts[True]
     sites = off["depth_attention_phase2_mosaic"]
     assert sites > 0 and sites % 2 == 0 and "depth_attention_phase2_mosaic" not in on, counts
