@@ -12,7 +12,10 @@ the state twice, ``h`` written) at the measured copy bandwidth. Run on the GPU:
 2's forward + Pallas backward at `base` with each ``gpu_kernels`` instead; with ``--backward``,
 the whole Pallas backward with its passes 1-2 in Triton and in Mosaic GPU, with each
 ``mosaic_gpu.EXPANDS`` and ``mosaic_gpu.WINDOWS`` (``time_backward``;
-``--backward-smoke`` runs that on the CPU in interpret mode at a tiny shape). ``--base-only``:
+``--backward-smoke`` runs that on the CPU in interpret mode at a tiny shape; with ``--rows`` or
+``--inputs`` it can hang on a 2-core machine: session 24 saw one simulated warpgroup of the
+input kernel wait at a barrier forever while the other's jitted step never ran, in the first form
+one time and the fourth another, with the same kernel each time). ``--base-only``:
 `base`'s shape only; ``--msar-only``: no AttnRes rows. ``--state-boxes``: forward or backward,
 only the Mosaic default (shared, aligned) with each ``mosaic_gpu.STATE_BOXES`` (the state's
 chunk as one TMA copy per stream or one 3D box). ``--gate-stats``: the forward only, the Mosaic
