@@ -1,43 +1,66 @@
 """Phase 1's Mosaic GPU kernels at `base`'s shape (7 sources of which 4 valid, S = 8 targets,
-B x T = 64 x 1024, d = 1024, bf16 sources, float32 state; MSAR kernels (0, 4, 8, 12)), through
-one forward and Pallas backward of ``api.phase1`` with ``gpu_kernels="auto"`` (what the model
-runs). The Mosaic kernels launch in this order: the forward's scoring and mixing passes
-(``mosaic_gpu.phase1_scores``, ``phase1_mix``), then the backward's scoring pass, value dots,
-stream cotangents and transpose (``mosaic_gpu_bwd1.phase1_gdots``, ``phase1_dstreams``,
-``sources_transpose``). Meant to run under Nsight Compute, as ``ncu_phase2.py`` says::
+B x T = 64 x 1024, d = 1024, bf16 sources; MSAR kernels (0, 4, 8, 12), one head), each called
+once, directly, in this order: the scoring pass (``mosaic_gpu.phase1_scores``), the mixing pass
+writing a float32 state and then a bf16 one (``mosaic_gpu.phase1_mix``, one output per target as
+the model calls it), the backward's value dots and stream cotangents
+(``mosaic_gpu_bwd1.phase1_gdots``, ``phase1_dstreams``, float32 ``g_A``) and the expansion's
+transpose (``mosaic_gpu_bwd1.sources_transpose``). Every Mosaic GPU kernel is named
+``body_mosaic_gpu_kernel``, so the launch order tells them apart. Meant to run under Nsight
+Compute, as ``ncu_phase2.py`` says::
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:mosaic_gpu \\
-        --section SpeedOfLight --section Occupancy python3 experiments/mgpu/ncu_phase1.py
+        --section SpeedOfLight --section Occupancy --section LaunchStats \\
+        --section WarpStateStats --section SchedulerStats python3 experiments/mgpu/ncu_phase1.py
 
-``--interpret``: the same call in Mosaic GPU interpret mode at a tiny shape on the CPU (a smoke
-test of this script). Under ``ncu`` (with ``--section SpeedOfLight --section Occupancy --section
-LaunchStats --section SchedulerStats`` and the stall metrics) the process segfaulted 24 s in on
-the H200 in session 23, call 3; without ``ncu`` it has not run on the GPU."""
+Session 23's version ran one forward and Pallas backward of ``api.phase1`` under ``jax.grad``
+instead; under ``ncu`` its process segfaulted 24 s in (cause not established), so this one
+calls each kernel alone, with the random inputs of ``time_phase1_bwd.py``.
+``--interpret``: the same calls in Mosaic GPU interpret mode at a tiny shape on the CPU (a
+smoke test of this script)."""
 import sys
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.depth_attention import api
+from pallas_kernels.depth_attention import mosaic_gpu, mosaic_gpu_bwd1
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from time_phase1_scores import KERNELS, phase1_inputs  # noqa: E402
+KERNELS = (0, 4, 8, 12)
 
 
 def main():
     interpret = "--interpret" in sys.argv
     n, n_live, batch, t_len, d, n_targets = (3, 2, 1, 70, 64, 2) if interpret else (7, 4, 64, 1024, 1024, 8)
-    sources, banks, queries, valid = phase1_inputs(n, n_live, batch, t_len, d, n_targets)
-    kw = dict(stream_kernels=KERNELS, heads=1, implementation="pallas_gpu", backward="pallas",
-              gpu_kernels="mosaic" if interpret else "auto", per_target=True)
+    m, heads = len(KERNELS), 1
+    k = jax.random.split(jax.random.key(0), 8)
+    sources = jax.random.normal(k[0], (n, batch, t_len, d), jnp.bfloat16)
+    banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32)
+    queries = jax.random.normal(k[2], (n_targets, m, d), jnp.float32)
+    valid = jnp.arange(n) < n_live
+    p = jax.random.uniform(k[3], (n_targets, n, m, batch, t_len, heads)) * valid[None, :, None, None, None, None]
+    g_acc = [jax.random.normal(kk, (m, batch, t_len, d), jnp.float32) for kk in jax.random.split(k[4], n_targets)]
+    dsr = jax.random.normal(k[5], (n_targets, n, m, batch, t_len, heads))
+    w = jax.random.normal(k[6], (n, m, batch, t_len))
+    kw = dict(stream_kernels=KERNELS, heads=heads, interpret=interpret)
 
-    def loss(x, b, q):
-        states = api.phase1(x, b, q, valid, **kw)
-        return sum(jnp.sum(s.acc.astype(jnp.float32)) + jnp.sum(s.denom) for s in states)
+    def run(label, fn, *args):
+        out = jax.block_until_ready(jax.jit(fn)(*args))
+        if label.endswith("dstreams"):  # the rows of the sources ``valid`` rules out are not written
+            out = out[:n_live]
+        finite = all(bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))) for a in jax.tree.leaves(out))
+        print(f"{label}: {len(jax.tree.leaves(out))} outputs, all finite: {finite}", flush=True)
 
-    grads = jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(sources, banks, queries))
-    finite = all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads)
-    print(f"phase 1 forward + backward at {(n, batch, t_len, d)}: gradients finite: {finite}", flush=True)
+    run("1 scores", lambda x, b, q, v: mosaic_gpu.phase1_scores(x, b, q, None, v, **kw), sources, banks, queries, valid)
+    for i, dtype in ((2, jnp.float32), (3, jnp.bfloat16)):
+        run(f"{i} mix ({jnp.dtype(dtype).name} state)",
+            lambda x, b, pp, v, dtype=dtype: mosaic_gpu.phase1_mix(x, b, pp, None, v, out_dtype=dtype, per_target=True,
+                                                                   **kw), sources, banks, p, valid)
+    run("4 gdots", lambda x, b, ga, v: mosaic_gpu_bwd1.phase1_gdots(x, b, ga, None, v, **kw), sources, banks, g_acc,
+        valid)
+    run("5 dstreams", lambda x, b, q, ga, pp, ds, ww, v: mosaic_gpu_bwd1.phase1_dstreams(
+        x, b, q, ga, pp, ds, ww, None, v, out_dtype=jnp.bfloat16, **kw), sources, banks, queries, g_acc, p, dsr, w, valid)
+    d_streams = jax.random.normal(k[7], (n, m, batch, t_len, d), jnp.bfloat16)
+    run("6 transpose", lambda de, x, b, v: mosaic_gpu_bwd1.sources_transpose(
+        de, x, b, None, v, stream_kernels=KERNELS, interpret=interpret), d_streams, sources, banks, valid)
 
 
 if __name__ == "__main__":
