@@ -13,8 +13,10 @@ sources' ``dE``), relative to their largest magnitude; the floor: ``g_A`` and th
 read once and, for ``dstreams``, the live sources' ``dE`` (bf16) written once, at the measured
 copy bandwidth. Each Mosaic variant is (items in flight ``n_slots``, groups' ``g_A`` in shared
 memory ``group_slots``, ``regs``: ``GA_REGISTERS``), with its shared memory and how many
-programs fit on an SM: the defaults, or with ``--variants`` session 22's set. Run on the
-GPU: ``python experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants]``."""
+programs fit on an SM: the defaults, or with ``--variants`` session 22's set; ``--bd16``: each
+variant with 32- and 16-channel chunks (``block_d``); ``--store-groups``: gdots with its stores
+per (head, stream) committed once and once each (``mosaic_gpu.STORE_GROUPS``). Run on the GPU: ``python
+experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants] [--bd16]``."""
 import sys
 import traceback
 
@@ -22,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.depth_attention import bench, conv_transpose, fused, fused_bwd_phase1, mosaic_gpu_bwd1, tiling
+from time_phase2 import set_store_groups  # this folder, on the path when run as a script
 
 KERNELS = (0, 4, 8, 12)
 # (n_slots, group_slots, GA_REGISTERS)
@@ -32,11 +35,16 @@ if "--variants" in sys.argv:  # session 22, call 2
 SM_SMEM = 233472  # the H200's shared memory per SM (228 KiB), 1 KiB of it reserved per program
 
 
-def _variant_label(mode, n, n_targets, slots, groups, regs):
-    smem = mosaic_gpu_bwd1.smem_bytes(block_d=32, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
+CHUNKS = (32, 16) if "--bd16" in sys.argv else (32,)
+GROUPS = (True, False) if "--store-groups" in sys.argv else (True,)
+
+
+def _variant_label(mode, n, n_targets, slots, groups, regs, bd=32):
+    smem = mosaic_gpu_bwd1.smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
                                       acc_dtype=jnp.float32, n_targets=n_targets, n_sources=n, mode=mode,
                                       n_slots=slots, group_slots=groups)
-    return f"mosaic {mode} {slots}/{groups}{' regs' if regs else ''} ({smem // 1024} KB, {SM_SMEM // (smem + 1024)}/SM)"
+    return (f"mosaic {mode} {slots}/{groups}{' regs' if regs else ''}{f' bd={bd}' if bd != 32 else ''} "
+            f"({smem // 1024} KB, {SM_SMEM // (smem + 1024)}/SM)")
 
 
 def _timed(label, fn, args, want, floor_ms, rows=None):
@@ -92,12 +100,16 @@ def main():
         floor = (ga_bytes + x_bytes) / bw * 1e3
         print(f"# gdots: floor {floor:.4f} ms", flush=True)
         want = _timed("triton gdots", triton_gdots, (sources, banks, g_acc, valid), None, floor)
-        for slots, groups, regs in VARIANTS["gdots"]:
+        for (slots, groups, regs), bd, grouped in ((v, bd, g) for v in VARIANTS["gdots"] for bd in CHUNKS
+                                                    for g in GROUPS):
             mosaic_gpu_bwd1.GA_REGISTERS = regs  # read when the jitted function traces (first call in _timed)
-            fn = (lambda sl, gs: lambda x, b, ga, v: mosaic_gpu_bwd1.phase1_gdots(
-                x, b, ga, None, v, stream_kernels=KERNELS, heads=heads, n_slots=sl, group_slots=gs))(slots, groups)
-            _timed(_variant_label("gdots", n, n_targets, slots, groups, regs), fn, (sources, banks, g_acc, valid),
-                   want, floor)
+            set_store_groups(grouped)
+            fn = (lambda sl, gs, bd: lambda x, b, ga, v: mosaic_gpu_bwd1.phase1_gdots(
+                x, b, ga, None, v, stream_kernels=KERNELS, heads=heads, n_slots=sl, group_slots=gs, block_d=bd))(
+                slots, groups, bd)
+            _timed(_variant_label("gdots", n, n_targets, slots, groups, regs, bd)
+                   + ("" if len(GROUPS) == 1 else " grouped" if grouped else " one by one"), fn,
+                   (sources, banks, g_acc, valid), want, floor)
         del want
 
         def triton_dstreams(x, b, q, ga, p, dsr, w, v):
@@ -109,12 +121,12 @@ def main():
         print(f"# dstreams: floor {floor:.4f} ms", flush=True)
         args = (sources, banks, queries, g_acc, p, dsr, w, valid)
         want = _timed("triton dstreams", triton_dstreams, args, None, floor)
-        for slots, groups, regs in VARIANTS["dstreams"]:
+        for (slots, groups, regs), bd in ((v, bd) for v in VARIANTS["dstreams"] for bd in CHUNKS):
             mosaic_gpu_bwd1.GA_REGISTERS = regs
-            fn = (lambda sl, gs: lambda x, b, q, ga, p, dsr, w, v: mosaic_gpu_bwd1.phase1_dstreams(
+            fn = (lambda sl, gs, bd: lambda x, b, q, ga, p, dsr, w, v: mosaic_gpu_bwd1.phase1_dstreams(
                 x, b, q, ga, p, dsr, w, None, v, stream_kernels=KERNELS, heads=heads, out_dtype=jnp.bfloat16,
-                n_slots=sl, group_slots=gs))(slots, groups)
-            _timed(_variant_label("dstreams", n, n_targets, slots, groups, regs), fn, args, want, floor,
+                n_slots=sl, group_slots=gs, block_d=bd))(slots, groups, bd)
+            _timed(_variant_label("dstreams", n, n_targets, slots, groups, regs, bd), fn, args, want, floor,
                    rows=slice(0, n_live))
         del want
 

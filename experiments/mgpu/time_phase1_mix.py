@@ -16,6 +16,11 @@ Run on the GPU: ``python experiments/mgpu/time_phase1_mix.py [--bf16] [--base-on
 aligned windows against one window per chunk (``"single"``, Lane semantics; session 20), with
 its output tiles swizzled and plain. ``--single-slots``: one window per chunk with 2, 3 and 4 slots.
 ``--chunks``: the padded window with 32-channel chunks (3 slots) and 64 (2 and 3 slots).
+``--bd16``: the padded window with 32-channel chunks (3 slots) and 16 (3 and 4 slots; session 25:
+the 32-channel kernel holds 255 registers, so two programs per SM). ``--store-groups``: the
+default kernel with its 8 stores per chunk and stream committed once (``"grouped"``) and once
+each (``mosaic_gpu.STORE_GROUPS``), and spread over the next chunk and stream's items
+(``mosaic_gpu.MIX_SPREAD_STORES``).
 """
 import sys
 import traceback
@@ -24,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.depth_attention import bench, fused, mosaic_gpu, tiling
-from time_phase2 import PLAIN, set_lane_tile_swizzle  # this folder, on the path when run as a script
+from time_phase2 import PLAIN, set_lane_tile_swizzle, set_store_groups  # this folder, on the path as a script
 
 KERNELS = (0, 4, 8, 12)
 # (block_d, n_slots, windows); 16-channel chunks (slower, session 18 call 3) with --narrow
@@ -48,6 +53,10 @@ def main():
         mosaic_variants = ((32, 2, "single"), (32, 3, "single"), (32, 4, "single"))
     if "--chunks" in sys.argv:  # the padded window with 32- and 64-channel chunks (session 21)
         mosaic_variants = ((32, 3, "padded"), (64, 2, "padded"), (64, 3, "padded"))
+    if "--bd16" in sys.argv:  # the padded window with 32- and 16-channel chunks (session 25)
+        mosaic_variants = ((32, 3, "padded"), (16, 3, "padded"), (16, 4, "padded"))
+    if "--store-groups" in sys.argv:  # the default, its stores committed once per group and once each
+        mosaic_variants = ((32, 3, "padded", "grouped"), (32, 3, "padded", "one by one"), (32, 3, "padded", "spread"))
     if "--base-only" in sys.argv:
         shapes = shapes[:1]
     bw = bench.copy_bandwidth()
@@ -73,8 +82,8 @@ def main():
                 return [a[..., :t_len, :] for a in out]
 
             variants = {"triton": triton}
-            for bd, slots, windows in mosaic_variants + (NARROW_VARIANTS if "--narrow" in sys.argv else ()):
-                label = f"mosaic bd={bd} n_slots={slots} {windows}"
+            for bd, slots, windows, *stores in mosaic_variants + (NARROW_VARIANTS if "--narrow" in sys.argv else ()):
+                label = f"mosaic bd={bd} n_slots={slots} {windows}" + "".join(f" stores {s}" for s in stores)
                 windows = "single" if windows == PLAIN else windows
                 smem = mosaic_gpu.mix_smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
                                                  out_dtype=dtype, n_targets=n_targets, n_slots=slots, windows=windows)
@@ -92,6 +101,8 @@ def main():
             for label, fn in variants.items():
                 try:
                     set_lane_tile_swizzle(PLAIN not in label)
+                    set_store_groups("one by one" not in label)
+                    mosaic_gpu.MIX_SPREAD_STORES = "spread" in label  # part of the kernel's key
                     f = jax.jit(fn)
                     got = f(sources, banks, p, valid)
                     if want is None:

@@ -9,7 +9,9 @@ each after warm-up (``bench.timeit``); the error of the Mosaic outputs against T
 relative to their largest magnitude; the floor: the live sources read once at the measured
 copy bandwidth (the pass is compute-bound well above it). Run on the GPU:
 ``python experiments/mgpu/time_phase1_scores.py [--base-only]``; ``--chunks``: the padded
-windows with 32- and 64-channel chunks."""
+windows with 32- and 64-channel chunks; ``--bd16``: with 32- and 16-channel chunks;
+``--store-groups``: the default with its two stores per source committed once and once each
+(``mosaic_gpu.STORE_GROUPS``)."""
 import sys
 import traceback
 
@@ -17,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.depth_attention import bench, fused, mosaic_gpu, tiling
+from time_phase2 import set_store_groups  # this folder, on the path when run as a script
 
 KERNELS = (0, 4, 8, 12)
 
@@ -59,6 +62,14 @@ def main():
         chunk_sizes = (None,)
         if "--chunks" in sys.argv:  # the padded window with 32- and 64-channel chunks (session 21)
             variants, forms, chunk_sizes = {}, [("shared", "padded")], (32, 64)
+        if "--bd16" in sys.argv:  # the padded windows with 32- and 16-channel chunks (session 25)
+            variants, forms, chunk_sizes = {}, [("shared", "padded")], (32, 16)
+        if "--store-groups" in sys.argv:
+            variants, forms = {}, []
+            for grouped in (True, False):
+                variants[f"mosaic stores {'grouped' if grouped else 'one by one'}"] = (
+                    lambda g: lambda x, b, q, v: (set_store_groups(g), mosaic_gpu.phase1_scores(
+                        x, b, q, None, v, stream_kernels=KERNELS, heads=1))[1])(grouped)
         for expand, windows in forms:
             for bd in chunk_sizes:
                 label = f"mosaic {expand} {windows}" + (f" bd={bd}" if bd else "")

@@ -58,6 +58,16 @@ def set_lane_tile_swizzle(on: bool):
         build.cache_clear()
 
 
+def set_store_groups(on: bool):
+    """``mosaic_gpu.STORE_GROUPS`` for phase 1's kernels built from now on (the built ones are
+    dropped: the flag is not part of their cache keys)."""
+    from pallas_kernels.depth_attention import mosaic_gpu_bwd1
+
+    mosaic_gpu.STORE_GROUPS = on
+    for build in (mosaic_gpu._scores_kernel, mosaic_gpu._mix_kernel, mosaic_gpu_bwd1._kernel):
+        build.cache_clear()
+
+
 PLAIN = "single, plain tiles"  # windows="single" with LANE_TILE_SWIZZLE off (a label, not a WINDOWS value)
 
 

@@ -38,7 +38,8 @@ from jax.experimental import pallas as pl
 from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu import (
     BLOCK_T, F32, MAX_LAG_BITS, _cols, _expand_item, _jitted_kernel, _Lags, _lag_masks_of, _LanePlgpu, _pad_rows4,
-    _plgpu_for, _rows, _rows4, _shape, _tile_smem, _valid_first, _window_elems, default_windows, lag_bits,
+    _plgpu_for, _rows, _rows4, _shape, _store_group, _tile_smem, _valid_first, _window_elems, default_windows,
+    lag_bits,
 )
 
 MODES = ("gdots", "dstreams")
@@ -368,9 +369,8 @@ def _kernel(cfg: _Config):
 
                 lax.fori_loop(0, nch, chunk_body, 0)
                 if gdots:
-                    for i in range(n):
-                        plgpu.copy_smem_to_gmem(dots_s.at[i], out_ref.at[i, pl.ds((r * heads + head) * n_targets,
-                                                                                  n_targets), b, rows])
+                    _store_group(plgpu, ((dots_s.at[i], out_ref.at[i, pl.ds((r * heads + head) * n_targets, n_targets),
+                                                                   b, rows]) for i in range(n)))
         plgpu.wait_smem_to_gmem(0)
 
     if gdots:

@@ -124,6 +124,33 @@ def test_interpreted_mix_matches_direct_sum(n, batch, t_len, d, n_targets, heads
         _check_tree(got.astype(jnp.float32), want, 1e-2 if out_dtype == jnp.bfloat16 else F32_TOL)
 
 
+@pytest.mark.parametrize("valid", [(True, False, True), (False, False, False)])
+def test_mix_store_orders_agree(monkeypatch, valid):
+    """The output stores spread over the next group's items (``MIX_SPREAD_STORES``) and committed
+    one by one rather than as one group (``STORE_GROUPS``) write bitwise the same states, also
+    when no source is valid (no items to issue the spread stores)."""
+    n, batch, t_len, d, n_targets, heads = 3, 1, 70, 64, 3, 2
+    sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
+    p = jax.random.uniform(jax.random.key(7), (n_targets, n, len(KERNELS), batch, t_len, heads), minval=0.1)
+    p = p * jnp.asarray(valid)[None, :, None, None, None, None]
+
+    def run(spread, groups):
+        monkeypatch.setattr(mosaic_gpu, "MIX_SPREAD_STORES", spread)
+        monkeypatch.setattr(mosaic_gpu, "STORE_GROUPS", groups)
+        mosaic_gpu._mix_kernel.cache_clear()  # STORE_GROUPS is read when a kernel is built
+        return np.asarray(mosaic_gpu.phase1_mix(sources, banks, p, _segments(batch, t_len, 37), jnp.asarray(valid),
+                                                stream_kernels=KERNELS, heads=heads, interpret=True))
+
+    want = run(False, True)
+    for spread, groups in ((True, True), (False, False)):
+        np.testing.assert_array_equal(run(spread, groups), want)
+    mosaic_gpu._mix_kernel.cache_clear()
+    if any(valid):
+        assert np.any(want)
+    else:
+        assert not np.any(want)
+
+
 def test_mix_errors():
     sources, banks, _ = _phase1_inputs(2, 1, 8, 32, 1, KERNELS)
     p = jnp.ones((1, 2, 4, 1, 8, 1))
@@ -235,12 +262,14 @@ def test_gpu_phase1_scores_match_triton():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_phase1_mix_matches_triton(state_dtype):
+@pytest.mark.parametrize("state_dtype, spread", [(jnp.float32, False), (jnp.bfloat16, False), (jnp.float32, True)])
+def test_gpu_phase1_mix_matches_triton(monkeypatch, state_dtype, spread):
     """On a GPU: the compiled mixing kernel against the compiled Triton one (bf16 sources, a
-    source ruled out, segments, two heads, ragged T, one output per target)."""
+    source ruled out, segments, two heads, ragged T, one output per target), its stores issued
+    at each group's end and spread over the next group's items (``MIX_SPREAD_STORES``)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
+    monkeypatch.setattr(mosaic_gpu, "MIX_SPREAD_STORES", spread)
     n, batch, t_len, d, n_targets, heads = 4, 3, 300, 256, 8, 2
     sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
     seg, valid = _segments(batch, t_len, 77), jnp.asarray([True, True, False, True])
