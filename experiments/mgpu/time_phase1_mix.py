@@ -19,8 +19,8 @@ its output tiles swizzled and plain. ``--single-slots``: one window per chunk wi
 ``--bd16``: the padded window with 32-channel chunks (3 slots) and 16 (3 and 4 slots; session 25:
 the 32-channel kernel holds 255 registers, so two programs per SM). ``--store-groups``: the
 default kernel with its 8 stores per chunk and stream committed once (``"grouped"``) and once
-each (``mosaic_gpu.STORE_GROUPS``), and spread over the next chunk and stream's items
-(``mosaic_gpu.MIX_SPREAD_STORES``).
+each (``mosaic_gpu.STORE_GROUPS``). (Session 25, call 4 also timed them spread over the next
+chunk and stream's items, at commit a4a473d: 1.4-1.8x slower; that option is gone.)
 """
 import sys
 import traceback
@@ -56,7 +56,7 @@ def main():
     if "--bd16" in sys.argv:  # the padded window with 32- and 16-channel chunks (session 25)
         mosaic_variants = ((32, 3, "padded"), (16, 3, "padded"), (16, 4, "padded"))
     if "--store-groups" in sys.argv:  # the default, its stores committed once per group and once each
-        mosaic_variants = ((32, 3, "padded", "grouped"), (32, 3, "padded", "one by one"), (32, 3, "padded", "spread"))
+        mosaic_variants = ((32, 3, "padded", "grouped"), (32, 3, "padded", "one by one"))
     if "--base-only" in sys.argv:
         shapes = shapes[:1]
     bw = bench.copy_bandwidth()
@@ -102,7 +102,6 @@ def main():
                 try:
                     set_lane_tile_swizzle(PLAIN not in label)
                     set_store_groups("one by one" not in label)
-                    mosaic_gpu.MIX_SPREAD_STORES = "spread" in label  # part of the kernel's key
                     f = jax.jit(fn)
                     got = f(sources, banks, p, valid)
                     if want is None:

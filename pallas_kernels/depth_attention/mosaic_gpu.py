@@ -1305,11 +1305,6 @@ def _scores_kernel(cfg: _ScoresConfig):
 # float32 state with the aligned windows (194 KB) and ran 5.18 against 5.60 ms with 2 at `base`
 # (session 18, call 4); with ``windows="per_lag"`` a float32 state needs ``n_slots=2``.
 MIX_SLOTS = 3
-# whether ``phase1_mix`` issues a (chunk, stream)'s ``S`` output stores spread over the next one's
-# items (about ``S / n_live`` per item) rather than all at its end: Nsight Compute found 20% of the
-# pass's warp samples waiting for items' copies and 7% stalled issuing the stores, which share each
-# SM's TMA unit with those copies (session 25, call 3). Read when the kernel is built.
-MIX_SPREAD_STORES = False
 # ``phase1_mix``'s channel chunks, first choice first (``choose_block_d``)
 MIX_BLOCK_D_CHOICES = (32,)
 
@@ -1369,8 +1364,7 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
                                   heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
                                   has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                                   out_dtype=jnp.dtype(out_dtype), per_target=bool(per_target), n_slots=n_slots,
-                                  windows=windows, interpret=bool(interpret),
-                                  spread_stores=bool(MIX_SPREAD_STORES)))
+                                  windows=windows, interpret=bool(interpret)))
     out = call(*inputs)
     cut = lambda a: a[..., :t_len, :]  # noqa: E731
     return [cut(a) for a in out] if per_target else cut(out)
@@ -1396,7 +1390,6 @@ class _MixConfig(NamedTuple):
     n_slots: int
     windows: str
     interpret: bool
-    spread_stores: bool = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -1470,16 +1463,6 @@ def _mix_kernel(cfg: _MixConfig):
         def expand(r, slot):
             return _expand_item(plgpu, lags, xs, bss[r] if taps[r] else None, slot, stream_kernels[r], masks, bt, bd)
 
-        def store(s, g, commit_group=True):
-            """Target ``s``'s tile of group ``g`` (chunk ``g // m``, stream ``g % m``) from the staging."""
-            r, cs = lax.rem(g, m), pl.ds((g // m) * bd, bd)
-            dst = outs[s].at[r, b, rows, cs] if cfg.per_target else outs[0].at[s, r, b, rows, cs]
-            plgpu.copy_smem_to_gmem(out_s.at[s], dst, commit_group=commit_group)
-
-        def store_all(g):
-            for s in range(n_targets):
-                store(s, g, commit_group=not STORE_GROUPS or s == n_targets - 1)
-
         for k in range(n_slots):
             fetch(k)
         zero = plgpu.layout_cast(jnp.zeros((bt, bd), F32), tile)
@@ -1487,9 +1470,8 @@ def _mix_kernel(cfg: _MixConfig):
 
             def chunk_body(c, carry, head=head):
                 for r in range(m):
-                    g = c * m + r  # this group; with ``spread_stores``, group g - 1's stores are still to issue
 
-                    def source_body(j, accs, r=r, g=g):
+                    def source_body(j, accs, r=r):
                         f = c * per_chunk + r * n_live + j
                         slot = lax.rem(f, n_slots)
                         plgpu.barrier_wait(bars[r].at[slot])
@@ -1497,25 +1479,21 @@ def _mix_kernel(cfg: _MixConfig):
                         accs = [accs[s] + _rows(plgpu.load(ps, (slot, s * heads + head), layout=row), bt, bd) * e
                                 for s in range(n_targets)]
                         fetch(f + n_slots)
-                        if cfg.spread_stores:  # item j issues the last group's stores s with s n_live // S = j
-                            for s in range(n_targets):
-                                pl.when((g > 0) & ((s * n_live) // n_targets == j))(functools.partial(store, s, g - 1))
                         return accs
 
                     accs = lax.fori_loop(0, n_live, source_body, [zero] * n_targets)
-                    if cfg.spread_stores:  # no items, nothing issued them
-                        pl.when((g > 0) & (n_live == 0))(functools.partial(store_all, g - 1))
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores have read the staging
                     for s in range(n_targets):
                         out_s[s] = accs[s].astype(out_s.dtype)
                     plgpu.commit_smem()
-                    if not cfg.spread_stores:
-                        store_all(g)
+                    # issued all at once: spread over the next chunk and stream's items (a few per
+                    # item) they made the pass 1.4-1.8x slower (session 25, call 4)
+                    cs = pl.ds(c * bd, bd)
+                    _store_group(plgpu, ((out_s.at[s], outs[s].at[r, b, rows, cs] if cfg.per_target
+                                          else outs[0].at[s, r, b, rows, cs]) for s in range(n_targets)))
                 return carry
 
             lax.fori_loop(head * nch, (head + 1) * nch, chunk_body, 0)
-        if cfg.spread_stores:
-            store_all(nc * m - 1)
         plgpu.wait_smem_to_gmem(0)
 
     if cfg.per_target:

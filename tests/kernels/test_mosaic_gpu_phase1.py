@@ -125,25 +125,22 @@ def test_interpreted_mix_matches_direct_sum(n, batch, t_len, d, n_targets, heads
 
 
 @pytest.mark.parametrize("valid", [(True, False, True), (False, False, False)])
-def test_mix_store_orders_agree(monkeypatch, valid):
-    """The output stores spread over the next group's items (``MIX_SPREAD_STORES``) and committed
-    one by one rather than as one group (``STORE_GROUPS``) write bitwise the same states, also
-    when no source is valid (no items to issue the spread stores)."""
+def test_mix_store_groups_agree(monkeypatch, valid):
+    """The output stores committed one by one rather than as one group per chunk and stream
+    (``STORE_GROUPS``) write bitwise the same states, also when no source is valid."""
     n, batch, t_len, d, n_targets, heads = 3, 1, 70, 64, 3, 2
     sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
     p = jax.random.uniform(jax.random.key(7), (n_targets, n, len(KERNELS), batch, t_len, heads), minval=0.1)
     p = p * jnp.asarray(valid)[None, :, None, None, None, None]
 
-    def run(spread, groups):
-        monkeypatch.setattr(mosaic_gpu, "MIX_SPREAD_STORES", spread)
+    def run(groups):
         monkeypatch.setattr(mosaic_gpu, "STORE_GROUPS", groups)
         mosaic_gpu._mix_kernel.cache_clear()  # STORE_GROUPS is read when a kernel is built
         return np.asarray(mosaic_gpu.phase1_mix(sources, banks, p, _segments(batch, t_len, 37), jnp.asarray(valid),
                                                 stream_kernels=KERNELS, heads=heads, interpret=True))
 
-    want = run(False, True)
-    for spread, groups in ((True, True), (False, False)):
-        np.testing.assert_array_equal(run(spread, groups), want)
+    want = run(True)
+    np.testing.assert_array_equal(run(False), want)
     mosaic_gpu._mix_kernel.cache_clear()
     if any(valid):
         assert np.any(want)
@@ -262,14 +259,12 @@ def test_gpu_phase1_scores_match_triton():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("state_dtype, spread", [(jnp.float32, False), (jnp.bfloat16, False), (jnp.float32, True)])
-def test_gpu_phase1_mix_matches_triton(monkeypatch, state_dtype, spread):
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_phase1_mix_matches_triton(state_dtype):
     """On a GPU: the compiled mixing kernel against the compiled Triton one (bf16 sources, a
-    source ruled out, segments, two heads, ragged T, one output per target), its stores issued
-    at each group's end and spread over the next group's items (``MIX_SPREAD_STORES``)."""
+    source ruled out, segments, two heads, ragged T, one output per target)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    monkeypatch.setattr(mosaic_gpu, "MIX_SPREAD_STORES", spread)
     n, batch, t_len, d, n_targets, heads = 4, 3, 300, 256, 8, 2
     sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
     seg, valid = _segments(batch, t_len, 77), jnp.asarray([True, True, False, True])
