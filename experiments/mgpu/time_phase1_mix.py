@@ -20,7 +20,7 @@ its output tiles swizzled and plain. ``--single-slots``: one window per chunk wi
 the 32-channel kernel holds 255 registers, so two programs per SM). ``--store-groups``: the
 default kernel with its 8 stores per chunk and stream committed once (``"grouped"``) and once
 each (``mosaic_gpu.STORE_GROUPS``). (Session 25, call 4 also timed them spread over the next
-chunk and stream's items, at commit a4a473d: 1.4-1.8x slower; that option is gone.)
+chunk and stream's items, at commit a4a473d: 1.3-1.8x slower; that option is gone.)
 """
 import sys
 import traceback

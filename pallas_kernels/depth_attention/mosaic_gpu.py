@@ -1487,7 +1487,7 @@ def _mix_kernel(cfg: _MixConfig):
                         out_s[s] = accs[s].astype(out_s.dtype)
                     plgpu.commit_smem()
                     # issued all at once: spread over the next chunk and stream's items (a few per
-                    # item) they made the pass 1.4-1.8x slower (session 25, call 4)
+                    # item) they made the pass 1.3-1.8x slower (session 25, call 4)
                     cs = pl.ds(c * bd, bd)
                     _store_group(plgpu, ((out_s.at[s], outs[s].at[r, b, rows, cs] if cfg.per_target
                                           else outs[0].at[s, r, b, rows, cs]) for s in range(n_targets)))
