@@ -19,7 +19,8 @@ its output tiles swizzled and plain. ``--single-slots``: one window per chunk wi
 ``--bd16``: the padded window with 32-channel chunks (3 slots) and 16 (3 and 4 slots; session 25:
 the 32-channel kernel holds 255 registers, so two programs per SM). ``--store-groups``: the
 default kernel with its 8 stores per chunk and stream committed once (``"grouped"``) and once
-each (``mosaic_gpu.STORE_GROUPS``). (Session 25, call 4 also timed them spread over the next
+each (``mosaic_gpu.STORE_GROUPS``). ``--attnres``: AttnRes's single stream (kernels ``(0,)``, no bank),
+Triton against the Mosaic default. (Session 25, call 4 also timed them spread over the next
 chunk and stream's items, at commit a4a473d: 1.3-1.8x slower; that option is gone.)
 """
 import sys
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 from pallas_kernels.depth_attention import bench, fused, mosaic_gpu, tiling
 from time_phase2 import PLAIN, set_lane_tile_swizzle, set_store_groups  # this folder, on the path as a script
 
-KERNELS = (0, 4, 8, 12)
+KERNELS = (0,) if "--attnres" in sys.argv else (0, 4, 8, 12)
 # (block_d, n_slots, windows); 16-channel chunks (slower, session 18 call 3) with --narrow
 MOSAIC_VARIANTS = ((32, 2, "per_lag"), (32, 3, "per_lag"), (32, 2, "aligned"), (32, 3, "aligned"))
 NARROW_VARIANTS = ((16, 2, "per_lag"), (16, 3, "per_lag"), (16, 4, "per_lag"))
@@ -55,6 +56,8 @@ def main():
         mosaic_variants = ((32, 3, "padded"), (64, 2, "padded"), (64, 3, "padded"))
     if "--bd16" in sys.argv:  # the padded window with 32- and 16-channel chunks (session 25)
         mosaic_variants = ((32, 3, "padded"), (16, 3, "padded"), (16, 4, "padded"))
+    if "--attnres" in sys.argv:  # one stream: Triton (what "auto" takes for it) and the Mosaic default
+        mosaic_variants = ((32, 3, "padded"),)
     if "--store-groups" in sys.argv:  # the default, its stores committed once per group and once each
         mosaic_variants = ((32, 3, "padded", "grouped"), (32, 3, "padded", "one by one"))
     if "--base-only" in sys.argv:
@@ -65,9 +68,9 @@ def main():
         m = len(KERNELS)
         k = jax.random.split(jax.random.key(0), 3)
         sources = jax.random.normal(k[0], (n, batch, t_len, d), jnp.bfloat16)
-        banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32)
+        banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32) if any(KERNELS) else None
         valid = jnp.arange(n) < n_live
-        tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=max(KERNELS), n_targets=n_targets, backend="triton",
+        tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=max([1, *KERNELS]), n_targets=n_targets, backend="triton",
                                     n_streams=m)
         t_pad, _ = fused._prepare(t_len, None, tiles)
         p = jax.random.uniform(k[2], (n_targets, n, m, batch, t_pad, 1)) * valid[None, :, None, None, None, None]

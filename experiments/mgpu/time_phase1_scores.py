@@ -9,7 +9,8 @@ each after warm-up (``bench.timeit``); the error of the Mosaic outputs against T
 relative to their largest magnitude; the floor: the live sources read once at the measured
 copy bandwidth (the pass is compute-bound well above it). Run on the GPU:
 ``python experiments/mgpu/time_phase1_scores.py [--base-only]``; ``--chunks``: the padded
-windows with 32- and 64-channel chunks; ``--bd16``: with 32- and 16-channel chunks;
+windows with 32- and 64-channel chunks; ``--bd16``: with 32- and 16-channel chunks; ``--attnres``:
+AttnRes's single stream (kernels ``(0,)``, no bank), Triton against the Mosaic default;
 ``--store-groups``: the default with its two stores per source committed once and once each
 (``mosaic_gpu.STORE_GROUPS``)."""
 import sys
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from pallas_kernels.depth_attention import bench, fused, mosaic_gpu, tiling
 from time_phase2 import set_store_groups  # this folder, on the path when run as a script
 
-KERNELS = (0, 4, 8, 12)
+KERNELS = (0,) if "--attnres" in sys.argv else (0, 4, 8, 12)
 
 
 def phase1_inputs(n, n_live, batch, t_len, d, n_targets):
@@ -30,7 +31,7 @@ def phase1_inputs(n, n_live, batch, t_len, d, n_targets):
     later ones)."""
     k = jax.random.split(jax.random.key(0), 3)
     sources = jax.random.normal(k[0], (n, batch, t_len, d), jnp.bfloat16)
-    banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32)
+    banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32) if any(KERNELS) else None
     queries = jax.random.normal(k[2], (n_targets, len(KERNELS), d), jnp.float32)
     return sources, banks, queries, jnp.arange(n) < n_live
 
@@ -44,7 +45,7 @@ def main():
         m = len(KERNELS)
         sources, banks, queries, valid = phase1_inputs(n, n_live, batch, t_len, d, n_targets)
         floor_ms = n_live * batch * t_len * d * 2 / bw * 1e3
-        tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=max(KERNELS), n_targets=n_targets, backend="triton",
+        tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=max([1, *KERNELS]), n_targets=n_targets, backend="triton",
                                     n_streams=m)
         t_pad, _ = fused._prepare(t_len, None, tiles)
 
@@ -64,6 +65,8 @@ def main():
             variants, forms, chunk_sizes = {}, [("shared", "padded")], (32, 64)
         if "--bd16" in sys.argv:  # the padded windows with 32- and 16-channel chunks (session 25)
             variants, forms, chunk_sizes = {}, [("shared", "padded")], (32, 16)
+        if "--attnres" in sys.argv:  # one stream: Triton (what "auto" takes for it) and the Mosaic default
+            forms = [("shared", "padded")]
         if "--store-groups" in sys.argv:
             variants, forms = {}, []
             for grouped in (True, False):
