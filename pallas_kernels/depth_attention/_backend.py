@@ -24,6 +24,14 @@ AUTO_PHASE1_BWD = True
 # 3.20 against Triton's 6.30 ms per call at `base`, 2.98 in the step, which went 1415.3 -> 1384.9 ms; its
 # GPU test against Triton's passed (session 22, call 5; session 23, call 1)
 AUTO_TRANSPOSE = True
+# phase 1's passes that "auto" takes in Mosaic GPU for one stream and one head (AttnRes: kernels (0,), no
+# conv; MHAR's several heads are untimed and keep Triton), per
+# call in AttnRes's `base` step (session 26, call 1): the scoring pass 0.28 against Triton's 0.57 ms
+# (0.50 against 0.96 at the issue's shape), gdots 0.79 against 1.21, dstreams 1.01 against 2.13. The
+# mixing pass stays in Triton: 0.91 against Mosaic's 1.01 ms (0.80 against 0.88 at the issue's shape).
+# Phase 2 keeps Triton for one stream too: its forward 0.21 (scores + mix) against Mosaic's 0.24, its
+# backward's input pass 0.19 against 0.41, its state pass 0.263 against 0.262 ms.
+SINGLE_STREAM_MOSAIC_PHASE1 = frozenset({"scores", "gdots", "dstreams"})
 
 
 def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype, interpret: bool,
@@ -96,13 +104,17 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
     a float32 state 5.74-5.77 against 6.86-6.91 ms at `base`, 5.29 against 5.78 at the issue's
     (step 1644.4-1648.4 ms). With a bf16 state Triton's was faster with the aligned windows (4.45
     against 5.03-5.21 ms, session 18); with the padded ones (session 21, call 3) Mosaic's is, 3.81
-    against 4.42 ms at `base` (float32 state: 4.04 against 6.79). One stream (AttnRes) is untimed and keeps Triton. ``"mosaic"``:
-    always (an error for a shape it does not take); ``"triton"``: never."""
+    against 4.42 ms at `base` (float32 state: 4.04 against 6.79). One stream (AttnRes): the
+    kernels of ``SINGLE_STREAM_MOSAIC_PHASE1`` only. ``"mosaic"``: always (an error for a shape
+    it does not take); ``"triton"``: never."""
     if choice in ("triton_forward", "split_forward"):
         choice = "auto"
     if choice == "triton" or backend != "triton":
         return False
-    if choice == "auto" and (interpret or len(static.stream_kernels) == 1 or jnp.dtype(sources.dtype).itemsize > 2):
+    if choice == "auto" and (interpret or jnp.dtype(sources.dtype).itemsize > 2):
+        return False
+    if choice == "auto" and len(static.stream_kernels) == 1 and (static.heads > 1 or
+                                                                kernel not in SINGLE_STREAM_MOSAIC_PHASE1):
         return False
     if choice == "auto" and kernel in mosaic_gpu_bwd1.MODES and not AUTO_PHASE1_BWD:
         return False

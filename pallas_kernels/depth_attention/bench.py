@@ -660,6 +660,11 @@ def main():
     ap.add_argument("--sweeps_only", action="store_true", help="run the requested sweeps, skip the main table")
     ap.add_argument("--state_dtype", default="float32", choices=("float32", "bfloat16"),
                     help="the kernels' phase-1 state in the main table (api.phase1; the floor counts it)")
+    ap.add_argument("--gpu_kernels", default="auto", choices=("auto", "mosaic", "triton"),
+                    help="the main table's GPU lowering (api's gpu_kernels): auto (per kernel, the faster as "
+                         "timed), mosaic (every kernel that has a Mosaic GPU form), triton")
+    ap.add_argument("--configs", default="msar,attnres",
+                    help="the main table's rows, comma-separated: msar, attnres")
     ap.add_argument("--no_bwd_barrier", action="store_true",
                     help="trace the XLA backwards without their optimization barrier on (residuals, cotangent) "
                          "(xla_streaming.ordered_after_cotangent): what the barrier costs a read (the Pallas "
@@ -668,6 +673,10 @@ def main():
     backwards = ("xla", "pallas") if args.backward == "both" else tuple(args.backward.split(","))
     if not backwards or any(b not in ("xla", "pallas", "hybrid") for b in backwards):
         ap.error(f"--backward={args.backward!r}: each must be xla, pallas or hybrid (or 'both')")
+    table_configs = {"msar": ("msar_m4_k4-8-12", (0, 4, 8, 12), 1), "attnres": ("attnres", (0,), 1)}
+    configs = tuple(args.configs.split(","))
+    if not configs or any(c not in table_configs for c in configs):
+        ap.error(f"--configs={args.configs!r}: each must be one of {sorted(table_configs)}")
     if args.no_bwd_barrier:  # read by vjp.py and xla_streaming at trace time
         xla_streaming.ordered_after_cotangent = lambda res, ct: (res, ct)
     out_dir = os.environ.get("OUT", ".")
@@ -733,13 +742,15 @@ def main():
     if args.sweeps_only:
         return
     rows = []
-    for name, kernels, heads in (("msar_m4_k4-8-12", (0, 4, 8, 12), 1), ("attnres", (0,), 1)):
+    gpu_opts = {} if args.gpu_kernels == "auto" else {"gpu_kernels": args.gpu_kernels}
+    for name, kernels, heads in (table_configs[c] for c in configs):
         xla_row = None
         for backward in backwards:
-            run_opts = {k: dict(v, backward=backward) for k, v in
+            run_opts = {k: dict(v, backward=backward, **gpu_opts) for k, v in
                         {"p1_opts": opts.get("p1_opts", {}), "p2_opts": opts.get("p2_opts", {})}.items()}
             try:
                 state = "" if args.state_dtype == "float32" else ",state=bf16"
+                state += "" if args.gpu_kernels == "auto" else f",{args.gpu_kernels}"
                 row = run_config(f"{name}[bwd={backward}{state}]", kernels=kernels, heads=heads, dtype=jnp.bfloat16,
                                  impl=impl, bw=bw, log=log, reps=reps, inner=inner, with_bwd=not args.no_bwd,
                                  time_xla=xla_row is None, state_dtype=args.state_dtype, **shapes, **run_opts)
