@@ -1,18 +1,18 @@
-"""GPU implementation: Pallas' Triton lowering (kernels in ``fused.py``), and Mosaic GPU for
-phase 2's fused forward with several streams (``mosaic_gpu.py``).
+"""GPU implementation: Pallas' Triton lowering (kernels in ``fused.py``, ``fused_bwd_phase*.py``,
+``conv_transpose.py``) and Mosaic GPU (``mosaic_gpu.py``, ``mosaic_gpu_bwd1.py``), chosen per
+kernel by ``gpu_kernels`` (``_backend.GPU_KERNELS``).
 
 Why Triton first: the kernels are elementwise conv taps, row reductions and scalar-weighted
 accumulations with a causal halo along tokens; no matrix unit work. The Triton lowering
 expresses the halo as masked loads at negative offsets and compiles from the same kernel body
 as the TPU path. It is deprecated in jax 0.11 but present in the pinned 0.11.2.
 
-Measured against Mosaic GPU (``plgpu.kernel``): a prototype of phase 2's scoring pass with a
-TMA pipeline and one shared-memory window per conv lag ran 1.55-1.70x faster than the Triton
-kernel on the H200 (session 15, ``experiments/mgpu/scores_mgpu.py``), and phase 2's whole
-fused forward as one Mosaic GPU kernel 1.27-1.30x faster than its three Triton calls for MSAR,
-but 1.16-1.32x slower for one stream (session 16). So ``gpu_kernels="auto"`` takes the Mosaic
-kernel for MSAR's phase 2 forward; porting the other kernels is the open work (BENCHMARKS.md,
-kernels, "What remains").
+Why Mosaic GPU where ``"auto"`` takes it: TMA pipelines with shared-memory lag windows ran
+faster on the H200 than Triton's kernels for MSAR's phase 2 forward (1.27-1.30x), then phase
+1's passes, phase 2's backward and the transpose (each timed before it was taken; BENCHMARKS.md, kernels,
+sessions 15-25). For one stream (AttnRes) the comparison is per kernel (session 26): phase 1's
+scoring pass and its backward's passes 2 and 4 are faster in Mosaic GPU, its mixing pass and
+phase 2's kernels in Triton (``_backend.SINGLE_STREAM_MOSAIC_PHASE1``).
 """
 
 from __future__ import annotations
