@@ -10,7 +10,8 @@ relative to their largest magnitude; the floor: the live sources read once at th
 copy bandwidth (the pass is compute-bound well above it). Run on the GPU:
 ``python experiments/mgpu/time_phase1_scores.py [--base-only]``; ``--chunks``: the padded
 windows with 32- and 64-channel chunks; ``--bd16``: with 32- and 16-channel chunks; ``--attnres``:
-AttnRes's single stream (kernels ``(0,)``, no bank), Triton against the Mosaic default;
+AttnRes's single stream (kernels ``(0,)``, no bank), Triton against the Mosaic default and the
+Mosaic kernel with its sums reduced per chunk and deferred (``defer_sums``, session 26);
 ``--store-groups``: the default with its two stores per source committed once and once each
 (``mosaic_gpu.STORE_GROUPS``)."""
 import sys
@@ -65,8 +66,11 @@ def main():
             variants, forms, chunk_sizes = {}, [("shared", "padded")], (32, 64)
         if "--bd16" in sys.argv:  # the padded windows with 32- and 16-channel chunks (session 25)
             variants, forms, chunk_sizes = {}, [("shared", "padded")], (32, 16)
-        if "--attnres" in sys.argv:  # one stream: Triton (what "auto" takes for it) and the Mosaic default
-            forms = [("shared", "padded")]
+        if "--attnres" in sys.argv:  # one stream: Triton, the Mosaic default, and with its sums deferred
+            forms = []  # the default windows ("padded") and expansion ("shared")
+            for defer in (False, True):
+                variants[f"mosaic padded defer_sums={defer}"] = (lambda df: lambda x, b, q, v: mosaic_gpu.phase1_scores(
+                    x, b, q, None, v, stream_kernels=KERNELS, heads=1, defer_sums=df))(defer)
         if "--store-groups" in sys.argv:
             variants, forms = {}, []
             for grouped in (True, False):

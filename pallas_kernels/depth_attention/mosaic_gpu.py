@@ -1151,9 +1151,27 @@ def scores_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int
             + 2 * n_targets * m * bd * 4 + (n_targets * m * heads + m + 1) * bt * 4 + 64 * 4)
 
 
+# Phase 1's scoring pass with its sums kept per lane across the channel chunks and reduced once per
+# source (``defer_sums``), where the accumulators fit in registers: one head and at most this many
+# ``[64, bd]`` accumulators (S m dots and m sums of squares: AttnRes's one stream and 8 targets is 9,
+# 16 registers each at 32 channels; MSAR's 4 streams would need 36).
+DEFERRED_SUMS_MAX = 9
+SCORES_DEFER_SUMS = False  # what ``defer_sums=None`` takes where it applies (untimed: session 26)
+
+
+def scores_defer_sums(defer_sums: bool | None, *, n_targets: int, m: int, heads: int) -> bool:
+    """Whether ``phase1_scores`` defers its reductions (``defer_sums``: True, False or None, the
+    default ``SCORES_DEFER_SUMS`` where it applies); ``True`` where it does not apply is an error."""
+    fits = heads == 1 and n_targets * m + m <= DEFERRED_SUMS_MAX
+    if defer_sums and not fits:
+        raise ValueError(f"defer_sums=True: {n_targets} targets x {m} streams + {m} sums of squares with {heads} "
+                         f"heads do not fit; needs one head and at most {DEFERRED_SUMS_MAX} accumulators")
+    return fits and (SCORES_DEFER_SUMS if defer_sums is None else bool(defer_sums))
+
+
 def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels, heads: int,
                   block_d: int | None = None, expand: str | None = None, windows: str | None = None,
-                  interpret: bool = False):
+                  defer_sums: bool | None = None, interpret: bool = False):
     """Phase 1's scoring pass (``fused.scores_call``'s sums) as one Mosaic GPU kernel: per
     (batch row, 64-token tile), for each valid source, the chunks of its lag windows stream
     through a double-buffered TMA pipeline, its streams are built in registers (Eq. 10) and
@@ -1163,7 +1181,9 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
     [B, T]`` or None, ``valid[n]`` (bool, may be traced) or None. Returns float32 ``dots[S, n,
     m, B, T, H]`` (``q_{s,r} . E_{i,r}`` per head) and ``sumsq[n, m, B, T]`` (``sum E_{i,r}^2``
     over all ``d``), zeros for a source ``valid`` rules out (not computed). ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
-    ``default_windows``)."""
+    ``default_windows``). ``defer_sums`` (``scores_defer_sums``): keep each dot and sum of
+    squares as a ``[64, bd]`` per-lane sum across the chunks and reduce it over the channels once
+    per source, not once per chunk (the same sums in another order: float32 rounding apart)."""
     n, batch, t_len, d = sources.shape
     n_targets, m = queries.shape[:2]
     expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows or default_windows("scores")).kind
@@ -1184,7 +1204,9 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
     call = _scores_kernel(_ScoresConfig(n=n, batch=batch, t_pad=sh.t_pad, d=d, stream_kernels=tuple(stream_kernels),
                                         heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
                                         has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
-                                        expand=expand, windows=windows, interpret=bool(interpret)))
+                                        expand=expand, windows=windows, interpret=bool(interpret),
+                                        defer_sums=scores_defer_sums(defer_sums, n_targets=n_targets, m=m,
+                                                                     heads=heads)))
     dots, sumsq = call(*inputs)  # [n, S m H, B, Tp], [n, m, B, Tp]
     dots = dots.reshape(n, n_targets, m, heads, batch, sh.t_pad).transpose(1, 0, 2, 4, 5, 3)
     return dots[:, :, :, :, :t_len], sumsq[..., :t_len]
@@ -1208,6 +1230,7 @@ class _ScoresConfig(NamedTuple):
     expand: str
     windows: str
     interpret: bool
+    defer_sums: bool = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -1252,6 +1275,9 @@ def _scores_kernel(cfg: _ScoresConfig):
         plgpu.barrier_wait(bar_in.at[0])
         masks = _lag_masks_of(plgpu, bits_s, max_lag, bt, bd)
         zero = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
+        # deferred: [bt, bd] per-lane sums across the chunks, reduced over the channels once per source
+        reduce = (lambda a: a) if cfg.defer_sums else (lambda a: jnp.sum(a, axis=1))
+        zero_acc = plgpu.layout_cast(jnp.zeros((bt, bd), F32), plgpu.Layout.WGMMA) if cfg.defer_sums else zero
 
         def store(i, dots, sqs):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last source's stores have read the staging
@@ -1272,16 +1298,18 @@ def _scores_kernel(cfg: _ScoresConfig):
             def chunk(c, slot, head, carry):
                 dots, sqs = list(carry[0]), list(carry[1])
                 for r, e in enumerate(_expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags, cfg.expand)):
-                    sqs[r] = sqs[r] + jnp.sum(e * e, axis=1)
+                    sqs[r] = sqs[r] + reduce(e * e)
                     for s in range(n_targets):
                         q = _cols(plgpu.load(qs, (slot, s * m + r), layout=col), bt, bd)
                         k = (s * m + r) * heads + head
-                        dots[k] = dots[k] + jnp.sum(e * q, axis=1)
+                        dots[k] = dots[k] + reduce(e * q)
                 return dots, sqs
 
             @pl.when(live_s[i, 0] != 0)
             def _():
-                dots, sqs = _pipelined(plgpu, fetch, bar, nc, heads, chunk, ([zero] * smh, [zero] * m))
+                dots, sqs = _pipelined(plgpu, fetch, bar, nc, heads, chunk, ([zero_acc] * smh, [zero_acc] * m))
+                if cfg.defer_sums:
+                    dots, sqs = [jnp.sum(a, axis=1) for a in dots], [jnp.sum(a, axis=1) for a in sqs]
                 store(i, dots, sqs)
 
             @pl.when(live_s[i, 0] == 0)

@@ -1,9 +1,11 @@
 #!/bin/bash
-# Session 26, call 2: AttnRes with "auto" taking phase 1's scoring pass, gdots and dstreams in Mosaic for one stream: GPU test, per-sublayer bench (float32 and bf16 state), base steps (also bf16 state + saved read outputs), Vanilla.
+# Session 26, call 2: the scoring pass for one stream with its sums deferred (timed, GPU test); AttnRes with "auto" taking phase 1's scoring pass, gdots and dstreams in Mosaic for one stream: GPU test, per-sublayer bench (float32 and bf16 state), base steps (also bf16 state + saved read outputs), Vanilla.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 S=$(date +%s)
-JAX_PLATFORMS=cuda timeout 160 python3 -m pytest -v -p no:cacheprovider -m gpu -o addopts="" tests/kernels/test_mosaic_gpu_single_stream.py > $OUT/gpu_tests.txt 2>&1; echo "gpu tests rc=$? $(( $(date +%s)-S ))s"; grep -E "PASS|FAIL|Error|passed|failed" $OUT/gpu_tests.txt | cut -c1-300 | tail -8
+JAX_PLATFORMS=cuda timeout 240 python3 -m pytest -v -p no:cacheprovider -m gpu -o addopts="" tests/kernels/test_mosaic_gpu_single_stream.py > $OUT/gpu_tests.txt 2>&1; echo "gpu tests rc=$? $(( $(date +%s)-S ))s"; grep -E "PASS|FAIL|Error|passed|failed" $OUT/gpu_tests.txt | cut -c1-300 | tail -8
+S=$(date +%s)
+(cd experiments/mgpu && timeout 150 python3 time_phase1_scores.py --attnres > $OUT/time_scores.txt 2>&1); echo "time scores rc=$? $(( $(date +%s)-S ))s"; grep -E "^##|ms|FAIL" $OUT/time_scores.txt | cut -c1-200
 for ST in float32 bfloat16; do
   S=$(date +%s); mkdir -p $OUT/bench_$ST
   OUT=$OUT/bench_$ST timeout 200 python3 -m pallas_kernels.depth_attention.bench --backward pallas --configs attnres --state_dtype $ST > $OUT/bench_$ST/bench.txt 2>&1; echo "bench $ST rc=$? $(( $(date +%s)-S ))s"; grep -E "fwd|parts" $OUT/bench_$ST/bench.txt | grep -v '^{' | cut -c1-400
