@@ -54,7 +54,8 @@ def test_which_phase1_kernels_each_choice_takes_for_one_stream(choice, heads, in
     assert _backend.SINGLE_STREAM_MOSAIC_PHASE1 <= {"scores", "mix", "gdots", "dstreams"}
 
 
-@pytest.mark.parametrize("defer_sums", [False, True])
+# per chunk: the path every MSAR test takes, and the single-stream op test below; slow here
+@pytest.mark.parametrize("defer_sums", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_interpreted_scoring_pass_matches_direct_sums(defer_sums):
     """``mosaic_gpu.phase1_scores`` for one stream (``E = x``), its sums reduced per chunk or
     deferred to once per source (``defer_sums``), against the direct dots and sums of squares:
