@@ -1156,7 +1156,10 @@ def scores_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int
 # ``[64, bd]`` accumulators (S m dots and m sums of squares: AttnRes's one stream and 8 targets is 9,
 # 16 registers each at 32 channels; MSAR's 4 streams would need 36).
 DEFERRED_SUMS_MAX = 9
-SCORES_DEFER_SUMS = False  # what ``defer_sums=None`` takes where it applies (untimed: session 26)
+# What ``defer_sums=None`` takes where it applies. Off: for one stream on the H200 (session 26, call 2)
+# deferring was 10% slower at `base` (d = 1024: 0.391 against 0.355 ms), which the model runs, and 10%
+# faster at the shape (d = 2048: 0.440 against 0.487 ms).
+SCORES_DEFER_SUMS = False
 
 
 def scores_defer_sums(defer_sums: bool | None, *, n_targets: int, m: int, heads: int) -> bool:
