@@ -107,10 +107,10 @@ def test_deferred_sums_only_where_they_fit(monkeypatch):
         mosaic_gpu.scores_defer_sums(True, n_targets=8, m=4, heads=1)
 
 
-def _phase1(gpu_kernels, *, n, batch, t_len, d, n_targets, dtype, valid, cut):
+def _phase1(gpu_kernels, *, n, batch, t_len, d, n_targets, dtype, valid, cut, heads=1):
     sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, ONE_STREAM, dtype=dtype)
     assert banks is None
-    kw = dict(stream_kernels=ONE_STREAM, heads=1, segment_ids=None if cut is None else _segments(batch, t_len, cut))
+    kw = dict(stream_kernels=ONE_STREAM, heads=heads, segment_ids=None if cut is None else _segments(batch, t_len, cut))
     valid = jnp.asarray(valid)
     got = _phase1_vjp(lambda *a, **k: api.phase1(*a, implementation="pallas_gpu", backward="pallas",
                                                  gpu_kernels=gpu_kernels, **k), sources, banks, queries, valid, **kw)
@@ -129,19 +129,21 @@ def test_interpreted_phase1_takes_the_mosaic_kernels_and_matches_reference(monke
 
 
 @pytest.mark.gpu
-def test_gpu_single_stream_reads_match_reference(monkeypatch):
+@pytest.mark.parametrize("heads, d, fuse", [(1, 256, "gate"), (8, 512, "mean")], ids=["attnres", "mhar_heads8"])
+def test_gpu_single_stream_reads_match_reference(monkeypatch, heads, d, fuse):
     """On a GPU, compiled: phase 1 (bf16 sources, a source ruled out, segments, ragged T, 8
-    targets) and phase 2 (bf16 partial, gate fusion) with ``gpu_kernels="mosaic"`` against the
-    oracle, forward and gradients, each Mosaic kernel counted."""
+    targets) and phase 2 (bf16 partial) with ``gpu_kernels="mosaic"`` against the oracle,
+    forward and gradients, each Mosaic kernel counted; AttnRes (one head, gate fusion) and
+    MHAR (8 channel heads, mean fusion)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     p2_kernels = tuple((mosaic_gpu, k) for k in ("phase2_fused_forward", "phase2_backward_state",
                                                   "phase2_backward_inputs"))
     calls = _count_calls(monkeypatch, PHASE1_KERNELS + p2_kernels)
     with jax.default_matmul_precision("highest"):
-        (g, g_grads), (w, w_grads) = _phase1("mosaic", n=4, batch=3, t_len=300, d=256, n_targets=8,
+        (g, g_grads), (w, w_grads) = _phase1("mosaic", n=4, batch=3, t_len=300, d=d, n_targets=8, heads=heads,
                                              dtype=jnp.bfloat16, valid=(True, True, False, True), cut=77)
-        case = ("attnres", 2, 300, 256, ONE_STREAM, 1, True, 77, "gate")
+        case = ("one_stream", 2, 300, d, ONE_STREAM, heads, True, 77, fuse)
         h, h_grads = _run(case, "mosaic", jnp.bfloat16)
         h_want, h_want_grads = _run(case, None, jnp.bfloat16)
     _check_tree(g, w, 1e-4)
