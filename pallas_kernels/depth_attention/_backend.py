@@ -24,13 +24,14 @@ AUTO_PHASE1_BWD = True
 # 3.20 against Triton's 6.30 ms per call at `base`, 2.98 in the step, which went 1415.3 -> 1384.9 ms; its
 # GPU test against Triton's passed (session 22, call 5; session 23, call 1)
 AUTO_TRANSPOSE = True
-# phase 1's passes that "auto" takes in Mosaic GPU for one stream and one head (AttnRes: kernels (0,), no
-# conv; MHAR's several heads are untimed and keep Triton), per
-# call in AttnRes's `base` step (session 26, call 1): the scoring pass 0.28 against Triton's 0.57 ms
-# (0.50 against 0.96 at the issue's shape), gdots 0.79 against 1.21, dstreams 1.01 against 2.13. The
-# mixing pass stays in Triton: 0.91 against Mosaic's 1.01 ms (0.80 against 0.88 at the issue's shape).
-# Phase 2 keeps Triton for one stream too: its forward 0.21 (scores + mix) against Mosaic's 0.24, its
-# backward's input pass 0.19 against 0.41, its state pass 0.263 against 0.262 ms.
+# phase 1's passes that "auto" takes in Mosaic GPU for one stream (AttnRes and MHAR: kernels (0,), no
+# conv), per call in AttnRes's `base` step (session 26, call 1): the scoring pass 0.28 against Triton's
+# 0.57 ms (0.50 against 0.96 at the issue's shape), gdots 0.79 against 1.21, dstreams 1.01 against 2.13;
+# in MHAR's (8 heads; call 3): the scoring pass 0.42 (Triton's 126 phase-1 and phase-2 scoring calls take
+# 15.1 ms per step, phase 2's about 4.5 of it), gdots 0.96 against 1.21, dstreams 1.08 against 2.54. The mixing pass stays in Triton: 0.91 against Mosaic's 1.01 ms (0.80
+# against 0.88 at the issue's shape; MHAR 1.08 against 1.12). Phase 2 keeps Triton for one stream too:
+# its forward 0.21 (scores + mix) against Mosaic's 0.24 (MHAR 0.23 against 0.25), its backward's input
+# pass 0.19 against 0.41 (0.20 against 0.43), its state pass 0.263 against 0.262 (0.285 against 0.270).
 SINGLE_STREAM_MOSAIC_PHASE1 = frozenset({"scores", "gdots", "dstreams"})
 
 
@@ -113,8 +114,7 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
         return False
     if choice == "auto" and (interpret or jnp.dtype(sources.dtype).itemsize > 2):
         return False
-    if choice == "auto" and len(static.stream_kernels) == 1 and (static.heads > 1 or
-                                                                kernel not in SINGLE_STREAM_MOSAIC_PHASE1):
+    if choice == "auto" and len(static.stream_kernels) == 1 and kernel not in SINGLE_STREAM_MOSAIC_PHASE1:
         return False
     if choice == "auto" and kernel in mosaic_gpu_bwd1.MODES and not AUTO_PHASE1_BWD:
         return False
