@@ -12,7 +12,8 @@ copy bandwidth (the pass is compute-bound well above it). Run on the GPU:
 windows with 32- and 64-channel chunks; ``--bd16``: with 32- and 16-channel chunks; ``--attnres``:
 AttnRes's single stream (kernels ``(0,)``, no bank), Triton against the Mosaic default and the
 Mosaic kernel with its sums reduced per chunk and deferred (``defer_sums``, session 26);
-``--store-groups``: the default with its two stores per source committed once and once each
+``--slots``: the Mosaic kernel with 2, 3 and 4 channel chunks in flight (``n_slots``) and
+32-, 64- (and for one stream 128-) channel chunks (session 27); ``--store-groups``: the default with its two stores per source committed once and once each
 (``mosaic_gpu.STORE_GROUPS``)."""
 import sys
 import traceback
@@ -71,6 +72,14 @@ def main():
             for defer in (False, True):
                 variants[f"mosaic padded defer_sums={defer}"] = (lambda df: lambda x, b, q, v: mosaic_gpu.phase1_scores(
                     x, b, q, None, v, stream_kernels=KERNELS, heads=1, defer_sums=df))(defer)
+        if "--slots" in sys.argv:  # chunks in flight x channel chunk (session 27); Triton first as the baseline
+            forms = []
+            chunks = (32, 64, 128) if KERNELS == (0,) else (32, 64)  # 4 streams of 128: 256 registers of E alone
+            for bd in chunks:
+                for slots in (2, 3, 4):
+                    variants[f"mosaic slots={slots} bd={bd}"] = (lambda ns, b_d: lambda x, b, q, v: (
+                        mosaic_gpu.phase1_scores(x, b, q, None, v, stream_kernels=KERNELS, heads=1, n_slots=ns,
+                                                 block_d=b_d)))(slots, bd)
         if "--store-groups" in sys.argv:
             variants, forms = {}, []
             for grouped in (True, False):

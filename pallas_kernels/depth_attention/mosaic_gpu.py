@@ -311,27 +311,27 @@ def _store_group(plgpu, pairs):
         plgpu.copy_smem_to_gmem(src, dst, commit_group=not STORE_GROUPS or k == len(pairs) - 1)
 
 
-def _pipelined(plgpu, fetch, bar, nc, heads, per_chunk, carry, before_refill=None):
+def _pipelined(plgpu, fetch, bar, nc, heads, per_chunk, carry, before_refill=None, n_slots=2):
     """``per_chunk(c, slot, head, carry)`` over the ``nc`` channel chunks, head by head (a static
-    head index; ``nc / heads`` chunks each), with the next-but-one chunk's copies in flight:
-    ``fetch(c, slot)`` issues chunk ``c``'s copies on ``bar.at[slot]``. ``before_refill()``
-    runs before a slot is refilled (to wait for stores still reading it)."""
+    head index; ``nc / heads`` chunks each), with the next ``n_slots - 1`` chunks' copies in
+    flight: ``fetch(c, slot)`` issues chunk ``c``'s copies on ``bar.at[slot]``, slot ``c mod
+    n_slots``. ``before_refill()`` runs before a slot is refilled (to wait for stores still
+    reading it)."""
     nch = nc // heads
-    fetch(0, 0)
-    if nc > 1:
-        fetch(1, 1)
+    for c in range(min(n_slots, nc)):
+        fetch(c, c)
     for head in range(heads):
 
         def step(c, carry, head=head):
-            slot = lax.rem(c, 2)
+            slot = lax.rem(c, n_slots)
             plgpu.barrier_wait(bar.at[slot])
             carry = per_chunk(c, slot, head, carry)
 
-            @pl.when(c + 2 < nc)
+            @pl.when(c + n_slots < nc)
             def _():
                 if before_refill is not None:
                     before_refill()
-                fetch(c + 2, slot)
+                fetch(c + n_slots, slot)
 
             return carry
 
@@ -1143,12 +1143,18 @@ def _state_kernel(cfg: _StateConfig):
 
 
 def scores_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, n_targets: int,
-                      windows: str | None = None, **_unused) -> int:
+                      windows: str | None = None, n_slots: int | None = None, **_unused) -> int:
     """Shared memory of one program of ``phase1_scores`` (its scratch list)."""
     bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
-    n_taps = max(1, sum(stream_kernels))
-    return (2 * _window_elems(stream_kernels, windows or default_windows("scores"), bd) * jnp.dtype(x_dtype).itemsize + 2 * n_taps * bd * 4
-            + 2 * n_targets * m * bd * 4 + (n_targets * m * heads + m + 1) * bt * 4 + 64 * 4)
+    n_taps, slots = max(1, sum(stream_kernels)), n_slots or SCORES_SLOTS
+    return (slots * _window_elems(stream_kernels, windows or default_windows("scores"), bd) * jnp.dtype(x_dtype).itemsize
+            + slots * n_taps * bd * 4 + slots * n_targets * m * bd * 4 + (n_targets * m * heads + m + 1) * bt * 4
+            + 64 * 4)
+
+
+# Channel chunks in flight in ``phase1_scores``'s TMA pipeline (the one being reduced and the next
+# ``SCORES_SLOTS - 1``).
+SCORES_SLOTS = 2
 
 
 # Phase 1's scoring pass with its sums kept per lane across the channel chunks and reduced once per
@@ -1174,7 +1180,7 @@ def scores_defer_sums(defer_sums: bool | None, *, n_targets: int, m: int, heads:
 
 def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels, heads: int,
                   block_d: int | None = None, expand: str | None = None, windows: str | None = None,
-                  defer_sums: bool | None = None, interpret: bool = False):
+                  defer_sums: bool | None = None, n_slots: int | None = None, interpret: bool = False):
     """Phase 1's scoring pass (``fused.scores_call``'s sums) as one Mosaic GPU kernel: per
     (batch row, 64-token tile), for each valid source, the chunks of its lag windows stream
     through a double-buffered TMA pipeline, its streams are built in registers (Eq. 10) and
@@ -1186,15 +1192,20 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
     over all ``d``), zeros for a source ``valid`` rules out (not computed). ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
     ``default_windows``). ``defer_sums`` (``scores_defer_sums``): keep each dot and sum of
     squares as a ``[64, bd]`` per-lane sum across the chunks and reduce it over the channels once
-    per source, not once per chunk (the same sums in another order: float32 rounding apart)."""
+    per source, not once per chunk (the same sums in another order: float32 rounding apart).
+    ``n_slots``: channel chunks in flight (None: ``SCORES_SLOTS``; at least 2)."""
     n, batch, t_len, d = sources.shape
     n_targets, m = queries.shape[:2]
+    n_slots = SCORES_SLOTS if n_slots is None else n_slots
+    if n_slots < 2:
+        raise ValueError(f"mosaic_gpu.phase1_scores: n_slots={n_slots}: must be at least 2 (one chunk reduced "
+                         "while the next is copied)")
     expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows or default_windows("scores")).kind
     if expand not in EXPANDS:
         raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
     if queries.shape[-1] != d or m != len(stream_kernels):
         raise ValueError(f"queries {queries.shape}: want [S, {len(stream_kernels)}, {d}]")
-    smem = functools.partial(scores_smem_bytes, n_targets=n_targets, windows=windows)
+    smem = functools.partial(scores_smem_bytes, n_targets=n_targets, windows=windows, n_slots=n_slots)
     sh = _shape("phase1_scores", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, x_dtype=sources.dtype, acc_dtype=F32,
                 out_dtype=F32)
@@ -1209,7 +1220,7 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
                                         has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                                         expand=expand, windows=windows, interpret=bool(interpret),
                                         defer_sums=scores_defer_sums(defer_sums, n_targets=n_targets, m=m,
-                                                                     heads=heads)))
+                                                                     heads=heads), n_slots=n_slots))
     dots, sumsq = call(*inputs)  # [n, S m H, B, Tp], [n, m, B, Tp]
     dots = dots.reshape(n, n_targets, m, heads, batch, sh.t_pad).transpose(1, 0, 2, 4, 5, 3)
     return dots[:, :, :, :, :t_len], sumsq[..., :t_len]
@@ -1234,6 +1245,7 @@ class _ScoresConfig(NamedTuple):
     windows: str
     interpret: bool
     defer_sums: bool = False
+    n_slots: int = 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -1249,15 +1261,16 @@ def _scores_kernel(cfg: _ScoresConfig):
     lags, n_taps = _Lags.of(max_lag, cfg.windows), max(1, sum(stream_kernels))
     nc, smh = d // bd, n_targets * m * heads
     row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    slots = cfg.n_slots
     scratch = dict(
-        xs=plgpu.SMEM((2, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
-        bs=plgpu.SMEM((2, n_taps, bd), F32) if has_bank else None,
-        qs=plgpu.SMEM((2, n_targets * m, bd), F32),
+        xs=plgpu.SMEM((slots, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
+        bs=plgpu.SMEM((slots, n_taps, bd), F32) if has_bank else None,
+        qs=plgpu.SMEM((slots, n_targets * m, bd), F32),
         live_s=plgpu.SMEM((n, 64), jnp.int32),
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
         dots_s=plgpu.SMEM((smh, bt), F32),
         ss_s=plgpu.SMEM((m, bt), F32),
-        bar=plgpu.Barrier(num_arrivals=lags.count + has_bank + 1, num_barriers=2),
+        bar=plgpu.Barrier(num_arrivals=lags.count + has_bank + 1, num_barriers=slots),
         bar_in=plgpu.Barrier(num_arrivals=1 + has_seg, num_barriers=1),
     )
     names = [k for k, v in scratch.items() if v is not None]
@@ -1310,7 +1323,8 @@ def _scores_kernel(cfg: _ScoresConfig):
 
             @pl.when(live_s[i, 0] != 0)
             def _():
-                dots, sqs = _pipelined(plgpu, fetch, bar, nc, heads, chunk, ([zero_acc] * smh, [zero_acc] * m))
+                dots, sqs = _pipelined(plgpu, fetch, bar, nc, heads, chunk, ([zero_acc] * smh, [zero_acc] * m),
+                                       n_slots=slots)
                 if cfg.defer_sums:
                     dots, sqs = [jnp.sum(a, axis=1) for a in dots], [jnp.sum(a, axis=1) for a in sqs]
                 store(i, dots, sqs)

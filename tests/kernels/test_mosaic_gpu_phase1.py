@@ -42,18 +42,22 @@ def _triton_scores(sources, banks, queries, seg, valid, heads):
     return dots[..., :t_len, :], sumsq[..., :t_len]
 
 
-@pytest.mark.parametrize("n, batch, t_len, d, n_targets, heads, valid, cut, dtype", [
+@pytest.mark.parametrize("n, batch, t_len, d, n_targets, heads, valid, cut, dtype, slots, bd", [
     # two 64-token tiles and a ragged end, a source ruled out, segments, two heads, bf16 sources
-    (3, 2, 100, 64, 2, 2, (True, False, True), 37, jnp.bfloat16),
+    (3, 2, 100, 64, 2, 2, (True, False, True), 37, jnp.bfloat16, None, None),
     # T shorter than the largest kernel, float32 sources, one target, no mask
-    (2, 1, 7, 32, 1, 1, None, None, jnp.float32),
+    (2, 1, 7, 32, 1, 1, None, None, jnp.float32, None, None),
+    # 3 chunks in flight over 8 chunks (the slots wrap around), a source ruled out
+    (2, 1, 70, 256, 2, 1, (True, False), 30, jnp.bfloat16, 3, 32),
+    # 4 slots over 2 chunks of 64 channels (fewer chunks than slots)
+    (2, 1, 70, 128, 2, 1, None, 30, jnp.bfloat16, 4, 64),
 ])
-def test_interpreted_scores_match_triton(n, batch, t_len, d, n_targets, heads, valid, cut, dtype):
+def test_interpreted_scores_match_triton(n, batch, t_len, d, n_targets, heads, valid, cut, dtype, slots, bd):
     sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=dtype)
     seg = None if cut is None else _segments(batch, t_len, cut)
     valid = None if valid is None else jnp.asarray(valid)
     got = mosaic_gpu.phase1_scores(sources, banks, queries, seg, valid, stream_kernels=KERNELS, heads=heads,
-                                   interpret=True)
+                                   n_slots=slots, block_d=bd, interpret=True)
     want = _triton_scores(sources, banks, queries, seg, valid, heads)
     _check_tree(got, want, F32_TOL)
     if valid is not None:  # a ruled-out source is not computed: zeros, as the Triton kernel gives
@@ -75,6 +79,9 @@ def test_option_errors():
     with pytest.raises(ValueError, match="expand='wide'"):
         mosaic_gpu.phase1_scores(sources, banks, queries, None, None, stream_kernels=KERNELS, heads=1,
                                  expand="wide", interpret=True)
+    with pytest.raises(ValueError, match="n_slots=1: must be at least 2"):
+        mosaic_gpu.phase1_scores(sources, banks, queries, None, None, stream_kernels=KERNELS, heads=1, n_slots=1,
+                                 interpret=True)
     with pytest.raises(ValueError, match="want \\[S, 4, 32\\]"):
         mosaic_gpu.phase1_scores(sources, banks, queries[:, :2], None, None, stream_kernels=KERNELS, heads=1,
                                  interpret=True)
