@@ -25,7 +25,8 @@ against one window per chunk (``"single"``, Lane semantics; session 20), with it
 swizzled (``LANE_TILE_SWIZZLE``) and plain. ``--wide``: the backward, Mosaic passes 1-2 with
 each ``fused_bwd_phase2.FORMS`` of pass 3 (the reverse-T input kernel, or the stream cotangents
 written and transposed by ``conv_transpose``). ``--chunks``: forward or backward, the padded
-windows with 32- and 64-channel chunks (``block_d``). ``--inputs``: the backward with pass 3 (the
+windows with 32- and 64-channel chunks (``block_d``; for one stream also 128, session 27).
+``--attnres`` with ``--backward``: AttnRes's one stream (kernels ``(0,)``, mean fusion) instead of MSAR. ``--inputs``: the backward with pass 3 (the
 reverse-T input kernel) in Triton and in Mosaic GPU (``mosaic_gpu.phase2_backward_inputs``, one
 to four warpgroups per program; with ``--reuse`` two and three warpgroups loading each lag and
 per-token row once per tile, ``INPUTS_REUSE_LOADS``). ``--rows``: the backward with pass 3 in Mosaic GPU (two
@@ -127,9 +128,11 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
     for name, (batch, t_len, d) in shapes:
         m = len(kernels)
         state, x, bank, q, gate = inputs(batch, t_len, d, kernels)
+        gate = gate if m > 1 else None  # one stream (AttnRes): the mean of one stream, no gate
         dh = jax.random.normal(jax.random.key(7), (batch, t_len, d), jnp.float32)
         kw = dict(stream_kernels=kernels, heads=1, eps=1e-6, gate_eps=1e-6)
-        _, scores = mosaic_gpu.phase2_fused_forward(state, x, bank, q, True, gate, None, fuse="gate",
+        _, scores = mosaic_gpu.phase2_fused_forward(state, x, bank, q, True, gate, None,
+                                                    fuse="gate" if gate is not None else "mean",
                                                     interpret=interpret, **kw)
         tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=max(kernels), n_targets=1,
                                     backend="tpu" if interpret else "triton", n_streams=m)
@@ -167,8 +170,9 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             reuse_loads = {label: True for label, *_ in forms}
             rows_per_program = {label: int(label.rsplit(" rows", 1)[0].rsplit(" ", 1)[1]) for label, *_ in forms}
         chunks = {}  # label -> mosaic_gpu.BLOCK_D_CHOICES while it is traced
-        if "--chunks" in sys.argv:  # 32- against 64-channel chunks, padded windows (session 21)
-            forms = [(f"mosaic passes 1-2, padded, bd={bd}", True, "shared", "padded", None) for bd in (32, 64)]
+        if "--chunks" in sys.argv:  # 32- against 64-channel (and for one stream 128-) chunks (sessions 21, 27)
+            forms = forms[:1] + [(f"mosaic passes 1-2, padded, bd={bd}", True, "shared", "padded", None)
+                                 for bd in ((32, 64, 128) if m == 1 else (32, 64))]
             chunks = {label: (int(label.rsplit("=", 1)[1]),) for label, *_ in forms}
         sums_in_rows = {}  # label -> mosaic_gpu.STATE_SUMS_IN_ROWS while it is traced
         if "--state-rows" in sys.argv:  # the state kernel's sums in their own buffer or its rows' (session 22)
@@ -221,7 +225,8 @@ def main():
     if "--base-only" in sys.argv:  # a shorter device call
         shapes = shapes[:1]
     if "--backward" in sys.argv:
-        time_backward(shapes=shapes, state_boxes="--state-boxes" in sys.argv)
+        time_backward(shapes=shapes, state_boxes="--state-boxes" in sys.argv,
+                      kernels=(0,) if "--attnres" in sys.argv else (0, 4, 8, 12))
         return
     if "--backward-smoke" in sys.argv:  # CPU, interpret mode
         time_backward(shapes=(("tiny", (1, 70, 64)),), interpret=True, state_boxes="--state-boxes" in sys.argv)
@@ -259,9 +264,9 @@ def main():
                 variants, forms = {}, [("shared", w, None, None) for w in ("aligned", "single", PLAIN)]
             if "--padded" in sys.argv:  # the one window with 80-byte rows (session 20, call 8)
                 variants, forms = {}, [("shared", w, None, None) for w in ("aligned", "single", "padded")]
-            if "--chunks" in sys.argv:  # 32- against 64-channel chunks, padded windows (session 21)
+            if "--chunks" in sys.argv:  # 32- against 64-channel (one stream: and 128-) chunks (sessions 21, 27)
                 variants, forms = {}, []
-                for bd in (32, 64):
+                for bd in ((32, 64, 128) if m == 1 else (32, 64)):
                     variants[f"mosaic padded bd={bd}"] = ((lambda bd: lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
                         st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, windows="padded", block_d=bd,
                         **kw)[0])(bd), None)

@@ -320,25 +320,17 @@ def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads):
     # the sources' axis leads the operand, as the product's batch axis: the matrix-product call
     # then takes it as built, with no transpose of its 25 x 3 lagged copies (session 23)
     dsr = jnp.moveaxis(dsr, 1, 0)  # [n, S, m, B, Tp, H]
-    split = x.dtype == jnp.bfloat16
-    # bf16 sources: DSR is split into its parts before the lags are taken, so the lagged operand
-    # is built once, in bf16 (masking by 0/1 and shifting rows are exact on each part); splitting
-    # after stacking wrote the 25 lags twice, in float32 and then in bf16 (8.2 ms per `base` step,
-    # BENCHMARKS.md, kernels, session 25)
-    a_all = _bf16_parts(dsr, axis=1) if split else dsr[:, None]  # [n, P, S, m, B, Tp, H]
     lagged = []
     for r, kernel in enumerate(stream_kernels):
-        a = a_all[:, :, :, r]  # [n, P, S, B, Tp, H]
+        a = dsr[:, :, r]  # [n, S, B, Tp, H]
         lagged.append(a)
-        lagged += [reference._unshift(a * masks[delta][:, :, None].astype(a.dtype), delta)
-                   for delta in range(1, kernel)]
-    n_parts = a_all.shape[1]
-    lagged = jnp.stack(lagged, axis=2).reshape(n, n_parts, len(lagged), n_targets, batch * t_pad, heads)
-    if split:  # [n, P, K, S, U, H]
-        y = jnp.einsum("npksuh,nuhe->pksnhe", lagged, x, preferred_element_type=F32)
+        lagged += [reference._unshift(a * masks[delta][:, :, None], delta) for delta in range(1, kernel)]
+    lagged = jnp.stack(lagged, axis=1).reshape(n, len(lagged), n_targets, batch * t_pad, heads)  # [n, K, S, U, H]
+    if x.dtype == jnp.bfloat16:
+        y = jnp.einsum("npksuh,nuhe->pksnhe", _bf16_parts(lagged, axis=1), x, preferred_element_type=F32)
         y = jnp.sum(y, axis=0)  # [K, S, n, H, dh]
     else:
-        y = jnp.einsum("nksuh,nuhe->ksnhe", lagged[:, 0], x.astype(F32), precision=jax.lax.Precision.HIGHEST)
+        y = jnp.einsum("nksuh,nuhe->ksnhe", lagged, x.astype(F32), precision=jax.lax.Precision.HIGHEST)
     out, off, row = [], 0, 0
     for r, kernel in enumerate(stream_kernels):
         if kernel == 0:

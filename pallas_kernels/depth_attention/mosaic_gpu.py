@@ -1153,8 +1153,22 @@ def scores_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int
 
 
 # Channel chunks in flight in ``phase1_scores``'s TMA pipeline (the one being reduced and the next
-# ``SCORES_SLOTS - 1``).
+# ``SCORES_SLOTS - 1``). 3 or 4 gave nothing on the H200 (session 27, call 1: within 5% either way).
 SCORES_SLOTS = 2
+# ``phase1_scores``'s channel chunks, first choice first (``choose_block_d``), for one stream and for
+# several. Wider chunks mean fewer copies and fewer per-chunk reductions: on the H200 (session 27,
+# call 1) one stream took 0.387 / 0.299 / 0.262 ms with 32 / 64 / 128 channels at `base` (0.448 /
+# 0.346 / 0.292 at the issue's shape); MSAR's four streams 1.787 / 1.676 (1.947 / 1.870), and 128
+# channels would hold four [64, 128] float32 streams in registers (256 per thread) before any sum.
+SCORES_BLOCK_D_CHOICES = {"one_stream": (128, 64, 32), "several": (64, 32)}
+
+
+def scores_block_d_choices(n_streams: int, defer_sums: bool = False) -> tuple:
+    """The channel chunks ``phase1_scores`` tries, first choice first (deferred sums keep nine
+    ``[64, bd]`` accumulators: 32 channels only)."""
+    if defer_sums:
+        return (32,)
+    return SCORES_BLOCK_D_CHOICES["one_stream" if n_streams == 1 else "several"]
 
 
 # Phase 1's scoring pass with its sums kept per lane across the channel chunks and reduced once per
@@ -1205,10 +1219,14 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
         raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
     if queries.shape[-1] != d or m != len(stream_kernels):
         raise ValueError(f"queries {queries.shape}: want [S, {len(stream_kernels)}, {d}]")
+    defer_sums = scores_defer_sums(defer_sums, n_targets=n_targets, m=m, heads=heads)
+    if defer_sums and block_d not in (None, 32):
+        raise ValueError(f"mosaic_gpu.phase1_scores: defer_sums with block_d={block_d}: its accumulators fit "
+                         "in registers with 32-channel chunks only")
     smem = functools.partial(scores_smem_bytes, n_targets=n_targets, windows=windows, n_slots=n_slots)
     sh = _shape("phase1_scores", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, x_dtype=sources.dtype, acc_dtype=F32,
-                out_dtype=F32)
+                out_dtype=F32, choices=scores_block_d_choices(m, defer_sums))
     has_bank = sh.has_bank and banks is not None
     live = jnp.ones((n,), jnp.int32) if valid is None else jnp.asarray(valid, jnp.int32).reshape(n)
     inputs = [sh.x, jnp.asarray(banks, F32) if has_bank else jnp.zeros((n, 1, d), F32),
@@ -1219,8 +1237,7 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
                                         heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
                                         has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                                         expand=expand, windows=windows, interpret=bool(interpret),
-                                        defer_sums=scores_defer_sums(defer_sums, n_targets=n_targets, m=m,
-                                                                     heads=heads), n_slots=n_slots))
+                                        defer_sums=defer_sums, n_slots=n_slots))
     dots, sumsq = call(*inputs)  # [n, S m H, B, Tp], [n, m, B, Tp]
     dots = dots.reshape(n, n_targets, m, heads, batch, sh.t_pad).transpose(1, 0, 2, 4, 5, 3)
     return dots[:, :, :, :, :t_len], sumsq[..., :t_len]
