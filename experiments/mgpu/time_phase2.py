@@ -173,7 +173,7 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
         if "--chunks" in sys.argv:  # 32- against 64-channel (and for one stream 128-) chunks (sessions 21, 27)
             forms = forms[:1] + [(f"mosaic passes 1-2, padded, bd={bd}", True, "shared", "padded", None)
                                  for bd in ((32, 64, 128) if m == 1 else (32, 64))]
-            chunks = {label: (int(label.rsplit("=", 1)[1]),) for label, *_ in forms}
+            chunks = {label: (int(label.rsplit("=", 1)[1]),) for label, *_ in forms if "bd=" in label}
         sums_in_rows = {}  # label -> mosaic_gpu.STATE_SUMS_IN_ROWS while it is traced
         if "--state-rows" in sys.argv:  # the state kernel's sums in their own buffer or its rows' (session 22)
             forms = [(f"mosaic passes 1-3, sums in rows {flag}", True, "shared", "padded", None)
@@ -265,7 +265,7 @@ def main():
             if "--padded" in sys.argv:  # the one window with 80-byte rows (session 20, call 8)
                 variants, forms = {}, [("shared", w, None, None) for w in ("aligned", "single", "padded")]
             if "--chunks" in sys.argv:  # 32- against 64-channel (one stream: and 128-) chunks (sessions 21, 27)
-                variants, forms = {}, []
+                variants, forms = {k: v for k, v in variants.items() if k.startswith("triton")}, []
                 for bd in ((32, 64, 128) if m == 1 else (32, 64)):
                     variants[f"mosaic padded bd={bd}"] = ((lambda bd: lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
                         st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, windows="padded", block_d=bd,
