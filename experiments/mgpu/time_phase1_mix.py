@@ -20,7 +20,9 @@ its output tiles swizzled and plain. ``--single-slots``: one window per chunk wi
 the 32-channel kernel holds 255 registers, so two programs per SM). ``--store-groups``: the
 default kernel with its 8 stores per chunk and stream committed once (``"grouped"``) and once
 each (``mosaic_gpu.STORE_GROUPS``). ``--attnres``: AttnRes's single stream (kernels ``(0,)``, no bank),
-Triton against the Mosaic default. (Session 25, call 4 also timed them spread over the next
+Triton against the Mosaic default. ``--triton-tiles``: Triton's kernel alone with the tiles
+``choose_tiles`` gives it (first) and nine others (tokens x channels per program, warps, stages;
+session 27). (Session 25, call 4 also timed them spread over the next
 chunk and stream's items, at commit a4a473d: 1.3-1.8x slower; that option is gone.)
 """
 import sys
@@ -60,6 +62,12 @@ def main():
         mosaic_variants = ((32, 3, "padded"),)
     if "--store-groups" in sys.argv:  # the default, its stores committed once per group and once each
         mosaic_variants = ((32, 3, "padded", "grouped"), (32, 3, "padded", "one by one"))
+    # (block_t, block_d_mix, num_warps, num_stages) of Triton's kernel, the first choose_tiles' (session 27)
+    triton_tiles = [None]
+    if "--triton-tiles" in sys.argv:
+        mosaic_variants = ()
+        triton_tiles += [(16, 64, 4, 2), (16, 64, 8, 1), (16, 128, 8, 1), (32, 64, 8, 1), (32, 64, 4, 2),
+                         (32, 32, 4, 1), (32, 128, 8, 1), (64, 32, 8, 1), (64, 64, 8, 1)]
     if "--base-only" in sys.argv:
         shapes = shapes[:1]
     bw = bench.copy_bandwidth()
@@ -78,13 +86,21 @@ def main():
             floor_ms = (n_targets * m * batch * t_len * d * jnp.dtype(dtype).itemsize
                         + n_live * batch * t_len * d * 2) / bw * 1e3
 
-            def triton(x, b, p, v, dtype=dtype):
+            def triton(x, b, p, v, dtype=dtype, tiles=tiles):
                 out = fused.mix_call(fused._pad_t(x, 2, t_pad), b, p, None, mode="acc", stream_kernels=KERNELS,
                                      heads=1, tiles=tiles, backend="triton", interpret=False, out_dtype=dtype,
                                      valid=v, split_targets=True)
                 return [a[..., :t_len, :] for a in out]
 
-            variants = {"triton": triton}
+            variants = {}
+            for tt in triton_tiles:
+                if tt is None:
+                    variants["triton"] = triton
+                    continue
+                bt, bdm, warps, stages = tt
+                alt = tiling.Tiles(bt, tiles.block_d_scores, bdm, num_warps=warps, num_stages=stages)
+                variants[f"triton {bt}x{bdm} w{warps} s{stages}"] = (
+                    lambda alt: lambda x, b, p, v, dtype=dtype: triton(x, b, p, v, dtype, alt))(alt)
             for bd, slots, windows, *stores in mosaic_variants + (NARROW_VARIANTS if "--narrow" in sys.argv else ()):
                 label = f"mosaic bd={bd} n_slots={slots} {windows}" + "".join(f" stores {s}" for s in stores)
                 windows = "single" if windows == PLAIN else windows
