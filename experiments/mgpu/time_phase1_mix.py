@@ -22,7 +22,7 @@ default kernel with its 8 stores per chunk and stream committed once (``"grouped
 each (``mosaic_gpu.STORE_GROUPS``). ``--attnres``: AttnRes's single stream (kernels ``(0,)``, no bank),
 Triton against the Mosaic default. ``--triton-tiles``: Triton's kernel alone with the tiles
 ``choose_tiles`` gives it (first) and nine others (tokens x channels per program, warps, stages;
-session 27). (Session 25, call 4 also timed them spread over the next
+session 27); with ``--small-tiles`` seven smaller ones instead. (Session 25, call 4 also timed them spread over the next
 chunk and stream's items, at commit a4a473d: 1.3-1.8x slower; that option is gone.)
 """
 import sys
@@ -68,6 +68,9 @@ def main():
         mosaic_variants = ()
         triton_tiles += [(16, 64, 4, 2), (16, 64, 8, 1), (16, 128, 8, 1), (32, 64, 8, 1), (32, 64, 4, 2),
                          (32, 32, 4, 1), (32, 128, 8, 1), (64, 32, 8, 1), (64, 64, 8, 1)]
+        if "--small-tiles" in sys.argv:  # call 4's best was the default, the smallest: smaller ones (call 5)
+            triton_tiles = [None, (16, 32, 4, 1), (16, 32, 2, 1), (16, 64, 2, 1), (16, 128, 4, 1), (8, 64, 4, 1),
+                            (8, 128, 4, 1), (8, 64, 2, 1)]
     if "--base-only" in sys.argv:
         shapes = shapes[:1]
     bw = bench.copy_bandwidth()

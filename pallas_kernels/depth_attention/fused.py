@@ -525,7 +525,10 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
     ``S`` arrays ``[m, B, Tp, d]``, written by the kernel as separate outputs."""
     n, batch, t_pad, d = x.shape
     n_targets, m = p.shape[0], p.shape[2]
-    bt, bd = tiles.block_t, tiles.block_d_mix
+    bt, bd = tiles.mix_tile(mode)
+    if (d // heads) % bd or t_pad % bt:
+        raise ValueError(f"mix_call: a {bt} x {bd} tile must divide the padded tokens {t_pad} and the head width "
+                         f"{d // heads}")
     has_bank = banks is not None and any(stream_kernels)
     has_seg = seg is not None
     has_base = base is not None

@@ -39,16 +39,30 @@ class Tiles:
     # per tap (24 for kernels (4, 8, 12)), so it wants fewer rows than the mixing kernel.
     block_t_scores: int | None = None
     block_t_transpose: int | None = None
+    # (tokens, channels) per program of phase 1's mixing pass (``fused.mix_call(mode="acc")``); None:
+    # ``(block_t, block_d_mix)``. Its own so that it can differ from the kernels sharing those.
+    mix_acc_tile: tuple[int, int] | None = None
 
     def __post_init__(self):
         for name in ("block_t_scores", "block_t_transpose"):
             bt = getattr(self, name)
             if bt is not None and (bt <= 0 or self.block_t % bt):
                 raise ValueError(f"Tiles.{name}={bt} must be a positive divisor of block_t={self.block_t}")
+        if self.mix_acc_tile is not None:
+            bt, bd = self.mix_acc_tile
+            if bt <= 0 or self.block_t % bt or bd <= 0:
+                raise ValueError(f"Tiles.mix_acc_tile={self.mix_acc_tile}: its tokens must be a positive divisor of "
+                                 f"block_t={self.block_t} and its channels positive")
 
     @property
     def block_d_grads(self) -> int:
         return self.block_d_mix if self.block_d_bwd is None else self.block_d_bwd
+
+    def mix_tile(self, mode: str) -> tuple[int, int]:
+        """``(tokens, channels)`` per program of ``fused.mix_call`` in ``mode``."""
+        if mode == "acc" and self.mix_acc_tile is not None:
+            return self.mix_acc_tile
+        return self.block_t, self.block_d_mix
 
     @property
     def bt_scores(self) -> int:
@@ -91,8 +105,12 @@ def choose_tiles(*, d: int, heads: int, max_kernel: int, n_targets: int, backend
         # A single identity stream (AttnRes, MHAR): run 1's tiles. With them the AttnRes read
         # took 0.308 ms per sublayer forward on the H200 (phase 1 1.566, phase 2 0.112 ms),
         # against 0.365 (1.702 / 0.152) with the MSAR-tuned tiles below (BENCHMARKS.md, runs
-        # 1 and 2); not re-timed since.
-        return Tiles(16, _pow2_divisor(dh, 128), _pow2_divisor(dh, 64), num_warps=4, num_stages=1)
+        # 1 and 2). Phase 1's mixing pass (S > 1 targets) takes 8 x 128 tiles: of 17 tilings
+        # timed alone it was the fastest, 0.945 against 1.038 ms with 16 x 64 at `base`, 0.730
+        # against 0.777 at the issue's shape (session 27, calls 4-5).
+        mix_acc = (8, _pow2_divisor(dh, 128)) if n_targets > 1 else None
+        return Tiles(16, _pow2_divisor(dh, 128), _pow2_divisor(dh, 64), num_warps=4, num_stages=1,
+                     mix_acc_tile=mix_acc)
     if backend == "triton":
         # Best of 6 tilings timed on the H200 at the issue's shape (BENCHMARKS.md, run 2):
         # phase 1 (S = 8 targets) 16 x 64 scoring chunks, 16 x 128 mixing chunks, 8 warps;

@@ -349,3 +349,33 @@ def test_whole_tile_sums_budget():
     assert fused._whole_tile_sums("triton", 1 + 4, 16, 32)
     assert not fused._whole_tile_sums("triton", (8 + 1) * 4, 16, 64)
     assert not fused._whole_tile_sums("interpret", 2, 16, 32)
+
+
+@pytest.mark.parametrize("kernels, heads", [((0,), 2), ((0, 4), 1)], ids=["one_stream_heads2", "conv4"])
+def test_mixing_pass_with_its_own_tile(kernels, heads):
+    """Phase 1's mixing pass on a tile of its own (``Tiles.mix_acc_tile``: 8 tokens x 16
+    channels against the other kernels' 16 x 8; on Triton ``choose_tiles`` gives one stream's
+    phase 1 8 x 128) against the reference, forward and gradients, through the op: segments,
+    ragged T, a source ruled out; and the tile's checks."""
+    from pallas_kernels.depth_attention import fused, tiling
+
+    n, batch, t_len, d, n_targets = 3, 2, 21, 64, 3
+    sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, kernels)
+    valid = jnp.asarray([True, False, True])
+    tiles = tiling.Tiles(16, 8, 8, mix_acc_tile=(8, 16))
+    kw = dict(stream_kernels=kernels, heads=heads, segment_ids=_segments(batch, t_len, 9))
+    got = _phase1_vjp(lambda *a, **k: api.phase1(*a, implementation="pallas_gpu", tiles=tiles, backward="pallas",
+                                                 **k), sources, banks, queries, valid, **kw)
+    want = _phase1_vjp(reference.phase1, sources, banks, queries, valid, **kw)
+    _check_tree(got, want, F32_TOL)
+
+    one = tiling.choose_tiles(d=1024, heads=1, max_kernel=1, n_targets=8, backend="triton", n_streams=1)
+    assert one.mix_tile("acc") == (8, 128) and one.mix_tile("mean") == (16, 64)
+    assert tiling.choose_tiles(d=1024, heads=1, max_kernel=1, n_targets=1, backend="triton",
+                               n_streams=1).mix_acc_tile is None  # phase 2 keeps its tiles
+    with pytest.raises(ValueError, match="mix_acc_tile=\\(3, 16\\)"):
+        tiling.Tiles(16, 8, 8, mix_acc_tile=(3, 16))
+    p = jnp.zeros((n_targets, n, len(kernels), batch, 32, heads))
+    with pytest.raises(ValueError, match="a 8 x 24 tile must divide"):
+        fused.mix_call(jnp.zeros((n, batch, 32, d)), banks, p, None, mode="acc", stream_kernels=kernels, heads=heads,
+                       tiles=tiling.Tiles(16, 8, 8, mix_acc_tile=(8, 24)), backend="interpret", interpret=True)

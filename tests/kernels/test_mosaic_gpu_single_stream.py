@@ -164,3 +164,24 @@ def test_gpu_single_stream_reads_match_reference(monkeypatch, heads, d, fuse):
     _check_tree(h, h_want, 1e-4)
     _check_grads(h_grads, h_want_grads, 1e-4)
     assert all(calls.values()), f"every Mosaic GPU kernel should run for one stream: {calls}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [1, 8], ids=["attnres", "mhar_heads8"])
+def test_gpu_single_stream_auto_matches_reference(monkeypatch, heads):
+    """On a GPU, compiled, what ``"auto"`` runs for one stream: phase 1's mixing pass in Triton on
+    its own 8 x 128 tile (``tiling.Tiles.mix_acc_tile``), the other passes in Mosaic GPU
+    (128-channel scoring chunks), against the oracle, forward and gradients (bf16 sources, a
+    source ruled out, segments, ragged T, 8 targets, 1024 channels)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    calls = _count_calls(monkeypatch, ((mosaic_gpu, "phase1_scores"), (mosaic_gpu, "phase1_mix")))
+    with jax.default_matmul_precision("highest"):
+        (g, g_grads), (w, w_grads) = _phase1("auto", n=4, batch=3, t_len=300, d=1024, n_targets=8, heads=heads,
+                                             dtype=jnp.bfloat16, valid=(True, True, False, True), cut=77)
+    _check_tree(g, w, 1e-4)
+    for got_leaf, want_leaf, tol in zip(g_grads, w_grads, (1e-2, None, 1e-4), strict=True):
+        assert (got_leaf is None) == (want_leaf is None) == (tol is None)
+        if tol is not None:
+            _check_grads(got_leaf, want_leaf, tol)
+    assert calls["phase1_scores"] and not calls["phase1_mix"], calls
