@@ -29,7 +29,7 @@ AUTO_TRANSPOSE = True
 # 0.57 ms (0.50 against 0.96 at the shape), gdots 0.79 against 1.21, dstreams 1.01 against 2.13;
 # in MHAR's (8 heads; calls 3-4): the scoring pass 0.42 against 0.73, gdots 0.96 against 1.21, dstreams
 # 1.08 against 2.54; MHAR's step 1072.4 -> 1065.4 ms. The mixing pass stays in Triton: 0.91 against Mosaic's 1.01 ms (0.80
-# against 0.88 at the shape; MHAR 1.08 against 1.12). Phase 2 keeps Triton for one stream too:
+# against 0.88 at the shape; MHAR 1.08 against 1.12); 0.83 on its own 8 x 128 tile (session 27, call 6). Phase 2 keeps Triton for one stream too:
 # its forward 0.21 (scores + mix) against Mosaic's 0.24 (MHAR 0.23 against 0.25), its backward's input
 # pass 0.19 against 0.41 (0.20 against 0.43), its state pass 0.263 against 0.262 (0.285 against 0.270).
 SINGLE_STREAM_MOSAIC_PHASE1 = frozenset({"scores", "gdots", "dstreams"})
