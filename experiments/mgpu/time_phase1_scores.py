@@ -13,7 +13,8 @@ windows with 32- and 64-channel chunks; ``--bd16``: with 32- and 16-channel chun
 AttnRes's single stream (kernels ``(0,)``, no bank), Triton against the Mosaic default and the
 Mosaic kernel with its sums reduced per chunk and deferred (``defer_sums``, session 26);
 ``--slots``: the Mosaic kernel with 2, 3 and 4 channel chunks in flight (``n_slots``) and
-32-, 64- (and for one stream 128-) channel chunks (session 27); ``--store-groups``: the default with its two stores per source committed once and once each
+32-, 64- (and for one stream 128-) channel chunks (session 27); ``--wide`` (with ``--attnres``):
+128- against 256-channel chunks; ``--store-groups``: the default with its two stores per source committed once and once each
 (``mosaic_gpu.STORE_GROUPS``)."""
 import sys
 import traceback
@@ -80,6 +81,11 @@ def main():
                     variants[f"mosaic slots={slots} bd={bd}"] = (lambda ns, b_d: lambda x, b, q, v: (
                         mosaic_gpu.phase1_scores(x, b, q, None, v, stream_kernels=KERNELS, heads=1, n_slots=ns,
                                                  block_d=b_d)))(slots, bd)
+        if "--wide" in sys.argv:  # one stream: 128- against 256-channel chunks, 2 slots (session 27, call 7)
+            variants, forms = {k: v for k, v in variants.items() if k == "triton"}, []
+            for bd in (128, 256):
+                variants[f"mosaic bd={bd}"] = (lambda b_d: lambda x, b, q, v: mosaic_gpu.phase1_scores(
+                    x, b, q, None, v, stream_kernels=KERNELS, heads=1, block_d=b_d))(bd)
         if "--store-groups" in sys.argv:
             variants, forms = {}, []
             for grouped in (True, False):

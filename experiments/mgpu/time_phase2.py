@@ -26,6 +26,8 @@ swizzled (``LANE_TILE_SWIZZLE``) and plain. ``--wide``: the backward, Mosaic pas
 each ``fused_bwd_phase2.FORMS`` of pass 3 (the reverse-T input kernel, or the stream cotangents
 written and transposed by ``conv_transpose``). ``--chunks``: forward or backward, the padded
 windows with 32- and 64-channel chunks (``block_d``; for one stream also 128, session 27).
+``--triton-tiles`` (with ``--attnres-only``): the forward's Triton form with its tiles and seven others (block_t x
+scoring / mixing chunk, warps, stages; session 27). ``--attnres-only``: no MSAR rows.
 ``--attnres`` with ``--backward``: AttnRes's one stream (kernels ``(0,)``, mean fusion) instead of MSAR. ``--inputs``: the backward with pass 3 (the
 reverse-T input kernel) in Triton and in Mosaic GPU (``mosaic_gpu.phase2_backward_inputs``, one
 to four warpgroups per program; with ``--reuse`` two and three warpgroups loading each lag and
@@ -234,8 +236,10 @@ def main():
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (bytes read + written)", flush=True)
     mechs = (("msar", (0, 4, 8, 12)), ("attnres", (0,)))
+    if "--msar-only" in sys.argv or "--attnres-only" in sys.argv:
+        mechs = mechs[:1] if "--msar-only" in sys.argv else mechs[1:]
     for name, (batch, t_len, d) in shapes:
-        for mech, kernels in mechs[:1] if "--msar-only" in sys.argv else mechs:
+        for mech, kernels in mechs:
             m = len(kernels)
             state, x, bank, q, gate = inputs(batch, t_len, d, kernels)
             gate = gate if m > 1 else None
@@ -270,6 +274,16 @@ def main():
                     variants[f"mosaic padded bd={bd}"] = ((lambda bd: lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
                         st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, windows="padded", block_d=bd,
                         **kw)[0])(bd), None)
+            if "--triton-tiles" in sys.argv:  # Triton's forward with other tiles (one stream; session 27, call 7)
+                variants, forms = {k: v for k, v in variants.items() if k.startswith("triton")}, []
+                for bt, bds, bdm, warps, stages in ((8, 128, 128, 4, 1), (16, 128, 128, 4, 1), (8, 128, 64, 4, 1),
+                                                    (16, 128, 64, 4, 2), (32, 128, 64, 8, 1), (16, 128, 32, 4, 2),
+                                                    (8, 128, 128, 2, 1)):
+                    alt = tiling.Tiles(bt, bds, bdm, num_warps=warps, num_stages=stages)
+                    variants[f"triton {bt}x{bds}/{bdm} w{warps} s{stages}"] = ((lambda alt: lambda st, x, b, q, g: (
+                        fused.phase2_forward(st, x, b, q, True, g, fuse=fuse, segment_ids=None, tiles=alt,
+                                             backend="triton", interpret=False, out_dtype=jnp.bfloat16, **kw)))(alt),
+                        None)
             if "--split" in sys.argv:  # one kernel against the split form, and its scores kernel alone (session 24)
                 variants, forms = {}, []
                 for label, split, scores_only in (("mosaic one kernel", False, False), ("mosaic split", True, False),
