@@ -19,6 +19,9 @@ from __future__ import annotations
 import dataclasses
 
 
+MIX_MODES = ("acc", "mean", "gate", "stats")  # fused.mix_call's modes
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     block_t: int  # tokens per program (all kernels)
@@ -39,20 +42,23 @@ class Tiles:
     # per tap (24 for kernels (4, 8, 12)), so it wants fewer rows than the mixing kernel.
     block_t_scores: int | None = None
     block_t_transpose: int | None = None
-    # (tokens, channels) per program of phase 1's mixing pass (``fused.mix_call(mode="acc")``); None:
+    # ``(mode, tokens, channels)``: the tile per program of ``fused.mix_call`` in ``mode`` (``"acc"``:
+    # phase 1's mixing pass; ``"mean"``: phase 2's output without a gate); a mode not listed takes
     # ``(block_t, block_d_mix)``. Its own so that it can differ from the kernels sharing those.
-    mix_acc_tile: tuple[int, int] | None = None
+    mix_tiles: tuple[tuple[str, int, int], ...] = ()
 
     def __post_init__(self):
         for name in ("block_t_scores", "block_t_transpose"):
             bt = getattr(self, name)
             if bt is not None and (bt <= 0 or self.block_t % bt):
                 raise ValueError(f"Tiles.{name}={bt} must be a positive divisor of block_t={self.block_t}")
-        if self.mix_acc_tile is not None:
-            bt, bd = self.mix_acc_tile
-            if bt <= 0 or self.block_t % bt or bd <= 0:
-                raise ValueError(f"Tiles.mix_acc_tile={self.mix_acc_tile}: its tokens must be a positive divisor of "
-                                 f"block_t={self.block_t} and its channels positive")
+        for entry in self.mix_tiles:
+            mode, bt, bd = entry
+            if mode not in MIX_MODES or bt <= 0 or self.block_t % bt or bd <= 0:
+                raise ValueError(f"Tiles.mix_tiles entry {entry}: want (mode, tokens, channels) with a mode of "
+                                 f"{MIX_MODES}, tokens a positive divisor of block_t={self.block_t}, channels positive")
+        if len({mode for mode, _, _ in self.mix_tiles}) != len(self.mix_tiles):
+            raise ValueError(f"Tiles.mix_tiles={self.mix_tiles}: one entry per mode")
 
     @property
     def block_d_grads(self) -> int:
@@ -60,8 +66,9 @@ class Tiles:
 
     def mix_tile(self, mode: str) -> tuple[int, int]:
         """``(tokens, channels)`` per program of ``fused.mix_call`` in ``mode``."""
-        if mode == "acc" and self.mix_acc_tile is not None:
-            return self.mix_acc_tile
+        for entry_mode, bt, bd in self.mix_tiles:
+            if entry_mode == mode:
+                return bt, bd
         return self.block_t, self.block_d_mix
 
     @property
@@ -107,10 +114,12 @@ def choose_tiles(*, d: int, heads: int, max_kernel: int, n_targets: int, backend
         # against 0.365 (1.702 / 0.152) with the MSAR-tuned tiles below (BENCHMARKS.md, runs
         # 1 and 2). Phase 1's mixing pass (S > 1 targets) takes 8 x 128 tiles: of 17 tilings
         # timed alone it was the fastest, 0.945 against 1.038 ms with 16 x 64 at `base`, 0.730
-        # against 0.777 at the issue's shape (session 27, calls 4-5).
-        mix_acc = (8, _pow2_divisor(dh, 128)) if n_targets > 1 else None
-        return Tiles(16, _pow2_divisor(dh, 128), _pow2_divisor(dh, 64), num_warps=4, num_stages=1,
-                     mix_acc_tile=mix_acc)
+        # against 0.777 at the issue's shape (session 27, calls 4-5). Phase 2's output pass
+        # without a gate takes 16 x 128: its forward 0.197 against 0.216 ms at `base`, 0.116
+        # against 0.118 at the issue's shape (session 27, call 7).
+        wide = _pow2_divisor(dh, 128)
+        mix = (("acc", 8, wide),) if n_targets > 1 else (("mean", 16, wide),)
+        return Tiles(16, _pow2_divisor(dh, 128), _pow2_divisor(dh, 64), num_warps=4, num_stages=1, mix_tiles=mix)
     if backend == "triton":
         # Best of 6 tilings timed on the H200 at the issue's shape (BENCHMARKS.md, run 2):
         # phase 1 (S = 8 targets) 16 x 64 scoring chunks, 16 x 128 mixing chunks, 8 warps;

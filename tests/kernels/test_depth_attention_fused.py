@@ -352,30 +352,44 @@ def test_whole_tile_sums_budget():
 
 
 @pytest.mark.parametrize("kernels, heads", [((0,), 2), ((0, 4), 1)], ids=["one_stream_heads2", "conv4"])
-def test_mixing_pass_with_its_own_tile(kernels, heads):
-    """Phase 1's mixing pass on a tile of its own (``Tiles.mix_acc_tile``: 8 tokens x 16
-    channels against the other kernels' 16 x 8; on Triton ``choose_tiles`` gives one stream's
-    phase 1 8 x 128) against the reference, forward and gradients, through the op: segments,
-    ragged T, a source ruled out; and the tile's checks."""
+def test_mixing_passes_with_their_own_tiles(kernels, heads):
+    """Phase 1's mixing pass and phase 2's ungated output pass on tiles of their own
+    (``Tiles.mix_tiles``: 8 tokens x 16 channels against the other kernels' 16 x 8; on Triton
+    ``choose_tiles`` gives one stream's phase 1 8 x 128 and its phase 2 16 x 128) against the
+    reference, forward and gradients, through the ops: segments, ragged T, a source ruled out;
+    and the tiles' checks."""
     from pallas_kernels.depth_attention import fused, tiling
 
     n, batch, t_len, d, n_targets = 3, 2, 21, 64, 3
     sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, kernels)
     valid = jnp.asarray([True, False, True])
-    tiles = tiling.Tiles(16, 8, 8, mix_acc_tile=(8, 16))
+    tiles = tiling.Tiles(16, 8, 8, mix_tiles=(("acc", 8, 16), ("mean", 8, 16)))
     kw = dict(stream_kernels=kernels, heads=heads, segment_ids=_segments(batch, t_len, 9))
     got = _phase1_vjp(lambda *a, **k: api.phase1(*a, implementation="pallas_gpu", tiles=tiles, backward="pallas",
                                                  **k), sources, banks, queries, valid, **kw)
     want = _phase1_vjp(reference.phase1, sources, banks, queries, valid, **kw)
     _check_tree(got, want, F32_TOL)
+    state = jax.tree.map(lambda a: a[0], want[0])
+    bank = None if banks is None else banks[0]
+
+    def run2(fn):
+        return jit_vjp(lambda st, x, q: fn(st, x, bank, q, True, None, **kw), (state, sources[0], queries[0]),
+                       lambda out: _rnd(33, out.shape))
+
+    got = run2(lambda *a, **k: api.phase2_fused(*a, implementation="pallas_gpu", tiles=tiles, backward="pallas", **k))
+    _check_tree(got, run2(reference.phase2_fused), F32_TOL)
 
     one = tiling.choose_tiles(d=1024, heads=1, max_kernel=1, n_targets=8, backend="triton", n_streams=1)
     assert one.mix_tile("acc") == (8, 128) and one.mix_tile("mean") == (16, 64)
-    assert tiling.choose_tiles(d=1024, heads=1, max_kernel=1, n_targets=1, backend="triton",
-                               n_streams=1).mix_acc_tile is None  # phase 2 keeps its tiles
-    with pytest.raises(ValueError, match="mix_acc_tile=\\(3, 16\\)"):
-        tiling.Tiles(16, 8, 8, mix_acc_tile=(3, 16))
+    one = tiling.choose_tiles(d=1024, heads=1, max_kernel=1, n_targets=1, backend="triton", n_streams=1)
+    assert one.mix_tile("mean") == (16, 128) and one.mix_tile("stats") == (16, 64)
+    with pytest.raises(ValueError, match=r"entry \('acc', 3, 16\)"):
+        tiling.Tiles(16, 8, 8, mix_tiles=(("acc", 3, 16),))
+    with pytest.raises(ValueError, match=r"entry \('sum', 8, 16\)"):
+        tiling.Tiles(16, 8, 8, mix_tiles=(("sum", 8, 16),))
+    with pytest.raises(ValueError, match="one entry per mode"):
+        tiling.Tiles(16, 8, 8, mix_tiles=(("acc", 8, 16), ("acc", 16, 8)))
     p = jnp.zeros((n_targets, n, len(kernels), batch, 32, heads))
     with pytest.raises(ValueError, match="a 8 x 24 tile must divide"):
         fused.mix_call(jnp.zeros((n, batch, 32, d)), banks, p, None, mode="acc", stream_kernels=kernels, heads=heads,
-                       tiles=tiling.Tiles(16, 8, 8, mix_acc_tile=(8, 24)), backend="interpret", interpret=True)
+                       tiles=tiling.Tiles(16, 8, 8, mix_tiles=(("acc", 8, 24),)), backend="interpret", interpret=True)

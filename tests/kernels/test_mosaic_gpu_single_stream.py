@@ -170,15 +170,21 @@ def test_gpu_single_stream_reads_match_reference(monkeypatch, heads, d, fuse):
 @pytest.mark.parametrize("heads", [1, 8], ids=["attnres", "mhar_heads8"])
 def test_gpu_single_stream_auto_matches_reference(monkeypatch, heads):
     """On a GPU, compiled, what ``"auto"`` runs for one stream: phase 1's mixing pass in Triton on
-    its own 8 x 128 tile (``tiling.Tiles.mix_acc_tile``), the other passes in Mosaic GPU
+    its own 8 x 128 tile (``tiling.Tiles.mix_tiles``), the other passes in Mosaic GPU
     (128-channel scoring chunks), against the oracle, forward and gradients (bf16 sources, a
-    source ruled out, segments, ragged T, 8 targets, 1024 channels)."""
+    source ruled out, segments, ragged T, 8 targets, 1024 channels); phase 2 without a gate in
+    Triton, its output pass on its own 16 x 128 tile."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     calls = _count_calls(monkeypatch, ((mosaic_gpu, "phase1_scores"), (mosaic_gpu, "phase1_mix")))
     with jax.default_matmul_precision("highest"):
         (g, g_grads), (w, w_grads) = _phase1("auto", n=4, batch=3, t_len=300, d=1024, n_targets=8, heads=heads,
                                              dtype=jnp.bfloat16, valid=(True, True, False, True), cut=77)
+        case = ("one_stream", 2, 300, 1024, ONE_STREAM, heads, True, 77, "mean")
+        h, h_grads = _run(case, "auto", jnp.bfloat16)
+        h_want, h_want_grads = _run(case, None, jnp.bfloat16)
+    _check_tree(h, h_want, 1e-4)
+    _check_grads(h_grads, h_want_grads, 1e-4)
     _check_tree(g, w, 1e-4)
     for got_leaf, want_leaf, tol in zip(g_grads, w_grads, (1e-2, None, 1e-4), strict=True):
         assert (got_leaf is None) == (want_leaf is None) == (tol is None)
