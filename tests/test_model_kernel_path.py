@@ -150,20 +150,7 @@ def test_reads_run_their_forward_kernels_once_per_pass(monkeypatch, mechanism, s
     ``state_dtype="bfloat16"`` the kernels write and read the state and its cotangent in bf16
     (no float32 copy of either). The Triton kernels throughout (``gpu_kernels="triton"``): the
     counts are of Triton calls, whatever ``"auto"`` takes in Mosaic GPU."""
-    import types
-
-    from jax._src.pallas.triton import gpu_info
-
-    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: types.SimpleNamespace(compute_capability=90))
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels leave interpret mode
-    cfg = load_config(f"configs/{mechanism}.py:smoke=1,seq_len=32",
-                      {"model.n_layers": 4, "model.residual.block_size": 2,
-                       "model.residual.implementation": "pallas_gpu", "model.residual.kernel_backward": "auto",
-                       "model.residual.state_dtype": state_dtype, "model.residual.gpu_kernels": "triton"})
-    model_def, params = step.init_model(cfg.model, seed=5)
-    batch = jax.numpy.zeros((2, 33), jax.numpy.int32)
-    grad = jax.jit(jax.grad(lambda p: lm_loss(model_def.merge(p), batch)[0]))
-    text = grad.trace(params).lower(lowering_platforms=("cuda",)).as_text()
+    text = _lowered_grad_for_h200(monkeypatch, mechanism, {"model.residual.state_dtype": state_dtype})
     names = re.findall(r'custom_call @__gpu\$xla\.gpu\.triton\(.*?name = "([^"]+)"', text)
     assert dict(collections.Counter(names)) == LOWERED_KERNELS[mechanism]
     # Phase 1's state per target (BlockDepthAttention.begin_block says why): the mixing kernel
@@ -179,7 +166,46 @@ def test_reads_run_their_forward_kernels_once_per_pass(monkeypatch, mechanism, s
     state = f"tensor<{m}x2x32x32x{ty}>"  # [m, B, T, d]
     operands = gdots[0].rsplit(" : (", 1)[1].split(") -> ")[0]
     assert f"tensor<2x{m}x2x32x32x{ty}>" not in operands
-    assert all(ln.split(") -> ")[-1].count(state) == 2 for ln in mix)  # the kernel writes the state    assert operands.count(state) == 2
+    assert all(ln.split(") -> ")[-1].count(state) == 2 for ln in mix)  # the kernel writes the state
+    assert operands.count(state) == 2
+
+
+def _lowered_grad_for_h200(monkeypatch, mechanism, overrides):
+    """The StableHLO of the loss gradient of a 4-layer smoke model in blocks of 2 sublayers on the
+    kernel path, lowered for an H200 through Pallas' Triton lowering on this CPU
+    (``test_triton_lowering``), with the Triton kernels throughout (``gpu_kernels="triton"``)."""
+    import types
+
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: types.SimpleNamespace(compute_capability=90))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels leave interpret mode
+    cfg = load_config(f"configs/{mechanism}.py:smoke=1,seq_len=32",
+                      {"model.n_layers": 4, "model.residual.block_size": 2,
+                       "model.residual.implementation": "pallas_gpu", "model.residual.kernel_backward": "auto",
+                       "model.residual.gpu_kernels": "triton", **overrides})
+    model_def, params = step.init_model(cfg.model, seed=5)
+    batch = jax.numpy.zeros((2, 33), jax.numpy.int32)
+    grad = jax.jit(jax.grad(lambda p: lm_loss(model_def.merge(p), batch)[0]))
+    return grad.trace(params).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("mechanism, output_kernel", [("attnres", "mix_mean"), ("msar", "mix_gate")])
+def test_bf16_model_reads_store_h_and_take_its_cotangent_in_bf16(monkeypatch, mechanism, output_kernel):
+    """With bf16 activations the phase-2 reads write ``h`` in bf16 (``out_dtype``, the value the
+    model's cast gave) and their backward kernels read its bf16 cotangent as it is: no float32
+    ``[B, T, d]`` copy of either (the float32 ``h`` cost a write and a read per read, its
+    cotangent a float32 copy read by each backward kernel)."""
+    text = _lowered_grad_for_h200(monkeypatch, mechanism, {"model.dtype": "bfloat16"})
+    btd = "tensor<2x32x32x{}>"  # [B, T, d]
+    outputs = [ln for ln in text.splitlines() if f'name = "depth_attention_{output_kernel}"' in ln]
+    assert len(outputs) == 4  # 4 phase-2 reads (the first of each block has its own kernel too)
+    assert all(ln.rstrip().endswith("-> " + btd.format("bf16")) for ln in outputs), outputs[0][-200:]
+    backward = [ln for ln in text.splitlines() if re.search(r'name = "depth_attention_phase2_bwd_\w+"', ln)]
+    assert len(backward) >= 4
+    for ln in backward:
+        operands = ln.rsplit(" : (", 1)[1].split(") -> ")[0]
+        assert btd.format("bf16") in operands and btd.format("f32") not in operands, operands
 
 
 @pytest.mark.parametrize("op, implementation, lean", [

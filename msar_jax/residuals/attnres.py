@@ -260,9 +260,11 @@ class BlockDepthAttention(ResidualMechanism):
         dtype = state.carry["partial"].dtype
         if bctx is not None and not want_weights:
             # Phase 2 and the stream fusion in one op: the m retrieved streams are never an
-            # output, and its backward recomputes them in closed form (xla_streaming).
+            # output, and its backward recomputes them in closed form (xla_streaming). ``h`` comes
+            # out in the activations' dtype (computed in float32, rounded once, as the cast below
+            # would): the kernels then write bf16 ``h`` and read a bf16 cotangent, not float32.
             h = _recomputed(
-                functools.partial(self._op(depth_api.phase2_fused), gate_eps=self.res_cfg.eps),
+                functools.partial(self._op(depth_api.phase2_fused), gate_eps=self.res_cfg.eps, out_dtype=dtype),
                 bctx, state.carry["partial"], self.partial_bank(g, pos), p["queries"],
                 jnp.logical_not(pos.first_in_block), self.gate(p),
                 batch_axes=((1, 1, 1), 0, None, None, None, None), out_batch_axis=0,

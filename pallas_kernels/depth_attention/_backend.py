@@ -240,7 +240,7 @@ def build(backend: str, native_platform: str):
         form = dict(static.kernel_opts).get("phase2_backward_form", fused_bwd_phase2.DEFAULT_FORM)
         return fused_bwd_phase2.phase2_fused_backward(
             state, partial, bank, query, include, gate if static.fuse == "gate" else None, segment_ids,
-            jnp.asarray(dh, jnp.float32), stream_kernels=static.stream_kernels, heads=static.heads, eps=static.eps,
+            dh, stream_kernels=static.stream_kernels, heads=static.heads, eps=static.eps,
             gate_eps=static.gate_eps, scores=scores, form=form, **kw,
             mosaic_state=_mosaic_phase2(rest["gpu_kernels"], backend, static, partial, state, jnp.float32,
                                         kw["interpret"], kernel="backward_state"),

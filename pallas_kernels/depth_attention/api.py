@@ -64,6 +64,9 @@ def _dispatch(op: str, implementation: Implementation, *args, **kwargs):
             kwargs.pop("backward", None)
             kwargs.pop("gpu_kernels", None)  # which GPU lowering the kernels use
             split = reference.split_targets if kwargs.pop("per_target", False) else (lambda out: out)
+            if "out_dtype" in kwargs:  # phase 2: the XLA path computes h in float32, then casts it
+                dtype, inner = kwargs.pop("out_dtype"), split
+                split = lambda out: inner(out.astype(dtype))  # noqa: E731
             if "state_dtype" in kwargs:  # phase 1: the XLA path computes in float32, then stores acc
                 dtype, inner = kwargs.pop("state_dtype"), split
                 split = lambda out: inner(out._replace(acc=out.acc.astype(dtype)))  # noqa: E731
@@ -143,8 +146,23 @@ def phase2(*args, implementation: Implementation = None, **kwargs) -> jax.Array:
     return _dispatch("phase2", implementation, *args, **kwargs)
 
 
+OUT_DTYPES = (jax.numpy.dtype("float32"), jax.numpy.dtype("bfloat16"))
+
+
 def phase2_fused(*args, implementation: Implementation = None, **kwargs) -> jax.Array:
-    """Phase 2 with the stream fusion folded in (``h[B, T, d]``); see ``reference.phase2_fused``."""
+    """Phase 2 with the stream fusion folded in (``h[B, T, d]``); see ``reference.phase2_fused``.
+
+    ``out_dtype`` (default float32): the dtype of ``h``, computed in float32 and rounded once when
+    it is stored, as ``reference.phase2_fused(...).astype(out_dtype)``; its cotangent comes in
+    that dtype. A model with bf16 activations passes bf16: the kernels then write ``h`` and read
+    its cotangent in half the bytes (a float32 ``h`` cast by the caller costs a float32 write and
+    read in the forward and a float32 cotangent in the backward, for the same values)."""
+    if "out_dtype" in kwargs:
+        dtype = jax.numpy.dtype(kwargs["out_dtype"])
+        if dtype not in OUT_DTYPES:
+            raise ValueError(f"phase2_fused: out_dtype={kwargs['out_dtype']!r}: must be one of "
+                             f"{tuple(str(d) for d in OUT_DTYPES)} (h is computed in float32 and rounded once)")
+        kwargs["out_dtype"] = dtype
     return _dispatch("phase2_fused", implementation, *args, **kwargs)
 
 

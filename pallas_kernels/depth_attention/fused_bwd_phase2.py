@@ -618,7 +618,8 @@ def phase2_fused_backward(state, partial, bank, query, include, gate, segment_id
     Returns ``(d_state, d_partial, d_bank, d_query, d_gate)``: ``d_state`` a
     ``reference.SoftmaxState(max, denom, acc)`` (float32), ``d_bank`` ``None`` when ``bank``
     is, ``d_gate`` ``(d_W[m d, m], d_scale, d_bias[m])`` or ``None`` (mean fusion).
-    ``backend``: ``"triton"``, ``"tpu"`` or ``"interpret"`` (as in ``fused.py``).
+    ``backend``: ``"triton"``, ``"tpu"`` or ``"interpret"`` (as in ``fused.py``). ``dh``: bf16
+    (read as it is, half the bytes; the cotangent of an ``h`` stored in bf16) or float32.
     ``scores``: the forward's ``(dots[m, B, T, H], sumsq[m, B, T])``
     (``fused.phase2_forward(..., return_scores=True)``); None recomputes them (pass 0).
     ``form``: pass 3 as the reverse-T input kernel (``"reverse_t"``) or as ``_dstreams_call``
@@ -662,7 +663,10 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
     has_bank = bank is not None and any(stream_kernels)
     kbank = bank.astype(F32) if has_bank else None
     x = _pad_t(partial, 1, t_pad)
-    g_h = _pad_t(jnp.asarray(dh, F32), 1, t_pad)
+    # bf16 as it comes (the cotangent of a bf16 h, exact), else float32: every kernel widens its tiles
+    dh = jnp.asarray(dh)
+    dh = dh if dh.dtype == jnp.bfloat16 else dh.astype(F32)
+    g_h = _pad_t(dh, 1, t_pad)
     q = query.astype(F32)
     kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)
     valid = (jnp.arange(t_pad) < t_len).astype(F32)  # [Tp]

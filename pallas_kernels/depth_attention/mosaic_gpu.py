@@ -880,6 +880,14 @@ def _kernel(cfg: _Config):
 # --------------------------------------------------------------------------- backward
 
 
+def _dh_operand(dh):
+    """``h``'s cotangent as the backward kernels read it: bf16 as it comes (a model with bf16
+    activations casts ``h`` to bf16, so its cotangent is bf16 and exact; the kernels widen it in
+    registers, half the bytes of a float32 copy), any other dtype as float32."""
+    dh = jnp.asarray(dh)
+    return dh if dh.dtype == jnp.bfloat16 else dh.astype(F32)
+
+
 def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segment_ids, *, stream_kernels,
                           heads: int, gate_eps: float, block_d: int | None = None, expand: str | None = None,
                           windows: str | None = None, interpret: bool = False):
@@ -893,7 +901,7 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     per head over all its channels (the Triton passes write per-chunk partials for XLA to add).
 
     ``a, b, dold``: ``[m, B, T, H]`` (the merge's coefficients and the phase-1 denominator);
-    ``acc[m, B, T, d]``; ``dh[B, T, d]``; ``gate_params = (w, scale, bias)`` or None. Returns
+    ``acc[m, B, T, d]``; ``dh[B, T, d]`` (bf16 or float32: ``_dh_operand``); ``gate_params = (w, scale, bias)`` or None. Returns
     ``d_acc`` (``acc``'s dtype), ``(S1, Sm, Ss)`` each ``[m, B, T, H]``, and for the gate
     ``(g, dy, coef, d_scale, d_bias)`` (``[B, T, m]``, ``[B, T, m]``, ``[B, T]``, the scale's
     and bias's gradients) or None. On the H200 at `base` the whole Pallas backward ran 5.40 ms
@@ -918,8 +926,9 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     def head_rows(v, value=0.0):  # [m, B, T, H] -> [m H, B, Tp]
         return pad_t(jnp.moveaxis(jnp.asarray(v, F32), -1, 1).reshape(mh, batch, t_len), 2, value)
 
+    dh = _dh_operand(dh)
     inputs = [x, jnp.asarray(bank, F32) if has_bank else jnp.zeros((1, d), F32), head_rows(a), head_rows(b),
-              head_rows(dold, 1.0), _state_rows(acc, t_pad), pad_t(jnp.asarray(dh, F32), 1)]
+              head_rows(dold, 1.0), _state_rows(acc, t_pad), pad_t(dh, 1)]
     if gate:
         w, scale, bias = gate_params
         inputs.append(jnp.asarray(w, F32).reshape(m, d, m).transpose(0, 2, 1).reshape(m * m, d))  # [(r, j), c]
@@ -930,7 +939,8 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     call = _state_kernel(_StateConfig(batch=batch, t_pad=t_pad, t_len=t_len, d=d, stream_kernels=tuple(stream_kernels),
                                       heads=heads, block_d=bd, gate=gate, has_seg=has_seg, front=front,
                                       gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype),
-                                      acc_dtype=jnp.dtype(acc.dtype), expand=expand, windows=windows,
+                                      acc_dtype=jnp.dtype(acc.dtype), dh_dtype=jnp.dtype(dh.dtype), expand=expand,
+                                      windows=windows,
                                       state_boxes=_state_boxes(), sums_in_rows=bool(STATE_SUMS_IN_ROWS),
                                       interpret=bool(interpret)))
     d_acc, sums, gate_rows_out = call(*inputs)
@@ -962,6 +972,7 @@ class _StateConfig(NamedTuple):
     gate_eps: float
     x_dtype: jnp.dtype
     acc_dtype: jnp.dtype
+    dh_dtype: jnp.dtype
     expand: str
     windows: str
     state_boxes: str
@@ -990,7 +1001,7 @@ def _state_kernel(cfg: _StateConfig):
         xs=plgpu.SMEM((2, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
         bs=plgpu.SMEM((2, n_taps, bd), F32) if has_bank else None,
         accs=_tile_smem(plgpu, (2, m, bt, bd), cfg.acc_dtype),  # the state's chunk; d_acc's, stored in place
-        dhs=_tile_smem(plgpu, (2, bt, bd), F32),
+        dhs=_tile_smem(plgpu, (2, bt, bd), cfg.dh_dtype),
         ws=plgpu.SMEM((2, m * m, bd), F32) if gate else None,
         rows_s=plgpu.SMEM((3 * mh, bt), F32),  # a, b, dold; the sums at the end with ``sums_in_rows``
         scal_s=plgpu.SMEM((1 + m, bt), F32) if gate else None,
@@ -1056,7 +1067,7 @@ def _state_kernel(cfg: _StateConfig):
             # ---- 1: the gate's statistics, then its backward on per-token scalars (Eq. 13-14)
             def stats_chunk(c, slot, head, carry):
                 sq, zw, dg = carry[0], list(carry[1]), list(carry[2])
-                dh = plgpu.load(dhs, slot, layout=tile)
+                dh = plgpu.load(dhs, slot, layout=tile).astype(F32)
                 for r, e in enumerate(expand(slot)):
                     _, z = chunk_values(slot, r, head, e)
                     sq = sq + jnp.sum(z * z, axis=1)
@@ -1090,7 +1101,7 @@ def _state_kernel(cfg: _StateConfig):
         # ---- 2: d_acc = a dz, and the per-head sums S1, Sm, Ss
         def state_chunk(c, slot, head, carry):
             s1, sm, ss = (list(v) for v in carry)
-            dh = plgpu.load(dhs, slot, layout=tile)
+            dh = plgpu.load(dhs, slot, layout=tile).astype(F32)
             for r, e in enumerate(expand(slot)):
                 acc, z = chunk_values(slot, r, head, e)
                 if gate_vals is None:
@@ -1644,7 +1655,7 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     dy_j`` ride in the loop carry as whole tiles and are reduced over rows once per program.
 
     ``a, b, u``: ``[m, B, T, H]``; ``v``: ``[m, B, T]``; ``acc[m, B, T, d]``; ``dh[B, T, d]``
-    float32; ``gate_in``: ``(g[B, T, m], dy[B, T, m], coef[B, T], w3[m, d, m])``
+    (bf16 or float32: ``_dh_operand``); ``gate_in``: ``(g[B, T, m], dy[B, T, m], coef[B, T], w3[m, d, m])``
     (``fused.gate_cols``) or None (mean fusion). Returns what ``fused_bwd_phase2._dinput_call``
     does, except that the token sums come per program, not per batch row: ``d_x[B, T, d]``
     float32 and the partials ``d_query[P, m, d]``, ``d_bank[P, K, d]`` (None without a bank) and
@@ -1682,7 +1693,7 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
         per_head.append(jnp.broadcast_to(pad_t(coef, 1)[None, None], (heads, 1, batch, t_pad)))
     rows = jnp.concatenate(per_head, axis=1)
     inputs = [x, _pad_rows4(jnp.asarray(bank, F32) if has_bank else jnp.zeros((1, d), F32)),
-              _pad_rows4(jnp.asarray(query, F32)), rows, _state_rows(acc, t_pad), pad_t(dh, 1)]
+              _pad_rows4(jnp.asarray(query, F32)), rows, _state_rows(acc, t_pad), _pad_t(_dh_operand(dh), 1, t_pad)]
     if gate:
         inputs.append(_pad_rows4(jnp.asarray(w3, F32).transpose(0, 2, 1).reshape(m * m, d)))  # [(r, j), c]
     if has_seg:  # each tile's window: its rows and the next tile's first ones (zeros past the end)
@@ -1691,7 +1702,7 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     call = _inputs_kernel(_InputsConfig(batch=batch, t_pad=t_pad, d=d, stream_kernels=stream_kernels, heads=heads,
                                         gate=gate, has_bank=has_bank, has_seg=has_seg, front=front,
                                         x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
-                                        warpgroups=warpgroups or INPUTS_WARPGROUPS,
+                                        dh_dtype=jnp.dtype(_dh_operand(dh).dtype), warpgroups=warpgroups or INPUTS_WARPGROUPS,
                                         reuse_loads=bool(INPUTS_REUSE_LOADS), rows_per_program=rows_per_program,
                                         interpret=bool(interpret)))
     dx, sums = call(*inputs)
@@ -1716,6 +1727,7 @@ class _InputsConfig(NamedTuple):
     front: int
     x_dtype: jnp.dtype
     acc_dtype: jnp.dtype
+    dh_dtype: jnp.dtype
     warpgroups: int
     reuse_loads: bool
     rows_per_program: int
@@ -1772,7 +1784,7 @@ def _inputs_kernel(cfg: _InputsConfig):
     scratch = dict(
         xs=plgpu.SMEM((2, 1, lags.rows, bd), cfg.x_dtype),
         accs=plgpu.SMEM((2, m, bt, bd), cfg.acc_dtype),
-        dhs=plgpu.SMEM((2, bt, bd), F32),
+        dhs=plgpu.SMEM((2, bt, bd), cfg.dh_dtype),
         rows_s=plgpu.SMEM((2, n_rows, bt), F32),
         bits_s=plgpu.SMEM((2, INPUTS_BITS_ROWS), jnp.int32) if has_seg else None,
         consts=plgpu.SMEM((_rows4(max(1, n_taps)) + _rows4(m) + (_rows4(m * m) if gate else 0), bd), F32),
@@ -1869,7 +1881,7 @@ def _inputs_kernel(cfg: _InputsConfig):
                 def x_lag(delta):
                     return once(("x", delta), lambda: lags.load(plgpu, xs, slot, delta).astype(F32))
 
-                dh = plgpu.load(dhs, slot, layout=tile)
+                dh = plgpu.load(dhs, slot, layout=tile).astype(F32)
                 dx = None
                 for r in group:
                     kernel, off = layout[r]
