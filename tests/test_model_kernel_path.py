@@ -193,9 +193,10 @@ def _lowered_grad_for_h200(monkeypatch, mechanism, overrides):
 @pytest.mark.parametrize("mechanism, output_kernel", [("attnres", "mix_mean"), ("msar", "mix_gate")])
 def test_bf16_model_reads_store_h_and_take_its_cotangent_in_bf16(monkeypatch, mechanism, output_kernel):
     """With bf16 activations the phase-2 reads write ``h`` in bf16 (``out_dtype``, the value the
-    model's cast gave) and their backward kernels read its bf16 cotangent as it is: no float32
-    ``[B, T, d]`` copy of either (the float32 ``h`` cost a write and a read per read, its
-    cotangent a float32 copy read by each backward kernel)."""
+    model's cast gave) and their backward kernels read its bf16 cotangent as it is and write the
+    partial's gradient in bf16: no float32 ``[B, T, d]`` copy of any of them (the float32 ``h``
+    cost a write and a read per read, its cotangent a float32 copy read by each backward kernel,
+    the partial's gradient a float32 write and a cast)."""
     text = _lowered_grad_for_h200(monkeypatch, mechanism, {"model.dtype": "bfloat16"})
     btd = "tensor<2x32x32x{}>"  # [B, T, d]
     outputs = [ln for ln in text.splitlines() if f'name = "depth_attention_{output_kernel}"' in ln]
@@ -206,6 +207,9 @@ def test_bf16_model_reads_store_h_and_take_its_cotangent_in_bf16(monkeypatch, me
     for ln in backward:
         operands = ln.rsplit(" : (", 1)[1].split(") -> ")[0]
         assert btd.format("bf16") in operands and btd.format("f32") not in operands, operands
+    # the partial's gradient (the input pass's first result) in bf16 too
+    inputs = [ln for ln in backward if 'name = "depth_attention_phase2_bwd_inputs"' in ln]
+    assert inputs and all(ln.split(") -> (", 1)[1].startswith(btd.format("bf16")) for ln in inputs)
 
 
 @pytest.mark.parametrize("op, implementation, lean", [

@@ -523,7 +523,7 @@ def _pass3_inputs(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, heads, b
 
 
 def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_kernels, heads, tiles, backend,
-                 interpret, shift):
+                 interpret, shift, dx_dtype=F32):
     batch, t_pad, d = x.shape
     m = len(stream_kernels)
     bt, bd = tiles.block_t, tiles.block_d_grads  # its own chunk: it writes nothing per chunk
@@ -535,7 +535,7 @@ def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_ke
                                 grid_ids=lambda i, c: (i, c))
     out_specs = [pl.BlockSpec((None, t_pad, bd), lambda i, c: (i, 0, c)),
                  pl.BlockSpec((None, m, bd), lambda i, c: (i, 0, c))]
-    out_shape = [jax.ShapeDtypeStruct((batch, t_pad, d), F32), jax.ShapeDtypeStruct((batch, m, d), F32)]
+    out_shape = [jax.ShapeDtypeStruct((batch, t_pad, d), dx_dtype), jax.ShapeDtypeStruct((batch, m, d), F32)]
     if has_bank:
         out_specs.append(pl.BlockSpec((None, bank.shape[0], bd), lambda i, c: (i, 0, c)))
         out_shape.append(jax.ShapeDtypeStruct((batch, bank.shape[0], d), F32))
@@ -667,6 +667,9 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
     dh = jnp.asarray(dh)
     dh = dh if dh.dtype == jnp.bfloat16 else dh.astype(F32)
     g_h = _pad_t(dh, 1, t_pad)
+    # d_partial in the partial's dtype when that is bf16: each kernel writes every element once, so
+    # that is the float32 value rounded once, as the cast at the end would give, in half the bytes
+    dx_dtype = partial.dtype if partial.dtype == jnp.bfloat16 else F32
     q = query.astype(F32)
     kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)
     valid = (jnp.arange(t_pad) < t_len).astype(F32)  # [Tp]
@@ -736,16 +739,17 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
         dq, dw = jnp.sum(dq, axis=1), None if dw is None else jnp.sum(dw, axis=1)
         dx, dbank = conv_transpose.expansion_transpose(
             d_streams, x, kbank, seg, stream_kernels=stream_kernels, tiles=tiles, backend=backend, interpret=interpret,
-            out_dtype=F32)
+            out_dtype=dx_dtype)
         dbank = dbank[None] if has_bank else None
     elif mosaic_inputs:
         cut_t = lambda w, axis: jax.lax.slice_in_dim(w, 0, t_len, axis=axis)  # noqa: E731
         gate3 = None if gate_in is None else (*(cut_t(w, 1) for w in gate_in[:3]), gate_in[3])
         dx, dq, dbank, dw = mosaic_gpu.phase2_backward_inputs(
             partial, kbank, q, cut_t(a, 2), cut_t(b, 2), cut_t(u, 2), cut_t(v, 2), state.acc, dh, gate3, segment_ids,
-            stream_kernels=stream_kernels, heads=heads, interpret=interpret)
+            stream_kernels=stream_kernels, heads=heads, dx_dtype=dx_dtype, interpret=interpret)
     else:
-        dx, dq, dbank, dw = _dinput_call(x, kbank, q, a, b, u, v, acc, g_h, gate_in, seg, shift=shift, **kw)
+        dx, dq, dbank, dw = _dinput_call(x, kbank, q, a, b, u, v, acc, g_h, gate_in, seg, shift=shift,
+                                         dx_dtype=dx_dtype, **kw)
 
     cut = lambda t: t[..., :t_len, :]  # noqa: E731
     d_state = reference.SoftmaxState(cut(d_max), cut(d_denom), cut(d_acc))

@@ -1639,7 +1639,7 @@ def inputs_rows_per_program(batch: int, rows: int | None = None) -> int:
 
 def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, segment_ids, *, stream_kernels,
                            heads: int, warpgroups: int | None = None, rows_per_program: int | None = None,
-                           interpret: bool = False):
+                           dx_dtype=F32, interpret: bool = False):
     """Pass 3 of ``fused_bwd_phase2`` (its reverse-T input kernel, ``_dinput_kernel``) as one
     Mosaic GPU kernel: per (group of batch rows, 8-channel chunk), each row's 64-token tiles in
     reverse (``rows_per_program``: the carried sums are reduced once per group); per
@@ -1658,7 +1658,8 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     (bf16 or float32: ``_dh_operand``); ``gate_in``: ``(g[B, T, m], dy[B, T, m], coef[B, T], w3[m, d, m])``
     (``fused.gate_cols``) or None (mean fusion). Returns what ``fused_bwd_phase2._dinput_call``
     does, except that the token sums come per program, not per batch row: ``d_x[B, T, d]``
-    float32 and the partials ``d_query[P, m, d]``, ``d_bank[P, K, d]`` (None without a bank) and
+    in ``dx_dtype`` (float32 or bf16: each element is written once, so bf16 is the float32 value
+    rounded once, as a cast after the kernel would give) and the partials ``d_query[P, m, d]``, ``d_bank[P, K, d]`` (None without a bank) and
     ``d_W[P, m, d, m]`` (None without the gate), ``P = B / inputs_rows_per_program(B, rows_per_program)``;
     their sum over the first axis is the gradient. ``warpgroups``: per program, one of
     ``INPUTS_WARPGROUPS_CHOICES`` (None: ``INPUTS_WARPGROUPS``; ``_inputs_kernel``);
@@ -1702,7 +1703,8 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     call = _inputs_kernel(_InputsConfig(batch=batch, t_pad=t_pad, d=d, stream_kernels=stream_kernels, heads=heads,
                                         gate=gate, has_bank=has_bank, has_seg=has_seg, front=front,
                                         x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
-                                        dh_dtype=jnp.dtype(_dh_operand(dh).dtype), warpgroups=warpgroups or INPUTS_WARPGROUPS,
+                                        dh_dtype=jnp.dtype(_dh_operand(dh).dtype), dx_dtype=jnp.dtype(dx_dtype),
+                                        warpgroups=warpgroups or INPUTS_WARPGROUPS,
                                         reuse_loads=bool(INPUTS_REUSE_LOADS), rows_per_program=rows_per_program,
                                         interpret=bool(interpret)))
     dx, sums = call(*inputs)
@@ -1728,6 +1730,7 @@ class _InputsConfig(NamedTuple):
     x_dtype: jnp.dtype
     acc_dtype: jnp.dtype
     dh_dtype: jnp.dtype
+    dx_dtype: jnp.dtype
     warpgroups: int
     reuse_loads: bool
     rows_per_program: int
@@ -1789,7 +1792,7 @@ def _inputs_kernel(cfg: _InputsConfig):
         bits_s=plgpu.SMEM((2, INPUTS_BITS_ROWS), jnp.int32) if has_seg else None,
         consts=plgpu.SMEM((_rows4(max(1, n_taps)) + _rows4(m) + (_rows4(m * m) if gate else 0), bd), F32),
         des=plgpu.SMEM((max(1, len(convs)), 2 * bt, bd), F32),  # d_E: this tile's rows, then the next tile's
-        dxs=plgpu.SMEM((2, bt, bd), F32),
+        dxs=plgpu.SMEM((2, bt, bd), cfg.dx_dtype),
         dx1s=plgpu.SMEM((n_wg - 1, 2, bt, bd), F32) if n_wg > 1 else None,  # the other warpgroups' parts of d_x
         sums_s=plgpu.SMEM((_rows4(n_sums), bd), F32),
         bar=plgpu.Barrier(num_arrivals=4 + has_seg, num_barriers=2),  # one per copy of ``fetch``
@@ -1938,7 +1941,7 @@ def _inputs_kernel(cfg: _InputsConfig):
                         for other in range(n_wg - 1):
                             dx = dx + plgpu.load(dx1s, (other, slot), layout=tile)
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot two tiles ago is read
-                    dxs[slot] = dx
+                    dxs[slot] = dx.astype(cfg.dx_dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(dxs.at[slot], dx_ref.at[bi, pl.ds(k * bt, bt), cs])
                 # this tile's d_E becomes the next (earlier) tile's "next rows" (read by this thread
@@ -1984,7 +1987,7 @@ def _inputs_kernel(cfg: _InputsConfig):
             for g in range(n_wg):
                 pl.when(wg == g)(functools.partial(run, g))
 
-    out_type = (jax.ShapeDtypeStruct((batch, t_pad, d), F32),
+    out_type = (jax.ShapeDtypeStruct((batch, t_pad, d), cfg.dx_dtype),
                 jax.ShapeDtypeStruct((batch // rows_per_program, _rows4(n_sums), d), F32))
     params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
     if n_wg > 1:

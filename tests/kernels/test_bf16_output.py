@@ -3,8 +3,9 @@ bf16 by every implementation (the XLA path, the Triton and Mosaic GPU kernels in
 the TPU kernels' interpret mode), against ``reference.phase2_fused(...).astype(bfloat16)``. The
 cotangent is the same bf16 values either way (a bf16 ``h``'s cotangent is bf16), so every float32
 gradient agrees to float32 rounding; only ``h`` itself and the bf16 partial's gradient carry one
-bf16 rounding. The kernels read the bf16 cotangent as it is (half the bytes of the float32 copy
-they took before, BENCHMARKS.md, kernels, session 28)."""
+bf16 rounding. The kernels read the bf16 cotangent as it is and write the bf16 partial's gradient
+in bf16 (half the bytes of the float32 copies they took and wrote before; BENCHMARKS.md, kernels,
+session 28)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,9 @@ def _check(case, impl, tol=2e-5):
         if not np.any(np.asarray(w)):  # the partial's max cotangent: zero in closed form
             assert not np.any(np.asarray(g)) or float(np.max(np.abs(np.asarray(g)))) < 1e-6
             continue
-        assert _rel(g, w) < (tol if g.dtype == jnp.float32 else 1e-2), (g.shape, g.dtype, _rel(g, w))
+        # the bf16 partial's gradient: written in bf16 by the kernels, the same float32 value
+        # rounded once (up to one bf16 step where the float32 values straddle a rounding edge)
+        assert _rel(g, w) < (tol if g.dtype == jnp.float32 else 2**-8), (g.shape, g.dtype, _rel(g, w))
 
 
 @pytest.mark.parametrize("impl, case", [
