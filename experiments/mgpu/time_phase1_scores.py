@@ -15,7 +15,8 @@ Mosaic kernel with its sums reduced per chunk and deferred (``defer_sums``, sess
 ``--slots``: the Mosaic kernel with 2, 3 and 4 channel chunks in flight (``n_slots``) and
 32-, 64- (and for one stream 128-) channel chunks (session 27); ``--wide`` (with ``--attnres``):
 128- against 256-channel chunks; ``--store-groups``: the default with its two stores per source committed once and once each
-(``mosaic_gpu.STORE_GROUPS``)."""
+(``mosaic_gpu.STORE_GROUPS``). ``--heads H``: H channel heads (MHAR: ``--attnres --heads 8``;
+session 28)."""
 import sys
 import traceback
 
@@ -26,6 +27,7 @@ from pallas_kernels.depth_attention import bench, fused, mosaic_gpu, tiling
 from time_phase2 import set_store_groups  # this folder, on the path when run as a script
 
 KERNELS = (0,) if "--attnres" in sys.argv else (0, 4, 8, 12)
+HEADS = int(sys.argv[sys.argv.index("--heads") + 1]) if "--heads" in sys.argv else 1  # MHAR: --attnres --heads 8
 
 
 def phase1_inputs(n, n_live, batch, t_len, d, n_targets):
@@ -48,12 +50,12 @@ def main():
         m = len(KERNELS)
         sources, banks, queries, valid = phase1_inputs(n, n_live, batch, t_len, d, n_targets)
         floor_ms = n_live * batch * t_len * d * 2 / bw * 1e3
-        tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=max([1, *KERNELS]), n_targets=n_targets, backend="triton",
+        tiles = tiling.choose_tiles(d=d, heads=HEADS, max_kernel=max([1, *KERNELS]), n_targets=n_targets, backend="triton",
                                     n_streams=m)
         t_pad, _ = fused._prepare(t_len, None, tiles)
 
         def triton(x, b, q, v):
-            dots, sumsq = fused.scores_call(fused._pad_t(x, 2, t_pad), b, q, None, stream_kernels=KERNELS, heads=1,
+            dots, sumsq = fused.scores_call(fused._pad_t(x, 2, t_pad), b, q, None, stream_kernels=KERNELS, heads=HEADS,
                                             tiles=tiles, backend="triton", interpret=False, valid=v)
             return dots[..., :t_len, :], sumsq[..., :t_len]
 
@@ -72,31 +74,31 @@ def main():
             forms = []  # the default windows ("padded") and expansion ("shared")
             for defer in (False, True):
                 variants[f"mosaic padded defer_sums={defer}"] = (lambda df: lambda x, b, q, v: mosaic_gpu.phase1_scores(
-                    x, b, q, None, v, stream_kernels=KERNELS, heads=1, defer_sums=df))(defer)
+                    x, b, q, None, v, stream_kernels=KERNELS, heads=HEADS, defer_sums=df))(defer)
         if "--slots" in sys.argv:  # chunks in flight x channel chunk (session 27); Triton first as the baseline
             forms = []
             chunks = (32, 64, 128) if KERNELS == (0,) else (32, 64)  # 4 streams of 128: 256 registers of E alone
             for bd in chunks:
                 for slots in (2, 3, 4):
                     variants[f"mosaic slots={slots} bd={bd}"] = (lambda ns, b_d: lambda x, b, q, v: (
-                        mosaic_gpu.phase1_scores(x, b, q, None, v, stream_kernels=KERNELS, heads=1, n_slots=ns,
+                        mosaic_gpu.phase1_scores(x, b, q, None, v, stream_kernels=KERNELS, heads=HEADS, n_slots=ns,
                                                  block_d=b_d)))(slots, bd)
         if "--wide" in sys.argv:  # one stream: 128- against 256-channel chunks, 2 slots (session 27, call 7)
             variants, forms = {k: v for k, v in variants.items() if k == "triton"}, []
             for bd in (128, 256):
                 variants[f"mosaic bd={bd}"] = (lambda b_d: lambda x, b, q, v: mosaic_gpu.phase1_scores(
-                    x, b, q, None, v, stream_kernels=KERNELS, heads=1, block_d=b_d))(bd)
+                    x, b, q, None, v, stream_kernels=KERNELS, heads=HEADS, block_d=b_d))(bd)
         if "--store-groups" in sys.argv:
             variants, forms = {}, []
             for grouped in (True, False):
                 variants[f"mosaic stores {'grouped' if grouped else 'one by one'}"] = (
                     lambda g: lambda x, b, q, v: (set_store_groups(g), mosaic_gpu.phase1_scores(
-                        x, b, q, None, v, stream_kernels=KERNELS, heads=1))[1])(grouped)
+                        x, b, q, None, v, stream_kernels=KERNELS, heads=HEADS))[1])(grouped)
         for expand, windows in forms:
             for bd in chunk_sizes:
                 label = f"mosaic {expand} {windows}" + (f" bd={bd}" if bd else "")
                 variants[label] = (lambda ex, w, bd: lambda x, b, q, v: mosaic_gpu.phase1_scores(
-                    x, b, q, None, v, stream_kernels=KERNELS, heads=1, expand=ex, windows=w, block_d=bd))(
+                    x, b, q, None, v, stream_kernels=KERNELS, heads=HEADS, expand=ex, windows=w, block_d=bd))(
                     expand, windows, bd)
         print(f"## {name}: {n} sources ({n_live} valid), S = {n_targets}, B x T = {batch} x {t_len}, d = {d}; "
               f"floor {floor_ms:.4f} ms", flush=True)

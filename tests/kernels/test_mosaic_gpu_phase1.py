@@ -51,6 +51,9 @@ def _triton_scores(sources, banks, queries, seg, valid, heads):
     (2, 1, 70, 256, 2, 1, (True, False), 30, jnp.bfloat16, 3, 32),
     # 4 slots over 2 chunks of 64 channels (fewer chunks than slots)
     (2, 1, 70, 128, 2, 1, None, 30, jnp.bfloat16, 4, 64),
+    # 4 heads of 2 chunks each, 3 slots (the copies run ahead across the heads' ends, where each
+    # head's dots leave the loop), the second source ruled out
+    (2, 1, 70, 256, 2, 4, (True, False), None, jnp.bfloat16, 3, 32),
 ])
 def test_interpreted_scores_match_triton(n, batch, t_len, d, n_targets, heads, valid, cut, dtype, slots, bd):
     sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=dtype)
