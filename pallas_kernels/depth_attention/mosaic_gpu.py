@@ -904,8 +904,8 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     per head over all its channels (the Triton passes write per-chunk partials for XLA to add).
 
     ``a, b, dold``: ``[m, B, T, H]`` (the merge's coefficients and the phase-1 denominator);
-    ``acc[m, B, T, d]``; ``dh[B, T, d]`` (bf16 or float32: ``_dh_operand``); ``gate_params = (w, scale, bias)`` or None. Returns
-    ``d_acc`` (``acc``'s dtype), ``(S1, Sm, Ss)`` each ``[m, B, T, H]``, and for the gate
+    ``acc[m, B, T, d]``; ``dh[B, T, d]`` (bf16 or float32: ``_dh_operand``); ``gate_params =
+    (w, scale, bias)`` or None. Returns ``d_acc`` (``acc``'s dtype), ``(S1, Sm, Ss)`` each ``[m, B, T, H]``, and for the gate
     ``(g, dy, coef, d_scale, d_bias)`` (``[B, T, m]``, ``[B, T, m]``, ``[B, T]``, the scale's
     and bias's gradients) or None. On the H200 at `base` the whole Pallas backward ran 5.40 ms
     per call with it against 6.19 with the two Triton passes (BENCHMARKS.md, kernels, session
