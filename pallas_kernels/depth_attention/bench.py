@@ -4,8 +4,9 @@ Usage (on the GPU machine): ``python3 -m pallas_kernels.depth_attention.bench``
 (``--small`` for a CPU smoke run of the harness itself, interpret mode).
 
 Per-sublayer amortised time = (phase 1 of a block + S phase-2 calls) / S, forward and
-forward+backward (each op timed separately: the backward of phase 2 and of phase 1
-with independent random cotangents). Each figure is the median of >= 20 timed
+forward+backward (each op timed separately: its outputs and the pullback of a cotangent of
+ones in the outputs' dtypes, as the model calls it; ``--fb_forms`` adds the loss form of
+sessions 16-28). Each figure is the median of >= 20 timed
 repetitions after warm-up; a repetition dispatches ``inner`` calls back to back and
 blocks once, so host dispatch overlaps device work. Also measured in the same call:
 the device copy bandwidth (bytes read + written), from which the bandwidth floor of
@@ -88,10 +89,81 @@ def make_inputs(n, batch, t_len, d, n_targets, kernels, heads, dtype, seed=0):
     return sources, banks, queries, partial, bank, query, gate
 
 
+FB_FORMS = ("vjp", "loss")
+
+
+def fwd_bwd(f, argnums, form="vjp"):
+    """A jitted forward + backward of ``f`` taking ``(*primals, ct)``, in one of ``FB_FORMS``.
+
+    ``"vjp"`` (the bench's default since session 29): returns ``f``'s outputs and ``jax.vjp``'s
+    pullback of ``ct`` (given in the outputs' dtypes, as the model hands the reads their
+    cotangents: phase 2's ``h`` is bf16 and so is its cotangent); returning the outputs keeps
+    every forward pass. ``"loss"`` (sessions 16-28): ``value_and_grad`` of ``sum(out * ct)``
+    with a float32 ``ct`` (phase 1: ``sum(acc * ct) + sum(max) + sum(denom)``); the loss reads
+    every output and ``ct`` once more (phase 1 at the issue's shape: the 8 float32 states and
+    as many cotangents, 2.15 GB a block for AttnRes) and phase 2's backward casts the float32
+    ``ct`` to bf16 first: bytes the model never moves. (With ``grad`` alone, before session 16,
+    XLA dropped the forward passes that only compute the outputs.)"""
+    if form not in FB_FORMS:
+        raise ValueError(f"form={form!r}: must be one of {FB_FORMS}")
+    if form == "loss":
+        def loss(*a):
+            *primals, ct = a
+            out = f(*primals)
+            if isinstance(out, tuple):  # phase 1's state
+                return jnp.sum(out.acc * ct) + jnp.sum(out.max) + jnp.sum(out.denom)
+            return jnp.sum(out.astype(jnp.float32) * ct)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=argnums))
+
+    def run(*a):
+        *primals, ct = a
+
+        def at(*diff):
+            full = list(primals)
+            for i, v in zip(argnums, diff):
+                full[i] = v
+            return f(*full)
+
+        out, pullback = jax.vjp(at, *(primals[i] for i in argnums))
+        return out, pullback(ct)
+
+    return jax.jit(run)
+
+
+def cotangent(f, args, form="vjp"):
+    """The ``ct`` of ``fwd_bwd(f, .., form)``: ones, in the outputs' shapes and dtypes, or for
+    ``"loss"`` one float32 array shaped as the output (phase 1: its ``acc``)."""
+    out = jax.eval_shape(f, *args)
+    if form == "loss":
+        return jnp.ones((out.acc if isinstance(out, tuple) else out).shape, jnp.float32)
+    return jax.tree.map(lambda o: jnp.ones(o.shape, o.dtype), out)
+
+
+def read_op(phase, impl, *, kernels, heads, out_dtype=jnp.bfloat16, state_dtype="float32", opts=None):
+    """The jitted read the bench times: phase 1 ``(sources, banks, queries) -> state`` or
+    phase 2 + stream fusion ``(state, partial, bank, query, gate) -> h`` in ``out_dtype``;
+    ``impl`` ``"xla"`` (the plain-jnp reference, float32 state) or an ``api`` implementation
+    with ``state_dtype`` (phase 1) and the keyword ``opts``."""
+    kw = dict(stream_kernels=kernels, heads=heads)
+    if phase == 1:
+        if impl == "xla":
+            return jax.jit(lambda x, b, q: reference.phase1(x, b, q, **kw))
+        return jax.jit(lambda x, b, q: api.phase1(x, b, q, implementation=impl, state_dtype=state_dtype, **kw,
+                                                  **(opts or {})))
+    if impl == "xla":
+        return jax.jit(lambda st, x, b, q, g: reference.phase2_fused(st, x, b, q, True, g, **kw).astype(out_dtype))
+    return jax.jit(lambda st, x, b, q, g: api.phase2_fused(st, x, b, q, True, g, implementation=impl,
+                                                            out_dtype=out_dtype, **kw, **(opts or {})))
+
+
 def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, impl, bw, log, reps, inner,
-               with_bwd=True, check=True, p1_opts=None, p2_opts=None, time_xla=True, state_dtype="float32"):
+               with_bwd=True, check=True, p1_opts=None, p2_opts=None, time_xla=True, state_dtype="float32",
+               fb_forms=("vjp",)):
     """One row of the main table. ``state_dtype``: the kernels' phase-1 state (``api.phase1``);
-    the XLA reference row keeps its float32 state."""
+    the XLA reference row keeps its float32 state. ``fb_forms``: how forward + backward is
+    timed (``"vjp"``, ``"loss"``: see below); the first names the ``*_fb_ms`` keys, the others
+    add ``*_fb_<form>_ms``."""
     m = len(kernels)
     sources, banks, queries, partial, bank, query, gate = make_inputs(
         n, batch, t_len, d, n_targets, kernels, heads, dtype
@@ -100,34 +172,11 @@ def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, im
     kw = dict(stream_kernels=kernels, heads=heads)
     out_dtype = dtype
 
-    def p1(impl_):
-        if impl_ == "xla":
-            return jax.jit(lambda x, b, q: reference.phase1(x, b, q, **kw))
-        return jax.jit(lambda x, b, q: api.phase1(x, b, q, implementation=impl_, state_dtype=state_dtype, **kw,
-                                                  **(p1_opts or {})))
+    p1 = functools.partial(read_op, 1, kernels=kernels, heads=heads, state_dtype=state_dtype, opts=p1_opts)
+    p2 = functools.partial(read_op, 2, kernels=kernels, heads=heads, out_dtype=out_dtype, opts=p2_opts)
 
-    def p2(impl_):
-        if impl_ == "xla":
-            return jax.jit(lambda st, x, b, q, g: reference.phase2_fused(st, x, b, q, True, g, **kw).astype(out_dtype))
-        return jax.jit(lambda st, x, b, q, g: api.phase2_fused(st, x, b, q, True, g, implementation=impl_,
-                                                                out_dtype=out_dtype, **kw, **(p2_opts or {})))
-
-    # Forward + backward as ``value_and_grad``: with ``grad`` alone the loss, linear in the
-    # outputs, never needs their values, and XLA drops every forward pass that only computes them
-    # (phase 1's mixing, phase 2's gate statistics and gate: until session 16 the fwd + bwd
-    # figures left those out; a model needs the values).
-    def grad_p1(f):
-        def loss(x, b, q, ct):
-            out = f(x, b, q)
-            return jnp.sum(out.acc * ct) + jnp.sum(out.max) + jnp.sum(out.denom)
-
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2) if banks is not None else (0, 2)))
-
-    def grad_p2(f):
-        def loss(st, x, b, q, g, ct):
-            return jnp.sum(f(st, x, b, q, g).astype(jnp.float32) * ct)
-
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4) if banks is not None else (0, 1, 3, 4)))
+    p1_args = (0, 1, 2) if banks is not None else (0, 2)
+    p2_args = (0, 1, 2, 3, 4) if banks is not None else (0, 1, 3, 4)
 
     res = {"name": name, "impl": impl, "p1_opts": str(p1_opts), "p2_opts": str(p2_opts)}
     state_ref = p1("xla")(sources, banks, queries)
@@ -149,19 +198,20 @@ def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, im
         t2, _ = timeit(p2(who), state1, partial, bank, query, gate, reps=reps, inner=inner)
         res[f"{who}_p1_ms"], res[f"{who}_p2_ms"] = t1 * 1e3, t2 * 1e3
         res[f"{who}_fwd_ms"] = (t1 + n_targets * t2) / n_targets * 1e3
-        if with_bwd:
-            ct1 = jnp.ones_like(state_ref.acc)
-            ct2 = jnp.ones((batch, t_len, d), jnp.float32)
-            g1, g2 = grad_p1(p1(who)), grad_p2(p2(who))
-            t1b, _ = timeit(g1, sources, banks, queries, ct1, reps=reps, inner=max(1, inner // 2))
-            t2b, _ = timeit(g2, state1, partial, bank, query, gate, ct2, reps=reps, inner=max(1, inner // 2))
-            res[f"{who}_p1_fb_ms"], res[f"{who}_p2_fb_ms"] = t1b * 1e3, t2b * 1e3
-            res[f"{who}_fb_ms"] = (t1b + n_targets * t2b) / n_targets * 1e3
+        for form in fb_forms if with_bwd else ():
+            sfx = "" if form == fb_forms[0] else f"_{form}"  # the first form's keys are the main table's
+            a1, a2 = (sources, banks, queries), (state1, partial, bank, query, gate)
+            ct1, ct2 = cotangent(p1(who), a1, form), cotangent(p2(who), a2, form)
+            g1, g2 = fwd_bwd(p1(who), p1_args, form), fwd_bwd(p2(who), p2_args, form)
+            t1b, _ = timeit(g1, *a1, ct1, reps=reps, inner=max(1, inner // 2))
+            t2b, _ = timeit(g2, *a2, ct2, reps=reps, inner=max(1, inner // 2))
+            res[f"{who}_p1_fb{sfx}_ms"], res[f"{who}_p2_fb{sfx}_ms"] = t1b * 1e3, t2b * 1e3
+            res[f"{who}_fb{sfx}_ms"] = (t1b + n_targets * t2b) / n_targets * 1e3
             try:
-                m1 = g1.lower(sources, banks, queries, ct1).compile().memory_analysis()
-                m2 = g2.lower(state1, partial, bank, query, gate, ct2).compile().memory_analysis()
-                res[f"{who}_p1_fb_temp_GiB"] = m1.temp_size_in_bytes / 2**30
-                res[f"{who}_p2_fb_temp_GiB"] = m2.temp_size_in_bytes / 2**30
+                m1 = g1.lower(*a1, ct1).compile().memory_analysis()
+                m2 = g2.lower(*a2, ct2).compile().memory_analysis()
+                res[f"{who}_p1_fb{sfx}_temp_GiB"] = m1.temp_size_in_bytes / 2**30
+                res[f"{who}_p2_fb{sfx}_temp_GiB"] = m2.temp_size_in_bytes / 2**30
             except Exception as e:  # noqa: BLE001
                 res[f"{who}_mem_error"] = repr(e)[:200]
         log(json.dumps(res))
@@ -663,6 +713,10 @@ def main():
     ap.add_argument("--gpu_kernels", default="auto", choices=("auto", "mosaic", "triton"),
                     help="the main table's GPU lowering (api's gpu_kernels): auto (per kernel, the faster as "
                          "timed), mosaic (every kernel that has a Mosaic GPU form), triton")
+    ap.add_argument("--fb_forms", default="vjp",
+                    help="how forward + backward is timed, comma-separated, the first in the table: vjp (the "
+                         "outputs and the pullback of a cotangent in their dtypes, as the model calls the reads), "
+                         "loss (value_and_grad of sum(out * ct), float32 ct: sessions 16-28)")
     ap.add_argument("--configs", default="msar,attnres",
                     help="the main table's rows, comma-separated: msar, attnres")
     ap.add_argument("--no_bwd_barrier", action="store_true",
@@ -677,6 +731,9 @@ def main():
     configs = tuple(args.configs.split(","))
     if not configs or any(c not in table_configs for c in configs):
         ap.error(f"--configs={args.configs!r}: each must be one of {sorted(table_configs)}")
+    fb_forms = tuple(args.fb_forms.split(","))
+    if not fb_forms or any(f not in FB_FORMS for f in fb_forms) or len(set(fb_forms)) < len(fb_forms):
+        ap.error(f"--fb_forms={args.fb_forms!r}: each must be vjp or loss, once")
     if args.no_bwd_barrier:  # read by vjp.py and xla_streaming at trace time
         xla_streaming.ordered_after_cotangent = lambda res, ct: (res, ct)
     out_dir = os.environ.get("OUT", ".")
@@ -753,7 +810,8 @@ def main():
                 state += "" if args.gpu_kernels == "auto" else f",{args.gpu_kernels}"
                 row = run_config(f"{name}[bwd={backward}{state}]", kernels=kernels, heads=heads, dtype=jnp.bfloat16,
                                  impl=impl, bw=bw, log=log, reps=reps, inner=inner, with_bwd=not args.no_bwd,
-                                 time_xla=xla_row is None, state_dtype=args.state_dtype, **shapes, **run_opts)
+                                 time_xla=xla_row is None, state_dtype=args.state_dtype, fb_forms=fb_forms,
+                                 **shapes, **run_opts)
             except Exception as e:  # noqa: BLE001 - keep measuring the other configs
                 log(json.dumps({"name": name, "backward": backward, "error": repr(e)[:2000]}))
                 continue
@@ -765,11 +823,14 @@ def main():
     print("\n== per-sublayer amortised, ms (median of >= 20 reps) ==")
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; shapes {shapes}")
     for r in rows:
-        for mode, key in (("fwd", "fwd_ms"), ("fwd+bwd", "fb_ms")):
+        modes = [("fwd", "fwd_ms"), ("fwd+bwd", "fb_ms")] + [(f"fb {f}", f"fb_{f}_ms") for f in fb_forms[1:]]
+        for mode, key in modes:
             k, x = f"{impl}_{key}", f"xla_{key}"
             if k not in r:
                 continue
             floor = r["floor_fwd_ms" if mode == "fwd" else "floor_fb_ms"]
+            if x not in r:  # a form of the XLA path not timed
+                continue
             print(f"{r['name']:>16} {mode:>8}: kernel {r[k]:8.3f}  xla {r[x]:8.3f}  floor {floor:7.3f}  "
                   f"kernel/xla {r[k] / r[x]:5.2f}  floor/kernel {floor / r[k]:5.2f}")
         print(f"{r['name']:>16} parts: " + ", ".join(f"{k}={v:.3f}" for k, v in r.items()

@@ -50,3 +50,45 @@ def test_sweeps_run(tmp_path):
     for key in ("p1_fb_stacked_ms", "p1_fb_per_target_ms", "mix_acc_per_target_bt32_bd64_w8_ms", "p1_fb_pallas_wide_ms",
                 "transpose_one_source_kernel_ms"):
         assert isinstance(merged.get(key), float), key
+
+
+@pytest.mark.parametrize("phase", [1, 2])
+def test_fwd_bwd_forms_give_the_outputs_and_the_same_gradients(phase):
+    """The bench's "vjp" form (its default) returns the op's outputs and the gradients its
+    "loss" form returns, on random non-zero inputs; the vjp form's phase-2 cotangent is bf16,
+    as the model's is."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.depth_attention import bench, reference
+
+    kernels, heads = (0, 2, 3), 1
+    sources, banks, queries, partial, bank, query, gate = bench.make_inputs(3, 2, 8, 16, 2, kernels, heads,
+                                                                            jnp.bfloat16)
+    kw = dict(stream_kernels=kernels, heads=heads)
+    if phase == 1:
+        f = lambda x, b, q: reference.phase1(x, b, q, **kw)  # noqa: E731
+        args, argnums = (sources, banks, queries), (0, 1, 2)
+    else:
+        state = jax.tree.map(lambda a: a[1], reference.phase1(sources, banks, queries, **kw))
+        f = lambda st, x, b, q, g: reference.phase2_fused(st, x, b, q, True, g, **kw).astype(jnp.bfloat16)  # noqa: E731
+        args, argnums = (state, partial, bank, query, gate), (0, 1, 2, 3, 4)
+    ct = bench.cotangent(f, args)
+    if phase == 2:
+        assert ct.dtype == jnp.bfloat16
+    out, grads = bench.fwd_bwd(f, argnums)(*args, ct)
+    _, grads_loss = bench.fwd_bwd(f, argnums, "loss")(*args, bench.cotangent(f, args, "loss"))
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(jax.jit(f)(*args))):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    leaves, leaves_loss = jax.tree.leaves(grads), jax.tree.leaves(grads_loss)
+    assert len(leaves) == len(leaves_loss) and any(float(jnp.max(jnp.abs(g))) > 0 for g in leaves)
+    for a, b in zip(leaves, leaves_loss):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
+
+
+def test_fwd_bwd_rejects_an_unknown_form():
+    from pallas_kernels.depth_attention import bench
+
+    with pytest.raises(ValueError, match="form='grad'"):
+        bench.fwd_bwd(lambda x: x, (0,), "grad")
