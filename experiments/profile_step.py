@@ -178,8 +178,9 @@ def kind_of(info: dict | None, comps: dict) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def device_op_events(trace_dir: str) -> list[tuple[str, str, float]]:
-    """``(hlo_module, hlo_op, duration_ns)`` of every op execution in the trace.
+def device_op_events(trace_dir: str, with_start: bool = False) -> list[tuple]:
+    """``(hlo_module, hlo_op, duration_ns)`` of every op execution in the trace (with
+    ``with_start``, ``start_ns`` appended).
 
     Device planes (``/device:GPU:k``, ``/device:TPU:k``) when the trace has them, else the
     host plane (XLA:CPU runs ops on host threads). Events carrying an ``hlo_op`` stat are
@@ -199,12 +200,14 @@ def device_op_events(trace_dir: str) -> list[tuple[str, str, float]]:
         for line in plane.lines:
             for ev in line.events:
                 stats = dict(ev.stats)
+                start = (float(ev.start_ns),) if with_start else ()
                 if line.name == "XLA Ops":
-                    derived.append((str(stats.get("hlo_module", "")), ev.name, float(ev.duration_ns)))
+                    derived.append((str(stats.get("hlo_module", "")), ev.name, float(ev.duration_ns), *start))
                 elif line.name.startswith("XLA"):
                     continue
                 elif "hlo_op" in stats:
-                    raw.append((str(stats.get("hlo_module", "")), str(stats["hlo_op"]), float(ev.duration_ns)))
+                    raw.append((str(stats.get("hlo_module", "")), str(stats["hlo_op"]), float(ev.duration_ns),
+                                *start))
     return raw or derived
 
 

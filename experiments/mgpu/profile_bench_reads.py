@@ -36,7 +36,9 @@ CONFIGS = {"attnres": ((0,), 1), "msar": ((0, 4, 8, 12), 1)}
 
 
 def profile(fn, args, calls: int):
-    """``{op: (kind, ms per call)}`` of ``fn(*args)`` over ``calls`` traced calls."""
+    """``({op: (kind, ms per call)}, summary)`` of ``fn(*args)`` over ``calls`` traced calls,
+    back to back; ``summary``: device ops per call and the span per call (first op's start to
+    the last op's end, over the calls), which also counts the gaps between ops."""
     hlo = parse_hlo(fn.lower(*args).compile().as_text())
     jax.block_until_ready(fn(*args))
     trace_dir = tempfile.mkdtemp(prefix="trace_reads_")
@@ -45,21 +47,34 @@ def profile(fn, args, calls: int):
             out = fn(*args)
         jax.block_until_ready(out)
     per_op = collections.Counter()
-    for _, op, ns in device_op_events(trace_dir):
+    events = device_op_events(trace_dir, with_start=True)
+    for _, op, ns, _ in events:
         per_op[op] += ns / calls / 1e6
-    return {op: (kind_of(hlo.get(op), hlo["__computations__"]), ms) for op, ms in per_op.most_common()}
+    span = (max(t + ns for _, _, ns, t in events) - min(t for *_, t in events)) / calls / 1e6 if events else 0.0
+    summary = {"ops_per_call": len(events) / calls, "span_ms_per_call": span}
+    return {op: (kind_of(hlo.get(op), hlo["__computations__"]), ms) for op, ms in per_op.most_common()}, summary
 
 
-def report(title: str, ops: dict, min_ms: float) -> None:
+def report(title: str, profiled, min_ms: float) -> None:
+    ops, summary = profiled
     total = sum(ms for _, ms in ops.values())
     kinds = collections.Counter()
     for kind, ms in ops.values():
         kinds[kind] += ms
     print(f"## {title}: {total:.3f} ms busy per call ("
-          + ", ".join(f"{k} {v:.3f}" for k, v in kinds.most_common()) + ")", flush=True)
+          + ", ".join(f"{k} {v:.3f}" for k, v in kinds.most_common())
+          + f"); {summary['ops_per_call']:.0f} ops per call, span {summary['span_ms_per_call']:.3f} ms per call",
+          flush=True)
     for op, (kind, ms) in ops.items():
         if ms >= min_ms:
             print(f"  {ms:8.3f} ms  {kind:<11} {op}", flush=True)
+
+
+def inner_sweep(title: str, fn, args, inners, reps: int) -> None:
+    """``bench.timeit``'s median per call with ``inner`` calls dispatched per timed repetition:
+    what the host's dispatch and the per-repetition wait add to a call's time."""
+    cells = [f"inner {k}: {bench.timeit(fn, *args, reps=reps, inner=k)[0] * 1e3:.3f}" for k in inners]
+    print(f"## {title}, ms per call (median of {reps}): " + ", ".join(cells), flush=True)
 
 
 def main(argv=None):
@@ -70,6 +85,9 @@ def main(argv=None):
     ap.add_argument("--base_shape", action="store_true")
     ap.add_argument("--small", action="store_true", help="a tiny shape, interpret mode (CPU smoke)")
     ap.add_argument("--min_ms", type=float, default=0.005, help="list ops above this many ms per call")
+    ap.add_argument("--inners", default="",
+                    help="comma-separated: also time each function with this many calls per repetition "
+                         "(bench.timeit; the bench uses 5 for the forwards, 2 for forward + backward)")
     args = ap.parse_args(argv)
     names = args.configs.split(",")
     if any(c not in CONFIGS for c in names):
@@ -93,12 +111,15 @@ def main(argv=None):
         a2 = (state, partial, bank, query, gate)
         p1_args = (0, 1, 2) if banks is not None else (0, 2)
         p2_args = (0, 1, 2, 3, 4) if banks is not None else (0, 1, 3, 4)
-        report(f"{name} phase 1 forward (one block)", profile(p1, a1, args.calls), args.min_ms)
-        report(f"{name} phase 2 forward (one call)", profile(p2, a2, args.calls), args.min_ms)
+        inners = [int(k) for k in args.inners.split(",") if k]
+        runs = [(f"{name} phase 1 forward (one block)", p1, a1), (f"{name} phase 2 forward (one call)", p2, a2)]
         for label, f, a, argnums in (("phase 1", p1, a1, p1_args), ("phase 2", p2, a2, p2_args)):
-            fb = bench.fwd_bwd(f, argnums, args.form)
-            report(f"{name} {label} forward + backward ({args.form})",
-                   profile(fb, (*a, bench.cotangent(f, a, args.form)), args.calls), args.min_ms)
+            runs.append((f"{name} {label} forward + backward ({args.form})", bench.fwd_bwd(f, argnums, args.form),
+                         (*a, bench.cotangent(f, a, args.form))))
+        for title, fn, fn_args in runs:
+            report(title, profile(fn, fn_args, args.calls), args.min_ms)
+            if inners:
+                inner_sweep(title, fn, fn_args, inners, reps=3 if args.small else 21)
 
 
 if __name__ == "__main__":

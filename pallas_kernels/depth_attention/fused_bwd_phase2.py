@@ -280,10 +280,14 @@ def _stream_cotangent(ins, tile, q, r, kernel, off, m, col):
     return e, z, de, u
 
 
-def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, has_seg, has_gate, backend, shift):
+def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, has_seg, has_gate, backend, shift,
+                   grouped=False):
     """Pass 3: one (batch row, channel chunk) per program, T tiles in reverse. Recomputes
     ``d_E_r = b dz_r + u q_r + v E_r`` per tile, applies the transposed conv (``d_x``) and
-    accumulates the bank, query and gate-weight gradients in the loop carry."""
+    accumulates the bank, query and gate-weight gradients in the loop carry. ``grouped``
+    (streams without a conv only: nothing crosses a tile): program ``(i, c, g)`` walks the
+    ``n_tiles`` tiles of token group ``g`` and writes its own rows of ``d_x`` (a block of the
+    group's rows) and its own partials."""
     it = iter(refs)
     ins = _Pass3Inputs(it, has_bank, has_gate, has_seg)
     bank_ref = ins.bank
@@ -291,7 +295,8 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
     dq_ref = next(it)  # [m, bd]
     dbank_ref = next(it) if has_bank else None  # [K, bd]
     dw_ref = next(it) if has_gate else None  # [m, bd, m]
-    buf_ref = next(it) if shift == "buffer" else None  # [slots, 4 bt, bd]: row_shift.shift_rows_via_buffer
+    # [slots, 4 bt, bd]: row_shift.shift_rows_via_buffer (no lags when grouped: no scratch)
+    buf_ref = next(it) if shift == "buffer" and not grouped else None
     m = len(stream_kernels)
     layout = _stream_layout(stream_kernels)
     n_taps = sum(stream_kernels)
@@ -300,10 +305,12 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
     col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
     q = [ins.q[r, :].astype(F32)[None, :] for r in range(m)]
 
+    first = pl.program_id(2) * n_tiles if grouped else 0
+
     def body(i, carry):
         spill, dq, dbank, dw = carry
         dq, dbank, dw = list(dq), list(dbank), [list(row) for row in dw]
-        t0 = pl.multiple_of((n_tiles - 1 - i) * bt, bt)
+        t0 = pl.multiple_of((first + n_tiles - 1 - i) * bt, bt)
         rows = pl.ds(t0, bt)
         tile = _Tile(ins, stream_kernels, rows, t0, bt, bd, backend)
         masks, win, dy_cols = tile.masks, tile.win, tile.dy_cols
@@ -331,17 +338,18 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
         dx = spill + taps_d[0]
         new_spill = jnp.zeros((bt, bd), F32)
         lagged = {delta: taps_d[delta] * masks[delta] for delta in range(1, max_lag) if taps_d[delta] is not None}
-        if shift == "buffer":
+        if buf_ref is not None:
             shifted = shift_rows_via_buffer(buf_ref, lagged, bt, backend)
         else:
             shifted = {delta: shift_rows(tap, delta, bt, shift) for delta, tap in lagged.items()}
         for within, back in shifted.values():
             dx = dx + within
             new_spill = new_spill + back
-        dx_ref[rows, :] = dx.astype(dx_ref.dtype)
+        out_rows = pl.ds(pl.multiple_of((n_tiles - 1 - i) * bt, bt), bt) if grouped else rows
+        dx_ref[out_rows, :] = dx.astype(dx_ref.dtype)
         return new_spill, dq, dbank, dw
 
-    if shift == "buffer":
+    if buf_ref is not None:
         for g in range(buf_ref.shape[0]):  # the rows around each lag's tile stay zero
             buf_ref[g, :, :] = jnp.zeros(buf_ref.shape[1:], F32)
 
@@ -531,39 +539,48 @@ def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_ke
         raise ValueError(f"block_d={bd} must divide the head width {d // heads}")
     nc = d // bd
     has_bank, has_seg, has_gate = bank is not None, seg is not None, gate_in is not None
+    # Streams without a conv carry nothing from tile to tile, so the T tiles split over programs:
+    # with (batch row, chunk) programs alone the issue's shape (B = 8, d = 2048, 64-channel chunks)
+    # runs 256 programs of 128 sequential tiles each on 132 SMs, latency-bound (AttnRes: 0.105 ms
+    # per call for 201 MB, 60% of the copy bandwidth; BENCHMARKS.md, kernels, session 29). Not on
+    # the TPU (its Mosaic form stays as compiled for v5p).
+    grouped = max([1, *stream_kernels]) == 1 and backend != "tpu"
+    rows = conv_transpose.rows_per_program(t_pad, bt, cap=INPUTS_GROUP_ROWS) if grouped else t_pad
+    n_groups = t_pad // rows
     specs, args = _pass3_inputs(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, heads=heads, bd=bd,
-                                grid_ids=lambda i, c: (i, c))
-    out_specs = [pl.BlockSpec((None, t_pad, bd), lambda i, c: (i, 0, c)),
-                 pl.BlockSpec((None, m, bd), lambda i, c: (i, 0, c))]
-    out_shape = [jax.ShapeDtypeStruct((batch, t_pad, d), dx_dtype), jax.ShapeDtypeStruct((batch, m, d), F32)]
+                                grid_ids=lambda i, c, g: (i, c))
+    out_specs = [pl.BlockSpec((None, rows, bd), lambda i, c, g: (i, g, c)),
+                 pl.BlockSpec((None, None, m, bd), lambda i, c, g: (i, g, 0, c))]
+    out_shape = [jax.ShapeDtypeStruct((batch, t_pad, d), dx_dtype), jax.ShapeDtypeStruct((batch, n_groups, m, d), F32)]
     if has_bank:
-        out_specs.append(pl.BlockSpec((None, bank.shape[0], bd), lambda i, c: (i, 0, c)))
-        out_shape.append(jax.ShapeDtypeStruct((batch, bank.shape[0], d), F32))
+        out_specs.append(pl.BlockSpec((None, None, bank.shape[0], bd), lambda i, c, g: (i, g, 0, c)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, n_groups, bank.shape[0], d), F32))
     if has_gate:
-        out_specs.append(pl.BlockSpec((None, m, bd, m), lambda i, c: (i, 0, c, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((batch, m, d, m), F32))
-    if shift == "buffer":  # each program's scratch (row_shift.shift_rows_via_buffer); discarded
+        out_specs.append(pl.BlockSpec((None, None, m, bd, m), lambda i, c, g: (i, g, 0, c, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, n_groups, m, d, m), F32))
+    if shift == "buffer" and not grouped:  # each program's scratch (row_shift.shift_rows_via_buffer); discarded
         if backend == "tpu":
             raise NotImplementedError("shift='buffer' is for Triton; Mosaic shifts by concatenate")
         slots = scratch_slots(max([1, *stream_kernels]), tiles.shift_slots)
-        out_specs.append(pl.BlockSpec((None, None, slots, scratch_rows(bt), bd), lambda i, c: (i, c, 0, 0, 0)))
+        out_specs.append(pl.BlockSpec((None, None, slots, scratch_rows(bt), bd), lambda i, c, g: (i, c, 0, 0, 0)))
         out_shape.append(jax.ShapeDtypeStruct((batch, nc, slots, scratch_rows(bt), bd), F32))
-    kernel = functools.partial(_dinput_kernel, n_tiles=t_pad // bt, has_bank=has_bank, has_seg=has_seg,
-                               has_gate=has_gate, shift=shift,
+    kernel = functools.partial(_dinput_kernel, n_tiles=rows // bt, has_bank=has_bank, has_seg=has_seg,
+                               has_gate=has_gate, shift=shift, grouped=grouped,
                                **{**_common(stream_kernels, heads, d, tiles, backend), "bd": bd})
     outs = pl.pallas_call(
         kernel,
-        grid=(batch, nc),
+        grid=(batch, nc, n_groups),
         in_specs=specs,
         out_specs=out_specs,
         out_shape=out_shape,
         name="depth_attention_phase2_bwd_inputs",
-        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel")),
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
-    dx, dq = outs[0], outs[1]
+    flat = lambda w: w.reshape(batch * n_groups, *w.shape[2:])  # noqa: E731 - the callers sum over axis 0
+    dx, dq = outs[0], flat(outs[1])
     rest = list(outs[2:])
-    dbank = rest.pop(0) if has_bank else None
-    dw = rest.pop(0) if has_gate else None
+    dbank = flat(rest.pop(0)) if has_bank else None
+    dw = flat(rest.pop(0)) if has_gate else None
     return dx, dq, dbank, dw
 
 
@@ -603,6 +620,10 @@ def _dstreams_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_
 
 
 # --------------------------------------------------------------------------- entry point
+
+# Token rows per program of the input pass when its streams have no conv (``_dinput_call``): 256 gives
+# the issue's shape 8 x 32 x 8 programs and `base`'s 64 x 16 x 4.
+INPUTS_GROUP_ROWS = 256
 
 FORMS = ("reverse_t", "wide")
 # "wide" was slower on the H200 at `base`: the whole backward (Mosaic passes 1-2) 5.62 against 4.75 ms

@@ -135,6 +135,56 @@ def test_phase2_fused_backward_matches_xla(kernels, heads, segments, include, ga
         assert not jnp.any(got[1]) and not jnp.any(got[0].max)
 
 
+@pytest.mark.parametrize("kernels,heads,gated", [((0,), 2, False), ((0, 0, 0), 2, True)])
+def test_input_pass_split_over_token_groups(monkeypatch, kernels, heads, gated):
+    """Streams without a conv: the input pass splits T over programs (``INPUTS_GROUP_ROWS``,
+    here 8 rows: 5 groups of two 4-row tiles over a ragged T = 37), each writing its rows of
+    ``d_partial`` and its own partials of ``d_query`` and ``d_W``; against the XLA closed form."""
+    monkeypatch.setattr(fb, "INPUTS_GROUP_ROWS", 8)
+    t, d = 37, 16
+    state, partial, bank, query, seg, gate, dh = _inputs(kernels, heads, True, gated, t, d, seed=5 + len(kernels))
+    inc = jnp.asarray(True)
+    kw = dict(stream_kernels=kernels, heads=heads, eps=1e-6, gate_eps=1e-6, tiles=tiling.Tiles(4, 8, 8),
+              backend="interpret", interpret=True)
+    calls = []
+    real = fb._dinput_call
+    monkeypatch.setattr(fb, "_dinput_call", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+
+    @functools.partial(jax.jit, compiler_options=FAST_COMPILE)
+    def both(state, partial, bank, query, inc, gate, seg, dh):
+        want = _reference(state, partial, bank, query, inc, gate, seg, dh, kernels, heads)
+        return fb.phase2_fused_backward(state, partial, bank, query, inc, gate, seg, dh, **kw), want
+
+    got, want = both(state, partial, bank, query, inc, gate, seg, dh)
+    assert calls and calls[0][1].shape[0] == 2 * 5  # (batch x groups) partials of d_query
+    _compare(_flat(*got), _flat(*want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels,gated", [((0,), False), ((0, 0, 0), True)])
+def test_gpu_triton_one_stream_groups_match_xla(kernels, gated):
+    """On a GPU: the Triton input pass split over token groups (streams without a conv) against
+    the XLA closed form at a medium shape (T = 200 in 16-row tiles, groups of 32 rows)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    heads, t, d = 2, 200, 256
+    state, partial, bank, query, seg, gate, dh = _inputs(kernels, heads, True, gated, t, d, seed=13)
+    inc = jnp.asarray(True)
+    tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=1, n_targets=1, backend="triton",
+                                n_streams=len(kernels))
+    old = fb.INPUTS_GROUP_ROWS
+    fb.INPUTS_GROUP_ROWS = 32
+    try:
+        fn = jax.jit(functools.partial(fb.phase2_fused_backward, stream_kernels=kernels, heads=heads, eps=1e-6,
+                                       gate_eps=1e-6, tiles=tiles, backend="triton", interpret=False))
+        with jax.default_matmul_precision("highest"):
+            want = jax.jit(lambda *a: _reference(*a, kernels, heads))(state, partial, bank, query, inc, gate, seg, dh)
+            got = fn(state, partial, bank, query, inc, gate, seg, dh)
+    finally:
+        fb.INPUTS_GROUP_ROWS = old
+    _compare(_flat(*got), _flat(*want), 1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated,include,shift", [(True, True, "buffer"), (False, False, "buffer"), (True, True, "dot")])
 def test_gpu_triton_matches_xla(gated, include, shift):
