@@ -8,7 +8,10 @@ forward+backward (each op timed separately: its outputs and the pullback of a co
 ones in the outputs' dtypes, as the model calls it; ``--fb_forms`` adds the loss form of
 sessions 16-28). Each figure is the median of >= 20 timed
 repetitions after warm-up; a repetition dispatches ``inner`` calls back to back and
-blocks once, so host dispatch overlaps device work. Also measured in the same call:
+blocks once, so host dispatch overlaps device work (20 per repetition since session 29: what a
+repetition pays before its first call and after its last, 0.1-0.25 ms on the H200, is then a
+twentieth of a call's figure; with 2 calls, as forward + backward had, it was up to 20% of
+phase 2's). Also measured in the same call:
 the device copy bandwidth (bytes read + written), from which the bandwidth floor of
 this design's byte count is computed; and the compiled peak temporary memory of the
 forward+backward (``memory_analysis``).
@@ -157,7 +160,7 @@ def read_op(phase, impl, *, kernels, heads, out_dtype=jnp.bfloat16, state_dtype=
                                                             out_dtype=out_dtype, **kw, **(opts or {})))
 
 
-def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, impl, bw, log, reps, inner,
+def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, impl, bw, log, reps, inner, inner_fb,
                with_bwd=True, check=True, p1_opts=None, p2_opts=None, time_xla=True, state_dtype="float32",
                fb_forms=("vjp",)):
     """One row of the main table. ``state_dtype``: the kernels' phase-1 state (``api.phase1``);
@@ -203,8 +206,8 @@ def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, im
             a1, a2 = (sources, banks, queries), (state1, partial, bank, query, gate)
             ct1, ct2 = cotangent(p1(who), a1, form), cotangent(p2(who), a2, form)
             g1, g2 = fwd_bwd(p1(who), p1_args, form), fwd_bwd(p2(who), p2_args, form)
-            t1b, _ = timeit(g1, *a1, ct1, reps=reps, inner=max(1, inner // 2))
-            t2b, _ = timeit(g2, *a2, ct2, reps=reps, inner=max(1, inner // 2))
+            t1b, _ = timeit(g1, *a1, ct1, reps=reps, inner=inner_fb)
+            t2b, _ = timeit(g2, *a2, ct2, reps=reps, inner=inner_fb)
             res[f"{who}_p1_fb{sfx}_ms"], res[f"{who}_p2_fb{sfx}_ms"] = t1b * 1e3, t2b * 1e3
             res[f"{who}_fb{sfx}_ms"] = (t1b + n_targets * t2b) / n_targets * 1e3
             try:
@@ -717,6 +720,12 @@ def main():
                     help="how forward + backward is timed, comma-separated, the first in the table: vjp (the "
                          "outputs and the pullback of a cotangent in their dtypes, as the model calls the reads), "
                          "loss (value_and_grad of sum(out * ct), float32 ct: sessions 16-28)")
+    ap.add_argument("--inner", type=int, default=20,
+                    help="the main table's calls per timed repetition, forwards (sessions 1-28: 5); each "
+                         "repetition also pays the host's dispatch before its first call and the wait after "
+                         "its last, 0.1-0.25 ms on the H200 (session 29, call 2), which more calls amortise")
+    ap.add_argument("--inner_fb", type=int, default=20,
+                    help="the same for forward + backward (sessions 1-28: 2)")
     ap.add_argument("--configs", default="msar,attnres",
                     help="the main table's rows, comma-separated: msar, attnres")
     ap.add_argument("--no_bwd_barrier", action="store_true",
@@ -731,6 +740,8 @@ def main():
     configs = tuple(args.configs.split(","))
     if not configs or any(c not in table_configs for c in configs):
         ap.error(f"--configs={args.configs!r}: each must be one of {sorted(table_configs)}")
+    if args.inner < 1 or args.inner_fb < 1:
+        ap.error(f"--inner={args.inner}, --inner_fb={args.inner_fb}: each must be at least 1")
     fb_forms = tuple(args.fb_forms.split(","))
     if not fb_forms or any(f not in FB_FORMS for f in fb_forms) or len(set(fb_forms)) < len(fb_forms):
         ap.error(f"--fb_forms={args.fb_forms!r}: each must be vjp or loss, once")
@@ -748,14 +759,14 @@ def main():
                     "bwd_barrier": not args.no_bwd_barrier}))
     if args.small:
         shapes = dict(n=3, batch=1, t_len=32, d=64, n_targets=2)
-        impl, reps, inner = "pallas_gpu", 3, 1
+        impl, reps, args.inner, args.inner_fb = "pallas_gpu", 3, 1, 1
         bw = 1e10
         args.sweep = False
     else:
         shapes = dict(n=9, batch=8, t_len=2048, d=2048, n_targets=8)
         if args.base_shape:  # configs/*.py:size=base: 8 buffer slots, batch 64 x 1024 tokens, d = 1024
             shapes = dict(n=8, batch=64, t_len=1024, d=1024, n_targets=8)
-        impl, reps, inner = "pallas_gpu", 25, 5
+        impl, reps = "pallas_gpu", 25
         bw = copy_bandwidth()
     log(json.dumps({"copy_bandwidth_TBps": bw / 1e12}))
     opts = {}
@@ -809,7 +820,8 @@ def main():
                 state = "" if args.state_dtype == "float32" else ",state=bf16"
                 state += "" if args.gpu_kernels == "auto" else f",{args.gpu_kernels}"
                 row = run_config(f"{name}[bwd={backward}{state}]", kernels=kernels, heads=heads, dtype=jnp.bfloat16,
-                                 impl=impl, bw=bw, log=log, reps=reps, inner=inner, with_bwd=not args.no_bwd,
+                                 impl=impl, bw=bw, log=log, reps=reps, inner=args.inner, inner_fb=args.inner_fb,
+                                 with_bwd=not args.no_bwd,
                                  time_xla=xla_row is None, state_dtype=args.state_dtype, fb_forms=fb_forms,
                                  **shapes, **run_opts)
             except Exception as e:  # noqa: BLE001 - keep measuring the other configs
