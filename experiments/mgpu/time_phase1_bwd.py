@@ -15,8 +15,10 @@ copy bandwidth. Each Mosaic variant is (items in flight ``n_slots``, groups' ``g
 memory ``group_slots``, ``regs``: ``GA_REGISTERS``), with its shared memory and how many
 programs fit on an SM: the defaults, or with ``--variants`` session 22's set; ``--bd16``: each
 variant with 32- and 16-channel chunks (``block_d``); ``--store-groups``: gdots with its stores
-per (head, stream) committed once and once each (``mosaic_gpu.STORE_GROUPS``). Run on the GPU: ``python
-experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants] [--bd16]``."""
+per (head, stream) committed once and once each (``mosaic_gpu.STORE_GROUPS``). ``--attnres``: one
+stream without a conv (AttnRes; kernels ``(0,)``, no transpose) with ``ATTNRES_VARIANTS`` at 16-,
+32- and 64-channel chunks (session 29). Run on the GPU: ``python
+experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants] [--bd16] [--attnres]``."""
 import sys
 import traceback
 
@@ -36,7 +38,23 @@ SM_SMEM = 233472  # the H200's shared memory per SM (228 KiB), 1 KiB of it reser
 
 
 CHUNKS = (32, 16) if "--bd16" in sys.argv else (32,)
+# One stream: (n_slots, group_slots, GA_REGISTERS, block_d). 64 channels hold 256 registers of g_A
+# per thread, so not in registers there, and one group slot (two would not fit shared memory).
+ATTNRES_VARIANTS = {
+    "gdots": ((2, 1, True, 32), (2, 1, True, 16), (3, 2, True, 16), (2, 1, False, 64), (3, 1, False, 64)),
+    "dstreams": ((3, 2, True, 32), (3, 2, True, 16), (2, 1, True, 16), (3, 1, False, 64), (2, 1, False, 64)),
+}
+if "--attnres" in sys.argv:
+    KERNELS = (0,)
+    VARIANTS = {mode: tuple(v[:3] for v in vs) for mode, vs in ATTNRES_VARIANTS.items()}
 GROUPS = (True, False) if "--store-groups" in sys.argv else (True,)
+
+
+def _variants(mode, groups=GROUPS):
+    """``((n_slots, group_slots, regs), block_d, store groups)`` to time for ``mode``."""
+    if "--attnres" in sys.argv:
+        return [(v[:3], v[3], g) for v in ATTNRES_VARIANTS[mode] for g in groups]
+    return [(v, bd, g) for v in VARIANTS[mode] for bd in CHUNKS for g in groups]
 
 
 def _variant_label(mode, n, n_targets, slots, groups, regs, bd=32):
@@ -75,7 +93,7 @@ def main():
         m, heads = len(KERNELS), 1
         k = jax.random.split(jax.random.key(0), 7)
         sources = jax.random.normal(k[0], (n, batch, t_len, d), jnp.bfloat16)
-        banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32)
+        banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32) if any(KERNELS) else None
         queries = jax.random.normal(k[2], (n_targets, m, d), jnp.float32)
         g_acc = [jax.random.normal(kk, (m, batch, t_len, d), jnp.float32) for kk in jax.random.split(k[3], n_targets)]
         valid = jnp.arange(n) < n_live
@@ -100,8 +118,7 @@ def main():
         floor = (ga_bytes + x_bytes) / bw * 1e3
         print(f"# gdots: floor {floor:.4f} ms", flush=True)
         want = _timed("triton gdots", triton_gdots, (sources, banks, g_acc, valid), None, floor)
-        for (slots, groups, regs), bd, grouped in ((v, bd, g) for v in VARIANTS["gdots"] for bd in CHUNKS
-                                                    for g in GROUPS):
+        for (slots, groups, regs), bd, grouped in _variants("gdots"):
             mosaic_gpu_bwd1.GA_REGISTERS = regs  # read when the jitted function traces (first call in _timed)
             set_store_groups(grouped)
             fn = (lambda sl, gs, bd: lambda x, b, ga, v: mosaic_gpu_bwd1.phase1_gdots(
@@ -121,7 +138,7 @@ def main():
         print(f"# dstreams: floor {floor:.4f} ms", flush=True)
         args = (sources, banks, queries, g_acc, p, dsr, w, valid)
         want = _timed("triton dstreams", triton_dstreams, args, None, floor)
-        for (slots, groups, regs), bd in ((v, bd) for v in VARIANTS["dstreams"] for bd in CHUNKS):
+        for (slots, groups, regs), bd, _ in _variants("dstreams", groups=(True,)):
             mosaic_gpu_bwd1.GA_REGISTERS = regs
             fn = (lambda sl, gs, bd: lambda x, b, q, ga, p, dsr, w, v: mosaic_gpu_bwd1.phase1_dstreams(
                 x, b, q, ga, p, dsr, w, None, v, stream_kernels=KERNELS, heads=heads, out_dtype=jnp.bfloat16,
@@ -130,6 +147,8 @@ def main():
                    rows=slice(0, n_live))
         del want
 
+        if not any(KERNELS):  # no conv: the transpose is a sum over the streams, in XLA
+            continue
         # the expansion's transpose of the live sources' stream cotangents (bf16, as the wide form writes them)
         d_streams = jax.random.normal(k[6], (n, m, batch, t_len, d), jnp.bfloat16)
 
