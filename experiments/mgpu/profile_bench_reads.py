@@ -32,7 +32,7 @@ from pallas_kernels.depth_attention import bench
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from profile_step import device_op_events, kind_of, parse_hlo  # noqa: E402
 
-CONFIGS = {"attnres": ((0,), 1), "msar": ((0, 4, 8, 12), 1)}
+CONFIGS = {"attnres": ((0,), 1), "msar": ((0, 4, 8, 12), 1), "mhar": ((0,), 8)}
 
 
 def profile(fn, args, calls: int):

@@ -727,7 +727,7 @@ def main():
     ap.add_argument("--inner_fb", type=int, default=20,
                     help="the same for forward + backward (sessions 1-28: 2)")
     ap.add_argument("--configs", default="msar,attnres",
-                    help="the main table's rows, comma-separated: msar, attnres")
+                    help="the main table's rows, comma-separated: msar, attnres, mhar (one stream, 8 heads)")
     ap.add_argument("--no_bwd_barrier", action="store_true",
                     help="trace the XLA backwards without their optimization barrier on (residuals, cotangent) "
                          "(xla_streaming.ordered_after_cotangent): what the barrier costs a read (the Pallas "
@@ -736,7 +736,8 @@ def main():
     backwards = ("xla", "pallas") if args.backward == "both" else tuple(args.backward.split(","))
     if not backwards or any(b not in ("xla", "pallas", "hybrid") for b in backwards):
         ap.error(f"--backward={args.backward!r}: each must be xla, pallas or hybrid (or 'both')")
-    table_configs = {"msar": ("msar_m4_k4-8-12", (0, 4, 8, 12), 1), "attnres": ("attnres", (0,), 1)}
+    table_configs = {"msar": ("msar_m4_k4-8-12", (0, 4, 8, 12), 1), "attnres": ("attnres", (0,), 1),
+                     "mhar": ("mhar_h8", (0,), 8)}  # MHAR: one stream, 8 channel heads (configs/mhar.py)
     configs = tuple(args.configs.split(","))
     if not configs or any(c not in table_configs for c in configs):
         ap.error(f"--configs={args.configs!r}: each must be one of {sorted(table_configs)}")

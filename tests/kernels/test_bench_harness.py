@@ -92,3 +92,12 @@ def test_fwd_bwd_rejects_an_unknown_form():
 
     with pytest.raises(ValueError, match="form='grad'"):
         bench.fwd_bwd(lambda x: x, (0,), "grad")
+
+
+@pytest.mark.slow
+def test_main_table_mhar_row(tmp_path):
+    rows, stdout = _bench(tmp_path, "--configs", "mhar", "--backward", "pallas")
+    assert "mhar_h8[bwd=pallas]      fwd:" in stdout
+    checked = [r for r in rows if "p1_max_abs_err" in r]
+    assert checked and all(r["p1_max_abs_err"] <= 1e-4 * max(1.0, r["p1_ref_max"]) for r in checked)
+    assert all(r["p2_max_abs_err"] <= 1e-2 * max(1.0, r["p2_ref_max"]) for r in checked)
