@@ -108,7 +108,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention import conv_transpose, fused, mosaic_gpu, mosaic_gpu_bwd1, reference
+from pallas_kernels.depth_attention import conv_transpose, fused, mosaic_gpu_bwd1, reference
 from pallas_kernels.depth_attention.fused import (
     F32, _call_kwargs, _expand_chunk, _head_col, _if_live, _lag_masks, _next_target_ref, _pad_t, _stream_layout,
     _target_input, _token_inputs, _Window,
@@ -298,12 +298,7 @@ def _bf16_parts(a: jax.Array, n_parts: int = 3, axis: int = 0) -> jax.Array:
     return jnp.stack(parts, axis=axis)
 
 
-def _unshift_tokens_last(a: jax.Array, delta: int) -> jax.Array:
-    """``reference._unshift`` along the last axis: ``out[..., t] = a[..., t + delta]`` (zero past the end)."""
-    return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, delta)])[..., delta:]
-
-
-def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads, heads_major=False):
+def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads):
     """``dq_{s,r} = sum_{i,b,t} DSR_{s,r,i}[b,t] E_r[x_i][b,t]`` (per head) as matrix products
     over the tokens, without ``E``: with ``E[t] = sum_delta c[delta] mask_delta[t] x[t - delta]``,
     ``sum_t DSR[t] E[t] = sum_delta c[delta] sum_u DSR[u + delta] mask_delta[u + delta] x[u]``.
@@ -315,38 +310,27 @@ def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads, heads_majo
     bfloat16, so the operand is split into three bfloat16 terms (``_bf16_parts``) and the product
     runs on bfloat16 inputs with float32 accumulation, as exact as a float32 product without
     materialising ``x`` in float32 (on the H200 the float32 ``x``, 4 bytes per element read once
-    per stream, bounded these products: BENCHMARKS.md, kernels, session 14). ``heads_major``:
-    ``dsr`` as ``[n, m, H, S, B, Tp]`` (``phase1_backward`` says why); the operand is then
-    ``[n, K, H, S, U]``, tokens last, as the product contracts them."""
+    per stream, bounded these products: BENCHMARKS.md, kernels, session 14)."""
     n, batch, t_pad, d = x.shape
-    n_targets = dsr.shape[3] if heads_major else dsr.shape[0]
+    n_targets = dsr.shape[0]
     dh = d // heads
     masks = reference._lag_masks(seg, t_pad, max([1, *stream_kernels]), batch)  # [delta, B, Tp]
     ok = reference._source_valid(n, valid)
     x = jnp.where(ok[:, None, None, None], x, jnp.zeros((), x.dtype)).reshape(n, batch * t_pad, heads, dh)
+    # the sources' axis leads the operand, as the product's batch axis: the matrix-product call
+    # then takes it as built, with no transpose of its 25 x 3 lagged copies (session 23)
+    dsr = jnp.moveaxis(dsr, 1, 0)  # [n, S, m, B, Tp, H]
     lagged = []
-    if heads_major:
-        for r, kernel in enumerate(stream_kernels):
-            a = dsr[:, r]  # [n, H, S, B, Tp]
-            lagged.append(a)
-            lagged += [_unshift_tokens_last(a * masks[delta], delta) for delta in range(1, kernel)]
-        lagged = jnp.stack(lagged, axis=1).reshape(n, len(lagged), heads, n_targets, batch * t_pad)  # [n, K, H, S, U]
-        operand = "khsu"
-    else:
-        # the sources' axis leads the operand, as the product's batch axis: the matrix-product call
-        # then takes it as built, with no transpose of its 25 x 3 lagged copies (session 23)
-        dsr = jnp.moveaxis(dsr, 1, 0)  # [n, S, m, B, Tp, H]
-        for r, kernel in enumerate(stream_kernels):
-            a = dsr[:, :, r]  # [n, S, B, Tp, H]
-            lagged.append(a)
-            lagged += [reference._unshift(a * masks[delta][:, :, None], delta) for delta in range(1, kernel)]
-        lagged = jnp.stack(lagged, axis=1).reshape(n, len(lagged), n_targets, batch * t_pad, heads)  # [n, K, S, U, H]
-        operand = "ksuh"
+    for r, kernel in enumerate(stream_kernels):
+        a = dsr[:, :, r]  # [n, S, B, Tp, H]
+        lagged.append(a)
+        lagged += [reference._unshift(a * masks[delta][:, :, None], delta) for delta in range(1, kernel)]
+    lagged = jnp.stack(lagged, axis=1).reshape(n, len(lagged), n_targets, batch * t_pad, heads)  # [n, K, S, U, H]
     if x.dtype == jnp.bfloat16:
-        y = jnp.einsum(f"np{operand},nuhe->pksnhe", _bf16_parts(lagged, axis=1), x, preferred_element_type=F32)
+        y = jnp.einsum("npksuh,nuhe->pksnhe", _bf16_parts(lagged, axis=1), x, preferred_element_type=F32)
         y = jnp.sum(y, axis=0)  # [K, S, n, H, dh]
     else:
-        y = jnp.einsum(f"n{operand},nuhe->ksnhe", lagged, x.astype(F32), precision=jax.lax.Precision.HIGHEST)
+        y = jnp.einsum("nksuh,nuhe->ksnhe", lagged, x.astype(F32), precision=jax.lax.Precision.HIGHEST)
     out, off, row = [], 0, 0
     for r, kernel in enumerate(stream_kernels):
         if kernel == 0:
@@ -587,11 +571,6 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     conv_banks = banks if (banks is not None and any(stream_kernels)) else None
     kw = dict(stream_kernels=stream_kernels, tiles=tiles, backend=backend, interpret=interpret)
 
-    if heads > 1 and form == "wide" and mosaic_scores and mosaic_gdots and mosaic_dstreams:
-        return _wide_heads_major(sources, x, conv_banks, banks, queries, valid, segment_ids, seg, smax, g,
-                                 stream_kernels=stream_kernels, heads=heads, eps=eps, tiles=tiles, backend=backend,
-                                 interpret=interpret, mosaic_transpose=mosaic_transpose)
-
     # pass 1: per-head dots and sums of squares -> rho, s, p
     dots, sumsq = fused.phase1_scores(sources, x, conv_banks, queries, seg, segment_ids, heads=heads, valid=valid,
                                       mosaic=mosaic_scores, **kw)
@@ -661,60 +640,3 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     else:
         d_banks = jnp.sum(dbank, axis=1).astype(banks.dtype)
     return d_sources, d_banks, d_queries
-
-
-def _wide_heads_major(sources, x, conv_banks, banks, queries, valid, segment_ids, seg, smax, g, *, stream_kernels,
-                      heads, eps, tiles, backend, interpret, mosaic_transpose):
-    """``phase1_backward``'s wide form with all three of its Mosaic GPU kernels and several channel
-    heads (MHAR), in the kernels' own order of the per-token scalars: ``[n, m, H, S, B, Tp]``,
-    tokens last. The scoring and value-dot kernels write them so and the stream-cotangent kernel
-    reads its per-token rows so; the other order, ``[S, n, m, B, Tp, H]`` (heads last), moved each
-    of those arrays across its last axis (8 floats wide for 8 heads), about 0.6 ms of XLA
-    transposes per block at the issue's shape (BENCHMARKS.md, kernels, session 29, call 7). With
-    one head both orders are the same rows, so ``phase1_backward`` keeps the other. The same
-    values as ``phase1_backward``'s other path (the same arithmetic per element)."""
-    n, batch, t_len, d = sources.shape
-    t_pad = x.shape[2]
-    mosaic_kw = dict(stream_kernels=stream_kernels, heads=heads, interpret=interpret)
-    heads_last_to_major = lambda a: jnp.transpose(_pad_t(jnp.asarray(a, F32), 3, t_pad), (1, 4, 0, 2, 3))[None]  # noqa: E731
-
-    # pass 1: [n, m, H, S, B, Tp] dots, [n, m, B, Tp] sums of squares
-    dots, sumsq = mosaic_gpu.phase1_scores(sources, conv_banks, queries, segment_ids, valid, heads_major=True,
-                                           **mosaic_kw)
-    dots, sumsq = _pad_t(dots, 5, t_pad), _pad_t(sumsq, 3, t_pad)
-    rho = jax.lax.rsqrt(sumsq / d + eps)  # [n, m, B, Tp]
-    s = dots * rho[:, :, None, None]
-    ok = reference._source_valid(n, valid)[:, None, None, None, None, None]
-    real = jnp.arange(t_pad) < t_len  # padded tokens: p = 0 (their s is arbitrary)
-    # the running max and the denominator's cotangent ([S, m, B, T, H]: no source axis, 1/n of the size)
-    p = jnp.where(ok & real, jnp.exp(jnp.where(ok & real, s - heads_last_to_major(smax), 0.0)), 0.0)
-
-    # pass 2: the value-path dots <g_A, E>
-    if isinstance(g.acc, (list, tuple)):
-        g_acc = [_pad_t(a, 2, t_pad) for a in g.acc]
-    else:
-        g_acc = _pad_t(g.acc, 3, t_pad)
-    gd = _pad_t(mosaic_gpu_bwd1.phase1_gdots(sources, conv_banks, g_acc, segment_ids, valid, heads_major=True,
-                                             **mosaic_kw), 5, t_pad)
-
-    # pass 3 (XLA): the per-token coefficients of dE
-    ds = p * (heads_last_to_major(g.denom) + gd)
-    dsr = ds * rho[:, :, None, None]
-    w = rho * rho * jnp.sum(ds * s, axis=(2, 3)) / d  # [n, m, B, Tp]
-
-    # pass 4: the stream cotangents, their transpose, the query gradient
-    d_streams = mosaic_gpu_bwd1.phase1_dstreams(
-        sources, conv_banks, queries, g_acc, p, dsr, w, segment_ids, valid,
-        out_dtype=jnp.promote_types(sources.dtype, jnp.bfloat16), heads_major=True, **mosaic_kw)
-    if mosaic_transpose:
-        dx, dbank = mosaic_gpu_bwd1.sources_transpose(
-            d_streams, sources, conv_banks, segment_ids, valid, stream_kernels=stream_kernels,
-            out_dtype=sources.dtype, interpret=interpret)
-    else:
-        dx, dbank = conv_transpose.sources_transpose(
-            _pad_t(d_streams, 3, t_pad), x, conv_banks, seg, valid, stream_kernels=stream_kernels, tiles=tiles,
-            backend=backend, interpret=interpret, out_dtype=sources.dtype)
-    d_queries = _query_grads(x, conv_banks, dsr, seg, valid, stream_kernels=stream_kernels, heads=heads,
-                             heads_major=True)
-    d_banks = None if banks is None else (jnp.zeros_like(banks) if conv_banks is None else dbank.astype(banks.dtype))
-    return dx[:, :, :t_len], d_banks, d_queries.astype(queries.dtype)

@@ -1208,8 +1208,7 @@ def scores_defer_sums(defer_sums: bool | None, *, n_targets: int, m: int, heads:
 
 def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels, heads: int,
                   block_d: int | None = None, expand: str | None = None, windows: str | None = None,
-                  defer_sums: bool | None = None, n_slots: int | None = None, heads_major: bool = False,
-                  interpret: bool = False):
+                  defer_sums: bool | None = None, n_slots: int | None = None, interpret: bool = False):
     """Phase 1's scoring pass (``fused.scores_call``'s sums) as one Mosaic GPU kernel: per
     (batch row, 64-token tile), for each valid source, the chunks of its lag windows stream
     through a double-buffered TMA pipeline, its streams are built in registers (Eq. 10) and
@@ -1222,9 +1221,7 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
     ``default_windows``). ``defer_sums`` (``scores_defer_sums``): keep each dot and sum of
     squares as a ``[64, bd]`` per-lane sum across the chunks and reduce it over the channels once
     per source, not once per chunk (the same sums in another order: float32 rounding apart).
-    ``n_slots``: channel chunks in flight (None: ``SCORES_SLOTS``; at least 2). ``heads_major``:
-    ``dots`` as ``[n, m, H, S, B, T]`` instead, tokens last as the backward kernels take their
-    per-token rows (``fused_bwd_phase1.phase1_backward`` says why)."""
+    ``n_slots``: channel chunks in flight (None: ``SCORES_SLOTS``; at least 2)."""
     n, batch, t_len, d = sources.shape
     n_targets, m = queries.shape[:2]
     n_slots = SCORES_SLOTS if n_slots is None else n_slots
@@ -1256,10 +1253,7 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
                                         expand=expand, windows=windows, interpret=bool(interpret),
                                         defer_sums=defer_sums, n_slots=n_slots))
     dots, sumsq = call(*inputs)  # [n, S m H, B, Tp], [n, m, B, Tp]
-    dots = dots.reshape(n, n_targets, m, heads, batch, sh.t_pad)
-    if heads_major:  # whole [B, Tp] rows move
-        return dots.transpose(0, 2, 3, 1, 4, 5)[..., :t_len], sumsq[..., :t_len]
-    dots = dots.transpose(1, 0, 2, 4, 5, 3)
+    dots = dots.reshape(n, n_targets, m, heads, batch, sh.t_pad).transpose(1, 0, 2, 4, 5, 3)
     return dots[:, :, :, :, :t_len], sumsq[..., :t_len]
 
 

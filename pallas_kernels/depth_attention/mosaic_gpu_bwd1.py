@@ -98,24 +98,21 @@ def _check(name, sources, g_acc, stream_kernels):
 
 def phase1_gdots(sources, banks, g_acc, segment_ids, valid, *, stream_kernels, heads: int,
                  block_d: int | None = None, n_slots: int | None = None, group_slots: int | None = None,
-                 windows: str | None = None, heads_major: bool = False, interpret: bool = False):
+                 windows: str | None = None, interpret: bool = False):
     """``gd[S, n, m, B, T, H]`` float32: ``<g_A{s,r}, E_r[x_i]>`` per head (the value-path dots of
     ``fused_bwd_phase1``'s pass 2; zeros for a source ``valid`` rules out, not computed).
 
     ``sources[n, B, T, d]``, ``banks[n, K, d]`` or None, ``g_acc`` one ``[S, m, B, T', d]`` array
     or ``S`` arrays ``[m, B, T', d]`` (``T' >= T``; float32 or bf16), ``segment_ids[B, T]`` or
     None, ``valid[n]`` or None. ``n_slots``: items in flight (None: ``SLOTS``); ``group_slots``:
-    groups' ``g_A`` in shared memory (None: ``GROUP_SLOTS``); both per mode. ``heads_major``:
-    ``gd`` as the kernel writes it, ``[n, m, H, S, B, T]`` (tokens last: no transpose)."""
+    groups' ``g_A`` in shared memory (None: ``GROUP_SLOTS``); both per mode."""
     return _call("gdots", sources, banks, g_acc, segment_ids, valid, stream_kernels=stream_kernels, heads=heads,
-                 block_d=block_d, n_slots=n_slots, group_slots=group_slots, windows=windows, interpret=interpret,
-                 heads_major=heads_major)
+                 block_d=block_d, n_slots=n_slots, group_slots=group_slots, windows=windows, interpret=interpret)
 
 
 def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, valid, *, stream_kernels, heads: int,
                     out_dtype, block_d: int | None = None, n_slots: int | None = None,
-                    group_slots: int | None = None, windows: str | None = None, heads_major: bool = False,
-                    interpret: bool = False):
+                    group_slots: int | None = None, windows: str | None = None, interpret: bool = False):
     """The stream cotangents ``dE[n, m, B, T, d]`` (``out_dtype``) of the wide form's pass 4:
     ``dE[i, r] = sum_s (P_{s,i,r} g_A{s,r} + DSR_{s,i,r} q_{s,r}) - W_{i,r} E_r[x_i]`` (per head
     for ``P`` and ``DSR``). A source ``valid`` rules out is not written (its rows hold whatever
@@ -123,29 +120,26 @@ def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, vali
     (``conv_transpose.sources_transpose`` skips or masks those sources).
 
     ``queries[S, m, d]``, ``p``/``dsr`` ``[S, n, m, B, T', H]`` and ``w[n, m, B, T']`` float32
-    (``T' >= T``); the rest as ``phase1_gdots``. ``heads_major``: ``p`` and ``dsr`` as ``[n, m, H,
-    S, B, T']``, the kernel's own order of its per-token rows (no transpose)."""
+    (``T' >= T``); the rest as ``phase1_gdots``."""
     n, batch, t_len, d = sources.shape
     m = len(stream_kernels)
     n_targets = _check("phase1_dstreams", sources, g_acc, stream_kernels)
     if queries.shape != (n_targets, m, d):
         raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: queries {queries.shape}: want [{n_targets}, {m}, {d}]")
     for name, a in (("p", p), ("dsr", dsr)):
-        lead, want = ((a.shape[:5], (n, m, heads, n_targets, batch)) if heads_major
-                      else ((*a.shape[:4], a.shape[5]), (n_targets, n, m, batch, heads)))
-        if a.ndim != 6 or lead != want or a.shape[4 + heads_major] < t_len:
-            form = (f"[{n}, {m}, {heads}, {n_targets}, {batch}, >= {t_len}]" if heads_major
-                    else f"[{n_targets}, {n}, {m}, {batch}, >= {t_len}, {heads}]")
-            raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: {name} {a.shape}: want {form}")
+        if a.shape[:4] != (n_targets, n, m, batch) or a.shape[4] < t_len or a.shape[5] != heads:
+            raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: {name} {a.shape}: want [{n_targets}, {n}, {m}, "
+                             f"{batch}, >= {t_len}, {heads}]")
     if w.shape[:3] != (n, m, batch) or w.shape[3] < t_len:
         raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: w {w.shape}: want [{n}, {m}, {batch}, >= {t_len}]")
     return _call("dstreams", sources, banks, g_acc, segment_ids, valid, stream_kernels=stream_kernels, heads=heads,
                  block_d=block_d, n_slots=n_slots, group_slots=group_slots, windows=windows, interpret=interpret,
-                 queries=queries, p=p, dsr=dsr, w=w, out_dtype=out_dtype, heads_major=heads_major)
+                 queries=queries, p=p,
+                 dsr=dsr, w=w, out_dtype=out_dtype)
 
 
 def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, heads, block_d, n_slots, group_slots,
-          windows, interpret, queries=None, p=None, dsr=None, w=None, out_dtype=jnp.bfloat16, heads_major=False):
+          windows, interpret, queries=None, p=None, dsr=None, w=None, out_dtype=jnp.bfloat16):
     n, batch, t_len, d = sources.shape
     m = len(stream_kernels)
     n_targets = _check(f"phase1_{mode}", sources, g_acc, stream_kernels)
@@ -166,12 +160,8 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
               *_acc_rows(g_acc, t_len, t_pad)]
     if mode == "dstreams":
         # per (source, stream, head): the rows [P_s (S) | DSR_s (S) | W], one TMA copy per item
-        if heads_major:  # [n, m, H, S, B, T']: already in the rows' order
-            cut = lambda a: _pad_t(jnp.asarray(a, F32)[..., :t_len], 5, t_pad)  # noqa: E731
-            per_head = jnp.concatenate([cut(p), cut(dsr)], axis=3)  # [n, m, H, 2S, B, Tp]
-        else:
-            cut = lambda a: _pad_t(jnp.asarray(a, F32)[..., :t_len, :], 4, t_pad)  # noqa: E731
-            per_head = jnp.concatenate([cut(p), cut(dsr)]).transpose(1, 2, 5, 0, 3, 4)  # [n, m, H, 2S, B, Tp]
+        cut = lambda a: _pad_t(jnp.asarray(a, F32)[..., :t_len, :], 4, t_pad)  # noqa: E731
+        per_head = jnp.concatenate([cut(p), cut(dsr)]).transpose(1, 2, 5, 0, 3, 4)  # [n, m, H, 2S, B, Tp]
         w_rows = _pad_t(jnp.asarray(w, F32)[..., :t_len], 3, t_pad)[:, :, None, None]
         rows = jnp.concatenate([per_head, jnp.broadcast_to(w_rows, (n, m, heads, 1, batch, t_pad))], axis=3)
         inputs += [jnp.asarray(queries, F32), rows.reshape(n, m, heads * (2 * n_targets + 1), batch, t_pad)]
@@ -184,8 +174,6 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
                            group_slots=group_slots, ga_registers=bool(GA_REGISTERS), windows=windows,
                            interpret=bool(interpret)))
     out = call(*inputs)
-    if mode == "gdots" and heads_major:  # [n, m H S, B, Tp] -> [n, m, H, S, B, T]
-        return out.reshape(n, m, heads, n_targets, batch, t_pad)[..., :t_len]
     if mode == "gdots":  # [n, m H S, B, Tp] -> [S, n, m, B, T, H]
         out = out.reshape(n, m, heads, n_targets, batch, t_pad).transpose(3, 0, 1, 4, 5, 2)
         return out[:, :, :, :, :t_len]

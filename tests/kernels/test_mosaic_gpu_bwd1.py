@@ -101,30 +101,6 @@ def test_interpreted_kernels_match_the_pallas_passes(case):
         assert not np.any(np.asarray(got_gd[:, ~live]))
 
 
-def test_heads_major_layout_is_the_same_values():
-    """``heads_major=True``: ``gdots`` returns and ``dstreams`` takes the per-token scalars as
-    ``[n, m, H, S, B, T]`` (two heads, a source ruled out, segments): the same values as the
-    default ``[S, n, m, B, T, H]`` order, transposed; a wrong order of ``p`` fails it."""
-    _, n, batch, t_len, d, n_targets, heads, valid, cut, dtype, acc_dtype, per_target, slots = CASES[0]
-    sources, banks, queries, g_acc, p, dsr, w, seg, valid = _inputs(n, batch, t_len, d, n_targets, heads, valid, cut,
-                                                                    dtype, acc_dtype, per_target)
-    kw = dict(stream_kernels=KERNELS, heads=heads, interpret=True)
-    major = lambda a: jnp.transpose(a, (1, 2, 5, 0, 3, 4))  # noqa: E731  [S, n, m, B, T, H] -> [n, m, H, S, B, T]
-    gd = mosaic_gpu_bwd1.phase1_gdots(sources, banks, g_acc, seg, valid, **kw)
-    gd_major = mosaic_gpu_bwd1.phase1_gdots(sources, banks, g_acc, seg, valid, heads_major=True, **kw)
-    np.testing.assert_array_equal(np.asarray(gd_major), np.asarray(major(gd)))
-    de = mosaic_gpu_bwd1.phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, seg, valid, out_dtype=jnp.float32,
-                                         **kw)
-    live = _live(valid, n)
-    for p_major, same in ((major(p), True), (major(p)[:, :, ::-1], False)):  # the heads swapped: other values
-        de_major = mosaic_gpu_bwd1.phase1_dstreams(sources, banks, queries, g_acc, p_major, major(dsr), w, seg, valid,
-                                                   out_dtype=jnp.float32, heads_major=True, **kw)
-        assert np.array_equal(np.asarray(de_major)[live], np.asarray(de)[live]) is same
-    with pytest.raises(ValueError, match="want \\[3, 4, 2, 2, 2, >= 100\\]"):
-        mosaic_gpu_bwd1.phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, seg, valid,
-                                        out_dtype=jnp.float32, heads_major=True, **kw)
-
-
 @pytest.mark.slow
 def test_segments_matter():
     """The conv restarts at a segment start inside the kernels: dropping the ids changes both
