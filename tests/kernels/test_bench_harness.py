@@ -90,4 +90,3 @@ def test_fwd_bwd_rejects_an_unknown_form():
 
     with pytest.raises(ValueError, match="form='grad'"):
         bench.fwd_bwd(lambda x: x, (0,), "grad")
-
