@@ -8,6 +8,7 @@ from pallas_kernels.depth_attention.api import (
 )
 from pallas_kernels.depth_attention.reference import (
     SoftmaxState,
+    ValueChannel,
     bank_size,
     expand,
     finalize,
@@ -18,6 +19,7 @@ from pallas_kernels.depth_attention.reference import (
 
 __all__ = [
     "SoftmaxState",
+    "ValueChannel",
     "bank_size",
     "depth_read",
     "expand",

@@ -168,6 +168,7 @@ def build(backend: str, native_platform: str):
         opts.pop("backward", None)  # read by vjp.py's backward
         opts.pop("phase1_backward_form", None)  # read by p1_backward
         opts.pop("phase2_backward_form", None)  # read by p2_backward
+        opts.pop("value_channel", None)  # read by vjp.py (phase 1's outputs, phase 2's backward)
         gpu_kernels = opts.pop("gpu_kernels", "auto")
         if gpu_kernels not in GPU_KERNELS:
             raise ValueError(f"gpu_kernels={gpu_kernels!r}: must be one of {GPU_KERNELS}")
@@ -217,7 +218,7 @@ def build(backend: str, native_platform: str):
             out_dtype=out_dtype, return_scores=return_scores, **kw,
         )
 
-    def p1_backward(sources, banks, queries, valid, segment_ids, smax, ct, static):
+    def p1_backward(sources, banks, queries, valid, segment_ids, smax, ct, static, value_scale=None):
         kw, rest = setup(sources.shape[-1], static.heads, static.stream_kernels, queries.shape[0], static.kernel_opts)
         form = dict(static.kernel_opts).get("phase1_backward_form", fused_bwd_phase1.DEFAULT_FORM)
         acc = ct.acc[0] if isinstance(ct.acc, (list, tuple)) else ct.acc
@@ -227,7 +228,7 @@ def build(backend: str, native_platform: str):
             sources, banks, queries, valid, segment_ids, smax, ct, stream_kernels=static.stream_kernels,
             heads=static.heads, eps=static.eps, form=form, **kw, mosaic_scores=mosaic(kernel="scores"),
             mosaic_gdots=mosaic(kernel="gdots"), mosaic_dstreams=form == "wide" and mosaic(kernel="dstreams"),
-            mosaic_transpose=form == "wide" and mosaic(kernel="transpose"),
+            mosaic_transpose=form == "wide" and mosaic(kernel="transpose"), value_scale=value_scale,
         )
 
     def expansion_transpose(d_e, x, bank, segment_ids, static, n_targets):
@@ -235,13 +236,14 @@ def build(backend: str, native_platform: str):
         return conv_transpose.expansion_transpose(d_e, x, bank, segment_ids, stream_kernels=static.stream_kernels,
                                                   **kw)
 
-    def p2_backward(state, partial, bank, query, include, gate, segment_ids, dh, static, scores=None):
+    def p2_backward(state, partial, bank, query, include, gate, segment_ids, dh, static, scores=None,
+                    value_channel=False):
         kw, rest = setup(partial.shape[-1], static.heads, static.stream_kernels, 1, static.kernel_opts)
         form = dict(static.kernel_opts).get("phase2_backward_form", fused_bwd_phase2.DEFAULT_FORM)
         return fused_bwd_phase2.phase2_fused_backward(
             state, partial, bank, query, include, gate if static.fuse == "gate" else None, segment_ids,
             dh, stream_kernels=static.stream_kernels, heads=static.heads, eps=static.eps,
-            gate_eps=static.gate_eps, scores=scores, form=form, **kw,
+            gate_eps=static.gate_eps, scores=scores, form=form, value_channel=value_channel, **kw,
             mosaic_state=_mosaic_phase2(rest["gpu_kernels"], backend, static, partial, state, jnp.float32,
                                         kw["interpret"], kernel="backward_state"),
             mosaic_inputs=form == "reverse_t" and _mosaic_phase2(rest["gpu_kernels"], backend, static, partial, state,

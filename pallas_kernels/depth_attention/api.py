@@ -70,6 +70,11 @@ def _dispatch(op: str, implementation: Implementation, *args, **kwargs):
             if "state_dtype" in kwargs:  # phase 1: the XLA path computes in float32, then stores acc
                 dtype, inner = kwargs.pop("state_dtype"), split
                 split = lambda out: inner(out._replace(acc=out.acc.astype(dtype)))  # noqa: E731
+            channel = kwargs.pop("value_channel", None)  # phase 2: returns d acc whole (the channel's cotangent: 0)
+            if op == "phase1" and channel:  # zero channels, which the XLA backward ignores
+                inner, values_dtype = split, args[0].dtype
+                split = lambda out: tuple(  # noqa: E731
+                    (st, reference.zero_value_channel(st, values_dtype)) for st in inner(out))
             if op in ("phase1", "phase2_fused", "depth_read") and not kwargs.get("return_weights"):
                 # One source in flight at a time, recomputing backward (xla_streaming.py).
                 return split(getattr(xla_streaming, op)(*args, **kwargs))
@@ -113,7 +118,8 @@ def runs_a_kernel(implementation: Implementation = None) -> bool:
 STATE_DTYPES = ("float32", "bfloat16")
 
 
-def phase1(*args, implementation: Implementation = None, per_target: bool = False, state_dtype="float32", **kwargs):
+def phase1(*args, implementation: Implementation = None, per_target: bool = False, state_dtype="float32",
+           value_channel: bool = False, **kwargs):
     """Phase 1 of the two-phase read; see ``reference.phase1`` for the arguments.
 
     ``state_dtype``: the dtype of the state's weighted sum ``acc`` (``max`` and ``denom`` stay
@@ -130,12 +136,25 @@ def phase1(*args, implementation: Implementation = None, per_target: bool = Fals
     its own input, so no XLA op slices the stacked state for the ``S`` phase-2 reads or stacks
     their cotangents back (on the H200 those copies were about 86 ms of the MSAR `base` step;
     BENCHMARKS.md, kernels, sessions 9-10). The XLA path computes the stacked state and splits it.
+
+    ``value_channel=True`` (with ``per_target``): each target comes as ``(state,
+    reference.ValueChannel)``, a zero-valued companion to hand to that target's
+    ``phase2_fused(value_channel=...)``. Values and gradients are unchanged; the channel only
+    routes the state's value cotangent: with mean fusion (one stream: AttnRes, MHAR) the Pallas
+    phase-2 backward returns it factored, ``dh`` (the values, in the sources' dtype: the read's
+    ``h`` must come out in it) and a per-token, per-head scale, instead of writing the ``[B, T,
+    d]`` float32 ``d acc`` that phase 1's backward reads twice (BENCHMARKS.md, kernels, session 30).
+    Anything that does not use the channel leaves its cotangent zero and ``acc``'s whole.
     """
     dtype = str(jax.numpy.dtype(state_dtype)) if state_dtype is not None else None
     if dtype not in STATE_DTYPES:
         raise ValueError(f"phase1: state_dtype={state_dtype!r}: must be one of {STATE_DTYPES}")
+    if value_channel and not per_target:
+        raise ValueError("phase1: value_channel=True needs per_target=True (one channel per target's state)")
     if per_target:
         kwargs["per_target"] = True
+    if value_channel:
+        kwargs["value_channel"] = True
     if dtype != "float32":
         kwargs["state_dtype"] = dtype
     return _dispatch("phase1", implementation, *args, **kwargs)
@@ -156,7 +175,10 @@ def phase2_fused(*args, implementation: Implementation = None, **kwargs) -> jax.
     it is stored, as ``reference.phase2_fused(...).astype(out_dtype)``; its cotangent comes in
     that dtype. A model with bf16 activations passes bf16: the kernels then write ``h`` and read
     its cotangent in half the bytes (a float32 ``h`` cast by the caller costs a float32 write and
-    read in the forward and a float32 cotangent in the backward, for the same values)."""
+    read in the forward and a float32 cotangent in the backward, for the same values).
+
+    ``value_channel``: the ``reference.ValueChannel`` that ``phase1(value_channel=True)`` paired
+    with ``state`` (see there), or None."""
     if "out_dtype" in kwargs:
         dtype = jax.numpy.dtype(kwargs["out_dtype"])
         if dtype not in OUT_DTYPES:

@@ -546,7 +546,7 @@ DEFAULT_FORM = "wide"
 
 def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, stream_kernels: Sequence[int], heads,
                     eps, tiles: Tiles, backend, interpret, shift=None, form=DEFAULT_FORM, mosaic_scores=False,
-                    mosaic_gdots=False, mosaic_dstreams=False, mosaic_transpose=False):
+                    mosaic_gdots=False, mosaic_dstreams=False, mosaic_transpose=False, value_scale=None):
     """Gradients ``(d sources, d banks or None, d queries)`` of phase 1: the values of
     ``xla_streaming.phase1_backward(...)[:3]`` (``banks``: ``[n, K, d]`` or None without conv;
     ``valid``: ``[n]`` or None; ``smax``: the forward's running max; ``g``: the state cotangent,
@@ -560,7 +560,13 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     matrix products for the query gradient, ``_query_grads``). ``mosaic_scores``: pass 1 as the
     Mosaic GPU kernel (``fused.phase1_scores``); ``mosaic_gdots`` / ``mosaic_dstreams``: pass 2 /
     the wide form's pass 4 as the Mosaic GPU kernels of ``mosaic_gpu_bwd1``; ``mosaic_transpose``:
-    the wide form's transpose as ``mosaic_gpu_bwd1.sources_transpose``."""
+    the wide form's transpose as ``mosaic_gpu_bwd1.sources_transpose``.
+
+    ``value_scale[S, m, B, T, H]``: ``g.acc`` is factored (``reference.ValueChannel``): the true
+    ``g_A{s,r}`` is ``value_scale[s, r]`` (per head) times the given ``g.acc[s, r]``. Both terms that
+    read ``g_A`` are linear in it with a per-(token, head) factor, so the kernels run on the given
+    arrays and the scale goes into the scalars: ``<g_A, E> = scale <g.acc, E>`` (pass 2's dots, scaled
+    after) and ``P g_A = (P scale) g.acc`` (pass 4's value term, ``P`` scaled before)."""
     if form not in FORMS:
         raise ValueError(f"form={form!r}: must be one of {FORMS}")
     n, batch, t_len, d = sources.shape
@@ -596,6 +602,11 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
         gd = gdots_call(x, conv_banks, g_acc, seg, valid=valid, **kw)  # [S, n, m, B, Tp, nc]
         gd = jnp.sum(gd.reshape(*gd.shape[:-1], heads, -1), axis=-1)  # [S, n, m, B, Tp, H]
 
+    p_value = p  # the value term's coefficient of g.acc in dE
+    if value_scale is not None:
+        scale = _pad_t(jnp.asarray(value_scale, F32), 3, t_pad)[:, None]  # [S, 1, m, B, Tp, H]
+        gd, p_value = gd * scale, p * scale
+
     # pass 3 (XLA): the per-token coefficients of dE
     ds = p * (g_denom[:, None] + gd)
     dsr = ds * rho[None, ..., None]
@@ -604,11 +615,11 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
         streams_dtype = jnp.promote_types(sources.dtype, jnp.bfloat16)
         if mosaic_dstreams:  # the valid sources' dE only: sources_transpose skips or masks the others
             d_streams = mosaic_gpu_bwd1.phase1_dstreams(
-                sources, conv_banks, queries, g_acc, p, dsr, w, segment_ids, valid, stream_kernels=stream_kernels,
+                sources, conv_banks, queries, g_acc, p_value, dsr, w, segment_ids, valid, stream_kernels=stream_kernels,
                 heads=heads, out_dtype=streams_dtype, interpret=interpret)
             d_streams = d_streams if mosaic_transpose else _pad_t(d_streams, 3, t_pad)
         else:
-            d_streams = dstreams_call(x, conv_banks, queries, g_acc, p, dsr, w[..., None], seg, heads=heads,
+            d_streams = dstreams_call(x, conv_banks, queries, g_acc, p_value, dsr, w[..., None], seg, heads=heads,
                                       out_dtype=streams_dtype, valid=valid, **kw)
         if mosaic_transpose:
             dx, dbank = mosaic_gpu_bwd1.sources_transpose(
@@ -628,7 +639,7 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     if isinstance(g_acc, list):
         g_acc = jnp.stack(g_acc)  # this form reads g_A whole-T per program; it keeps one array
     dx, dbank, dq = grads_call(
-        x, conv_banks, queries, g_acc, to_heads_major(p), to_heads_major(dsr), w[..., None], seg, heads=heads,
+        x, conv_banks, queries, g_acc, to_heads_major(p_value), to_heads_major(dsr), w[..., None], seg, heads=heads,
         out_dtype=sources.dtype, shift=shift, valid=valid, **kw,
     )
     d_sources = dx[:, :, :t_len]

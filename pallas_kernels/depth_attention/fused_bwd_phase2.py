@@ -185,10 +185,11 @@ def _stats_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, ba
         dg_ref[:, j] = jnp.sum(dg[j], axis=1)
 
 
-def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, has_gate, backend):
+def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, has_gate, backend, write_dacc=True):
     """Pass 2: ``d_acc = a dz`` and per-chunk partials of ``sum dz z``, ``sum dz (A - E D)``,
     ``sum dz (E - z)`` (per stream and token; summed per head in XLA), reduced over channels
-    after the stream loop (as ``_stats_kernel``, which says why)."""
+    after the stream loop (as ``_stats_kernel``, which says why). ``write_dacc=False``: the
+    partials only (``d_acc`` goes back factored, ``value_channel``)."""
     it = iter(refs)
     x_ref = next(it)  # [Tp, bd]
     bank_ref = next(it) if has_bank else None  # [K, bd]
@@ -200,7 +201,8 @@ def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, h
     else:
         w_ref = None
     seg_ref = next(it) if has_seg else None  # [Tp, 1]
-    dacc_ref, s1_ref, sm_ref, ss_ref = it  # [m, bt, bd], [m, bt, 1] x3
+    dacc_ref = next(it) if write_dacc else None  # [m, bt, bd]
+    s1_ref, sm_ref, ss_ref = it  # [m, bt, 1] x3
     m = len(stream_kernels)
     layout = _stream_layout(stream_kernels)
     t0 = pl.program_id(1) * bt
@@ -223,7 +225,8 @@ def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, h
         acc = acc_ref[r, :, :].astype(F32)
         z = a[r] * acc + b[r] * e
         dz = _dz(r, m, dh, z, gate_vals, w_ref, slice(None))
-        dacc_ref[r, :, :] = (a[r] * dz).astype(dacc_ref.dtype)
+        if write_dacc:
+            dacc_ref[r, :, :] = (a[r] * dz).astype(dacc_ref.dtype)
         s1[r] = s1[r] + dz * z
         sm[r] = sm[r] + dz * (acc - e * dold[r])
         ss[r] = ss[r] + dz * (e - z)
@@ -456,7 +459,9 @@ def _stats_call(x, bank, a, b, acc, dh, w3, seg, *, stream_kernels, heads, tiles
     return sq[..., 0].transpose(0, 2, 1), zw.transpose(0, 2, 1, 3), dg.transpose(0, 2, 1, 3)
 
 
-def _dstate_call(x, bank, a, b, dold, acc, dh, gate_in, seg, *, stream_kernels, heads, tiles, backend, interpret):
+def _dstate_call(x, bank, a, b, dold, acc, dh, gate_in, seg, *, stream_kernels, heads, tiles, backend, interpret,
+                 write_dacc=True):
+    """Pass 2: ``(d_acc, S1, Sm, Ss)``; ``d_acc`` is None with ``write_dacc=False``."""
     batch, t_pad, d = x.shape
     m = len(stream_kernels)
     bt, bd = tiles.block_t, tiles.block_d_mix
@@ -481,20 +486,24 @@ def _dstate_call(x, bank, a, b, dold, acc, dh, gate_in, seg, *, stream_kernels, 
         specs.append(pl.BlockSpec((None, t_pad, 1), lambda i, t, c: (i, 0, 0)))
         args.append(seg[:, :, None])
     kernel = functools.partial(_dstate_kernel, has_bank=has_bank, has_seg=has_seg, has_gate=has_gate,
-                               **_common(stream_kernels, heads, d, tiles, backend))
+                               write_dacc=write_dacc, **_common(stream_kernels, heads, d, tiles, backend))
     # the reductions as [m, B, nc, Tp, 1] (token tile and a whole trailing dim last, for Mosaic),
     # returned as [m, B, Tp, nc]
     red = pl.BlockSpec((m, None, None, bt, 1), lambda i, t, c: (0, i, c, t, 0))
-    d_acc, *reds = pl.pallas_call(
+    out_specs, out_shape = [red] * 3, [jax.ShapeDtypeStruct((m, batch, nc, t_pad, 1), F32)] * 3
+    if write_dacc:  # d_acc in the state's dtype
+        out_specs = [pl.BlockSpec((m, None, bt, bd), lambda i, t, c: (0, i, t, c)), *out_specs]
+        out_shape = [jax.ShapeDtypeStruct((m, batch, t_pad, d), acc.dtype), *out_shape]
+    outs = pl.pallas_call(
         kernel,
         grid=(batch, t_pad // bt, nc),
         in_specs=specs,
-        out_specs=[pl.BlockSpec((m, None, bt, bd), lambda i, t, c: (0, i, t, c)), red, red, red],
-        out_shape=[jax.ShapeDtypeStruct((m, batch, t_pad, d), acc.dtype)]  # d_acc in the state's dtype
-        + [jax.ShapeDtypeStruct((m, batch, nc, t_pad, 1), F32)] * 3,
+        out_specs=out_specs,
+        out_shape=out_shape,
         name="depth_attention_phase2_bwd_state",
         **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
+    d_acc, reds = (outs[0], outs[1:]) if write_dacc else (None, outs)
     return (d_acc, *(jnp.swapaxes(v[..., 0], 2, 3) for v in reds))
 
 
@@ -633,7 +642,7 @@ DEFAULT_FORM = "reverse_t"
 
 def phase2_fused_backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps,
                           gate_eps, tiles, backend, interpret, scores=None, form=DEFAULT_FORM, mosaic_state=False,
-                          mosaic_inputs=False):
+                          mosaic_inputs=False, value_channel=False):
     """Gradients of ``reference.phase2_fused`` (same values as ``xla_streaming._phase2_fused_bwd``).
 
     Returns ``(d_state, d_partial, d_bank, d_query, d_gate)``: ``d_state`` a
@@ -649,16 +658,20 @@ def phase2_fused_backward(state, partial, bank, query, include, gate, segment_id
     ``mosaic_state``: passes 1 and 2, with the gate's backward between them, as one Mosaic GPU
     kernel (``mosaic_gpu.phase2_backward_state``; on a GPU, or interpreted). ``mosaic_inputs``:
     pass 3 of the ``"reverse_t"`` form as a Mosaic GPU kernel (``mosaic_gpu.phase2_backward_inputs``).
+    ``value_channel``: with mean fusion (``gate`` None) and the Triton / TPU state pass, ``d_state.acc``
+    comes back factored, ``reference.ValueChannel(dh, a / m)`` (``d_acc = (a / m) dh``, the scale per
+    stream, token and head), and pass 2 writes no ``d_acc``; otherwise (the gate, ``mosaic_state``) it
+    is the array, as without the option.
     """
     return _backward(state, partial, bank, query, include, gate, segment_ids, dh, stream_kernels=stream_kernels,
                      heads=heads, eps=eps, gate_eps=gate_eps, tiles=tiles, backend=backend, interpret=interpret,
                      shift="buffer" if backend == "triton" else "concat", scores=scores, form=form,
-                     mosaic_state=mosaic_state, mosaic_inputs=mosaic_inputs)
+                     mosaic_state=mosaic_state, mosaic_inputs=mosaic_inputs, value_channel=value_channel)
 
 
 def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps, gate_eps,
               tiles, backend, interpret, shift, scores=None, form=DEFAULT_FORM, mosaic_state=False,
-              mosaic_inputs=False):
+              mosaic_inputs=False, value_channel=False):
     """``phase2_fused_backward`` with the transposed conv's row shift chosen explicitly
     (``row_shift.SHIFTS``; the tests run the Triton ones, ``"dot"`` and ``"buffer"``, in
     interpret mode too)."""
@@ -743,8 +756,9 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
         d_gate = [None, d_scale.reshape(jnp.shape(scale)), d_bias]
 
     # Pass 2 + XLA: d_acc and the per-head reductions -> d_denom, d_max, ds, key-norm coefficients.
+    factored = value_channel and gate is None and not mosaic_state  # d_acc = (a / m) dh: not written
     if not mosaic_state:
-        d_acc, s1, sm, ss = _dstate_call(x, kbank, a, b, dold, acc, g_h, gate_in, seg, **kw)
+        d_acc, s1, sm, ss = _dstate_call(x, kbank, a, b, dold, acc, g_h, gate_in, seg, write_dacc=not factored, **kw)
         per_head = lambda v: jnp.sum(v.reshape(m, batch, t_pad, heads, nc // heads), axis=-1)  # noqa: E731
         s1, sm, ss = per_head(s1), per_head(sm), per_head(ss)
     d_denom = -keep * s1 / denom
@@ -773,7 +787,8 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
                                          dx_dtype=dx_dtype, **kw)
 
     cut = lambda t: t[..., :t_len, :]  # noqa: E731
-    d_state = reference.SoftmaxState(cut(d_max), cut(d_denom), cut(d_acc))
+    d_acc = reference.ValueChannel(dh, cut(a) / m) if factored else cut(d_acc)
+    d_state = reference.SoftmaxState(cut(d_max), cut(d_denom), d_acc)
     d_bank = None
     if bank is not None:
         d_bank = (jnp.sum(dbank, axis=0) if has_bank else jnp.zeros(bank.shape, F32)).astype(bank.dtype)

@@ -63,6 +63,36 @@ def split_targets(state: SoftmaxState) -> tuple[SoftmaxState, ...]:
     return tuple(SoftmaxState(*(p[i] for p in parts)) for i in range(n_targets))
 
 
+class ValueChannel(NamedTuple):
+    """A zero-valued companion of one target's phase-1 state whose COTANGENT carries the
+    state's value cotangent in factored form (``api.phase1(value_channel=True)``)::
+
+        d acc[r, b, t, c] = scale[r, b, t, head(c)] * values[b, t, c]
+
+    ``values[B, T, d]`` (the dtype of the read's output ``h``) and ``scale[m, B, T, H]`` (float32).
+    With mean fusion the fused phase 2's value cotangent has this form exactly (SPEC 5's merge:
+    ``z_r = a_r A_r + b_r E_r``, ``h = (1/m) sum_r z_r``, so ``d A_r = (a_r / m) dh``): the
+    backward then hands phase 1 the cotangent ``dh`` it already has and ``m H`` floats per
+    token instead of writing the ``[m, B, T, d]`` float32 ``d acc`` for phase 1 to read. Its
+    forward value is zeros that nothing reads (XLA removes them)."""
+
+    values: jax.Array
+    scale: jax.Array
+
+
+def zero_value_channel(state: SoftmaxState, values_dtype) -> ValueChannel:
+    """The channel of one target's state (``max[m, B, T, H]``, ``acc[m, B, T, d]``)."""
+    return ValueChannel(jnp.zeros(state.acc.shape[1:], values_dtype), jnp.zeros(state.max.shape, jnp.float32))
+
+
+def channel_value_cotangent(channel: ValueChannel) -> jax.Array:
+    """``d acc[m, B, T, d]`` (float32) from a channel cotangent (the definition above)."""
+    values = channel.values.astype(jnp.float32)
+    heads = channel.scale.shape[-1]
+    per_channel = jnp.repeat(channel.scale, values.shape[-1] // heads, axis=-1)  # [m, B, T, d]
+    return per_channel * values[None]
+
+
 def stack_targets(states) -> SoftmaxState:
     """The inverse of ``split_targets``."""
     return SoftmaxState(*(jnp.stack(a) for a in zip(*states)))
