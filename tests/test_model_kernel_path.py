@@ -80,6 +80,33 @@ def test_mosaic_gpu_kernels_in_the_model(monkeypatch):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale)
 
 
+@pytest.mark.parametrize("mechanism, overrides, factored", [
+    ("attnres", {}, True),
+    pytest.param("mhar", {"model.save_read_outputs": True}, True, marks=pytest.mark.slow),  # the re-run's reads
+    pytest.param("attnres", {"model.residual.read_chunks": 2}, False, marks=pytest.mark.slow),  # no channel
+])
+def test_single_stream_reads_take_the_value_cotangent_through_the_channel(monkeypatch, mechanism, overrides,
+                                                                          factored):
+    """AttnRes / MHAR with the Pallas backward: every phase-1 backward of the model (the append-only
+    scan's re-run of each block) gets its value cotangent factored (``ValueChannel``: phase 2's
+    ``dh`` and a scale, not ``d acc``), and the loss and gradients are the XLA path's. With the
+    reads in chunks (a ``lax.map``) the model passes no channel."""
+    from pallas_kernels.depth_attention import fused_bwd_phase1
+
+    seen = []
+    real = fused_bwd_phase1.phase1_backward
+    monkeypatch.setattr(fused_bwd_phase1, "phase1_backward",
+                        lambda *a, **k: seen.append(k.get("value_scale") is not None) or real(*a, **k))
+    want_loss, want = loss_and_grads(mechanism, "xla", **overrides)
+    got_loss, got = loss_and_grads(mechanism, "pallas_gpu", "pallas", **overrides)
+    assert seen and all(f == factored for f in seen), seen
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    flat_got, flat_want = jax.tree.leaves(got), jax.tree.leaves(want)
+    scale = max(float(np.max(np.abs(w))) for w in flat_want)
+    for g, w in zip(flat_got, flat_want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * scale)
+
+
 @pytest.mark.parametrize("overrides, want", [
     ({}, None),  # "auto": the kernels choose (Mosaic GPU for phase 2's forward on a GPU)
     ({"model.save_read_outputs": True}, "split_forward"),  # the re-run runs only the scores kernel

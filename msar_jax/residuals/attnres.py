@@ -161,6 +161,22 @@ class BlockDepthAttention(ResidualMechanism):
         return depth_api.runs_a_kernel(self.implementation) and depth_api.keeps_only_inputs(
             op.__name__, self.implementation)
 
+    def _value_channel(self) -> bool:
+        """Pair each target's phase-1 state with a ``ValueChannel`` (``depth_api.phase1``) for its
+        phase-2 read: with one stream and mean fusion (AttnRes, MHAR) the Pallas backward then
+        hands phase 1 the read's bf16 ``dh`` and one scale per token and head instead of the
+        ``[B, T, d]`` float32 ``d acc`` (written once, read twice). Only where it pays: a kernel
+        with the Pallas backward for both phases, each read run as is (one chunk, no checkpoint
+        around it, so the channel's cotangent stays symbolic where no read uses it).
+        BENCHMARKS.md, kernels, session 30."""
+        return (self.n_streams == 1 and self.res_cfg.read_chunks == 1 and self._lean_vjp(depth_api.phase1)
+                and self._lean_vjp(depth_api.phase2_fused) and self._kernel_backward(depth_api.phase1) == "pallas"
+                and self._kernel_backward(depth_api.phase2_fused) == "pallas")
+
+    def _target(self, bctx):
+        """One target's block context as ``(state, value channel or None)``."""
+        return bctx if self._value_channel() else (bctx, None)
+
     def _op(self, op):
         kw = self._kw()
         if self.implementation != "xla":  # the Pallas kernels' backward (the XLA path has one)
@@ -210,7 +226,7 @@ class BlockDepthAttention(ResidualMechanism):
         # 64-channel chunks of ``tiling.choose_tiles``: at 128 they ran up to 71% slower).
         # ``state_dtype="bfloat16"`` stores the weighted sums in half the bytes (``api.phase1``).
         return _recomputed(
-            functools.partial(self._op(depth_api.phase1), per_target=True,
+            functools.partial(self._op(depth_api.phase1), per_target=True, value_channel=self._value_channel(),
                               state_dtype=self.res_cfg.get("state_dtype", "float32")), state.sources,
             self.source_banks(g), p_block["queries"], self._completed_valid(pos), batch_axes=(1, None, None, None),
             out_batch_axis=1, chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
@@ -223,7 +239,7 @@ class BlockDepthAttention(ResidualMechanism):
         include_partial = jnp.logical_not(pos.first_in_block)
         if bctx is not None and not want_weights:
             z = _recomputed(
-                self._op(depth_api.phase2), bctx, partial, self.partial_bank(g, pos), p["queries"], include_partial,
+                self._op(depth_api.phase2), self._target(bctx)[0], partial, self.partial_bank(g, pos), p["queries"], include_partial,
                 batch_axes=((1, 1, 1), 0, None, None, None), out_batch_axis=1,
                 chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids, lean_vjp=self._lean_vjp(depth_api.phase2),
             )
@@ -263,9 +279,11 @@ class BlockDepthAttention(ResidualMechanism):
             # output, and its backward recomputes them in closed form (xla_streaming). ``h`` comes
             # out in the activations' dtype (computed in float32, rounded once, as the cast below
             # would): the kernels then write bf16 ``h`` and read a bf16 cotangent, not float32.
+            target_state, channel = self._target(bctx)
             h = _recomputed(
-                functools.partial(self._op(depth_api.phase2_fused), gate_eps=self.res_cfg.eps, out_dtype=dtype),
-                bctx, state.carry["partial"], self.partial_bank(g, pos), p["queries"],
+                functools.partial(self._op(depth_api.phase2_fused), gate_eps=self.res_cfg.eps, out_dtype=dtype,
+                                  value_channel=channel),
+                target_state, state.carry["partial"], self.partial_bank(g, pos), p["queries"],
                 jnp.logical_not(pos.first_in_block), self.gate(p),
                 batch_axes=((1, 1, 1), 0, None, None, None, None), out_batch_axis=0,
                 chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
