@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import sys
 import tempfile
@@ -81,6 +82,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="attnres,msar")
     ap.add_argument("--form", default="vjp", choices=bench.FB_FORMS)
+    ap.add_argument("--p1_form", default="model", choices=bench.P1_FORMS,
+                    help="how phase 1 hands its state to phase 2 (bench.P1_FORMS; model: as the model's reads)")
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--base_shape", action="store_true")
     ap.add_argument("--small", action="store_true", help="a tiny shape, interpret mode (CPU smoke)")
@@ -104,18 +107,23 @@ def main(argv=None):
             *(shape[k] for k in ("n", "batch", "t_len", "d", "n_targets")), kernels, heads, jnp.bfloat16)
         gate = gate if len(kernels) > 1 else None
         opts = dict(backward="pallas")
-        p1 = bench.read_op(1, "pallas_gpu", kernels=kernels, heads=heads, opts=opts)
-        p2 = bench.read_op(2, "pallas_gpu", kernels=kernels, heads=heads, opts=opts)
+        p1_form = bench.model_p1_form(kernels) if args.p1_form == "model" else args.p1_form
+        read = functools.partial(bench.read_op, impl="pallas_gpu", kernels=kernels, heads=heads, opts=opts,
+                                 p1_form=p1_form)
+        p1, p2 = read(1), read(2)
         a1 = (sources, banks, queries)
-        state = jax.tree.map(lambda a: a[1], p1(*a1))
-        a2 = (state, partial, bank, query, gate)
+        state = jax.tree.map(lambda a: a[1], bench.read_op(1, "pallas_gpu", kernels=kernels, heads=heads,
+                                                           opts=opts)(*a1))
+        a2, p2_args = bench.phase2_inputs(state, partial, bank, query, gate, p1_form)
         p1_args = (0, 1, 2) if banks is not None else (0, 2)
-        p2_args = (0, 1, 2, 3, 4) if banks is not None else (0, 1, 3, 4)
         inners = [int(k) for k in args.inners.split(",") if k]
-        runs = [(f"{name} phase 1 forward (one block)", p1, a1), (f"{name} phase 2 forward (one call)", p2, a2)]
-        for label, f, a, argnums in (("phase 1", p1, a1, p1_args), ("phase 2", p2, a2, p2_args)):
-            runs.append((f"{name} {label} forward + backward ({args.form})", bench.fwd_bwd(f, argnums, args.form),
-                         (*a, bench.cotangent(f, a, args.form))))
+        runs = [(f"{name} phase 1 forward (one block)", bench.forward_only(p1), a1),
+                (f"{name} phase 2 forward (one call)", p2, a2)]
+        aux = p1_form == "value_channel"
+        for label, f, a, argnums, has_aux in (("phase 1", p1, a1, p1_args, aux), ("phase 2", p2, a2, p2_args, False)):
+            runs.append((f"{name} {label} forward + backward ({args.form}, phase 1 {p1_form})",
+                         bench.fwd_bwd(f, argnums, args.form, has_aux=has_aux),
+                         (*a, bench.cotangent(f, a, args.form, has_aux=has_aux))))
         for title, fn, fn_args in runs:
             report(title, profile(fn, fn_args, args.calls), args.min_ms)
             if inners:

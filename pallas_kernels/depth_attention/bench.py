@@ -95,7 +95,18 @@ def make_inputs(n, batch, t_len, d, n_targets, kernels, heads, dtype, seed=0):
 FB_FORMS = ("vjp", "loss")
 
 
-def fwd_bwd(f, argnums, form="vjp"):
+def drop_channel_values(tree):
+    """``tree`` with each ``reference.ValueChannel`` replaced by its ``scale``. What the bench
+    returns from a read with a value channel: phase 1's channel outputs are zeros the model never
+    materialises (nothing reads them) and phase 2's channel cotangent's ``values`` are its input
+    ``dh``, which the model hands straight to phase 1's backward; a jitted function returning
+    either would write them out (at the issue's shape, 8 x 67 MB of zeros per block and a 67 MB
+    copy per read)."""
+    is_channel = lambda x: isinstance(x, reference.ValueChannel)  # noqa: E731
+    return jax.tree.map(lambda x: x.scale if is_channel(x) else x, tree, is_leaf=is_channel)
+
+
+def fwd_bwd(f, argnums, form="vjp", has_aux=False):
     """A jitted forward + backward of ``f`` taking ``(*primals, ct)``, in one of ``FB_FORMS``.
 
     ``"vjp"`` (the bench's default since session 29): returns ``f``'s outputs and ``jax.vjp``'s
@@ -106,9 +117,16 @@ def fwd_bwd(f, argnums, form="vjp"):
     every output and ``ct`` once more (phase 1 at the issue's shape: the 8 float32 states and
     as many cotangents, 2.15 GB a block for AttnRes) and phase 2's backward casts the float32
     ``ct`` to bf16 first: bytes the model never moves. (With ``grad`` alone, before session 16,
-    XLA dropped the forward passes that only compute the outputs.)"""
+    XLA dropped the forward passes that only compute the outputs.)
+
+    ``has_aux`` (``"vjp"`` only): ``f`` returns ``(outputs, aux)``; ``aux`` is returned too but
+    gets no cotangent, which reaches a ``custom_vjp`` as a symbolic zero (phase 1's ``acc`` when
+    its value cotangent comes through the value channel, ``P1_FORMS``). The vjp form returns
+    through ``drop_channel_values``."""
     if form not in FB_FORMS:
         raise ValueError(f"form={form!r}: must be one of {FB_FORMS}")
+    if has_aux and form != "vjp":
+        raise ValueError(f"has_aux: only with form='vjp' (got {form!r})")
     if form == "loss":
         def loss(*a):
             *primals, ct = a
@@ -128,45 +146,106 @@ def fwd_bwd(f, argnums, form="vjp"):
                 full[i] = v
             return f(*full)
 
+        if has_aux:
+            out, pullback, aux = jax.vjp(at, *(primals[i] for i in argnums), has_aux=True)
+            return drop_channel_values(((out, aux), pullback(ct)))
         out, pullback = jax.vjp(at, *(primals[i] for i in argnums))
-        return out, pullback(ct)
+        return drop_channel_values((out, pullback(ct)))
 
     return jax.jit(run)
 
 
-def cotangent(f, args, form="vjp"):
-    """The ``ct`` of ``fwd_bwd(f, .., form)``: ones, in the outputs' shapes and dtypes, or for
-    ``"loss"`` one float32 array shaped as the output (phase 1: its ``acc``)."""
+def cotangent(f, args, form="vjp", has_aux=False):
+    """The ``ct`` of ``fwd_bwd(f, .., form, has_aux)``: ones, in the outputs' shapes and dtypes,
+    or for ``"loss"`` one float32 array shaped as the output (phase 1: its ``acc``)."""
     out = jax.eval_shape(f, *args)
+    out = out[0] if has_aux else out
     if form == "loss":
         return jnp.ones((out.acc if isinstance(out, tuple) else out).shape, jnp.float32)
     return jax.tree.map(lambda o: jnp.ones(o.shape, o.dtype), out)
 
 
-def read_op(phase, impl, *, kernels, heads, out_dtype=jnp.bfloat16, state_dtype="float32", opts=None):
+# How the kernels' phase 1 hands its state to the phase-2 reads (``run_config(p1_forms=...)``):
+# ``"stacked"`` (one ``[S, m, B, T, d]`` state: the main table until session 29), ``"per_target"``
+# (``api.phase1(per_target=True)``, as the model runs every read since session 10),
+# ``"value_channel"`` (per target, each paired with its ``reference.ValueChannel``, which the phase-2
+# read takes: its value cotangent goes back factored; the model's single-stream reads since session
+# 30), ``"model"`` (the model's: ``value_channel`` for one stream, ``per_target`` for several).
+P1_FORMS = ("model", "stacked", "per_target", "value_channel")
+
+
+def model_p1_form(kernels) -> str:
+    """The form of phase 1 the model's reads use (``attnres.BlockDepthAttention._value_channel``)."""
+    return "value_channel" if len(kernels) == 1 else "per_target"
+
+
+def read_op(phase, impl, *, kernels, heads, out_dtype=jnp.bfloat16, state_dtype="float32", opts=None,
+            p1_form="stacked"):
     """The jitted read the bench times: phase 1 ``(sources, banks, queries) -> state`` or
     phase 2 + stream fusion ``(state, partial, bank, query, gate) -> h`` in ``out_dtype``;
     ``impl`` ``"xla"`` (the plain-jnp reference, float32 state) or an ``api`` implementation
-    with ``state_dtype`` (phase 1) and the keyword ``opts``."""
+    with ``state_dtype`` (phase 1) and the keyword ``opts``. ``p1_form`` (``P1_FORMS``, the
+    kernels only): ``"per_target"``: phase 1 returns the per-target states; ``"value_channel"``:
+    phase 1 returns ``(per target (max, denom, channel), per target acc)`` (``fwd_bwd``'s
+    ``has_aux``: the value cotangent comes through the channel alone) and phase 2 takes ``(max,
+    denom, acc, partial, bank, query, gate, channel)``."""
+    if p1_form not in P1_FORMS[1:]:
+        raise ValueError(f"p1_form={p1_form!r}: must be one of {P1_FORMS[1:]} ('model': model_p1_form)")
     kw = dict(stream_kernels=kernels, heads=heads)
+    channel = impl != "xla" and p1_form == "value_channel"
     if phase == 1:
         if impl == "xla":
             return jax.jit(lambda x, b, q: reference.phase1(x, b, q, **kw))
-        return jax.jit(lambda x, b, q: api.phase1(x, b, q, implementation=impl, state_dtype=state_dtype, **kw,
-                                                  **(opts or {})))
+        if p1_form == "stacked":
+            return jax.jit(lambda x, b, q: api.phase1(x, b, q, implementation=impl, state_dtype=state_dtype, **kw,
+                                                      **(opts or {})))
+
+        def per_target(x, b, q):
+            out = api.phase1(x, b, q, implementation=impl, state_dtype=state_dtype, per_target=True,
+                             value_channel=channel, **kw, **(opts or {}))
+            if not channel:
+                return out
+            return tuple((st.max, st.denom, ch) for st, ch in out), tuple(st.acc for st, _ in out)
+
+        return jax.jit(per_target)
     if impl == "xla":
         return jax.jit(lambda st, x, b, q, g: reference.phase2_fused(st, x, b, q, True, g, **kw).astype(out_dtype))
+    if channel:
+        return jax.jit(lambda mx, den, acc, x, b, q, g, ch: api.phase2_fused(
+            reference.SoftmaxState(mx, den, acc), x, b, q, True, g, implementation=impl, out_dtype=out_dtype,
+            value_channel=ch, **kw, **(opts or {})))
     return jax.jit(lambda st, x, b, q, g: api.phase2_fused(st, x, b, q, True, g, implementation=impl,
                                                             out_dtype=out_dtype, **kw, **(opts or {})))
 
 
+def phase2_inputs(state, partial, bank, query, gate, p1_form="stacked"):
+    """``(args, argnums)`` of ``read_op(2, .., p1_form)``: with ``"value_channel"`` the state's
+    leaves are arguments of their own and ``acc`` is not differentiated (its cotangent goes
+    through the channel, the last argument: a pullback of the whole state would build ``acc``'s
+    zero cotangent, a ``[B, T, d]`` float32 array the model never writes)."""
+    has_bank = bank is not None
+    if p1_form != "value_channel":
+        return (state, partial, bank, query, gate), ((0, 1, 2, 3, 4) if has_bank else (0, 1, 3, 4))
+    channel = reference.zero_value_channel(state, partial.dtype)
+    return ((*state, partial, bank, query, gate, channel),
+            (0, 1, 3, 4, 5, 6, 7) if has_bank else (0, 1, 3, 5, 6, 7))
+
+
+def forward_only(read):
+    """``read`` (jitted) as the bench times its forward: without the value channel's zeros
+    (``drop_channel_values``)."""
+    return jax.jit(lambda *a: drop_channel_values(read(*a)))
+
+
 def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, impl, bw, log, reps, inner, inner_fb,
                with_bwd=True, check=True, p1_opts=None, p2_opts=None, time_xla=True, state_dtype="float32",
-               fb_forms=("vjp",)):
+               fb_forms=("vjp",), p1_forms=("model",)):
     """One row of the main table. ``state_dtype``: the kernels' phase-1 state (``api.phase1``);
     the XLA reference row keeps its float32 state. ``fb_forms``: how forward + backward is
-    timed (``"vjp"``, ``"loss"``: see below); the first names the ``*_fb_ms`` keys, the others
-    add ``*_fb_<form>_ms``."""
+    timed (``"vjp"``, ``"loss"``: see ``fwd_bwd``); ``p1_forms``: how the kernels' phase 1 hands
+    the state to phase 2 (``P1_FORMS``; the XLA reference: stacked). The first of each names the
+    main keys (``*_fwd_ms``, ``*_fb_ms``), the others add ``_<form>`` (``*_fb_loss_ms``,
+    ``*_fb_stacked_ms``, ``*_p1_stacked_ms``)."""
     m = len(kernels)
     sources, banks, queries, partial, bank, query, gate = make_inputs(
         n, batch, t_len, d, n_targets, kernels, heads, dtype
@@ -179,7 +258,6 @@ def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, im
     p2 = functools.partial(read_op, 2, kernels=kernels, heads=heads, out_dtype=out_dtype, opts=p2_opts)
 
     p1_args = (0, 1, 2) if banks is not None else (0, 2)
-    p2_args = (0, 1, 2, 3, 4) if banks is not None else (0, 1, 3, 4)
 
     res = {"name": name, "impl": impl, "p1_opts": str(p1_opts), "p2_opts": str(p2_opts)}
     state_ref = p1("xla")(sources, banks, queries)
@@ -194,18 +272,28 @@ def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, im
         h = p2(impl)(state1, partial, bank, query, gate).astype(jnp.float32)
         res["p2_max_abs_err"] = float(jnp.max(jnp.abs(h - h_ref)))
         res["p2_ref_max"] = float(jnp.max(jnp.abs(h_ref)))
-    for who in ("xla", impl) if time_xla else (impl,):
+    p1_forms = tuple(model_p1_form(kernels) if f == "model" else f for f in p1_forms)
+    res["p1_forms"] = ",".join(p1_forms)
+    for who, p1_form in [("xla", "stacked")] * time_xla + [(impl, f) for f in p1_forms]:
         state1 = jax.tree.map(lambda a: a[1], state_ref)  # the kernels' phase 2 reads their own state dtype
         state1 = state1 if who == "xla" else state1._replace(acc=state1.acc.astype(state_dtype))
-        t1, _ = timeit(p1(who), sources, banks, queries, reps=reps, inner=inner)
-        t2, _ = timeit(p2(who), state1, partial, bank, query, gate, reps=reps, inner=inner)
-        res[f"{who}_p1_ms"], res[f"{who}_p2_ms"] = t1 * 1e3, t2 * 1e3
-        res[f"{who}_fwd_ms"] = (t1 + n_targets * t2) / n_targets * 1e3
+        channel = who != "xla" and p1_form == "value_channel"
+        r1 = functools.partial(p1, p1_form=p1_form)(who)
+        r2 = functools.partial(p2, p1_form=p1_form)(who)
+        a1 = (sources, banks, queries)
+        a2, args2 = phase2_inputs(state1, partial, bank, query, gate, p1_form if who != "xla" else "stacked")
+        p1_sfx = "" if who == "xla" or p1_form == p1_forms[0] else f"_{p1_form}"
+        t1, _ = timeit(forward_only(r1), *a1, reps=reps, inner=inner)
+        t2, _ = timeit(r2, *a2, reps=reps, inner=inner)
+        res[f"{who}_p1{p1_sfx}_ms"], res[f"{who}_p2{p1_sfx}_ms"] = t1 * 1e3, t2 * 1e3
+        res[f"{who}_fwd{p1_sfx}_ms"] = (t1 + n_targets * t2) / n_targets * 1e3
         for form in fb_forms if with_bwd else ():
-            sfx = "" if form == fb_forms[0] else f"_{form}"  # the first form's keys are the main table's
-            a1, a2 = (sources, banks, queries), (state1, partial, bank, query, gate)
-            ct1, ct2 = cotangent(p1(who), a1, form), cotangent(p2(who), a2, form)
-            g1, g2 = fwd_bwd(p1(who), p1_args, form), fwd_bwd(p2(who), p2_args, form)
+            if who != "xla" and p1_form != "stacked" and form != "vjp":  # the loss form reads one stacked acc
+                continue
+            # the first form's keys are the main table's
+            sfx = ("" if form == fb_forms[0] else f"_{form}") + p1_sfx
+            ct1, ct2 = cotangent(r1, a1, form, has_aux=channel), cotangent(r2, a2, form)
+            g1, g2 = fwd_bwd(r1, p1_args, form, has_aux=channel), fwd_bwd(r2, args2, form)
             t1b, _ = timeit(g1, *a1, ct1, reps=reps, inner=inner_fb)
             t2b, _ = timeit(g2, *a2, ct2, reps=reps, inner=inner_fb)
             res[f"{who}_p1_fb{sfx}_ms"], res[f"{who}_p2_fb{sfx}_ms"] = t1b * 1e3, t2b * 1e3
@@ -720,6 +808,10 @@ def main():
                     help="how forward + backward is timed, comma-separated, the first in the table: vjp (the "
                          "outputs and the pullback of a cotangent in their dtypes, as the model calls the reads), "
                          "loss (value_and_grad of sum(out * ct), float32 ct: sessions 16-28)")
+    ap.add_argument("--p1_forms", default="model",
+                    help="how the kernels' phase 1 hands its state to phase 2, comma-separated, the first in the "
+                         "table: model (the model's: value_channel for one stream, per_target for several), "
+                         "stacked (sessions 1-29), per_target, value_channel (P1_FORMS)")
     ap.add_argument("--inner", type=int, default=20,
                     help="the main table's calls per timed repetition, forwards (sessions 1-28: 5); each "
                          "repetition also pays the host's dispatch before its first call and the wait after "
@@ -746,6 +838,9 @@ def main():
     fb_forms = tuple(args.fb_forms.split(","))
     if not fb_forms or any(f not in FB_FORMS for f in fb_forms) or len(set(fb_forms)) < len(fb_forms):
         ap.error(f"--fb_forms={args.fb_forms!r}: each must be vjp or loss, once")
+    p1_forms = tuple(args.p1_forms.split(","))
+    if not p1_forms or any(f not in P1_FORMS for f in p1_forms) or len(set(p1_forms)) < len(p1_forms):
+        ap.error(f"--p1_forms={args.p1_forms!r}: each must be one of {P1_FORMS}, once")
     if args.no_bwd_barrier:  # read by vjp.py and xla_streaming at trace time
         xla_streaming.ordered_after_cotangent = lambda res, ct: (res, ct)
     out_dir = os.environ.get("OUT", ".")
@@ -824,7 +919,7 @@ def main():
                                  impl=impl, bw=bw, log=log, reps=reps, inner=args.inner, inner_fb=args.inner_fb,
                                  with_bwd=not args.no_bwd,
                                  time_xla=xla_row is None, state_dtype=args.state_dtype, fb_forms=fb_forms,
-                                 **shapes, **run_opts)
+                                 p1_forms=p1_forms, **shapes, **run_opts)
             except Exception as e:  # noqa: BLE001 - keep measuring the other configs
                 log(json.dumps({"name": name, "backward": backward, "error": repr(e)[:2000]}))
                 continue
@@ -836,12 +931,17 @@ def main():
     print("\n== per-sublayer amortised, ms (median of >= 20 reps) ==")
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; shapes {shapes}")
     for r in rows:
-        modes = [("fwd", "fwd_ms"), ("fwd+bwd", "fb_ms")] + [(f"fb {f}", f"fb_{f}_ms") for f in fb_forms[1:]]
-        for mode, key in modes:
-            k, x = f"{impl}_{key}", f"xla_{key}"
+        forms = r["p1_forms"].split(",")
+        p1_sfx = [""] + [f"_{f}" for f in forms[1:]]  # the XLA reference has one (stacked) form
+        modes = [(f"fwd{p}", f"fwd{p}_ms", "fwd_ms") for p in p1_sfx]
+        modes += [(f"fb{f}{p}", f"fb{f}{p}_ms", f"fb{f}_ms") for f in [""] + [f"_{f}" for f in fb_forms[1:]]
+                  for p in p1_sfx]
+        print(f"{r['name']:>16} phase 1 forms: {', '.join(forms)}")
+        for mode, key, xla_key in modes:
+            k, x = f"{impl}_{key}", f"xla_{xla_key}"
             if k not in r:
                 continue
-            floor = r["floor_fwd_ms" if mode == "fwd" else "floor_fb_ms"]
+            floor = r["floor_fwd_ms" if mode.startswith("fwd") else "floor_fb_ms"]
             if x not in r:  # a form of the XLA path not timed
                 continue
             print(f"{r['name']:>16} {mode:>8}: kernel {r[k]:8.3f}  xla {r[x]:8.3f}  floor {floor:7.3f}  "
