@@ -17,8 +17,9 @@ programs fit on an SM: the defaults, or with ``--variants`` session 22's set; ``
 variant with 32- and 16-channel chunks (``block_d``); ``--store-groups``: gdots with its stores
 per (head, stream) committed once and once each (``mosaic_gpu.STORE_GROUPS``). ``--attnres``: one
 stream without a conv (AttnRes; kernels ``(0,)``, no transpose) with ``ATTNRES_VARIANTS`` at 16-,
-32- and 64-channel chunks (session 29). Run on the GPU: ``python
-experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants] [--bd16] [--attnres]``."""
+32- and 64-channel chunks (session 29). ``--ga_bf16``: ``g_A`` in bf16, as the value channel hands
+one stream's kernels the read's ``dh`` (session 30). Run on the GPU: ``python
+experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants] [--bd16] [--attnres] [--ga_bf16]``."""
 import sys
 import traceback
 
@@ -34,6 +35,7 @@ VARIANTS = {"gdots": ((2, 1, True),), "dstreams": ((3, 2, True),)}
 if "--variants" in sys.argv:  # session 22, call 2
     VARIANTS = {"gdots": ((3, 2, False), (2, 1, False), (3, 1, False), (3, 2, True), (2, 1, True)),
                 "dstreams": ((3, 2, False), (2, 1, False), (3, 2, True), (2, 1, True))}
+GA_DTYPE = jnp.bfloat16 if "--ga_bf16" in sys.argv else jnp.float32
 SM_SMEM = 233472  # the H200's shared memory per SM (228 KiB), 1 KiB of it reserved per program
 
 
@@ -59,7 +61,7 @@ def _variants(mode, groups=GROUPS):
 
 def _variant_label(mode, n, n_targets, slots, groups, regs, bd=32):
     smem = mosaic_gpu_bwd1.smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
-                                      acc_dtype=jnp.float32, n_targets=n_targets, n_sources=n, mode=mode,
+                                      acc_dtype=GA_DTYPE, n_targets=n_targets, n_sources=n, mode=mode,
                                       n_slots=slots, group_slots=groups)
     return (f"mosaic {mode} {slots}/{groups}{' regs' if regs else ''}{f' bd={bd}' if bd != 32 else ''} "
             f"({smem // 1024} KB, {SM_SMEM // (smem + 1024)}/SM)")
@@ -95,7 +97,7 @@ def main():
         sources = jax.random.normal(k[0], (n, batch, t_len, d), jnp.bfloat16)
         banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32) if any(KERNELS) else None
         queries = jax.random.normal(k[2], (n_targets, m, d), jnp.float32)
-        g_acc = [jax.random.normal(kk, (m, batch, t_len, d), jnp.float32) for kk in jax.random.split(k[3], n_targets)]
+        g_acc = [jax.random.normal(kk, (m, batch, t_len, d), GA_DTYPE) for kk in jax.random.split(k[3], n_targets)]
         valid = jnp.arange(n) < n_live
         p = jax.random.uniform(k[4], (n_targets, n, m, batch, t_len, heads)) * valid[None, :, None, None, None, None]
         dsr = jax.random.normal(k[5], (n_targets, n, m, batch, t_len, heads))
@@ -105,7 +107,7 @@ def main():
         t_pad, _ = fused._prepare(t_len, None, tiles)
         pad = fused._pad_t
         kw = dict(stream_kernels=KERNELS, tiles=tiles, backend="triton", interpret=False)
-        ga_bytes = n_targets * m * batch * t_len * d * 4
+        ga_bytes = n_targets * m * batch * t_len * d * jnp.dtype(GA_DTYPE).itemsize
         x_bytes = n_live * batch * t_len * d * 2
         print(f"## {name}: {n} sources ({n_live} valid), S = {n_targets}, B x T = {batch} x {t_len}, d = {d}",
               flush=True)

@@ -56,6 +56,13 @@ BLOCK_D_CHOICES = (32,)
 # thread for 8 float32 targets; no spills) rather than read from shared memory by each item:
 # gdots 7.27 -> 5.16 ms, dstreams 6.29 -> 4.81 (session 22, call 2). Read at the call.
 GA_REGISTERS = True
+# One stream (AttnRes, MHAR) with a bf16 g_A (the value channel hands phase 1 the read's bf16 dh,
+# api.phase1(value_channel=True)): (n_slots, group_slots, g_A in registers, block_d) per mode, taken
+# when the caller sets none of them and 64 channels divide a head. At the shape on the H200
+# (BENCHMARKS.md, kernels, session 30, call 3): gdots 0.747 -> 0.684 and dstreams 1.200 -> 0.806 ms
+# per call against the defaults above (`base`: 0.843 -> 0.665, 1.159 -> 0.895). With a float32 g_A
+# 64-channel chunks were 1.4-2.5x slower (session 29, call 5).
+SINGLE_STREAM_BF16_GA = {"gdots": (2, 1, False, 64), "dstreams": (2, 1, False, 64)}
 
 
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, n_targets: int,
@@ -143,12 +150,17 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
     n, batch, t_len, d = sources.shape
     m = len(stream_kernels)
     n_targets = _check(f"phase1_{mode}", sources, g_acc, stream_kernels)
+    acc_dtype = (g_acc[0] if isinstance(g_acc, (list, tuple)) else g_acc).dtype
+    ga_registers = bool(GA_REGISTERS)
+    single = SINGLE_STREAM_BF16_GA.get(mode)
+    if (single and m == 1 and acc_dtype == jnp.bfloat16 and n_slots is None and group_slots is None
+            and block_d is None and d % heads == 0 and (d // heads) % single[3] == 0):
+        n_slots, group_slots, ga_registers, block_d = single
     n_slots, windows = n_slots or SLOTS[mode], _Lags.of(1, windows or default_windows(mode)).kind
     group_slots = group_slots or GROUP_SLOTS[mode]
     if group_slots not in (1, 2) or n_slots < 1:
         raise ValueError(f"mosaic_gpu_bwd1.phase1_{mode}: group_slots={group_slots} must be 1 or 2, "
                          f"n_slots={n_slots} at least 1")
-    acc_dtype = (g_acc[0] if isinstance(g_acc, (list, tuple)) else g_acc).dtype
     smem = functools.partial(smem_bytes, n_targets=n_targets, n_sources=n, mode=mode, n_slots=n_slots,
                              group_slots=group_slots, windows=windows, out_dtype=out_dtype)
     sh = _shape(f"phase1_{mode}", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
@@ -171,7 +183,7 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
                            heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
                            has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                            acc_dtype=jnp.dtype(acc_dtype), out_dtype=jnp.dtype(out_dtype), n_slots=n_slots,
-                           group_slots=group_slots, ga_registers=bool(GA_REGISTERS), windows=windows,
+                           group_slots=group_slots, ga_registers=ga_registers, windows=windows,
                            interpret=bool(interpret)))
     out = call(*inputs)
     if mode == "gdots":  # [n, m H S, B, Tp] -> [S, n, m, B, T, H]

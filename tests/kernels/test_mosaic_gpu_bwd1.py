@@ -8,6 +8,7 @@ takes all three) is ``test_mosaic_gpu_phase1.test_phase1_op_with_mosaic_kernels_
 
 from __future__ import annotations
 
+import sys
 import types
 
 import jax
@@ -222,6 +223,51 @@ def test_kernels_lower_for_sm90(mode, t_len, segments, group_slots):
         inputs = (sources, banks, queries, g_acc, p, dsr, w, seg, valid)
     text = jax.jit(fn).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1
+
+
+def _single_stream_bf16_configs(monkeypatch):
+    """Set one stream (``KERNELS``), record each kernel's ``_Config``: ``[(mode, block_d, n_slots,
+    group_slots, ga_registers)]``."""
+    monkeypatch.setattr(sys.modules[__name__], "KERNELS", (0,))
+    seen, real = [], mosaic_gpu_bwd1._kernel
+    monkeypatch.setattr(mosaic_gpu_bwd1, "_kernel", lambda cfg: seen.append(
+        (cfg.mode, cfg.block_d, cfg.n_slots, cfg.group_slots, cfg.ga_registers)) or real(cfg))
+    return seen
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_single_stream_bf16_ga_takes_its_config_and_matches_the_pallas_passes(monkeypatch, heads):
+    """One stream with a bf16 ``g_A`` (the value channel's ``dh``): the kernels take
+    ``SINGLE_STREAM_BF16_GA`` (64-channel chunks, ``g_A`` from shared memory) and give the Triton
+    passes' values; 64 channels that do not divide a head (d = 128, 4 heads) keep the defaults."""
+    seen = _single_stream_bf16_configs(monkeypatch)
+    args = _inputs(3, 2, 100, 128, 2, heads, (True, False, True), 37, jnp.bfloat16, jnp.bfloat16, True)
+    got_gd, got_de = _mosaic(args, heads)
+    assert seen == [(mode, *cfg[3:], *cfg[:3]) for mode, cfg in mosaic_gpu_bwd1.SINGLE_STREAM_BF16_GA.items()], seen
+    want_gd, want_de = _triton_form(args, heads)
+    _check_tree(got_gd, want_gd, F32_TOL)
+    live = _live(args[-1], 3)
+    _check_tree(got_de[live], want_de[live], F32_TOL)
+    seen.clear()
+    _mosaic(_inputs(2, 1, 64, 128, 2, 4, None, None, jnp.bfloat16, jnp.bfloat16, True), 4)
+    assert [c[1:] for c in seen] == [(32, 2, 1, True), (32, 3, 2, True)], seen
+
+
+@pytest.mark.parametrize("mode", mosaic_gpu_bwd1.MODES)
+def test_single_stream_bf16_ga_lowers_for_sm90(monkeypatch, mode):
+    """The compiled kernels of ``SINGLE_STREAM_BF16_GA`` lower for the H200."""
+    seen = _single_stream_bf16_configs(monkeypatch)
+    sources, banks, queries, g_acc, p, dsr, w, seg, valid = _inputs(
+        3, 2, 200, 128, 2, 1, (True, True, False), None, jnp.bfloat16, jnp.bfloat16, True)
+    kw = dict(stream_kernels=(0,), heads=1)
+    if mode == "gdots":
+        fn, inputs = (lambda *a: mosaic_gpu_bwd1.phase1_gdots(*a, **kw)), (sources, None, g_acc, seg, valid)
+    else:
+        fn = lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, out_dtype=jnp.bfloat16, **kw)  # noqa: E731
+        inputs = (sources, None, queries, g_acc, p, dsr, w, seg, valid)
+    text = jax.jit(fn).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu_v2") == 1
+    assert seen == [(mode, 64, 2, 1, False)], seen
 
 
 @pytest.mark.parametrize("t_len, segments", [pytest.param(64, False, marks=pytest.mark.slow), (200, True)])
