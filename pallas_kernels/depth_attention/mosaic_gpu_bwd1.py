@@ -57,7 +57,8 @@ BLOCK_D_CHOICES = (32,)
 # gdots 7.27 -> 5.16 ms, dstreams 6.29 -> 4.81 (session 22, call 2). Read at the call.
 GA_REGISTERS = True
 # One stream (AttnRes, MHAR) with a bf16 g_A (the value channel hands phase 1 the read's bf16 dh,
-# api.phase1(value_channel=True)): (n_slots, group_slots, g_A in registers, block_d) per mode, taken
+# api.phase1(value_channel=True); a bf16 state's cotangent is bf16 too): (n_slots, group_slots, g_A
+# in registers, block_d) per mode, taken
 # when the caller sets none of them and 64 channels divide a head. At the shape on the H200
 # (BENCHMARKS.md, kernels, session 30, call 3): gdots 0.747 -> 0.684 and dstreams 1.200 -> 0.806 ms
 # per call against the defaults above (`base`: 0.843 -> 0.665, 1.159 -> 0.895). With a float32 g_A
