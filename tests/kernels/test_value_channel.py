@@ -77,15 +77,17 @@ def _check(got, want, rtol):
         np.testing.assert_allclose(g, w, rtol=rtol, atol=rtol * float(np.max(np.abs(w))))
 
 
-CASES = [  # kernels, heads, dtype, rtol
-    pytest.param((0,), 1, jnp.float32, 1e-5, id="attnres_f32"),
-    pytest.param((0,), 2, jnp.float32, 1e-5, id="mhar_f32"),
-    pytest.param((0,), 1, jnp.bfloat16, 1e-2, id="attnres_bf16"),
+CASES = [  # kernels, heads, dtype, rtol, uses (the second consumer of acc in one default case)
+    pytest.param((0,), 1, jnp.float32, 1e-5, "channel", id="attnres_f32"),
+    pytest.param((0,), 2, jnp.float32, 1e-5, "channel", id="mhar_f32"),
+    pytest.param((0,), 1, jnp.bfloat16, 1e-2, "channel", id="attnres_bf16"),
+    pytest.param((0,), 1, jnp.float32, 1e-5, "both", id="attnres_f32_both"),
+    pytest.param((0,), 2, jnp.float32, 1e-5, "both", id="mhar_f32_both", marks=pytest.mark.slow),
+    pytest.param((0,), 1, jnp.bfloat16, 1e-2, "both", id="attnres_bf16_both", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize("kernels, heads, dtype, rtol", CASES)
-@pytest.mark.parametrize("uses", ["channel", "both"])
+@pytest.mark.parametrize("kernels, heads, dtype, rtol, uses", CASES)
 def test_channel_gives_the_same_gradients(kernels, heads, dtype, rtol, uses, monkeypatch):
     """Against the same reads without the channel; with ``"channel"`` phase 1's kernels must get
     the cotangent factored (``value_scale``), with ``"both"`` whole (a second consumer of acc)."""
@@ -104,18 +106,25 @@ def test_channel_gives_the_same_gradients(kernels, heads, dtype, rtol, uses, mon
     _check(got, want, rtol)
 
 
-def test_channel_unused_or_gated_or_xla_keeps_acc_whole():
-    """Reads that do not pass the channel, a gated read (its kernels return d acc whole) with
-    several streams, and the XLA path (zero channels): the gradients without the channel."""
+def test_channel_unused_or_xla_keeps_acc_whole():
+    """Reads that do not pass the channel and the XLA path (zero channels): the gradients without
+    the channel. (The second consumer of ``acc``: ``uses="both"`` above.)"""
     inp = _inputs((0,), jnp.float32)
     want = _loss(inp, kernels=(0,), heads=1, channel=False, uses="plain", **TRITON)
     _check(_loss(inp, kernels=(0,), heads=1, channel=True, uses="plain", **TRITON), want, 1e-5)
     _check(_loss(inp, kernels=(0,), heads=1, channel=True, uses="channel", implementation="xla"), want, 1e-5)
+
+
+@pytest.mark.slow
+def test_gated_read_keeps_acc_whole():
+    """A gated read with several streams: its kernels return ``d acc`` whole (the gate's ``d acc``
+    does not factor), the channel's cotangent stays zero."""
     inp = _inputs((0, 4), jnp.float32)
     want = _loss(inp, kernels=(0, 4), heads=1, channel=False, uses="plain", gated=True, **TRITON)
     _check(_loss(inp, kernels=(0, 4), heads=1, channel=True, uses="channel", gated=True, **TRITON), want, 1e-5)
 
 
+@pytest.mark.slow
 def test_mean_fusion_with_several_streams_merges_the_channel():
     """Mean fusion of two streams: phase 2 factors ``d acc`` (scale ``a / m`` per stream), phase
     1's kernels take one stream's ``g_A`` only, so the rule rebuilds ``d acc`` whole."""
