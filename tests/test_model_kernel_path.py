@@ -50,9 +50,17 @@ def loss_and_grads(mechanism, implementation, kernel_backward="xla", **overrides
     pytest.param("msar", "pallas_gpu", "auto", marks=pytest.mark.slow),  # the Pallas backward for phase 1 and phase 2 + gate
     pytest.param("msar", "pallas_gpu", "hybrid", marks=pytest.mark.slow),  # phase 1 with the conv_transpose kernel
 ])
-def test_kernel_path_matches_xla_path(mechanism, implementation, kernel_backward):
+def test_kernel_path_matches_xla_path(monkeypatch, mechanism, implementation, kernel_backward):
+    from pallas_kernels.depth_attention import fused_bwd_phase1
+
+    factored = []  # per phase-1 Pallas backward: whether its value cotangent came factored
+    real = fused_bwd_phase1.phase1_backward
+    monkeypatch.setattr(fused_bwd_phase1, "phase1_backward",
+                        lambda *a, **k: factored.append(k.get("value_scale") is not None) or real(*a, **k))
     want_loss, want = loss_and_grads(mechanism, "xla")
     got_loss, got = loss_and_grads(mechanism, implementation, kernel_backward)
+    if kernel_backward == "pallas":  # one stream passes the value channel (its Pallas TPU kernels here)
+        assert factored and all(f == (mechanism == "attnres") for f in factored), factored
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     flat_got, flat_want = jax.tree.leaves(got), jax.tree.leaves(want)
     scale = max(float(np.max(np.abs(w))) for w in flat_want)
@@ -81,7 +89,7 @@ def test_mosaic_gpu_kernels_in_the_model(monkeypatch):
 
 
 @pytest.mark.parametrize("mechanism, overrides, factored", [
-    ("attnres", {}, True),
+    pytest.param("attnres", {}, True, marks=pytest.mark.slow),  # the default suite: test_kernel_path_matches_xla_path
     pytest.param("mhar", {"model.save_read_outputs": True}, True, marks=pytest.mark.slow),  # the re-run's reads
     pytest.param("attnres", {"model.residual.read_chunks": 2}, False, marks=pytest.mark.slow),  # no channel
 ])

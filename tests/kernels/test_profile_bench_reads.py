@@ -22,8 +22,10 @@ def test_profile_bench_reads_small(capsys):
     out = capsys.readouterr().out
     profiled = re.findall(r"^## attnres (.+?): ([0-9.]+) ms busy per call .*; (\d+) ops per call, span ([0-9.]+) ms",
                           out, flags=re.M)
+    # one stream: phase 1 as the model hands it over, with the value channel (--p1_form model)
     assert [p[0] for p in profiled] == ["phase 1 forward (one block)", "phase 2 forward (one call)",
-                                        "phase 1 forward + backward (vjp)", "phase 2 forward + backward (vjp)"], out
+                                        "phase 1 forward + backward (vjp, phase 1 value_channel)",
+                                        "phase 2 forward + backward (vjp, phase 1 value_channel)"], out
     assert all(float(busy) > 0 and int(ops) > 0 and float(span) > 0 for _, busy, ops, span in profiled), profiled
     assert len(re.findall(r"ms per call \(median of 3\): inner 1: [0-9.]+, inner 2: [0-9.]+$", out, flags=re.M)) == 4
 
