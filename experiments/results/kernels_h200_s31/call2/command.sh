@@ -1,7 +1,8 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD:$PWD/experiments/mgpu PYTHONUNBUFFERED=1
-python -m pytest -q -m gpu tests/kernels/test_mosaic_gpu_phase1.py -k mix 2>&1 | tail -3 | tee $OUT/gpu_tests.txt
+python -m pytest -q -m gpu tests/kernels/test_mosaic_gpu_phase1.py tests/kernels/test_mosaic_gpu_bwd1.py 2>&1 | tail -3 | tee $OUT/gpu_tests.txt
 python experiments/mgpu/time_phase1_mix.py --direct 2>&1 | tee $OUT/mix_direct.txt
+python experiments/mgpu/time_phase1_bwd.py --direct 2>&1 | tee $OUT/dstreams_direct.txt
 # the fastest direct variant at the issue's shape, if it beats the staged default by 3%
 BEST=$(python - <<'PY'
 import os, re
