@@ -18,10 +18,8 @@ variant with 32- and 16-channel chunks (``block_d``); ``--store-groups``: gdots 
 per (head, stream) committed once and once each (``mosaic_gpu.STORE_GROUPS``). ``--attnres``: one
 stream without a conv (AttnRes; kernels ``(0,)``, no transpose) with ``ATTNRES_VARIANTS`` at 16-,
 32- and 64-channel chunks (session 29). ``--ga_bf16``: ``g_A`` in bf16, as the value channel hands
-one stream's kernels the read's ``dh`` (session 30). ``--direct``: ``dstreams`` alone, each variant
-with its ``dE`` tiles staged for TMA stores and stored from registers (``mosaic_gpu_bwd1.
-DSTREAMS_STORES``; session 31). Run on the GPU: ``python experiments/mgpu/time_phase1_bwd.py
-[--base-only] [--variants] [--bd16] [--attnres] [--ga_bf16] [--direct]``."""
+one stream's kernels the read's ``dh`` (session 30). Run on the GPU: ``python
+experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants] [--bd16] [--attnres] [--ga_bf16]``."""
 import sys
 import traceback
 
@@ -52,10 +50,6 @@ if "--attnres" in sys.argv:
     KERNELS = (0,)
     VARIANTS = {mode: tuple(v[:3] for v in vs) for mode, vs in ATTNRES_VARIANTS.items()}
 GROUPS = (True, False) if "--store-groups" in sys.argv else (True,)
-DSTREAMS_ONLY = "--direct" in sys.argv
-STORES = ("staged", "direct") if DSTREAMS_ONLY else ("staged",)
-if DSTREAMS_ONLY and "--attnres" not in sys.argv:  # the default and two programs per SM (one group slot)
-    VARIANTS = {**VARIANTS, "dstreams": ((3, 2, True), (2, 1, True))}
 
 
 def _variants(mode, groups=GROUPS):
@@ -125,9 +119,8 @@ def main():
 
         floor = (ga_bytes + x_bytes) / bw * 1e3
         print(f"# gdots: floor {floor:.4f} ms", flush=True)
-        want = None if DSTREAMS_ONLY else _timed("triton gdots", triton_gdots, (sources, banks, g_acc, valid), None,
-                                                 floor)
-        for (slots, groups, regs), bd, grouped in [] if DSTREAMS_ONLY else _variants("gdots"):
+        want = _timed("triton gdots", triton_gdots, (sources, banks, g_acc, valid), None, floor)
+        for (slots, groups, regs), bd, grouped in _variants("gdots"):
             mosaic_gpu_bwd1.GA_REGISTERS = regs  # read when the jitted function traces (first call in _timed)
             set_store_groups(grouped)
             fn = (lambda sl, gs, bd: lambda x, b, ga, v: mosaic_gpu_bwd1.phase1_gdots(
@@ -147,19 +140,16 @@ def main():
         print(f"# dstreams: floor {floor:.4f} ms", flush=True)
         args = (sources, banks, queries, g_acc, p, dsr, w, valid)
         want = _timed("triton dstreams", triton_dstreams, args, None, floor)
-        for ((slots, groups, regs), bd, _), stores in [(v, st) for v in _variants("dstreams", groups=(True,))
-                                                        for st in STORES]:
+        for (slots, groups, regs), bd, _ in _variants("dstreams", groups=(True,)):
             mosaic_gpu_bwd1.GA_REGISTERS = regs
-            mosaic_gpu_bwd1.DSTREAMS_STORES = stores  # both read when the jitted function traces
             fn = (lambda sl, gs, bd: lambda x, b, q, ga, p, dsr, w, v: mosaic_gpu_bwd1.phase1_dstreams(
                 x, b, q, ga, p, dsr, w, None, v, stream_kernels=KERNELS, heads=heads, out_dtype=jnp.bfloat16,
                 n_slots=sl, group_slots=gs, block_d=bd))(slots, groups, bd)
-            _timed(_variant_label("dstreams", n, n_targets, slots, groups, regs, bd)
-                   + (f" {stores}" if len(STORES) > 1 else ""), fn, args, want, floor, rows=slice(0, n_live))
-        mosaic_gpu_bwd1.DSTREAMS_STORES = "staged"
+            _timed(_variant_label("dstreams", n, n_targets, slots, groups, regs, bd), fn, args, want, floor,
+                   rows=slice(0, n_live))
         del want
 
-        if not any(KERNELS) or DSTREAMS_ONLY:  # no conv: the transpose is a sum over the streams, in XLA
+        if not any(KERNELS):  # no conv: the transpose is a sum over the streams, in XLA
             continue
         # the expansion's transpose of the live sources' stream cotangents (bf16, as the wide form writes them)
         d_streams = jax.random.normal(k[6], (n, m, batch, t_len, d), jnp.bfloat16)

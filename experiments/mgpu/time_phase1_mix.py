@@ -22,9 +22,7 @@ default kernel with its 8 stores per chunk and stream committed once (``"grouped
 each (``mosaic_gpu.STORE_GROUPS``). ``--attnres``: AttnRes's single stream (kernels ``(0,)``, no bank),
 Triton against the Mosaic default. ``--triton-tiles``: Triton's kernel alone with the tiles
 ``choose_tiles`` gives it (first) and nine others (tokens x channels per program, warps, stages;
-session 27); with ``--small-tiles`` seven smaller ones instead. ``--direct``: the padded window with
-3 slots and staged TMA stores (the default) against direct stores from registers
-(``mosaic_gpu.MIX_STORES``) with 3, 4, 6 and 8 slots (session 31). (Session 25, call 4 also timed them spread over the next
+session 27); with ``--small-tiles`` seven smaller ones instead. (Session 25, call 4 also timed them spread over the next
 chunk and stream's items, at commit a4a473d: 1.3-1.8x slower; that option is gone.)
 """
 import sys
@@ -64,8 +62,6 @@ def main():
         mosaic_variants = ((32, 3, "padded"),)
     if "--store-groups" in sys.argv:  # the default, its stores committed once per group and once each
         mosaic_variants = ((32, 3, "padded", "grouped"), (32, 3, "padded", "one by one"))
-    if "--direct" in sys.argv:  # staged TMA stores against direct ones with more slots (session 31)
-        mosaic_variants = ((32, 3, "padded"),) + tuple((32, k, "padded", "direct") for k in (3, 4, 6, 8))
     # (block_t, block_d_mix, num_warps, num_stages) of Triton's kernel, the first choose_tiles' (session 27)
     triton_tiles = [None]
     if "--triton-tiles" in sys.argv:
@@ -111,18 +107,16 @@ def main():
             for bd, slots, windows, *stores in mosaic_variants + (NARROW_VARIANTS if "--narrow" in sys.argv else ()):
                 label = f"mosaic bd={bd} n_slots={slots} {windows}" + "".join(f" stores {s}" for s in stores)
                 windows = "single" if windows == PLAIN else windows
-                mix_stores = "direct" if "direct" in stores else "staged"
                 smem = mosaic_gpu.mix_smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
-                                                 out_dtype=dtype, n_targets=n_targets, n_slots=slots, windows=windows,
-                                                 stores=mix_stores)
+                                                 out_dtype=dtype, n_targets=n_targets, n_slots=slots, windows=windows)
                 if smem > mosaic_gpu.SMEM_BYTES:
                     print(f"{label:36s} does not fit: {smem} bytes of shared memory", flush=True)
                     continue
                 print(f"{label:36s} {smem} bytes of shared memory: {SM_SMEM // (smem + 1024)} programs per SM",
                       flush=True)
-                variants[label] = (lambda sl, dt, bd, w, st: lambda x, b, p, v: mosaic_gpu.phase1_mix(
+                variants[label] = (lambda sl, dt, bd, w: lambda x, b, p, v: mosaic_gpu.phase1_mix(
                     x, b, p, None, v, stream_kernels=KERNELS, heads=1, out_dtype=dt, per_target=True,
-                    n_slots=sl, block_d=bd, windows=w, stores=st))(slots, dtype, bd, windows, mix_stores)
+                    n_slots=sl, block_d=bd, windows=w))(slots, dtype, bd, windows)
             print(f"## {name}: {n} sources ({n_live} valid), S = {n_targets}, B x T = {batch} x {t_len}, d = {d}, "
                   f"{jnp.dtype(dtype).name} state; floor {floor_ms:.4f} ms", flush=True)
             want = None

@@ -311,50 +311,14 @@ def _store_group(plgpu, pairs):
         plgpu.copy_smem_to_gmem(src, dst, commit_group=not STORE_GROUPS or k == len(pairs) - 1)
 
 
-# Pallas' automatic warpgroup barriers (``CompilerParams.unsafe_no_auto_barriers``), per kernel.
-# By default Pallas puts a ``bar.sync`` of the warpgroup before every TMA copy into shared memory
-# (so that no thread still reads what the copy overwrites) and two around every store to shared
-# memory: in the mixing pass 3 per work item and 16 per chunk and stream's staging of its 8
-# targets. A kernel listed False is compiled without them and syncs only where its pipeline
-# needs it (``_sync``): once before refilling a slot (every thread is done reading it, and none
-# can miss the slot's mbarrier phase) and once after waiting for the staging buffer's TMA stores
-# (only the lane that issued them waits). Read when a kernel is built (its config carries it).
-KERNEL_AUTO_BARRIERS = {"forward": True, "mix": True, "scores": True}
-
-
-def auto_barriers(kernel: str) -> bool:
-    """Whether ``kernel`` (a key of ``KERNEL_AUTO_BARRIERS``) is built with Pallas' barriers."""
-    return bool(KERNEL_AUTO_BARRIERS[kernel])
-
-
-def _sync(plgpu, explicit: bool) -> None:
-    """A barrier of the program's warpgroup, where a kernel built without Pallas' automatic
-    barriers needs one (``KERNEL_AUTO_BARRIERS``; ``explicit`` False: nothing, since Pallas
-    already synced there, or the kernel is interpreted)."""
-    if not explicit:
-        return
-    from jax.experimental.mosaic import gpu as mgpu
-
-    @plgpu.inline_mgpu()
-    def barrier(_ctx):
-        mgpu.utils.warpgroup_barrier()
-
-    barrier()
-
-
-def _pipelined(plgpu, fetch, bar, nc, heads, per_chunk, carry, before_refill=None, n_slots=2, head_end=None,
-               sync=None):
+def _pipelined(plgpu, fetch, bar, nc, heads, per_chunk, carry, before_refill=None, n_slots=2, head_end=None):
     """``per_chunk(c, slot, head, carry)`` over the ``nc`` channel chunks, head by head (a static
     head index; ``nc / heads`` chunks each), with the next ``n_slots - 1`` chunks' copies in
     flight: ``fetch(c, slot)`` issues chunk ``c``'s copies on ``bar.at[slot]``, slot ``c mod
     n_slots``. ``before_refill()`` runs before a slot is refilled (to wait for stores still
     reading it). ``head_end(head, carry) -> carry`` runs after each head's chunks (outside the
-    loop: what only one head needs need not ride through the others' loops). ``sync()`` (a
-    kernel built without Pallas' automatic barriers, ``KERNEL_AUTO_BARRIERS``) runs before the
-    first copies and before each refill: every thread is done with what the copies overwrite."""
+    loop: what only one head needs need not ride through the others' loops)."""
     nch = nc // heads
-    if sync is not None:
-        sync()
     for c in range(min(n_slots, nc)):
         fetch(c, c)
     for head in range(heads):
@@ -368,8 +332,6 @@ def _pipelined(plgpu, fetch, bar, nc, heads, per_chunk, carry, before_refill=Non
             def _():
                 if before_refill is not None:
                     before_refill()
-                if sync is not None:
-                    sync()
                 fetch(c + n_slots, slot)
 
             return carry
@@ -569,8 +531,7 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
                   block_d=bd, gate=gate, has_seg=has_seg, front=front, eps=float(eps),
                   gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
                   out_dtype=jnp.dtype(out_dtype), n_consts=consts.shape[0], expand=expand, windows=windows,
-                  state_boxes=_state_boxes(), gate_stats=gate_stats, passes="all", interpret=bool(interpret),
-                  auto_barriers=auto_barriers("forward"))
+                  state_boxes=_state_boxes(), gate_stats=gate_stats, passes="all", interpret=bool(interpret))
     if split:
         dots, sumsq = _kernel(cfg._replace(passes="scores"))(*inputs)
         (h,) = _kernel(cfg._replace(passes="merge"))(*inputs, dots, sumsq)
@@ -629,17 +590,13 @@ def _plgpu_for(windows: str, interpret: bool):
     return _LanePlgpu(plgpu) if windows in ONE_WINDOW else plgpu
 
 
-def _jitted_kernel(plgpu, body, out_type, scratch_types, *, name, batch, t_pad, interpret, auto_barriers=True):
+def _jitted_kernel(plgpu, body, out_type, scratch_types, *, name, batch, t_pad, interpret):
     """``body`` as a ``plgpu.kernel`` over (batch row, 64-token tile), one warpgroup each, jitted
     under the named scope ``name`` (the kernel's name in profiles); in Lane semantics when
-    ``plgpu`` is ``_LanePlgpu``; without Pallas' automatic barriers when ``auto_barriers`` is
-    False (``KERNEL_AUTO_BARRIERS``: the body then syncs itself)."""
+    ``plgpu`` is ``_LanePlgpu``."""
     params = {}
     if getattr(plgpu, "lane", False):
-        params["lowering_semantics"] = plgpu.LoweringSemantics.Lane
-    if not auto_barriers:
-        params["unsafe_no_auto_barriers"] = True
-    params = dict(compiler_params=plgpu.CompilerParams(**params)) if params else {}
+        params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
     kernel = plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, grid=(batch, t_pad // BLOCK_T),
                           grid_names=("b", "t"), interpret=plgpu.InterpretGPUParams() if interpret else False,
                           **params)
@@ -676,7 +633,6 @@ class _Config(NamedTuple):
     gate_stats: str
     passes: str  # FORWARD_PASSES
     interpret: bool
-    auto_barriers: bool = True  # KERNEL_AUTO_BARRIERS
 
 
 # What one kernel of ``phase2_fused_forward`` runs: ``"all"`` (passes A-C, one kernel), or the
@@ -776,12 +732,8 @@ def _kernel(cfg: _Config):
 
             return issue
 
-        explicit = not cfg.auto_barriers and not cfg.interpret
-        sync = functools.partial(_sync, plgpu, explicit)
-
         def pipelined(bar, with_state, per_chunk, carry, with_query=False):
-            return _pipelined(plgpu, fetch(bar, with_state, with_query), bar, nc, heads, per_chunk, carry,
-                              sync=sync if explicit else None)
+            return _pipelined(plgpu, fetch(bar, with_state, with_query), bar, nc, heads, per_chunk, carry)
 
         if n_in:
             plgpu.barrier_wait(bar_in.at[0])
@@ -911,7 +863,6 @@ def _kernel(cfg: _Config):
                 term = z * (1.0 / m) if mix[r] is None else _rows(mix[r], bt, bd) * z
                 h = term if h is None else h + term
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that last read this slot is done
-            sync()  # only the lane that issued it waited
             h_s[slot] = h.astype(h_s.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(h_s.at[slot], h_ref.at[b, pl.ds(t0, bt), pl.ds(c * bd, bd)])
@@ -926,7 +877,7 @@ def _kernel(cfg: _Config):
     name = {"all": "depth_attention_phase2_mosaic", "scores": "depth_attention_phase2_scores_mosaic",
             "merge": "depth_attention_phase2_merge_mosaic"}[cfg.passes]
     return _jitted_kernel(plgpu, body, tuple(out_type), [scratch[k] for k in scratch_names],
-                          name=name, batch=batch, t_pad=t_pad, interpret=cfg.interpret, auto_barriers=cfg.auto_barriers)
+                          name=name, batch=batch, t_pad=t_pad, interpret=cfg.interpret)
 
 
 # --------------------------------------------------------------------------- backward
@@ -1300,8 +1251,7 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
                                         heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
                                         has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                                         expand=expand, windows=windows, interpret=bool(interpret),
-                                        defer_sums=defer_sums, n_slots=n_slots,
-                                        auto_barriers=auto_barriers("scores")))
+                                        defer_sums=defer_sums, n_slots=n_slots))
     dots, sumsq = call(*inputs)  # [n, S m H, B, Tp], [n, m, B, Tp]
     dots = dots.reshape(n, n_targets, m, heads, batch, sh.t_pad).transpose(1, 0, 2, 4, 5, 3)
     return dots[:, :, :, :, :t_len], sumsq[..., :t_len]
@@ -1327,7 +1277,6 @@ class _ScoresConfig(NamedTuple):
     interpret: bool
     defer_sums: bool = False
     n_slots: int = 2
-    auto_barriers: bool = True  # KERNEL_AUTO_BARRIERS
 
 
 @functools.lru_cache(maxsize=None)
@@ -1377,12 +1326,8 @@ def _scores_kernel(cfg: _ScoresConfig):
         reduce = (lambda a: a) if cfg.defer_sums else (lambda a: jnp.sum(a, axis=1))
         zero_acc = plgpu.layout_cast(jnp.zeros((bt, bd), F32), plgpu.Layout.WGMMA) if cfg.defer_sums else zero
 
-        explicit = not cfg.auto_barriers and not cfg.interpret
-        sync = functools.partial(_sync, plgpu, explicit)
-
         def staging_free():  # the last source's stores have read the staging buffers
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            sync()  # only the lane that issued them waited
 
         def stage_head(head, dots):  # one head's [S m] dots -> their rows of the staging buffer
             for sr in range(n_targets * m):
@@ -1424,7 +1369,7 @@ def _scores_kernel(cfg: _ScoresConfig):
             @pl.when(live_s[i, 0] != 0)
             def _():
                 _, sqs = _pipelined(plgpu, fetch, bar, nc, heads, chunk, ([zero_acc] * (n_targets * m), [zero_acc] * m),
-                                    n_slots=slots, head_end=head_end, sync=sync if explicit else None)
+                                    n_slots=slots, head_end=head_end)
                 if cfg.defer_sums:
                     sqs = [jnp.sum(a, axis=1) for a in sqs]
                 store(i, sqs)
@@ -1444,7 +1389,7 @@ def _scores_kernel(cfg: _ScoresConfig):
     out_type = (jax.ShapeDtypeStruct((n, smh, batch, cfg.t_pad), F32),
                 jax.ShapeDtypeStruct((n, m, batch, cfg.t_pad), F32))
     return _jitted_kernel(plgpu, body, out_type, [scratch[k] for k in names], name="depth_attention_scores_mosaic",
-                          batch=batch, t_pad=cfg.t_pad, interpret=cfg.interpret, auto_barriers=cfg.auto_barriers)
+                          batch=batch, t_pad=cfg.t_pad, interpret=cfg.interpret)
 
 
 # --------------------------------------------------------------------------- phase 1's mixing pass
@@ -1455,31 +1400,21 @@ def _scores_kernel(cfg: _ScoresConfig):
 MIX_SLOTS = 3
 # ``phase1_mix``'s channel chunks, first choice first (``choose_block_d``)
 MIX_BLOCK_D_CHOICES = (32,)
-# How ``phase1_mix`` writes a chunk and stream's ``S`` state tiles: ``"staged"`` through a shared
-# memory buffer and TMA stores (``S x 64 x bd`` floats, 64 KB for 8 targets and a float32 state);
-# ``"direct"``: each thread stores its registers to global memory (in the WGMMA layout a warp's
-# store covers whole 32-byte sectors), which frees that buffer for more items in flight (Nsight
-# Compute, session 25: a fifth of the pass's warp samples wait for the items' copies, and the TMA
-# stores' issue takes 12%).
-MIX_STORES = ("staged", "direct")
-DEFAULT_MIX_STORES = "staged"
 
 
 def mix_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, out_dtype, n_targets: int,
-                   n_slots: int | None = None, windows: str | None = None, stores: str | None = None,
-                   **_unused) -> int:
+                   n_slots: int | None = None, windows: str | None = None, **_unused) -> int:
     """Shared memory of one program of ``phase1_mix`` (its scratch list; ``n_slots``: None is
-    ``MIX_SLOTS``; ``stores``: None is ``DEFAULT_MIX_STORES``)."""
+    ``MIX_SLOTS``)."""
     bt, bd, n_slots = BLOCK_T, block_d, n_slots or MIX_SLOTS
-    staging = n_targets * bt * bd * jnp.dtype(out_dtype).itemsize if (stores or DEFAULT_MIX_STORES) == "staged" else 0
     return (n_slots * _window_elems(stream_kernels, windows or default_windows("mix"), bd) * jnp.dtype(x_dtype).itemsize + n_slots * sum(stream_kernels) * bd * 4
-            + n_slots * n_targets * heads * bt * 4 + staging
+            + n_slots * n_targets * heads * bt * 4 + n_targets * bt * bd * jnp.dtype(out_dtype).itemsize
             + (len(stream_kernels) + 1) * 64 * 4 + 64 * 4 * (2 + 1))
 
 
 def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: int, out_dtype=F32,
                per_target: bool = False, block_d: int | None = None, n_slots: int | None = None,
-               windows: str | None = None, stores: str | None = None, interpret: bool = False):
+               windows: str | None = None, interpret: bool = False):
     """Phase 1's mixing pass (``fused.mix_call(mode="acc")``) as one Mosaic GPU kernel:
     ``acc[s, r] = sum_i p[s, i, r] E_r[x_i]`` (Eq. 11's weighted sum over the completed sources,
     before the merge with the partial), each source's stream ``E_r`` built in registers (Eq. 10)
@@ -1498,19 +1433,15 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
     ``n_slots``: None is ``MIX_SLOTS``. Returns ``acc[S, m, B, T, d]`` in ``out_dtype`` or, with
     ``per_target``, a list of ``S`` arrays ``[m, B, T, d]`` (each its own output of the kernel).
     ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
-    ``default_windows``). ``stores``: how the state tiles are written (``MIX_STORES``; None:
-    ``DEFAULT_MIX_STORES``)."""
+    ``default_windows``)."""
     n, batch, t_len, d = sources.shape
     n_slots, windows = n_slots or MIX_SLOTS, _Lags.of(1, windows or default_windows("mix")).kind
-    stores = stores or DEFAULT_MIX_STORES
-    if stores not in MIX_STORES:
-        raise ValueError(f"mosaic_gpu.phase1_mix: stores={stores!r}: must be one of {MIX_STORES}")
     n_targets, m = p.shape[0], p.shape[2]
     if p.shape[1] != n or p.shape[3] != batch or p.shape[4] < t_len or m != len(stream_kernels):
         raise ValueError(f"p {p.shape}: want [S, {n}, {len(stream_kernels)}, {batch}, >= {t_len}, H]")
     if p.shape[5] != heads:
         raise ValueError(f"p {p.shape}: its last axis is the {heads} heads")
-    smem = functools.partial(mix_smem_bytes, n_targets=n_targets, n_slots=n_slots, windows=windows, stores=stores)
+    smem = functools.partial(mix_smem_bytes, n_targets=n_targets, n_slots=n_slots, windows=windows)
     sh = _shape("phase1_mix", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, choices=MIX_BLOCK_D_CHOICES,
                 x_dtype=sources.dtype, acc_dtype=F32, out_dtype=out_dtype)
@@ -1526,8 +1457,7 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
                                   heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
                                   has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                                   out_dtype=jnp.dtype(out_dtype), per_target=bool(per_target), n_slots=n_slots,
-                                  windows=windows, interpret=bool(interpret),
-                                  auto_barriers=auto_barriers("mix"), stores=stores))
+                                  windows=windows, interpret=bool(interpret)))
     out = call(*inputs)
     cut = lambda a: a[..., :t_len, :]  # noqa: E731
     return [cut(a) for a in out] if per_target else cut(out)
@@ -1553,8 +1483,6 @@ class _MixConfig(NamedTuple):
     n_slots: int
     windows: str
     interpret: bool
-    auto_barriers: bool = True  # KERNEL_AUTO_BARRIERS
-    stores: str = "staged"  # MIX_STORES
 
 
 @functools.lru_cache(maxsize=None)
@@ -1577,7 +1505,7 @@ def _mix_kernel(cfg: _MixConfig):
         xs=plgpu.SMEM((n_slots, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
         **{f"bs{r}": plgpu.SMEM((n_slots, kernel, bd), F32) for r, kernel in enumerate(stream_kernels) if taps[r]},
         ps=plgpu.SMEM((n_slots, n_targets * heads, bt), F32),
-        out_s=_tile_smem(plgpu, (n_targets, bt, bd), cfg.out_dtype) if cfg.stores == "staged" else None,
+        out_s=_tile_smem(plgpu, (n_targets, bt, bd), cfg.out_dtype),
         meta_s=plgpu.SMEM((n + 1, 64), jnp.int32),
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
         **{f"bar{r}": plgpu.Barrier(num_arrivals=copies[r] + taps[r] + 1, num_barriers=n_slots) for r in range(m)},
@@ -1628,7 +1556,6 @@ def _mix_kernel(cfg: _MixConfig):
         def expand(r, slot):
             return _expand_item(plgpu, lags, xs, bss[r] if taps[r] else None, slot, stream_kernels[r], masks, bt, bd)
 
-        explicit = not cfg.auto_barriers and not cfg.interpret
         for k in range(n_slots):
             fetch(k)
         zero = plgpu.layout_cast(jnp.zeros((bt, bd), F32), tile)
@@ -1644,26 +1571,19 @@ def _mix_kernel(cfg: _MixConfig):
                         e = expand(r, slot)
                         accs = [accs[s] + _rows(plgpu.load(ps, (slot, s * heads + head), layout=row), bt, bd) * e
                                 for s in range(n_targets)]
-                        _sync(plgpu, explicit)  # every thread has read the slot that the next copies refill
                         fetch(f + n_slots)
                         return accs
 
                     accs = lax.fori_loop(0, n_live, source_body, [zero] * n_targets)
-                    cs = pl.ds(c * bd, bd)
-                    dsts = [outs[s].at[r, b, rows, cs] if cfg.per_target else outs[0].at[s, r, b, rows, cs]
-                            for s in range(n_targets)]
-                    if cfg.stores == "direct":
-                        for s in range(n_targets):
-                            dsts[s][...] = accs[s].astype(cfg.out_dtype)
-                        continue
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores have read the staging
-                    _sync(plgpu, explicit)  # only the lane that issued them waited
                     for s in range(n_targets):
                         out_s[s] = accs[s].astype(out_s.dtype)
                     plgpu.commit_smem()
                     # issued all at once: spread over the next chunk and stream's items (a few per
                     # item) they made the pass 1.3-1.8x slower (session 25, call 4)
-                    _store_group(plgpu, ((out_s.at[s], dsts[s]) for s in range(n_targets)))
+                    cs = pl.ds(c * bd, bd)
+                    _store_group(plgpu, ((out_s.at[s], outs[s].at[r, b, rows, cs] if cfg.per_target
+                                          else outs[0].at[s, r, b, rows, cs]) for s in range(n_targets)))
                 return carry
 
             lax.fori_loop(head * nch, (head + 1) * nch, chunk_body, 0)
@@ -1674,7 +1594,7 @@ def _mix_kernel(cfg: _MixConfig):
     else:
         out_type = jax.ShapeDtypeStruct((n_targets, m, batch, cfg.t_pad, d), cfg.out_dtype)
     return _jitted_kernel(plgpu, body, out_type, [scratch[k] for k in names], name="depth_attention_mix_mosaic",
-                          batch=batch, t_pad=cfg.t_pad, interpret=cfg.interpret, auto_barriers=cfg.auto_barriers)
+                          batch=batch, t_pad=cfg.t_pad, interpret=cfg.interpret)
 
 
 # --------------------------------------------------------------------------- phase 2's input kernel

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu import (
-    BLOCK_T, F32, MAX_LAG_BITS, MIX_STORES, _cols, _expand_item, _jitted_kernel, _Lags, _lag_masks_of, _LanePlgpu, _pad_rows4,
+    BLOCK_T, F32, MAX_LAG_BITS, _cols, _expand_item, _jitted_kernel, _Lags, _lag_masks_of, _LanePlgpu, _pad_rows4,
     _plgpu_for, _rows, _rows4, _shape, _store_group, _tile_smem, _valid_first, _window_elems, default_windows,
     lag_bits,
 )
@@ -64,17 +64,13 @@ GA_REGISTERS = True
 # per call against the defaults above (`base`: 0.843 -> 0.665, 1.159 -> 0.895). With a float32 g_A
 # 64-channel chunks were 1.4-2.5x slower (session 29, call 5).
 SINGLE_STREAM_BF16_GA = {"gdots": (2, 1, False, 64), "dstreams": (2, 1, False, 64)}
-# How ``dstreams`` writes each item's ``dE`` tile (``mosaic_gpu.MIX_STORES``): through a
-# two-tile staging buffer and TMA stores, or from registers. Read at the call.
-DSTREAMS_STORES = "staged"
 
 
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, n_targets: int,
                n_sources: int, mode: str, out_dtype=jnp.bfloat16, n_slots: int | None = None,
-               group_slots: int | None = None, windows: str | None = None, stores: str = "staged",
-               **_unused) -> int:
+               group_slots: int | None = None, windows: str | None = None, **_unused) -> int:
     """Shared memory of one program of ``mode``'s kernel (its scratch list); ``acc_dtype``:
-    ``g_A``'s; ``stores``: ``DSTREAMS_STORES``."""
+    ``g_A``'s."""
     bt, bd, n_slots, n_groups = BLOCK_T, block_d, n_slots or SLOTS[mode], group_slots or GROUP_SLOTS[mode]
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
     total = (n_slots * _window_elems(stream_kernels, windows or default_windows(mode), bd) * size(x_dtype)
@@ -82,8 +78,7 @@ def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dty
              + (n_sources + 1) * 64 * 4 + bt * 4)
     if mode == "gdots":
         return total + n_sources * n_targets * bt * 4
-    staging = 2 * bt * bd * size(out_dtype) if stores == "staged" else 0
-    return total + n_groups * n_targets * bd * 4 + n_slots * (2 * n_targets + 1) * bt * 4 + staging
+    return total + n_groups * n_targets * bd * 4 + n_slots * (2 * n_targets + 1) * bt * 4 + 2 * bt * bd * size(out_dtype)
 
 
 def _acc_rows(g_acc, t_len: int, t_pad: int):
@@ -164,14 +159,11 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
         n_slots, group_slots, ga_registers, block_d = single
     n_slots, windows = n_slots or SLOTS[mode], _Lags.of(1, windows or default_windows(mode)).kind
     group_slots = group_slots or GROUP_SLOTS[mode]
-    stores = DSTREAMS_STORES if mode == "dstreams" else "staged"
-    if stores not in MIX_STORES:
-        raise ValueError(f"mosaic_gpu_bwd1.DSTREAMS_STORES={stores!r}: must be one of {MIX_STORES}")
     if group_slots not in (1, 2) or n_slots < 1:
         raise ValueError(f"mosaic_gpu_bwd1.phase1_{mode}: group_slots={group_slots} must be 1 or 2, "
                          f"n_slots={n_slots} at least 1")
     smem = functools.partial(smem_bytes, n_targets=n_targets, n_sources=n, mode=mode, n_slots=n_slots,
-                             group_slots=group_slots, windows=windows, out_dtype=out_dtype, stores=stores)
+                             group_slots=group_slots, windows=windows, out_dtype=out_dtype)
     sh = _shape(f"phase1_{mode}", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, choices=BLOCK_D_CHOICES,
                 x_dtype=sources.dtype, acc_dtype=acc_dtype, out_dtype=out_dtype)
@@ -193,7 +185,7 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
                            has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                            acc_dtype=jnp.dtype(acc_dtype), out_dtype=jnp.dtype(out_dtype), n_slots=n_slots,
                            group_slots=group_slots, ga_registers=ga_registers, windows=windows,
-                           interpret=bool(interpret), stores=stores))
+                           interpret=bool(interpret)))
     out = call(*inputs)
     if mode == "gdots":  # [n, m H S, B, Tp] -> [S, n, m, B, T, H]
         out = out.reshape(n, m, heads, n_targets, batch, t_pad).transpose(3, 0, 1, 4, 5, 2)
@@ -224,7 +216,6 @@ class _Config(NamedTuple):
     ga_registers: bool
     windows: str
     interpret: bool
-    stores: str = "staged"  # DSTREAMS_STORES
 
 
 @functools.lru_cache(maxsize=None)
@@ -252,7 +243,7 @@ def _kernel(cfg: _Config):
         gas=_tile_smem(plgpu, (n_gslots, n_targets, bt, bd), cfg.acc_dtype),
         qs=None if gdots else plgpu.SMEM((n_gslots, n_targets, bd), F32),
         rs=None if gdots else plgpu.SMEM((n_slots, n_rows, bt), F32),
-        out_s=None if gdots or cfg.stores == "direct" else _tile_smem(plgpu, (2, bt, bd), cfg.out_dtype),
+        out_s=None if gdots else _tile_smem(plgpu, (2, bt, bd), cfg.out_dtype),
         dots_s=plgpu.SMEM((n, n_targets, bt), F32) if gdots else None,
         meta_s=plgpu.SMEM((n + 1, 64), jnp.int32),
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
@@ -375,10 +366,6 @@ def _kernel(cfg: _Config):
                                 ga = ga_tile(s)
                                 q = _cols(plgpu.load(qs, (gslot, s), layout=col), bt, bd)
                                 de = de + row_of(s) * ga + row_of(n_targets + s) * q
-                            if cfg.stores == "direct":
-                                out_ref[i, r, b, rows, cs] = de.astype(cfg.out_dtype)
-                                fetch(f + n_slots)
-                                return carry
                             oslot = lax.rem(f, 2)
                             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot is read
                             out_s[oslot] = de.astype(out_s.dtype)

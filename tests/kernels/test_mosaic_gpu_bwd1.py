@@ -102,29 +102,6 @@ def test_interpreted_kernels_match_the_pallas_passes(case):
         assert not np.any(np.asarray(got_gd[:, ~live]))
 
 
-def test_dstreams_direct_stores_agree(monkeypatch):
-    """``dE`` stored from registers (``DSTREAMS_STORES = "direct"``) is bitwise the staged
-    form's (interpreted; segments, a ruled-out source, two heads, a ragged tile); an unknown
-    form is refused."""
-    case = CASES[0]
-    args = _inputs(*case[1:12])
-    sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
-
-    def run():
-        return mosaic_gpu_bwd1.phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, seg, valid,
-                                               stream_kernels=KERNELS, heads=case[6], out_dtype=jnp.float32,
-                                               interpret=True)
-
-    want = np.asarray(run())
-    monkeypatch.setattr(mosaic_gpu_bwd1, "DSTREAMS_STORES", "direct")
-    live = _live(valid, sources.shape[0])
-    np.testing.assert_array_equal(np.asarray(run())[live], want[live])
-    assert np.any(want[live])
-    monkeypatch.setattr(mosaic_gpu_bwd1, "DSTREAMS_STORES", "tma")
-    with pytest.raises(ValueError, match="DSTREAMS_STORES='tma'"):
-        run()
-
-
 @pytest.mark.slow
 def test_segments_matter():
     """The conv restarts at a segment start inside the kernels: dropping the ids changes both
@@ -316,14 +293,6 @@ def test_gpu_kernels_match_the_triton_passes():
     live = _live(args[-1], 4)
     _check_tree(got[0], want[0], 1e-5)
     _check_tree(got[1][live], want[1][live], 1e-5)
-    # dE stored from registers (DSTREAMS_STORES): the same bits as the staged stores
-    real = mosaic_gpu_bwd1.DSTREAMS_STORES
-    try:
-        mosaic_gpu_bwd1.DSTREAMS_STORES = "direct"
-        direct = jax.jit(lambda *a: _mosaic(a, heads, interpret=False))(*args)
-    finally:
-        mosaic_gpu_bwd1.DSTREAMS_STORES = real
-    np.testing.assert_array_equal(np.asarray(direct[1])[live], np.asarray(got[1])[live])
     # the transpose (bf16 cotangents and sources, float32 outputs)
     t_args = _transpose_inputs(4, 3, 300, 256, (True, True, False, True), 77)
     got = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS,

@@ -135,28 +135,22 @@ def test_interpreted_mix_matches_direct_sum(n, batch, t_len, d, n_targets, heads
 
 
 @pytest.mark.parametrize("valid", [(True, False, True), (False, False, False)])
-def test_mix_store_forms_agree(monkeypatch, valid):
+def test_mix_store_groups_agree(monkeypatch, valid):
     """The output stores committed one by one rather than as one group per chunk and stream
-    (``STORE_GROUPS``), and stored from registers without the staging buffer (``stores=
-    "direct"``, ``MIX_STORES``; one output per target too) write bitwise the same states, also
-    when no source is valid."""
+    (``STORE_GROUPS``) write bitwise the same states, also when no source is valid."""
     n, batch, t_len, d, n_targets, heads = 3, 1, 70, 64, 3, 2
     sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
     p = jax.random.uniform(jax.random.key(7), (n_targets, n, len(KERNELS), batch, t_len, heads), minval=0.1)
     p = p * jnp.asarray(valid)[None, :, None, None, None, None]
 
-    def run(groups, stores="staged", per_target=False):
+    def run(groups):
         monkeypatch.setattr(mosaic_gpu, "STORE_GROUPS", groups)
         mosaic_gpu._mix_kernel.cache_clear()  # STORE_GROUPS is read when a kernel is built
-        out = mosaic_gpu.phase1_mix(sources, banks, p, _segments(batch, t_len, 37), jnp.asarray(valid),
-                                    stream_kernels=KERNELS, heads=heads, stores=stores, per_target=per_target,
-                                    interpret=True)
-        return np.asarray(jnp.stack(out) if per_target else out)
+        return np.asarray(mosaic_gpu.phase1_mix(sources, banks, p, _segments(batch, t_len, 37), jnp.asarray(valid),
+                                                stream_kernels=KERNELS, heads=heads, interpret=True))
 
     want = run(True)
     np.testing.assert_array_equal(run(False), want)
-    np.testing.assert_array_equal(run(True, "direct"), want)
-    np.testing.assert_array_equal(run(True, "direct", per_target=True), want)
     mosaic_gpu._mix_kernel.cache_clear()
     if any(valid):
         assert np.any(want)
@@ -175,9 +169,6 @@ def test_mix_errors():
     sources, banks, _ = _phase1_inputs(2, 1, 8, 48, 1, KERNELS)
     with pytest.raises(NotImplementedError, match="phase1_mix: no channel chunk"):
         mosaic_gpu.phase1_mix(sources, banks, p, None, None, stream_kernels=KERNELS, heads=1, interpret=True)
-    with pytest.raises(ValueError, match="stores='tma': must be one of"):
-        mosaic_gpu.phase1_mix(sources, banks, p, None, None, stream_kernels=KERNELS, heads=1, stores="tma",
-                              interpret=True)
 
 
 def _op_and_oracle(gpu_kernels, *, n=3, batch=2, t_len=70, d=64, n_targets=2, heads=2, dtype=jnp.bfloat16,
@@ -277,12 +268,10 @@ def test_gpu_phase1_scores_match_triton():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("state_dtype, stores", [(jnp.float32, "staged"), (jnp.bfloat16, "staged"),
-                                                 (jnp.float32, "direct"), (jnp.bfloat16, "direct")])
-def test_gpu_phase1_mix_matches_triton(state_dtype, stores):
-    """On a GPU: the compiled mixing kernel, with each way of storing its tiles (``MIX_STORES``),
-    against the compiled Triton one (bf16 sources, a source ruled out, segments, two heads,
-    ragged T, one output per target)."""
+@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_phase1_mix_matches_triton(state_dtype):
+    """On a GPU: the compiled mixing kernel against the compiled Triton one (bf16 sources, a
+    source ruled out, segments, two heads, ragged T, one output per target)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     n, batch, t_len, d, n_targets, heads = 4, 3, 300, 256, 8, 2
@@ -293,7 +282,7 @@ def test_gpu_phase1_mix_matches_triton(state_dtype, stores):
     p = jax.random.uniform(jax.random.key(7), (n_targets, n, 4, batch, t_pad, heads), minval=0.1)
     p = p * valid[None, :, None, None, None, None]
     got = jax.jit(lambda *a: mosaic_gpu.phase1_mix(*a, stream_kernels=KERNELS, heads=heads, out_dtype=state_dtype,
-                                                   per_target=True, stores=stores))(sources, banks, p, seg, valid)
+                                                   per_target=True))(sources, banks, p, seg, valid)
     want = jax.jit(lambda x, b, pp, s, v: fused.mix_call(
         fused._pad_t(x, 2, t_pad), b, pp, s, mode="acc", stream_kernels=KERNELS, heads=heads, tiles=tiles,
         backend="triton", interpret=False, out_dtype=state_dtype, valid=v, split_targets=True))(
