@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.depth_attention import bench, mosaic_gpu, mosaic_gpu_bwd1
+from time_phase1_scores import KERNELS, phase1_inputs  # this folder, on the path as a script
 
-KERNELS = (0, 4, 8, 12)
+assert KERNELS == (0, 4, 8, 12), "MSAR's streams (time_phase1_scores reads --attnres)"
 SHAPES = (("base", (7, 4, 64, 1024, 1024, 8)), ("issue", (9, 9, 8, 2048, 2048, 8)))
 SPLITS = (1, 2, 4)
 
@@ -67,13 +68,10 @@ def main():
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s (bytes read + written)", flush=True)
     for name, (n, n_live, batch, t_len, d, n_targets) in shapes:
         m = len(KERNELS)
-        k = jax.random.split(jax.random.key(0), 5)
-        sources = jax.random.normal(k[0], (n, batch, t_len, d), jnp.bfloat16)
-        banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32)
-        queries = jax.random.normal(k[2], (n_targets, m, d), jnp.float32) / d ** 0.5
-        valid = jnp.arange(n) < n_live
-        p = jax.random.uniform(k[3], (n_targets, n, m, batch, t_len, 1)) * valid[None, :, None, None, None, None]
-        g_acc = [jax.random.normal(kk, (m, batch, t_len, d), jnp.float32) for kk in jax.random.split(k[4], n_targets)]
+        sources, banks, queries, valid = phase1_inputs(n, n_live, batch, t_len, d, n_targets)
+        k = jax.random.split(jax.random.key(1), 2)
+        p = jax.random.uniform(k[0], (n_targets, n, m, batch, t_len, 1)) * valid[None, :, None, None, None, None]
+        g_acc = [jax.random.normal(kk, (m, batch, t_len, d), jnp.float32) for kk in jax.random.split(k[1], n_targets)]
         args = (sources, banks, queries, p, g_acc, valid)
         print(f"## {name}: {n} sources ({n_live} valid), S = {n_targets}, B x T = {batch} x {t_len}, d = {d}",
               flush=True)
