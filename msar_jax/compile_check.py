@@ -13,13 +13,18 @@ device (arguments = params + optimizer state + batch, outputs, temporaries). Wit
 set before jax is imported), so the numbers are the CPU compiler's, a proxy for an accelerator's.
 With ``--topology`` (e.g. ``v5e:2x4``, ``v5p:2x2x2``) it asks
 ``jax.experimental.topologies.get_topology_desc`` for TPU devices, which needs libtpu; the
-error is printed if that is not available.
+error is printed if that is not available. ``--topology=h200`` compiles for one H200 on this
+machine, GPU or not, through JAX's CUDA plugin (``msar_jax.aot`` says how to install it): XLA:GPU's
+own fusion, scheduling and buffer assignment, so the memory is the H200's. The model is traced for
+the target's platform (``pallas_kernels.depth_attention.platform``): compiled kernels where that
+platform has them, as a run there would pick.
 
 Flags: ``--config=path.py:arg`` (as training), ``--config.a.b=v`` overrides, ``--mesh=axis=deg,...``
 (unnamed axes are 1; at most one ``-1``), ``--pipeline=stages=S,repeats=R,microbatches=M,cache=0|1``,
 ``--batch_size`` (default: the config's, capped to the smallest valid batch unless ``--full_batch``),
 ``--seq_len``, ``--devices`` (number of fake CPU devices; default the mesh size), ``--hlo=path``
-(write the optimised HLO text).
+(write the optimised HLO text), ``--buffers=N`` (the N largest allocations of XLA's buffer
+assignment, each with its largest values and the ops that made them: what the memory holds).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import math
 import os
 import sys
 import time
+
+from msar_jax import aot
 
 GIB = 1024**3
 
@@ -55,7 +62,11 @@ def parse_args(argv):
     ap.add_argument("--full_batch", action="store_true", help="use the config's global batch size")
     ap.add_argument("--seq_len", type=int, default=0)
     ap.add_argument("--devices", type=int, default=0)
-    ap.add_argument("--topology", default="", help="TPU topology for AOT (needs libtpu), e.g. v5e:2x4")
+    ap.add_argument("--topology", default="",
+                    help="AOT target: a TPU topology (needs libtpu), e.g. v5e:2x4, or a GPU: h200 (needs JAX's CUDA "
+                         "plugin, see msar_jax.aot)")
+    ap.add_argument("--buffers", type=int, default=0,
+                    help="print the N largest allocations of XLA's buffer assignment and what they hold")
     ap.add_argument("--hlo", default="", help="write the compiled HLO text here")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
     ap.add_argument("--hop_table", action="store_true",
@@ -92,10 +103,14 @@ def main(argv=None) -> dict:
         return hop_table(args, overrides)
     mesh_cfg = mesh_dict(args.mesh)
     n_dev = args.devices or (math.prod(mesh_cfg.values()) if -1 not in mesh_cfg.values() else 8)
-    if not args.topology and "jax" not in sys.modules:
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n_dev}".strip()
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    gpu_target = aot.is_gpu_target(args.topology)
+    if "jax" not in sys.modules:
+        if not args.topology:
+            flags = os.environ.get("XLA_FLAGS", "")
+            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n_dev}".strip()
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        if gpu_target:
+            aot.prepare_gpu_environment()
     import jax
 
     from msar_jax.configs import load_config
@@ -103,6 +118,7 @@ def main(argv=None) -> dict:
     from msar_jax.parallel import pipeline as pipeline_lib
     from msar_jax.train import step as step_lib
     from msar_jax.train.optim import make_optimizer
+    from pallas_kernels.depth_attention import platform
 
     config = load_config(args.config, overrides)
     model_cfg = config.model
@@ -110,7 +126,9 @@ def main(argv=None) -> dict:
     pcfg.mesh.update(mesh_cfg)
     pcfg.pipeline.update(_parse_kv(args.pipeline))
 
-    if args.topology:
+    if gpu_target:
+        devices = aot.gpu_devices(args.topology)
+    elif args.topology:
         from jax.experimental import topologies
 
         try:
@@ -142,11 +160,14 @@ def main(argv=None) -> dict:
     raw_step = pipeline_lib.train_step_fn(model_def, tx, schedule, pcfg, mesh, model_cfg)
     step = jax.jit(raw_step, in_shardings=(ssh, bsh), out_shardings=(ssh, None), donate_argnums=0)
     t0 = time.time()
-    with mesh_lib.use_mesh(mesh, rules):
+    with mesh_lib.use_mesh(mesh, rules), platform.target(devices[0].platform):
         lowered = step.lower(state_in, batch_in)
     t1 = time.time()
     try:
-        compiled = lowered.compile()
+        if args.buffers:
+            compiled, allocs = aot.compile_with_buffers(lowered)
+        else:
+            compiled = lowered.compile()
     except Exception as e:  # e.g. RESOURCE_EXHAUSTED from a TPU topology: the answer we came for
         print(f"compile failed after {time.time() - t1:.1f} s: {type(e).__name__}: {e}")
         raise SystemExit(3)
@@ -173,6 +194,11 @@ def main(argv=None) -> dict:
     if args.hlo:
         with open(args.hlo, "w") as f:
             f.write(compiled.as_text())
+    buffers = None
+    if args.buffers:
+        buffers = aot.format_buffers(allocs, args.buffers, aot.op_names(compiled.as_text()))
+        report["largest_allocations"] = [dict(size=a.size, kind=a.kind, values=[v._asdict() for v in a.values[:3]])
+                                         for a in allocs[:args.buffers]]
     if args.json:
         print(json.dumps(report))
     else:
@@ -187,6 +213,9 @@ def main(argv=None) -> dict:
             for f in fields:
                 print(f"  {f:32s} {getattr(mem, f, 0) / GIB:10.3f} GiB")
             print(f"  {'peak estimate (args+out-alias+temp)':32s} {peak / GIB:10.3f} GiB")
+        if buffers:
+            print("XLA's buffer assignment, largest allocations:")
+            print(buffers)
     return report
 
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.depth_attention import (conv_transpose, fused, fused_bwd_phase1, fused_bwd_phase2, mosaic_gpu,
-                                            mosaic_gpu_bwd1, tiling, vjp)
+                                            mosaic_gpu_bwd1, platform, tiling, vjp)
 
 
 GPU_KERNELS = ("auto", "mosaic", "triton", "triton_forward", "split_forward")
@@ -174,7 +174,7 @@ def build(backend: str, native_platform: str):
             raise ValueError(f"gpu_kernels={gpu_kernels!r}: must be one of {GPU_KERNELS}")
         if gpu_kernels == "mosaic" and backend != "triton":  # "triton_forward" is "auto" for the backward
             raise ValueError(f"gpu_kernels='mosaic' asks for Mosaic GPU kernels; this is the {backend} back end")
-        interpret = opts.pop("interpret", jax.default_backend() != native_platform)
+        interpret = opts.pop("interpret", platform.current() != native_platform)
         tiles = opts.pop("tiles", None) or tiling.choose_tiles(
             d=d, heads=heads, max_kernel=max([1, *stream_kernels]), n_targets=n_targets, backend=backend,
             n_streams=len(stream_kernels),

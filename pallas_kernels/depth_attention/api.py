@@ -12,7 +12,7 @@ from typing import Callable, Literal
 
 import jax
 
-from pallas_kernels.depth_attention import reference, xla_streaming
+from pallas_kernels.depth_attention import platform, reference, xla_streaming
 
 Implementation = Literal["xla", "pallas_tpu", "pallas_gpu"] | None
 _IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu")
@@ -31,8 +31,7 @@ def _candidates(implementation: Implementation) -> list[str]:
         if implementation not in _IMPLEMENTATIONS:
             raise ValueError(f"implementation={implementation!r}: must be one of {_IMPLEMENTATIONS} or None")
         return [implementation]
-    platform = jax.default_backend()
-    preferred = {"tpu": ["pallas_tpu"], "gpu": ["pallas_gpu"]}.get(platform, [])
+    preferred = {"tpu": ["pallas_tpu"], "gpu": ["pallas_gpu"]}.get(platform.current(), [])
     return [*preferred, "xla"]
 
 

@@ -32,6 +32,8 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.depth_attention import platform
+
 # A finite stand-in for -inf: exp(NEG_LARGE - finite) underflows to exactly 0 and,
 # unlike -inf, never produces inf - inf = NaN inside a masked merge (NaN would leak
 # into gradients through jnp.where).
@@ -187,7 +189,7 @@ def _conv_form() -> str:
         if CONV_FORM not in ("unrolled", "loop"):
             raise ValueError(f"CONV_FORM={CONV_FORM!r}: must be 'unrolled', 'loop' or None")
         return CONV_FORM
-    return "loop" if jax.default_backend() == "cpu" else "unrolled"
+    return "loop" if platform.current() == "cpu" else "unrolled"
 
 
 def _lag_view(padded: jax.Array, delta, t_len: int, front: int) -> jax.Array:
