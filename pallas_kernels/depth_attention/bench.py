@@ -174,6 +174,15 @@ def cotangent(f, args, form="vjp", has_aux=False):
 P1_FORMS = ("model", "stacked", "per_target", "value_channel")
 
 
+# the main table's rows: name -> (row name, stream kernels, heads); MHAR: one stream, 8 channel
+# heads (configs/mhar.py)
+TABLE_CONFIGS = {"msar": ("msar_m4_k4-8-12", (0, 4, 8, 12), 1), "attnres": ("attnres", (0,), 1),
+                 "mhar": ("mhar_h8", (0,), 8)}
+# the issue's shape (``n`` sources, S = ``n_targets`` reads per block) and configs/*.py:size=base's
+ISSUE_SHAPE = dict(n=9, batch=8, t_len=2048, d=2048, n_targets=8)
+BASE_SHAPE = dict(n=8, batch=64, t_len=1024, d=1024, n_targets=8)
+
+
 def model_p1_form(kernels) -> str:
     """The form of phase 1 the model's reads use (``attnres.BlockDepthAttention._value_channel``)."""
     return "value_channel" if len(kernels) == 1 else "per_target"
@@ -828,8 +837,7 @@ def main():
     backwards = ("xla", "pallas") if args.backward == "both" else tuple(args.backward.split(","))
     if not backwards or any(b not in ("xla", "pallas", "hybrid") for b in backwards):
         ap.error(f"--backward={args.backward!r}: each must be xla, pallas or hybrid (or 'both')")
-    table_configs = {"msar": ("msar_m4_k4-8-12", (0, 4, 8, 12), 1), "attnres": ("attnres", (0,), 1),
-                     "mhar": ("mhar_h8", (0,), 8)}  # MHAR: one stream, 8 channel heads (configs/mhar.py)
+    table_configs = TABLE_CONFIGS
     configs = tuple(args.configs.split(","))
     if not configs or any(c not in table_configs for c in configs):
         ap.error(f"--configs={args.configs!r}: each must be one of {sorted(table_configs)}")
@@ -859,9 +867,7 @@ def main():
         bw = 1e10
         args.sweep = False
     else:
-        shapes = dict(n=9, batch=8, t_len=2048, d=2048, n_targets=8)
-        if args.base_shape:  # configs/*.py:size=base: 8 buffer slots, batch 64 x 1024 tokens, d = 1024
-            shapes = dict(n=8, batch=64, t_len=1024, d=1024, n_targets=8)
+        shapes = BASE_SHAPE if args.base_shape else ISSUE_SHAPE  # base: 8 buffer slots, 64 x 1024 tokens, d 1024
         impl, reps = "pallas_gpu", 25
         bw = copy_bandwidth()
     log(json.dumps({"copy_bandwidth_TBps": bw / 1e12}))
