@@ -31,7 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.depth_attention import api, reference, xla_streaming
+from pallas_kernels.depth_attention import api, fused_bwd_phase1, reference, xla_streaming
 
 
 def timeit(fn, *args, reps=25, inner=5, warmup=2):
@@ -833,7 +833,12 @@ def main():
                     help="trace the XLA backwards without their optimization barrier on (residuals, cotangent) "
                          "(xla_streaming.ordered_after_cotangent): what the barrier costs a read (the Pallas "
                          "backwards run without it since session 8)")
+    ap.add_argument("--query_grads_heads", default=None, choices=fused_bwd_phase1.QUERY_GRADS_HEADS,
+                    help="how phase 1's backward runs the query gradient's products with several heads "
+                         "(fused_bwd_phase1.QUERY_GRADS_HEADS; default: its DEFAULT_QUERY_GRADS_HEADS)")
     args = ap.parse_args()
+    if args.query_grads_heads:  # read when the backward is traced
+        fused_bwd_phase1.DEFAULT_QUERY_GRADS_HEADS = args.query_grads_heads
     backwards = ("xla", "pallas") if args.backward == "both" else tuple(args.backward.split(","))
     if not backwards or any(b not in ("xla", "pallas", "hybrid") for b in backwards):
         ap.error(f"--backward={args.backward!r}: each must be xla, pallas or hybrid (or 'both')")

@@ -298,7 +298,18 @@ def _bf16_parts(a: jax.Array, n_parts: int = 3, axis: int = 0) -> jax.Array:
     return jnp.stack(parts, axis=axis)
 
 
-def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads):
+# How ``_query_grads`` runs its products with several heads: ``"batched"``, one product per
+# (source, head), heads a batch axis of the matrix product, for which XLA transposes the sources
+# to heads-major first (a full copy: 0.56 GiB per block at the issue's shape for MHAR's 8 heads,
+# the ``wrapped_transpose`` that took 0.31 ms per block in session 29, call 7; the H200 compile
+# read back on a CPU machine named it, session 32); ``"all_heads"``, one product per source over
+# every head's channels, read in the sources' own layout, keeping the ``(h, h)`` blocks: ``heads``
+# times the multiply-adds (on the tensor cores), no copy. The same products of the same terms.
+QUERY_GRADS_HEADS = ("batched", "all_heads")
+DEFAULT_QUERY_GRADS_HEADS = "batched"
+
+
+def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads, heads_form=None):
     """``dq_{s,r} = sum_{i,b,t} DSR_{s,r,i}[b,t] E_r[x_i][b,t]`` (per head) as matrix products
     over the tokens, without ``E``: with ``E[t] = sum_delta c[delta] mask_delta[t] x[t - delta]``,
     ``sum_t DSR[t] E[t] = sum_delta c[delta] sum_u DSR[u + delta] mask_delta[u + delta] x[u]``.
@@ -310,7 +321,12 @@ def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads):
     bfloat16, so the operand is split into three bfloat16 terms (``_bf16_parts``) and the product
     runs on bfloat16 inputs with float32 accumulation, as exact as a float32 product without
     materialising ``x`` in float32 (on the H200 the float32 ``x``, 4 bytes per element read once
-    per stream, bounded these products: BENCHMARKS.md, kernels, session 14)."""
+    per stream, bounded these products: BENCHMARKS.md, kernels, session 14). ``heads_form``:
+    ``QUERY_GRADS_HEADS`` (None: ``DEFAULT_QUERY_GRADS_HEADS``; one head runs the batched form)."""
+    heads_form = heads_form or DEFAULT_QUERY_GRADS_HEADS
+    if heads_form not in QUERY_GRADS_HEADS:
+        raise ValueError(f"heads_form={heads_form!r}: must be one of {QUERY_GRADS_HEADS}")
+    all_heads = heads_form == "all_heads" and heads > 1
     n, batch, t_pad, d = x.shape
     n_targets = dsr.shape[0]
     dh = d // heads
@@ -326,7 +342,21 @@ def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads):
         lagged.append(a)
         lagged += [reference._unshift(a * masks[delta][:, :, None], delta) for delta in range(1, kernel)]
     lagged = jnp.stack(lagged, axis=1).reshape(n, len(lagged), n_targets, batch * t_pad, heads)  # [n, K, S, U, H]
-    if x.dtype == jnp.bfloat16:
+    if all_heads:  # every head's rows against all d channels, then each head's own block
+        x_all = x.reshape(n, batch * t_pad, d)
+        # the operand's rows (parts, lags, targets, heads) ahead of the tokens: a plain product
+        # [n, rows, U] @ [n, U, d] (its ``heads`` times smaller than the sources to move)
+        a = _bf16_parts(lagged, axis=1) if x.dtype == jnp.bfloat16 else lagged[:, None]  # [n, P, K, S, U, H]
+        n_parts = a.shape[1]
+        a = jnp.moveaxis(a, -1, -2).reshape(n, -1, batch * t_pad)
+        if x.dtype == jnp.bfloat16:
+            y = jnp.einsum("nru,nuc->nrc", a, x_all, preferred_element_type=F32)
+        else:
+            y = jnp.einsum("nru,nuc->nrc", a, x_all.astype(F32), precision=jax.lax.Precision.HIGHEST)
+        y = jnp.sum(y.reshape(n, n_parts, -1, n_targets, heads, d), axis=1)  # [n, K, S, H, d]
+        y = jnp.diagonal(y.reshape(*y.shape[:-1], heads, dh), axis1=-3, axis2=-2)  # [n, K, S, dh, H]
+        y = jnp.moveaxis(y, (0, -1), (2, -2))  # [K, S, n, H, dh]
+    elif x.dtype == jnp.bfloat16:
         y = jnp.einsum("npksuh,nuhe->pksnhe", _bf16_parts(lagged, axis=1), x, preferred_element_type=F32)
         y = jnp.sum(y, axis=0)  # [K, S, n, H, dh]
     else:

@@ -128,6 +128,22 @@ def test_reverse_t_form_matches_xla(case, n, t, tiles):
     _check(kernels, heads, segments, valid, n=n, t=t, d=d, tiles=tiles, form="reverse_t")
 
 
+@pytest.mark.parametrize("case,n,t,tiles", [PARAMS[2], PARAMS[3]])
+def test_all_heads_query_products_match_xla(monkeypatch, case, n, t, tiles):
+    """The wide form with the query gradient's products over all heads' channels at once
+    (``QUERY_GRADS_HEADS``): MHAR with 4 heads over 4 token tiles, two heads without conv."""
+    monkeypatch.setattr(fb, "DEFAULT_QUERY_GRADS_HEADS", "all_heads")
+    kernels, heads, segments, valid = case
+    _check(kernels, heads, segments, valid, n=n, t=t, d=16 if heads == 4 else 8, tiles=tiles)
+
+
+def test_query_grads_rejects_unknown_heads_form():
+    x = jnp.zeros((1, 1, 8, 8), jnp.float32)
+    with pytest.raises(ValueError, match="heads_form='diagonal': must be one of"):
+        fb._query_grads(x, None, jnp.zeros((1, 1, 1, 1, 8, 2)), None, None, stream_kernels=(0,), heads=2,
+                        heads_form="diagonal")
+
+
 def test_rejects_unknown_form():
     with pytest.raises(ValueError, match="form='diagonal': must be one of"):
         _check((0,), 1, False, (1,), n=1, t=4, d=8, form="diagonal")
@@ -168,17 +184,21 @@ def test_bf16_parts_sum_to_the_float32_value():
     assert np.any(np.asarray(parts[2], np.float32) != 0)  # the third term carries bits
 
 
-@pytest.mark.parametrize("kernels, heads", [((0, 4, 8, 12), 1), ((0, 3), 2)], ids=["msar", "conv3_heads2"])
-def test_query_grads_bf16_sources_exact(kernels, heads):
+@pytest.mark.parametrize("heads_form", fb.QUERY_GRADS_HEADS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("kernels, heads", [((0, 4, 8, 12), 1), ((0, 3), 2), ((0,), 4)],
+                         ids=["msar", "conv3_heads2", "mhar_heads4"])
+def test_query_grads_exact(kernels, heads, dtype, heads_form):
     """The query gradient's products over the tokens with bfloat16 sources (the model's dtype)
     run on bfloat16 inputs, the float32 ``DSR`` split into three bfloat16 terms: against the
     direct definition ``sum_{i,b,t} DSR E_r[x_i]`` in float64, float32 accuracy. ``DSR`` spans
     six orders of magnitude, so one bfloat16 term (8 bits, about 4e-3) would fail this; segments,
-    an invalid source (NaN rows, zero ``DSR``), T not a multiple of anything."""
+    an invalid source (NaN rows, zero ``DSR``), T not a multiple of anything. Also float32
+    sources, and both forms of the products with several heads (``QUERY_GRADS_HEADS``)."""
     n, b, t, d, s = 3, 2, 19, 16, 3
     m = len(kernels)
     rng = np.random.default_rng(7)
-    x = jnp.asarray(rng.standard_normal((n, b, t, d)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((n, b, t, d)), dtype)
     x = x.at[2].set(jnp.nan)  # the invalid source (an empty buffer slot): must not reach dq
     banks = jnp.asarray(0.4 * rng.standard_normal((n, sum(kernels), d)), jnp.float32)
     scale = 10.0 ** rng.uniform(-3, 3, (s, n, m, b, t, heads))
@@ -186,7 +206,8 @@ def test_query_grads_bf16_sources_exact(kernels, heads):
     valid = jnp.asarray([True, True, False])
     dsr = dsr * valid[None, :, None, None, None, None]
     seg = jnp.asarray([[0] * 5 + [1] * (t - 5), [0] * t], jnp.int32)
-    got = jax.jit(functools.partial(fb._query_grads, stream_kernels=kernels, heads=heads))(x, banks, dsr, seg, valid)
+    got = jax.jit(functools.partial(fb._query_grads, stream_kernels=kernels, heads=heads, heads_form=heads_form))(
+        x, banks, dsr, seg, valid)
     # the definition, in float64: E_r[x_i] expanded by the reference, then summed against DSR
     e = np.asarray(ref.expand(x, banks, kernels, seg), np.float64)  # [n, m, B, T, d]
     e = np.where(np.asarray(valid)[:, None, None, None, None, None], e.reshape(n, m, b, t, heads, d // heads), 0.0)
