@@ -12,7 +12,7 @@ bench (session 30, call 5) compiled the same temporaries for phase 1 at the issu
 Usage (needs JAX's CUDA plugin, ``msar_jax.aot``)::
 
     PYTHONPATH=.aot_site python experiments/mgpu/aot_reads.py [--configs msar,attnres,mhar]
-        [--p1_forms per_target,stacked] [--base_shape] [--xla] [--top 3]
+        [--p1_forms per_target,stacked] [--base_shape] [--xla] [--top 3] [--query_grads_heads all_heads]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from pallas_kernels.depth_attention import bench, platform, reference  # noqa: E402
+from pallas_kernels.depth_attention import bench, fused_bwd_phase1, platform, reference  # noqa: E402
 
 
 def compile_report(name: str, fn, args, top: int) -> dict:
@@ -65,7 +65,11 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--xla", action="store_true", help="also the plain-XLA reference (its phase 1 compiles slowly)")
     ap.add_argument("--top", type=int, default=3, help="values listed per allocation kind")
     ap.add_argument("--target", default="h200", help=f"one of {sorted(aot.GPU_TARGETS)}")
+    ap.add_argument("--query_grads_heads", default=None, choices=fused_bwd_phase1.QUERY_GRADS_HEADS,
+                    help="as the bench's flag: how phase 1's backward runs the query gradient's products")
     args = ap.parse_args(argv)
+    if args.query_grads_heads:  # read when the backward is traced
+        fused_bwd_phase1.DEFAULT_QUERY_GRADS_HEADS = args.query_grads_heads
     configs = args.configs.split(",")
     forms = args.p1_forms.split(",")
     if any(c not in bench.TABLE_CONFIGS for c in configs):
