@@ -590,6 +590,14 @@ def _plgpu_for(windows: str, interpret: bool):
     return _LanePlgpu(plgpu) if windows in ONE_WINDOW else plgpu
 
 
+def named_body(body, name: str):
+    """``body`` renamed ``name``: Pallas names a Mosaic GPU kernel after its body function (in
+    Nsight, ``<name>_mosaic_gpu_kernel``) and Mosaic GPU names its dumps after it
+    (``MOSAIC_GPU_DUMP_TO``: ``<name>_<k>.ptxas`` ...), where every kernel was ``body``."""
+    body.__name__ = body.__qualname__ = name
+    return body
+
+
 def _jitted_kernel(plgpu, body, out_type, scratch_types, *, name, batch, t_pad, interpret):
     """``body`` as a ``plgpu.kernel`` over (batch row, 64-token tile), one warpgroup each, jitted
     under the named scope ``name`` (the kernel's name in profiles); in Lane semantics when
@@ -597,7 +605,8 @@ def _jitted_kernel(plgpu, body, out_type, scratch_types, *, name, batch, t_pad, 
     params = {}
     if getattr(plgpu, "lane", False):
         params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
-    kernel = plgpu.kernel(body, out_type=out_type, scratch_types=scratch_types, grid=(batch, t_pad // BLOCK_T),
+    kernel = plgpu.kernel(named_body(body, name), out_type=out_type, scratch_types=scratch_types,
+                          grid=(batch, t_pad // BLOCK_T),
                           grid_names=("b", "t"), interpret=plgpu.InterpretGPUParams() if interpret else False,
                           **params)
 
@@ -1398,6 +1407,13 @@ def _scores_kernel(cfg: _ScoresConfig):
 # float32 state with the aligned windows (194 KB) and ran 5.18 against 5.60 ms with 2 at `base`
 # (session 18, call 4); with ``windows="per_lag"`` a float32 state needs ``n_slots=2``.
 MIX_SLOTS = 3
+# How the mixing pass finds the (chunk, stream, source) of the item it fetches next: "divide"
+# decodes the item's flat index (two integer divisions by the runtime count of valid sources,
+# about 80 SASS instructions per item, in the H200 compile read back on a CPU machine: session
+# 32); "carried" carries the next item's (chunk, stream, source) through the loops and steps it
+# by one per item (a few compares and selects). The items, their order and the sums are the same.
+ITEM_DECODES = ("divide", "carried")
+DEFAULT_MIX_ITEM_DECODE = "divide"
 # ``phase1_mix``'s channel chunks, first choice first (``choose_block_d``)
 MIX_BLOCK_D_CHOICES = (32,)
 
@@ -1414,7 +1430,7 @@ def mix_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x
 
 def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: int, out_dtype=F32,
                per_target: bool = False, block_d: int | None = None, n_slots: int | None = None,
-               windows: str | None = None, interpret: bool = False):
+               windows: str | None = None, item_decode: str | None = None, interpret: bool = False):
     """Phase 1's mixing pass (``fused.mix_call(mode="acc")``) as one Mosaic GPU kernel:
     ``acc[s, r] = sum_i p[s, i, r] E_r[x_i]`` (Eq. 11's weighted sum over the completed sources,
     before the merge with the partial), each source's stream ``E_r`` built in registers (Eq. 10)
@@ -1433,9 +1449,12 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
     ``n_slots``: None is ``MIX_SLOTS``. Returns ``acc[S, m, B, T, d]`` in ``out_dtype`` or, with
     ``per_target``, a list of ``S`` arrays ``[m, B, T, d]`` (each its own output of the kernel).
     ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
-    ``default_windows``)."""
+    ``default_windows``). ``item_decode``: ``ITEM_DECODES`` (None: ``DEFAULT_MIX_ITEM_DECODE``)."""
     n, batch, t_len, d = sources.shape
     n_slots, windows = n_slots or MIX_SLOTS, _Lags.of(1, windows or default_windows("mix")).kind
+    item_decode = item_decode or DEFAULT_MIX_ITEM_DECODE
+    if item_decode not in ITEM_DECODES:
+        raise ValueError(f"item_decode={item_decode!r}: must be one of {ITEM_DECODES}")
     n_targets, m = p.shape[0], p.shape[2]
     if p.shape[1] != n or p.shape[3] != batch or p.shape[4] < t_len or m != len(stream_kernels):
         raise ValueError(f"p {p.shape}: want [S, {n}, {len(stream_kernels)}, {batch}, >= {t_len}, H]")
@@ -1457,7 +1476,7 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
                                   heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
                                   has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                                   out_dtype=jnp.dtype(out_dtype), per_target=bool(per_target), n_slots=n_slots,
-                                  windows=windows, interpret=bool(interpret)))
+                                  windows=windows, item_decode=item_decode, interpret=bool(interpret)))
     out = call(*inputs)
     cut = lambda a: a[..., :t_len, :]  # noqa: E731
     return [cut(a) for a in out] if per_target else cut(out)
@@ -1482,6 +1501,7 @@ class _MixConfig(NamedTuple):
     per_target: bool
     n_slots: int
     windows: str
+    item_decode: str
     interpret: bool
 
 
@@ -1544,11 +1564,27 @@ def _mix_kernel(cfg: _MixConfig):
                 plgpu.copy_gmem_to_smem(bank_ref.at[i, pl.ds(off, kernel), cs], bss[r].at[slot], bars[r].at[slot])
             plgpu.copy_gmem_to_smem(p_ref.at[i, r, :, b, rows], ps.at[slot], bars[r].at[slot])
 
-        def fetch(f):
-            """Item ``f`` of the flat order (chunk, stream, valid source), if there is one."""
+        def decode(f):
+            """Item ``f`` of the flat order (chunk, stream, valid source) as ``(c, r, j)`` (with no
+            valid source nothing is fetched; the divisors are kept non-zero all the same)."""
+            live = jnp.maximum(n_live, 1)
+            return f // (m * live), lax.rem(f // live, m), lax.rem(f, live)
+
+        def step(item):
+            """The item after ``item = (c, r, j)`` in the flat order."""
+            c, r, j = item
+            j = j + 1
+            next_r = j == n_live
+            j, r = jnp.where(next_r, 0, j), jnp.where(next_r, r + 1, r)
+            next_c = r == m
+            return jnp.where(next_c, c + 1, c), jnp.where(next_c, 0, r), j
+
+        def fetch(f, item=None):
+            """Item ``f`` of the flat order, if there is one (``item``: its ``(c, r, j)``, else
+            decoded from ``f``)."""
             @pl.when(f < total)
             def _():
-                c, r, j = f // per_chunk, lax.rem(f // n_live, m), lax.rem(f, n_live)
+                c, r, j = decode(f) if item is None else item
                 i, slot = meta_s[j, 0], lax.rem(f, n_slots)
                 for rr in range(m):
                     pl.when(r == rr)(functools.partial(fetch_stream, rr, c, i, slot))
@@ -1558,23 +1594,31 @@ def _mix_kernel(cfg: _MixConfig):
 
         for k in range(n_slots):
             fetch(k)
+        carried = cfg.item_decode == "carried"
+        # the next item to fetch, carried through the loops ("carried"; a dummy 0 otherwise)
+        upcoming = decode(jnp.int32(n_slots)) if carried else 0
         zero = plgpu.layout_cast(jnp.zeros((bt, bd), F32), tile)
         for head in range(heads):
 
-            def chunk_body(c, carry, head=head):
+            def chunk_body(c, upcoming, head=head):
                 for r in range(m):
 
-                    def source_body(j, accs, r=r):
+                    def source_body(j, carry, r=r):
+                        accs, upcoming = carry
                         f = c * per_chunk + r * n_live + j
                         slot = lax.rem(f, n_slots)
                         plgpu.barrier_wait(bars[r].at[slot])
                         e = expand(r, slot)
                         accs = [accs[s] + _rows(plgpu.load(ps, (slot, s * heads + head), layout=row), bt, bd) * e
                                 for s in range(n_targets)]
-                        fetch(f + n_slots)
-                        return accs
+                        if carried:
+                            fetch(f + n_slots, upcoming)
+                            upcoming = step(upcoming)
+                        else:
+                            fetch(f + n_slots)
+                        return accs, upcoming
 
-                    accs = lax.fori_loop(0, n_live, source_body, [zero] * n_targets)
+                    accs, upcoming = lax.fori_loop(0, n_live, source_body, ([zero] * n_targets, upcoming))
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores have read the staging
                     for s in range(n_targets):
                         out_s[s] = accs[s].astype(out_s.dtype)
@@ -1584,9 +1628,9 @@ def _mix_kernel(cfg: _MixConfig):
                     cs = pl.ds(c * bd, bd)
                     _store_group(plgpu, ((out_s.at[s], outs[s].at[r, b, rows, cs] if cfg.per_target
                                           else outs[0].at[s, r, b, rows, cs]) for s in range(n_targets)))
-                return carry
+                return upcoming
 
-            lax.fori_loop(head * nch, (head + 1) * nch, chunk_body, 0)
+            upcoming = lax.fori_loop(head * nch, (head + 1) * nch, chunk_body, upcoming)
         plgpu.wait_smem_to_gmem(0)
 
     if cfg.per_target:
@@ -2012,8 +2056,8 @@ def _inputs_kernel(cfg: _InputsConfig):
     params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
     if n_wg > 1:
         params.update(num_threads=n_wg, thread_name="wg")
-    kernel = plgpu.kernel(body, out_type=out_type, scratch_types=[scratch[k] for k in names],
-                          grid=(batch // rows_per_program, nc),
+    kernel = plgpu.kernel(named_body(body, "depth_attention_phase2_bwd_inputs_mosaic"), out_type=out_type,
+                          scratch_types=[scratch[k] for k in names], grid=(batch // rows_per_program, nc),
                           grid_names=("b", "c"), interpret=plgpu.InterpretGPUParams() if cfg.interpret else False,
                           **params)
 

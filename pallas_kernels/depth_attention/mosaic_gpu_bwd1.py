@@ -37,7 +37,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu import (
-    BLOCK_T, F32, MAX_LAG_BITS, _cols, _expand_item, _jitted_kernel, _Lags, _lag_masks_of, _LanePlgpu, _pad_rows4,
+    BLOCK_T, F32, ITEM_DECODES, MAX_LAG_BITS, _cols, _expand_item, _jitted_kernel, _Lags, _lag_masks_of, _LanePlgpu,
+    _pad_rows4, named_body,
     _plgpu_for, _rows, _rows4, _shape, _store_group, _tile_smem, _valid_first, _window_elems, default_windows,
     lag_bits,
 )
@@ -64,6 +65,10 @@ GA_REGISTERS = True
 # per call against the defaults above (`base`: 0.843 -> 0.665, 1.159 -> 0.895). With a float32 g_A
 # 64-channel chunks were 1.4-2.5x slower (session 29, call 5).
 SINGLE_STREAM_BF16_GA = {"gdots": (2, 1, False, 64), "dstreams": (2, 1, False, 64)}
+# How both kernels find the (group, source) of the item they fetch next (``mosaic_gpu.ITEM_DECODES``:
+# "divide" decodes its flat index, one integer division by the runtime count of valid sources per
+# item; "carried" steps it through the loops). Read when a kernel is traced.
+DEFAULT_ITEM_DECODE = "divide"
 
 
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, n_targets: int,
@@ -159,6 +164,8 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
         n_slots, group_slots, ga_registers, block_d = single
     n_slots, windows = n_slots or SLOTS[mode], _Lags.of(1, windows or default_windows(mode)).kind
     group_slots = group_slots or GROUP_SLOTS[mode]
+    if DEFAULT_ITEM_DECODE not in ITEM_DECODES:
+        raise ValueError(f"mosaic_gpu_bwd1.DEFAULT_ITEM_DECODE={DEFAULT_ITEM_DECODE!r}: must be one of {ITEM_DECODES}")
     if group_slots not in (1, 2) or n_slots < 1:
         raise ValueError(f"mosaic_gpu_bwd1.phase1_{mode}: group_slots={group_slots} must be 1 or 2, "
                          f"n_slots={n_slots} at least 1")
@@ -185,7 +192,7 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
                            has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                            acc_dtype=jnp.dtype(acc_dtype), out_dtype=jnp.dtype(out_dtype), n_slots=n_slots,
                            group_slots=group_slots, ga_registers=ga_registers, windows=windows,
-                           interpret=bool(interpret)))
+                           item_decode=DEFAULT_ITEM_DECODE, interpret=bool(interpret)))
     out = call(*inputs)
     if mode == "gdots":  # [n, m H S, B, Tp] -> [S, n, m, B, T, H]
         out = out.reshape(n, m, heads, n_targets, batch, t_pad).transpose(3, 0, 1, 4, 5, 2)
@@ -215,6 +222,7 @@ class _Config(NamedTuple):
     group_slots: int
     ga_registers: bool
     windows: str
+    item_decode: str
     interpret: bool
 
 
@@ -305,11 +313,19 @@ def _kernel(cfg: _Config):
                 plgpu.copy_gmem_to_smem(rows_ref.at[i, r, pl.ds(head * n_rows, n_rows), b, rows], rs.at[slot],
                                         bars[r].at[slot])
 
-        def fetch(f):
-            """Item ``f`` of the flat order (group, valid source), if there is one."""
+        def step(item):
+            """The item after ``item = (g, j)`` in the flat order (group, valid source)."""
+            g, j = item
+            j = j + 1
+            next_g = j == n_live
+            return jnp.where(next_g, g + 1, g), jnp.where(next_g, 0, j)
+
+        def fetch(f, item=None):
+            """Item ``f`` of the flat order (group, valid source), if there is one (``item``: its
+            ``(g, j)``, else decoded from ``f``)."""
             @pl.when(f < total)
             def _():
-                g, j = f // n_live, lax.rem(f, n_live)
+                g, j = (f // n_live, lax.rem(f, n_live)) if item is None else item
                 head, r, c = group_of(g)
                 i, slot = meta_s[j, 0], lax.rem(f, n_slots)
                 for rr in range(m):
@@ -322,6 +338,11 @@ def _kernel(cfg: _Config):
             fetch(k)
         for g in range(n_gslots):
             fetch_group(g)
+        carried = cfg.item_decode == "carried"
+        # the next item to fetch, carried through the loops ("carried"; a dummy 0 otherwise)
+        # (with no valid source nothing is fetched; the divisor is kept non-zero all the same)
+        upcoming = (jnp.int32(n_slots) // jnp.maximum(n_live, 1), lax.rem(jnp.int32(n_slots), jnp.maximum(n_live, 1))
+                    ) if carried else 0
         zero_row = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
         for head in range(heads):
             for r in range(m):
@@ -332,7 +353,7 @@ def _kernel(cfg: _Config):
                             dots_s[i, s] = zero_row
                     plgpu.commit_smem()
 
-                def chunk_body(cc, carry, head=head, r=r):
+                def chunk_body(cc, upcoming, head=head, r=r):
                     g = (head * m + r) * nch + cc
                     gslot, cs = lax.rem(g, n_gslots), pl.ds((head * nch + cc) * bd, bd)
 
@@ -347,7 +368,7 @@ def _kernel(cfg: _Config):
                         held = [ga_tile(s) for s in range(n_targets)]
                         ga_tile = held.__getitem__  # noqa: F811
 
-                    def source_body(j, carry):
+                    def source_body(j, upcoming):
                         f = g * n_live + j
                         slot = lax.rem(f, n_slots)
                         plgpu.barrier_wait(bars[r].at[slot])
@@ -371,16 +392,20 @@ def _kernel(cfg: _Config):
                             out_s[oslot] = de.astype(out_s.dtype)
                             plgpu.commit_smem()
                             plgpu.copy_smem_to_gmem(out_s.at[oslot], out_ref.at[i, r, b, rows, cs])
-                        fetch(f + n_slots)
-                        return carry
+                        if carried:
+                            fetch(f + n_slots, upcoming)
+                            upcoming = step(upcoming)
+                        else:
+                            fetch(f + n_slots)
+                        return upcoming
 
-                    lax.fori_loop(0, n_live, source_body, 0)
+                    upcoming = lax.fori_loop(0, n_live, source_body, upcoming)
                     # every thread is done with this group's g_A slot (and, for gdots, its sums)
                     plgpu.commit_smem()
                     fetch_group(g + n_gslots)
-                    return carry
+                    return upcoming
 
-                lax.fori_loop(0, nch, chunk_body, 0)
+                upcoming = lax.fori_loop(0, nch, chunk_body, upcoming)
                 if gdots:
                     _store_group(plgpu, ((dots_s.at[i], out_ref.at[i, pl.ds((r * heads + head) * n_targets, n_targets),
                                                                    b, rows]) for i in range(n)))
@@ -618,7 +643,8 @@ def _transpose_kernel(cfg: _TransposeConfig):
     out_type = (jax.ShapeDtypeStruct((n, batch, t_pad, d), cfg.out_dtype),
                 jax.ShapeDtypeStruct((n, batch, cfg.n_tap_rows, d), F32))
     params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
-    kernel = plgpu.kernel(body, out_type=out_type, scratch_types=[scratch[k] for k in names],
+    kernel = plgpu.kernel(named_body(body, "depth_attention_expansion_transpose_mosaic"),
+                          out_type=out_type, scratch_types=[scratch[k] for k in names],
                           grid=(batch, d // bd), grid_names=("b", "c"),
                           interpret=plgpu.InterpretGPUParams() if cfg.interpret else False, **params)
 

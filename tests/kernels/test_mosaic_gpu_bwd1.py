@@ -102,6 +102,28 @@ def test_interpreted_kernels_match_the_pallas_passes(case):
         assert not np.any(np.asarray(got_gd[:, ~live]))
 
 
+@pytest.mark.parametrize("valid", [(True, False, False), (True, True, True), (False, False, False)],
+                         ids=["one_valid", "all_valid", "none_valid"])
+def test_item_decodes_agree(monkeypatch, valid):
+    """Both kernels with the next item carried through their loops write bitwise what they write
+    decoding it from its flat index (``DEFAULT_ITEM_DECODE``): one valid source (every refill
+    crosses a group), two heads over two channel chunks each, segments."""
+    args = _inputs(3, 1, 70, 128, 2, 2, valid, 30, jnp.bfloat16, jnp.float32, True)
+
+    def run(decode):
+        monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_ITEM_DECODE", decode)
+        return [np.asarray(a) for a in _mosaic(args, 2)]
+
+    (want_gd, want_de), (got_gd, got_de) = run("divide"), run("carried")
+    live = _live(args[-1], 3)
+    np.testing.assert_array_equal(got_gd, want_gd)
+    np.testing.assert_array_equal(got_de[live], want_de[live])  # the ruled-out sources' dE is not written
+    assert np.any(want_gd) == any(valid)
+    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_ITEM_DECODE", "guess")
+    with pytest.raises(ValueError, match="DEFAULT_ITEM_DECODE='guess': must be one of"):
+        _mosaic(args, 2)
+
+
 @pytest.mark.slow
 def test_segments_matter():
     """The conv restarts at a segment start inside the kernels: dropping the ids changes both
@@ -216,6 +238,23 @@ def test_kernels_lower_for_sm90(mode, t_len, segments, group_slots):
                    jnp.float32, True)
     sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
     kw = dict(stream_kernels=KERNELS, heads=1, group_slots=group_slots)
+    if mode == "gdots":
+        fn, inputs = (lambda *a: mosaic_gpu_bwd1.phase1_gdots(*a, **kw)), (sources, banks, g_acc, seg, valid)
+    else:
+        fn = lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, out_dtype=jnp.bfloat16, **kw)  # noqa: E731
+        inputs = (sources, banks, queries, g_acc, p, dsr, w, seg, valid)
+    text = jax.jit(fn).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu_v2") == 1
+
+
+@pytest.mark.parametrize("mode", mosaic_gpu_bwd1.MODES)
+def test_carried_item_decode_lowers_for_sm90(monkeypatch, mode):
+    """The kernels with the next item carried through their loops lower for the H200 (session
+    32 also compiled them for sm_90a, ptxas included: ``experiments/mgpu/sass_stats.py``)."""
+    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_ITEM_DECODE", "carried")
+    args = _inputs(3, 2, 200, 64, 2, 1, (True, True, False), 30, jnp.bfloat16, jnp.float32, True)
+    sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
+    kw = dict(stream_kernels=KERNELS, heads=1)
     if mode == "gdots":
         fn, inputs = (lambda *a: mosaic_gpu_bwd1.phase1_gdots(*a, **kw)), (sources, banks, g_acc, seg, valid)
     else:

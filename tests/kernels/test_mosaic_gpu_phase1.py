@@ -158,6 +158,42 @@ def test_mix_store_groups_agree(monkeypatch, valid):
         assert not np.any(want)
 
 
+@pytest.mark.parametrize("valid, slots", [((True, False, False), 3), ((True, False, True), 2),
+                                          ((True, True, True), 3), ((False, False, False), 3)],
+                         ids=["one_valid_3_slots", "two_valid_2_slots", "all_valid", "none_valid"])
+def test_mix_item_decodes_agree(valid, slots):
+    """The next item found by carrying its (chunk, stream, source) through the loops writes bitwise
+    the states of decoding it from its flat index (``ITEM_DECODES``): one valid source (each slot
+    refill steps over a whole stream), several channel chunks and two heads, a ragged end."""
+    n, batch, t_len, d, n_targets, heads = 3, 1, 70, 128, 3, 2
+    sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
+    p = jax.random.uniform(jax.random.key(7), (n_targets, n, len(KERNELS), batch, t_len, heads), minval=0.1)
+    p = p * jnp.asarray(valid)[None, :, None, None, None, None]
+
+    def run(decode):
+        return np.asarray(mosaic_gpu.phase1_mix(sources, banks, p, _segments(batch, t_len, 37), jnp.asarray(valid),
+                                                stream_kernels=KERNELS, heads=heads, n_slots=slots,
+                                                item_decode=decode, interpret=True))
+
+    want = run("divide")
+    np.testing.assert_array_equal(run("carried"), want)
+    assert np.any(want) == any(valid)
+    with pytest.raises(ValueError, match="item_decode='guess': must be one of"):
+        run("guess")
+
+
+@pytest.mark.parametrize("decode", mosaic_gpu.ITEM_DECODES)
+def test_mix_lowers_for_sm90(decode):
+    """The compiled mixing pass lowers for the H200 with either item decode."""
+    sources, banks, _ = _phase1_inputs(3, 2, 200, 64, 2, KERNELS, dtype=jnp.bfloat16)
+    p = jnp.ones((2, 3, len(KERNELS), 2, 200, 1))
+    fn = lambda x, b, w, v: mosaic_gpu.phase1_mix(x, b, w, _segments(2, 200, 30), v, stream_kernels=KERNELS,  # noqa: E731
+                                                  heads=1, per_target=True, item_decode=decode)
+    text = jax.jit(fn).trace(sources, banks, p, jnp.asarray([True, False, True])).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu_v2") == 1
+
+
 def test_mix_errors():
     sources, banks, _ = _phase1_inputs(2, 1, 8, 32, 1, KERNELS)
     p = jnp.ones((1, 2, 4, 1, 8, 1))
