@@ -13,11 +13,14 @@ Usage (needs JAX's CUDA plugin, ``msar_jax.aot``)::
 
     PYTHONPATH=.aot_site python experiments/mgpu/aot_reads.py [--configs msar,attnres,mhar]
         [--p1_forms per_target,stacked] [--base_shape] [--xla] [--top 3] [--query_grads_heads all_heads]
+        [--set mosaic_gpu.DEFAULT_MIX_ITEM_DECODE=carried]
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -57,6 +60,26 @@ def compile_report(name: str, fn, args, top: int) -> dict:
     return {"name": name, "temp_gib": gib(mem.temp_size_in_bytes)}
 
 
+def set_constant(ap, item: str) -> None:
+    """``--set MODULE.NAME=VALUE``: an existing upper-case constant of a module of
+    ``pallas_kernels.depth_attention``."""
+    key, sep, text = item.partition("=")
+    module_name, _, name = key.rpartition(".")
+    if not sep or not module_name or not name.isupper():
+        ap.error(f"--set {item!r}: want MODULE.NAME=VALUE with NAME an upper-case constant")
+    try:
+        module = importlib.import_module(f"pallas_kernels.depth_attention.{module_name}")
+    except ImportError:
+        ap.error(f"--set {item!r}: no module pallas_kernels.depth_attention.{module_name}")
+    if not hasattr(module, name):
+        ap.error(f"--set {item!r}: {module_name} has no constant {name}")
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = text
+    setattr(module, name, value)
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="msar,attnres,mhar", help=f"rows of {sorted(bench.TABLE_CONFIGS)}")
@@ -67,9 +90,14 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--target", default="h200", help=f"one of {sorted(aot.GPU_TARGETS)}")
     ap.add_argument("--query_grads_heads", default=None, choices=fused_bwd_phase1.QUERY_GRADS_HEADS,
                     help="as the bench's flag: how phase 1's backward runs the query gradient's products")
+    ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a module constant of pallas_kernels.depth_attention before tracing, e.g. "
+                         "mosaic_gpu.DEFAULT_MIX_ITEM_DECODE=carried (repeatable; VALUE a Python literal or a string)")
     args = ap.parse_args(argv)
     if args.query_grads_heads:  # read when the backward is traced
         fused_bwd_phase1.DEFAULT_QUERY_GRADS_HEADS = args.query_grads_heads
+    for item in args.set:
+        set_constant(ap, item)
     configs = args.configs.split(",")
     forms = args.p1_forms.split(",")
     if any(c not in bench.TABLE_CONFIGS for c in configs):
