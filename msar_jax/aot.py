@@ -5,9 +5,11 @@ and the topology names the device: ``gpu_devices("h200")`` returns a device of a
 built from ``GPU_TARGETS["h200"]`` (XLA's ``GpuTargetConfig`` text: the device's properties, which
 XLA reads in place of asking a driver). ``jax.jit(f).lower(ShapeDtypeStructs on that device)
 .compile()`` then runs XLA:GPU's whole pipeline on the CPU: fusion, scheduling, buffer assignment
-(so ``memory_analysis()`` is the device's), and Triton kernels compiled to sm_90a. Mosaic GPU
-kernels compile when a program is loaded on a device, not here. The plugin is not a project
-dependency (about 4 GB with its CUDA libraries; the device image's jax uses CUDA 13)::
+(so ``memory_analysis()`` is the device's), the Triton kernels compiled to sm_90a, and each
+Mosaic GPU kernel compiled too (XLA instantiates its custom call for the target's compute
+capability: Mosaic GPU's pipeline and ptxas run, and ``MOSAIC_GPU_DUMP_*`` dumps work; see
+``experiments/mgpu/sass_stats.py``). Nothing runs. The plugin is not a project dependency (about
+4 GB with its CUDA libraries; the device image's jax uses CUDA 13)::
 
     python -m pip install --target .aot_site 'jax-cuda13-plugin[with-cuda]==0.11.2'
     PYTHONPATH=.aot_site python -m msar_jax.compile_check --config=configs/msar.py:size=base \\

@@ -4,9 +4,9 @@ once, directly, in this order: the scoring pass (``mosaic_gpu.phase1_scores``), 
 writing a float32 state and then a bf16 one (``mosaic_gpu.phase1_mix``, one output per target as
 the model calls it), the backward's value dots and stream cotangents
 (``mosaic_gpu_bwd1.phase1_gdots``, ``phase1_dstreams``, float32 ``g_A``) and the expansion's
-transpose (``mosaic_gpu_bwd1.sources_transpose``). Every Mosaic GPU kernel is named
-``body_mosaic_gpu_kernel``, so the launch order tells them apart. Meant to run under Nsight
-Compute, as ``ncu_phase2.py`` says::
+transpose (``mosaic_gpu_bwd1.sources_transpose``). Each Mosaic GPU kernel is named after its op
+(``<op>_mosaic_gpu_kernel``, ``mosaic_gpu.named_body``; ``body_mosaic_gpu_kernel`` for all before
+session 32, told apart by launch order). Meant to run under Nsight Compute, as ``ncu_phase2.py`` says::
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:mosaic_gpu \\
         --section SpeedOfLight --section Occupancy --section LaunchStats \\

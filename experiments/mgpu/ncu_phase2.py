@@ -4,8 +4,8 @@ kernels (0, 4, 8, 12), gate, float32 state), launched once each in this order: t
 (``mosaic_gpu.phase2_backward_state``) and its input kernel
 (``mosaic_gpu.phase2_backward_inputs``). Meant to run under Nsight Compute, which reads the
 hardware counters the timings cannot (occupancy, stall reasons, shared-memory bank conflicts,
-memory throughput); every Mosaic GPU kernel is named ``body_mosaic_gpu_kernel``, so the three
-are told apart by their launch order::
+memory throughput); each Mosaic GPU kernel is named after its op (``<op>_mosaic_gpu_kernel``;
+``body_mosaic_gpu_kernel`` for all before session 32, told apart by launch order)::
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:mosaic_gpu \\
         --section SpeedOfLight --section Occupancy --section LaunchStats \\
