@@ -9,8 +9,9 @@ in ``DIR``; kernels are named after their Pallas body (``mosaic_gpu.named_body``
 them back: per kernel the registers and spill bytes, the SASS instructions in all and by kind,
 and its innermost loops (the code between a backward branch and its target, holding no other
 loop), each with its instruction mix: the work per pipeline item, where the kernels spend their
-issue slots. Static counts, not a profile: a loop's share of the time also depends on how often
-it runs and on what it waits for.
+issue slots. Static counts, not a profile: a loop's instructions include branches that do not
+run on every pass (the mix's loops hold the next item's fetch once per stream, one of which runs),
+and a loop's share of the time also depends on how often it runs and on what it waits for.
 
 Usage (needs JAX's CUDA plugin, ``msar_jax.aot``, and nvdisasm)::
 
