@@ -102,7 +102,8 @@ def test_interpreted_kernels_match_the_pallas_passes(case):
         assert not np.any(np.asarray(got_gd[:, ~live]))
 
 
-@pytest.mark.parametrize("valid", [(True, False, False), (True, True, True), (False, False, False)],
+@pytest.mark.parametrize("valid", [(True, False, False), pytest.param((True, True, True), marks=pytest.mark.slow),
+                                   pytest.param((False, False, False), marks=pytest.mark.slow)],
                          ids=["one_valid", "all_valid", "none_valid"])
 def test_item_decodes_agree(monkeypatch, valid):
     """Both kernels with the next item carried through their loops write bitwise what they write

@@ -159,7 +159,8 @@ def test_mix_store_groups_agree(monkeypatch, valid):
 
 
 @pytest.mark.parametrize("valid, slots", [((True, False, False), 3), ((True, False, True), 2),
-                                          ((True, True, True), 3), ((False, False, False), 3)],
+                                          pytest.param((True, True, True), 3, marks=pytest.mark.slow),
+                                          pytest.param((False, False, False), 3, marks=pytest.mark.slow)],
                          ids=["one_valid_3_slots", "two_valid_2_slots", "all_valid", "none_valid"])
 def test_mix_item_decodes_agree(valid, slots):
     """The next item found by carrying its (chunk, stream, source) through the loops writes bitwise
