@@ -17,6 +17,8 @@ Usage (needs JAX's CUDA plugin, ``msar_jax.aot``, and nvdisasm)::
 
     PYTHONPATH=.aot_site python experiments/mgpu/sass_stats.py --compile "--configs msar --p1_forms per_target"
     python experiments/mgpu/sass_stats.py --dump DIR          # a dump written before
+    PYTHONPATH=.aot_site python experiments/mgpu/sass_stats.py --compile "--configs msar" \\
+        --against "--configs msar --set mosaic_gpu.DEFAULT_UPCAST=bits"   # two variants, side by side
 """
 
 from __future__ import annotations
@@ -157,6 +159,40 @@ def report(kernels: list[KernelStats], loops_per_kernel: int = 6, top_opcodes: i
     return "\n".join(lines)
 
 
+def _base_name(name: str) -> str:
+    """A dump's kernel name without Mosaic GPU's running number (``mix_mosaic_1`` -> ``mix_mosaic``)."""
+    return re.sub(r"_\d+$", "", name)
+
+
+def compare(before: list[KernelStats], after: list[KernelStats], loops_per_kernel: int = 6) -> str:
+    """``before`` against ``after``, kernel by kernel (paired in dump order within each name) and,
+    in each, loop by loop from the largest down: instructions, registers and spills, and the
+    change in per cent. A static count: where the loops are the kernel's work per pipeline item,
+    the share that an issue-bound kernel can lose."""
+    lines, groups = [], collections.defaultdict(list)
+    for k in after:
+        groups[_base_name(k.name)].append(k)
+    pct = lambda a, b: f"{100.0 * (b - a) / a:+.1f}%" if a else "n/a"  # noqa: E731
+    for k in before:
+        mates = groups.get(_base_name(k.name))
+        if not mates:
+            lines.append(f"{k.name}: not in the second compile")
+            continue
+        other = mates.pop(0)
+        lines.append(f"{k.name} -> {other.name}: {len(k.instrs)} -> {len(other.instrs)} instructions "
+                     f"({pct(len(k.instrs), len(other.instrs))}), registers {k.registers} -> {other.registers}, "
+                     f"spills {k.spill_stores}/{k.spill_loads} -> {other.spill_stores}/{other.spill_loads} B")
+        big = lambda ks: sorted(ks.loops, key=lambda lp: -len(lp.instrs))[:loops_per_kernel]  # noqa: E731
+        for a, b in zip(big(k), big(other)):
+            if max(len(a.instrs), len(b.instrs)) < 16:  # barrier spins, not work
+                continue
+            lines.append(f"    loop {len(a.instrs):5d} -> {len(b.instrs):5d} ({pct(len(a.instrs), len(b.instrs))})  "
+                         f"[{_mix(a.kinds())}] -> [{_mix(b.kinds())}]")
+    for name, rest in groups.items():
+        lines.extend(f"{k.name}: not in the first compile" for k in rest)
+    return "\n".join(lines)
+
+
 def compile_and_dump(aot_reads_args: str, dump_dir: str) -> None:
     """Run ``aot_reads.py`` with Mosaic GPU's dumps into ``dump_dir`` (a subprocess: the dump
     variables are read when a kernel is compiled, but the process must also find nvdisasm)."""
@@ -171,23 +207,33 @@ def compile_and_dump(aot_reads_args: str, dump_dir: str) -> None:
               "its bin/ on PATH)", file=sys.stderr)
 
 
+def _kernels(args_or_dir: str, compiled: bool) -> list[KernelStats]:
+    if compiled:
+        with tempfile.TemporaryDirectory(prefix="mosaic_dump_") as dump_dir:
+            compile_and_dump(args_or_dir, dump_dir)
+            kernels = read_dump(dump_dir)
+    else:
+        kernels = read_dump(args_or_dir)
+    if not kernels:
+        raise SystemExit("no <kernel>.ptxas files: were MOSAIC_GPU_DUMP_TO and MOSAIC_GPU_DUMP_PTXAS set?")
+    return kernels
+
+
 def main(argv=None) -> list[KernelStats]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dump", help="a MOSAIC_GPU_DUMP_TO folder written before")
     ap.add_argument("--compile", help="arguments for aot_reads.py: compile those reads now and read their dump")
+    ap.add_argument("--against", help="a second compile (aot_reads.py arguments with --compile, a dump folder "
+                    "with --dump) to compare with the first, kernel by kernel and loop by loop")
     ap.add_argument("--loops", type=int, default=6, help="innermost loops listed per kernel, largest first")
     args = ap.parse_args(argv)
     if bool(args.dump) == bool(args.compile):
         ap.error("give exactly one of --dump DIR and --compile ARGS")
-    if args.compile:
-        with tempfile.TemporaryDirectory(prefix="mosaic_dump_") as dump_dir:
-            compile_and_dump(args.compile, dump_dir)
-            kernels = read_dump(dump_dir)
-    else:
-        kernels = read_dump(args.dump)
-    if not kernels:
-        raise SystemExit("no <kernel>.ptxas files: were MOSAIC_GPU_DUMP_TO and MOSAIC_GPU_DUMP_PTXAS set?")
-    print(report(kernels, args.loops))
+    kernels = _kernels(args.compile or args.dump, bool(args.compile))
+    if args.against is None:
+        print(report(kernels, args.loops))
+        return kernels
+    print(compare(kernels, _kernels(args.against, bool(args.compile)), args.loops))
     return kernels
 
 

@@ -75,3 +75,24 @@ def test_main_needs_one_source(tmp_path):
         ss.main([])
     with pytest.raises(SystemExit, match="no <kernel>.ptxas"):
         ss.main(["--dump", str(tmp_path)])
+
+
+def test_compare_two_dumps(tmp_path, capsys):
+    """``--against``: kernels paired by name without Mosaic GPU's running number, loops by size;
+    a kernel only one side has is named, not dropped."""
+    longer = SASS.replace("   -:-:-:Y:01        /*0040*/                   PRMT R6, R8, 0x7632, R6 ;\n",
+                          "".join(f"   -:-:-:Y:01        /*{0x40 + k:04x}*/                   FFMA R9, R6, R7, R9 ;\n"
+                                  for k in range(20)))
+    assert longer != SASS
+    for name, sass, ptxas in (("a", SASS, PTXAS), ("b", longer, PTXAS.replace("Used 255", "Used 240"))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "depth_attention_mix_mosaic_1.ptxas").write_text(ptxas)
+        (tmp_path / name / "depth_attention_mix_mosaic_1.sass_ctrl").write_text(sass)
+    (tmp_path / "b" / "extra_kernel_2.ptxas").write_text("ptxas info    : Used 96 registers\n")
+    ss.main(["--dump", str(tmp_path / "a"), "--against", str(tmp_path / "b")])
+    text = capsys.readouterr().out
+    assert "depth_attention_mix_mosaic_1 -> depth_attention_mix_mosaic_1: 15 -> 34 instructions (+126.7%), " \
+           "registers 255 -> 240, spills 196/100 -> 196/100 B" in text
+    assert "    loop     5 ->    24 (+380.0%)  [fp32 2 convert 1 smem 1 control 1] -> [fp32 22 smem 1 control 1]" in text
+    assert "loop     2 ->     2" not in text  # loops under 16 instructions on both sides are barrier spins
+    assert "extra_kernel_2: not in the first compile" in text
