@@ -266,10 +266,15 @@ STATE_BOXES = ("per_stream", "one")
 DEFAULT_STATE_BOXES = "one"
 
 
+def _checked_default(name: str, value: str, choices: tuple) -> str:
+    """A module default, ``value`` of ``mosaic_gpu.<name>``, if it is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"mosaic_gpu.{name}={value!r}: must be one of {choices}")
+    return value
+
+
 def _state_boxes() -> str:
-    if DEFAULT_STATE_BOXES not in STATE_BOXES:
-        raise ValueError(f"mosaic_gpu.DEFAULT_STATE_BOXES={DEFAULT_STATE_BOXES!r}: must be one of {STATE_BOXES}")
-    return DEFAULT_STATE_BOXES
+    return _checked_default("DEFAULT_STATE_BOXES", DEFAULT_STATE_BOXES, STATE_BOXES)
 
 
 def _state_copies(m: int, state_boxes: str) -> int:
@@ -356,9 +361,7 @@ DEFAULT_UPCAST = "extf"
 
 
 def default_upcast() -> str:
-    if DEFAULT_UPCAST not in UPCASTS:
-        raise ValueError(f"mosaic_gpu.DEFAULT_UPCAST={DEFAULT_UPCAST!r}: must be one of {UPCASTS}")
-    return DEFAULT_UPCAST
+    return _checked_default("DEFAULT_UPCAST", DEFAULT_UPCAST, UPCASTS)
 
 
 def upcast(plgpu, x):
