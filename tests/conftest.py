@@ -17,6 +17,15 @@ os.environ["MSAR_TEST_XLA_FLAGS"] = FAST_XLA_FLAGS
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '--xla_force_host_platform_device_count=8')} {FAST_XLA_FLAGS}"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jax  # noqa: E402
+
+# Synchronous dispatch on the CPU (read when the CPU client is made, so before any test runs).
+# Pallas' GPU interpreter runs each kernel's barriers and copies as Python callbacks that
+# dispatch JAX ops of their own; with asynchronous dispatch the test's thread can queue its next
+# ops while an interpreted kernel is still running, and the slow suite once hung that way: the
+# kernel's callback (``wait_smem_to_gmem``) and the test's next eager op each waiting in XLA
+# (session 33, ``test_item_decodes_agree``). The tests time nothing, so nothing is lost.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 import pytest  # noqa: E402
 
