@@ -18,7 +18,7 @@ Usage (needs JAX's CUDA plugin, ``msar_jax.aot``, and nvdisasm)::
     PYTHONPATH=.aot_site python experiments/mgpu/sass_stats.py --compile "--configs msar --p1_forms per_target"
     python experiments/mgpu/sass_stats.py --dump DIR          # a dump written before
     PYTHONPATH=.aot_site python experiments/mgpu/sass_stats.py --compile "--configs msar" \\
-        --against "--configs msar --set mosaic_gpu.DEFAULT_UPCAST=bits"   # two variants, side by side
+        --against "--configs msar --set mosaic_gpu.DEFAULT_MIX_ITEM_DECODE=carried"   # two variants, side by side
 """
 
 from __future__ import annotations

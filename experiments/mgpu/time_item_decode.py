@@ -1,20 +1,19 @@
 """Phase 1's Mosaic GPU mixing pass, ``gdots`` and ``dstreams`` with the next pipeline item decoded
-from its flat index (``"divide"``, the default) against carried through the loops (``"carried"``;
-``mosaic_gpu.ITEM_DECODES``, session 32), and then with bf16 tiles widened in place (``"bits"``,
-``mosaic_gpu.UPCASTS``, session 33: a third fewer conversion instructions, 2-10% of each loop).
+from its flat index (``"divide"``; the mix's default) against carried through the loops (``"carried"``;
+``gdots``' and ``dstreams``' default since session 33;
+``mosaic_gpu.ITEM_DECODES``, session 32).
 
 The deviceless H200 compile of session 32 (``sass_stats.py``) counted the instructions of each
 kernel's per-item loops: decoding the next item's (chunk, stream, source) costs the mix two
 integer divisions by the runtime count of valid sources per item (about 70 of its 371-930
 instructions per item, by stream), ``gdots`` and ``dstreams`` one (about 24-36). The same items
-in the same order, and the same widened bits: the outputs must agree to the bit (checked). Shapes: `base`'s last block
+in the same order: the outputs must agree to the bit (checked). Shapes: `base`'s last block
 (B x T = 64 x 1024, d = 1024, S = 8, 7 stacked sources of which 4 are valid) and the issue's
 (8 x 2048, d = 2048, S = 8, all 9 sources); MSAR's kernels (0, 4, 8, 12), one head, bf16 sources,
 float32 state and ``g_A`` (one array per target). Median of 21 timings of 3 calls each after
 warm-up (``bench.timeit``). Run on the GPU: ``python experiments/mgpu/time_item_decode.py
 [--base-only]``.
 """
-import functools
 import sys
 import traceback
 
@@ -29,41 +28,29 @@ assert KERNELS == (0, 4, 8, 12), "MSAR's streams (time_phase1_scores reads --att
 SHAPES = (("base", (7, 4, 64, 1024, 1024, 8)), ("issue", (9, 9, 8, 2048, 2048, 8)))
 
 
-# (item decode, upcast), timed in this order; ratios against the first
-VARIANTS = (("divide", "extf"), ("carried", "extf"), ("carried", "bits"))
-
-
 def _ops(n_live):
-    """``{name: fn((decode, upcast)) -> f(x, banks, q, p, g_acc, dsr, w, valid)}`` (the first
-    ``n_live`` sources valid). The module defaults are read when a kernel is traced: inside the
-    jitted function's trace."""
-    def variant(fn):
-        def make(decode_upcast):
-            decode, how = decode_upcast
+    """``{name: fn(decode) -> f(x, banks, q, p, g_acc, dsr, w, valid)}`` (the first ``n_live``
+    sources valid)."""
+    def mix(decode):
+        def f(x, b, q, p, ga, dsr, w, v):
+            return mosaic_gpu.phase1_mix(x, b, p, None, v, stream_kernels=KERNELS, heads=1, per_target=True,
+                                         item_decode=decode)
+        return f
 
-            def f(*args):
-                old = mosaic_gpu_bwd1.DEFAULT_ITEM_DECODE, mosaic_gpu.DEFAULT_UPCAST
-                mosaic_gpu_bwd1.DEFAULT_ITEM_DECODE, mosaic_gpu.DEFAULT_UPCAST = decode, how
-                try:
-                    return fn(decode, *args)
-                finally:
-                    mosaic_gpu_bwd1.DEFAULT_ITEM_DECODE, mosaic_gpu.DEFAULT_UPCAST = old
-            return f
-        return make
+    def bwd1(decode, mode):
+        def f(x, b, q, p, ga, dsr, w, v):
+            old, mosaic_gpu_bwd1.DEFAULT_ITEM_DECODE = mosaic_gpu_bwd1.DEFAULT_ITEM_DECODE, decode
+            try:  # read when the kernel is traced: inside this jitted function's trace
+                if mode == "gdots":
+                    return mosaic_gpu_bwd1.phase1_gdots(x, b, ga, None, v, stream_kernels=KERNELS, heads=1)
+                out = mosaic_gpu_bwd1.phase1_dstreams(x, b, q, ga, p, dsr, w, None, v, stream_kernels=KERNELS,
+                                                      heads=1, out_dtype=jnp.bfloat16)
+                return out[:n_live]  # the ruled-out sources' rows are not written
+            finally:
+                mosaic_gpu_bwd1.DEFAULT_ITEM_DECODE = old
+        return f
 
-    def mix(decode, x, b, q, p, ga, dsr, w, v):
-        return mosaic_gpu.phase1_mix(x, b, p, None, v, stream_kernels=KERNELS, heads=1, per_target=True,
-                                     item_decode=decode)
-
-    def bwd1(mode, decode, x, b, q, p, ga, dsr, w, v):
-        if mode == "gdots":
-            return mosaic_gpu_bwd1.phase1_gdots(x, b, ga, None, v, stream_kernels=KERNELS, heads=1)
-        out = mosaic_gpu_bwd1.phase1_dstreams(x, b, q, ga, p, dsr, w, None, v, stream_kernels=KERNELS, heads=1,
-                                              out_dtype=jnp.bfloat16)
-        return out[:n_live]  # the ruled-out sources' rows are not written
-
-    return {"mix": variant(mix), "gdots": variant(functools.partial(bwd1, "gdots")),
-            "dstreams": variant(functools.partial(bwd1, "dstreams"))}
+    return {"mix": mix, "gdots": lambda dec: bwd1(dec, "gdots"), "dstreams": lambda dec: bwd1(dec, "dstreams")}
 
 
 def _flat(tree):
@@ -86,16 +73,16 @@ def main():
               flush=True)
         for op, make in _ops(n_live).items():
             want, base_ms = None, None
-            for decode, how in VARIANTS:
-                label = f"{op:8s} {decode:8s} {how:5s}"
+            for decode in mosaic_gpu.ITEM_DECODES:
+                label = f"{op:8s} {decode:8s}"
                 try:
-                    f = jax.jit(make((decode, how)))
+                    f = jax.jit(make(decode))
                     got = _flat(f(*args))
                     same = want is None or np.array_equal(got, want)
                     want = got if want is None else want
                     ms = bench.timeit(f, *args, reps=21, inner=3)[0] * 1e3
                     base_ms = base_ms or ms
-                    print(f"{label} {ms:8.3f} ms  {ms / base_ms:5.3f}x the first  same bits: {same}", flush=True)
+                    print(f"{label} {ms:8.3f} ms  {ms / base_ms:5.3f}x divide  same bits: {same}", flush=True)
                 except Exception:  # noqa: BLE001
                     print(f"{label} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
             del want

@@ -347,60 +347,6 @@ def _pipelined(plgpu, fetch, bar, nc, heads, per_chunk, carry, before_refill=Non
     return carry
 
 
-# How the Mosaic GPU kernels widen a bf16 tile to float32 (``upcast``). "extf": Mosaic GPU's
-# conversion, which LLVM emits per element from unpacked 16-bit halves; ptxas makes it three
-# instructions per pair of bf16 (a PRMT moves the high half down, then a shift back up for each):
-# about 1.5 per element, 10% of the mixing pass's largest loop (the H200 compile read back on a
-# CPU machine, session 33). "bits": each 32-bit register of two bf16 widened in place (a bf16's
-# float32 is its bits shifted up 16): the low half shifted up, the high half masked, two
-# instructions per pair. The same bits either way. "bits" runs Mosaic GPU code inline
-# (``plgpu.inline_mgpu``), which Pallas' interpreter does not run: interpreted kernels take
-# "extf". Read when an op is called (each kernel's config holds it).
-UPCASTS = ("extf", "bits")
-DEFAULT_UPCAST = "extf"
-
-
-def default_upcast() -> str:
-    return _checked_default("DEFAULT_UPCAST", DEFAULT_UPCAST, UPCASTS)
-
-
-def upcast(plgpu, x):
-    """``x`` (a register tile, WGMMA layout) as float32, in the form ``plgpu`` was built with
-    (``_LanePlgpu.widen``, ``UPCASTS``; Pallas' own module: "extf")."""
-    if x.dtype == jnp.bfloat16 and getattr(plgpu, "widen", "extf") == "bits":
-        return _bits_upcast(plgpu, x)
-    return x.astype(F32)
-
-
-def _bits_upcast(plgpu, x):
-    """``upcast``'s "bits" form: Mosaic GPU code on ``x``'s registers (each a vector of bf16, packed
-    two to a 32-bit register)."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, vector
-    from jax.experimental import mosaic
-
-    mgpu = mosaic.gpu
-    layout = plgpu.Layout.WGMMA
-
-    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(x.shape, F32, layout=layout))
-    def widen(ctx, tile):
-        del ctx
-        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
-        regs = tile.registers.copy()
-        for idx, reg in __import__("numpy").ndenumerate(tile.registers):
-            [n] = ir.VectorType(reg.type).shape
-            words = vector.bitcast(ir.VectorType.get((n // 2,), i32), reg)
-            splat = lambda v: vector.broadcast(ir.VectorType.get((n // 2,), i32), mgpu.utils.c(v, i32))  # noqa: E731
-            as_f32 = lambda v: vector.bitcast(ir.VectorType.get((n // 2,), f32), v)  # noqa: E731
-            low = as_f32(arith.shli(words, splat(16)))  # element 2k: the word's low half
-            high = as_f32(arith.andi(words, splat(-65536)))  # element 2k + 1: its high half
-            order = [k // 2 + (n // 2) * (k % 2) for k in range(n)]
-            regs[idx] = vector.shuffle(low, high, order)
-        return mgpu.FragmentedArray(_registers=regs, _layout=tile.layout, _is_signed=None)
-
-    return widen(x)
-
-
 def _lag_masks_of(plgpu, bits_s, max_lag, bt, bd):
     """``masks[delta]`` (``[bt, bd]`` float32, None where nothing is masked) from the tile's lag
     bits in shared memory (``lag_bits``), or all None without segments (the rows before token 0
@@ -415,10 +361,10 @@ def _expand(plgpu, xs, bs, slot, kernel, off, masks, bt, bd, lags: _Lags):
     """``E_r`` of the chunk in ``slot`` (``[bt, bd]`` float32, Eq. 10) from its lag windows."""
     col = plgpu.Layout.WGMMA.reduce(0)
     if kernel == 0:
-        return upcast(plgpu, lags.load(plgpu, xs, slot, 0))
+        return lags.load(plgpu, xs, slot, 0).astype(F32)
     e = None
     for delta in range(kernel):
-        xl = upcast(plgpu, lags.load(plgpu, xs, slot, delta))
+        xl = lags.load(plgpu, xs, slot, delta).astype(F32)
         term = _cols(plgpu.load(bs, (slot, off + delta), layout=col), bt, bd) * xl
         if masks[delta] is not None:
             term = term * masks[delta]
@@ -440,7 +386,7 @@ def _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags: _Lags, expand=
     col = plgpu.Layout.WGMMA.reduce(0)
     es = [None] * len(layout)
     for delta in range(max([1, *(kernel for kernel, _ in layout)])):
-        xl = upcast(plgpu, lags.load(plgpu, xs, slot, delta))
+        xl = lags.load(plgpu, xs, slot, delta).astype(F32)
         masked = xl if masks[delta] is None else xl * masks[delta]
         for r, (kernel, off) in enumerate(layout):
             if kernel == 0:
@@ -458,11 +404,11 @@ def _expand_item(plgpu, lags: "_Lags", xs, taps_s, slot, kernel: int, masks, bt,
     ``xs[slot]`` and its taps in ``taps_s[slot]`` (``[kernel, bd]``; None: the taps are zero);
     ``_expand_all``'s sums for one stream, in the same order."""
     if kernel == 0:
-        return upcast(plgpu, lags.load(plgpu, xs, slot, 0))
+        return lags.load(plgpu, xs, slot, 0).astype(F32)
     col = plgpu.Layout.WGMMA.reduce(0)
     e = None
     for delta in range(kernel):
-        xl = upcast(plgpu, lags.load(plgpu, xs, slot, delta))
+        xl = lags.load(plgpu, xs, slot, delta).astype(F32)
         if masks[delta] is not None:
             xl = xl * masks[delta]
         tap = _cols(plgpu.load(taps_s, (slot, delta), layout=col), bt, bd) if taps_s is not None else 0.0
@@ -590,8 +536,7 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
                   block_d=bd, gate=gate, has_seg=has_seg, front=front, eps=float(eps),
                   gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
                   out_dtype=jnp.dtype(out_dtype), n_consts=consts.shape[0], expand=expand, windows=windows,
-                  state_boxes=_state_boxes(), gate_stats=gate_stats, passes="all", interpret=bool(interpret),
-                  upcast=default_upcast())
+                  state_boxes=_state_boxes(), gate_stats=gate_stats, passes="all", interpret=bool(interpret))
     if split:
         dots, sumsq = _kernel(cfg._replace(passes="scores"))(*inputs)
         (h,) = _kernel(cfg._replace(passes="merge"))(*inputs, dots, sumsq)
@@ -613,10 +558,8 @@ class _LanePlgpu:
 
     lane = True
 
-    def __init__(self, plgpu, interpret: bool, upcast: str = "extf"):
+    def __init__(self, plgpu):
         self._plgpu = plgpu
-        # ``upcast``'s form: Pallas' interpreter does not run the inline Mosaic GPU code of "bits"
-        self.widen = "extf" if interpret else upcast
 
     def __getattr__(self, name):
         return getattr(self._plgpu, name)
@@ -643,13 +586,13 @@ def _tile_smem(plgpu, shape, dtype):
     return plgpu.SMEM(shape, dtype)
 
 
-def _plgpu_for(windows: str, interpret: bool, upcast: str = "extf"):
+def _plgpu_for(windows: str, interpret: bool):
     """The ``plgpu`` module a kernel body uses: the Lane-semantics wrapper for ``"single"``
     windows (``_LanePlgpu``; interpreted too, so that the CPU tests run its buffers' transforms
     and unoptimized loads), else the module."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return _LanePlgpu(plgpu, interpret, upcast) if windows in ONE_WINDOW else plgpu
+    return _LanePlgpu(plgpu) if windows in ONE_WINDOW else plgpu
 
 
 def named_body(body, name: str):
@@ -704,7 +647,6 @@ class _Config(NamedTuple):
     gate_stats: str
     passes: str  # FORWARD_PASSES
     interpret: bool
-    upcast: str = "extf"  # how bf16 tiles are widened (``mosaic_gpu.UPCASTS``)
 
 
 # What one kernel of ``phase2_fused_forward`` runs: ``"all"`` (passes A-C, one kernel), or the
@@ -719,7 +661,7 @@ def _kernel(cfg: _Config):
     jitted once per configuration, so that every call site of a model traces the same function:
     JAX then lowers it once per program instead of once per call (the Mosaic GPU lowering of this
     kernel takes about 15 s on the CPU; a `base` step has 56 call sites of one configuration)."""
-    plgpu = _plgpu_for(cfg.windows, cfg.interpret, cfg.upcast)
+    plgpu = _plgpu_for(cfg.windows, cfg.interpret)
 
     batch, t_pad, d, heads, bd, gate, has_seg, front = (cfg.batch, cfg.t_pad, cfg.d, cfg.heads, cfg.block_d,
                                                         cfg.gate, cfg.has_seg, cfg.front)
@@ -831,7 +773,7 @@ def _kernel(cfg: _Config):
                 e2 = jnp.sum(e * e, axis=1)
                 sqs[r] = sqs[r] + e2
                 if fused_stats:
-                    a_state = upcast(plgpu, plgpu.load(accs, (slot, r), layout=tile))
+                    a_state = plgpu.load(accs, (slot, r), layout=tile).astype(F32)
                     aa[r][head] = aa[r][head] + jnp.sum(a_state * a_state, axis=1)
                     ae[r][head] = ae[r][head] + jnp.sum(a_state * e, axis=1)
                     ee[r][head] = ee[r][head] + e2
@@ -894,7 +836,7 @@ def _kernel(cfg: _Config):
 
         def merged(slot, r, head, e):
             """``z_r = a A_r + b E_r`` of the chunk in ``slot`` (Eq. 11, merged)."""
-            a_state = upcast(plgpu, plgpu.load(accs, (slot, r), layout=tile))
+            a_state = plgpu.load(accs, (slot, r), layout=tile).astype(F32)
             return _rows(coef_a[r][head], bt, bd) * a_state + _rows(coef_b[r][head], bt, bd) * e
 
         # ---- B: the gate's statistics, then the gate (Eq. 13-14)
@@ -1017,7 +959,7 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
                                       acc_dtype=jnp.dtype(acc.dtype), dh_dtype=jnp.dtype(dh.dtype), expand=expand,
                                       windows=windows,
                                       state_boxes=_state_boxes(), sums_in_rows=bool(STATE_SUMS_IN_ROWS),
-                                      interpret=bool(interpret), upcast=default_upcast()))
+                                      interpret=bool(interpret)))
     d_acc, sums, gate_rows_out = call(*inputs)
     per_head = lambda v: jnp.moveaxis(v.reshape(m, heads, batch, t_pad), 1, -1)[:, :, :t_len]  # noqa: E731
     s1, sm, ss = (per_head(sums[i * mh:(i + 1) * mh]) for i in range(3))
@@ -1053,13 +995,12 @@ class _StateConfig(NamedTuple):
     state_boxes: str
     sums_in_rows: bool
     interpret: bool
-    upcast: str = "extf"  # how bf16 tiles are widened (``mosaic_gpu.UPCASTS``)
 
 
 @functools.lru_cache(maxsize=None)
 def _state_kernel(cfg: _StateConfig):
     """``phase2_backward_state``'s kernel for ``cfg``, built and jitted once (``_kernel`` says why)."""
-    plgpu = _plgpu_for(cfg.windows, cfg.interpret, cfg.upcast)
+    plgpu = _plgpu_for(cfg.windows, cfg.interpret)
 
     batch, t_pad, d, heads, bd, gate, has_seg, front = (cfg.batch, cfg.t_pad, cfg.d, cfg.heads, cfg.block_d,
                                                         cfg.gate, cfg.has_seg, cfg.front)
@@ -1131,7 +1072,7 @@ def _state_kernel(cfg: _StateConfig):
 
         def chunk_values(slot, r, head, e):
             """``A_r`` and ``z_r = a A_r + b E_r`` of the chunk in ``slot``."""
-            acc = upcast(plgpu, plgpu.load(accs, (slot, r), layout=tile))
+            acc = plgpu.load(accs, (slot, r), layout=tile).astype(F32)
             return acc, _rows(coef_a[r][head], bt, bd) * acc + _rows(coef_b[r][head], bt, bd) * e
 
         def w_col(slot, r, j):
@@ -1143,7 +1084,7 @@ def _state_kernel(cfg: _StateConfig):
             # ---- 1: the gate's statistics, then its backward on per-token scalars (Eq. 13-14)
             def stats_chunk(c, slot, head, carry):
                 sq, zw, dg = carry[0], list(carry[1]), list(carry[2])
-                dh = upcast(plgpu, plgpu.load(dhs, slot, layout=tile))
+                dh = plgpu.load(dhs, slot, layout=tile).astype(F32)
                 for r, e in enumerate(expand(slot)):
                     _, z = chunk_values(slot, r, head, e)
                     sq = sq + jnp.sum(z * z, axis=1)
@@ -1177,7 +1118,7 @@ def _state_kernel(cfg: _StateConfig):
         # ---- 2: d_acc = a dz, and the per-head sums S1, Sm, Ss
         def state_chunk(c, slot, head, carry):
             s1, sm, ss = (list(v) for v in carry)
-            dh = upcast(plgpu, plgpu.load(dhs, slot, layout=tile))
+            dh = plgpu.load(dhs, slot, layout=tile).astype(F32)
             for r, e in enumerate(expand(slot)):
                 acc, z = chunk_values(slot, r, head, e)
                 if gate_vals is None:
@@ -1324,7 +1265,7 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
                                         heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
                                         has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                                         expand=expand, windows=windows, interpret=bool(interpret),
-                                        upcast=default_upcast(), defer_sums=defer_sums, n_slots=n_slots))
+                                        defer_sums=defer_sums, n_slots=n_slots))
     dots, sumsq = call(*inputs)  # [n, S m H, B, Tp], [n, m, B, Tp]
     dots = dots.reshape(n, n_targets, m, heads, batch, sh.t_pad).transpose(1, 0, 2, 4, 5, 3)
     return dots[:, :, :, :, :t_len], sumsq[..., :t_len]
@@ -1348,7 +1289,6 @@ class _ScoresConfig(NamedTuple):
     expand: str
     windows: str
     interpret: bool
-    upcast: str = "extf"  # how bf16 tiles are widened (``mosaic_gpu.UPCASTS``)
     defer_sums: bool = False
     n_slots: int = 2
 
@@ -1356,7 +1296,7 @@ class _ScoresConfig(NamedTuple):
 @functools.lru_cache(maxsize=None)
 def _scores_kernel(cfg: _ScoresConfig):
     """``phase1_scores``'s kernel for ``cfg``, built and jitted once (``_kernel`` says why)."""
-    plgpu = _plgpu_for(cfg.windows, cfg.interpret, cfg.upcast)
+    plgpu = _plgpu_for(cfg.windows, cfg.interpret)
 
     n, batch, d, heads, bd, n_targets = cfg.n, cfg.batch, cfg.d, cfg.heads, cfg.block_d, cfg.n_targets
     stream_kernels, has_bank, has_seg, front = cfg.stream_kernels, cfg.has_bank, cfg.has_seg, cfg.front
@@ -1541,8 +1481,7 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
                                   heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
                                   has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                                   out_dtype=jnp.dtype(out_dtype), per_target=bool(per_target), n_slots=n_slots,
-                                  windows=windows, item_decode=item_decode, interpret=bool(interpret),
-                                  upcast=default_upcast()))
+                                  windows=windows, item_decode=item_decode, interpret=bool(interpret)))
     out = call(*inputs)
     cut = lambda a: a[..., :t_len, :]  # noqa: E731
     return [cut(a) for a in out] if per_target else cut(out)
@@ -1569,13 +1508,12 @@ class _MixConfig(NamedTuple):
     windows: str
     item_decode: str
     interpret: bool
-    upcast: str = "extf"  # how bf16 tiles are widened (``mosaic_gpu.UPCASTS``)
 
 
 @functools.lru_cache(maxsize=None)
 def _mix_kernel(cfg: _MixConfig):
     """``phase1_mix``'s kernel for ``cfg``, built and jitted once (``_kernel`` says why)."""
-    plgpu = _plgpu_for(cfg.windows, cfg.interpret, cfg.upcast)
+    plgpu = _plgpu_for(cfg.windows, cfg.interpret)
 
     n, batch, d, heads, bd, n_targets = cfg.n, cfg.batch, cfg.d, cfg.heads, cfg.block_d, cfg.n_targets
     stream_kernels, has_bank, has_seg, front, n_slots = (cfg.stream_kernels, cfg.has_bank, cfg.has_seg, cfg.front,
@@ -1837,7 +1775,7 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
                                         dh_dtype=jnp.dtype(_dh_operand(dh).dtype), dx_dtype=jnp.dtype(dx_dtype),
                                         warpgroups=warpgroups or INPUTS_WARPGROUPS,
                                         reuse_loads=bool(INPUTS_REUSE_LOADS), rows_per_program=rows_per_program,
-                                        interpret=bool(interpret), upcast=default_upcast()))
+                                        interpret=bool(interpret)))
     dx, sums = call(*inputs)
     n_taps = sum(stream_kernels) if has_bank else 0
     dq = sums[:, :m]
@@ -1866,7 +1804,6 @@ class _InputsConfig(NamedTuple):
     reuse_loads: bool
     rows_per_program: int
     interpret: bool
-    upcast: str = "extf"  # how bf16 tiles are widened (``mosaic_gpu.UPCASTS``)
 
 
 def _stream_groups(layout, gate: bool, n_groups: int):
@@ -1897,7 +1834,7 @@ def _inputs_kernel(cfg: _InputsConfig):
     issues every TMA copy."""
     from jax.experimental.pallas import mosaic_gpu as plgpu_module
 
-    plgpu = _LanePlgpu(plgpu_module, cfg.interpret, cfg.upcast)
+    plgpu = _LanePlgpu(plgpu_module)
     batch, t_pad, d, heads, gate, has_seg, front = (cfg.batch, cfg.t_pad, cfg.d, cfg.heads, cfg.gate, cfg.has_seg,
                                                     cfg.front)
     stream_kernels = cfg.stream_kernels
@@ -2014,9 +1951,9 @@ def _inputs_kernel(cfg: _InputsConfig):
                     return once(("rows", j), lambda: _rows(plgpu.load(rows_s, (slot, j), layout=row), bt, bd))
 
                 def x_lag(delta):
-                    return once(("x", delta), lambda: upcast(plgpu, lags.load(plgpu, xs, slot, delta)))
+                    return once(("x", delta), lambda: lags.load(plgpu, xs, slot, delta).astype(F32))
 
-                dh = upcast(plgpu, plgpu.load(dhs, slot, layout=tile))
+                dh = plgpu.load(dhs, slot, layout=tile).astype(F32)
                 dx = None
                 for r in group:
                     kernel, off = layout[r]
@@ -2029,7 +1966,7 @@ def _inputs_kernel(cfg: _InputsConfig):
                             if masks[delta] is not None:
                                 term = term * masks[delta]
                             e = term if e is None else e + term
-                    acc = upcast(plgpu, plgpu.load(accs, (slot, r), layout=tile))
+                    acc = plgpu.load(accs, (slot, r), layout=tile).astype(F32)
                     coef_b = rows_of(m + r)
                     z = rows_of(r) * acc + coef_b * e
                     if gate:

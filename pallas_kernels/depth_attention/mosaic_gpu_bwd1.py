@@ -40,7 +40,7 @@ from pallas_kernels.depth_attention.mosaic_gpu import (
     BLOCK_T, F32, ITEM_DECODES, MAX_LAG_BITS, _cols, _expand_item, _jitted_kernel, _Lags, _lag_masks_of, _LanePlgpu,
     _pad_rows4, named_body,
     _plgpu_for, _rows, _rows4, _shape, _store_group, _tile_smem, _valid_first, _window_elems, default_windows,
-    default_upcast, lag_bits, upcast,
+    lag_bits,
 )
 
 MODES = ("gdots", "dstreams")
@@ -67,8 +67,11 @@ GA_REGISTERS = True
 SINGLE_STREAM_BF16_GA = {"gdots": (2, 1, False, 64), "dstreams": (2, 1, False, 64)}
 # How both kernels find the (group, source) of the item they fetch next (``mosaic_gpu.ITEM_DECODES``:
 # "divide" decodes its flat index, one integer division by the runtime count of valid sources per
-# item; "carried" steps it through the loops). Read when a kernel is traced.
-DEFAULT_ITEM_DECODE = "divide"
+# item; "carried" steps it through the loops). "carried" by measurement on the H200 (BENCHMARKS.md,
+# kernels, session 33, calls 1-2): gdots 4.0-4.1% and dstreams 4.4-6.2% faster per call at `base`'s
+# last block and the issue's shape, the same bits; the MSAR `base` step's two kernels 63.0 -> 60.7
+# ms. Read when a kernel is traced.
+DEFAULT_ITEM_DECODE = "carried"
 
 
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, n_targets: int,
@@ -192,7 +195,7 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
                            has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                            acc_dtype=jnp.dtype(acc_dtype), out_dtype=jnp.dtype(out_dtype), n_slots=n_slots,
                            group_slots=group_slots, ga_registers=ga_registers, windows=windows,
-                           item_decode=DEFAULT_ITEM_DECODE, interpret=bool(interpret), upcast=default_upcast()))
+                           item_decode=DEFAULT_ITEM_DECODE, interpret=bool(interpret)))
     out = call(*inputs)
     if mode == "gdots":  # [n, m H S, B, Tp] -> [S, n, m, B, T, H]
         out = out.reshape(n, m, heads, n_targets, batch, t_pad).transpose(3, 0, 1, 4, 5, 2)
@@ -224,13 +227,12 @@ class _Config(NamedTuple):
     windows: str
     item_decode: str
     interpret: bool
-    upcast: str = "extf"  # how bf16 tiles are widened (``mosaic_gpu.UPCASTS``)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(cfg: _Config):
     """``cfg.mode``'s kernel for ``cfg``, built and jitted once."""
-    plgpu = _plgpu_for(cfg.windows, cfg.interpret, cfg.upcast)
+    plgpu = _plgpu_for(cfg.windows, cfg.interpret)
     mode, n, batch, d, heads, bd, n_targets = cfg.mode, cfg.n, cfg.batch, cfg.d, cfg.heads, cfg.block_d, cfg.n_targets
     stream_kernels, has_bank, has_seg, front, n_slots = (cfg.stream_kernels, cfg.has_bank, cfg.has_seg, cfg.front,
                                                          cfg.n_slots)
@@ -363,7 +365,7 @@ def _kernel(cfg: _Config):
                         plgpu.barrier_wait(gbar.at[gslot])
 
                     def ga_tile(s):
-                        return upcast(plgpu, plgpu.load(gas, (gslot, s), layout=tile))
+                        return plgpu.load(gas, (gslot, s), layout=tile).astype(F32)
 
                     if cfg.ga_registers:  # loaded once for the group's items (garbage when it has none)
                         held = [ga_tile(s) for s in range(n_targets)]
@@ -487,8 +489,7 @@ def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels
     call = _transpose_kernel(_TransposeConfig(
         n=n, batch=batch, t_pad=t_pad, d=d, stream_kernels=stream_kernels, has_seg=has_seg,
         x_dtype=jnp.dtype(x.dtype), de_dtype=jnp.dtype(d_streams.dtype),
-        out_dtype=jnp.dtype(out_dtype or x.dtype), n_tap_rows=_rows4(n_taps), interpret=bool(interpret),
-        upcast=default_upcast()))
+        out_dtype=jnp.dtype(out_dtype or x.dtype), n_tap_rows=_rows4(n_taps), interpret=bool(interpret)))
     dx, dbank = call(*inputs)  # [n, B, Tp, d], [n, B, K4, d]
     return dx[:, :, :t_len], jnp.sum(dbank[:, :, :n_taps], axis=1)
 
@@ -508,7 +509,6 @@ class _TransposeConfig(NamedTuple):
     out_dtype: jnp.dtype
     n_tap_rows: int
     interpret: bool
-    upcast: str = "extf"  # how bf16 tiles are widened (``mosaic_gpu.UPCASTS``)
 
 
 @functools.lru_cache(maxsize=None)
@@ -516,7 +516,7 @@ def _transpose_kernel(cfg: _TransposeConfig):
     """``sources_transpose``' kernel for ``cfg``, built and jitted once."""
     from jax.experimental.pallas import mosaic_gpu as plgpu_module
 
-    plgpu = _LanePlgpu(plgpu_module, cfg.interpret, cfg.upcast)
+    plgpu = _LanePlgpu(plgpu_module)
     n, batch, t_pad, d, has_seg = cfg.n, cfg.batch, cfg.t_pad, cfg.d, cfg.has_seg
     stream_kernels = cfg.stream_kernels
     m, bt, bd, ahead = len(stream_kernels), BLOCK_T, TRANSPOSE_BLOCK_D, TRANSPOSE_AHEAD
@@ -586,19 +586,19 @@ def _transpose_kernel(cfg: _TransposeConfig):
             dbank = list(dbank)
             dx = None
             for r, (kernel, off) in enumerate(layout):
-                de0 = upcast(plgpu, plgpu.load(des.at[slot, r, pl.ds(0, bt)], (), layout=tile))
+                de0 = plgpu.load(des.at[slot, r, pl.ds(0, bt)], (), layout=tile).astype(F32)
                 if kernel == 0:
                     dx = de0 if dx is None else dx + de0
                     continue
                 for delta in range(kernel):
                     tap = _cols(plgpu.load(taps, (slot, off + delta), layout=col), bt, bd)
-                    de_lead = de0 if delta == 0 else upcast(
-                        plgpu, plgpu.load(des.at[slot, r, pl.ds(delta, bt)], (), layout=tile))
+                    de_lead = de0 if delta == 0 else plgpu.load(des.at[slot, r, pl.ds(delta, bt)], (),
+                                                                layout=tile).astype(F32)
                     if lead[delta] is not None:
                         de_lead = de_lead * lead[delta]
                     term = tap * de_lead
                     dx = term if dx is None else dx + term
-                    xl = upcast(plgpu, plgpu.load(xs.at[slot, pl.ds(ahead - delta, bt)], (), layout=tile))
+                    xl = plgpu.load(xs.at[slot, pl.ds(ahead - delta, bt)], (), layout=tile).astype(F32)
                     g = de0 * xl
                     if behind[delta] is not None:
                         g = g * behind[delta]

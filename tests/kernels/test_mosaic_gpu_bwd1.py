@@ -249,10 +249,11 @@ def test_kernels_lower_for_sm90(mode, t_len, segments, group_slots):
 
 
 @pytest.mark.parametrize("mode", mosaic_gpu_bwd1.MODES)
-def test_carried_item_decode_lowers_for_sm90(monkeypatch, mode):
-    """The kernels with the next item carried through their loops lower for the H200 (session
-    32 also compiled them for sm_90a, ptxas included: ``experiments/mgpu/sass_stats.py``)."""
-    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_ITEM_DECODE", "carried")
+def test_divided_item_decode_lowers_for_sm90(monkeypatch, mode):
+    """The kernels with the next item decoded from its flat index (the option; the default
+    carries it through the loops) lower for the H200 (session 32 compiled both forms for sm_90a,
+    ptxas included: ``experiments/mgpu/sass_stats.py``)."""
+    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_ITEM_DECODE", "divide")
     args = _inputs(3, 2, 200, 64, 2, 1, (True, True, False), 30, jnp.bfloat16, jnp.float32, True)
     sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
     kw = dict(stream_kernels=KERNELS, heads=1)
