@@ -42,10 +42,9 @@ def build(g_size: int, rounds: int, batch: int, tiles: int, interpret: bool):
         g = lax.axis_index("g")
         b, t = lax.axis_index("b"), lax.axis_index("t")
         layout = plgpu.Layout.WGMMA
-        rows = lax.broadcasted_iota(jnp.int32, (BT, COLS), 0)
-        cols = lax.broadcasted_iota(jnp.int32, (BT, COLS), 1)
+        rows = plgpu.broadcasted_iota(jnp.int32, (BT, COLS), 0, layout=layout)
+        cols = plgpu.broadcasted_iota(jnp.int32, (BT, COLS), 1, layout=layout)
         mine = (rows * COLS + cols + 1000 * g + 100000 * (b * tiles + t)).astype(F32)
-        mine = plgpu.layout_cast(mine, layout)
         total = None
         for k in range(rounds):
             val = mine + float(k)

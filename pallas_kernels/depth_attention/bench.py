@@ -13,7 +13,8 @@ repetition pays before its first call and after its last, 0.1-0.25 ms on the H20
 twentieth of a call's figure; with 2 calls, as forward + backward had, it was up to 20% of
 phase 2's). Also measured in the same call:
 the device copy bandwidth (bytes read + written), from which the bandwidth floor of
-this design's byte count is computed; and the compiled peak temporary memory of the
+this design's byte count is computed (the arithmetic's floor, ``design_flops`` over the
+H200's float32 peak, is printed beside it); and the compiled peak temporary memory of the
 forward+backward (``memory_analysis``).
 """
 
@@ -68,6 +69,32 @@ def design_bytes(n, batch, t_len, d, m, n_targets, heads, src_bytes=2, out_bytes
     b1 = 2 * n * tok * d * src_bytes + n_targets * state
     b2 = tok * d * out_bytes + tok * d * src_bytes + 2 * state + tok * d * src_bytes
     return fwd, fwd + b1 / n_targets + b2
+
+
+# The H200 SXM's float32 rate on its CUDA cores (datasheet: 67 TFLOP/s, no tensor cores): what the
+# reads' arithmetic runs on (the conv taps, dots, softmax sums and mixing are FFMAs on float32).
+FP32_PEAK_FLOPS = 67e12
+
+
+def design_flops(n, batch, t_len, d, m, n_targets, stream_kernels, gate=True):
+    """Fewest float32 FLOPs per sublayer of the definition (Eq. 10-14), forward and forward +
+    backward: each expansion computed once, one FMA = 2 FLOPs, per-token scalar work left out.
+
+    Per source element, phase 1 (amortised over S): the conv taps ``K = sum(stream_kernels)``,
+    per stream the key's sum of squares and S query dots, and S weighted sums: ``K + m (2 S + 1)``
+    FMAs. Phase 2, per element of the partial: its taps ``K``; per stream the sum of squares, the
+    query dot, the merge with the state (2) and its term of the output; with the ``gate`` (Eq.
+    13-14) also ``z.z`` and ``m`` dots with W: ``K + 5 m + m (m + 1)``. The backward of an FMA is
+    two FMAs (one per operand), so forward + backward is 3x the forward. The kernels run more:
+    they re-expand a source in every pass that reads it (phase 1's scoring and mixing passes,
+    phase 2's three passes, the backward's re-runs), and each tap also costs a shared-memory load
+    and a widening to float32."""
+    k = sum(stream_kernels)
+    elems = batch * t_len * d
+    p1 = n * elems * (k + m * (2 * n_targets + 1))
+    p2 = elems * (k + 5 * m + (m * (m + 1) if gate else 0))
+    fwd = 2 * (p1 / n_targets + p2)
+    return fwd, 3 * fwd
 
 
 def table6_bytes(n, batch, t_len, d, m, n_targets, elem_bytes=2):
@@ -319,6 +346,9 @@ def run_config(name, *, n, batch, t_len, d, n_targets, kernels, heads, dtype, im
                                jnp.dtype(out_dtype).itemsize, jnp.dtype(state_dtype).itemsize)
     res["floor_fwd_ms"] = fwd_b / bw * 1e3
     res["floor_fb_ms"] = fb_b / bw * 1e3
+    fwd_f, fb_f = design_flops(n, batch, t_len, d, m, n_targets, kernels, gate=gate is not None)
+    res["flop_floor_fwd_ms"] = fwd_f / FP32_PEAK_FLOPS * 1e3
+    res["flop_floor_fb_ms"] = fb_f / FP32_PEAK_FLOPS * 1e3
     res["table6_fwd_ms"] = table6_bytes(n, batch, t_len, d, m, n_targets) / bw * 1e3
     log(json.dumps(res))
     return res
@@ -952,11 +982,14 @@ def main():
             k, x = f"{impl}_{key}", f"xla_{xla_key}"
             if k not in r:
                 continue
-            floor = r["floor_fwd_ms" if mode.startswith("fwd") else "floor_fb_ms"]
+            fwd_mode = mode.startswith("fwd")
+            floor = r["floor_fwd_ms" if fwd_mode else "floor_fb_ms"]
+            flops = r.get("flop_floor_fwd_ms" if fwd_mode else "flop_floor_fb_ms", float("nan"))
             if x not in r:  # a form of the XLA path not timed
                 continue
             print(f"{r['name']:>16} {mode:>8}: kernel {r[k]:8.3f}  xla {r[x]:8.3f}  floor {floor:7.3f}  "
-                  f"kernel/xla {r[k] / r[x]:5.2f}  floor/kernel {floor / r[k]:5.2f}")
+                  f"kernel/xla {r[k] / r[x]:5.2f}  floor/kernel {floor / r[k]:5.2f}  "
+                  f"flop floor {flops:6.3f} ({flops / r[k]:4.2f})")
         print(f"{r['name']:>16} parts: " + ", ".join(f"{k}={v:.3f}" for k, v in r.items()
                                                       if isinstance(v, float) and ("p1" in k or "p2" in k)))
 

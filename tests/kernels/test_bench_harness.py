@@ -92,3 +92,20 @@ def test_fwd_bwd_rejects_an_unknown_form():
 
     with pytest.raises(ValueError, match="form='grad'"):
         bench.fwd_bwd(lambda x: x, (0,), "grad")
+
+
+def test_design_flops_counts_the_definitions_arithmetic():
+    """The flop floor at the issue's shape (N = 9, B = 8, T = d = 2048, S = 8), counted by hand:
+    per source element 24 taps + 4 streams x (1 sum of squares + 8 dots + 8 weighted sums) = 92
+    FMAs in phase 1, amortised over 8 targets; per partial element 24 taps + 4 x (4 + 6) = 64
+    FMAs in phase 2. AttnRes (one identity stream, no gate): 17 and 1 + 1 + 2 + 1 = 5."""
+    from pallas_kernels.depth_attention import bench
+
+    elems = 8 * 2048 * 2048
+    fwd, fb = bench.design_flops(9, 8, 2048, 2048, 4, 8, (0, 4, 8, 12))
+    assert fwd == 2 * (9 * elems * 92 / 8 + elems * 64) == 11_240_734_720
+    assert fb == 3 * fwd
+    fwd1, _ = bench.design_flops(9, 8, 2048, 2048, 1, 8, (0,), gate=False)
+    assert fwd1 == 2 * (9 * elems * 17 / 8 + elems * 5)
+    # at the H200's float32 peak the MSAR forward's arithmetic takes 0.168 ms, under its 0.40 ms of bytes
+    assert fwd / bench.FP32_PEAK_FLOPS * 1e3 == pytest.approx(0.1678, abs=1e-4)

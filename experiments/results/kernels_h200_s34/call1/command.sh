@@ -1,7 +1,7 @@
 #!/bin/bash
 # Session 34, call 1: session 33's untested default (gdots and dstreams carrying their next item)
 # under its GPU tests; the MSAR `base` step with today's defaults (whole profile header: the
-# median step time); then experiments/mgpu/cluster_probe.py (clusters of 2-16 CTAs sharing
+# median step time) and Vanilla's in the same call; then experiments/mgpu/cluster_probe.py (clusters of 2-16 CTAs sharing
 # per-token sums through st.async: What remains 3). Carry [".whl"].
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD:$PWD/experiments/mgpu PYTHONUNBUFFERED=1
@@ -11,6 +11,8 @@ env JAX_PLATFORMS=cuda timeout 200 python -m pytest -q -m gpu -p no:cacheprovide
 echo "tests $(( $(date +%s)-S ))s"; S=$(date +%s)
 timeout 150 python experiments/mgpu/cluster_probe.py 2>&1 | grep -v Warning | tee $OUT/cluster_probe.txt
 echo "probe $(( $(date +%s)-S ))s"; S=$(date +%s)
-timeout 200 python experiments/profile_step.py configs/msar.py:size=base --steps 2 --warmup 1 --top 12 \
-    --set model.residual.implementation=auto 2>&1 | grep -v Warning > $OUT/step_msar.txt
-echo "step $(( $(date +%s)-S ))s"; head -30 $OUT/step_msar.txt
+for c in msar vanilla; do
+  timeout 200 python experiments/profile_step.py configs/$c.py:size=base --steps 2 --warmup 1 --top 12 \
+      --set model.residual.implementation=auto 2>&1 | grep -v Warning > $OUT/step_$c.txt
+  echo "step $c $(( $(date +%s)-S ))s"; S=$(date +%s); head -12 $OUT/step_$c.txt
+done
