@@ -17,9 +17,18 @@ This script answers, for G in 2, 4, 8, 16 (16 is above CUDA's portable cluster s
      same kernel with none (``time``), over (8 batch rows x 32 token tiles) clusters.
 
 Run: ``python experiments/mgpu/cluster_probe.py`` (GPU); ``--interpret`` tries the exchange in
-Pallas' Mosaic GPU interpret mode (which may not support cluster refs: it says so)."""
+Pallas' Mosaic GPU interpret mode (jax 0.11.2's interpreter has no rule for ``async_store_smem``:
+it says so); ``--aot`` compiles every variant for an H200 on a machine without one (JAX's CUDA
+plugin on ``PYTHONPATH``, ``msar_jax.aot``): Mosaic GPU's lowering and ptxas, not the launch."""
 import sys
 import time
+from pathlib import Path
+
+if "--aot" in sys.argv:  # before jax starts: the CUDA plugin's deviceless topology
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from msar_jax import aot
+
+    aot.prepare_gpu_environment()
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +60,7 @@ def build(g_size: int, rounds: int, batch: int, tiles: int, interpret: bool):
             for j in range(g_size):  # every CTA sends its tile to slot g of every CTA (itself too)
                 plgpu.async_store_smem(val, recv.at[k, g], bar.at[k], cluster_idx=jnp.int32(j), cluster_dim="g")
             plgpu.barrier_wait(bar.at[k])
-            got = sum(plgpu.load(recv.at[k, j], (), layout=layout) for j in range(g_size))
+            got = sum(plgpu.load(recv.at[k, j], layout=layout) for j in range(g_size))
             total = got if total is None else total + got
         if total is None:
             total = mine
@@ -82,7 +91,28 @@ def expected(g_size, rounds, batch, tiles):
     return out
 
 
+def compile_for_h200() -> int:
+    """Compiles each variant the GPU run times for an H200, deviceless; returns the failures."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = aot.gpu_mesh("h200")
+    failures = 0
+    for g_size in (2, 4, 8, 16):
+        for rounds in (0, 1, 2):
+            try:
+                with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                    jax.jit(build(g_size, rounds, 8, 32, False), out_shardings=NamedSharding(mesh, P())).lower().compile()
+                print(f"G={g_size} rounds={rounds}: compiled for the H200", flush=True)
+            except Exception as e:  # noqa: BLE001
+                failures += 1
+                print(f"G={g_size} rounds={rounds}: compile failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
+    return failures
+
+
 def main(argv):
+    if "--aot" in argv:
+        return 1 if compile_for_h200() else 0
     interpret = "--interpret" in argv
     sizes = (2, 4) if interpret else (2, 4, 8, 16)
     batch, tiles = (1, 2) if interpret else (8, 32)
@@ -115,4 +145,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

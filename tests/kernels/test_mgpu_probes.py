@@ -7,10 +7,14 @@ written), and (session 20) the one-window form, with static and runtime row offs
 shared-memory offset probe of ``offset_loads.py`` (exact when interpreted: the swizzle it
 exposes on the GPU is not emulated). The ``tma_wgmma`` form is not here: the interpret mode cannot run a WGMMA whose left
 operand is in registers (it lowers for sm_90; ``expand_sources.py --wgmma`` runs it on the
-GPU). In the slow suite (CI runs it): probes outside the package, about 40 s."""
+GPU). In the slow suite (CI runs it): probes outside the package, about 40 s. Session 34's
+cluster probe (``cluster_probe.py``) cannot be interpreted; its test compiles it for the H200
+(``-m aot``)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "mgpu"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "experiments" / "mgpu"))
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 
@@ -68,3 +73,18 @@ def test_interpreted_shared_memory_offset_probe():
     for dtype in (jnp.float32, jnp.bfloat16):
         res = offset_loads.probe_runtime_offsets(dtype, interpret=True)
         assert res == {"static": ([], None), "dynamic": ([], None)}, dtype
+
+
+@pytest.mark.aot
+def test_cluster_probe_compiles_for_the_h200():
+    """``experiments/mgpu/cluster_probe.py --aot``: clusters of 2-16 CTAs exchanging per-token sums
+    through ``async_store_smem`` lower and compile for an H200 on this machine (needs JAX's CUDA
+    plugin, ``msar_jax.aot``; the interpreter cannot run the exchange, the GPU run times it)."""
+    pytest.importorskip("jax_plugins.xla_cuda13", reason="JAX's CUDA plugin (msar_jax.aot) is not installed")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("XLA_FLAGS", None)
+    env.pop("JAX_PLATFORMS", None)
+    out = subprocess.run([sys.executable, "experiments/mgpu/cluster_probe.py", "--aot"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    assert out.stdout.count("compiled for the H200") == 12, out.stdout
