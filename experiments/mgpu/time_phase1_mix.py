@@ -22,7 +22,10 @@ default kernel with its 8 stores per chunk and stream committed once (``"grouped
 each (``mosaic_gpu.STORE_GROUPS``). ``--attnres``: AttnRes's single stream (kernels ``(0,)``, no bank),
 Triton against the Mosaic default. ``--triton-tiles``: Triton's kernel alone with the tiles
 ``choose_tiles`` gives it (first) and nine others (tokens x channels per program, warps, stages;
-session 27); with ``--small-tiles`` seven smaller ones instead. (Session 25, call 4 also timed them spread over the next
+session 27); with ``--small-tiles`` seven smaller ones instead. ``--fetch-bound`` (session 34): the
+Mosaic default against itself with parts of its traffic left out (``mosaic_gpu.MIX_TIMING_SKIPS``:
+streams 1-3's lag windows, their ``p`` rows, both, the state's stores; the outputs then wrong,
+their error printed all the same): how much of the pass each part holds. (Session 25, call 4 also timed them spread over the next
 chunk and stream's items, at commit a4a473d: 1.3-1.8x slower; that option is gone.)
 """
 import sys
@@ -60,6 +63,10 @@ def main():
         mosaic_variants = ((32, 3, "padded"), (16, 3, "padded"), (16, 4, "padded"))
     if "--attnres" in sys.argv:  # one stream: Triton (what "auto" takes for it) and the Mosaic default
         mosaic_variants = ((32, 3, "padded"),)
+    skips = [()]
+    if "--fetch-bound" in sys.argv:  # the default with parts of its traffic left out (timing only)
+        mosaic_variants = ((32, 3, "padded"),)
+        skips = [(), ("windows",), ("p",), ("p", "windows"), ("stores",)]
     if "--store-groups" in sys.argv:  # the default, its stores committed once per group and once each
         mosaic_variants = ((32, 3, "padded", "grouped"), (32, 3, "padded", "one by one"))
     # (block_t, block_d_mix, num_warps, num_stages) of Triton's kernel, the first choose_tiles' (session 27)
@@ -104,8 +111,10 @@ def main():
                 alt = tiling.Tiles(bt, tiles.block_d_scores, bdm, num_warps=warps, num_stages=stages)
                 variants[f"triton {bt}x{bdm} w{warps} s{stages}"] = (
                     lambda alt: lambda x, b, p, v, dtype=dtype: triton(x, b, p, v, dtype, alt))(alt)
-            for bd, slots, windows, *stores in mosaic_variants + (NARROW_VARIANTS if "--narrow" in sys.argv else ()):
-                label = f"mosaic bd={bd} n_slots={slots} {windows}" + "".join(f" stores {s}" for s in stores)
+            for (bd, slots, windows, *stores), skip in [(v, k) for v in mosaic_variants + (
+                    NARROW_VARIANTS if "--narrow" in sys.argv else ()) for k in skips]:
+                label = (f"mosaic bd={bd} n_slots={slots} {windows}" + "".join(f" stores {s}" for s in stores)
+                         + "".join(f" -{k}" for k in skip))
                 windows = "single" if windows == PLAIN else windows
                 smem = mosaic_gpu.mix_smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
                                                  out_dtype=dtype, n_targets=n_targets, n_slots=slots, windows=windows)
@@ -114,9 +123,9 @@ def main():
                     continue
                 print(f"{label:36s} {smem} bytes of shared memory: {SM_SMEM // (smem + 1024)} programs per SM",
                       flush=True)
-                variants[label] = (lambda sl, dt, bd, w: lambda x, b, p, v: mosaic_gpu.phase1_mix(
+                variants[label] = (lambda sl, dt, bd, w, k: lambda x, b, p, v: mosaic_gpu.phase1_mix(
                     x, b, p, None, v, stream_kernels=KERNELS, heads=1, out_dtype=dt, per_target=True,
-                    n_slots=sl, block_d=bd, windows=w))(slots, dtype, bd, windows)
+                    n_slots=sl, block_d=bd, windows=w, timing_skip=k))(slots, dtype, bd, windows, skip)
             print(f"## {name}: {n} sources ({n_live} valid), S = {n_targets}, B x T = {batch} x {t_len}, d = {d}, "
                   f"{jnp.dtype(dtype).name} state; floor {floor_ms:.4f} ms", flush=True)
             want = None

@@ -1421,6 +1421,12 @@ ITEM_DECODES = ("divide", "carried")
 DEFAULT_MIX_ITEM_DECODE = "divide"
 # ``phase1_mix``'s channel chunks, first choice first (``choose_block_d``)
 MIX_BLOCK_D_CHOICES = (32,)
+# Timing only (``phase1_mix(timing_skip=...)``, ``experiments/mgpu/time_phase1_mix.py
+# --fetch-bound``): parts of the mix's traffic left out, to see what bounds it. "windows": only
+# stream 0's items bring their lag windows (streams 1-3 expand what the slot holds); "p": only
+# stream 0's items bring their ``p`` rows; "stores": the states are not written. The outputs
+# are then WRONG; nothing in the package passes these.
+MIX_TIMING_SKIPS = ("windows", "p", "stores")
 
 
 def mix_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, out_dtype, n_targets: int,
@@ -1435,7 +1441,8 @@ def mix_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x
 
 def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: int, out_dtype=F32,
                per_target: bool = False, block_d: int | None = None, n_slots: int | None = None,
-               windows: str | None = None, item_decode: str | None = None, interpret: bool = False):
+               windows: str | None = None, item_decode: str | None = None, interpret: bool = False,
+               timing_skip: tuple = ()):
     """Phase 1's mixing pass (``fused.mix_call(mode="acc")``) as one Mosaic GPU kernel:
     ``acc[s, r] = sum_i p[s, i, r] E_r[x_i]`` (Eq. 11's weighted sum over the completed sources,
     before the merge with the partial), each source's stream ``E_r`` built in registers (Eq. 10)
@@ -1454,8 +1461,12 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
     ``n_slots``: None is ``MIX_SLOTS``. Returns ``acc[S, m, B, T, d]`` in ``out_dtype`` or, with
     ``per_target``, a list of ``S`` arrays ``[m, B, T, d]`` (each its own output of the kernel).
     ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
-    ``default_windows``). ``item_decode``: ``ITEM_DECODES`` (None: ``DEFAULT_MIX_ITEM_DECODE``)."""
+    ``default_windows``). ``item_decode``: ``ITEM_DECODES`` (None: ``DEFAULT_MIX_ITEM_DECODE``).
+    ``timing_skip``: timing experiments only, the outputs are wrong (``MIX_TIMING_SKIPS``)."""
     n, batch, t_len, d = sources.shape
+    timing_skip = tuple(sorted(set(timing_skip)))
+    if any(k not in MIX_TIMING_SKIPS for k in timing_skip):
+        raise ValueError(f"timing_skip={timing_skip!r}: each must be one of {MIX_TIMING_SKIPS}")
     n_slots, windows = n_slots or MIX_SLOTS, _Lags.of(1, windows or default_windows("mix")).kind
     item_decode = item_decode or DEFAULT_MIX_ITEM_DECODE
     if item_decode not in ITEM_DECODES:
@@ -1481,7 +1492,8 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
                                   heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
                                   has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                                   out_dtype=jnp.dtype(out_dtype), per_target=bool(per_target), n_slots=n_slots,
-                                  windows=windows, item_decode=item_decode, interpret=bool(interpret)))
+                                  windows=windows, item_decode=item_decode, interpret=bool(interpret),
+                                  timing_skip=timing_skip))
     out = call(*inputs)
     cut = lambda a: a[..., :t_len, :]  # noqa: E731
     return [cut(a) for a in out] if per_target else cut(out)
@@ -1508,6 +1520,7 @@ class _MixConfig(NamedTuple):
     windows: str
     item_decode: str
     interpret: bool
+    timing_skip: tuple = ()
 
 
 @functools.lru_cache(maxsize=None)
@@ -1526,6 +1539,10 @@ def _mix_kernel(cfg: _MixConfig):
     lags = _Lags.of(max_lag, cfg.windows)
     copies = [len(lags.copies(kernel)) for kernel in stream_kernels]  # lag-window copies of a stream's item
     taps = [has_bank and kernel > 0 for kernel in stream_kernels]
+    # timing only (``MIX_TIMING_SKIPS``): which streams' items bring their windows and p rows
+    with_windows = [r == 0 or "windows" not in cfg.timing_skip for r in range(m)]
+    with_p = [r == 0 or "p" not in cfg.timing_skip for r in range(m)]
+    copies = [c if w else 0 for c, w in zip(copies, with_windows)]
     scratch = dict(
         xs=plgpu.SMEM((n_slots, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
         **{f"bs{r}": plgpu.SMEM((n_slots, kernel, bd), F32) for r, kernel in enumerate(stream_kernels) if taps[r]},
@@ -1533,7 +1550,8 @@ def _mix_kernel(cfg: _MixConfig):
         out_s=_tile_smem(plgpu, (n_targets, bt, bd), cfg.out_dtype),
         meta_s=plgpu.SMEM((n + 1, 64), jnp.int32),
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
-        **{f"bar{r}": plgpu.Barrier(num_arrivals=copies[r] + taps[r] + 1, num_barriers=n_slots) for r in range(m)},
+        **{f"bar{r}": plgpu.Barrier(num_arrivals=copies[r] + taps[r] + with_p[r], num_barriers=n_slots)
+           for r in range(m)},
         bar_in=plgpu.Barrier(num_arrivals=1 + has_seg, num_barriers=1),
     )
     names = [k for k, v in scratch.items() if v is not None]
@@ -1562,12 +1580,14 @@ def _mix_kernel(cfg: _MixConfig):
         def fetch_stream(r, c, i, slot):
             """Item (chunk ``c``, stream ``r``, source ``i``)'s copies into ``slot``."""
             cs, xcs = pl.ds(c * bd, bd), lags.columns(c, bd)
-            lags.fetch(plgpu, lambda lag, n_rows: x_ref.at[i * batch + b, pl.ds(t0 + front - lag, n_rows), xcs], xs,
-                       slot, bars[r].at[slot], stream_kernels[r])
+            if with_windows[r]:
+                lags.fetch(plgpu, lambda lag, n_rows: x_ref.at[i * batch + b, pl.ds(t0 + front - lag, n_rows), xcs],
+                           xs, slot, bars[r].at[slot], stream_kernels[r])
             if taps[r]:
                 kernel, off = layout[r]
                 plgpu.copy_gmem_to_smem(bank_ref.at[i, pl.ds(off, kernel), cs], bss[r].at[slot], bars[r].at[slot])
-            plgpu.copy_gmem_to_smem(p_ref.at[i, r, :, b, rows], ps.at[slot], bars[r].at[slot])
+            if with_p[r]:
+                plgpu.copy_gmem_to_smem(p_ref.at[i, r, :, b, rows], ps.at[slot], bars[r].at[slot])
 
         def decode(f):
             """Item ``f`` of the flat order (chunk, stream, valid source) as ``(c, r, j)`` (with no
@@ -1631,8 +1651,9 @@ def _mix_kernel(cfg: _MixConfig):
                     # issued all at once: spread over the next chunk and stream's items (a few per
                     # item) they made the pass 1.3-1.8x slower (session 25, call 4)
                     cs = pl.ds(c * bd, bd)
-                    _store_group(plgpu, ((out_s.at[s], outs[s].at[r, b, rows, cs] if cfg.per_target
-                                          else outs[0].at[s, r, b, rows, cs]) for s in range(n_targets)))
+                    if "stores" not in cfg.timing_skip:
+                        _store_group(plgpu, ((out_s.at[s], outs[s].at[r, b, rows, cs] if cfg.per_target
+                                              else outs[0].at[s, r, b, rows, cs]) for s in range(n_targets)))
                 return upcoming
 
             upcoming = lax.fori_loop(head * nch, (head + 1) * nch, chunk_body, upcoming)

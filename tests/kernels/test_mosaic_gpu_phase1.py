@@ -195,6 +195,30 @@ def test_mix_lowers_for_sm90(decode):
     assert text.count("custom_call @mosaic_gpu_v2") == 1
 
 
+@pytest.mark.slow
+def test_mix_timing_skips_run_and_leave_their_traffic_out():
+    """``timing_skip`` (timing only, ``MIX_TIMING_SKIPS``) keeps every barrier's arrivals matched
+    to its copies (a mismatch would hang the interpreter) and does leave the traffic out: with
+    5 valid sources in 3 slots a stream's item finds another source's window or ``p`` rows in its
+    slot, and without stores the states are never written."""
+    n, batch, t_len, d, n_targets = 5, 1, 64, 64, 2
+    sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
+    p = jax.random.uniform(jax.random.key(3), (n_targets, n, len(KERNELS), batch, t_len, 1), minval=0.1)
+
+    def run(skip):
+        return np.asarray(mosaic_gpu.phase1_mix(sources, banks, p, None, None, stream_kernels=KERNELS, heads=1,
+                                                n_slots=3, interpret=True, timing_skip=skip))
+
+    want = run(())
+    for skip in (("windows",), ("p",)):
+        got = run(skip)
+        np.testing.assert_array_equal(got[:, 0], want[:, 0])  # stream 0 brings its own
+        assert not np.allclose(got[:, 1:], want[:, 1:]), skip
+    assert not np.allclose(run(("stores",)), want)
+    with pytest.raises(ValueError, match="timing_skip=\\('state',\\): each must be one of"):
+        run(("state",))
+
+
 def test_mix_errors():
     sources, banks, _ = _phase1_inputs(2, 1, 8, 32, 1, KERNELS)
     p = jnp.ones((1, 2, 4, 1, 8, 1))
