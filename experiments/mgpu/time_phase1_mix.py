@@ -25,7 +25,9 @@ Triton against the Mosaic default. ``--triton-tiles``: Triton's kernel alone wit
 session 27); with ``--small-tiles`` seven smaller ones instead. ``--fetch-bound`` (session 34): the
 Mosaic default against itself with parts of its traffic left out (``mosaic_gpu.MIX_TIMING_SKIPS``:
 streams 1-3's lag windows, their ``p`` rows, both, the state's stores; the outputs then wrong,
-their error printed all the same): how much of the pass each part holds. (Session 25, call 4 also timed them spread over the next
+their error printed all the same): how much of the pass each part holds. ``--window-fetch``
+(session 34): the default with each item bringing its lag window and with a chunk's windows
+brought once for all streams (``mosaic_gpu.MIX_WINDOW_FETCHES``), 3 and 2 items in flight. (Session 25, call 4 also timed them spread over the next
 chunk and stream's items, at commit a4a473d: 1.3-1.8x slower; that option is gone.)
 """
 import sys
@@ -63,7 +65,10 @@ def main():
         mosaic_variants = ((32, 3, "padded"), (16, 3, "padded"), (16, 4, "padded"))
     if "--attnres" in sys.argv:  # one stream: Triton (what "auto" takes for it) and the Mosaic default
         mosaic_variants = ((32, 3, "padded"),)
-    skips = [()]
+    skips, fetches = [()], ["per_item"]
+    if "--window-fetch" in sys.argv:  # a chunk's windows once for all streams (session 34)
+        mosaic_variants = ((32, 3, "padded"), (32, 2, "padded"))
+        fetches = list(mosaic_gpu.MIX_WINDOW_FETCHES)
     if "--fetch-bound" in sys.argv:  # the default with parts of its traffic left out (timing only)
         mosaic_variants = ((32, 3, "padded"),)
         skips = [(), ("windows",), ("p",), ("p", "windows"), ("stores",)]
@@ -111,21 +116,23 @@ def main():
                 alt = tiling.Tiles(bt, tiles.block_d_scores, bdm, num_warps=warps, num_stages=stages)
                 variants[f"triton {bt}x{bdm} w{warps} s{stages}"] = (
                     lambda alt: lambda x, b, p, v, dtype=dtype: triton(x, b, p, v, dtype, alt))(alt)
-            for (bd, slots, windows, *stores), skip in [(v, k) for v in mosaic_variants + (
-                    NARROW_VARIANTS if "--narrow" in sys.argv else ()) for k in skips]:
+            for (bd, slots, windows, *stores), skip, fetch in [(v, k, w) for v in mosaic_variants + (
+                    NARROW_VARIANTS if "--narrow" in sys.argv else ()) for k in skips for w in fetches]:
                 label = (f"mosaic bd={bd} n_slots={slots} {windows}" + "".join(f" stores {s}" for s in stores)
-                         + "".join(f" -{k}" for k in skip))
+                         + "".join(f" -{k}" for k in skip) + ("" if fetch == "per_item" else f" {fetch}"))
                 windows = "single" if windows == PLAIN else windows
                 smem = mosaic_gpu.mix_smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
-                                                 out_dtype=dtype, n_targets=n_targets, n_slots=slots, windows=windows)
+                                                 out_dtype=dtype, n_targets=n_targets, n_slots=slots, windows=windows,
+                                                 window_fetch=fetch, n_sources=n)
                 if smem > mosaic_gpu.SMEM_BYTES:
                     print(f"{label:36s} does not fit: {smem} bytes of shared memory", flush=True)
                     continue
                 print(f"{label:36s} {smem} bytes of shared memory: {SM_SMEM // (smem + 1024)} programs per SM",
                       flush=True)
-                variants[label] = (lambda sl, dt, bd, w, k: lambda x, b, p, v: mosaic_gpu.phase1_mix(
+                variants[label] = (lambda sl, dt, bd, w, k, wf: lambda x, b, p, v: mosaic_gpu.phase1_mix(
                     x, b, p, None, v, stream_kernels=KERNELS, heads=1, out_dtype=dt, per_target=True,
-                    n_slots=sl, block_d=bd, windows=w, timing_skip=k))(slots, dtype, bd, windows, skip)
+                    n_slots=sl, block_d=bd, windows=w, timing_skip=k, window_fetch=wf))(slots, dtype, bd, windows,
+                                                                                      skip, fetch)
             print(f"## {name}: {n} sources ({n_live} valid), S = {n_targets}, B x T = {batch} x {t_len}, d = {d}, "
                   f"{jnp.dtype(dtype).name} state; floor {floor_ms:.4f} ms", flush=True)
             want = None

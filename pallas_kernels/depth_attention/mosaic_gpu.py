@@ -399,16 +399,17 @@ def _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags: _Lags, expand=
     return es
 
 
-def _expand_item(plgpu, lags: "_Lags", xs, taps_s, slot, kernel: int, masks, bt, bd):
+def _expand_item(plgpu, lags: "_Lags", xs, taps_s, slot, kernel: int, masks, bt, bd, window=None):
     """``E_r`` (Eq. 10) of one pipeline item: a stream of ``kernel`` taps from the lag windows in
-    ``xs[slot]`` and its taps in ``taps_s[slot]`` (``[kernel, bd]``; None: the taps are zero);
-    ``_expand_all``'s sums for one stream, in the same order."""
+    ``xs[slot]`` (``xs[window]`` when given) and its taps in ``taps_s[slot]`` (``[kernel, bd]``;
+    None: the taps are zero); ``_expand_all``'s sums for one stream, in the same order."""
+    window = slot if window is None else window
     if kernel == 0:
-        return lags.load(plgpu, xs, slot, 0).astype(F32)
+        return lags.load(plgpu, xs, window, 0).astype(F32)
     col = plgpu.Layout.WGMMA.reduce(0)
     e = None
     for delta in range(kernel):
-        xl = lags.load(plgpu, xs, slot, delta).astype(F32)
+        xl = lags.load(plgpu, xs, window, delta).astype(F32)
         if masks[delta] is not None:
             xl = xl * masks[delta]
         tap = _cols(plgpu.load(taps_s, (slot, delta), layout=col), bt, bd) if taps_s is not None else 0.0
@@ -1421,6 +1422,14 @@ ITEM_DECODES = ("divide", "carried")
 DEFAULT_MIX_ITEM_DECODE = "divide"
 # ``phase1_mix``'s channel chunks, first choice first (``choose_block_d``)
 MIX_BLOCK_D_CHOICES = (32,)
+# Where the mixing pass's items find their source's lag window. "per_item": each item (chunk,
+# stream, source) brings it into its pipeline slot, so a source's window comes once per stream
+# (4 times for MSAR); "per_chunk": a chunk's window of each valid source comes once, into a buffer
+# of its own that all the streams read, and is refilled for the next chunk as the last stream is
+# done with it (the lead: the other sources' items). "per_chunk" holds a window per source slot
+# (``n`` of them) and stages the targets' stores in two halves to stay at two programs per SM.
+MIX_WINDOW_FETCHES = ("per_item", "per_chunk")
+DEFAULT_MIX_WINDOW_FETCH = "per_item"
 # Timing only (``phase1_mix(timing_skip=...)``, ``experiments/mgpu/time_phase1_mix.py
 # --fetch-bound``): parts of the mix's traffic left out, to see what bounds it. "windows": only
 # stream 0's items bring their lag windows (streams 1-3 expand what the slot holds); "p": only
@@ -1429,20 +1438,33 @@ MIX_BLOCK_D_CHOICES = (32,)
 MIX_TIMING_SKIPS = ("windows", "p", "stores")
 
 
+def _staged_targets(n_targets: int, window_fetch: str) -> int:
+    """Targets whose state tiles ``phase1_mix`` stages in shared memory at once (``MIX_WINDOW_FETCHES``)."""
+    return -(-n_targets // 2) if window_fetch == "per_chunk" else n_targets
+
+
 def mix_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, out_dtype, n_targets: int,
-                   n_slots: int | None = None, windows: str | None = None, **_unused) -> int:
+                   n_slots: int | None = None, windows: str | None = None, window_fetch: str | None = None,
+                   n_sources: int | None = None, **_unused) -> int:
     """Shared memory of one program of ``phase1_mix`` (its scratch list; ``n_slots``: None is
-    ``MIX_SLOTS``)."""
+    ``MIX_SLOTS``; ``window_fetch``: None is ``DEFAULT_MIX_WINDOW_FETCH``, whose ``"per_chunk"``
+    form holds one window per source slot: ``n_sources`` of them)."""
     bt, bd, n_slots = BLOCK_T, block_d, n_slots or MIX_SLOTS
-    return (n_slots * _window_elems(stream_kernels, windows or default_windows("mix"), bd) * jnp.dtype(x_dtype).itemsize + n_slots * sum(stream_kernels) * bd * 4
-            + n_slots * n_targets * heads * bt * 4 + n_targets * bt * bd * jnp.dtype(out_dtype).itemsize
-            + (len(stream_kernels) + 1) * 64 * 4 + 64 * 4 * (2 + 1))
+    window_fetch = window_fetch or DEFAULT_MIX_WINDOW_FETCH
+    if window_fetch == "per_chunk" and n_sources is None:
+        raise ValueError("mix_smem_bytes: window_fetch='per_chunk' holds a window per source: give n_sources")
+    n_windows = n_sources if window_fetch == "per_chunk" else n_slots
+    staged = _staged_targets(n_targets, window_fetch)
+    return (n_windows * _window_elems(stream_kernels, windows or default_windows("mix"), bd) * jnp.dtype(x_dtype).itemsize
+            + n_slots * sum(stream_kernels) * bd * 4
+            + n_slots * n_targets * heads * bt * 4 + staged * bt * bd * jnp.dtype(out_dtype).itemsize
+            + (len(stream_kernels) + 1) * 64 * 4 + 64 * 4 * (2 + 1) + (8 * n_windows if window_fetch == "per_chunk" else 0))
 
 
 def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: int, out_dtype=F32,
                per_target: bool = False, block_d: int | None = None, n_slots: int | None = None,
                windows: str | None = None, item_decode: str | None = None, interpret: bool = False,
-               timing_skip: tuple = ()):
+               window_fetch: str | None = None, timing_skip: tuple = ()):
     """Phase 1's mixing pass (``fused.mix_call(mode="acc")``) as one Mosaic GPU kernel:
     ``acc[s, r] = sum_i p[s, i, r] E_r[x_i]`` (Eq. 11's weighted sum over the completed sources,
     before the merge with the partial), each source's stream ``E_r`` built in registers (Eq. 10)
@@ -1462,8 +1484,13 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
     ``per_target``, a list of ``S`` arrays ``[m, B, T, d]`` (each its own output of the kernel).
     ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
     ``default_windows``). ``item_decode``: ``ITEM_DECODES`` (None: ``DEFAULT_MIX_ITEM_DECODE``).
-    ``timing_skip``: timing experiments only, the outputs are wrong (``MIX_TIMING_SKIPS``)."""
+    ``window_fetch``: ``MIX_WINDOW_FETCHES`` (None: ``DEFAULT_MIX_WINDOW_FETCH``); the sums are
+    the same in either. ``timing_skip``: timing experiments only, the outputs are wrong
+    (``MIX_TIMING_SKIPS``)."""
     n, batch, t_len, d = sources.shape
+    window_fetch = window_fetch or DEFAULT_MIX_WINDOW_FETCH
+    if window_fetch not in MIX_WINDOW_FETCHES:
+        raise ValueError(f"window_fetch={window_fetch!r}: must be one of {MIX_WINDOW_FETCHES}")
     timing_skip = tuple(sorted(set(timing_skip)))
     if any(k not in MIX_TIMING_SKIPS for k in timing_skip):
         raise ValueError(f"timing_skip={timing_skip!r}: each must be one of {MIX_TIMING_SKIPS}")
@@ -1476,7 +1503,8 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
         raise ValueError(f"p {p.shape}: want [S, {n}, {len(stream_kernels)}, {batch}, >= {t_len}, H]")
     if p.shape[5] != heads:
         raise ValueError(f"p {p.shape}: its last axis is the {heads} heads")
-    smem = functools.partial(mix_smem_bytes, n_targets=n_targets, n_slots=n_slots, windows=windows)
+    smem = functools.partial(mix_smem_bytes, n_targets=n_targets, n_slots=n_slots, windows=windows,
+                             window_fetch=window_fetch, n_sources=n)
     sh = _shape("phase1_mix", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, choices=MIX_BLOCK_D_CHOICES,
                 x_dtype=sources.dtype, acc_dtype=F32, out_dtype=out_dtype)
@@ -1493,7 +1521,7 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
                                   has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                                   out_dtype=jnp.dtype(out_dtype), per_target=bool(per_target), n_slots=n_slots,
                                   windows=windows, item_decode=item_decode, interpret=bool(interpret),
-                                  timing_skip=timing_skip))
+                                  window_fetch=window_fetch, timing_skip=timing_skip))
     out = call(*inputs)
     cut = lambda a: a[..., :t_len, :]  # noqa: E731
     return [cut(a) for a in out] if per_target else cut(out)
@@ -1520,6 +1548,7 @@ class _MixConfig(NamedTuple):
     windows: str
     item_decode: str
     interpret: bool
+    window_fetch: str = "per_item"
     timing_skip: tuple = ()
 
 
@@ -1542,12 +1571,19 @@ def _mix_kernel(cfg: _MixConfig):
     # timing only (``MIX_TIMING_SKIPS``): which streams' items bring their windows and p rows
     with_windows = [r == 0 or "windows" not in cfg.timing_skip for r in range(m)]
     with_p = [r == 0 or "p" not in cfg.timing_skip for r in range(m)]
+    # "per_chunk" (``MIX_WINDOW_FETCHES``): a window buffer and a barrier per source slot, apart
+    # from the items' ring, which then brings only the taps and the p rows
+    per_chunk_windows = cfg.window_fetch == "per_chunk"
+    if per_chunk_windows:
+        with_windows = [False] * m
     copies = [c if w else 0 for c, w in zip(copies, with_windows)]
+    staged = _staged_targets(n_targets, cfg.window_fetch)  # targets staged for the stores at once
     scratch = dict(
-        xs=plgpu.SMEM((n_slots, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
+        xs=plgpu.SMEM((n if per_chunk_windows else n_slots, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
         **{f"bs{r}": plgpu.SMEM((n_slots, kernel, bd), F32) for r, kernel in enumerate(stream_kernels) if taps[r]},
         ps=plgpu.SMEM((n_slots, n_targets * heads, bt), F32),
-        out_s=_tile_smem(plgpu, (n_targets, bt, bd), cfg.out_dtype),
+        out_s=_tile_smem(plgpu, (staged, bt, bd), cfg.out_dtype),
+        bar_win=plgpu.Barrier(num_arrivals=len(lags.copies(max_lag)), num_barriers=n) if per_chunk_windows else None,
         meta_s=plgpu.SMEM((n + 1, 64), jnp.int32),
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
         **{f"bar{r}": plgpu.Barrier(num_arrivals=copies[r] + taps[r] + with_p[r], num_barriers=n_slots)
@@ -1565,7 +1601,7 @@ def _mix_kernel(cfg: _MixConfig):
         xs, ps, out_s, meta_s, bits_s = (sc.get(k) for k in ("xs", "ps", "out_s", "meta_s", "bits_s"))
         bss = [sc.get(f"bs{r}") for r in range(m)]
         bars = [sc[f"bar{r}"] for r in range(m)]
-        bar_in = sc["bar_in"]
+        bar_in, bar_win = sc["bar_in"], sc.get("bar_win")
         b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
         rows = pl.ds(t0, bt)
         plgpu.copy_gmem_to_smem(meta_ref, meta_s, bar_in.at[0])
@@ -1588,6 +1624,13 @@ def _mix_kernel(cfg: _MixConfig):
                 plgpu.copy_gmem_to_smem(bank_ref.at[i, pl.ds(off, kernel), cs], bss[r].at[slot], bars[r].at[slot])
             if with_p[r]:
                 plgpu.copy_gmem_to_smem(p_ref.at[i, r, :, b, rows], ps.at[slot], bars[r].at[slot])
+
+        def fetch_window(c, j):
+            """"per_chunk": chunk ``c``'s window of valid source ``j`` (all the lags any stream
+            reaches) into its own buffer ``xs[j]``."""
+            i = meta_s[j, 0]
+            lags.fetch(plgpu, lambda lag, n_rows: x_ref.at[i * batch + b, pl.ds(t0 + front - lag, n_rows),
+                                                             lags.columns(c, bd)], xs, j, bar_win.at[j], max_lag)
 
         def decode(f):
             """Item ``f`` of the flat order (chunk, stream, valid source) as ``(c, r, j)`` (with no
@@ -1614,9 +1657,15 @@ def _mix_kernel(cfg: _MixConfig):
                 for rr in range(m):
                     pl.when(r == rr)(functools.partial(fetch_stream, rr, c, i, slot))
 
-        def expand(r, slot):
-            return _expand_item(plgpu, lags, xs, bss[r] if taps[r] else None, slot, stream_kernels[r], masks, bt, bd)
+        def expand(r, slot, j):
+            taps_s = bss[r] if taps[r] else None
+            if per_chunk_windows:  # the window from the source's buffer, the taps from the item's slot
+                return _expand_item(plgpu, lags, xs, taps_s, slot, stream_kernels[r], masks, bt, bd, window=j)
+            return _expand_item(plgpu, lags, xs, taps_s, slot, stream_kernels[r], masks, bt, bd)
 
+        if per_chunk_windows:
+            for j in range(n):
+                pl.when(j < n_live)(functools.partial(fetch_window, 0, j))
         for k in range(n_slots):
             fetch(k)
         carried = cfg.item_decode == "carried"
@@ -1632,10 +1681,14 @@ def _mix_kernel(cfg: _MixConfig):
                         accs, upcoming = carry
                         f = c * per_chunk + r * n_live + j
                         slot = lax.rem(f, n_slots)
+                        if per_chunk_windows and r == 0:  # the first stream waits for the chunk's window
+                            plgpu.barrier_wait(bar_win.at[j])
                         plgpu.barrier_wait(bars[r].at[slot])
-                        e = expand(r, slot)
+                        e = expand(r, slot, j)
                         accs = [accs[s] + _rows(plgpu.load(ps, (slot, s * heads + head), layout=row), bt, bd) * e
                                 for s in range(n_targets)]
+                        if per_chunk_windows and r == m - 1:  # the last stream is done with it: the next chunk's
+                            pl.when(c + 1 < nc)(functools.partial(fetch_window, c + 1, j))
                         if carried:
                             fetch(f + n_slots, upcoming)
                             upcoming = step(upcoming)
@@ -1644,16 +1697,18 @@ def _mix_kernel(cfg: _MixConfig):
                         return accs, upcoming
 
                     accs, upcoming = lax.fori_loop(0, n_live, source_body, ([zero] * n_targets, upcoming))
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores have read the staging
-                    for s in range(n_targets):
-                        out_s[s] = accs[s].astype(out_s.dtype)
-                    plgpu.commit_smem()
-                    # issued all at once: spread over the next chunk and stream's items (a few per
-                    # item) they made the pass 1.3-1.8x slower (session 25, call 4)
                     cs = pl.ds(c * bd, bd)
-                    if "stores" not in cfg.timing_skip:
-                        _store_group(plgpu, ((out_s.at[s], outs[s].at[r, b, rows, cs] if cfg.per_target
-                                              else outs[0].at[s, r, b, rows, cs]) for s in range(n_targets)))
+                    for s0 in range(0, n_targets, staged):  # "per_chunk": the targets in two halves
+                        group = range(s0, min(s0 + staged, n_targets))
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last stores have read the staging
+                        for s in group:
+                            out_s[s - s0] = accs[s].astype(out_s.dtype)
+                        plgpu.commit_smem()
+                        # issued all at once: spread over the next chunk and stream's items (a few per
+                        # item) they made the pass 1.3-1.8x slower (session 25, call 4)
+                        if "stores" not in cfg.timing_skip:
+                            _store_group(plgpu, ((out_s.at[s - s0], outs[s].at[r, b, rows, cs] if cfg.per_target
+                                                  else outs[0].at[s, r, b, rows, cs]) for s in group))
                 return upcoming
 
             upcoming = lax.fori_loop(head * nch, (head + 1) * nch, chunk_body, upcoming)

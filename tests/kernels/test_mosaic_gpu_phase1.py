@@ -111,8 +111,9 @@ def _direct_mix(sources, banks, p, seg, heads):
     # every source ruled out (a block's first read of an empty stack): zeros
     (2, 1, 70, 32, 2, 1, (False, False), None, jnp.bfloat16, jnp.float32, False, 2, None),
 ])
+@pytest.mark.parametrize("window_fetch", mosaic_gpu.MIX_WINDOW_FETCHES)
 def test_interpreted_mix_matches_direct_sum(n, batch, t_len, d, n_targets, heads, valid, cut, dtype, out_dtype,
-                                            per_target, slots, bd):
+                                            per_target, slots, bd, window_fetch):
     sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=dtype)
     seg = None if cut is None else _segments(batch, t_len, cut)
     # non-zero weights on every source, zero where ``valid`` rules one out (as phase 1 gives them);
@@ -122,7 +123,7 @@ def test_interpreted_mix_matches_direct_sum(n, batch, t_len, d, n_targets, heads
         p = p * jnp.asarray(valid)[None, :, None, None, None, None]
     got = mosaic_gpu.phase1_mix(sources, banks, p, seg, None if valid is None else jnp.asarray(valid),
                                 stream_kernels=KERNELS, heads=heads, out_dtype=out_dtype, per_target=per_target,
-                                n_slots=slots, block_d=bd, interpret=True)
+                                n_slots=slots, block_d=bd, interpret=True, window_fetch=window_fetch)
     want = _direct_mix(sources, banks, p, seg, heads)
     if per_target:
         assert isinstance(got, list) and len(got) == n_targets
@@ -183,13 +184,56 @@ def test_mix_item_decodes_agree(valid, slots):
         run("guess")
 
 
-@pytest.mark.parametrize("decode", mosaic_gpu.ITEM_DECODES)
-def test_mix_lowers_for_sm90(decode):
-    """The compiled mixing pass lowers for the H200 with either item decode."""
+@pytest.mark.parametrize("valid, slots, n_targets", [
+    ((True, False, True, True, True), 3, 5), ((False, True, False, False, False), 2, 8),
+    pytest.param((True,) * 5, 3, 8, marks=pytest.mark.slow),
+    pytest.param((False,) * 5, 3, 3, marks=pytest.mark.slow)],
+    ids=["four_valid_odd_targets", "one_valid_2_slots", "all_valid", "none_valid"])
+def test_mix_window_fetches_agree(valid, slots, n_targets):
+    """A chunk's windows brought once for all streams (``"per_chunk"``) write bitwise the states of
+    each item bringing its own (``MIX_WINDOW_FETCHES``): one valid source (a window is refilled
+    for the next chunk right after the last stream used it), more valid sources than slots, an
+    odd number of targets (the stores' staging in halves of 3 and 2), two heads, segments, several
+    chunks and a ragged end."""
+    n, batch, t_len, d, heads = len(valid), 2, 70, 128, 2
+    sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
+    p = jax.random.uniform(jax.random.key(5), (n_targets, n, len(KERNELS), batch, t_len, heads), minval=0.1)
+    p = p * jnp.asarray(valid)[None, :, None, None, None, None]
+
+    def run(window_fetch):
+        return np.asarray(mosaic_gpu.phase1_mix(sources, banks, p, _segments(batch, t_len, 41), jnp.asarray(valid),
+                                                stream_kernels=KERNELS, heads=heads, n_slots=slots,
+                                                window_fetch=window_fetch, interpret=True))
+
+    want = run("per_item")
+    np.testing.assert_array_equal(run("per_chunk"), want)
+    assert np.any(want) == any(valid)
+    with pytest.raises(ValueError, match="window_fetch='twice': must be one of"):
+        run("twice")
+
+
+def test_mix_window_fetch_smem():
+    """``"per_chunk"`` holds a window per source slot and stages half the targets: at the issue's
+    shape (9 sources, 8 targets) two programs still fit on an SM, as with ``"per_item"``."""
+    kw = dict(block_d=32, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16, out_dtype=jnp.float32, n_targets=8)
+    per_item = mosaic_gpu.mix_smem_bytes(**kw)
+    per_chunk = mosaic_gpu.mix_smem_bytes(**kw, window_fetch="per_chunk", n_sources=9)
+    window = 80 * 40 * 2  # 64 + 16 rows of 32 + 8 bf16 channels
+    assert per_chunk - per_item == (9 - 3) * window - 4 * 64 * 32 * 4 + 9 * 8
+    assert 2 * (per_chunk + 1024) <= 233472 and 2 * (per_item + 1024) <= 233472
+    with pytest.raises(ValueError, match="give n_sources"):
+        mosaic_gpu.mix_smem_bytes(**kw, window_fetch="per_chunk")
+
+
+@pytest.mark.parametrize("decode, window_fetch", [(d, "per_item") for d in mosaic_gpu.ITEM_DECODES]
+                         + [("divide", "per_chunk")])
+def test_mix_lowers_for_sm90(decode, window_fetch):
+    """The compiled mixing pass lowers for the H200 with either item decode and window fetch."""
     sources, banks, _ = _phase1_inputs(3, 2, 200, 64, 2, KERNELS, dtype=jnp.bfloat16)
     p = jnp.ones((2, 3, len(KERNELS), 2, 200, 1))
     fn = lambda x, b, w, v: mosaic_gpu.phase1_mix(x, b, w, _segments(2, 200, 30), v, stream_kernels=KERNELS,  # noqa: E731
-                                                  heads=1, per_target=True, item_decode=decode)
+                                                  heads=1, per_target=True, item_decode=decode,
+                                                  window_fetch=window_fetch)
     text = jax.jit(fn).trace(sources, banks, p, jnp.asarray([True, False, True])).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1
