@@ -373,10 +373,12 @@ def test_gpu_phase1_scores_match_triton():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
-def test_gpu_phase1_mix_matches_triton(state_dtype):
+@pytest.mark.parametrize("state_dtype, window_fetch", [(jnp.float32, "per_item"), (jnp.bfloat16, "per_item"),
+                                                       (jnp.float32, "per_chunk")])
+def test_gpu_phase1_mix_matches_triton(state_dtype, window_fetch):
     """On a GPU: the compiled mixing kernel against the compiled Triton one (bf16 sources, a
-    source ruled out, segments, two heads, ragged T, one output per target)."""
+    source ruled out, segments, two heads, ragged T, one output per target), with either window
+    fetch (``"per_chunk"``: also bitwise against ``"per_item"``)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     n, batch, t_len, d, n_targets, heads = 4, 3, 300, 256, 8, 2
@@ -386,8 +388,12 @@ def test_gpu_phase1_mix_matches_triton(state_dtype):
     t_pad, seg_p = fused._prepare(t_len, seg, tiles)
     p = jax.random.uniform(jax.random.key(7), (n_targets, n, 4, batch, t_pad, heads), minval=0.1)
     p = p * valid[None, :, None, None, None, None]
-    got = jax.jit(lambda *a: mosaic_gpu.phase1_mix(*a, stream_kernels=KERNELS, heads=heads, out_dtype=state_dtype,
-                                                   per_target=True))(sources, banks, p, seg, valid)
+    mix = lambda fetch: jax.jit(lambda *a: mosaic_gpu.phase1_mix(  # noqa: E731
+        *a, stream_kernels=KERNELS, heads=heads, out_dtype=state_dtype, per_target=True, window_fetch=fetch))
+    got = mix(window_fetch)(sources, banks, p, seg, valid)
+    if window_fetch != "per_item":
+        for g, w in zip(got, mix("per_item")(sources, banks, p, seg, valid), strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     want = jax.jit(lambda x, b, pp, s, v: fused.mix_call(
         fused._pad_t(x, 2, t_pad), b, pp, s, mode="acc", stream_kernels=KERNELS, heads=heads, tiles=tiles,
         backend="triton", interpret=False, out_dtype=state_dtype, valid=v, split_targets=True))(

@@ -1,10 +1,23 @@
 #!/bin/bash
-# Session 34, call 2: the main table at the issue's shape with today's defaults (gdots and
-# dstreams carrying their next item since session 33) and the new flop-floor column: MSAR and
-# AttnRes per sublayer. Carry [".whl"].
+# Session 34, call 2: the MSAR `base` step with today's defaults and with the mix's windows
+# brought once per chunk (whole profile header: the median step time), Vanilla's in the same
+# call, then experiments/mgpu/cluster_probe.py (clusters of 2-16 CTAs sharing per-token sums
+# through st.async: What remains 3). Carry [".whl"].
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD:$PWD/experiments/mgpu PYTHONUNBUFFERED=1
 S=$(date +%s)
-timeout 500 python -m pallas_kernels.depth_attention.bench --backward pallas --configs msar,attnres 2>&1 \
-    | grep -v Warning | tail -12 | tee $OUT/bench.txt
-cp bench_log.jsonl $OUT/ 2>/dev/null; echo "bench $(( $(date +%s)-S ))s"
+for fetch in per_item per_chunk; do
+  timeout 170 python -c "
+import sys; sys.path.insert(0, 'experiments')
+from pallas_kernels.depth_attention import mosaic_gpu
+mosaic_gpu.DEFAULT_MIX_WINDOW_FETCH = '$fetch'
+import profile_step
+profile_step.main(['configs/msar.py:size=base', '--steps', '2', '--warmup', '1', '--top', '8',
+                   '--set', 'model.residual.implementation=auto'])" 2>&1 | grep -v Warning > $OUT/step_msar_$fetch.txt
+  echo "step msar $fetch $(( $(date +%s)-S ))s"; S=$(date +%s); head -8 $OUT/step_msar_$fetch.txt; grep mix $OUT/step_msar_$fetch.txt
+done
+timeout 150 python experiments/profile_step.py configs/vanilla.py:size=base --steps 2 --warmup 1 --top 8 \
+    --set model.residual.implementation=auto 2>&1 | grep -v Warning > $OUT/step_vanilla.txt
+echo "step vanilla $(( $(date +%s)-S ))s"; S=$(date +%s); head -8 $OUT/step_vanilla.txt
+timeout 100 python experiments/mgpu/cluster_probe.py 2>&1 | grep -v Warning | tee $OUT/cluster_probe.txt
+echo "probe $(( $(date +%s)-S ))s"

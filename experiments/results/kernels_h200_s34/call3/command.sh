@@ -1,12 +1,10 @@
 #!/bin/bash
-# Session 34, call 3: what bounds phase 1's mixing pass. Session 25's Nsight Compute samples put
-# 16% of its warps' time in the four streams' slot waits (SYNCS TRYWAIT loops: the items' copies
-# not landed) and session 31 found more items in flight no faster: is the fill of shared memory
-# (each source's lag window brought once per stream, its p rows once per chunk) the bound? The
-# default against itself without streams 1-3's windows, their p rows, both, or the state's
-# stores (timing only: wrong outputs). Carry [".whl"].
+# Session 34, call 3: the main table at the issue's shape with today's defaults (gdots and
+# dstreams carrying their next item since session 33) and the new flop-floor column: MSAR and
+# AttnRes per sublayer. Carry [".whl"].
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD:$PWD/experiments/mgpu PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 S=$(date +%s)
-timeout 400 python experiments/mgpu/time_phase1_mix.py --fetch-bound 2>&1 | grep -v Warning | tee $OUT/fetch_bound.txt
-echo "fetch-bound $(( $(date +%s)-S ))s"
+timeout 500 python -m pallas_kernels.depth_attention.bench --backward pallas --configs msar,attnres 2>&1 \
+    | grep -v Warning | tail -12 | tee $OUT/bench.txt
+cp bench_log.jsonl $OUT/ 2>/dev/null; echo "bench $(( $(date +%s)-S ))s"
