@@ -159,6 +159,22 @@ def test_mix_store_groups_agree(monkeypatch, valid):
         assert not np.any(want)
 
 
+def _interpreted_mix(valid, slots, *, n_targets, batch, seed, cut, t_len=70, d=128, heads=2):
+    """``run(**options)``: the interpreted mixing pass on fixed random inputs (bf16 sources,
+    segments cut every ``cut`` tokens, non-zero weights on the ``valid`` sources), as numpy."""
+    n = len(valid)
+    sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
+    p = jax.random.uniform(jax.random.key(seed), (n_targets, n, len(KERNELS), batch, t_len, heads), minval=0.1)
+    p = p * jnp.asarray(valid)[None, :, None, None, None, None]
+
+    def run(**options):
+        return np.asarray(mosaic_gpu.phase1_mix(sources, banks, p, _segments(batch, t_len, cut), jnp.asarray(valid),
+                                                stream_kernels=KERNELS, heads=heads, n_slots=slots, interpret=True,
+                                                **options))
+
+    return run
+
+
 @pytest.mark.parametrize("valid, slots", [((True, False, False), 3), ((True, False, True), 2),
                                           pytest.param((True, True, True), 3, marks=pytest.mark.slow),
                                           pytest.param((False, False, False), 3, marks=pytest.mark.slow)],
@@ -167,16 +183,8 @@ def test_mix_item_decodes_agree(valid, slots):
     """The next item found by carrying its (chunk, stream, source) through the loops writes bitwise
     the states of decoding it from its flat index (``ITEM_DECODES``): one valid source (each slot
     refill steps over a whole stream), several channel chunks and two heads, a ragged end."""
-    n, batch, t_len, d, n_targets, heads = 3, 1, 70, 128, 3, 2
-    sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
-    p = jax.random.uniform(jax.random.key(7), (n_targets, n, len(KERNELS), batch, t_len, heads), minval=0.1)
-    p = p * jnp.asarray(valid)[None, :, None, None, None, None]
-
-    def run(decode):
-        return np.asarray(mosaic_gpu.phase1_mix(sources, banks, p, _segments(batch, t_len, 37), jnp.asarray(valid),
-                                                stream_kernels=KERNELS, heads=heads, n_slots=slots,
-                                                item_decode=decode, interpret=True))
-
+    mix = _interpreted_mix(valid, slots, n_targets=3, batch=1, seed=7, cut=37)
+    run = lambda decode: mix(item_decode=decode)  # noqa: E731
     want = run("divide")
     np.testing.assert_array_equal(run("carried"), want)
     assert np.any(want) == any(valid)
@@ -195,16 +203,8 @@ def test_mix_window_fetches_agree(valid, slots, n_targets):
     for the next chunk right after the last stream used it), more valid sources than slots, an
     odd number of targets (the stores' staging in halves of 3 and 2), two heads, segments, several
     chunks and a ragged end."""
-    n, batch, t_len, d, heads = len(valid), 2, 70, 128, 2
-    sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
-    p = jax.random.uniform(jax.random.key(5), (n_targets, n, len(KERNELS), batch, t_len, heads), minval=0.1)
-    p = p * jnp.asarray(valid)[None, :, None, None, None, None]
-
-    def run(window_fetch):
-        return np.asarray(mosaic_gpu.phase1_mix(sources, banks, p, _segments(batch, t_len, 41), jnp.asarray(valid),
-                                                stream_kernels=KERNELS, heads=heads, n_slots=slots,
-                                                window_fetch=window_fetch, interpret=True))
-
+    mix = _interpreted_mix(valid, slots, n_targets=n_targets, batch=2, seed=5, cut=41)
+    run = lambda fetch: mix(window_fetch=fetch)  # noqa: E731
     want = run("per_item")
     np.testing.assert_array_equal(run("per_chunk"), want)
     assert np.any(want) == any(valid)
