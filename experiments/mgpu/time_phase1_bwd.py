@@ -18,8 +18,11 @@ variant with 32- and 16-channel chunks (``block_d``); ``--store-groups``: gdots 
 per (head, stream) committed once and once each (``mosaic_gpu.STORE_GROUPS``). ``--attnres``: one
 stream without a conv (AttnRes; kernels ``(0,)``, no transpose) with ``ATTNRES_VARIANTS`` at 16-,
 32- and 64-channel chunks (session 29). ``--ga_bf16``: ``g_A`` in bf16, as the value channel hands
-one stream's kernels the read's ``dh`` (session 30). Run on the GPU: ``python
-experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants] [--bd16] [--attnres] [--ga_bf16]``."""
+one stream's kernels the read's ``dh`` (session 30). ``--window-fetch``: dstreams with each item
+bringing its source's lag windows and with a chunk's windows brought once for all streams
+(``mosaic_gpu_bwd1.WINDOW_FETCHES``; session 35). Run on the GPU: ``python
+experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants] [--bd16] [--attnres] [--ga_bf16]
+[--window-fetch]``."""
 import sys
 import traceback
 
@@ -50,6 +53,8 @@ if "--attnres" in sys.argv:
     KERNELS = (0,)
     VARIANTS = {mode: tuple(v[:3] for v in vs) for mode, vs in ATTNRES_VARIANTS.items()}
 GROUPS = (True, False) if "--store-groups" in sys.argv else (True,)
+# dstreams' window fetches to time (None: the module's default)
+FETCHES = mosaic_gpu_bwd1.WINDOW_FETCHES if "--window-fetch" in sys.argv else (None,)
 
 
 def _variants(mode, groups=GROUPS):
@@ -59,12 +64,13 @@ def _variants(mode, groups=GROUPS):
     return [(v, bd, g) for v in VARIANTS[mode] for bd in CHUNKS for g in groups]
 
 
-def _variant_label(mode, n, n_targets, slots, groups, regs, bd=32):
+def _variant_label(mode, n, n_targets, slots, groups, regs, bd=32, fetch=None):
     smem = mosaic_gpu_bwd1.smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
                                       acc_dtype=GA_DTYPE, n_targets=n_targets, n_sources=n, mode=mode,
-                                      n_slots=slots, group_slots=groups)
-    return (f"mosaic {mode} {slots}/{groups}{' regs' if regs else ''}{f' bd={bd}' if bd != 32 else ''} "
-            f"({smem // 1024} KB, {SM_SMEM // (smem + 1024)}/SM)")
+                                      n_slots=slots, group_slots=groups,
+                                      window_fetch=fetch or mosaic_gpu_bwd1.DEFAULT_DSTREAMS_WINDOW_FETCH)
+    return (f"mosaic {mode} {slots}/{groups}{' regs' if regs else ''}{f' bd={bd}' if bd != 32 else ''}"
+            f"{f' {fetch}' if fetch else ''} ({smem // 1024} KB, {SM_SMEM // (smem + 1024)}/SM)")
 
 
 def _timed(label, fn, args, want, floor_ms, rows=None):
@@ -140,12 +146,13 @@ def main():
         print(f"# dstreams: floor {floor:.4f} ms", flush=True)
         args = (sources, banks, queries, g_acc, p, dsr, w, valid)
         want = _timed("triton dstreams", triton_dstreams, args, None, floor)
-        for (slots, groups, regs), bd, _ in _variants("dstreams", groups=(True,)):
+        for ((slots, groups, regs), bd, _), fetch in ((v, f) for v in _variants("dstreams", groups=(True,))
+                                                      for f in FETCHES):
             mosaic_gpu_bwd1.GA_REGISTERS = regs
-            fn = (lambda sl, gs, bd: lambda x, b, q, ga, p, dsr, w, v: mosaic_gpu_bwd1.phase1_dstreams(
+            fn = (lambda sl, gs, bd, wf: lambda x, b, q, ga, p, dsr, w, v: mosaic_gpu_bwd1.phase1_dstreams(
                 x, b, q, ga, p, dsr, w, None, v, stream_kernels=KERNELS, heads=heads, out_dtype=jnp.bfloat16,
-                n_slots=sl, group_slots=gs, block_d=bd))(slots, groups, bd)
-            _timed(_variant_label("dstreams", n, n_targets, slots, groups, regs, bd), fn, args, want, floor,
+                n_slots=sl, group_slots=gs, block_d=bd, window_fetch=wf))(slots, groups, bd, fetch)
+            _timed(_variant_label("dstreams", n, n_targets, slots, groups, regs, bd, fetch), fn, args, want, floor,
                    rows=slice(0, n_live))
         del want
 

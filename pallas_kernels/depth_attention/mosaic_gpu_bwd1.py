@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu import (
-    BLOCK_T, F32, ITEM_DECODES, MAX_LAG_BITS, _cols, _expand_item, _jitted_kernel, _Lags, _lag_masks_of, _LanePlgpu,
+    BLOCK_T, F32, ITEM_DECODES, MAX_LAG_BITS, MIX_WINDOW_FETCHES, SMEM_BYTES, _cols, _expand_item, _jitted_kernel, _Lags, _lag_masks_of, _LanePlgpu,
     _pad_rows4, named_body,
     _plgpu_for, _rows, _rows4, _shape, _store_group, _tile_smem, _valid_first, _window_elems, default_windows,
     lag_bits,
@@ -72,16 +72,31 @@ SINGLE_STREAM_BF16_GA = {"gdots": (2, 1, False, 64), "dstreams": (2, 1, False, 6
 # last block and the issue's shape, the same bits; the MSAR `base` step's two kernels 63.0 -> 60.7
 # ms. Read when a kernel is traced.
 DEFAULT_ITEM_DECODE = "carried"
+# Where ``dstreams``' items find their source's lag window (``mosaic_gpu.MIX_WINDOW_FETCHES``, as in
+# ``phase1_mix``). "per_item": each item brings it into its pipeline slot, so a (source, chunk)
+# window comes once per stream (4 times for MSAR); "per_chunk": the groups run (head, chunk,
+# stream), a chunk's window of each valid source comes once into a buffer of its own that the
+# chunk's m groups read, and is refilled for the next chunk as the last stream's group is done
+# with it. It holds ``n`` windows (6.4 KB each at 32 channels) instead of ``SLOTS`` ones: up to 9
+# sources fit one program's shared memory with two group buffers; where it does not fit, the
+# default falls back to "per_item" (an explicit "per_chunk" raises). ``gdots`` takes "per_item"
+# only: its sums are per (head, stream) over the chunks, so a chunk-major order would hold m of
+# them. Read when a kernel is traced.
+WINDOW_FETCHES = MIX_WINDOW_FETCHES
+DEFAULT_DSTREAMS_WINDOW_FETCH = "per_item"
 
 
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, n_targets: int,
                n_sources: int, mode: str, out_dtype=jnp.bfloat16, n_slots: int | None = None,
-               group_slots: int | None = None, windows: str | None = None, **_unused) -> int:
+               group_slots: int | None = None, windows: str | None = None, window_fetch: str = "per_item",
+               **_unused) -> int:
     """Shared memory of one program of ``mode``'s kernel (its scratch list); ``acc_dtype``:
-    ``g_A``'s."""
+    ``g_A``'s; ``window_fetch`` (``WINDOW_FETCHES``): "per_chunk" holds a window per source."""
     bt, bd, n_slots, n_groups = BLOCK_T, block_d, n_slots or SLOTS[mode], group_slots or GROUP_SLOTS[mode]
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
-    total = (n_slots * _window_elems(stream_kernels, windows or default_windows(mode), bd) * size(x_dtype)
+    n_windows = n_sources if window_fetch == "per_chunk" else n_slots
+    total = (n_windows * _window_elems(stream_kernels, windows or default_windows(mode), bd) * size(x_dtype)
+             + (8 * n_sources if window_fetch == "per_chunk" else 0)
              + n_slots * sum(stream_kernels) * bd * 4 + n_groups * n_targets * bt * bd * size(acc_dtype)
              + (n_sources + 1) * 64 * 4 + bt * 4)
     if mode == "gdots":
@@ -128,7 +143,8 @@ def phase1_gdots(sources, banks, g_acc, segment_ids, valid, *, stream_kernels, h
 
 def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, valid, *, stream_kernels, heads: int,
                     out_dtype, block_d: int | None = None, n_slots: int | None = None,
-                    group_slots: int | None = None, windows: str | None = None, interpret: bool = False):
+                    group_slots: int | None = None, windows: str | None = None, interpret: bool = False,
+                    window_fetch: str | None = None):
     """The stream cotangents ``dE[n, m, B, T, d]`` (``out_dtype``) of the wide form's pass 4:
     ``dE[i, r] = sum_s (P_{s,i,r} g_A{s,r} + DSR_{s,i,r} q_{s,r}) - W_{i,r} E_r[x_i]`` (per head
     for ``P`` and ``DSR``). A source ``valid`` rules out is not written (its rows hold whatever
@@ -136,7 +152,9 @@ def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, vali
     (``conv_transpose.sources_transpose`` skips or masks those sources).
 
     ``queries[S, m, d]``, ``p``/``dsr`` ``[S, n, m, B, T', H]`` and ``w[n, m, B, T']`` float32
-    (``T' >= T``); the rest as ``phase1_gdots``."""
+    (``T' >= T``); ``window_fetch``: ``WINDOW_FETCHES`` (None: ``DEFAULT_DSTREAMS_WINDOW_FETCH``,
+    or "per_item" where "per_chunk" does not fit); the outputs are the same in either. The rest
+    as ``phase1_gdots``."""
     n, batch, t_len, d = sources.shape
     m = len(stream_kernels)
     n_targets = _check("phase1_dstreams", sources, g_acc, stream_kernels)
@@ -150,12 +168,30 @@ def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, vali
         raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: w {w.shape}: want [{n}, {m}, {batch}, >= {t_len}]")
     return _call("dstreams", sources, banks, g_acc, segment_ids, valid, stream_kernels=stream_kernels, heads=heads,
                  block_d=block_d, n_slots=n_slots, group_slots=group_slots, windows=windows, interpret=interpret,
-                 queries=queries, p=p,
-                 dsr=dsr, w=w, out_dtype=out_dtype)
+                 queries=queries, p=p, dsr=dsr, w=w, out_dtype=out_dtype, window_fetch=window_fetch)
+
+
+def _window_fetch(window_fetch: str | None, smem, *, block_d, interpret: bool, **dtypes) -> str:
+    """``dstreams``' window fetch: ``window_fetch``, or the default (``DEFAULT_DSTREAMS_WINDOW_FETCH``)
+    with its "per_chunk" taken only where one program's shared memory holds it (``smem``:
+    ``smem_bytes`` with the call's shape)."""
+    if window_fetch is not None:
+        if window_fetch not in WINDOW_FETCHES:
+            raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: window_fetch={window_fetch!r}: must be one of "
+                             f"{WINDOW_FETCHES}")
+        return window_fetch
+    default = DEFAULT_DSTREAMS_WINDOW_FETCH
+    if default not in WINDOW_FETCHES:
+        raise ValueError(f"mosaic_gpu_bwd1.DEFAULT_DSTREAMS_WINDOW_FETCH={default!r}: must be one of {WINDOW_FETCHES}")
+    if default == "per_chunk" and not interpret:
+        fits = any(smem(block_d=bd, window_fetch=default, **dtypes) <= SMEM_BYTES
+                   for bd in ((block_d,) if block_d else BLOCK_D_CHOICES))
+        return default if fits else "per_item"
+    return default
 
 
 def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, heads, block_d, n_slots, group_slots,
-          windows, interpret, queries=None, p=None, dsr=None, w=None, out_dtype=jnp.bfloat16):
+          windows, interpret, queries=None, p=None, dsr=None, w=None, out_dtype=jnp.bfloat16, window_fetch=None):
     n, batch, t_len, d = sources.shape
     m = len(stream_kernels)
     n_targets = _check(f"phase1_{mode}", sources, g_acc, stream_kernels)
@@ -174,6 +210,13 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
                          f"n_slots={n_slots} at least 1")
     smem = functools.partial(smem_bytes, n_targets=n_targets, n_sources=n, mode=mode, n_slots=n_slots,
                              group_slots=group_slots, windows=windows, out_dtype=out_dtype)
+    if mode == "gdots":
+        window_fetch = "per_item"
+    else:
+        window_fetch = _window_fetch(window_fetch, smem, block_d=block_d, interpret=interpret,
+                                     stream_kernels=stream_kernels, heads=heads, x_dtype=sources.dtype,
+                                     acc_dtype=acc_dtype)
+    smem = functools.partial(smem, window_fetch=window_fetch)
     sh = _shape(f"phase1_{mode}", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, choices=BLOCK_D_CHOICES,
                 x_dtype=sources.dtype, acc_dtype=acc_dtype, out_dtype=out_dtype)
@@ -195,7 +238,8 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
                            has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                            acc_dtype=jnp.dtype(acc_dtype), out_dtype=jnp.dtype(out_dtype), n_slots=n_slots,
                            group_slots=group_slots, ga_registers=ga_registers, windows=windows,
-                           item_decode=DEFAULT_ITEM_DECODE, interpret=bool(interpret)))
+                           item_decode=DEFAULT_ITEM_DECODE, interpret=bool(interpret),
+                           window_fetch=window_fetch))
     out = call(*inputs)
     if mode == "gdots":  # [n, m H S, B, Tp] -> [S, n, m, B, T, H]
         out = out.reshape(n, m, heads, n_targets, batch, t_pad).transpose(3, 0, 1, 4, 5, 2)
@@ -227,6 +271,7 @@ class _Config(NamedTuple):
     windows: str
     item_decode: str
     interpret: bool
+    window_fetch: str = "per_item"
 
 
 @functools.lru_cache(maxsize=None)
@@ -242,14 +287,20 @@ def _kernel(cfg: _Config):
     layout = _stream_layout(stream_kernels)
     max_lag = max([1, *stream_kernels])
     nch = d // bd // heads  # chunks per head
-    n_groups = heads * m * nch  # (head, stream, chunk) groups, in this order
+    # (head, stream, chunk) groups in this order; "per_chunk" windows: (head, chunk, stream)
+    per_chunk_windows = cfg.window_fetch == "per_chunk"
+    if per_chunk_windows and gdots:
+        raise ValueError("mosaic_gpu_bwd1: gdots takes window_fetch='per_item' only")
+    n_groups = heads * m * nch
     n_rows = 2 * n_targets + 1  # "dstreams": an item's per-token rows
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
     lags = _Lags.of(max_lag, cfg.windows)
-    copies = [len(lags.copies(kernel)) for kernel in stream_kernels]
+    # lag-window copies of a stream's item ("per_chunk": none, the windows come per source)
+    copies = [0 if per_chunk_windows else len(lags.copies(kernel)) for kernel in stream_kernels]
     taps = [has_bank and kernel > 0 for kernel in stream_kernels]
     scratch = dict(
-        xs=plgpu.SMEM((n_slots, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
+        xs=plgpu.SMEM((n if per_chunk_windows else n_slots, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
+        bar_win=plgpu.Barrier(num_arrivals=len(lags.copies(max_lag)), num_barriers=n) if per_chunk_windows else None,
         **{f"bs{r}": plgpu.SMEM((n_slots, kernel, bd), F32) for r, kernel in enumerate(stream_kernels) if taps[r]},
         gas=_tile_smem(plgpu, (n_gslots, n_targets, bt, bd), cfg.acc_dtype),
         qs=None if gdots else plgpu.SMEM((n_gslots, n_targets, bd), F32),
@@ -277,7 +328,7 @@ def _kernel(cfg: _Config):
             sc.get(k) for k in ("xs", "gas", "qs", "rs", "out_s", "dots_s", "meta_s", "bits_s"))
         bss = [sc.get(f"bs{r}") for r in range(m)]
         bars = [sc[f"bar{r}"] for r in range(m)]
-        gbar, bar_in = sc["gbar"], sc["bar_in"]
+        gbar, bar_in, bar_win = sc["gbar"], sc["bar_in"], sc.get("bar_win")
         b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
         rows = pl.ds(t0, bt)
         plgpu.copy_gmem_to_smem(meta_ref, meta_s, bar_in.at[0])
@@ -290,7 +341,10 @@ def _kernel(cfg: _Config):
 
         def group_of(g):
             """(head, stream, chunk) of group ``g``."""
-            return g // (m * nch), lax.rem(g // nch, m), (g // (m * nch)) * nch + lax.rem(g, nch)
+            head = g // (m * nch)
+            if per_chunk_windows:  # (head, chunk, stream)
+                return head, lax.rem(g, m), head * nch + lax.rem(g // m, nch)
+            return head, lax.rem(g // nch, m), head * nch + lax.rem(g, nch)
 
         def fetch_group(g):
             """Group ``g``'s ``g_A`` tiles (and query chunks) into its slot, if it has items."""
@@ -307,14 +361,22 @@ def _kernel(cfg: _Config):
         def fetch_item(r, head, c, i, slot):
             """Item (stream ``r``, chunk ``c``, source ``i``)'s copies into ``slot``."""
             cs, xcs = pl.ds(c * bd, bd), lags.columns(c, bd)
-            lags.fetch(plgpu, lambda lag, n_rows: x_ref.at[i * batch + b, pl.ds(t0 + front - lag, n_rows), xcs], xs,
-                       slot, bars[r].at[slot], stream_kernels[r])
+            if not per_chunk_windows:
+                lags.fetch(plgpu, lambda lag, n_rows: x_ref.at[i * batch + b, pl.ds(t0 + front - lag, n_rows), xcs],
+                           xs, slot, bars[r].at[slot], stream_kernels[r])
             if taps[r]:
                 kernel, off = layout[r]
                 plgpu.copy_gmem_to_smem(bank_ref.at[i, pl.ds(off, kernel), cs], bss[r].at[slot], bars[r].at[slot])
             if not gdots:
                 plgpu.copy_gmem_to_smem(rows_ref.at[i, r, pl.ds(head * n_rows, n_rows), b, rows], rs.at[slot],
                                         bars[r].at[slot])
+
+        def fetch_window(c, j):
+            """"per_chunk": chunk ``c``'s window of valid source ``j`` (every lag a stream reaches)
+            into its own buffer ``xs[j]``."""
+            i = meta_s[j, 0]
+            lags.fetch(plgpu, lambda lag, n_rows: x_ref.at[i * batch + b, pl.ds(t0 + front - lag, n_rows),
+                                                             lags.columns(c, bd)], xs, j, bar_win.at[j], max_lag)
 
         def step(item):
             """The item after ``item = (g, j)`` in the flat order (group, valid source)."""
@@ -334,9 +396,14 @@ def _kernel(cfg: _Config):
                 for rr in range(m):
                     pl.when(r == rr)(functools.partial(fetch_item, rr, head, c, i, slot))
 
-        def expand(r, slot):
-            return _expand_item(plgpu, lags, xs, bss[r] if taps[r] else None, slot, stream_kernels[r], masks, bt, bd)
+        def expand(r, slot, j):
+            # "per_chunk": the window from the source's buffer, the taps from the item's slot
+            return _expand_item(plgpu, lags, xs, bss[r] if taps[r] else None, slot, stream_kernels[r], masks, bt, bd,
+                                window=j if per_chunk_windows else None)
 
+        if per_chunk_windows:
+            for j in range(n):
+                pl.when(j < n_live)(functools.partial(fetch_window, 0, j))
         for k in range(n_slots):
             fetch(k)
         for g in range(n_gslots):
@@ -347,7 +414,73 @@ def _kernel(cfg: _Config):
         upcoming = (jnp.int32(n_slots) // jnp.maximum(n_live, 1), lax.rem(jnp.int32(n_slots), jnp.maximum(n_live, 1))
                     ) if carried else 0
         zero_row = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
+
+        def group_body(g, c, r: int, upcoming):
+            """Group ``g`` (chunk ``c``, stream ``r``): its items, one per valid source."""
+            gslot, cs = lax.rem(g, n_gslots), pl.ds(c * bd, bd)
+
+            @pl.when(n_live > 0)
+            def _():
+                plgpu.barrier_wait(gbar.at[gslot])
+
+            def ga_tile(s):
+                return plgpu.load(gas, (gslot, s), layout=tile).astype(F32)
+
+            if cfg.ga_registers:  # loaded once for the group's items (garbage when it has none)
+                held = [ga_tile(s) for s in range(n_targets)]
+                ga_tile = held.__getitem__  # noqa: F811
+
+            def source_body(j, upcoming):
+                f = g * n_live + j
+                slot = lax.rem(f, n_slots)
+                if per_chunk_windows and r == 0:  # the chunk's first stream waits for the source's window
+                    plgpu.barrier_wait(bar_win.at[j])
+                plgpu.barrier_wait(bars[r].at[slot])
+                e = expand(r, slot, j)
+                i = meta_s[j, 0]
+                if gdots:
+                    for s in range(n_targets):
+                        ga = ga_tile(s)
+                        dots_s[i, s] = plgpu.load(dots_s, (i, s), layout=row) + jnp.sum(ga * e, axis=1)
+                else:
+                    def row_of(k):
+                        return _rows(plgpu.load(rs, (slot, k), layout=row), bt, bd)
+
+                    de = -row_of(2 * n_targets) * e
+                    for s in range(n_targets):
+                        ga = ga_tile(s)
+                        q = _cols(plgpu.load(qs, (gslot, s), layout=col), bt, bd)
+                        de = de + row_of(s) * ga + row_of(n_targets + s) * q
+                    oslot = lax.rem(f, 2)
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot is read
+                    out_s[oslot] = de.astype(out_s.dtype)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_s.at[oslot], out_ref.at[i, r, b, rows, cs])
+                if per_chunk_windows and r == m - 1:  # the last stream is done with it: the next chunk's
+                    pl.when(c + 1 < heads * nch)(functools.partial(fetch_window, c + 1, j))
+                if carried:
+                    fetch(f + n_slots, upcoming)
+                    upcoming = step(upcoming)
+                else:
+                    fetch(f + n_slots)
+                return upcoming
+
+            upcoming = lax.fori_loop(0, n_live, source_body, upcoming)
+            # every thread is done with this group's g_A slot (and, for gdots, its sums)
+            plgpu.commit_smem()
+            fetch_group(g + n_gslots)
+            return upcoming
+
         for head in range(heads):
+            if per_chunk_windows:  # (head, chunk, stream): a chunk's windows serve its m groups
+
+                def chunk_body(cc, upcoming, head=head):
+                    for r in range(m):
+                        upcoming = group_body((head * nch + cc) * m + r, head * nch + cc, r, upcoming)
+                    return upcoming
+
+                upcoming = lax.fori_loop(0, nch, chunk_body, upcoming)
+                continue
             for r in range(m):
                 if gdots:  # this (head, stream)'s sums start at zero, once the last one's stores have read them
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -355,60 +488,9 @@ def _kernel(cfg: _Config):
                         for s in range(n_targets):
                             dots_s[i, s] = zero_row
                     plgpu.commit_smem()
-
-                def chunk_body(cc, upcoming, head=head, r=r):
-                    g = (head * m + r) * nch + cc
-                    gslot, cs = lax.rem(g, n_gslots), pl.ds((head * nch + cc) * bd, bd)
-
-                    @pl.when(n_live > 0)
-                    def _():
-                        plgpu.barrier_wait(gbar.at[gslot])
-
-                    def ga_tile(s):
-                        return plgpu.load(gas, (gslot, s), layout=tile).astype(F32)
-
-                    if cfg.ga_registers:  # loaded once for the group's items (garbage when it has none)
-                        held = [ga_tile(s) for s in range(n_targets)]
-                        ga_tile = held.__getitem__  # noqa: F811
-
-                    def source_body(j, upcoming):
-                        f = g * n_live + j
-                        slot = lax.rem(f, n_slots)
-                        plgpu.barrier_wait(bars[r].at[slot])
-                        e = expand(r, slot)
-                        i = meta_s[j, 0]
-                        if gdots:
-                            for s in range(n_targets):
-                                ga = ga_tile(s)
-                                dots_s[i, s] = plgpu.load(dots_s, (i, s), layout=row) + jnp.sum(ga * e, axis=1)
-                        else:
-                            def row_of(k):
-                                return _rows(plgpu.load(rs, (slot, k), layout=row), bt, bd)
-
-                            de = -row_of(2 * n_targets) * e
-                            for s in range(n_targets):
-                                ga = ga_tile(s)
-                                q = _cols(plgpu.load(qs, (gslot, s), layout=col), bt, bd)
-                                de = de + row_of(s) * ga + row_of(n_targets + s) * q
-                            oslot = lax.rem(f, 2)
-                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot is read
-                            out_s[oslot] = de.astype(out_s.dtype)
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(out_s.at[oslot], out_ref.at[i, r, b, rows, cs])
-                        if carried:
-                            fetch(f + n_slots, upcoming)
-                            upcoming = step(upcoming)
-                        else:
-                            fetch(f + n_slots)
-                        return upcoming
-
-                    upcoming = lax.fori_loop(0, n_live, source_body, upcoming)
-                    # every thread is done with this group's g_A slot (and, for gdots, its sums)
-                    plgpu.commit_smem()
-                    fetch_group(g + n_gslots)
-                    return upcoming
-
-                upcoming = lax.fori_loop(0, nch, chunk_body, upcoming)
+                upcoming = lax.fori_loop(
+                    0, nch, lambda cc, upcoming, head=head, r=r: group_body((head * m + r) * nch + cc, head * nch + cc,
+                                                                            r, upcoming), upcoming)
                 if gdots:
                     _store_group(plgpu, ((dots_s.at[i], out_ref.at[i, pl.ds((r * heads + head) * n_targets, n_targets),
                                                                    b, rows]) for i in range(n)))

@@ -8,6 +8,7 @@ takes all three) is ``test_mosaic_gpu_phase1.test_phase1_op_with_mosaic_kernels_
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 
@@ -16,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.depth_attention import _backend, conv_transpose, fused, fused_bwd_phase1, mosaic_gpu_bwd1, tiling
+from pallas_kernels.depth_attention import (
+    _backend, conv_transpose, fused, fused_bwd_phase1, mosaic_gpu, mosaic_gpu_bwd1, tiling,
+)
 from tests.kernels.test_depth_attention_fused import F32_TOL, _check_tree, _phase1_inputs
 from tests.kernels.test_mosaic_gpu_phase1 import _segments
 
@@ -75,13 +78,19 @@ def _triton_form(args, heads, backend="interpret"):
     return gd, de[:, :, :, :t_len]
 
 
-def _mosaic(args, heads, interpret=True, slots=(None, None)):
+def _mosaic(args, heads, interpret=True, slots=(None, None), window_fetch=None):
     sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
     kw = dict(stream_kernels=KERNELS, heads=heads, interpret=interpret, n_slots=slots[0], group_slots=slots[1])
     gd = mosaic_gpu_bwd1.phase1_gdots(sources, banks, g_acc, seg, valid, **kw)
     de = mosaic_gpu_bwd1.phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, seg, valid,
-                                         out_dtype=jnp.float32, **kw)
+                                         out_dtype=jnp.float32, window_fetch=window_fetch, **kw)
     return gd, de
+
+
+def _dstreams(args, heads, **kw):
+    sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
+    return mosaic_gpu_bwd1.phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, seg, valid,
+                                           stream_kernels=KERNELS, heads=heads, out_dtype=jnp.float32, **kw)
 
 
 def _live(valid, n):
@@ -123,6 +132,73 @@ def test_item_decodes_agree(monkeypatch, valid):
     monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_ITEM_DECODE", "guess")
     with pytest.raises(ValueError, match="DEFAULT_ITEM_DECODE='guess': must be one of"):
         _mosaic(args, 2)
+
+
+@pytest.mark.parametrize("valid", [(True, False, True), pytest.param((True, False, False), marks=pytest.mark.slow),
+                                   pytest.param((False, False, False), marks=pytest.mark.slow)],
+                         ids=["ruled_out", "one_valid", "none_valid"])
+def test_dstreams_window_fetches_agree(valid):
+    """``dstreams`` with a chunk's lag windows brought once for all its streams (``"per_chunk"``:
+    groups ordered (head, chunk, stream), a buffer per valid source refilled as the last stream
+    is done with it) writes bitwise what it writes with each item bringing its own: two heads of
+    two channel chunks each (the refill crosses into the next head), segments, a source ruled
+    out, one valid source, none."""
+    args = _inputs(3, 1, 70, 128, 2, 2, valid, 30, jnp.bfloat16, jnp.float32, True)
+    want, got = (np.asarray(_dstreams(args, 2, interpret=True, window_fetch=wf)) for wf in mosaic_gpu_bwd1.WINDOW_FETCHES)
+    live = _live(args[-1], 3)
+    np.testing.assert_array_equal(got[live], want[live])
+    assert np.all(np.isfinite(want[live])) and (np.abs(want[live]).max() > 1 if live.any() else True)
+
+
+@pytest.mark.slow
+def test_dstreams_per_chunk_matches_the_pallas_pass_with_one_group_buffer():
+    """``"per_chunk"`` against the Triton pass with one group buffer and two items in flight (the
+    ring turns over within a group), a bf16 state's cotangent and T under a tile."""
+    args = _inputs(2, 1, 50, 32, 2, 1, None, 20, jnp.bfloat16, jnp.bfloat16, True)
+    got = _dstreams(args, 1, interpret=True, window_fetch="per_chunk", n_slots=2, group_slots=1)
+    _check_tree(got, _triton_form(args, 1)[1], F32_TOL)
+
+
+def _recorded_fetches(monkeypatch):
+    seen, real = [], mosaic_gpu_bwd1._kernel
+    monkeypatch.setattr(mosaic_gpu_bwd1, "_kernel", lambda cfg: seen.append((cfg.mode, cfg.window_fetch)) or real(cfg))
+    return seen
+
+
+def test_dstreams_window_fetch_choice_and_its_errors(monkeypatch):
+    """The default's ``"per_chunk"`` holds a window per source: taken where one program's shared
+    memory holds them (the issue's 9 sources at 32 channels with a bf16 ``dE``; 8 with the
+    float32 ``dE`` these tests ask for), ``"per_item"`` where it does not (12); asked for
+    explicitly where it does not fit, it raises, as an unknown value does. ``gdots`` always takes
+    ``"per_item"``."""
+    seen = _recorded_fetches(monkeypatch)
+    smem = functools.partial(mosaic_gpu_bwd1.smem_bytes, block_d=32, stream_kernels=KERNELS, heads=1,
+                             x_dtype=jnp.bfloat16, acc_dtype=jnp.float32, n_targets=8, mode="dstreams")
+    assert smem(n_sources=9, window_fetch="per_chunk") <= mosaic_gpu.SMEM_BYTES < smem(n_sources=12,
+                                                                                        window_fetch="per_chunk")
+    assert smem(n_sources=9, window_fetch="per_chunk") - smem(n_sources=9) == (9 - 3) * 6400 + 8 * 9
+
+    def lower(n, **kw):
+        args = _inputs(n, 1, 64, 64, 8, 1, None, None, jnp.bfloat16, jnp.float32, True)
+        fn = lambda *a: _dstreams(a, 1, **kw)  # noqa: E731
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_DSTREAMS_WINDOW_FETCH", "per_chunk")
+    lower(8)
+    lower(12)
+    assert seen == [("dstreams", "per_chunk"), ("dstreams", "per_item")], seen
+    with pytest.raises(NotImplementedError, match="phase1_dstreams: no channel chunk"):
+        lower(12, window_fetch="per_chunk")
+    with pytest.raises(ValueError, match="window_fetch='per_lag': must be one of"):
+        lower(2, window_fetch="per_lag")
+    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_DSTREAMS_WINDOW_FETCH", "sometimes")
+    with pytest.raises(ValueError, match="DEFAULT_DSTREAMS_WINDOW_FETCH='sometimes': must be one of"):
+        lower(2)
+    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_DSTREAMS_WINDOW_FETCH", "per_chunk")
+    seen.clear()
+    args = _inputs(3, 1, 64, 64, 2, 1, None, None, jnp.bfloat16, jnp.float32, True)
+    jax.jit(lambda *a: _mosaic(a, 1, interpret=False)).trace(*args).lower(lowering_platforms=("cuda",))
+    assert seen == [("gdots", "per_item"), ("dstreams", "per_chunk")], seen
 
 
 @pytest.mark.slow
@@ -248,6 +324,18 @@ def test_kernels_lower_for_sm90(mode, t_len, segments, group_slots):
     assert text.count("custom_call @mosaic_gpu_v2") == 1
 
 
+@pytest.mark.parametrize("t_len, segments, group_slots", [(200, True, 2), pytest.param(64, False, 1,
+                                                                                     marks=pytest.mark.slow)])
+def test_dstreams_per_chunk_lowers_for_sm90(t_len, segments, group_slots):
+    """``dstreams`` with its windows per chunk lowers for the H200 (session 35 also compiled it for
+    sm_90a, ptxas included: 255 registers, no spills)."""
+    args = _inputs(3, 2, t_len, 128, 2, 2, (True, True, False), 30 if segments else None, jnp.bfloat16,
+                   jnp.float32, True)
+    fn = lambda *a: _dstreams(a, 2, window_fetch="per_chunk", group_slots=group_slots)  # noqa: E731
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu_v2") == 1
+
+
 @pytest.mark.parametrize("mode", mosaic_gpu_bwd1.MODES)
 def test_divided_item_decode_lowers_for_sm90(monkeypatch, mode):
     """The kernels with the next item decoded from its flat index (the option; the default
@@ -334,6 +422,9 @@ def test_gpu_kernels_match_the_triton_passes():
     live = _live(args[-1], 4)
     _check_tree(got[0], want[0], 1e-5)
     _check_tree(got[1][live], want[1][live], 1e-5)
+    for fetch in mosaic_gpu_bwd1.WINDOW_FETCHES:  # dstreams with its lag windows per item and per chunk
+        got_de = jax.jit(lambda *a: _dstreams(a, heads, window_fetch=fetch))(*args)  # noqa: B023
+        _check_tree(got_de[live], want[1][live], 1e-5)
     # the transpose (bf16 cotangents and sources, float32 outputs)
     t_args = _transpose_inputs(4, 3, 300, 256, (True, True, False, True), 77)
     got = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS,
