@@ -20,9 +20,9 @@ stream without a conv (AttnRes; kernels ``(0,)``, no transpose) with ``ATTNRES_V
 32- and 64-channel chunks (session 29). ``--ga_bf16``: ``g_A`` in bf16, as the value channel hands
 one stream's kernels the read's ``dh`` (session 30). ``--window-fetch``: dstreams with each item
 bringing its source's lag windows and with a chunk's windows brought once for all streams
-(``mosaic_gpu_bwd1.WINDOW_FETCHES``; session 35). Run on the GPU: ``python
-experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants] [--bd16] [--attnres] [--ga_bf16]
-[--window-fetch]``."""
+(``mosaic_gpu_bwd1.WINDOW_FETCHES``; session 35); ``--dstreams-only``: leave out gdots and the
+transpose. Run on the GPU: ``python experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants]
+[--bd16] [--attnres] [--ga_bf16] [--window-fetch] [--dstreams-only]``."""
 import sys
 import traceback
 
@@ -55,6 +55,7 @@ if "--attnres" in sys.argv:
 GROUPS = (True, False) if "--store-groups" in sys.argv else (True,)
 # dstreams' window fetches to time (None: the module's default)
 FETCHES = mosaic_gpu_bwd1.WINDOW_FETCHES if "--window-fetch" in sys.argv else (None,)
+DSTREAMS_ONLY = "--dstreams-only" in sys.argv
 
 
 def _variants(mode, groups=GROUPS):
@@ -125,8 +126,9 @@ def main():
 
         floor = (ga_bytes + x_bytes) / bw * 1e3
         print(f"# gdots: floor {floor:.4f} ms", flush=True)
-        want = _timed("triton gdots", triton_gdots, (sources, banks, g_acc, valid), None, floor)
-        for (slots, groups, regs), bd, grouped in _variants("gdots"):
+        want = None if DSTREAMS_ONLY else _timed("triton gdots", triton_gdots, (sources, banks, g_acc, valid), None,
+                                                 floor)
+        for (slots, groups, regs), bd, grouped in [] if DSTREAMS_ONLY else _variants("gdots"):
             mosaic_gpu_bwd1.GA_REGISTERS = regs  # read when the jitted function traces (first call in _timed)
             set_store_groups(grouped)
             fn = (lambda sl, gs, bd: lambda x, b, ga, v: mosaic_gpu_bwd1.phase1_gdots(
@@ -156,7 +158,7 @@ def main():
                    rows=slice(0, n_live))
         del want
 
-        if not any(KERNELS):  # no conv: the transpose is a sum over the streams, in XLA
+        if not any(KERNELS) or DSTREAMS_ONLY:  # no conv: the transpose is a sum over the streams, in XLA
             continue
         # the expansion's transpose of the live sources' stream cotangents (bf16, as the wide form writes them)
         d_streams = jax.random.normal(k[6], (n, m, batch, t_len, d), jnp.bfloat16)
