@@ -133,8 +133,8 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
         acc_dtype, out_dtype = state_dtype, jnp.promote_types(sources.dtype, jnp.bfloat16)
         smem = functools.partial(mosaic_gpu_bwd1.smem_bytes, mode=kernel, n_sources=sources.shape[0])
     else:
-        smem = {"scores": mosaic_gpu.scores_smem_bytes,
-                "mix": functools.partial(mosaic_gpu.mix_smem_bytes, n_sources=sources.shape[0])}[kernel]
+        smem = functools.partial({"scores": mosaic_gpu.scores_smem_bytes, "mix": mosaic_gpu.mix_smem_bytes}[kernel],
+                                 n_sources=sources.shape[0])
     bd = mosaic_gpu.choose_block_d(d=sources.shape[-1], heads=static.heads, stream_kernels=static.stream_kernels,
                                    x_dtype=sources.dtype, acc_dtype=acc_dtype, out_dtype=out_dtype,
                                    smem_limit=None if interpret else mosaic_gpu.SMEM_BYTES,

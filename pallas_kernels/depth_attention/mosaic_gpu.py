@@ -67,7 +67,27 @@ BLOCK_T = 64  # one warpgroup's WGMMA register layout: 64 rows
 MAX_LAG_BITS = 31  # lag bits per token in one int32 (``lag_bits``)
 
 
-SMEM_BYTES = 232448 - 4096  # the H200's shared memory per block, less room for barriers and alignment
+# What Mosaic GPU lets one program allocate on the H200 (227 KiB, its limit for sm_90). The
+# kernels' counts (``smem_bytes``, ``state_smem_bytes``, ``scores_smem_bytes``, ``mix_smem_bytes``,
+# ``mosaic_gpu_bwd1.smem_bytes``) lay out the scratch list as Pallas does (``_smem_sum``), so they
+# bound the allocation from above (``tests/kernels/test_mosaic_gpu_smem.py`` lowers each kernel
+# and compares); until session 35 they summed the buffers' bytes alone against 4 KiB less than
+# this, and the mix's and the scoring pass's missed a row per source of their valid-source lists.
+SMEM_BYTES = 227 * 1024
+SMEM_ALIGNMENT = 1024  # Pallas' Mosaic GPU lowering starts each scratch buffer at a multiple of this
+BARRIER_BYTES = 8  # one mbarrier, after the scratch buffers
+# what Pallas reserves for a kernel that sums across warps (``CompilerParams.reduction_scratch_bytes``,
+# its default; our kernels' row and column sums of WGMMA-layout tiles)
+REDUCTION_SCRATCH_BYTES = 2048
+
+
+def _smem_sum(*buffers: int, barriers: int = 0, reduces: bool = False) -> int:
+    """Shared memory of a scratch list as Pallas lays it out: each buffer's bytes (0: absent)
+    rounded up to ``SMEM_ALIGNMENT``, the reduction scratch of a kernel that ``reduces`` across
+    warps, then ``barriers`` mbarriers."""
+    return (sum(-(-b // SMEM_ALIGNMENT) * SMEM_ALIGNMENT for b in buffers) + BARRIER_BYTES * barriers
+            + (REDUCTION_SCRATCH_BYTES if reduces else 0))
+
 # Channel chunks, widest first. 16 ran MSAR's forward at `base` 12-13% slower than 32 (1.59-1.60
 # against 1.42 ms) and AttnRes's crashed with a misaligned address on the H200 (session 16, calls 1 and 3), so
 # only 32 is offered: a program that does not fit with it (a float32 partial) runs on Triton.
@@ -76,13 +96,16 @@ BLOCK_D_CHOICES = (32,)
 
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, out_dtype,
                gate: bool = True, windows: str | None = None) -> int:
-    """Shared memory of one program of ``phase2_fused_forward`` (its scratch list)."""
-    bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
+    """Shared memory of one program of ``phase2_fused_forward`` (its scratch list, ``_smem_sum``;
+    the taps and segment bits counted whether present or not)."""
+    bt, bd, m, mh = BLOCK_T, block_d, len(stream_kernels), len(stream_kernels) * heads
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
     n_taps = max(1, sum(stream_kernels))
-    return (2 * _window_elems(stream_kernels, windows or default_windows("forward"), bd) * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bd * 4
-            + 2 * m * bt * bd * size(acc_dtype) + (2 * m * m * bd * 4 if gate else 0)
-            + (2 * m * heads + 1 + m + 2 + m * heads + m) * bt * 4 + 2 * bt * bd * size(out_dtype))
+    n_consts = 1 + (1 + m if gate else 0)  # include, then the gate's scale and biases
+    return _smem_sum(2 * _window_elems(stream_kernels, windows or default_windows("forward"), bd) * size(x_dtype),
+                     2 * n_taps * bd * 4, 2 * m * bd * 4, 2 * m * bt * bd * size(acc_dtype),
+                     2 * m * m * bd * 4 if gate else 0, 2 * mh * bt * 4, bt * 4, n_consts * bt * 4, mh * bt * 4,
+                     m * bt * 4, 2 * bt * bd * size(out_dtype), barriers=5, reduces=True)
 
 
 # Whether ``phase2_backward_state`` stores its per-head sums through the buffer its per-token
@@ -95,16 +118,20 @@ STATE_SUMS_IN_ROWS = False
 
 def state_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype,
                      out_dtype=F32, gate: bool = True, windows: str | None = None,
-                     sums_in_rows: bool | None = None) -> int:
-    """Shared memory of one program of ``phase2_backward_state`` (its scratch list;
-    ``sums_in_rows``: None is ``STATE_SUMS_IN_ROWS``)."""
+                     sums_in_rows: bool | None = None, dh_dtype=F32) -> int:
+    """Shared memory of one program of ``phase2_backward_state`` (its scratch list, ``_smem_sum``;
+    ``sums_in_rows``: None is ``STATE_SUMS_IN_ROWS``; ``dh_dtype``: the output cotangent's, float32
+    when not known)."""
     sums_in_rows = STATE_SUMS_IN_ROWS if sums_in_rows is None else sums_in_rows
-    bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
+    bt, bd, m, mh = BLOCK_T, block_d, len(stream_kernels), len(stream_kernels) * heads
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
     n_taps = max(1, sum(stream_kernels))
-    return (2 * _window_elems(stream_kernels, windows or default_windows("backward_state"), bd) * size(x_dtype) + 2 * n_taps * bd * 4 + 2 * m * bt * bd * size(acc_dtype)
-            + 2 * bt * bd * 4 + (2 * m * m * bd * 4 if gate else 0)
-            + ((3 if sums_in_rows else 6) * m * heads + 1 + (4 * m + 3 if gate else 0)) * bt * 4)
+    return _smem_sum(
+        2 * _window_elems(stream_kernels, windows or default_windows("backward_state"), bd) * size(x_dtype),
+        2 * n_taps * bd * 4, 2 * m * bt * bd * size(acc_dtype), 2 * bt * bd * size(dh_dtype),
+        2 * m * m * bd * 4 if gate else 0,
+        3 * mh * bt * 4, (1 + m) * bt * 4 if gate else 0, bt * 4, 0 if sums_in_rows else 3 * mh * bt * 4,
+        (3 * m + 2) * bt * 4 if gate else 0, barriers=3, reduces=True)
 
 
 def choose_block_d(*, d: int, heads: int, stream_kernels: Sequence[int], x_dtype, acc_dtype, out_dtype,
@@ -933,7 +960,8 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     gate = gate_params is not None
     sh = _shape("phase2_backward_state", partial, segment_ids, stream_kernels=stream_kernels, heads=heads,
                 block_d=block_d, interpret=interpret,
-                smem=functools.partial(state_smem_bytes, windows=windows, sums_in_rows=STATE_SUMS_IN_ROWS),
+                smem=functools.partial(state_smem_bytes, windows=windows, sums_in_rows=STATE_SUMS_IN_ROWS,
+                                       dh_dtype=dh.dtype),
                 x_dtype=partial.dtype, acc_dtype=acc.dtype, out_dtype=F32, gate=gate)
     batch, t_len, d, bd, t_pad, x = sh.batch, sh.t_len, sh.d, sh.block_d, sh.t_pad, sh.x
     front, has_bank, has_seg, mh = sh.front, sh.has_bank, sh.has_seg, m * heads
@@ -1172,13 +1200,14 @@ def _state_kernel(cfg: _StateConfig):
 
 
 def scores_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, n_targets: int,
-                      windows: str | None = None, n_slots: int | None = None, **_unused) -> int:
-    """Shared memory of one program of ``phase1_scores`` (its scratch list)."""
+                      n_sources: int, windows: str | None = None, n_slots: int | None = None, **_unused) -> int:
+    """Shared memory of one program of ``phase1_scores`` (its scratch list, ``_smem_sum``)."""
     bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
     n_taps, slots = max(1, sum(stream_kernels)), n_slots or SCORES_SLOTS
-    return (slots * _window_elems(stream_kernels, windows or default_windows("scores"), bd) * jnp.dtype(x_dtype).itemsize
-            + slots * n_taps * bd * 4 + slots * n_targets * m * bd * 4 + (n_targets * m * heads + m + 1) * bt * 4
-            + 64 * 4)
+    return _smem_sum(
+        slots * _window_elems(stream_kernels, windows or default_windows("scores"), bd) * jnp.dtype(x_dtype).itemsize,
+        slots * n_taps * bd * 4, slots * n_targets * m * bd * 4, n_sources * 64 * 4, bt * 4,
+        n_targets * m * heads * bt * 4, m * bt * 4, barriers=slots + 1, reduces=True)
 
 
 # Channel chunks in flight in ``phase1_scores``'s TMA pipeline (the one being reduced and the next
@@ -1252,7 +1281,7 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
     if defer_sums and block_d not in (None, 32):
         raise ValueError(f"mosaic_gpu.phase1_scores: defer_sums with block_d={block_d}: its accumulators fit "
                          "in registers with 32-channel chunks only")
-    smem = functools.partial(scores_smem_bytes, n_targets=n_targets, windows=windows, n_slots=n_slots)
+    smem = functools.partial(scores_smem_bytes, n_targets=n_targets, n_sources=n, windows=windows, n_slots=n_slots)
     sh = _shape("phase1_scores", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, x_dtype=sources.dtype, acc_dtype=F32,
                 out_dtype=F32, choices=scores_block_d_choices(m, defer_sums))
@@ -1438,27 +1467,41 @@ DEFAULT_MIX_WINDOW_FETCH = "per_item"
 MIX_TIMING_SKIPS = ("windows", "p", "stores")
 
 
+def resolve_window_fetch(name: str, window_fetch: str | None, default: str, default_name: str, fits) -> str:
+    """A kernel's window fetch (``MIX_WINDOW_FETCHES``): ``window_fetch`` if given, else the
+    module default ``default`` (named ``default_name`` in errors), whose ``"per_chunk"`` (a
+    window per source) is taken only where ``fits("per_chunk")`` says one program's shared
+    memory holds it, ``"per_item"`` otherwise, so that a default can change without failing the
+    shapes with many sources."""
+    if window_fetch is not None:
+        if window_fetch not in MIX_WINDOW_FETCHES:
+            raise ValueError(f"{name}: window_fetch={window_fetch!r}: must be one of {MIX_WINDOW_FETCHES}")
+        return window_fetch
+    if default not in MIX_WINDOW_FETCHES:
+        raise ValueError(f"{default_name}={default!r}: must be one of {MIX_WINDOW_FETCHES}")
+    return "per_item" if default == "per_chunk" and not fits(default) else default
+
+
 def _staged_targets(n_targets: int, window_fetch: str) -> int:
     """Targets whose state tiles ``phase1_mix`` stages in shared memory at once (``MIX_WINDOW_FETCHES``)."""
     return -(-n_targets // 2) if window_fetch == "per_chunk" else n_targets
 
 
 def mix_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, out_dtype, n_targets: int,
-                   n_slots: int | None = None, windows: str | None = None, window_fetch: str | None = None,
-                   n_sources: int | None = None, **_unused) -> int:
-    """Shared memory of one program of ``phase1_mix`` (its scratch list; ``n_slots``: None is
-    ``MIX_SLOTS``; ``window_fetch``: None is ``DEFAULT_MIX_WINDOW_FETCH``, whose ``"per_chunk"``
-    form holds one window per source slot: ``n_sources`` of them)."""
-    bt, bd, n_slots = BLOCK_T, block_d, n_slots or MIX_SLOTS
+                   n_sources: int, n_slots: int | None = None, windows: str | None = None,
+                   window_fetch: str | None = None, **_unused) -> int:
+    """Shared memory of one program of ``phase1_mix`` (its scratch list, ``_smem_sum``; ``n_slots``:
+    None is ``MIX_SLOTS``; ``window_fetch``: None is ``DEFAULT_MIX_WINDOW_FETCH``, whose
+    ``"per_chunk"`` form holds one window per source slot: ``n_sources`` of them)."""
+    bt, bd, m, n_slots = BLOCK_T, block_d, len(stream_kernels), n_slots or MIX_SLOTS
     window_fetch = window_fetch or DEFAULT_MIX_WINDOW_FETCH
-    if window_fetch == "per_chunk" and n_sources is None:
-        raise ValueError("mix_smem_bytes: window_fetch='per_chunk' holds a window per source: give n_sources")
-    n_windows = n_sources if window_fetch == "per_chunk" else n_slots
-    staged = _staged_targets(n_targets, window_fetch)
-    return (n_windows * _window_elems(stream_kernels, windows or default_windows("mix"), bd) * jnp.dtype(x_dtype).itemsize
-            + n_slots * sum(stream_kernels) * bd * 4
-            + n_slots * n_targets * heads * bt * 4 + staged * bt * bd * jnp.dtype(out_dtype).itemsize
-            + (len(stream_kernels) + 1) * 64 * 4 + 64 * 4 * (2 + 1) + (8 * n_windows if window_fetch == "per_chunk" else 0))
+    per_chunk = window_fetch == "per_chunk"
+    n_windows = n_sources if per_chunk else n_slots
+    window = _window_elems(stream_kernels, windows or default_windows("mix"), bd) * jnp.dtype(x_dtype).itemsize
+    return _smem_sum(n_windows * window, *(n_slots * kernel * bd * 4 for kernel in stream_kernels),
+                     n_slots * n_targets * heads * bt * 4,
+                     _staged_targets(n_targets, window_fetch) * bt * bd * jnp.dtype(out_dtype).itemsize,
+                     (n_sources + 1) * 64 * 4, bt * 4, barriers=(n_sources if per_chunk else 0) + m * n_slots + 1)
 
 
 def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: int, out_dtype=F32,
@@ -1484,13 +1527,21 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
     ``per_target``, a list of ``S`` arrays ``[m, B, T, d]`` (each its own output of the kernel).
     ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
     ``default_windows``). ``item_decode``: ``ITEM_DECODES`` (None: ``DEFAULT_MIX_ITEM_DECODE``).
-    ``window_fetch``: ``MIX_WINDOW_FETCHES`` (None: ``DEFAULT_MIX_WINDOW_FETCH``); the sums are
+    ``window_fetch``: ``MIX_WINDOW_FETCHES`` (None: ``DEFAULT_MIX_WINDOW_FETCH``, or
+    ``"per_item"`` where its ``"per_chunk"`` does not fit; ``resolve_window_fetch``); the sums are
     the same in either. ``timing_skip``: timing experiments only, the outputs are wrong
     (``MIX_TIMING_SKIPS``)."""
     n, batch, t_len, d = sources.shape
-    window_fetch = window_fetch or DEFAULT_MIX_WINDOW_FETCH
-    if window_fetch not in MIX_WINDOW_FETCHES:
-        raise ValueError(f"window_fetch={window_fetch!r}: must be one of {MIX_WINDOW_FETCHES}")
+
+    def fits(fetch):  # one program's shared memory holds it (interpret mode: no limit)
+        return interpret or any(
+            mix_smem_bytes(block_d=bd, stream_kernels=stream_kernels, heads=heads, x_dtype=sources.dtype,
+                           out_dtype=out_dtype, n_targets=p.shape[0], n_slots=n_slots, windows=windows,
+                           window_fetch=fetch, n_sources=n) <= SMEM_BYTES
+            for bd in ((block_d,) if block_d else MIX_BLOCK_D_CHOICES))
+
+    window_fetch = resolve_window_fetch("phase1_mix", window_fetch, DEFAULT_MIX_WINDOW_FETCH,
+                                        "mosaic_gpu.DEFAULT_MIX_WINDOW_FETCH", fits)
     timing_skip = tuple(sorted(set(timing_skip)))
     if any(k not in MIX_TIMING_SKIPS for k in timing_skip):
         raise ValueError(f"timing_skip={timing_skip!r}: each must be one of {MIX_TIMING_SKIPS}")

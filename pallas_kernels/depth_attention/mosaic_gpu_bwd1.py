@@ -37,10 +37,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu import (
-    BLOCK_T, F32, ITEM_DECODES, MAX_LAG_BITS, MIX_WINDOW_FETCHES, SMEM_BYTES, _cols, _expand_item, _jitted_kernel, _Lags, _lag_masks_of, _LanePlgpu,
-    _pad_rows4, named_body,
-    _plgpu_for, _rows, _rows4, _shape, _store_group, _tile_smem, _valid_first, _window_elems, default_windows,
-    lag_bits,
+    BLOCK_T, F32, ITEM_DECODES, MAX_LAG_BITS, MIX_WINDOW_FETCHES, SMEM_BYTES, _cols, _expand_item, _jitted_kernel,
+    _Lags, _lag_masks_of, _LanePlgpu, _pad_rows4, _plgpu_for, _rows, _rows4, _shape, _smem_sum, _store_group,
+    _tile_smem, _valid_first, _window_elems, default_windows, lag_bits, named_body, resolve_window_fetch,
 )
 
 MODES = ("gdots", "dstreams")
@@ -90,18 +89,21 @@ def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dty
                n_sources: int, mode: str, out_dtype=jnp.bfloat16, n_slots: int | None = None,
                group_slots: int | None = None, windows: str | None = None, window_fetch: str = "per_item",
                **_unused) -> int:
-    """Shared memory of one program of ``mode``'s kernel (its scratch list); ``acc_dtype``:
-    ``g_A``'s; ``window_fetch`` (``WINDOW_FETCHES``): "per_chunk" holds a window per source."""
+    """Shared memory of one program of ``mode``'s kernel (its scratch list, ``mosaic_gpu._smem_sum``;
+    ``acc_dtype``: ``g_A``'s; ``window_fetch`` (``WINDOW_FETCHES``): "per_chunk" holds a window
+    per source)."""
     bt, bd, n_slots, n_groups = BLOCK_T, block_d, n_slots or SLOTS[mode], group_slots or GROUP_SLOTS[mode]
+    m, n = len(stream_kernels), n_sources
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
-    n_windows = n_sources if window_fetch == "per_chunk" else n_slots
-    total = (n_windows * _window_elems(stream_kernels, windows or default_windows(mode), bd) * size(x_dtype)
-             + (8 * n_sources if window_fetch == "per_chunk" else 0)
-             + n_slots * sum(stream_kernels) * bd * 4 + n_groups * n_targets * bt * bd * size(acc_dtype)
-             + (n_sources + 1) * 64 * 4 + bt * 4)
+    per_chunk = window_fetch == "per_chunk"
+    window = _window_elems(stream_kernels, windows or default_windows(mode), bd) * size(x_dtype)
+    common = ((n if per_chunk else n_slots) * window, *(n_slots * kernel * bd * 4 for kernel in stream_kernels),
+              n_groups * n_targets * bt * bd * size(acc_dtype), (n + 1) * 64 * 4, bt * 4)
+    barriers = (n if per_chunk else 0) + m * n_slots + n_groups + 1
     if mode == "gdots":
-        return total + n_sources * n_targets * bt * 4
-    return total + n_groups * n_targets * bd * 4 + n_slots * (2 * n_targets + 1) * bt * 4 + 2 * bt * bd * size(out_dtype)
+        return _smem_sum(*common, n * n_targets * bt * 4, barriers=barriers, reduces=True)  # its row dots
+    return _smem_sum(*common, n_groups * n_targets * bd * 4, n_slots * (2 * n_targets + 1) * bt * 4,
+                     2 * bt * bd * size(out_dtype), barriers=barriers)
 
 
 def _acc_rows(g_acc, t_len: int, t_pad: int):
@@ -171,25 +173,6 @@ def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, vali
                  queries=queries, p=p, dsr=dsr, w=w, out_dtype=out_dtype, window_fetch=window_fetch)
 
 
-def _window_fetch(window_fetch: str | None, smem, *, block_d, interpret: bool, **dtypes) -> str:
-    """``dstreams``' window fetch: ``window_fetch``, or the default (``DEFAULT_DSTREAMS_WINDOW_FETCH``)
-    with its "per_chunk" taken only where one program's shared memory holds it (``smem``:
-    ``smem_bytes`` with the call's shape)."""
-    if window_fetch is not None:
-        if window_fetch not in WINDOW_FETCHES:
-            raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: window_fetch={window_fetch!r}: must be one of "
-                             f"{WINDOW_FETCHES}")
-        return window_fetch
-    default = DEFAULT_DSTREAMS_WINDOW_FETCH
-    if default not in WINDOW_FETCHES:
-        raise ValueError(f"mosaic_gpu_bwd1.DEFAULT_DSTREAMS_WINDOW_FETCH={default!r}: must be one of {WINDOW_FETCHES}")
-    if default == "per_chunk" and not interpret:
-        fits = any(smem(block_d=bd, window_fetch=default, **dtypes) <= SMEM_BYTES
-                   for bd in ((block_d,) if block_d else BLOCK_D_CHOICES))
-        return default if fits else "per_item"
-    return default
-
-
 def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, heads, block_d, n_slots, group_slots,
           windows, interpret, queries=None, p=None, dsr=None, w=None, out_dtype=jnp.bfloat16, window_fetch=None):
     n, batch, t_len, d = sources.shape
@@ -213,9 +196,14 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
     if mode == "gdots":
         window_fetch = "per_item"
     else:
-        window_fetch = _window_fetch(window_fetch, smem, block_d=block_d, interpret=interpret,
-                                     stream_kernels=stream_kernels, heads=heads, x_dtype=sources.dtype,
-                                     acc_dtype=acc_dtype)
+        def fits(fetch):  # one program's shared memory holds it (interpret mode: no limit)
+            return interpret or any(smem(block_d=bd, window_fetch=fetch, stream_kernels=stream_kernels, heads=heads,
+                                         x_dtype=sources.dtype, acc_dtype=acc_dtype) <= SMEM_BYTES
+                                    for bd in ((block_d,) if block_d else BLOCK_D_CHOICES))
+
+        window_fetch = resolve_window_fetch("mosaic_gpu_bwd1.phase1_dstreams", window_fetch,
+                                            DEFAULT_DSTREAMS_WINDOW_FETCH,
+                                            "mosaic_gpu_bwd1.DEFAULT_DSTREAMS_WINDOW_FETCH", fits)
     smem = functools.partial(smem, window_fetch=window_fetch)
     sh = _shape(f"phase1_{mode}", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, choices=BLOCK_D_CHOICES,

@@ -215,14 +215,44 @@ def test_mix_window_fetches_agree(valid, slots, n_targets):
 def test_mix_window_fetch_smem():
     """``"per_chunk"`` holds a window per source slot and stages half the targets: at the issue's
     shape (9 sources, 8 targets) two programs still fit on an SM, as with ``"per_item"``."""
-    kw = dict(block_d=32, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16, out_dtype=jnp.float32, n_targets=8)
+    kw = dict(block_d=32, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16, out_dtype=jnp.float32, n_targets=8,
+              n_sources=9)
     per_item = mosaic_gpu.mix_smem_bytes(**kw)
-    per_chunk = mosaic_gpu.mix_smem_bytes(**kw, window_fetch="per_chunk", n_sources=9)
+    per_chunk = mosaic_gpu.mix_smem_bytes(**kw, window_fetch="per_chunk")
     window = 80 * 40 * 2  # 64 + 16 rows of 32 + 8 bf16 channels
-    assert per_chunk - per_item == (9 - 3) * window - 4 * 64 * 32 * 4 + 9 * 8
+    align = lambda b: -(-b // 1024) * 1024  # noqa: E731  (each buffer from a 1 KiB boundary)
+    # 9 windows instead of 3, 4 staged targets fewer, a barrier per source
+    assert per_chunk - per_item == align(9 * window) - align(3 * window) - 4 * 64 * 32 * 4 + 9 * 8
+    # two programs per SM (228 KiB), 1 KiB of it reserved per program
     assert 2 * (per_chunk + 1024) <= 233472 and 2 * (per_item + 1024) <= 233472
-    with pytest.raises(ValueError, match="give n_sources"):
-        mosaic_gpu.mix_smem_bytes(**kw, window_fetch="per_chunk")
+
+
+def test_mix_default_window_fetch_falls_back_where_it_does_not_fit(monkeypatch):
+    """With ``"per_chunk"`` as the default, a block with more sources than one program's shared
+    memory holds windows for (at 32 channels and 2 targets: 32) takes ``"per_item"``; asked for
+    explicitly there, ``"per_chunk"`` raises, as an unknown default does."""
+    seen, real = [], mosaic_gpu._mix_kernel
+    monkeypatch.setattr(mosaic_gpu, "_mix_kernel", lambda cfg: seen.append(cfg.window_fetch) or real(cfg))
+    monkeypatch.setattr(mosaic_gpu, "DEFAULT_MIX_WINDOW_FETCH", "per_chunk")
+    kw = dict(block_d=32, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16, out_dtype=jnp.float32, n_targets=2,
+              window_fetch="per_chunk")
+    most = max(n for n in range(1, 64) if mosaic_gpu.mix_smem_bytes(**kw, n_sources=n) <= mosaic_gpu.SMEM_BYTES)
+    assert most == 31, most
+
+    def lower(n, **kw):
+        sources, banks, _ = _phase1_inputs(n, 1, 64, 64, 2, KERNELS, dtype=jnp.bfloat16)
+        p = jnp.ones((2, n, len(KERNELS), 1, 64, 1))
+        fn = lambda x, b, w: mosaic_gpu.phase1_mix(x, b, w, None, None, stream_kernels=KERNELS, heads=1, **kw)  # noqa: E731
+        jax.jit(fn).trace(sources, banks, p).lower(lowering_platforms=("cuda",))
+
+    lower(most)
+    lower(most + 1)
+    assert seen == ["per_chunk", "per_item"], seen
+    with pytest.raises(NotImplementedError, match="phase1_mix: no channel chunk"):
+        lower(most + 1, window_fetch="per_chunk")
+    monkeypatch.setattr(mosaic_gpu, "DEFAULT_MIX_WINDOW_FETCH", "often")
+    with pytest.raises(ValueError, match="DEFAULT_MIX_WINDOW_FETCH='often': must be one of"):
+        lower(2)
 
 
 @pytest.mark.parametrize("decode, window_fetch", [(d, "per_item") for d in mosaic_gpu.ITEM_DECODES]

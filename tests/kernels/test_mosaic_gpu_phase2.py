@@ -105,18 +105,22 @@ def test_block_d_choice_and_shared_memory():
     assert mosaic_gpu.choose_block_d(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32)) == 32
     assert mosaic_gpu.choose_block_d(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32, stream_kernels=(0,))) == 32
     assert mosaic_gpu.choose_block_d(d=48, heads=1, **kw) is None  # no chunk divides the head
-    # MSAR at `base` with a float32 state fits both kernels (the H200's 227 KiB per block)
-    for smem, kernel in ((mosaic_gpu.smem_bytes, "forward"), (mosaic_gpu.state_smem_bytes, "backward_state")):
+    # MSAR at `base` with a float32 state fits both kernels (the H200's 227 KiB per block; the
+    # backward's with the model's bf16 output cotangent)
+    for smem, kernel in ((mosaic_gpu.smem_bytes, "forward"),
+                         (functools.partial(mosaic_gpu.state_smem_bytes, dh_dtype=jnp.bfloat16), "backward_state")):
         by_windows = {w: smem(block_d=32, **dict(kw, heads=1), windows=w) for w in mosaic_gpu.WINDOWS}
         assert 150_000 < by_windows["aligned"] <= mosaic_gpu.SMEM_BYTES
         # windows=None counts the kernel's own placement
         assert smem(block_d=32, **dict(kw, heads=1)) == by_windows[mosaic_gpu.KERNEL_WINDOWS[kernel]]
-        # one window per lag modulo 8: 8 windows of 72 rows instead of 12 of 64 (two slots, bf16)
-        assert by_windows["per_lag"] - by_windows["aligned"] == 2 * (12 * 64 - 8 * 72) * 32 * 2
+        # the windows' buffer (two slots, bf16), from a 1 KiB boundary as Pallas places every buffer
+        windows = lambda rows, width=32: -(-2 * rows * width * 2 // 1024) * 1024  # noqa: E731
+        # one window per lag modulo 8: 8 windows of 72 rows instead of 12 of 64
+        assert by_windows["per_lag"] - by_windows["aligned"] == windows(12 * 64) - windows(8 * 72)
         # one window of 64 + 16 rows per chunk: two programs fit an SM (228 KiB) where one did
-        assert by_windows["aligned"] - by_windows["single"] == 2 * (8 * 72 - 80) * 32 * 2
+        assert by_windows["aligned"] - by_windows["single"] == windows(8 * 72) - windows(80)
         assert 2 * (by_windows["single"] + 1024) <= 233472 < 2 * (by_windows["aligned"] + 1024)
-        assert by_windows["padded"] - by_windows["single"] == 2 * 80 * mosaic_gpu.WINDOW_PAD * 2
+        assert by_windows["padded"] - by_windows["single"] == windows(80, 32 + mosaic_gpu.WINDOW_PAD) - windows(80)
 
 
 @pytest.mark.parametrize("max_lag, n_lags, want", [
