@@ -14,11 +14,13 @@ tile and channel chunk) and the stream ``E = E_r[x_i]`` (Eq. 10) rebuilt in regi
 sources), so both kernels are built around reading it once: one program per (batch row, 64-token
 tile) walks the work in groups (head, stream, channel chunk). Each group's ``S`` tiles of
 ``g_A`` (and, for ``dstreams``, the stream's query chunks) come in one TMA copy set into
-one of ``GROUP_SLOTS`` buffers, the group that reuses a buffer issued once a group is done; inside a group the valid
-sources are the items of ``phase1_mix``'s pipeline (their lag windows, taps and per-token
-rows, ``n_slots`` deep). ``gdots`` sums each item's ``S`` row dots into a shared-memory
-accumulator per (source, target) and stores it when the (head, stream) is done; ``dstreams``
-stores each item's ``dE`` tile as it is formed.
+one of ``GROUP_SLOTS`` buffers, the group that reuses a buffer issued once a group is done;
+inside a group the valid sources are the items of ``phase1_mix``'s pipeline (their lag windows,
+taps and per-token rows, ``n_slots`` deep; ``dstreams`` with ``window_fetch="per_chunk"`` runs
+its groups (head, chunk, stream) and brings each source's window once per chunk:
+``DEFAULT_DSTREAMS_WINDOW_FETCH``). ``gdots`` sums each item's ``S`` row dots into a
+shared-memory accumulator per (source, target) and stores it when the (head, stream) is done;
+``dstreams`` stores each item's ``dE`` tile as it is formed.
 
 Lane semantics and ``"padded"`` lag windows as in ``mosaic_gpu`` (whose helpers these kernels
 use); the ``g_A`` buffer is tiled and swizzled (``mosaic_gpu._tile_smem``) so its row loads
