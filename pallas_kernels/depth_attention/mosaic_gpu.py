@@ -112,7 +112,10 @@ def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dty
 # coefficients came in (read into registers at the start): 3 KB less per program at `base`, which
 # then fits two programs per SM. Measured (session 22, call 5: the whole Pallas backward of phase 2)
 # 3.352 against 3.231 ms at `base` (slower), 1.557 against 1.676 at the shape, so off
-# (read at the call; ``time_phase2.py --backward --state-rows`` times both).
+# (read at the call; ``time_phase2.py --backward --state-rows`` times both). Counted exactly
+# (session 35, ``state_smem_bytes``) the 3 KB decide two programs per SM only with a float32
+# ``dh`` (120,856 / 117,784 bytes: one either way); with the bf16 ``dh`` of a bf16 model
+# (``_dh_operand``) two fit either way (112,664 / 109,592).
 STATE_SUMS_IN_ROWS = False
 
 
