@@ -1233,8 +1233,9 @@ SCORES_SLOTS = 2
 # 0.346 / 0.292 at the shape); MSAR's four streams 1.787 / 1.676 (1.947 / 1.870), and 128
 # channels would hold four [64, 128] float32 streams in registers (256 per thread) before any sum.
 # With the dots on the tensor cores (``dots="tf32x3"``), 32 channels: compiled for sm_90a at the issue's
-# shape, 64 take 117 KB of shared memory (one program per SM) and spill 324 / 304 B; 32 take 84 KB
-# (two per SM) and spill 32 / 36 B (session 36).
+# shape, 64 take 117 KB of shared memory with one set of E's parts, 150 with two (one program per SM
+# either way) and spill 324 / 304 B with one; 32 take 68 / 84 KB (two per SM) and spill 32 / 36 B
+# and 120 / 120 B (session 36).
 SCORES_BLOCK_D_CHOICES = {"one_stream": (128, 64, 32), "several": (64, 32), "tf32x3": (32,)}
 
 
