@@ -17,7 +17,8 @@ Mosaic kernel with its sums reduced per chunk and deferred (``defer_sums``, sess
 128- against 256-channel chunks; ``--store-groups``: the default with its two stores per source committed once and once each
 (``mosaic_gpu.STORE_GROUPS``). ``--dots``: the query dots on the CUDA cores (64- and 32-channel
 chunks) against the tensor cores (``dots="tf32x3"``, 32 channels, one or two sets of ``E``'s parts in
-shared memory: ``mosaic_gpu.SCORES_E_SETS``; session 36). ``--heads H``: H channel heads (MHAR: ``--attnres --heads 8``;
+shared memory: ``mosaic_gpu.SCORES_E_SETS``; two with 32-byte swizzles, ``SCORES_TF32_SWIZZLE``;
+session 36). ``--heads H``: H channel heads (MHAR: ``--attnres --heads 8``;
 session 28)."""
 import sys
 import traceback
@@ -43,12 +44,9 @@ def phase1_inputs(n, n_live, batch, t_len, d, n_targets):
     return sources, banks, queries, jnp.arange(n) < n_live
 
 
-def set_e_sets(n: int) -> None:
-    """``mosaic_gpu.SCORES_E_SETS`` (read when a kernel is built; the build is cached per config, so
-    the value is part of the jitted function's trace only through the cache: clear it)."""
-    if mosaic_gpu.SCORES_E_SETS != n:
-        mosaic_gpu.SCORES_E_SETS = n
-        mosaic_gpu._scores_kernel.cache_clear()
+def set_tf32_options(e_sets: int, swizzle: int) -> None:
+    """``mosaic_gpu.SCORES_E_SETS`` and ``SCORES_TF32_SWIZZLE`` (read when ``phase1_scores`` is traced)."""
+    mosaic_gpu.SCORES_E_SETS, mosaic_gpu.SCORES_TF32_SWIZZLE = e_sets, swizzle
 
 
 def main():
@@ -100,10 +98,13 @@ def main():
                     x, b, q, None, v, stream_kernels=KERNELS, heads=HEADS, block_d=b_d))(bd)
         if "--dots" in sys.argv:  # the query dots on CUDA cores (64 and 32 channels) or the tensor cores (session 36)
             variants, forms = {k: v for k, v in variants.items() if k == "triton"}, []
-            for dots, bd, e_sets in (("cuda_cores", 64, 2), ("cuda_cores", 32, 2), ("tf32x3", 32, 2), ("tf32x3", 32, 1)):
-                variants[f"mosaic {dots} bd={bd}" + (f" E sets={e_sets}" if dots == "tf32x3" else "")] = (
-                    lambda dt, b_d, es: lambda x, b, q, v: (set_e_sets(es), mosaic_gpu.phase1_scores(
-                        x, b, q, None, v, stream_kernels=KERNELS, heads=HEADS, dots=dt, block_d=b_d))[1])(dots, bd, e_sets)
+            for dots, bd, e_sets, swizzle in (("cuda_cores", 64, 2, 128), ("cuda_cores", 32, 2, 128),
+                                              ("tf32x3", 32, 2, 128), ("tf32x3", 32, 1, 128), ("tf32x3", 32, 2, 32)):
+                label = f"mosaic {dots} bd={bd}" + (f" sets={e_sets} swizzle={swizzle}" if dots == "tf32x3" else "")
+                variants[label] = (lambda dt, b_d, es, sw: lambda x, b, q, v: (
+                    set_tf32_options(es, sw), mosaic_gpu.phase1_scores(
+                        x, b, q, None, v, stream_kernels=KERNELS, heads=HEADS, dots=dt, block_d=b_d))[1])(
+                    dots, bd, e_sets, swizzle)
         if "--store-groups" in sys.argv:
             variants, forms = {}, []
             for grouped in (True, False):

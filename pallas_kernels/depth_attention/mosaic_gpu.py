@@ -617,10 +617,10 @@ def _tile_smem(plgpu, shape, dtype):
     return plgpu.SMEM(shape, dtype)
 
 
-def _wgmma_f32_tiles(plgpu, bd: int) -> tuple:
+def _wgmma_f32_tiles(plgpu, bd: int, swizzle: int = 128) -> tuple:
     """The transforms of a float32 WGMMA operand buffer whose rows hold ``bd`` channels (its K):
     8-row tiles one swizzle wide (32 float32 at the 128-byte swizzle)."""
-    swizzle = min(128, bd * 4)
+    swizzle = min(swizzle, bd * 4)
     return plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle)
 
 
@@ -1278,6 +1278,11 @@ DEFAULT_SCORES_DOTS = "cuda_cores"
 # Sets of ``E``'s two parts in shared memory with ``dots="tf32x3"``: with 2, a stream's parts are stored
 # while the last stream's products run (the set two streams back must be read first). Read at the call.
 SCORES_E_SETS = 2
+# The swizzle (bytes) of the WGMMA operands' buffers with ``dots="tf32x3"``. Compiled for sm_90a at the
+# issue's shape (two sets): 128 stores each value of E's parts through a select (128 per chunk); 32
+# needs none but builds more descriptors: 1,675 -> 1,548 instructions per chunk loop (session 36).
+# Read at the call.
+SCORES_TF32_SWIZZLE = 128
 TF32_HI_MASK = -(1 << 13)  # float32 bits kept by TF32: sign, exponent, the top 10 stored mantissa bits
 
 
@@ -1374,7 +1379,7 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
                                         has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                                         expand=expand, windows=windows, interpret=bool(interpret),
                                         defer_sums=defer_sums, n_slots=n_slots, dots=dots_form,
-                                        e_sets=SCORES_E_SETS))
+                                        e_sets=SCORES_E_SETS, swizzle=SCORES_TF32_SWIZZLE))
     dots, sumsq = call(*inputs)  # [n, S m H, B, Tp] ("tf32x3": [n, m, B, Tp, S8]), [n, m, B, Tp]
     if dots_form == "tf32x3":
         dots = jnp.moveaxis(dots[..., :n_targets], -1, 0)[..., None]  # [S, n, m, B, Tp, 1]
@@ -1405,6 +1410,7 @@ class _ScoresConfig(NamedTuple):
     n_slots: int = 2
     dots: str = "cuda_cores"
     e_sets: int = 2
+    swizzle: int = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -1422,15 +1428,15 @@ def _scores_kernel(cfg: _ScoresConfig):
     row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     slots = cfg.n_slots
     tensor_dots, s8 = cfg.dots == "tf32x3", _targets8(n_targets)
+    operand_tiles = _wgmma_f32_tiles(plgpu, bd, cfg.swizzle)
     scratch = dict(
         xs=plgpu.SMEM((slots, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
         bs=plgpu.SMEM((slots, n_taps, bd), F32) if has_bank else None,
         # "tf32x3": the WGMMA's operands, tiled and swizzled as it reads them: q's parts per stream
         # [S8, bd] (K-major, as TF32 needs) and one stream's E parts [64, bd]
-        qs=(plgpu.SMEM((slots, 2 * m, s8, bd), F32, transforms=_wgmma_f32_tiles(plgpu, bd)) if tensor_dots
+        qs=(plgpu.SMEM((slots, 2 * m, s8, bd), F32, transforms=operand_tiles) if tensor_dots
             else plgpu.SMEM((slots, n_targets * m, bd), F32)),
-        es=(plgpu.SMEM((cfg.e_sets, 2, bt, bd), F32, transforms=_wgmma_f32_tiles(plgpu, bd)) if tensor_dots
-            else None),
+        es=plgpu.SMEM((cfg.e_sets, 2, bt, bd), F32, transforms=operand_tiles) if tensor_dots else None,
         live_s=plgpu.SMEM((n, 64), jnp.int32),
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
         dots_s=plgpu.SMEM((m, bt, s8), F32) if tensor_dots else plgpu.SMEM((smh, bt), F32),

@@ -92,6 +92,21 @@ def test_tensor_core_dots_match_triton(n, batch, t_len, d, n_targets, valid, cut
         assert not np.any(np.asarray(got[0][:, 1])) and not np.any(np.asarray(got[1][1]))
 
 
+@pytest.mark.parametrize("e_sets, swizzle", [(1, 128), (2, 32)])
+def test_tensor_core_dots_options_agree(monkeypatch, e_sets, swizzle):
+    """One set of ``E``'s parts or two, 128- or 32-byte swizzles: the same products, so (the
+    interpreter multiplying in float32) the same dots to the last bit as the defaults'."""
+    sources, banks, queries = _phase1_inputs(2, 1, 70, 64, 3, KERNELS, dtype=jnp.bfloat16)
+    seg = _segments(1, 70, 30)
+    run = lambda: mosaic_gpu.phase1_scores(sources, banks, queries, seg, None, stream_kernels=KERNELS,  # noqa: E731
+                                           heads=1, dots="tf32x3", interpret=True)
+    want = run()
+    monkeypatch.setattr(mosaic_gpu, "SCORES_E_SETS", e_sets)
+    monkeypatch.setattr(mosaic_gpu, "SCORES_TF32_SWIZZLE", swizzle)
+    for g, w in zip(run(), want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_tensor_core_dots_choice_and_errors():
     sources, banks, queries = _phase1_inputs(2, 1, 8, 64, 2, KERNELS)
     assert mosaic_gpu.scores_dots(None, heads=1, defer_sums=False) == mosaic_gpu.DEFAULT_SCORES_DOTS
@@ -450,14 +465,16 @@ def test_gpu_phase1_scores_match_triton():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("e_sets", [1, 2])
-def test_gpu_tensor_core_dots_match_triton(monkeypatch, e_sets):
+@pytest.mark.parametrize("e_sets, swizzle", [(1, 128), (2, 128), (2, 32)])
+def test_gpu_tensor_core_dots_match_triton(monkeypatch, e_sets, swizzle):
     """On a GPU: ``dots="tf32x3"`` (TF32 on the tensor cores, whose rounding the interpreter does
     not model) against the compiled Triton pass at float32's 1e-5: bf16 sources, a source ruled
-    out, segments, ragged T, 9 targets (N padded to 16), one and two sets of ``E``'s parts."""
+    out, segments, ragged T, 9 targets (N padded to 16), one and two sets of ``E``'s parts, 128- and
+    32-byte swizzles."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     monkeypatch.setattr(mosaic_gpu, "SCORES_E_SETS", e_sets)
+    monkeypatch.setattr(mosaic_gpu, "SCORES_TF32_SWIZZLE", swizzle)
     n, batch, t_len, d, n_targets = 4, 3, 300, 256, 9
     sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
     seg, valid = _segments(batch, t_len, 77), jnp.asarray([True, True, False, True])
