@@ -398,6 +398,21 @@ def test_phase1_op_with_mosaic_kernels_matches_reference(monkeypatch):
         "the Pallas backward should take the Mosaic GPU passes 2 and 4 and the transpose (mosaic_gpu_bwd1)"
 
 
+@pytest.mark.slow
+def test_phase1_op_with_tensor_core_dots_as_default_matches_reference(monkeypatch):
+    """``DEFAULT_SCORES_DOTS = "tf32x3"`` through the op (one head, where it applies): the forward's
+    and the backward's scoring passes take it (the chunk the op picks agrees with the kernel's
+    choice), and the state and every gradient match the reference."""
+    forms = []
+    real = mosaic_gpu.scores_dots
+    monkeypatch.setattr(mosaic_gpu, "DEFAULT_SCORES_DOTS", "tf32x3")
+    monkeypatch.setattr(mosaic_gpu, "scores_dots", lambda *a, **k: forms.append(real(*a, **k)) or forms[-1])
+    (got, got_grads), (want, want_grads) = _op_and_oracle("mosaic", dtype=jnp.float32, heads=1)
+    _check_tree(got, want, F32_TOL)
+    _check_tree(got_grads, want_grads, F32_TOL)
+    assert forms and set(forms) == {"tf32x3"}, forms
+
+
 @pytest.mark.parametrize("choice, kernels, interpret, want", [
     ("auto", KERNELS, False, True),
     ("auto", KERNELS, True, False),  # interpret mode: the Triton kernels (the default suite's path)
