@@ -15,10 +15,7 @@ Mosaic kernel with its sums reduced per chunk and deferred (``defer_sums``, sess
 ``--slots``: the Mosaic kernel with 2, 3 and 4 channel chunks in flight (``n_slots``) and
 32-, 64- (and for one stream 128-) channel chunks (session 27); ``--wide`` (with ``--attnres``):
 128- against 256-channel chunks; ``--store-groups``: the default with its two stores per source committed once and once each
-(``mosaic_gpu.STORE_GROUPS``). ``--dots``: the query dots on the CUDA cores (64- and 32-channel
-chunks) against the tensor cores (``dots="tf32x3"``, 32 channels, one or two sets of ``E``'s parts in
-shared memory: ``mosaic_gpu.SCORES_E_SETS``; two with 32-byte swizzles, ``SCORES_TF32_SWIZZLE``;
-session 36). ``--heads H``: H channel heads (MHAR: ``--attnres --heads 8``;
+(``mosaic_gpu.STORE_GROUPS``). ``--heads H``: H channel heads (MHAR: ``--attnres --heads 8``;
 session 28)."""
 import sys
 import traceback
@@ -42,11 +39,6 @@ def phase1_inputs(n, n_live, batch, t_len, d, n_targets):
     banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32) if any(KERNELS) else None
     queries = jax.random.normal(k[2], (n_targets, len(KERNELS), d), jnp.float32)
     return sources, banks, queries, jnp.arange(n) < n_live
-
-
-def set_tf32_options(e_sets: int, swizzle: int) -> None:
-    """``mosaic_gpu.SCORES_E_SETS`` and ``SCORES_TF32_SWIZZLE`` (read when ``phase1_scores`` is traced)."""
-    mosaic_gpu.SCORES_E_SETS, mosaic_gpu.SCORES_TF32_SWIZZLE = e_sets, swizzle
 
 
 def main():
@@ -96,15 +88,6 @@ def main():
             for bd in (128, 256):
                 variants[f"mosaic bd={bd}"] = (lambda b_d: lambda x, b, q, v: mosaic_gpu.phase1_scores(
                     x, b, q, None, v, stream_kernels=KERNELS, heads=HEADS, block_d=b_d))(bd)
-        if "--dots" in sys.argv:  # the query dots on CUDA cores (64 and 32 channels) or the tensor cores (session 36)
-            variants, forms = {k: v for k, v in variants.items() if k == "triton"}, []
-            for dots, bd, e_sets, swizzle in (("cuda_cores", 64, 2, 128), ("cuda_cores", 32, 2, 128),
-                                              ("tf32x3", 32, 2, 128), ("tf32x3", 32, 1, 128), ("tf32x3", 32, 2, 32)):
-                label = f"mosaic {dots} bd={bd}" + (f" sets={e_sets} swizzle={swizzle}" if dots == "tf32x3" else "")
-                variants[label] = (lambda dt, b_d, es, sw: lambda x, b, q, v: (
-                    set_tf32_options(es, sw), mosaic_gpu.phase1_scores(
-                        x, b, q, None, v, stream_kernels=KERNELS, heads=HEADS, dots=dt, block_d=b_d))[1])(
-                    dots, bd, e_sets, swizzle)
         if "--store-groups" in sys.argv:
             variants, forms = {}, []
             for grouped in (True, False):

@@ -139,10 +139,7 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
                                    x_dtype=sources.dtype, acc_dtype=acc_dtype, out_dtype=out_dtype,
                                    smem_limit=None if interpret else mosaic_gpu.SMEM_BYTES,
                                    smem=functools.partial(smem, n_targets=n_targets),
-                                   choices={"scores": mosaic_gpu.scores_block_d_choices(
-                                                len(static.stream_kernels),
-                                                dots=mosaic_gpu.scores_dots(None, heads=static.heads,
-                                                                            defer_sums=False)),
+                                   choices={"scores": mosaic_gpu.scores_block_d_choices(len(static.stream_kernels)),
                                             "mix": mosaic_gpu.MIX_BLOCK_D_CHOICES}.get(
                                                 kernel, mosaic_gpu_bwd1.BLOCK_D_CHOICES))
     if choice == "mosaic" and bd is None:

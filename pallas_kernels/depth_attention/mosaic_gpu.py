@@ -617,13 +617,6 @@ def _tile_smem(plgpu, shape, dtype):
     return plgpu.SMEM(shape, dtype)
 
 
-def _wgmma_f32_tiles(plgpu, bd: int, swizzle: int = 128) -> tuple:
-    """The transforms of a float32 WGMMA operand buffer whose rows hold ``bd`` channels (its K):
-    8-row tiles one swizzle wide (32 float32 at the 128-byte swizzle)."""
-    swizzle = min(swizzle, bd * 4)
-    return plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle)
-
-
 def _plgpu_for(windows: str, interpret: bool):
     """The ``plgpu`` module a kernel body uses: the Lane-semantics wrapper for ``"single"``
     windows (``_LanePlgpu``; interpreted too, so that the CPU tests run its buffers' transforms
@@ -1210,18 +1203,14 @@ def _state_kernel(cfg: _StateConfig):
 
 
 def scores_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, n_targets: int,
-                      n_sources: int, windows: str | None = None, n_slots: int | None = None,
-                      dots: str | None = None, e_sets: int | None = None, **_unused) -> int:
+                      n_sources: int, windows: str | None = None, n_slots: int | None = None, **_unused) -> int:
     """Shared memory of one program of ``phase1_scores`` (its scratch list, ``_smem_sum``)."""
     bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
     n_taps, slots = max(1, sum(stream_kernels)), n_slots or SCORES_SLOTS
-    window = slots * _window_elems(stream_kernels, windows or default_windows("scores"), bd) * jnp.dtype(x_dtype).itemsize
-    if scores_dots(dots, heads=heads, defer_sums=False) == "tf32x3":  # q's and E's parts; the dots staged per stream
-        s8, e_sets = _targets8(n_targets), e_sets or SCORES_E_SETS
-        return _smem_sum(window, slots * n_taps * bd * 4, slots * 2 * m * s8 * bd * 4, e_sets * 2 * bt * bd * 4,
-                         n_sources * 64 * 4, bt * 4, m * bt * s8 * 4, m * bt * 4, barriers=slots + 1, reduces=True)
-    return _smem_sum(window, slots * n_taps * bd * 4, slots * n_targets * m * bd * 4, n_sources * 64 * 4, bt * 4,
-                     n_targets * m * heads * bt * 4, m * bt * 4, barriers=slots + 1, reduces=True)
+    return _smem_sum(
+        slots * _window_elems(stream_kernels, windows or default_windows("scores"), bd) * jnp.dtype(x_dtype).itemsize,
+        slots * n_taps * bd * 4, slots * n_targets * m * bd * 4, n_sources * 64 * 4, bt * 4,
+        n_targets * m * heads * bt * 4, m * bt * 4, barriers=slots + 1, reduces=True)
 
 
 # Channel chunks in flight in ``phase1_scores``'s TMA pipeline (the one being reduced and the next
@@ -1232,20 +1221,14 @@ SCORES_SLOTS = 2
 # call 1) one stream took 0.387 / 0.299 / 0.262 ms with 32 / 64 / 128 channels at `base` (0.448 /
 # 0.346 / 0.292 at the issue's shape); MSAR's four streams 1.787 / 1.676 (1.947 / 1.870), and 128
 # channels would hold four [64, 128] float32 streams in registers (256 per thread) before any sum.
-# With the dots on the tensor cores (``dots="tf32x3"``), 32 channels: compiled for sm_90a at the issue's
-# shape, 64 take 117 KB of shared memory with one set of E's parts, 150 with two (one program per SM
-# either way) and spill 324 / 304 B with one; 32 take 68 / 84 KB (two per SM) and spill 32 / 36 B
-# and 120 / 120 B (session 36).
-SCORES_BLOCK_D_CHOICES = {"one_stream": (128, 64, 32), "several": (64, 32), "tf32x3": (32,)}
+SCORES_BLOCK_D_CHOICES = {"one_stream": (128, 64, 32), "several": (64, 32)}
 
 
-def scores_block_d_choices(n_streams: int, defer_sums: bool = False, dots: str = "cuda_cores") -> tuple:
+def scores_block_d_choices(n_streams: int, defer_sums: bool = False) -> tuple:
     """The channel chunks ``phase1_scores`` tries, first choice first (deferred sums keep nine
-    ``[64, bd]`` accumulators: 32 channels only; ``dots``: the resolved ``scores_dots`` form)."""
+    ``[64, bd]`` accumulators: 32 channels only)."""
     if defer_sums:
         return (32,)
-    if dots == "tf32x3":
-        return SCORES_BLOCK_D_CHOICES["tf32x3"]
     return SCORES_BLOCK_D_CHOICES["one_stream" if n_streams == 1 else "several"]
 
 
@@ -1260,59 +1243,6 @@ DEFERRED_SUMS_MAX = 9
 SCORES_DEFER_SUMS = False
 
 
-# How ``phase1_scores`` forms its ``S m`` query dots ``q_{s,r} . E_r[t]`` (``SCORES_DOTS``):
-# ``"cuda_cores"``: a product and a row sum (two shuffles) per (target, stream) and chunk, about
-# 2,400 of a thread's ~4,100 instructions per 64-channel chunk in an issue-bound kernel (session
-# 25's Nsight Compute: 68% of cycles with an eligible warp, FADDs waiting on the shuffles);
-# ``"tf32x3"``: per stream the matrix product ``E_r [64, bd] @ q_r^T [bd, S]`` on the tensor cores
-# (WGMMA, TF32), exact to float32 rounding as three products of the parts ``v = v_hi + v_lo``
-# (``v_hi`` the top 11 significant bits: ``E_hi q_hi + E_hi q_lo + E_lo q_hi``; the dropped ``E_lo
-# q_lo`` is below ``2^-22`` of the product), summed over the chunks in the accumulator: no row sums.
-# One head, no deferred sums. Compiled for sm_90a at the issue's shape (session 36, BENCHMARKS.md), the
-# chunk loop per 32 channels: 1,800 instructions on the CUDA cores (64-channel chunks), 1,675 with the
-# tensor cores (32-channel chunks, two sets of E's parts; 1,554 with one): the products' FFMAs and
-# shuffles go, the swizzled stores' selects and address arithmetic and the WGMMA descriptors come.
-# Untimed, so the default stays.
-SCORES_DOTS = ("cuda_cores", "tf32x3")
-DEFAULT_SCORES_DOTS = "cuda_cores"
-# Sets of ``E``'s two parts in shared memory with ``dots="tf32x3"``: with 2, a stream's parts are stored
-# while the last stream's products run (the set two streams back must be read first). Read at the call.
-SCORES_E_SETS = 2
-# The swizzle (bytes) of the WGMMA operands' buffers with ``dots="tf32x3"``. Compiled for sm_90a at the
-# issue's shape (two sets): 128 stores each value of E's parts through a select (128 per chunk); 32
-# needs none but builds more descriptors: 1,675 -> 1,548 instructions per chunk loop (session 36).
-# Read at the call.
-SCORES_TF32_SWIZZLE = 128
-TF32_HI_MASK = -(1 << 13)  # float32 bits kept by TF32: sign, exponent, the top 10 stored mantissa bits
-
-
-def split_tf32(v):
-    """``(hi, lo)`` with ``hi + lo == v`` exactly and ``hi`` exact in TF32 (``lo`` has at most 13
-    significant bits, of which TF32 keeps 11)."""
-    hi = lax.bitcast_convert_type(lax.bitcast_convert_type(v, jnp.int32) & TF32_HI_MASK, F32)
-    return hi, v - hi
-
-
-def _targets8(n_targets: int) -> int:
-    """The WGMMA's N for ``n_targets`` queries: a multiple of 8 (zero queries pad it)."""
-    return -(-n_targets // 8) * 8
-
-
-def scores_dots(dots: str | None, *, heads: int, defer_sums: bool) -> str:
-    """``phase1_scores``' dots form (``SCORES_DOTS``; None: ``DEFAULT_SCORES_DOTS``, which falls
-    back to ``"cuda_cores"`` where ``"tf32x3"`` does not apply); an explicit ``"tf32x3"`` that does
-    not apply raises."""
-    chosen = dots or DEFAULT_SCORES_DOTS
-    if chosen not in SCORES_DOTS:
-        raise ValueError(f"dots={chosen!r}: must be one of {SCORES_DOTS}")
-    if chosen == "tf32x3" and (heads != 1 or defer_sums):
-        if dots is None:
-            return "cuda_cores"
-        raise ValueError(f"dots='tf32x3': needs one head and no deferred sums (heads={heads}, "
-                         f"defer_sums={defer_sums})")
-    return chosen
-
-
 def scores_defer_sums(defer_sums: bool | None, *, n_targets: int, m: int, heads: int) -> bool:
     """Whether ``phase1_scores`` defers its reductions (``defer_sums``: True, False or None, the
     default ``SCORES_DEFER_SUMS`` where it applies); ``True`` where it does not apply is an error."""
@@ -1325,8 +1255,7 @@ def scores_defer_sums(defer_sums: bool | None, *, n_targets: int, m: int, heads:
 
 def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels, heads: int,
                   block_d: int | None = None, expand: str | None = None, windows: str | None = None,
-                  defer_sums: bool | None = None, n_slots: int | None = None, dots: str | None = None,
-                  interpret: bool = False):
+                  defer_sums: bool | None = None, n_slots: int | None = None, interpret: bool = False):
     """Phase 1's scoring pass (``fused.scores_call``'s sums) as one Mosaic GPU kernel: per
     (batch row, 64-token tile), for each valid source, the chunks of its lag windows stream
     through a double-buffered TMA pipeline, its streams are built in registers (Eq. 10) and
@@ -1339,8 +1268,7 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
     ``default_windows``). ``defer_sums`` (``scores_defer_sums``): keep each dot and sum of
     squares as a ``[64, bd]`` per-lane sum across the chunks and reduce it over the channels once
     per source, not once per chunk (the same sums in another order: float32 rounding apart).
-    ``n_slots``: channel chunks in flight (None: ``SCORES_SLOTS``; at least 2). ``dots``: how the
-    query dots are formed (``SCORES_DOTS``, ``scores_dots``; None: ``DEFAULT_SCORES_DOTS``)."""
+    ``n_slots``: channel chunks in flight (None: ``SCORES_SLOTS``; at least 2)."""
     n, batch, t_len, d = sources.shape
     n_targets, m = queries.shape[:2]
     n_slots = SCORES_SLOTS if n_slots is None else n_slots
@@ -1356,35 +1284,23 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
     if defer_sums and block_d not in (None, 32):
         raise ValueError(f"mosaic_gpu.phase1_scores: defer_sums with block_d={block_d}: its accumulators fit "
                          "in registers with 32-channel chunks only")
-    dots_form = scores_dots(dots, heads=heads, defer_sums=defer_sums)
-    smem = functools.partial(scores_smem_bytes, n_targets=n_targets, n_sources=n, windows=windows, n_slots=n_slots,
-                             dots=dots_form, e_sets=SCORES_E_SETS)
+    smem = functools.partial(scores_smem_bytes, n_targets=n_targets, n_sources=n, windows=windows, n_slots=n_slots)
     sh = _shape("phase1_scores", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, x_dtype=sources.dtype, acc_dtype=F32,
-                out_dtype=F32, choices=scores_block_d_choices(m, defer_sums, dots_form))
+                out_dtype=F32, choices=scores_block_d_choices(m, defer_sums))
     has_bank = sh.has_bank and banks is not None
     live = jnp.ones((n,), jnp.int32) if valid is None else jnp.asarray(valid, jnp.int32).reshape(n)
-    q = jnp.asarray(queries, F32)
-    if dots_form == "tf32x3":  # [(part, stream), S8, d]: a stream's targets are one K-major [S8, bd] operand
-        q = jnp.pad(jnp.moveaxis(q, 1, 0), ((0, 0), (0, _targets8(n_targets) - n_targets), (0, 0)))
-        q = jnp.concatenate(split_tf32(q))  # (part, stream) in one axis: the tiled copy stays within 5 dims
-    else:
-        q = q.reshape(n_targets * m, d)
-    inputs = [sh.x, jnp.asarray(banks, F32) if has_bank else jnp.zeros((n, 1, d), F32), q,
-              jnp.broadcast_to(live[:, None], (n, 64))]
+    inputs = [sh.x, jnp.asarray(banks, F32) if has_bank else jnp.zeros((n, 1, d), F32),
+              jnp.asarray(queries, F32).reshape(n_targets * m, d), jnp.broadcast_to(live[:, None], (n, 64))]
     if sh.has_seg:
         inputs.append(sh.bits)
     call = _scores_kernel(_ScoresConfig(n=n, batch=batch, t_pad=sh.t_pad, d=d, stream_kernels=tuple(stream_kernels),
                                         heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
                                         has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                                         expand=expand, windows=windows, interpret=bool(interpret),
-                                        defer_sums=defer_sums, n_slots=n_slots, dots=dots_form,
-                                        e_sets=SCORES_E_SETS, swizzle=SCORES_TF32_SWIZZLE))
-    dots, sumsq = call(*inputs)  # [n, S m H, B, Tp] ("tf32x3": [n, m, B, Tp, S8]), [n, m, B, Tp]
-    if dots_form == "tf32x3":
-        dots = jnp.moveaxis(dots[..., :n_targets], -1, 0)[..., None]  # [S, n, m, B, Tp, 1]
-    else:
-        dots = dots.reshape(n, n_targets, m, heads, batch, sh.t_pad).transpose(1, 0, 2, 4, 5, 3)
+                                        defer_sums=defer_sums, n_slots=n_slots))
+    dots, sumsq = call(*inputs)  # [n, S m H, B, Tp], [n, m, B, Tp]
+    dots = dots.reshape(n, n_targets, m, heads, batch, sh.t_pad).transpose(1, 0, 2, 4, 5, 3)
     return dots[:, :, :, :, :t_len], sumsq[..., :t_len]
 
 
@@ -1408,9 +1324,6 @@ class _ScoresConfig(NamedTuple):
     interpret: bool
     defer_sums: bool = False
     n_slots: int = 2
-    dots: str = "cuda_cores"
-    e_sets: int = 2
-    swizzle: int = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -1427,19 +1340,13 @@ def _scores_kernel(cfg: _ScoresConfig):
     nc, smh = d // bd, n_targets * m * heads
     row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     slots = cfg.n_slots
-    tensor_dots, s8 = cfg.dots == "tf32x3", _targets8(n_targets)
-    operand_tiles = _wgmma_f32_tiles(plgpu, bd, cfg.swizzle)
     scratch = dict(
         xs=plgpu.SMEM((slots, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
         bs=plgpu.SMEM((slots, n_taps, bd), F32) if has_bank else None,
-        # "tf32x3": the WGMMA's operands, tiled and swizzled as it reads them: q's parts per stream
-        # [S8, bd] (K-major, as TF32 needs) and one stream's E parts [64, bd]
-        qs=(plgpu.SMEM((slots, 2 * m, s8, bd), F32, transforms=operand_tiles) if tensor_dots
-            else plgpu.SMEM((slots, n_targets * m, bd), F32)),
-        es=plgpu.SMEM((cfg.e_sets, 2, bt, bd), F32, transforms=operand_tiles) if tensor_dots else None,
+        qs=plgpu.SMEM((slots, n_targets * m, bd), F32),
         live_s=plgpu.SMEM((n, 64), jnp.int32),
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
-        dots_s=plgpu.SMEM((m, bt, s8), F32) if tensor_dots else plgpu.SMEM((smh, bt), F32),
+        dots_s=plgpu.SMEM((smh, bt), F32),
         ss_s=plgpu.SMEM((m, bt), F32),
         bar=plgpu.Barrier(num_arrivals=lags.count + has_bank + 1, num_barriers=slots),
         bar_in=plgpu.Barrier(num_arrivals=1 + has_seg, num_barriers=1),
@@ -1452,8 +1359,8 @@ def _scores_kernel(cfg: _ScoresConfig):
         bits_ref = next(it) if has_seg else None
         dots_ref, ss_ref = next(it), next(it)
         sc = dict(zip(names, it))
-        xs, bs, qs, es, live_s, bits_s, dots_s, ss_s = (sc.get(k) for k in ("xs", "bs", "qs", "es", "live_s",
-                                                                            "bits_s", "dots_s", "ss_s"))
+        xs, bs, qs, live_s, bits_s, dots_s, ss_s = (sc.get(k) for k in ("xs", "bs", "qs", "live_s", "bits_s",
+                                                                        "dots_s", "ss_s"))
         bar, bar_in = sc["bar"], sc["bar_in"]
         b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
         plgpu.copy_gmem_to_smem(live_ref, live_s, bar_in.at[0])
@@ -1484,7 +1391,7 @@ def _scores_kernel(cfg: _ScoresConfig):
             def fetch(c, slot):
                 _fetch_partial(plgpu, x_ref, bank_ref.at[i] if has_bank else None, xs, bs, i * batch + b, t0,
                                front, c, bd, slot, bar, lags, max_lag)
-                plgpu.copy_gmem_to_smem(q_ref.at[..., pl.ds(c * bd, bd)], qs.at[slot], bar.at[slot])
+                plgpu.copy_gmem_to_smem(q_ref.at[:, pl.ds(c * bd, bd)], qs.at[slot], bar.at[slot])
 
             # The loop carries the current head's S m dots only: each head's go to the staging
             # buffer when its chunks are done (``head_end``). Carried through every head's loop,
@@ -1506,45 +1413,8 @@ def _scores_kernel(cfg: _ScoresConfig):
                 stage_head(head, [jnp.sum(a, axis=1) for a in dots] if cfg.defer_sums else dots)
                 return ([zero_acc] * (n_targets * m) if head + 1 < heads else dots), sqs
 
-            def tensor_chunk(accs):
-                """``chunk`` with the dots on the tensor cores (``SCORES_DOTS``): per stream, both
-                parts of ``E`` into ``es`` and three TF32 products into the stream's accumulator."""
-                def step(c, slot, head, sqs):
-                    sqs = list(sqs)
-                    for r, e in enumerate(_expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags, cfg.expand)):
-                        sqs[r] = sqs[r] + jnp.sum(e * e, axis=1)
-                        e_hi, e_lo = split_tf32(e)
-                        e_set = r % cfg.e_sets
-                        if r >= cfg.e_sets:  # the products that read this set are done (3 per stream)
-                            plgpu.wgmma_wait(3 * (cfg.e_sets - 1))
-                        es[e_set, 0] = e_hi
-                        es[e_set, 1] = e_lo
-                        plgpu.commit_smem()  # the threads' stores, seen by the tensor cores
-                        q_hi, q_lo = qs.at[slot, r].T, qs.at[slot, m + r].T  # [bd, S8]
-                        plgpu.wgmma(accs[r], es.at[e_set, 0], q_hi)
-                        plgpu.wgmma(accs[r], es.at[e_set, 0], q_lo)
-                        plgpu.wgmma(accs[r], es.at[e_set, 1], q_hi)
-                    plgpu.wgmma_wait(0)  # before this slot's refill and the next chunk's stores to es
-                    return sqs
-
-                return step
-
-            def stage_tensor_dots(dots):
-                staging_free()
-                for r in range(m):
-                    dots_s[r] = dots[r]
-
             @pl.when(live_s[i, 0] != 0)
             def _():
-                if tensor_dots:
-                    def with_accumulators(*accs):
-                        sqs = _pipelined(plgpu, fetch, bar, nc, heads, tensor_chunk(accs), [zero] * m, n_slots=slots)
-                        return [acc[...] for acc in accs], sqs
-
-                    dots, sqs = pl.run_scoped(with_accumulators, *[plgpu.ACC((bt, s8), F32) for _ in range(m)])
-                    stage_tensor_dots(dots)
-                    store(i, sqs)
-                    return
                 _, sqs = _pipelined(plgpu, fetch, bar, nc, heads, chunk, ([zero_acc] * (n_targets * m), [zero_acc] * m),
                                     n_slots=slots, head_end=head_end)
                 if cfg.defer_sums:
@@ -1553,12 +1423,9 @@ def _scores_kernel(cfg: _ScoresConfig):
 
             @pl.when(live_s[i, 0] == 0)
             def _():
-                if tensor_dots:
-                    stage_tensor_dots([plgpu.layout_cast(jnp.zeros((bt, s8), F32), plgpu.Layout.WGMMA)] * m)
-                else:
-                    staging_free()
-                    for head in range(heads):
-                        stage_head(head, [zero] * (n_targets * m))
+                staging_free()
+                for head in range(heads):
+                    stage_head(head, [zero] * (n_targets * m))
                 store(i, [zero] * m)
 
             return carry
@@ -1566,8 +1433,8 @@ def _scores_kernel(cfg: _ScoresConfig):
         lax.fori_loop(0, n, source_body, 0)
         plgpu.wait_smem_to_gmem(0)
 
-    dots_shape = (n, m, batch, cfg.t_pad, s8) if tensor_dots else (n, smh, batch, cfg.t_pad)
-    out_type = (jax.ShapeDtypeStruct(dots_shape, F32), jax.ShapeDtypeStruct((n, m, batch, cfg.t_pad), F32))
+    out_type = (jax.ShapeDtypeStruct((n, smh, batch, cfg.t_pad), F32),
+                jax.ShapeDtypeStruct((n, m, batch, cfg.t_pad), F32))
     return _jitted_kernel(plgpu, body, out_type, [scratch[k] for k in names], name="depth_attention_scores_mosaic",
                           batch=batch, t_pad=cfg.t_pad, interpret=cfg.interpret)
 

@@ -67,68 +67,6 @@ def test_interpreted_scores_match_triton(n, batch, t_len, d, n_targets, heads, v
         assert not np.any(np.asarray(got[0][:, 1])) and not np.any(np.asarray(got[1][1]))
 
 
-@pytest.mark.parametrize("n, batch, t_len, d, n_targets, valid, cut, dtype, slots, bd", [
-    # two tiles and a ragged end, a source ruled out, segments, bf16 sources, 64-channel chunks
-    (3, 2, 100, 128, 3, (True, False, True), 37, jnp.bfloat16, None, 64),
-    # T under the largest kernel, float32 sources, 9 targets (the WGMMA's N padded to 16), 32-channel
-    # chunks, 3 slots over 2 chunks
-    (2, 1, 7, 64, 9, None, None, jnp.float32, 3, 32),
-])
-def test_tensor_core_dots_match_triton(n, batch, t_len, d, n_targets, valid, cut, dtype, slots, bd):
-    """``dots="tf32x3"``: the query dots as three TF32 products per stream on the tensor cores,
-    against the Triton pass (the interpreter multiplies the parts in float32; TF32's own rounding
-    of the low parts, below 2^-22 of a product, is the GPU test's)."""
-    sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=dtype)
-    seg = None if cut is None else _segments(batch, t_len, cut)
-    valid = None if valid is None else jnp.asarray(valid)
-    got = mosaic_gpu.phase1_scores(sources, banks, queries, seg, valid, stream_kernels=KERNELS, heads=1,
-                                   n_slots=slots, block_d=bd, dots="tf32x3", interpret=True)
-    want = _triton_scores(sources, banks, queries, seg, valid, 1)
-    _check_tree(got, want, F32_TOL)
-    rows = mosaic_gpu.phase1_scores(sources, banks, queries, seg, valid, stream_kernels=KERNELS, heads=1,
-                                    n_slots=slots, block_d=bd, dots="cuda_cores", interpret=True)
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(rows[1]))  # the sums of squares: the same code
-    if valid is not None:
-        assert not np.any(np.asarray(got[0][:, 1])) and not np.any(np.asarray(got[1][1]))
-
-
-@pytest.mark.parametrize("e_sets, swizzle", [(1, 128), (2, 32)])
-def test_tensor_core_dots_options_agree(monkeypatch, e_sets, swizzle):
-    """One set of ``E``'s parts or two, 128- or 32-byte swizzles: the same products, so (the
-    interpreter multiplying in float32) the same dots to the last bit as the defaults'."""
-    sources, banks, queries = _phase1_inputs(2, 1, 70, 64, 3, KERNELS, dtype=jnp.bfloat16)
-    seg = _segments(1, 70, 30)
-    run = lambda: mosaic_gpu.phase1_scores(sources, banks, queries, seg, None, stream_kernels=KERNELS,  # noqa: E731
-                                           heads=1, dots="tf32x3", interpret=True)
-    want = run()
-    monkeypatch.setattr(mosaic_gpu, "SCORES_E_SETS", e_sets)
-    monkeypatch.setattr(mosaic_gpu, "SCORES_TF32_SWIZZLE", swizzle)
-    for g, w in zip(run(), want, strict=True):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-
-
-def test_tensor_core_dots_choice_and_errors():
-    sources, banks, queries = _phase1_inputs(2, 1, 8, 64, 2, KERNELS)
-    assert mosaic_gpu.scores_dots(None, heads=1, defer_sums=False) == mosaic_gpu.DEFAULT_SCORES_DOTS
-    assert mosaic_gpu.scores_dots("tf32x3", heads=1, defer_sums=False) == "tf32x3"
-    with pytest.raises(ValueError, match="dots='tf32x3': needs one head"):
-        mosaic_gpu.phase1_scores(sources, banks, queries, None, None, stream_kernels=KERNELS, heads=2,
-                                 dots="tf32x3", interpret=True)
-    with pytest.raises(ValueError, match="dots='fp64'"):
-        mosaic_gpu.phase1_scores(sources, banks, queries, None, None, stream_kernels=KERNELS, heads=1,
-                                 dots="fp64", interpret=True)
-    # a "tf32x3" default falls back where it does not apply (two heads)
-    old = mosaic_gpu.DEFAULT_SCORES_DOTS
-    try:
-        mosaic_gpu.DEFAULT_SCORES_DOTS = "tf32x3"
-        assert mosaic_gpu.scores_dots(None, heads=2, defer_sums=False) == "cuda_cores"
-    finally:
-        mosaic_gpu.DEFAULT_SCORES_DOTS = old
-    hi, lo = mosaic_gpu.split_tf32(queries)
-    np.testing.assert_array_equal(np.asarray(hi + lo), np.asarray(queries))
-    assert not np.any(np.asarray(jax.lax.bitcast_convert_type(hi, jnp.int32)) & 0x1FFF)  # TF32-exact
-
-
 def test_shared_and_per_stream_windows_agree():
     """``expand="shared"`` (each lag window loaded once) and ``"per_stream"``: the same sums in
     the same order, so the same values to the last bit."""
@@ -398,21 +336,6 @@ def test_phase1_op_with_mosaic_kernels_matches_reference(monkeypatch):
         "the Pallas backward should take the Mosaic GPU passes 2 and 4 and the transpose (mosaic_gpu_bwd1)"
 
 
-@pytest.mark.slow
-def test_phase1_op_with_tensor_core_dots_as_default_matches_reference(monkeypatch):
-    """``DEFAULT_SCORES_DOTS = "tf32x3"`` through the op (one head, where it applies): the forward's
-    and the backward's scoring passes take it (the chunk the op picks agrees with the kernel's
-    choice), and the state and every gradient match the reference."""
-    forms = []
-    real = mosaic_gpu.scores_dots
-    monkeypatch.setattr(mosaic_gpu, "DEFAULT_SCORES_DOTS", "tf32x3")
-    monkeypatch.setattr(mosaic_gpu, "scores_dots", lambda *a, **k: forms.append(real(*a, **k)) or forms[-1])
-    (got, got_grads), (want, want_grads) = _op_and_oracle("mosaic", dtype=jnp.float32, heads=1)
-    _check_tree(got, want, F32_TOL)
-    _check_tree(got_grads, want_grads, F32_TOL)
-    assert forms and set(forms) == {"tf32x3"}, forms
-
-
 @pytest.mark.parametrize("choice, kernels, interpret, want", [
     ("auto", KERNELS, False, True),
     ("auto", KERNELS, True, False),  # interpret mode: the Triton kernels (the default suite's path)
@@ -477,31 +400,6 @@ def test_gpu_phase1_scores_match_triton():
     # exact (``_query_grads`` splits its operand into bf16 parts).
     for got_leaf, want_leaf, tol in zip(g_grads, w_grads, (1e-2, 1e-2, 1e-4), strict=True):
         _check_grads(got_leaf, want_leaf, tol)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("e_sets, swizzle", [(1, 128), (2, 128), (2, 32)])
-def test_gpu_tensor_core_dots_match_triton(monkeypatch, e_sets, swizzle):
-    """On a GPU: ``dots="tf32x3"`` (TF32 on the tensor cores, whose rounding the interpreter does
-    not model) against the compiled Triton pass at float32's 1e-5: bf16 sources, a source ruled
-    out, segments, ragged T, 9 targets (N padded to 16), one and two sets of ``E``'s parts, 128- and
-    32-byte swizzles."""
-    if jax.default_backend() != "gpu":
-        pytest.skip("needs a GPU")
-    monkeypatch.setattr(mosaic_gpu, "SCORES_E_SETS", e_sets)
-    monkeypatch.setattr(mosaic_gpu, "SCORES_TF32_SWIZZLE", swizzle)
-    n, batch, t_len, d, n_targets = 4, 3, 300, 256, 9
-    sources, banks, queries = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
-    seg, valid = _segments(batch, t_len, 77), jnp.asarray([True, True, False, True])
-    with jax.default_matmul_precision("highest"):
-        got = jax.jit(lambda *a: mosaic_gpu.phase1_scores(*a, stream_kernels=KERNELS, heads=1, dots="tf32x3"))(
-            sources, banks, queries, seg, valid)
-        tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=12, n_targets=n_targets, backend="triton", n_streams=4)
-        t_pad, seg_p = fused._prepare(t_len, seg, tiles)
-        want = jax.jit(lambda x, b, q, s, v: fused.scores_call(
-            fused._pad_t(x, 2, t_pad), b, q, s, stream_kernels=KERNELS, heads=1, tiles=tiles, backend="triton",
-            interpret=False, valid=v))(sources, banks, queries, seg_p, valid)
-    _check_tree(got, (want[0][..., :t_len, :], want[1][..., :t_len]), 1e-5)
 
 
 @pytest.mark.gpu

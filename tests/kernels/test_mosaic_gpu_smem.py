@@ -89,18 +89,6 @@ def test_scores_count(allocated, kernels, heads, n):
     assert allocated == [counted - _absent(kernels)]
 
 
-@pytest.mark.parametrize("n_targets, swizzle", [(8, 128), pytest.param(9, 32, marks=pytest.mark.slow)])
-def test_scores_tensor_core_dots_count(allocated, monkeypatch, n_targets, swizzle):
-    """``dots="tf32x3"``: q's parts per chunk, E's parts, the per-stream staging of ``[64, S8]``."""
-    monkeypatch.setattr(mosaic_gpu, "SCORES_TF32_SWIZZLE", swizzle)
-    sources, banks, queries = _phase1_inputs(9, 1, 64, 128, n_targets, KERNELS, dtype=BF16)
-    _lower(lambda x, b, q: mosaic_gpu.phase1_scores(x, b, q, _segments(1, 64, 30), None, stream_kernels=KERNELS,
-                                                    heads=1, dots="tf32x3"), sources, banks, queries)
-    bd = mosaic_gpu.scores_block_d_choices(len(KERNELS), dots="tf32x3")[0]
-    assert allocated == [mosaic_gpu.scores_smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=BF16,
-                                                      n_targets=n_targets, n_sources=9, dots="tf32x3")]
-
-
 @pytest.mark.parametrize("kernels, heads, acc_dtype", [
     (KERNELS, 1, jnp.float32), pytest.param(KERNELS, 2, BF16, marks=pytest.mark.slow),
     pytest.param((0,), 1, jnp.float32, marks=pytest.mark.slow)])
