@@ -1460,8 +1460,13 @@ MIX_BLOCK_D_CHOICES = (32,)
 # of its own that all the streams read, and is refilled for the next chunk as the last stream is
 # done with it (the lead: the other sources' items). "per_chunk" holds a window per source slot
 # (``n`` of them) and stages the targets' stores in two halves to stay at two programs per SM.
+# "per_chunk" by measurement on the H200 (BENCHMARKS.md, kernels, session 36, call 1; the same bits):
+# 4.175 -> 3.962 ms per call at `base`'s last block (-5.1%), 3.216 -> 2.851 at the issue's shape
+# (-11.3%); the MSAR `base` step's mixing passes 56.0 -> 52.5 ms (call 3). Where a window per
+# source does not fit (more than 31 sources at 2 targets), the default falls back to "per_item"
+# (``resolve_window_fetch``).
 MIX_WINDOW_FETCHES = ("per_item", "per_chunk")
-DEFAULT_MIX_WINDOW_FETCH = "per_item"
+DEFAULT_MIX_WINDOW_FETCH = "per_chunk"
 # Timing only (``phase1_mix(timing_skip=...)``, ``experiments/mgpu/time_phase1_mix.py
 # --fetch-bound``): parts of the mix's traffic left out, to see what bounds it. "windows": only
 # stream 0's items bring their lag windows (streams 1-3 expand what the slot holds); "p": only
@@ -1494,10 +1499,16 @@ def mix_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x
                    n_sources: int, n_slots: int | None = None, windows: str | None = None,
                    window_fetch: str | None = None, **_unused) -> int:
     """Shared memory of one program of ``phase1_mix`` (its scratch list, ``_smem_sum``; ``n_slots``:
-    None is ``MIX_SLOTS``; ``window_fetch``: None is ``DEFAULT_MIX_WINDOW_FETCH``, whose
-    ``"per_chunk"`` form holds one window per source slot: ``n_sources`` of them)."""
+    None is ``MIX_SLOTS``; ``window_fetch``: None is what ``phase1_mix`` takes by default,
+    ``DEFAULT_MIX_WINDOW_FETCH`` where it fits (``resolve_window_fetch``); the ``"per_chunk"`` form
+    holds one window per source slot: ``n_sources`` of them)."""
+    if window_fetch is None:
+        kw = dict(block_d=block_d, stream_kernels=stream_kernels, heads=heads, x_dtype=x_dtype, out_dtype=out_dtype,
+                  n_targets=n_targets, n_sources=n_sources, n_slots=n_slots, windows=windows)
+        window_fetch = resolve_window_fetch("mix_smem_bytes", None, DEFAULT_MIX_WINDOW_FETCH,
+                                            "mosaic_gpu.DEFAULT_MIX_WINDOW_FETCH",
+                                            lambda fetch: mix_smem_bytes(**kw, window_fetch=fetch) <= SMEM_BYTES)
     bt, bd, m, n_slots = BLOCK_T, block_d, len(stream_kernels), n_slots or MIX_SLOTS
-    window_fetch = window_fetch or DEFAULT_MIX_WINDOW_FETCH
     per_chunk = window_fetch == "per_chunk"
     n_windows = n_sources if per_chunk else n_slots
     window = _window_elems(stream_kernels, windows or default_windows("mix"), bd) * jnp.dtype(x_dtype).itemsize
@@ -1548,6 +1559,9 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
     timing_skip = tuple(sorted(set(timing_skip)))
     if any(k not in MIX_TIMING_SKIPS for k in timing_skip):
         raise ValueError(f"timing_skip={timing_skip!r}: each must be one of {MIX_TIMING_SKIPS}")
+    if "windows" in timing_skip and window_fetch != "per_item":
+        raise ValueError(f"timing_skip={timing_skip!r}: 'windows' leaves out the items' own windows, which only "
+                         f"window_fetch='per_item' has (got {window_fetch!r})")
     n_slots, windows = n_slots or MIX_SLOTS, _Lags.of(1, windows or default_windows("mix")).kind
     item_decode = item_decode or DEFAULT_MIX_ITEM_DECODE
     if item_decode not in ITEM_DECODES:

@@ -82,7 +82,11 @@ DEFAULT_ITEM_DECODE = "carried"
 # sources fit one program's shared memory with two group buffers; where it does not fit, the
 # default falls back to "per_item" (an explicit "per_chunk" raises). ``gdots`` takes "per_item"
 # only: its sums are per (head, stream) over the chunks, so a chunk-major order would hold m of
-# them. Read when a kernel is traced.
+# them. Read when a kernel is traced. "per_item" by measurement on the H200 (BENCHMARKS.md, kernels,
+# session 36, call 2; the same bits): "per_chunk" took 4.615 -> 4.769 ms per call at `base`'s last
+# block (+3.3%) and 4.595 -> 4.563 at the issue's shape (-0.7%), where the mix's gained 5-11%:
+# with one program per SM and the group's g_A the larger part of each item's fill, the windows
+# are not what holds it.
 WINDOW_FETCHES = MIX_WINDOW_FETCHES
 DEFAULT_DSTREAMS_WINDOW_FETCH = "per_item"
 

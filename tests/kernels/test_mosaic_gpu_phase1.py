@@ -217,8 +217,10 @@ def test_mix_window_fetch_smem():
     shape (9 sources, 8 targets) two programs still fit on an SM, as with ``"per_item"``."""
     kw = dict(block_d=32, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16, out_dtype=jnp.float32, n_targets=8,
               n_sources=9)
-    per_item = mosaic_gpu.mix_smem_bytes(**kw)
+    per_item = mosaic_gpu.mix_smem_bytes(**kw, window_fetch="per_item")
     per_chunk = mosaic_gpu.mix_smem_bytes(**kw, window_fetch="per_chunk")
+    assert mosaic_gpu.mix_smem_bytes(**kw) == {"per_item": per_item, "per_chunk": per_chunk}[
+        mosaic_gpu.DEFAULT_MIX_WINDOW_FETCH]  # the default's count, where it fits
     window = 80 * 40 * 2  # 64 + 16 rows of 32 + 8 bf16 channels
     align = lambda b: -(-b // 1024) * 1024  # noqa: E731  (each buffer from a 1 KiB boundary)
     # 9 windows instead of 3, 4 staged targets fewer, a barrier per source
@@ -248,6 +250,11 @@ def test_mix_default_window_fetch_falls_back_where_it_does_not_fit(monkeypatch):
     lower(most)
     lower(most + 1)
     assert seen == ["per_chunk", "per_item"], seen
+    del kw["window_fetch"]  # the count of what the default takes: the same fallback
+    assert mosaic_gpu.mix_smem_bytes(**kw, n_sources=most) == mosaic_gpu.mix_smem_bytes(
+        **kw, n_sources=most, window_fetch="per_chunk")
+    assert mosaic_gpu.mix_smem_bytes(**kw, n_sources=most + 1) == mosaic_gpu.mix_smem_bytes(
+        **kw, n_sources=most + 1, window_fetch="per_item")
     with pytest.raises(NotImplementedError, match="phase1_mix: no channel chunk"):
         lower(most + 1, window_fetch="per_chunk")
     monkeypatch.setattr(mosaic_gpu, "DEFAULT_MIX_WINDOW_FETCH", "often")
@@ -281,7 +288,9 @@ def test_mix_timing_skips_run_and_leave_their_traffic_out():
 
     def run(skip):
         return np.asarray(mosaic_gpu.phase1_mix(sources, banks, p, None, None, stream_kernels=KERNELS, heads=1,
-                                                n_slots=3, interpret=True, timing_skip=skip))
+                                                n_slots=3, interpret=True, timing_skip=skip, window_fetch=fetch))
+
+    fetch = "per_item"  # what the skips are defined against
 
     want = run(())
     for skip in (("windows",), ("p",)):
@@ -291,6 +300,9 @@ def test_mix_timing_skips_run_and_leave_their_traffic_out():
     assert not np.allclose(run(("stores",)), want)
     with pytest.raises(ValueError, match="timing_skip=\\('state',\\): each must be one of"):
         run(("state",))
+    fetch = "per_chunk"
+    with pytest.raises(ValueError, match="only window_fetch='per_item' has"):
+        run(("windows",))
 
 
 def test_mix_errors():
