@@ -23,9 +23,10 @@ each (``mosaic_gpu.STORE_GROUPS``). ``--attnres``: AttnRes's single stream (kern
 Triton against the Mosaic default. ``--triton-tiles``: Triton's kernel alone with the tiles
 ``choose_tiles`` gives it (first) and nine others (tokens x channels per program, warps, stages;
 session 27); with ``--small-tiles`` seven smaller ones instead. ``--fetch-bound`` (session 34): the
-Mosaic default against itself with parts of its traffic left out (``mosaic_gpu.MIX_TIMING_SKIPS``:
-streams 1-3's lag windows, their ``p`` rows, both, the state's stores; the outputs then wrong,
-their error printed all the same): how much of the pass each part holds. ``--window-fetch``
+Mosaic kernel against itself with parts of its traffic left out (``mosaic_gpu.MIX_TIMING_SKIPS``;
+the outputs then wrong, their error printed all the same): how much of the pass each part
+holds. With the windows per chunk (the default since session 36) the ``p`` rows of streams 1-3
+or the state's stores; per item also streams 1-3's lag windows and both. ``--window-fetch``
 (session 34): the default with each item bringing its lag window and with a chunk's windows
 brought once for all streams (``mosaic_gpu.MIX_WINDOW_FETCHES``), 3 and 2 items in flight. (Session 25, call 4 also timed them spread over the next
 chunk and stream's items, at commit a4a473d: 1.3-1.8x slower; that option is gone.)
@@ -65,13 +66,16 @@ def main():
         mosaic_variants = ((32, 3, "padded"), (16, 3, "padded"), (16, 4, "padded"))
     if "--attnres" in sys.argv:  # one stream: Triton (what "auto" takes for it) and the Mosaic default
         mosaic_variants = ((32, 3, "padded"),)
-    skips, fetches = [()], ["per_item"]
+    # (timing_skip, window_fetch) per Mosaic variant: the default fetch, nothing left out
+    runs = [((), mosaic_gpu.DEFAULT_MIX_WINDOW_FETCH)]
     if "--window-fetch" in sys.argv:  # a chunk's windows once for all streams (session 34)
         mosaic_variants = ((32, 3, "padded"), (32, 2, "padded"))
-        fetches = list(mosaic_gpu.MIX_WINDOW_FETCHES)
-    if "--fetch-bound" in sys.argv:  # the default with parts of its traffic left out (timing only)
+        runs = [((), fetch) for fetch in mosaic_gpu.MIX_WINDOW_FETCHES]
+    if "--fetch-bound" in sys.argv:  # parts of the traffic left out (timing only): per chunk (the default
+        # since session 36) its p rows or its stores; per item also streams 1-3's windows
         mosaic_variants = ((32, 3, "padded"),)
-        skips = [(), ("windows",), ("p",), ("p", "windows"), ("stores",)]
+        runs = [(k, "per_chunk") for k in ((), ("p",), ("stores",))] + [
+            (k, "per_item") for k in ((), ("windows",), ("p",), ("p", "windows"), ("stores",))]
     if "--store-groups" in sys.argv:  # the default, its stores committed once per group and once each
         mosaic_variants = ((32, 3, "padded", "grouped"), (32, 3, "padded", "one by one"))
     # (block_t, block_d_mix, num_warps, num_stages) of Triton's kernel, the first choose_tiles' (session 27)
@@ -116,10 +120,10 @@ def main():
                 alt = tiling.Tiles(bt, tiles.block_d_scores, bdm, num_warps=warps, num_stages=stages)
                 variants[f"triton {bt}x{bdm} w{warps} s{stages}"] = (
                     lambda alt: lambda x, b, p, v, dtype=dtype: triton(x, b, p, v, dtype, alt))(alt)
-            for (bd, slots, windows, *stores), skip, fetch in [(v, k, w) for v in mosaic_variants + (
-                    NARROW_VARIANTS if "--narrow" in sys.argv else ()) for k in skips for w in fetches]:
+            for (bd, slots, windows, *stores), (skip, fetch) in [(v, r) for v in mosaic_variants + (
+                    NARROW_VARIANTS if "--narrow" in sys.argv else ()) for r in runs]:
                 label = (f"mosaic bd={bd} n_slots={slots} {windows}" + "".join(f" stores {s}" for s in stores)
-                         + "".join(f" -{k}" for k in skip) + ("" if fetch == "per_item" else f" {fetch}"))
+                         + "".join(f" -{k}" for k in skip) + f" {fetch}")
                 windows = "single" if windows == PLAIN else windows
                 smem = mosaic_gpu.mix_smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
                                                  out_dtype=dtype, n_targets=n_targets, n_slots=slots, windows=windows,
