@@ -72,8 +72,11 @@ def build(g_size: int, rounds: int, batch: int, tiles: int, interpret: bool):
     return plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((batch, tiles, g_size, BT, COLS), F32),
         scratch_types=[recv_type, plgpu.SMEM((BT, COLS), F32),
-                       # each of a sender's 128 threads arrives once per store (Lane semantics)
-                       plgpu.Barrier(num_arrivals=128 * g_size, num_barriers=max(rounds, 1))],
+                       # one arrival per store: each of a sender's 128 threads arrives once per store
+                       # (Lane semantics), and Pallas multiplies a Lane kernel's num_arrivals by the
+                       # warpgroup's 128 threads itself (``lowering._get_barrier``). Session 34 wrote
+                       # 128 * G here, which no store count reaches: session 36's run hung silently
+                       plgpu.Barrier(num_arrivals=g_size, num_barriers=max(rounds, 1))],
         grid=(batch, tiles), grid_names=("b", "t"), cluster=(g_size,), cluster_names=("g",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else False)
