@@ -1,0 +1,121 @@
+"""Phase 2's forward with the state read once by a cluster of CTAs (``mosaic_gpu_cluster``)
+against the one-CTA kernel (``mosaic_gpu.phase2_fused_forward``, the state read twice), MSAR
+(kernels (0, 4, 8, 12), gate, float32 state, bf16 partial and ``h``) at `base`'s shape (B x T =
+64 x 1024, d = 1024) and the issue's (8 x 2048, d = 2048). Per variant (cluster size, exchange):
+the largest difference of ``h`` and of the scores from the one-CTA kernel's, relative to their
+largest magnitude (the one-CTA kernel is the one the tests hold to the oracle; the sums differ
+only in their grouping), then the median of 21 timings of 5 calls and the fraction of each
+design's floor (bytes over the copy bandwidth measured in the same run: the partial's windows
+about 1.25x, the state once or twice, ``h`` once).
+
+Run on the GPU: ``python experiments/mgpu/time_cluster_forward.py [--base-only]``; ``--aot``
+compiles every variant for an H200 on a machine without one (JAX's CUDA plugin on
+``PYTHONPATH``, ``msar_jax.aot``): Mosaic GPU's lowering and ptxas, not the launch."""
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+if "--aot" in sys.argv:  # before jax starts: the CUDA plugin's deviceless topology
+    from msar_jax import aot
+
+    aot.prepare_gpu_environment()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels.depth_attention import mosaic_gpu, mosaic_gpu_cluster, reference  # noqa: E402
+
+KERNELS = (0, 4, 8, 12)
+SHAPES = (("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048)))
+KW = dict(stream_kernels=KERNELS, heads=1, eps=1e-6, gate_eps=1e-6, out_dtype=jnp.bfloat16)
+
+
+def inputs(batch, t_len, d, key=0):
+    """Random non-zero inputs (``time_phase2.inputs``' recipe)."""
+    m = len(KERNELS)
+    k = jax.random.split(jax.random.key(key), 8)
+    x = jax.random.normal(k[0], (batch, t_len, d), jnp.bfloat16)
+    bank = 0.3 * jax.random.normal(k[1], (sum(KERNELS), d), jnp.float32)
+    q = jax.random.normal(k[2], (m, d), jnp.float32)
+    state = reference.SoftmaxState(jax.random.normal(k[3], (m, batch, t_len, 1)),
+                                   jnp.exp(jax.random.normal(k[4], (m, batch, t_len, 1))),
+                                   jax.random.normal(k[5], (m, batch, t_len, d)))
+    gate = (jax.random.normal(k[6], (m * d, m)) / (m * d) ** 0.5, jnp.float32(0.7), jax.random.normal(k[7], (m,)))
+    return state, x, bank, q, gate
+
+
+def variants(d):
+    """(label, fn) per variant: the one-CTA kernel, then each cluster size that fits and exchange."""
+    out = [("one CTA (state twice)", lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
+        st, x, b, q, True, g, None, fuse="gate", **KW))]
+    for cluster in (8, 16):
+        if d % (cluster * mosaic_gpu_cluster.BLOCK_D):
+            continue
+        for exchange in mosaic_gpu_cluster.EXCHANGES:
+            if mosaic_gpu_cluster.smem_bytes(d=d, cluster=cluster, stream_kernels=KERNELS, x_dtype=jnp.bfloat16,
+                                             acc_dtype=jnp.float32, out_dtype=jnp.bfloat16,
+                                             exchange=exchange) > mosaic_gpu.SMEM_BYTES:
+                continue
+            out.append((f"cluster {cluster:2d} {exchange}", (lambda c, e: lambda st, x, b, q, g: (
+                mosaic_gpu_cluster.phase2_cluster_forward(st, x, b, q, True, g, None, cluster=c, exchange=e, **KW)))(
+                    cluster, exchange)))
+    return out
+
+
+def floor_bytes(batch, t_len, d, state_reads: int) -> int:
+    tok, m = batch * t_len, len(KERNELS)
+    return tok * d * 2 * 1.25 + state_reads * m * tok * d * 4 + tok * d * 2 + 2 * m * tok * 4
+
+
+def compile_all(shapes) -> int:
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from msar_jax import aot
+
+    mesh = aot.gpu_mesh("h200")
+    failures = 0
+    for name, (batch, t_len, d) in shapes:
+        args = jax.eval_shape(lambda: inputs(batch, t_len, d))
+        for label, fn in variants(d):
+            try:
+                with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                    jax.jit(fn, out_shardings=NamedSharding(mesh, P())).lower(*args).compile()
+                print(f"{name} {label}: compiled for the H200", flush=True)
+            except Exception as e:  # noqa: BLE001
+                failures += 1
+                print(f"{name} {label}: FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
+    return failures
+
+
+def main(argv):
+    shapes = SHAPES[:1] if "--base-only" in argv else SHAPES
+    if "--aot" in argv:
+        return 1 if compile_all(shapes) else 0
+    from pallas_kernels.depth_attention import bench
+
+    bw = bench.copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {jax.devices()[0].device_kind}", flush=True)
+    for name, (batch, t_len, d) in shapes:
+        args = inputs(batch, t_len, d)
+        want_h, (want_dots, want_ss) = jax.jit(variants(d)[0][1])(*args)
+        scale = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))  # noqa: E731
+        print(f"## {name}: B x T = {batch} x {t_len}, d = {d}", flush=True)
+        for label, fn in variants(d):
+            try:
+                f = jax.jit(fn)
+                h, (dots, ss) = f(*args)
+                errs = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))) / scale(w)
+                        for g, w in ((h, want_h), (dots, want_dots), (ss, want_ss))]
+                ms = bench.timeit(f, *args, reps=21, inner=5)[0] * 1e3
+                reads = 2 if label.startswith("one") else 1
+                floor_ms = floor_bytes(batch, t_len, d, reads) / bw * 1e3
+                print(f"{label:24s} {ms:8.4f} ms  floor {floor_ms:.4f} ({floor_ms / ms:6.1%})  rel diff h "
+                      f"{errs[0]:.1e} dots {errs[1]:.1e} sumsq {errs[2]:.1e}", flush=True)
+            except Exception:  # noqa: BLE001
+                print(f"{label:24s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

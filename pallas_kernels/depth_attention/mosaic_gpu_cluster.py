@@ -1,0 +1,383 @@
+"""Phase 2's fused forward with the state read once: a cluster of CTAs holds a token tile's state.
+
+``mosaic_gpu.phase2_fused_forward`` reads the float32 state twice per call (2.15 of its 2.82 GB
+at `base`): the gate (Eq. 13-14) needs ``sum z^2`` and ``z . W_j`` over all ``m d`` entries of a
+token before any channel of ``h`` can be formed, and a 64-token tile's whole state (``m d``
+float32 per token: 1 MB at `base`, 2 MB at the issue's shape) does not fit in one SM's shared
+memory. Here a cluster of ``G`` CTAs shares a tile: CTA ``g`` takes channels ``[g d/G, (g+1)
+d/G)`` (128 of them at ``G = d / 128``), brings its slice of the state into shared memory once
+and keeps it through all three passes:
+
+* A: the partial's scores (Eq. 10-11: ``q_r . E_r`` and ``sum E_r^2`` over the CTA's channels),
+  then the cluster's sums of both (exchange 1) and the online-softmax merge coefficients;
+* B: the gate's statistics (``sum z^2``, ``z . W_j`` with ``z_r = a A_r + b E_r``) over the
+  CTA's channels, then their cluster sums (exchange 2) and the gate ``g``;
+* C: ``h = sum_r g_r z_r`` for the CTA's channels, from the state still in shared memory.
+
+The exchanges move a ``[64, 8]`` float32 tile of per-token sums per CTA (column ``j``: sum
+``j``) with ``plgpu.async_store_smem`` (``st.async`` into a peer's shared memory, counted on the
+peer's barrier): ``"all"`` sends each CTA's tile to every CTA (one hop; ``G`` tiles of receive
+buffer per exchange), ``"butterfly"`` adds pairs ``g, g xor 2^s`` for ``s < log2 G`` (``log2 G``
+hops and tiles). Every CTA adds the same values in the same order (``"all"``: the tiles in CTA
+order; ``"butterfly"``: ``a + b`` and ``b + a`` are the same float), so all ``G`` CTAs form the
+same gate to the bit. The channel sums are grouped differently from ``mosaic_gpu``'s (per CTA,
+then across the cluster): the same values to float32 rounding.
+
+Bytes per call: the partial's windows and the state once, ``h`` once (the one-CTA kernel: the
+state twice). One CTA per SM (the state's slice is 128 KB); the passes of one tile do not
+overlap each other's copies, only the copies still in flight. Built in session 37 for "What
+remains 3" (BENCHMARKS.md, kernels); ``experiments/mgpu/cluster_probe.py`` tests the exchange
+alone. On the CPU it runs interpreted with ``G = 1`` (no exchange: jax 0.11.2's Mosaic GPU
+interpreter has no rule for ``async_store_smem``); ``G > 1`` runs on a GPU only.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.depth_attention import reference
+from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
+from pallas_kernels.depth_attention.mosaic_gpu import (
+    BLOCK_T, F32, SMEM_BYTES, _cols, _copy_state, _expand_all, _fetch_partial, _Lags, _lag_masks_of, _LanePlgpu,
+    _rows, _shape, _smem_sum, _state_rows, _tile_smem, _window_elems, named_body,
+)
+
+BLOCK_D = 32  # channels per chunk, as ``mosaic_gpu``'s forward
+SLICE_D = 128  # channels per CTA that ``cluster_size`` aims at: the state's slice 128 KB (m = 4, float32)
+EXCHANGES = ("all", "butterfly")
+XCH_COLS = 8  # per-token sums per exchange tile: m dots and m sums of squares (m <= 4), or 1 + m
+MAX_CLUSTER = 16  # Hopper's largest cluster (above 8: non-portable, opted into at launch)
+
+
+def cluster_size(d: int, slice_d: int = SLICE_D) -> int:
+    """The cluster that gives each CTA ``slice_d`` channels of ``d`` (at least 1)."""
+    return max(1, d // slice_d)
+
+
+def smem_bytes(*, d: int, cluster: int, stream_kernels: Sequence[int], x_dtype, acc_dtype, out_dtype,
+               exchange: str = "all", has_seg: bool = True) -> int:
+    """Shared memory of one CTA (its scratch list as ``_kernel`` builds it; ``_smem_sum``)."""
+    m, bt, bd = len(stream_kernels), BLOCK_T, BLOCK_D
+    nck = d // cluster // bd
+    size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
+    n_taps = max(1, sum(stream_kernels))
+    n_xch = _exchange_tiles(cluster, exchange)
+    return _smem_sum(nck * _window_elems(stream_kernels, "padded", bd) * size(x_dtype), nck * n_taps * bd * 4,
+                     nck * m * bd * 4, nck * m * m * bd * 4, nck * m * bt * bd * size(acc_dtype), 2 * m * bt * 4,
+                     bt * 4 if has_seg else 0, (2 + m) * bt * 4, 2 * bt * bd * size(out_dtype), 2 * m * bt * 4,
+                     2 * n_xch * bt * XCH_COLS * 4, barriers=2 * nck + 1 + _exchange_barriers(cluster, exchange),
+                     reduces=True)
+
+
+def _exchange_barriers(cluster: int, exchange: str) -> int:
+    """Barriers of the two exchanges: one each (``"all"``), one per butterfly step, none alone."""
+    return 0 if cluster == 1 else 2 if exchange == "all" else 2 * _exchange_tiles(cluster, exchange)
+
+
+def _exchange_tiles(cluster: int, exchange: str) -> int:
+    """Receive tiles per exchange: one per CTA (``"all"``), one per butterfly step, none alone."""
+    if cluster == 1:
+        return 0
+    return cluster if exchange == "all" else cluster.bit_length() - 1
+
+
+def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *,
+                           stream_kernels: Sequence[int], heads: int, eps: float, gate_eps: float, out_dtype=F32,
+                           cluster: int | None = None, exchange: str | None = None, interpret: bool = False):
+    """``mosaic_gpu.phase2_fused_forward(fuse="gate")``'s outputs, ``h[B, T, d]`` and the scores
+    ``(dots[m, B, T, 1], sumsq[m, B, T])``, from a cluster of ``cluster`` CTAs per 64-token tile
+    (None: ``cluster_size(d)``) that reads the state once (the module docstring). MSAR's shape
+    only: one head, the H_pre gate, ``d`` a multiple of ``cluster * 32``, ``cluster`` a power of
+    two up to ``MAX_CLUSTER``; ``exchange``: ``EXCHANGES`` (None: ``"all"`` where its receive
+    tiles fit in shared memory, else ``"butterfly"``). Raises ``NotImplementedError`` for
+    other shapes and where a CTA's scratch exceeds the shared memory; ``ValueError`` for a bad
+    ``cluster`` or ``exchange``."""
+    batch, t_len, d = partial.shape
+    m = len(stream_kernels)
+    cluster = cluster_size(d) if cluster is None else cluster
+    if exchange is None:
+        exchange = "all" if interpret or smem_bytes(
+            d=d, cluster=cluster, stream_kernels=stream_kernels, x_dtype=partial.dtype, acc_dtype=state.acc.dtype,
+            out_dtype=out_dtype, exchange="all", has_seg=segment_ids is not None) <= SMEM_BYTES else "butterfly"
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange={exchange!r}: must be one of {EXCHANGES}")
+    if cluster < 1 or cluster > MAX_CLUSTER or cluster & (cluster - 1):
+        raise ValueError(f"cluster={cluster}: must be a power of two from 1 to {MAX_CLUSTER}")
+    if interpret and cluster > 1:
+        raise NotImplementedError(f"cluster={cluster}: the Mosaic GPU interpreter (jax 0.11.2) has no "
+                                  "async_store_smem; interpret mode runs cluster=1")
+    if heads != 1 or m > XCH_COLS // 2:
+        raise NotImplementedError(f"phase2_cluster_forward: one head and at most {XCH_COLS // 2} streams "
+                                  f"(got heads={heads}, m={m})")
+    if d % (cluster * BLOCK_D):
+        raise NotImplementedError(f"phase2_cluster_forward: d = {d} must be a multiple of cluster x {BLOCK_D} "
+                                  f"= {cluster * BLOCK_D}")
+    if max([1, *stream_kernels]) - 1 > 8 * _Lags.of(max([1, *stream_kernels]), "padded").extra:
+        raise NotImplementedError(f"phase2_cluster_forward: kernels {tuple(stream_kernels)}")
+    sh = _shape("phase2_cluster_forward", partial, segment_ids, stream_kernels=stream_kernels, heads=1,
+                block_d=BLOCK_D, interpret=interpret, smem=None, x_dtype=partial.dtype, acc_dtype=state.acc.dtype,
+                out_dtype=out_dtype)
+    smem = smem_bytes(d=d, cluster=cluster, stream_kernels=stream_kernels, x_dtype=partial.dtype,
+                      acc_dtype=state.acc.dtype, out_dtype=out_dtype, exchange=exchange, has_seg=sh.has_seg)
+    if not interpret and smem > SMEM_BYTES:
+        raise NotImplementedError(f"phase2_cluster_forward: {smem} bytes of shared memory per CTA at d = {d}, "
+                                  f"cluster = {cluster}, exchange = {exchange!r} (the H200 has {SMEM_BYTES})")
+    t_pad = sh.t_pad
+    pad_t = lambda a, axis, value=0.0: _pad_t(a, axis, t_pad, value)  # noqa: E731
+    banks = jnp.asarray(bank, F32) if sh.has_bank and bank is not None else jnp.zeros((1, d), F32)
+    w, scale, bias = gate_params
+    w_rows = jnp.asarray(w, F32).reshape(m, d, m).transpose(0, 2, 1).reshape(m * m, d)  # [(r, j), c]
+    consts = [jnp.asarray(include_partial, F32), jnp.asarray(scale, F32).reshape(()), *jnp.asarray(bias, F32).reshape(m)]
+    consts = jnp.broadcast_to(jnp.stack(consts)[:, None], (len(consts), BLOCK_T))
+    rows = jnp.stack([pad_t(jnp.asarray(state.max, F32)[..., 0], 2),  # [2, m, B, Tp]: max, denom
+                      pad_t(jnp.asarray(state.denom, F32)[..., 0], 2, 1.0)])
+    inputs = [sh.x, banks, jnp.asarray(query, F32), _state_rows(state.acc, t_pad), rows, consts, w_rows]
+    if sh.has_seg:
+        inputs.append(sh.bits)
+    cfg = _Config(batch=batch, t_pad=t_pad, d=d, cluster=cluster, exchange=exchange,
+                  stream_kernels=tuple(stream_kernels), has_bank=bool(sh.has_bank and bank is not None),
+                  has_seg=sh.has_seg, front=sh.front, eps=float(eps), gate_eps=float(gate_eps),
+                  x_dtype=jnp.dtype(sh.x.dtype), acc_dtype=jnp.dtype(state.acc.dtype), out_dtype=jnp.dtype(out_dtype),
+                  interpret=bool(interpret))
+    h, dots, sumsq = _kernel(cfg)(*inputs)
+    return h[:, :t_len], (dots[:, :, :t_len, None], sumsq[:, :, :t_len])
+
+
+class _Config(NamedTuple):
+    """Everything ``_kernel``'s code depends on (hashable: built once per value)."""
+
+    batch: int
+    t_pad: int
+    d: int
+    cluster: int
+    exchange: str
+    stream_kernels: tuple
+    has_bank: bool
+    has_seg: bool
+    front: int
+    eps: float
+    gate_eps: float
+    x_dtype: jnp.dtype
+    acc_dtype: jnp.dtype
+    out_dtype: jnp.dtype
+    interpret: bool
+
+
+def _pack(plgpu, vals):
+    """Row vectors ``vals`` (``[64]`` each, at most ``XCH_COLS``) as the columns of one ``[64, 8]`` tile."""
+    tile = plgpu.Layout.WGMMA
+    cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_T, XCH_COLS), 1, layout=tile)
+    out = None
+    for j, v in enumerate(vals):
+        term = _rows(v, BLOCK_T, XCH_COLS) * (cols == j).astype(F32)
+        out = term if out is None else out + term
+    return out
+
+
+def _unpack(plgpu, packed, n: int):
+    """The first ``n`` columns of a ``[64, 8]`` tile as row vectors (``_pack``'s inverse)."""
+    cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_T, XCH_COLS), 1, layout=plgpu.Layout.WGMMA)
+    return [jnp.sum(packed * (cols == j).astype(F32), axis=1) for j in range(n)]
+
+
+def _cluster_sum(plgpu, cfg: _Config, vals, recv, bar, round_: int):
+    """The sums of the row vectors ``vals`` over the cluster's CTAs (``cfg.exchange``; exchange
+    ``round_`` of the tile: its own receive tiles and barriers, so no round overwrites a tile a
+    CTA may still read)."""
+    if cfg.cluster == 1:
+        return list(vals)
+    tile = plgpu.Layout.WGMMA
+    mine = _pack(plgpu, vals)
+    g = lax.axis_index("g")
+    if cfg.exchange == "all":  # every CTA's tile into slot g of every CTA, then the slots in order
+        for j in range(cfg.cluster):
+            plgpu.async_store_smem(mine, recv.at[round_, g], bar.at[round_], cluster_idx=jnp.int32(j),
+                                   cluster_dim="g")
+        plgpu.barrier_wait(bar.at[round_])
+        total = None
+        for j in range(cfg.cluster):
+            got = plgpu.load(recv.at[round_, j], (), layout=tile)
+            total = got if total is None else total + got
+    else:  # butterfly: after step s each CTA holds the sum over its 2^(s+1)-aligned group
+        steps = cfg.cluster.bit_length() - 1
+        total = mine
+        for s in range(steps):
+            k = round_ * steps + s
+            partner = (g ^ (1 << s)).astype(jnp.int32)
+            plgpu.async_store_smem(total, recv.at[round_, s], bar.at[k], cluster_idx=partner, cluster_dim="g")
+            plgpu.barrier_wait(bar.at[k])
+            total = total + plgpu.load(recv.at[round_, s], (), layout=tile)
+    return _unpack(plgpu, total, len(vals))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(cfg: _Config):
+    """The kernel for ``cfg``, jitted (``mosaic_gpu._kernel`` says why once per configuration)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu_module
+
+    plgpu = _LanePlgpu(plgpu_module)
+    batch, t_pad, d, G = cfg.batch, cfg.t_pad, cfg.d, cfg.cluster
+    m, bt, bd = len(cfg.stream_kernels), BLOCK_T, BLOCK_D
+    layout = _stream_layout(cfg.stream_kernels)
+    max_lag = max([1, *cfg.stream_kernels])
+    lags = _Lags.of(max_lag, "padded")
+    nck = d // G // bd  # chunks per CTA
+    n_taps = max(1, sum(cfg.stream_kernels))
+    n_xch = _exchange_tiles(G, cfg.exchange)
+    row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
+    xch_type = plgpu.SMEM((2, max(1, n_xch), bt, XCH_COLS), F32,
+                          transforms=(plgpu.TilingTransform((8, XCH_COLS)), plgpu.SwizzleTransform(XCH_COLS * 4)))
+    # "all": one barrier per exchange, G stores each; "butterfly": one per step, one store each
+    # (Pallas counts a Lane kernel's arrivals per thread: num_arrivals is per store)
+    xch_bar = plgpu.Barrier(num_arrivals=G if cfg.exchange == "all" else 1,
+                            num_barriers=max(1, _exchange_barriers(G, cfg.exchange)))
+    scratch = dict(
+        xs=plgpu.SMEM((nck, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
+        bs=plgpu.SMEM((nck, n_taps, bd), F32) if cfg.has_bank else None,
+        qs=plgpu.SMEM((nck, m, bd), F32),
+        ws=plgpu.SMEM((nck, m * m, bd), F32),
+        accs=_tile_smem(plgpu, (nck, m, bt, bd), cfg.acc_dtype),
+        rows_s=plgpu.SMEM((2, m, bt), F32),
+        bits_s=plgpu.SMEM((bt,), jnp.int32) if cfg.has_seg else None,
+        scal_s=plgpu.SMEM((2 + m, bt), F32),
+        h_s=_tile_smem(plgpu, (2, bt, bd), cfg.out_dtype),
+        scores_s=plgpu.SMEM((2, m, bt), F32),
+        recv=xch_type if G > 1 else None,
+        bar_x=plgpu.Barrier(num_arrivals=lags.count + cfg.has_bank + 1, num_barriers=nck),
+        bar_acc=plgpu.Barrier(num_arrivals=2, num_barriers=nck),
+        bar_in=plgpu.Barrier(num_arrivals=2 + cfg.has_seg, num_barriers=1),
+        bar_xch=xch_bar if G > 1 else None,
+    )
+    names = [k for k, v in scratch.items() if v is not None]
+
+    def body(x_ref, bank_ref, q_ref, acc_ref, rows_ref, consts_ref, w_ref, *rest):
+        bits_ref = rest[0] if cfg.has_seg else None
+        h_ref, dots_ref, ss_ref = rest[cfg.has_seg:cfg.has_seg + 3]
+        sc = dict(zip(names, rest[cfg.has_seg + 3:]))
+        xs, bs, qs, ws, accs = (sc.get(k) for k in ("xs", "bs", "qs", "ws", "accs"))
+        rows_s, bits_s, scal_s, h_s, scores_s = (sc.get(k) for k in ("rows_s", "bits_s", "scal_s", "h_s", "scores_s"))
+        recv, bar_x, bar_acc, bar_in, bar_xch = (sc.get(k) for k in ("recv", "bar_x", "bar_acc", "bar_in", "bar_xch"))
+        b, t = lax.axis_index("b"), lax.axis_index("t")
+        g = lax.axis_index("g") if G > 1 else 0
+        t0 = t * bt
+        c_first = g * nck  # the CTA's first channel chunk
+
+        # every copy at once: the per-token rows, then each chunk's partial windows, taps and
+        # queries (pass A), then each chunk's state and gate columns (pass B)
+        plgpu.copy_gmem_to_smem(rows_ref.at[:, :, b, pl.ds(t0, bt)], rows_s, bar_in.at[0])
+        plgpu.copy_gmem_to_smem(consts_ref, scal_s, bar_in.at[0])
+        if cfg.has_seg:
+            plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t0, bt)], bits_s, bar_in.at[0])
+        for k in range(nck):
+            c = c_first + k
+            _fetch_partial(plgpu, x_ref, bank_ref if cfg.has_bank else None, xs, bs, b, t0, cfg.front, c, bd, k,
+                           bar_x, lags, max_lag)
+            plgpu.copy_gmem_to_smem(q_ref.at[:, pl.ds(c * bd, bd)], qs.at[k], bar_x.at[k])
+        for k in range(nck):
+            cs = pl.ds((c_first + k) * bd, bd)
+            _copy_state(plgpu, acc_ref, accs, pl.ds(b * t_pad + t0, bt), cs, k, bar_acc.at[k], "one")
+            plgpu.copy_gmem_to_smem(w_ref.at[:, cs], ws.at[k], bar_acc.at[k])
+        plgpu.barrier_wait(bar_in.at[0])
+        masks = _lag_masks_of(plgpu, bits_s, max_lag, bt, bd)
+        zero = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
+
+        def expand(k):
+            return _expand_all(plgpu, xs, bs, k, layout, masks, bt, bd, lags, "shared")
+
+        # ---- A: the partial's dots and sums of squares over this CTA's channels, then the cluster's
+        def scores_chunk(k, carry):
+            plgpu.barrier_wait(bar_x.at[k])
+            dots, sqs = list(carry[0]), list(carry[1])
+            for r, e in enumerate(expand(k)):
+                dots[r] = dots[r] + jnp.sum(e * _cols(plgpu.load(qs, (k, r), layout=col), bt, bd), axis=1)
+                sqs[r] = sqs[r] + jnp.sum(e * e, axis=1)
+            return dots, sqs
+
+        dots, sqs = lax.fori_loop(0, nck, scores_chunk, ([zero] * m, [zero] * m))
+        sums = _cluster_sum(plgpu, cfg, [*dots, *sqs], recv, bar_xch, 0)
+        dots, sqs = sums[:m], sums[m:]
+
+        # the online-softmax merge with the phase-1 state (Eq. 11): z_r = a_r A_r + b_r E_r
+        inc = plgpu.load(scal_s, 0, layout=row) > 0.5
+        coef_a, coef_b = [], []
+        for r in range(m):
+            s = jnp.where(inc, dots[r] * lax.rsqrt(sqs[r] * (1.0 / d) + cfg.eps), reference.NEG_LARGE)
+            mx, den = plgpu.load(rows_s, (0, r), layout=row), plgpu.load(rows_s, (1, r), layout=row)
+            new_max = jnp.maximum(mx, s)
+            keep = jnp.exp(mx - new_max)
+            pnew = jnp.where(inc, jnp.exp(s - new_max), 0.0)
+            new_den = den * keep + pnew
+            coef_a.append(_rows(keep / new_den, bt, bd))
+            coef_b.append(_rows(pnew / new_den, bt, bd))
+            scores_s[0, r] = dots[r]
+            scores_s[1, r] = sqs[r]
+
+        def store_scores():
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(scores_s.at[0], dots_ref.at[:, b, pl.ds(t0, bt)])
+            plgpu.copy_smem_to_gmem(scores_s.at[1], ss_ref.at[:, b, pl.ds(t0, bt)])
+
+        if G == 1:
+            store_scores()
+        else:  # one CTA of the cluster writes them (every CTA holds the same sums)
+            pl.when(g == 0)(store_scores)
+
+        def merged(k, r, e):
+            return coef_a[r] * plgpu.load(accs, (k, r), layout=tile).astype(F32) + coef_b[r] * e
+
+        # ---- B: the gate's statistics over this CTA's channels, then the cluster's (Eq. 13)
+        def stats_chunk(k, carry):
+            plgpu.barrier_wait(bar_acc.at[k])
+            sq, zw = carry[0], list(carry[1])
+            for r, e in enumerate(expand(k)):
+                z = merged(k, r, e)
+                sq = sq + jnp.sum(z * z, axis=1)
+                for j in range(m):
+                    zw[j] = zw[j] + jnp.sum(z * _cols(plgpu.load(ws, (k, r * m + j), layout=col), bt, bd), axis=1)
+            return sq, zw
+
+        sq, zw = lax.fori_loop(0, nck, stats_chunk, (zero, [zero] * m))
+        sums = _cluster_sum(plgpu, cfg, [sq, *zw], recv, bar_xch, 1)
+        sq, zw = sums[0], sums[1:]
+        inv = lax.rsqrt(sq * (1.0 / (m * d)) + cfg.gate_eps)
+        scale = plgpu.load(scal_s, 1, layout=row)
+        mix = [_rows(1.0 / (1.0 + jnp.exp(-(scale * (inv * zw[j]) + plgpu.load(scal_s, 2 + j, layout=row)))), bt, bd)
+               for j in range(m)]
+
+        # ---- C: h = sum_r g_r z_r (Eq. 14), chunk by chunk from the state kept in shared memory
+        def fuse_chunk(k, carry):
+            h = None
+            for r, e in enumerate(expand(k)):
+                term = mix[r] * merged(k, r, e)
+                h = term if h is None else h + term
+            slot = lax.rem(k, 2)
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that last read this slot is done
+            h_s[slot] = h.astype(h_s.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(h_s.at[slot], h_ref.at[b, pl.ds(t0, bt), pl.ds((c_first + k) * bd, bd)])
+            return carry
+
+        lax.fori_loop(0, nck, fuse_chunk, 0)
+        plgpu.wait_smem_to_gmem(0)
+
+    out_type = (jax.ShapeDtypeStruct((batch, t_pad, d), cfg.out_dtype), jax.ShapeDtypeStruct((m, batch, t_pad), F32),
+                jax.ShapeDtypeStruct((m, batch, t_pad), F32))
+    params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
+    if G > 1:
+        params.update(cluster=(G,), cluster_names=("g",))
+    kernel = plgpu.kernel(named_body(body, "depth_attention_phase2_cluster_mosaic"), out_type=out_type,
+                          scratch_types=[scratch[k] for k in names], grid=(batch, t_pad // bt), grid_names=("b", "t"),
+                          interpret=plgpu.InterpretGPUParams() if cfg.interpret else False, **params)
+
+    @jax.jit
+    def run(*inputs):
+        with jax.named_scope("depth_attention_phase2_cluster_mosaic"):
+            return kernel(*inputs)
+
+    return run

@@ -1,0 +1,128 @@
+"""Phase 2's forward with the state read once by a cluster of CTAs
+(``pallas_kernels/depth_attention/mosaic_gpu_cluster.py``) against the oracle and the one-CTA
+kernel. On the CPU it runs interpreted with a cluster of one (the Mosaic GPU interpreter of jax
+0.11.2 has no rule for the exchange's ``async_store_smem``), and its clusters of 8 and 16 are
+lowered for the H200 to check the shared-memory count; the GPU-marked test runs the clusters and
+both exchanges."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.mosaic.gpu import core as mgpu_core
+
+from pallas_kernels.depth_attention import mosaic_gpu, mosaic_gpu_cluster, reference
+from tests.kernels.test_depth_attention_fused import F32_TOL, _phase2_inputs, _rel
+from tests.kernels.test_mosaic_gpu_phase2 import _segments
+
+pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+
+KERNELS = (0, 4, 8, 12)
+BF16 = jnp.bfloat16
+EPS = dict(eps=1e-6, gate_eps=1e-6)
+
+
+def _inputs(batch, t_len, d, cut, state_dtype=jnp.float32):
+    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, KERNELS, 1)
+    seg = None if cut is None else _segments(batch, t_len, cut)
+    return state._replace(acc=state.acc.astype(state_dtype)), partial.astype(BF16), bank, query, gate, seg
+
+
+def _cluster(args, include, **opts):
+    state, partial, bank, query, gate, seg = args
+    return mosaic_gpu_cluster.phase2_cluster_forward(state, partial, bank, query, include, gate, seg,
+                                                     stream_kernels=KERNELS, heads=1, **EPS, **opts)
+
+
+def _one_cta(args, include, **opts):
+    state, partial, bank, query, gate, seg = args
+    return mosaic_gpu.phase2_fused_forward(state, partial, bank, query, include, gate, seg, fuse="gate",
+                                           stream_kernels=KERNELS, heads=1, **EPS, **opts)
+
+
+def _oracle(args, include):
+    state, partial, bank, query, gate, seg = args
+    return reference.phase2_fused(state, partial, bank, query, include, gate, stream_kernels=KERNELS, heads=1,
+                                  segment_ids=seg, **EPS)
+
+
+@pytest.mark.parametrize("include, cut, state_dtype", [
+    pytest.param(True, 37, jnp.float32, id="segments_ragged_T"),
+    pytest.param(False, None, BF16, id="partial_excluded_bf16_state", marks=pytest.mark.slow),
+])
+def test_interpreted_forward_matches_oracle_and_one_cta_kernel(include, cut, state_dtype):
+    """A cluster of one (interpreted): ``h`` against the oracle; ``h`` and the scores against the
+    one-CTA kernel, which sums the same chunks in the same order (the scores to the bit).
+    Two token tiles, a ragged one, three channel chunks, segment boundaries inside the lag windows."""
+    args = _inputs(2, 100, 96, cut, state_dtype)
+    h, (dots, sumsq) = _cluster(args, include, cluster=1, interpret=True)
+    want_h, (want_dots, want_sumsq) = _one_cta(args, include, interpret=True)
+    assert h.shape == (2, 100, 96) and dots.shape == want_dots.shape and sumsq.shape == want_sumsq.shape
+    assert np.any(np.asarray(h))
+    assert _rel(h, _oracle(args, include)) < F32_TOL
+    assert _rel(h, want_h) < F32_TOL
+    np.testing.assert_array_equal(np.asarray(dots), np.asarray(want_dots))
+    np.testing.assert_array_equal(np.asarray(sumsq), np.asarray(want_sumsq))
+
+
+@pytest.mark.parametrize("d, cluster, exchange", [(1024, 8, "all"), (1024, 8, "butterfly"),
+                                                  (2048, 16, "butterfly")])
+def test_shared_memory_count_is_the_allocation(monkeypatch, d, cluster, exchange):
+    """``smem_bytes`` is what Mosaic GPU allocates for one CTA lowered for the H200 (with segment
+    ids and taps: every buffer present; a bf16 ``h``, as the models write it), and under the
+    H200's limit at `base` (d = 1024, a cluster of 8) and the issue's shape (d = 2048, 16, the
+    butterfly exchange)."""
+    seen, real = [], mgpu_core._smem_tree_size
+    monkeypatch.setattr(mgpu_core, "_smem_tree_size", lambda tree: seen.append(real(tree)) or seen[-1])
+    args = _inputs(1, 64, d, 30)
+    jax.jit(lambda *a: _cluster(a, True, cluster=cluster, exchange=exchange, out_dtype=BF16)).trace(*args).lower(
+        lowering_platforms=("cuda",))
+    want = mosaic_gpu_cluster.smem_bytes(d=d, cluster=cluster, stream_kernels=KERNELS, x_dtype=BF16,
+                                         acc_dtype=jnp.float32, out_dtype=BF16, exchange=exchange)
+    assert seen == [want]
+    assert want <= mosaic_gpu.SMEM_BYTES
+
+
+def test_exchange_default_and_refusals():
+    """None takes ``"all"`` where its receive tiles fit and ``"butterfly"`` where they do not (the
+    issue's shape); bad clusters, exchanges and shapes are refused with what was asked."""
+    kw = dict(stream_kernels=KERNELS, x_dtype=BF16, acc_dtype=jnp.float32, out_dtype=BF16)
+    assert mosaic_gpu_cluster.smem_bytes(d=1024, cluster=8, exchange="all", **kw) <= mosaic_gpu.SMEM_BYTES
+    assert mosaic_gpu_cluster.smem_bytes(d=2048, cluster=16, exchange="all", **kw) > mosaic_gpu.SMEM_BYTES
+    assert mosaic_gpu_cluster.cluster_size(1024) == 8 and mosaic_gpu_cluster.cluster_size(2048) == 16
+    args = _inputs(1, 64, 64, None)
+    with pytest.raises(ValueError, match="cluster=3"):
+        _cluster(args, True, cluster=3, interpret=True)
+    with pytest.raises(ValueError, match="exchange='ring'"):
+        _cluster(args, True, cluster=1, exchange="ring", interpret=True)
+    with pytest.raises(NotImplementedError, match="interpreter"):
+        _cluster(args, True, cluster=2, interpret=True)
+    with pytest.raises(NotImplementedError, match="multiple of cluster"):
+        jax.eval_shape(lambda *a: _cluster(a, True, cluster=4), *args)  # 64 channels: not 4 x 32
+    with pytest.raises(NotImplementedError, match="shared memory"):
+        jax.eval_shape(lambda *a: _cluster(_inputs(1, 64, 2048, None), True, cluster=8), *args)
+    state, partial, bank, query, gate, seg = _phase2_inputs(1, 64, 64, KERNELS, 2) + (None,)
+    with pytest.raises(NotImplementedError, match="one head"):
+        mosaic_gpu_cluster.phase2_cluster_forward(state, partial, bank, query, True, gate, None,
+                                                  stream_kernels=KERNELS, heads=2, cluster=1, interpret=True, **EPS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, cluster, exchange", [(1024, 8, "all"), (1024, 8, "butterfly"), (1024, 16, "all"),
+                                                  (2048, 16, "butterfly")])
+def test_gpu_cluster_matches_one_cta_kernel(d, cluster, exchange):
+    """On a GPU: the clusters' ``h`` and scores against the one-CTA kernel's and the oracle's ``h``
+    (float32 state, bf16 partial, segments, a ragged tile)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    args = _inputs(2, 200, d, 77)
+    with jax.default_matmul_precision("highest"):
+        h, (dots, sumsq) = jax.jit(lambda *a: _cluster(a, True, cluster=cluster, exchange=exchange,
+                                                       out_dtype=jnp.float32))(*args)
+        want_h, (want_dots, want_sumsq) = jax.jit(lambda *a: _one_cta(a, True))(*args)
+        oracle = jax.jit(lambda *a: _oracle(a, True))(*args)
+    assert _rel(h, oracle) < 1e-4
+    assert _rel(h, want_h) < 1e-5
+    assert _rel(dots, want_dots) < 1e-5 and _rel(sumsq, want_sumsq) < 1e-5
