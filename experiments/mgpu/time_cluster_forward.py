@@ -1,7 +1,8 @@
 """Phase 2's forward with the state read once by a cluster of CTAs (``mosaic_gpu_cluster``)
 against the one-CTA kernel (``mosaic_gpu.phase2_fused_forward``, the state read twice), MSAR
 (kernels (0, 4, 8, 12), gate, float32 state, bf16 partial and ``h``) at `base`'s shape (B x T =
-64 x 1024, d = 1024) and the issue's (8 x 2048, d = 2048). Per variant (cluster size, exchange):
+64 x 1024, d = 1024) and the issue's (8 x 2048, d = 2048). Per variant (cluster size, exchange,
+one cluster per tile or a cluster per group of SMs walking the tiles):
 the largest difference of ``h`` and of the scores from the one-CTA kernel's, relative to their
 largest magnitude (the one-CTA kernel is the one the tests hold to the oracle; the sums differ
 only in their grouping), then the median of 21 timings of 5 calls and the fraction of each
@@ -45,8 +46,9 @@ def inputs(batch, t_len, d, key=0):
     return state, x, bank, q, gate
 
 
-def variants(d):
-    """(label, fn) per variant: the one-CTA kernel, then each cluster size that fits and exchange."""
+def variants(d, n_tiles):
+    """(label, fn) per variant: the one-CTA kernel, then each cluster size that fits and exchange,
+    one cluster per tile or ``persistent_programs`` clusters walking the ``n_tiles`` tiles."""
     out = [("one CTA (state twice)", lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
         st, x, b, q, True, g, None, fuse="gate", **KW))]
     for cluster in (8, 16):
@@ -57,9 +59,14 @@ def variants(d):
                                              acc_dtype=jnp.float32, out_dtype=jnp.bfloat16,
                                              exchange=exchange) > mosaic_gpu.SMEM_BYTES:
                 continue
-            out.append((f"cluster {cluster:2d} {exchange}", (lambda c, e: lambda st, x, b, q, g: (
-                mosaic_gpu_cluster.phase2_cluster_forward(st, x, b, q, True, g, None, cluster=c, exchange=e, **KW)))(
-                    cluster, exchange)))
+            most = mosaic_gpu_cluster.persistent_programs(n_tiles, cluster)
+            # one cluster per group of G SMs, and half as many (in case not all groups can host one:
+            # a cluster must fit in one GPC)
+            for programs in [None, most] + ([most // 2] if most % 2 == 0 else []):
+                label = f"cluster {cluster:2d} {exchange}" + (f", {programs} walking" if programs else "")
+                out.append((label, (lambda c, e, p: lambda st, x, b, q, g: (
+                    mosaic_gpu_cluster.phase2_cluster_forward(st, x, b, q, True, g, None, cluster=c, exchange=e,
+                                                              programs=p, **KW)))(cluster, exchange, programs)))
     return out
 
 
@@ -78,7 +85,7 @@ def compile_all(shapes) -> int:
     failures = 0
     for name, (batch, t_len, d) in shapes:
         args = jax.eval_shape(lambda: inputs(batch, t_len, d))
-        for label, fn in variants(d):
+        for label, fn in variants(d, batch * t_len // 64):
             try:
                 with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
                     jax.jit(fn, out_shardings=NamedSharding(mesh, P())).lower(*args).compile()
@@ -99,10 +106,10 @@ def main(argv):
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {jax.devices()[0].device_kind}", flush=True)
     for name, (batch, t_len, d) in shapes:
         args = inputs(batch, t_len, d)
-        want_h, (want_dots, want_ss) = jax.jit(variants(d)[0][1])(*args)
+        want_h, (want_dots, want_ss) = jax.jit(variants(d, batch * t_len // 64)[0][1])(*args)
         scale = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))  # noqa: E731
         print(f"## {name}: B x T = {batch} x {t_len}, d = {d}", flush=True)
-        for label, fn in variants(d):
+        for label, fn in variants(d, batch * t_len // 64):
             try:
                 f = jax.jit(fn)
                 h, (dots, ss) = f(*args)

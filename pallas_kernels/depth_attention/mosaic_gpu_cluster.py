@@ -60,6 +60,12 @@ def cluster_size(d: int, slice_d: int = SLICE_D) -> int:
     return max(1, d // slice_d)
 
 
+def persistent_programs(n_tiles: int, cluster: int, sms: int = 132) -> int:
+    """Clusters that walk ``n_tiles`` token tiles when each CTA holds one SM (its shared memory):
+    the largest divisor of ``n_tiles`` up to ``sms / cluster`` (the H200 has 132 SMs)."""
+    return max(k for k in range(1, max(1, sms // cluster) + 1) if n_tiles % k == 0)
+
+
 def smem_bytes(*, d: int, cluster: int, stream_kernels: Sequence[int], x_dtype, acc_dtype, out_dtype,
                exchange: str = "all", has_seg: bool = True) -> int:
     """Shared memory of one CTA (its scratch list as ``_kernel`` builds it; ``_smem_sum``)."""
@@ -69,10 +75,10 @@ def smem_bytes(*, d: int, cluster: int, stream_kernels: Sequence[int], x_dtype, 
     n_taps = max(1, sum(stream_kernels))
     n_xch = _exchange_tiles(cluster, exchange)
     return _smem_sum(nck * _window_elems(stream_kernels, "padded", bd) * size(x_dtype), nck * n_taps * bd * 4,
-                     nck * m * bd * 4, nck * m * m * bd * 4, nck * m * bt * bd * size(acc_dtype), 2 * m * bt * 4,
-                     bt * 4 if has_seg else 0, (2 + m) * bt * 4, 2 * bt * bd * size(out_dtype), 2 * m * bt * 4,
-                     2 * n_xch * bt * XCH_COLS * 4, barriers=2 * nck + 1 + _exchange_barriers(cluster, exchange),
-                     reduces=True)
+                     nck * m * bd * 4, nck * m * m * bd * 4, nck * m * bt * bd * size(acc_dtype), 2 * 2 * m * bt * 4,
+                     2 * bt * 4 if has_seg else 0, (2 + m) * bt * 4, 2 * bt * bd * size(out_dtype), 2 * m * bt * 4,
+                     2 * n_xch * bt * XCH_COLS * 4,
+                     barriers=1 + 2 * nck + 2 + _exchange_barriers(cluster, exchange), reduces=True)
 
 
 def _exchange_barriers(cluster: int, exchange: str) -> int:
@@ -89,13 +95,17 @@ def _exchange_tiles(cluster: int, exchange: str) -> int:
 
 def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *,
                            stream_kernels: Sequence[int], heads: int, eps: float, gate_eps: float, out_dtype=F32,
-                           cluster: int | None = None, exchange: str | None = None, interpret: bool = False):
+                           cluster: int | None = None, exchange: str | None = None, programs: int | None = None,
+                           interpret: bool = False):
     """``mosaic_gpu.phase2_fused_forward(fuse="gate")``'s outputs, ``h[B, T, d]`` and the scores
     ``(dots[m, B, T, 1], sumsq[m, B, T])``, from a cluster of ``cluster`` CTAs per 64-token tile
     (None: ``cluster_size(d)``) that reads the state once (the module docstring). MSAR's shape
     only: one head, the H_pre gate, ``d`` a multiple of ``cluster * 32``, ``cluster`` a power of
     two up to ``MAX_CLUSTER``; ``exchange``: ``EXCHANGES`` (None: ``"all"`` where its receive
-    tiles fit in shared memory, else ``"butterfly"``). Raises ``NotImplementedError`` for
+    tiles fit in shared memory, else ``"butterfly"``). ``programs``: None runs one cluster per
+    64-token tile; an integer runs that many clusters (a divisor of the ``B * ceil(T / 64)``
+    tiles; ``persistent_programs`` picks one per SM group), each walking its tiles and bringing the
+    next tile's chunks in as the last pass frees their buffers. Raises ``NotImplementedError`` for
     other shapes and where a CTA's scratch exceeds the shared memory; ``ValueError`` for a bad
     ``cluster`` or ``exchange``."""
     batch, t_len, d = partial.shape
@@ -129,6 +139,9 @@ def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_pa
         raise NotImplementedError(f"phase2_cluster_forward: {smem} bytes of shared memory per CTA at d = {d}, "
                                   f"cluster = {cluster}, exchange = {exchange!r} (the H200 has {SMEM_BYTES})")
     t_pad = sh.t_pad
+    n_tiles = batch * (t_pad // BLOCK_T)
+    if programs is not None and (programs < 1 or n_tiles % programs):
+        raise ValueError(f"programs={programs}: must divide the {n_tiles} token tiles (B x ceil(T / 64))")
     pad_t = lambda a, axis, value=0.0: _pad_t(a, axis, t_pad, value)  # noqa: E731
     banks = jnp.asarray(bank, F32) if sh.has_bank and bank is not None else jnp.zeros((1, d), F32)
     w, scale, bias = gate_params
@@ -144,7 +157,7 @@ def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_pa
                   stream_kernels=tuple(stream_kernels), has_bank=bool(sh.has_bank and bank is not None),
                   has_seg=sh.has_seg, front=sh.front, eps=float(eps), gate_eps=float(gate_eps),
                   x_dtype=jnp.dtype(sh.x.dtype), acc_dtype=jnp.dtype(state.acc.dtype), out_dtype=jnp.dtype(out_dtype),
-                  interpret=bool(interpret))
+                  programs=programs or 0, interpret=bool(interpret))
     h, dots, sumsq = _kernel(cfg)(*inputs)
     return h[:, :t_len], (dots[:, :, :t_len, None], sumsq[:, :, :t_len])
 
@@ -166,6 +179,7 @@ class _Config(NamedTuple):
     x_dtype: jnp.dtype
     acc_dtype: jnp.dtype
     out_dtype: jnp.dtype
+    programs: int  # 0: one program per tile; else that many programs (clusters) walk the tiles
     interpret: bool
 
 
@@ -237,21 +251,26 @@ def _kernel(cfg: _Config):
     # (Pallas counts a Lane kernel's arrivals per thread: num_arrivals is per store)
     xch_bar = plgpu.Barrier(num_arrivals=G if cfg.exchange == "all" else 1,
                             num_barriers=max(1, _exchange_barriers(G, cfg.exchange)))
+    n_t = t_pad // bt
+    persistent = cfg.programs > 0
+    n_iter = batch * n_t // cfg.programs if persistent else 1  # tiles per program
     scratch = dict(
         xs=plgpu.SMEM((nck, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
         bs=plgpu.SMEM((nck, n_taps, bd), F32) if cfg.has_bank else None,
         qs=plgpu.SMEM((nck, m, bd), F32),
         ws=plgpu.SMEM((nck, m * m, bd), F32),
         accs=_tile_smem(plgpu, (nck, m, bt, bd), cfg.acc_dtype),
-        rows_s=plgpu.SMEM((2, m, bt), F32),
-        bits_s=plgpu.SMEM((bt,), jnp.int32) if cfg.has_seg else None,
+        rows_s=plgpu.SMEM((2, 2, m, bt), F32),  # per tile slot: the state's max and denom rows
+        bits_s=plgpu.SMEM((2, bt), jnp.int32) if cfg.has_seg else None,
         scal_s=plgpu.SMEM((2 + m, bt), F32),
         h_s=_tile_smem(plgpu, (2, bt, bd), cfg.out_dtype),
         scores_s=plgpu.SMEM((2, m, bt), F32),
         recv=xch_type if G > 1 else None,
-        bar_x=plgpu.Barrier(num_arrivals=lags.count + cfg.has_bank + 1, num_barriers=nck),
-        bar_acc=plgpu.Barrier(num_arrivals=2, num_barriers=nck),
-        bar_in=plgpu.Barrier(num_arrivals=2 + cfg.has_seg, num_barriers=1),
+        # the CTA's channel slice of the taps, queries and gate columns and the constants: once
+        bar_const=plgpu.Barrier(num_arrivals=nck * (cfg.has_bank + 2) + 1, num_barriers=1),
+        bar_x=plgpu.Barrier(num_arrivals=lags.count, num_barriers=nck),  # a tile's chunk of the partial
+        bar_acc=plgpu.Barrier(num_arrivals=1, num_barriers=nck),  # a tile's chunk of the state
+        bar_in=plgpu.Barrier(num_arrivals=1 + cfg.has_seg, num_barriers=2),  # a tile's rows, per slot
         bar_xch=xch_bar if G > 1 else None,
     )
     names = [k for k, v in scratch.items() if v is not None]
@@ -262,108 +281,154 @@ def _kernel(cfg: _Config):
         sc = dict(zip(names, rest[cfg.has_seg + 3:]))
         xs, bs, qs, ws, accs = (sc.get(k) for k in ("xs", "bs", "qs", "ws", "accs"))
         rows_s, bits_s, scal_s, h_s, scores_s = (sc.get(k) for k in ("rows_s", "bits_s", "scal_s", "h_s", "scores_s"))
-        recv, bar_x, bar_acc, bar_in, bar_xch = (sc.get(k) for k in ("recv", "bar_x", "bar_acc", "bar_in", "bar_xch"))
-        b, t = lax.axis_index("b"), lax.axis_index("t")
+        recv, bar_const, bar_x, bar_acc, bar_in, bar_xch = (
+            sc.get(k) for k in ("recv", "bar_const", "bar_x", "bar_acc", "bar_in", "bar_xch"))
         g = lax.axis_index("g") if G > 1 else 0
-        t0 = t * bt
         c_first = g * nck  # the CTA's first channel chunk
 
-        # every copy at once: the per-token rows, then each chunk's partial windows, taps and
-        # queries (pass A), then each chunk's state and gate columns (pass B)
-        plgpu.copy_gmem_to_smem(rows_ref.at[:, :, b, pl.ds(t0, bt)], rows_s, bar_in.at[0])
-        plgpu.copy_gmem_to_smem(consts_ref, scal_s, bar_in.at[0])
-        if cfg.has_seg:
-            plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t0, bt)], bits_s, bar_in.at[0])
-        for k in range(nck):
-            c = c_first + k
-            _fetch_partial(plgpu, x_ref, bank_ref if cfg.has_bank else None, xs, bs, b, t0, cfg.front, c, bd, k,
-                           bar_x, lags, max_lag)
-            plgpu.copy_gmem_to_smem(q_ref.at[:, pl.ds(c * bd, bd)], qs.at[k], bar_x.at[k])
+        def tile_of(j):
+            """The (batch row, token tile) of the program's ``j``-th tile."""
+            if not persistent:
+                return lax.axis_index("b"), lax.axis_index("t")
+            i = lax.axis_index("b") + j * cfg.programs  # "b": the program (``_Lags.columns`` reads that axis)
+            return i // n_t, lax.rem(i, n_t)
+
+        def fetch_rows(j, slot):
+            bi, ti = tile_of(j)
+            plgpu.copy_gmem_to_smem(rows_ref.at[:, :, bi, pl.ds(ti * bt, bt)], rows_s.at[slot], bar_in.at[slot])
+            if cfg.has_seg:
+                plgpu.copy_gmem_to_smem(bits_ref.at[bi, pl.ds(ti * bt, bt)], bits_s.at[slot], bar_in.at[slot])
+
+        def fetch_x(j, k):
+            bi, ti = tile_of(j)
+            _fetch_partial(plgpu, x_ref, None, xs, None, bi, ti * bt, cfg.front, c_first + k, bd, k, bar_x, lags,
+                           max_lag)
+
+        def fetch_acc(j, k):
+            bi, ti = tile_of(j)
+            _copy_state(plgpu, acc_ref, accs, pl.ds(bi * t_pad + ti * bt, bt), pl.ds((c_first + k) * bd, bd), k,
+                        bar_acc.at[k], "one")
+
+        # the slice's constants once; the first tile's rows, then its chunks of the partial (pass
+        # A) and of the state (pass B); later tiles' come as the tile before frees their buffers
         for k in range(nck):
             cs = pl.ds((c_first + k) * bd, bd)
-            _copy_state(plgpu, acc_ref, accs, pl.ds(b * t_pad + t0, bt), cs, k, bar_acc.at[k], "one")
-            plgpu.copy_gmem_to_smem(w_ref.at[:, cs], ws.at[k], bar_acc.at[k])
-        plgpu.barrier_wait(bar_in.at[0])
-        masks = _lag_masks_of(plgpu, bits_s, max_lag, bt, bd)
+            if cfg.has_bank:
+                plgpu.copy_gmem_to_smem(bank_ref.at[:, cs], bs.at[k], bar_const.at[0])
+            plgpu.copy_gmem_to_smem(q_ref.at[:, cs], qs.at[k], bar_const.at[0])
+            plgpu.copy_gmem_to_smem(w_ref.at[:, cs], ws.at[k], bar_const.at[0])
+        plgpu.copy_gmem_to_smem(consts_ref, scal_s, bar_const.at[0])
+        fetch_rows(0, 0)
+        for k in range(nck):
+            fetch_x(0, k)
+        for k in range(nck):
+            fetch_acc(0, k)
+        plgpu.barrier_wait(bar_const.at[0])
         zero = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
-
-        def expand(k):
-            return _expand_all(plgpu, xs, bs, k, layout, masks, bt, bd, lags, "shared")
-
-        # ---- A: the partial's dots and sums of squares over this CTA's channels, then the cluster's
-        def scores_chunk(k, carry):
-            plgpu.barrier_wait(bar_x.at[k])
-            dots, sqs = list(carry[0]), list(carry[1])
-            for r, e in enumerate(expand(k)):
-                dots[r] = dots[r] + jnp.sum(e * _cols(plgpu.load(qs, (k, r), layout=col), bt, bd), axis=1)
-                sqs[r] = sqs[r] + jnp.sum(e * e, axis=1)
-            return dots, sqs
-
-        dots, sqs = lax.fori_loop(0, nck, scores_chunk, ([zero] * m, [zero] * m))
-        sums = _cluster_sum(plgpu, cfg, [*dots, *sqs], recv, bar_xch, 0)
-        dots, sqs = sums[:m], sums[m:]
-
-        # the online-softmax merge with the phase-1 state (Eq. 11): z_r = a_r A_r + b_r E_r
         inc = plgpu.load(scal_s, 0, layout=row) > 0.5
-        coef_a, coef_b = [], []
-        for r in range(m):
-            s = jnp.where(inc, dots[r] * lax.rsqrt(sqs[r] * (1.0 / d) + cfg.eps), reference.NEG_LARGE)
-            mx, den = plgpu.load(rows_s, (0, r), layout=row), plgpu.load(rows_s, (1, r), layout=row)
-            new_max = jnp.maximum(mx, s)
-            keep = jnp.exp(mx - new_max)
-            pnew = jnp.where(inc, jnp.exp(s - new_max), 0.0)
-            new_den = den * keep + pnew
-            coef_a.append(_rows(keep / new_den, bt, bd))
-            coef_b.append(_rows(pnew / new_den, bt, bd))
-            scores_s[0, r] = dots[r]
-            scores_s[1, r] = sqs[r]
-
-        def store_scores():
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(scores_s.at[0], dots_ref.at[:, b, pl.ds(t0, bt)])
-            plgpu.copy_smem_to_gmem(scores_s.at[1], ss_ref.at[:, b, pl.ds(t0, bt)])
-
-        if G == 1:
-            store_scores()
-        else:  # one CTA of the cluster writes them (every CTA holds the same sums)
-            pl.when(g == 0)(store_scores)
-
-        def merged(k, r, e):
-            return coef_a[r] * plgpu.load(accs, (k, r), layout=tile).astype(F32) + coef_b[r] * e
-
-        # ---- B: the gate's statistics over this CTA's channels, then the cluster's (Eq. 13)
-        def stats_chunk(k, carry):
-            plgpu.barrier_wait(bar_acc.at[k])
-            sq, zw = carry[0], list(carry[1])
-            for r, e in enumerate(expand(k)):
-                z = merged(k, r, e)
-                sq = sq + jnp.sum(z * z, axis=1)
-                for j in range(m):
-                    zw[j] = zw[j] + jnp.sum(z * _cols(plgpu.load(ws, (k, r * m + j), layout=col), bt, bd), axis=1)
-            return sq, zw
-
-        sq, zw = lax.fori_loop(0, nck, stats_chunk, (zero, [zero] * m))
-        sums = _cluster_sum(plgpu, cfg, [sq, *zw], recv, bar_xch, 1)
-        sq, zw = sums[0], sums[1:]
-        inv = lax.rsqrt(sq * (1.0 / (m * d)) + cfg.gate_eps)
         scale = plgpu.load(scal_s, 1, layout=row)
-        mix = [_rows(1.0 / (1.0 + jnp.exp(-(scale * (inv * zw[j]) + plgpu.load(scal_s, 2 + j, layout=row)))), bt, bd)
-               for j in range(m)]
 
-        # ---- C: h = sum_r g_r z_r (Eq. 14), chunk by chunk from the state kept in shared memory
-        def fuse_chunk(k, carry):
-            h = None
-            for r, e in enumerate(expand(k)):
-                term = mix[r] * merged(k, r, e)
-                h = term if h is None else h + term
-            slot = lax.rem(k, 2)
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that last read this slot is done
-            h_s[slot] = h.astype(h_s.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(h_s.at[slot], h_ref.at[b, pl.ds(t0, bt), pl.ds((c_first + k) * bd, bd)])
+        def tile_step(j, carry):
+            slot = lax.rem(j, 2)
+            bi, ti = tile_of(j)
+            t0 = ti * bt
+            has_next = j + 1 < n_iter
+
+            @pl.when(has_next)
+            def _():
+                fetch_rows(j + 1, 1 - slot)
+
+            plgpu.barrier_wait(bar_in.at[slot])
+            masks = _lag_masks_of(plgpu, bits_s.at[slot] if cfg.has_seg else None, max_lag, bt, bd)
+
+            def expand(k):
+                return _expand_all(plgpu, xs, bs, k, layout, masks, bt, bd, lags, "shared")
+
+            # ---- A: the partial's dots and sums of squares over this CTA's channels, then the cluster's
+            def scores_chunk(k, carry):
+                plgpu.barrier_wait(bar_x.at[k])
+                dots, sqs = list(carry[0]), list(carry[1])
+                for r, e in enumerate(expand(k)):
+                    dots[r] = dots[r] + jnp.sum(e * _cols(plgpu.load(qs, (k, r), layout=col), bt, bd), axis=1)
+                    sqs[r] = sqs[r] + jnp.sum(e * e, axis=1)
+                return dots, sqs
+
+            dots, sqs = lax.fori_loop(0, nck, scores_chunk, ([zero] * m, [zero] * m))
+            sums = _cluster_sum(plgpu, cfg, [*dots, *sqs], recv, bar_xch, 0)
+            dots, sqs = sums[:m], sums[m:]
+
+            # the online-softmax merge with the phase-1 state (Eq. 11): z_r = a_r A_r + b_r E_r
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's score stores have read scores_s
+            coef_a, coef_b = [], []
+            for r in range(m):
+                s = jnp.where(inc, dots[r] * lax.rsqrt(sqs[r] * (1.0 / d) + cfg.eps), reference.NEG_LARGE)
+                mx = plgpu.load(rows_s, (slot, 0, r), layout=row)
+                den = plgpu.load(rows_s, (slot, 1, r), layout=row)
+                new_max = jnp.maximum(mx, s)
+                keep = jnp.exp(mx - new_max)
+                pnew = jnp.where(inc, jnp.exp(s - new_max), 0.0)
+                new_den = den * keep + pnew
+                coef_a.append(_rows(keep / new_den, bt, bd))
+                coef_b.append(_rows(pnew / new_den, bt, bd))
+                scores_s[0, r] = dots[r]
+                scores_s[1, r] = sqs[r]
+
+            def store_scores():
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(scores_s.at[0], dots_ref.at[:, bi, pl.ds(t0, bt)])
+                plgpu.copy_smem_to_gmem(scores_s.at[1], ss_ref.at[:, bi, pl.ds(t0, bt)])
+
+            if G == 1:
+                store_scores()
+            else:  # one CTA of the cluster writes them (every CTA holds the same sums)
+                pl.when(g == 0)(store_scores)
+
+            def merged(k, r, e):
+                return coef_a[r] * plgpu.load(accs, (k, r), layout=tile).astype(F32) + coef_b[r] * e
+
+            # ---- B: the gate's statistics over this CTA's channels, then the cluster's (Eq. 13)
+            def stats_chunk(k, carry):
+                plgpu.barrier_wait(bar_acc.at[k])
+                sq, zw = carry[0], list(carry[1])
+                for r, e in enumerate(expand(k)):
+                    z = merged(k, r, e)
+                    sq = sq + jnp.sum(z * z, axis=1)
+                    for jj in range(m):
+                        w_col = _cols(plgpu.load(ws, (k, r * m + jj), layout=col), bt, bd)
+                        zw[jj] = zw[jj] + jnp.sum(z * w_col, axis=1)
+                return sq, zw
+
+            sq, zw = lax.fori_loop(0, nck, stats_chunk, (zero, [zero] * m))
+            sums = _cluster_sum(plgpu, cfg, [sq, *zw], recv, bar_xch, 1)
+            sq, zw = sums[0], sums[1:]
+            inv = lax.rsqrt(sq * (1.0 / (m * d)) + cfg.gate_eps)
+            mix = [_rows(1.0 / (1.0 + jnp.exp(-(scale * (inv * zw[jj]) + plgpu.load(scal_s, 2 + jj, layout=row)))),
+                         bt, bd) for jj in range(m)]
+
+            # ---- C: h = sum_r g_r z_r (Eq. 14), chunk by chunk from the state kept in shared
+            # memory; each chunk's buffers then take the next tile's chunk
+            def fuse_chunk(k, carry):
+                h = None
+                for r, e in enumerate(expand(k)):
+                    term = mix[r] * merged(k, r, e)
+                    h = term if h is None else h + term
+                hslot = lax.rem(k, 2)
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that last read this slot is done
+                h_s[hslot] = h.astype(h_s.dtype)
+                plgpu.commit_smem()  # also: every thread's loads of chunk k are done (a warpgroup barrier)
+                plgpu.copy_smem_to_gmem(h_s.at[hslot], h_ref.at[bi, pl.ds(t0, bt), pl.ds((c_first + k) * bd, bd)])
+
+                @pl.when(has_next)
+                def _():
+                    fetch_x(j + 1, k)
+                    fetch_acc(j + 1, k)
+
+                return carry
+
+            lax.fori_loop(0, nck, fuse_chunk, 0)
             return carry
 
-        lax.fori_loop(0, nck, fuse_chunk, 0)
+        lax.fori_loop(0, n_iter, tile_step, 0)
         plgpu.wait_smem_to_gmem(0)
 
     out_type = (jax.ShapeDtypeStruct((batch, t_pad, d), cfg.out_dtype), jax.ShapeDtypeStruct((m, batch, t_pad), F32),
@@ -371,8 +436,10 @@ def _kernel(cfg: _Config):
     params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
     if G > 1:
         params.update(cluster=(G,), cluster_names=("g",))
+    grid = dict(grid=(cfg.programs,), grid_names=("b",)) if persistent else dict(grid=(batch, n_t),
+                                                                                    grid_names=("b", "t"))
     kernel = plgpu.kernel(named_body(body, "depth_attention_phase2_cluster_mosaic"), out_type=out_type,
-                          scratch_types=[scratch[k] for k in names], grid=(batch, t_pad // bt), grid_names=("b", "t"),
+                          scratch_types=[scratch[k] for k in names], **grid,
                           interpret=plgpu.InterpretGPUParams() if cfg.interpret else False, **params)
 
     @jax.jit

@@ -48,16 +48,19 @@ def _oracle(args, include):
                                   segment_ids=seg, **EPS)
 
 
-@pytest.mark.parametrize("include, cut, state_dtype", [
-    pytest.param(True, 37, jnp.float32, id="segments_ragged_T"),
-    pytest.param(False, None, BF16, id="partial_excluded_bf16_state", marks=pytest.mark.slow),
+@pytest.mark.parametrize("include, cut, state_dtype, programs", [
+    pytest.param(True, 37, jnp.float32, None, id="segments_ragged_T"),
+    pytest.param(True, 37, jnp.float32, 2, id="two_programs_walk_the_tiles"),
+    pytest.param(False, None, BF16, 1, id="partial_excluded_bf16_state_one_program", marks=pytest.mark.slow),
 ])
-def test_interpreted_forward_matches_oracle_and_one_cta_kernel(include, cut, state_dtype):
+def test_interpreted_forward_matches_oracle_and_one_cta_kernel(include, cut, state_dtype, programs):
     """A cluster of one (interpreted): ``h`` against the oracle; ``h`` and the scores against the
     one-CTA kernel, which sums the same chunks in the same order (the scores to the bit).
-    Two token tiles, a ragged one, three channel chunks, segment boundaries inside the lag windows."""
+    Four token tiles (two rows of a full and a ragged one), three channel chunks, segment
+    boundaries inside the lag windows; one program per tile, or programs that walk 2 or 4 tiles
+    and fetch each next tile's chunks into the buffers the last pass frees."""
     args = _inputs(2, 100, 96, cut, state_dtype)
-    h, (dots, sumsq) = _cluster(args, include, cluster=1, interpret=True)
+    h, (dots, sumsq) = _cluster(args, include, cluster=1, programs=programs, interpret=True)
     want_h, (want_dots, want_sumsq) = _one_cta(args, include, interpret=True)
     assert h.shape == (2, 100, 96) and dots.shape == want_dots.shape and sumsq.shape == want_sumsq.shape
     assert np.any(np.asarray(h))
@@ -97,6 +100,11 @@ def test_exchange_default_and_refusals():
         _cluster(args, True, cluster=3, interpret=True)
     with pytest.raises(ValueError, match="exchange='ring'"):
         _cluster(args, True, cluster=1, exchange="ring", interpret=True)
+    with pytest.raises(ValueError, match="programs=3: must divide the 1 token tiles"):
+        _cluster(args, True, cluster=1, programs=3, interpret=True)
+    assert mosaic_gpu_cluster.persistent_programs(256, 16) == 8
+    assert mosaic_gpu_cluster.persistent_programs(1024, 8) == 16
+    assert mosaic_gpu_cluster.persistent_programs(96, 16) == 8 and mosaic_gpu_cluster.persistent_programs(7, 8) == 7
     with pytest.raises(NotImplementedError, match="interpreter"):
         _cluster(args, True, cluster=2, interpret=True)
     with pytest.raises(NotImplementedError, match="multiple of cluster"):
@@ -110,17 +118,19 @@ def test_exchange_default_and_refusals():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d, cluster, exchange", [(1024, 8, "all"), (1024, 8, "butterfly"), (1024, 16, "all"),
-                                                  (2048, 16, "butterfly")])
-def test_gpu_cluster_matches_one_cta_kernel(d, cluster, exchange):
+@pytest.mark.parametrize("d, cluster, exchange, programs", [
+    (1024, 8, "all", None), (1024, 8, "butterfly", None), (1024, 16, "all", None), (2048, 16, "butterfly", None),
+    (1024, 8, "all", 4), (2048, 16, "butterfly", 2)])
+def test_gpu_cluster_matches_one_cta_kernel(d, cluster, exchange, programs):
     """On a GPU: the clusters' ``h`` and scores against the one-CTA kernel's and the oracle's ``h``
-    (float32 state, bf16 partial, segments, a ragged tile)."""
+    (float32 state, bf16 partial, segments, a ragged tile; one cluster per tile, or 4 / 2
+    clusters walking the 8 tiles)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     args = _inputs(2, 200, d, 77)
     with jax.default_matmul_precision("highest"):
         h, (dots, sumsq) = jax.jit(lambda *a: _cluster(a, True, cluster=cluster, exchange=exchange,
-                                                       out_dtype=jnp.float32))(*args)
+                                                       programs=programs, out_dtype=jnp.float32))(*args)
         want_h, (want_dots, want_sumsq) = jax.jit(lambda *a: _one_cta(a, True))(*args)
         oracle = jax.jit(lambda *a: _oracle(a, True))(*args)
     assert _rel(h, oracle) < 1e-4
