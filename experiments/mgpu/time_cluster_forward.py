@@ -2,7 +2,7 @@
 against the one-CTA kernel (``mosaic_gpu.phase2_fused_forward``, the state read twice), MSAR
 (kernels (0, 4, 8, 12), gate, float32 state, bf16 partial and ``h``) at `base`'s shape (B x T =
 64 x 1024, d = 1024) and the issue's (8 x 2048, d = 2048). Per variant (cluster size, exchange,
-one cluster per tile or a cluster per group of SMs walking the tiles):
+warpgroups per CTA, one cluster per tile or a cluster per group of SMs walking the tiles):
 the largest difference of ``h`` and of the scores from the one-CTA kernel's, relative to their
 largest magnitude (the one-CTA kernel is the one the tests hold to the oracle; the sums differ
 only in their grouping), then the median of 21 timings of 5 calls and the fraction of each
@@ -52,21 +52,22 @@ def variants(d, n_tiles):
     out = [("one CTA (state twice)", lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
         st, x, b, q, True, g, None, fuse="gate", **KW))]
     for cluster in (8, 16):
-        if d % (cluster * mosaic_gpu_cluster.BLOCK_D):
+        if d % (cluster * 2 * mosaic_gpu_cluster.BLOCK_D):
             continue
+        most = mosaic_gpu_cluster.persistent_programs(n_tiles, cluster)
         for exchange in mosaic_gpu_cluster.EXCHANGES:
-            if mosaic_gpu_cluster.smem_bytes(d=d, cluster=cluster, stream_kernels=KERNELS, x_dtype=jnp.bfloat16,
-                                             acc_dtype=jnp.float32, out_dtype=jnp.bfloat16,
-                                             exchange=exchange) > mosaic_gpu.SMEM_BYTES:
-                continue
-            most = mosaic_gpu_cluster.persistent_programs(n_tiles, cluster)
-            # one cluster per group of G SMs, and half as many (in case not all groups can host one:
-            # a cluster must fit in one GPC)
-            for programs in [None, most] + ([most // 2] if most % 2 == 0 else []):
-                label = f"cluster {cluster:2d} {exchange}" + (f", {programs} walking" if programs else "")
-                out.append((label, (lambda c, e, p: lambda st, x, b, q, g: (
-                    mosaic_gpu_cluster.phase2_cluster_forward(st, x, b, q, True, g, None, cluster=c, exchange=e,
-                                                              programs=p, **KW)))(cluster, exchange, programs)))
+            for warpgroups in mosaic_gpu_cluster.WARPGROUPS:
+                if mosaic_gpu_cluster.smem_bytes(d=d, cluster=cluster, stream_kernels=KERNELS, x_dtype=jnp.bfloat16,
+                                                 acc_dtype=jnp.float32, out_dtype=jnp.bfloat16, exchange=exchange,
+                                                 warpgroups=warpgroups) > mosaic_gpu.SMEM_BYTES:
+                    continue
+                for programs in (None, most):  # one cluster per tile, or one per group of G SMs walking them
+                    label = f"cluster {cluster:2d} {exchange:9s} {warpgroups} wg" + (
+                        f", {programs} walking" if programs else "")
+                    out.append((label, (lambda c, e, p, w: lambda st, x, b, q, g: (
+                        mosaic_gpu_cluster.phase2_cluster_forward(st, x, b, q, True, g, None, cluster=c, exchange=e,
+                                                                  programs=p, warpgroups=w, **KW)))(
+                        cluster, exchange, programs, warpgroups)))
     return out
 
 
@@ -118,10 +119,10 @@ def main(argv):
                 ms = bench.timeit(f, *args, reps=21, inner=5)[0] * 1e3
                 reads = 2 if label.startswith("one") else 1
                 floor_ms = floor_bytes(batch, t_len, d, reads) / bw * 1e3
-                print(f"{label:24s} {ms:8.4f} ms  floor {floor_ms:.4f} ({floor_ms / ms:6.1%})  rel diff h "
+                print(f"{label:40s} {ms:8.4f} ms  floor {floor_ms:.4f} ({floor_ms / ms:6.1%})  rel diff h "
                       f"{errs[0]:.1e} dots {errs[1]:.1e} sumsq {errs[2]:.1e}", flush=True)
             except Exception:  # noqa: BLE001
-                print(f"{label:24s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
+                print(f"{label:40s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
 
 
 if __name__ == "__main__":

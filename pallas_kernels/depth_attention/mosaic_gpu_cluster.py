@@ -53,6 +53,7 @@ SLICE_D = 128  # channels per CTA that ``cluster_size`` aims at: the state's sli
 EXCHANGES = ("all", "butterfly")
 XCH_COLS = 8  # per-token sums per exchange tile: m dots and m sums of squares (m <= 4), or 1 + m
 MAX_CLUSTER = 16  # Hopper's largest cluster (above 8: non-portable, opted into at launch)
+WARPGROUPS = (1, 2)  # per CTA (``_kernel``)
 
 
 def cluster_size(d: int, slice_d: int = SLICE_D) -> int:
@@ -67,7 +68,7 @@ def persistent_programs(n_tiles: int, cluster: int, sms: int = 132) -> int:
 
 
 def smem_bytes(*, d: int, cluster: int, stream_kernels: Sequence[int], x_dtype, acc_dtype, out_dtype,
-               exchange: str = "all", has_seg: bool = True) -> int:
+               exchange: str = "all", has_seg: bool = True, warpgroups: int = 1) -> int:
     """Shared memory of one CTA (its scratch list as ``_kernel`` builds it; ``_smem_sum``)."""
     m, bt, bd = len(stream_kernels), BLOCK_T, BLOCK_D
     nck = d // cluster // bd
@@ -76,9 +77,11 @@ def smem_bytes(*, d: int, cluster: int, stream_kernels: Sequence[int], x_dtype, 
     n_xch = _exchange_tiles(cluster, exchange)
     return _smem_sum(nck * _window_elems(stream_kernels, "padded", bd) * size(x_dtype), nck * n_taps * bd * 4,
                      nck * m * bd * 4, nck * m * m * bd * 4, nck * m * bt * bd * size(acc_dtype), 2 * 2 * m * bt * 4,
-                     2 * bt * 4 if has_seg else 0, (2 + m) * bt * 4, 2 * bt * bd * size(out_dtype), 2 * m * bt * 4,
-                     2 * n_xch * bt * XCH_COLS * 4,
-                     barriers=1 + 2 * nck + 2 + _exchange_barriers(cluster, exchange), reduces=True)
+                     2 * bt * 4 if has_seg else 0, (2 + m) * bt * 4, warpgroups * 2 * bt * bd * size(out_dtype),
+                     2 * m * bt * 4, 2 * n_xch * bt * XCH_COLS * 4, 2 * (warpgroups - 1) * bt * XCH_COLS * 4,
+                     2 * bt * XCH_COLS * 4 if warpgroups > 1 else 0,
+                     barriers=warpgroups + 1 + 2 * nck + 2 + _exchange_barriers(cluster, exchange)
+                     + (4 if warpgroups > 1 else 0), reduces=True)
 
 
 def _exchange_barriers(cluster: int, exchange: str) -> int:
@@ -96,7 +99,7 @@ def _exchange_tiles(cluster: int, exchange: str) -> int:
 def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *,
                            stream_kernels: Sequence[int], heads: int, eps: float, gate_eps: float, out_dtype=F32,
                            cluster: int | None = None, exchange: str | None = None, programs: int | None = None,
-                           interpret: bool = False):
+                           warpgroups: int = 1, interpret: bool = False):
     """``mosaic_gpu.phase2_fused_forward(fuse="gate")``'s outputs, ``h[B, T, d]`` and the scores
     ``(dots[m, B, T, 1], sumsq[m, B, T])``, from a cluster of ``cluster`` CTAs per 64-token tile
     (None: ``cluster_size(d)``) that reads the state once (the module docstring). MSAR's shape
@@ -105,7 +108,8 @@ def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_pa
     tiles fit in shared memory, else ``"butterfly"``). ``programs``: None runs one cluster per
     64-token tile; an integer runs that many clusters (a divisor of the ``B * ceil(T / 64)``
     tiles; ``persistent_programs`` picks one per SM group), each walking its tiles and bringing the
-    next tile's chunks in as the last pass frees their buffers. Raises ``NotImplementedError`` for
+    next tile's chunks in as the last pass frees their buffers. ``warpgroups``: 1 or 2 per CTA
+    (``_kernel``), each with half the CTA's chunks. Raises ``NotImplementedError`` for
     other shapes and where a CTA's scratch exceeds the shared memory; ``ValueError`` for a bad
     ``cluster`` or ``exchange``."""
     batch, t_len, d = partial.shape
@@ -114,7 +118,8 @@ def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_pa
     if exchange is None:
         exchange = "all" if interpret or smem_bytes(
             d=d, cluster=cluster, stream_kernels=stream_kernels, x_dtype=partial.dtype, acc_dtype=state.acc.dtype,
-            out_dtype=out_dtype, exchange="all", has_seg=segment_ids is not None) <= SMEM_BYTES else "butterfly"
+            out_dtype=out_dtype, exchange="all", has_seg=segment_ids is not None,
+            warpgroups=warpgroups) <= SMEM_BYTES else "butterfly"
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r}: must be one of {EXCHANGES}")
     if cluster < 1 or cluster > MAX_CLUSTER or cluster & (cluster - 1):
@@ -125,19 +130,23 @@ def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_pa
     if heads != 1 or m > XCH_COLS // 2:
         raise NotImplementedError(f"phase2_cluster_forward: one head and at most {XCH_COLS // 2} streams "
                                   f"(got heads={heads}, m={m})")
-    if d % (cluster * BLOCK_D):
-        raise NotImplementedError(f"phase2_cluster_forward: d = {d} must be a multiple of cluster x {BLOCK_D} "
-                                  f"= {cluster * BLOCK_D}")
+    if warpgroups not in WARPGROUPS:
+        raise ValueError(f"warpgroups={warpgroups!r}: must be one of {WARPGROUPS}")
+    if d % (cluster * warpgroups * BLOCK_D):
+        raise NotImplementedError(f"phase2_cluster_forward: d = {d} must be a multiple of cluster x warpgroups x "
+                                  f"{BLOCK_D} = {cluster * warpgroups * BLOCK_D}")
     if max([1, *stream_kernels]) - 1 > 8 * _Lags.of(max([1, *stream_kernels]), "padded").extra:
         raise NotImplementedError(f"phase2_cluster_forward: kernels {tuple(stream_kernels)}")
     sh = _shape("phase2_cluster_forward", partial, segment_ids, stream_kernels=stream_kernels, heads=1,
                 block_d=BLOCK_D, interpret=interpret, smem=None, x_dtype=partial.dtype, acc_dtype=state.acc.dtype,
                 out_dtype=out_dtype)
     smem = smem_bytes(d=d, cluster=cluster, stream_kernels=stream_kernels, x_dtype=partial.dtype,
-                      acc_dtype=state.acc.dtype, out_dtype=out_dtype, exchange=exchange, has_seg=sh.has_seg)
+                      acc_dtype=state.acc.dtype, out_dtype=out_dtype, exchange=exchange, has_seg=sh.has_seg,
+                      warpgroups=warpgroups)
     if not interpret and smem > SMEM_BYTES:
         raise NotImplementedError(f"phase2_cluster_forward: {smem} bytes of shared memory per CTA at d = {d}, "
-                                  f"cluster = {cluster}, exchange = {exchange!r} (the H200 has {SMEM_BYTES})")
+                                  f"cluster = {cluster}, exchange = {exchange!r}, warpgroups = {warpgroups} (the "
+                                  f"H200 has {SMEM_BYTES})")
     t_pad = sh.t_pad
     n_tiles = batch * (t_pad // BLOCK_T)
     if programs is not None and (programs < 1 or n_tiles % programs):
@@ -157,7 +166,7 @@ def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_pa
                   stream_kernels=tuple(stream_kernels), has_bank=bool(sh.has_bank and bank is not None),
                   has_seg=sh.has_seg, front=sh.front, eps=float(eps), gate_eps=float(gate_eps),
                   x_dtype=jnp.dtype(sh.x.dtype), acc_dtype=jnp.dtype(state.acc.dtype), out_dtype=jnp.dtype(out_dtype),
-                  programs=programs or 0, interpret=bool(interpret))
+                  programs=programs or 0, warpgroups=warpgroups, interpret=bool(interpret))
     h, dots, sumsq = _kernel(cfg)(*inputs)
     return h[:, :t_len], (dots[:, :, :t_len, None], sumsq[:, :, :t_len])
 
@@ -180,6 +189,7 @@ class _Config(NamedTuple):
     acc_dtype: jnp.dtype
     out_dtype: jnp.dtype
     programs: int  # 0: one program per tile; else that many programs (clusters) walk the tiles
+    warpgroups: int
     interpret: bool
 
 
@@ -200,14 +210,13 @@ def _unpack(plgpu, packed, n: int):
     return [jnp.sum(packed * (cols == j).astype(F32), axis=1) for j in range(n)]
 
 
-def _cluster_sum(plgpu, cfg: _Config, vals, recv, bar, round_: int):
-    """The sums of the row vectors ``vals`` over the cluster's CTAs (``cfg.exchange``; exchange
-    ``round_`` of the tile: its own receive tiles and barriers, so no round overwrites a tile a
-    CTA may still read)."""
+def _cluster_sum(plgpu, cfg: _Config, mine, recv, bar, round_: int):
+    """The sum over the cluster's CTAs of each CTA's ``[64, 8]`` tile ``mine`` (``cfg.exchange``;
+    exchange ``round_`` of the tile: its own receive tiles and barriers, so no round overwrites a
+    tile a CTA may still read). Every CTA gets the same bits (the module docstring)."""
     if cfg.cluster == 1:
-        return list(vals)
+        return mine
     tile = plgpu.Layout.WGMMA
-    mine = _pack(plgpu, vals)
     g = lax.axis_index("g")
     if cfg.exchange == "all":  # every CTA's tile into slot g of every CTA, then the slots in order
         for j in range(cfg.cluster):
@@ -218,35 +227,42 @@ def _cluster_sum(plgpu, cfg: _Config, vals, recv, bar, round_: int):
         for j in range(cfg.cluster):
             got = plgpu.load(recv.at[round_, j], (), layout=tile)
             total = got if total is None else total + got
-    else:  # butterfly: after step s each CTA holds the sum over its 2^(s+1)-aligned group
-        steps = cfg.cluster.bit_length() - 1
-        total = mine
-        for s in range(steps):
-            k = round_ * steps + s
-            partner = (g ^ (1 << s)).astype(jnp.int32)
-            plgpu.async_store_smem(total, recv.at[round_, s], bar.at[k], cluster_idx=partner, cluster_dim="g")
-            plgpu.barrier_wait(bar.at[k])
-            total = total + plgpu.load(recv.at[round_, s], (), layout=tile)
-    return _unpack(plgpu, total, len(vals))
+        return total
+    steps = cfg.cluster.bit_length() - 1  # butterfly: after step s, the sum over a 2^(s+1)-aligned group
+    total = mine
+    for s in range(steps):
+        k = round_ * steps + s
+        partner = (g ^ (1 << s)).astype(jnp.int32)
+        plgpu.async_store_smem(total, recv.at[round_, s], bar.at[k], cluster_idx=partner, cluster_dim="g")
+        plgpu.barrier_wait(bar.at[k])
+        total = total + plgpu.load(recv.at[round_, s], (), layout=tile)
+    return total
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(cfg: _Config):
-    """The kernel for ``cfg``, jitted (``mosaic_gpu._kernel`` says why once per configuration)."""
+    """The kernel for ``cfg``, jitted (``mosaic_gpu._kernel`` says why once per configuration).
+
+    ``cfg.warpgroups`` warpgroups per CTA, each with its share of the CTA's chunks (a
+    contiguous run): per-token sums meet in the first (``part_s``), which runs the cluster's
+    exchange and hands the totals back (``total_s``). Two warpgroups of 255 registers fill an
+    SM's register file, as two one-warpgroup programs of ``mosaic_gpu._kernel`` do: one CTA of
+    one warpgroup per SM leaves each scheduler a single warp to issue from."""
     from jax.experimental.pallas import mosaic_gpu as plgpu_module
 
     plgpu = _LanePlgpu(plgpu_module)
-    batch, t_pad, d, G = cfg.batch, cfg.t_pad, cfg.d, cfg.cluster
+    batch, t_pad, d, G, W = cfg.batch, cfg.t_pad, cfg.d, cfg.cluster, cfg.warpgroups
     m, bt, bd = len(cfg.stream_kernels), BLOCK_T, BLOCK_D
     layout = _stream_layout(cfg.stream_kernels)
     max_lag = max([1, *cfg.stream_kernels])
     lags = _Lags.of(max_lag, "padded")
     nck = d // G // bd  # chunks per CTA
+    nw = nck // W  # chunks per warpgroup
     n_taps = max(1, sum(cfg.stream_kernels))
     n_xch = _exchange_tiles(G, cfg.exchange)
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
-    xch_type = plgpu.SMEM((2, max(1, n_xch), bt, XCH_COLS), F32,
-                          transforms=(plgpu.TilingTransform((8, XCH_COLS)), plgpu.SwizzleTransform(XCH_COLS * 4)))
+    xch_tiles = lambda n: plgpu.SMEM((2, n, bt, XCH_COLS), F32, transforms=(  # noqa: E731
+        plgpu.TilingTransform((8, XCH_COLS)), plgpu.SwizzleTransform(XCH_COLS * 4)))
     # "all": one barrier per exchange, G stores each; "butterfly": one per step, one store each
     # (Pallas counts a Lane kernel's arrivals per thread: num_arrivals is per store)
     xch_bar = plgpu.Barrier(num_arrivals=G if cfg.exchange == "all" else 1,
@@ -263,15 +279,20 @@ def _kernel(cfg: _Config):
         rows_s=plgpu.SMEM((2, 2, m, bt), F32),  # per tile slot: the state's max and denom rows
         bits_s=plgpu.SMEM((2, bt), jnp.int32) if cfg.has_seg else None,
         scal_s=plgpu.SMEM((2 + m, bt), F32),
-        h_s=_tile_smem(plgpu, (2, bt, bd), cfg.out_dtype),
+        h_s=_tile_smem(plgpu, (W * 2, bt, bd), cfg.out_dtype),  # two store slots per warpgroup
         scores_s=plgpu.SMEM((2, m, bt), F32),
-        recv=xch_type if G > 1 else None,
-        # the CTA's channel slice of the taps, queries and gate columns and the constants: once
-        bar_const=plgpu.Barrier(num_arrivals=nck * (cfg.has_bank + 2) + 1, num_barriers=1),
+        recv=xch_tiles(max(1, n_xch)) if G > 1 else None,
+        part_s=xch_tiles(W - 1) if W > 1 else None,  # per exchange, the other warpgroups' sums
+        total_s=xch_tiles(1) if W > 1 else None,  # per exchange, the CTA's totals for them
+        # per warpgroup, its chunks' taps, queries and gate columns (once); the constants
+        bar_const=plgpu.Barrier(num_arrivals=nw * (cfg.has_bank + 2), num_barriers=W),
+        bar_scal=plgpu.Barrier(num_arrivals=1, num_barriers=1),
         bar_x=plgpu.Barrier(num_arrivals=lags.count, num_barriers=nck),  # a tile's chunk of the partial
         bar_acc=plgpu.Barrier(num_arrivals=1, num_barriers=nck),  # a tile's chunk of the state
         bar_in=plgpu.Barrier(num_arrivals=1 + cfg.has_seg, num_barriers=2),  # a tile's rows, per slot
         bar_xch=xch_bar if G > 1 else None,
+        bar_part=plgpu.Barrier(num_arrivals=W - 1, num_barriers=2) if W > 1 else None,
+        bar_total=plgpu.Barrier(num_arrivals=1, num_barriers=2) if W > 1 else None,
     )
     names = [k for k, v in scratch.items() if v is not None]
 
@@ -281,8 +302,10 @@ def _kernel(cfg: _Config):
         sc = dict(zip(names, rest[cfg.has_seg + 3:]))
         xs, bs, qs, ws, accs = (sc.get(k) for k in ("xs", "bs", "qs", "ws", "accs"))
         rows_s, bits_s, scal_s, h_s, scores_s = (sc.get(k) for k in ("rows_s", "bits_s", "scal_s", "h_s", "scores_s"))
-        recv, bar_const, bar_x, bar_acc, bar_in, bar_xch = (
-            sc.get(k) for k in ("recv", "bar_const", "bar_x", "bar_acc", "bar_in", "bar_xch"))
+        recv, part_s, total_s = sc.get("recv"), sc.get("part_s"), sc.get("total_s")
+        bar_const, bar_x, bar_acc, bar_in = (sc.get(k) for k in ("bar_const", "bar_x", "bar_acc", "bar_in"))
+        bar_xch, bar_part, bar_total = sc.get("bar_xch"), sc.get("bar_part"), sc.get("bar_total")
+        bar_scal = sc["bar_scal"]
         g = lax.axis_index("g") if G > 1 else 0
         c_first = g * nck  # the CTA's first channel chunk
 
@@ -309,131 +332,171 @@ def _kernel(cfg: _Config):
             _copy_state(plgpu, acc_ref, accs, pl.ds(bi * t_pad + ti * bt, bt), pl.ds((c_first + k) * bd, bd), k,
                         bar_acc.at[k], "one")
 
-        # the slice's constants once; the first tile's rows, then its chunks of the partial (pass
-        # A) and of the state (pass B); later tiles' come as the tile before frees their buffers
-        for k in range(nck):
-            cs = pl.ds((c_first + k) * bd, bd)
-            if cfg.has_bank:
-                plgpu.copy_gmem_to_smem(bank_ref.at[:, cs], bs.at[k], bar_const.at[0])
-            plgpu.copy_gmem_to_smem(q_ref.at[:, cs], qs.at[k], bar_const.at[0])
-            plgpu.copy_gmem_to_smem(w_ref.at[:, cs], ws.at[k], bar_const.at[0])
-        plgpu.copy_gmem_to_smem(consts_ref, scal_s, bar_const.at[0])
-        fetch_rows(0, 0)
-        for k in range(nck):
-            fetch_x(0, k)
-        for k in range(nck):
-            fetch_acc(0, k)
-        plgpu.barrier_wait(bar_const.at[0])
-        zero = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
-        inc = plgpu.load(scal_s, 0, layout=row) > 0.5
-        scale = plgpu.load(scal_s, 1, layout=row)
+        def run(w: int):
+            """Warpgroup ``w``: its chunks ``k0 .. k0 + nw - 1`` of every tile; the first also the
+            tile's rows, the exchanges and the scores."""
+            leader, k0 = w == 0, w * nw
 
-        def tile_step(j, carry):
-            slot = lax.rem(j, 2)
-            bi, ti = tile_of(j)
-            t0 = ti * bt
-            has_next = j + 1 < n_iter
-
-            @pl.when(has_next)
-            def _():
-                fetch_rows(j + 1, 1 - slot)
-
-            plgpu.barrier_wait(bar_in.at[slot])
-            masks = _lag_masks_of(plgpu, bits_s.at[slot] if cfg.has_seg else None, max_lag, bt, bd)
-
-            def expand(k):
-                return _expand_all(plgpu, xs, bs, k, layout, masks, bt, bd, lags, "shared")
-
-            # ---- A: the partial's dots and sums of squares over this CTA's channels, then the cluster's
-            def scores_chunk(k, carry):
-                plgpu.barrier_wait(bar_x.at[k])
-                dots, sqs = list(carry[0]), list(carry[1])
-                for r, e in enumerate(expand(k)):
-                    dots[r] = dots[r] + jnp.sum(e * _cols(plgpu.load(qs, (k, r), layout=col), bt, bd), axis=1)
-                    sqs[r] = sqs[r] + jnp.sum(e * e, axis=1)
-                return dots, sqs
-
-            dots, sqs = lax.fori_loop(0, nck, scores_chunk, ([zero] * m, [zero] * m))
-            sums = _cluster_sum(plgpu, cfg, [*dots, *sqs], recv, bar_xch, 0)
-            dots, sqs = sums[:m], sums[m:]
-
-            # the online-softmax merge with the phase-1 state (Eq. 11): z_r = a_r A_r + b_r E_r
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's score stores have read scores_s
-            coef_a, coef_b = [], []
-            for r in range(m):
-                s = jnp.where(inc, dots[r] * lax.rsqrt(sqs[r] * (1.0 / d) + cfg.eps), reference.NEG_LARGE)
-                mx = plgpu.load(rows_s, (slot, 0, r), layout=row)
-                den = plgpu.load(rows_s, (slot, 1, r), layout=row)
-                new_max = jnp.maximum(mx, s)
-                keep = jnp.exp(mx - new_max)
-                pnew = jnp.where(inc, jnp.exp(s - new_max), 0.0)
-                new_den = den * keep + pnew
-                coef_a.append(_rows(keep / new_den, bt, bd))
-                coef_b.append(_rows(pnew / new_den, bt, bd))
-                scores_s[0, r] = dots[r]
-                scores_s[1, r] = sqs[r]
-
-            def store_scores():
+            def cta_sum(vals, rnd):
+                """The sums over the CTA's warpgroups and the cluster of the row vectors ``vals``."""
+                mine = _pack(plgpu, vals)
+                if W == 1:
+                    return _unpack(plgpu, _cluster_sum(plgpu, cfg, mine, recv, bar_xch, rnd), len(vals))
+                if not leader:
+                    part_s[rnd, w - 1] = mine
+                    plgpu.commit_smem()  # a warpgroup barrier: every thread's part written before the arrival
+                    plgpu.barrier_arrive(bar_part.at[rnd])
+                    plgpu.barrier_wait(bar_total.at[rnd])
+                    return _unpack(plgpu, plgpu.load(total_s.at[rnd, 0], (), layout=tile), len(vals))
+                plgpu.barrier_wait(bar_part.at[rnd])
+                for other in range(W - 1):
+                    mine = mine + plgpu.load(part_s.at[rnd, other], (), layout=tile)
+                total = _cluster_sum(plgpu, cfg, mine, recv, bar_xch, rnd)
+                total_s[rnd, 0] = total
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(scores_s.at[0], dots_ref.at[:, bi, pl.ds(t0, bt)])
-                plgpu.copy_smem_to_gmem(scores_s.at[1], ss_ref.at[:, bi, pl.ds(t0, bt)])
+                plgpu.barrier_arrive(bar_total.at[rnd])
+                return _unpack(plgpu, total, len(vals))
 
-            if G == 1:
-                store_scores()
-            else:  # one CTA of the cluster writes them (every CTA holds the same sums)
-                pl.when(g == 0)(store_scores)
+            # the constants of this warpgroup's chunks once; the first tile's rows, then its chunks of
+            # the partial (pass A) and of the state (pass B); later tiles' come as the tile before
+            # frees their buffers
+            for k in range(k0, k0 + nw):
+                cs = pl.ds((c_first + k) * bd, bd)
+                if cfg.has_bank:
+                    plgpu.copy_gmem_to_smem(bank_ref.at[:, cs], bs.at[k], bar_const.at[w])
+                plgpu.copy_gmem_to_smem(q_ref.at[:, cs], qs.at[k], bar_const.at[w])
+                plgpu.copy_gmem_to_smem(w_ref.at[:, cs], ws.at[k], bar_const.at[w])
+            if leader:
+                plgpu.copy_gmem_to_smem(consts_ref, scal_s, bar_scal.at[0])
+                fetch_rows(0, 0)
+            for k in range(k0, k0 + nw):
+                fetch_x(0, k)
+            for k in range(k0, k0 + nw):
+                fetch_acc(0, k)
+            plgpu.barrier_wait(bar_const.at[w])
+            plgpu.barrier_wait(bar_scal.at[0])
+            zero = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
+            inc = plgpu.load(scal_s, 0, layout=row) > 0.5
+            scale = plgpu.load(scal_s, 1, layout=row)
 
-            def merged(k, r, e):
-                return coef_a[r] * plgpu.load(accs, (k, r), layout=tile).astype(F32) + coef_b[r] * e
+            def tile_step(j, carry):
+                slot = lax.rem(j, 2)
+                bi, ti = tile_of(j)
+                t0 = ti * bt
+                has_next = j + 1 < n_iter
+                if leader:
+                    @pl.when(has_next)
+                    def _():
+                        fetch_rows(j + 1, 1 - slot)
 
-            # ---- B: the gate's statistics over this CTA's channels, then the cluster's (Eq. 13)
-            def stats_chunk(k, carry):
-                plgpu.barrier_wait(bar_acc.at[k])
-                sq, zw = carry[0], list(carry[1])
-                for r, e in enumerate(expand(k)):
-                    z = merged(k, r, e)
-                    sq = sq + jnp.sum(z * z, axis=1)
-                    for jj in range(m):
-                        w_col = _cols(plgpu.load(ws, (k, r * m + jj), layout=col), bt, bd)
-                        zw[jj] = zw[jj] + jnp.sum(z * w_col, axis=1)
-                return sq, zw
+                plgpu.barrier_wait(bar_in.at[slot])
+                masks = _lag_masks_of(plgpu, bits_s.at[slot] if cfg.has_seg else None, max_lag, bt, bd)
 
-            sq, zw = lax.fori_loop(0, nck, stats_chunk, (zero, [zero] * m))
-            sums = _cluster_sum(plgpu, cfg, [sq, *zw], recv, bar_xch, 1)
-            sq, zw = sums[0], sums[1:]
-            inv = lax.rsqrt(sq * (1.0 / (m * d)) + cfg.gate_eps)
-            mix = [_rows(1.0 / (1.0 + jnp.exp(-(scale * (inv * zw[jj]) + plgpu.load(scal_s, 2 + jj, layout=row)))),
-                         bt, bd) for jj in range(m)]
+                def expand(k):
+                    return _expand_all(plgpu, xs, bs, k, layout, masks, bt, bd, lags, "shared")
 
-            # ---- C: h = sum_r g_r z_r (Eq. 14), chunk by chunk from the state kept in shared
-            # memory; each chunk's buffers then take the next tile's chunk
-            def fuse_chunk(k, carry):
-                h = None
-                for r, e in enumerate(expand(k)):
-                    term = mix[r] * merged(k, r, e)
-                    h = term if h is None else h + term
-                hslot = lax.rem(k, 2)
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that last read this slot is done
-                h_s[hslot] = h.astype(h_s.dtype)
-                plgpu.commit_smem()  # also: every thread's loads of chunk k are done (a warpgroup barrier)
-                plgpu.copy_smem_to_gmem(h_s.at[hslot], h_ref.at[bi, pl.ds(t0, bt), pl.ds((c_first + k) * bd, bd)])
+                # ---- A: the partial's dots and sums of squares over these chunks, then the CTA's and cluster's
+                def scores_chunk(k, carry):
+                    plgpu.barrier_wait(bar_x.at[k])
+                    dots, sqs = list(carry[0]), list(carry[1])
+                    for r, e in enumerate(expand(k)):
+                        dots[r] = dots[r] + jnp.sum(e * _cols(plgpu.load(qs, (k, r), layout=col), bt, bd), axis=1)
+                        sqs[r] = sqs[r] + jnp.sum(e * e, axis=1)
+                    return dots, sqs
 
-                @pl.when(has_next)
-                def _():
-                    fetch_x(j + 1, k)
-                    fetch_acc(j + 1, k)
+                dots, sqs = lax.fori_loop(k0, k0 + nw, scores_chunk, ([zero] * m, [zero] * m))
+                sums = cta_sum([*dots, *sqs], 0)
+                dots, sqs = sums[:m], sums[m:]
 
+                # the online-softmax merge with the phase-1 state (Eq. 11): z_r = a_r A_r + b_r E_r
+                if leader:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's score stores have read scores_s
+                coef_a, coef_b = [], []
+                for r in range(m):
+                    s = jnp.where(inc, dots[r] * lax.rsqrt(sqs[r] * (1.0 / d) + cfg.eps), reference.NEG_LARGE)
+                    mx = plgpu.load(rows_s, (slot, 0, r), layout=row)
+                    den = plgpu.load(rows_s, (slot, 1, r), layout=row)
+                    new_max = jnp.maximum(mx, s)
+                    keep = jnp.exp(mx - new_max)
+                    pnew = jnp.where(inc, jnp.exp(s - new_max), 0.0)
+                    new_den = den * keep + pnew
+                    coef_a.append(_rows(keep / new_den, bt, bd))
+                    coef_b.append(_rows(pnew / new_den, bt, bd))
+                    if leader:
+                        scores_s[0, r] = dots[r]
+                        scores_s[1, r] = sqs[r]
+
+                def store_scores():
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(scores_s.at[0], dots_ref.at[:, bi, pl.ds(t0, bt)])
+                    plgpu.copy_smem_to_gmem(scores_s.at[1], ss_ref.at[:, bi, pl.ds(t0, bt)])
+
+                if leader and G == 1:
+                    store_scores()
+                elif leader:  # one CTA of the cluster writes them (every CTA holds the same sums)
+                    pl.when(g == 0)(store_scores)
+
+                def merged(k, r, e):
+                    return coef_a[r] * plgpu.load(accs, (k, r), layout=tile).astype(F32) + coef_b[r] * e
+
+                # ---- B: the gate's statistics over these chunks, then the CTA's and cluster's (Eq. 13)
+                def stats_chunk(k, carry):
+                    plgpu.barrier_wait(bar_acc.at[k])
+                    sq, zw = carry[0], list(carry[1])
+                    for r, e in enumerate(expand(k)):
+                        z = merged(k, r, e)
+                        sq = sq + jnp.sum(z * z, axis=1)
+                        for jj in range(m):
+                            w_col = _cols(plgpu.load(ws, (k, r * m + jj), layout=col), bt, bd)
+                            zw[jj] = zw[jj] + jnp.sum(z * w_col, axis=1)
+                    return sq, zw
+
+                sq, zw = lax.fori_loop(k0, k0 + nw, stats_chunk, (zero, [zero] * m))
+                sums = cta_sum([sq, *zw], 1)
+                sq, zw = sums[0], sums[1:]
+                inv = lax.rsqrt(sq * (1.0 / (m * d)) + cfg.gate_eps)
+                mix = [_rows(1.0 / (1.0 + jnp.exp(-(scale * (inv * zw[jj]) + plgpu.load(scal_s, 2 + jj, layout=row)))),
+                             bt, bd) for jj in range(m)]
+
+                # ---- C: h = sum_r g_r z_r (Eq. 14), chunk by chunk from the state kept in shared
+                # memory; each chunk's buffers then take the next tile's chunk
+                def fuse_chunk(k, carry):
+                    h = None
+                    for r, e in enumerate(expand(k)):
+                        term = mix[r] * merged(k, r, e)
+                        h = term if h is None else h + term
+                    hslot = 2 * w + lax.rem(k, 2)
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that last read this slot is done
+                    h_s[hslot] = h.astype(h_s.dtype)
+                    plgpu.commit_smem()  # also: every thread's loads of chunk k are done (a warpgroup barrier)
+                    plgpu.copy_smem_to_gmem(h_s.at[hslot],
+                                            h_ref.at[bi, pl.ds(t0, bt), pl.ds((c_first + k) * bd, bd)])
+
+                    @pl.when(has_next)
+                    def _():
+                        fetch_x(j + 1, k)
+                        fetch_acc(j + 1, k)
+
+                    return carry
+
+                lax.fori_loop(k0, k0 + nw, fuse_chunk, 0)
                 return carry
 
-            lax.fori_loop(0, nck, fuse_chunk, 0)
-            return carry
+            lax.fori_loop(0, n_iter, tile_step, 0)
+            plgpu.wait_smem_to_gmem(0)
 
-        lax.fori_loop(0, n_iter, tile_step, 0)
-        plgpu.wait_smem_to_gmem(0)
+        if W == 1:
+            run(0)
+        else:
+            wg = lax.axis_index("wg")
+            for w in range(W):
+                pl.when(wg == w)(functools.partial(run, w))
 
     out_type = (jax.ShapeDtypeStruct((batch, t_pad, d), cfg.out_dtype), jax.ShapeDtypeStruct((m, batch, t_pad), F32),
                 jax.ShapeDtypeStruct((m, batch, t_pad), F32))
     params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
+    if W > 1:
+        params.update(num_threads=W, thread_name="wg")
     if G > 1:
         params.update(cluster=(G,), cluster_names=("g",))
     grid = dict(grid=(cfg.programs,), grid_names=("b",)) if persistent else dict(grid=(batch, n_t),
