@@ -16,6 +16,12 @@ This script answers, for G in 2, 4, 8, 16 (16 is above CUDA's portable cluster s
   3. how long that exchange takes: the kernel run with ``rounds`` exchanges per tile against the
      same kernel with none (``time``), over (8 batch rows x 32 token tiles) clusters.
 
+Session 37 (an H100, ``experiments/results/kernels_h200_s37/call1b``), after the barrier fix
+below: G = 2 with one round completed but its sums were off by 2 (each value from the column pair
+next to it: ``async_store_smem``'s stores and the receiving WGMMA-layout loads disagree on the
+tile's layout); with no exchange the kernel took 95.1 us per call; with two rounds it faulted
+(unspecified launch failure), which left the GPU unusable for G = 4-16.
+
 Run: ``python experiments/mgpu/cluster_probe.py`` (GPU); ``--interpret`` tries the exchange in
 Pallas' Mosaic GPU interpret mode (jax 0.11.2's interpreter has no rule for ``async_store_smem``:
 it says so); ``--aot`` compiles every variant for an H200 on a machine without one (JAX's CUDA

@@ -29,6 +29,15 @@ overlap each other's copies, only the copies still in flight. Built in session 3
 remains 3" (BENCHMARKS.md, kernels); ``experiments/mgpu/cluster_probe.py`` tests the exchange
 alone. On the CPU it runs interpreted with ``G = 1`` (no exchange: jax 0.11.2's Mosaic GPU
 interpreter has no rule for ``async_store_smem``); ``G > 1`` runs on a GPU only.
+
+**Status (session 37): the exchange does not work yet.** On an H100 (BENCHMARKS.md, kernels,
+session 37; ``experiments/results/kernels_h200_s37/call1b``) the first cluster launch (8 CTAs,
+``"all"``) failed with an unspecified launch failure, the butterfly variants did not finish in 60
+s, and ``cluster_probe.py``'s bare ``st.async`` exchange at ``G = 2`` completed with sums off by
+2 (values from the neighbouring column pair: a layout mismatch between ``async_store_smem``'s
+stores and the receiving loads) and then faulted with two rounds. So ``G > 1`` asks for
+``unverified_exchange=True``, and nothing in the package calls this kernel; ``G = 1`` is exact
+(interpreted here; every pass but the exchange is shared with ``G > 1``).
 """
 
 from __future__ import annotations
@@ -99,7 +108,7 @@ def _exchange_tiles(cluster: int, exchange: str) -> int:
 def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *,
                            stream_kernels: Sequence[int], heads: int, eps: float, gate_eps: float, out_dtype=F32,
                            cluster: int | None = None, exchange: str | None = None, programs: int | None = None,
-                           warpgroups: int = 1, interpret: bool = False):
+                           warpgroups: int = 1, unverified_exchange: bool = False, interpret: bool = False):
     """``mosaic_gpu.phase2_fused_forward(fuse="gate")``'s outputs, ``h[B, T, d]`` and the scores
     ``(dots[m, B, T, 1], sumsq[m, B, T])``, from a cluster of ``cluster`` CTAs per 64-token tile
     (None: ``cluster_size(d)``) that reads the state once (the module docstring). MSAR's shape
@@ -109,7 +118,8 @@ def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_pa
     64-token tile; an integer runs that many clusters (a divisor of the ``B * ceil(T / 64)``
     tiles; ``persistent_programs`` picks one per SM group), each walking its tiles and bringing the
     next tile's chunks in as the last pass frees their buffers. ``warpgroups``: 1 or 2 per CTA
-    (``_kernel``), each with half the CTA's chunks. Raises ``NotImplementedError`` for
+    (``_kernel``), each with half the CTA's chunks. ``unverified_exchange``: required for
+    ``cluster > 1``, whose exchange failed on the H100 (the module docstring). Raises ``NotImplementedError`` for
     other shapes and where a CTA's scratch exceeds the shared memory; ``ValueError`` for a bad
     ``cluster`` or ``exchange``."""
     batch, t_len, d = partial.shape
@@ -124,6 +134,12 @@ def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_pa
         raise ValueError(f"exchange={exchange!r}: must be one of {EXCHANGES}")
     if cluster < 1 or cluster > MAX_CLUSTER or cluster & (cluster - 1):
         raise ValueError(f"cluster={cluster}: must be a power of two from 1 to {MAX_CLUSTER}")
+    if cluster > 1 and not unverified_exchange:
+        raise NotImplementedError(
+            f"cluster={cluster}: the exchange between CTAs is not verified on a GPU (session 37 on an H100, "
+            "jax 0.11.2: the first cluster launch failed, and cluster_probe.py's st.async exchange gave wrong "
+            "sums at G = 2); pass unverified_exchange=True to run it anyway (timing experiments), cluster=1 "
+            "otherwise")
     if interpret and cluster > 1:
         raise NotImplementedError(f"cluster={cluster}: the Mosaic GPU interpreter (jax 0.11.2) has no "
                                   "async_store_smem; interpret mode runs cluster=1")

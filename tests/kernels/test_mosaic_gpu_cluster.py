@@ -2,8 +2,9 @@
 (``pallas_kernels/depth_attention/mosaic_gpu_cluster.py``) against the oracle and the one-CTA
 kernel. On the CPU it runs interpreted with a cluster of one (the Mosaic GPU interpreter of jax
 0.11.2 has no rule for the exchange's ``async_store_smem``), and its clusters of 8 and 16 are
-lowered for the H200 to check the shared-memory count; the GPU-marked test runs the clusters and
-both exchanges."""
+lowered for the H200 to check the shared-memory count; the GPU-marked test runs a cluster of one.
+Clusters of more CTAs are refused unless asked for (``unverified_exchange``): their exchange failed
+on an H100 in session 37."""
 
 from __future__ import annotations
 
@@ -84,8 +85,8 @@ def test_shared_memory_count_is_the_allocation(monkeypatch, d, cluster, exchange
     seen, real = [], mgpu_core._smem_tree_size
     monkeypatch.setattr(mgpu_core, "_smem_tree_size", lambda tree: seen.append(real(tree)) or seen[-1])
     args = _inputs(1, 64, d, 30)
-    jax.jit(lambda *a: _cluster(a, True, cluster=cluster, exchange=exchange, out_dtype=BF16,
-                                warpgroups=warpgroups)).trace(*args).lower(lowering_platforms=("cuda",))
+    jax.jit(lambda *a: _cluster(a, True, cluster=cluster, exchange=exchange, out_dtype=BF16, warpgroups=warpgroups,
+                                unverified_exchange=True)).trace(*args).lower(lowering_platforms=("cuda",))
     want = mosaic_gpu_cluster.smem_bytes(d=d, cluster=cluster, stream_kernels=KERNELS, x_dtype=BF16,
                                          acc_dtype=jnp.float32, out_dtype=BF16, exchange=exchange,
                                          warpgroups=warpgroups)
@@ -112,12 +113,15 @@ def test_exchange_default_and_refusals():
     assert mosaic_gpu_cluster.persistent_programs(96, 16) == 8 and mosaic_gpu_cluster.persistent_programs(7, 8) == 7
     with pytest.raises(ValueError, match="warpgroups=3"):
         _cluster(args, True, cluster=1, warpgroups=3, interpret=True)
+    with pytest.raises(NotImplementedError, match="not verified on a GPU"):  # session 37: it failed on an H100
+        jax.eval_shape(lambda *a: _cluster(a, True, cluster=2), *args)
     with pytest.raises(NotImplementedError, match="interpreter"):
-        _cluster(args, True, cluster=2, interpret=True)
-    with pytest.raises(NotImplementedError, match="multiple of cluster"):
-        jax.eval_shape(lambda *a: _cluster(a, True, cluster=4), *args)  # 64 channels: not 4 x 32
+        _cluster(args, True, cluster=2, unverified_exchange=True, interpret=True)
+    with pytest.raises(NotImplementedError, match="multiple of cluster"):  # 64 channels: not 4 x 32
+        jax.eval_shape(lambda *a: _cluster(a, True, cluster=4, unverified_exchange=True), *args)
     with pytest.raises(NotImplementedError, match="shared memory"):
-        jax.eval_shape(lambda *a: _cluster(_inputs(1, 64, 2048, None), True, cluster=8), *args)
+        jax.eval_shape(lambda *a: _cluster(_inputs(1, 64, 2048, None), True, cluster=8, unverified_exchange=True),
+                       *args)
     state, partial, bank, query, gate, seg = _phase2_inputs(1, 64, 64, KERNELS, 2) + (None,)
     with pytest.raises(NotImplementedError, match="one head"):
         mosaic_gpu_cluster.phase2_cluster_forward(state, partial, bank, query, True, gate, None,
@@ -125,20 +129,19 @@ def test_exchange_default_and_refusals():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d, cluster, exchange, programs, warpgroups", [
-    (1024, 8, "all", None, 1), (1024, 8, "butterfly", None, 1), (1024, 16, "all", None, 1),
-    (2048, 16, "butterfly", None, 1), (1024, 8, "all", 4, 1), (2048, 16, "butterfly", 2, 1),
-    (1024, 8, "butterfly", 4, 2), (2048, 16, "butterfly", None, 2)])
-def test_gpu_cluster_matches_one_cta_kernel(d, cluster, exchange, programs, warpgroups):
-    """On a GPU: the clusters' ``h`` and scores against the one-CTA kernel's and the oracle's ``h``
-    (float32 state, bf16 partial, segments, a ragged tile; one cluster per tile, or 4 / 2
-    clusters walking the 8 tiles; one or two warpgroups per CTA)."""
+@pytest.mark.parametrize("programs, warpgroups", [(None, 1), (4, 2)])
+def test_gpu_one_cta_cluster_matches_one_cta_kernel(programs, warpgroups):
+    """On a GPU, a cluster of one (every pass but the exchange; 128 channels, the slice a CTA
+    of a cluster would hold): ``h`` and the scores against the one-CTA kernel and the oracle
+    (float32 state, bf16 partial, segments, a ragged tile; one program per tile, or 4 walking
+    the 8 tiles with two warpgroups). Clusters of 8 and 16 are not tested here: their exchange
+    failed on an H100 (session 37), and a failed launch leaves the process's GPU unusable for the
+    tests after it (``experiments/mgpu/time_cluster_forward.py`` and ``cluster_probe.py`` try them)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    args = _inputs(2, 200, d, 77)
+    args = _inputs(2, 200, 128, 77)
     with jax.default_matmul_precision("highest"):
-        h, (dots, sumsq) = jax.jit(lambda *a: _cluster(a, True, cluster=cluster, exchange=exchange,
-                                                       programs=programs, warpgroups=warpgroups,
+        h, (dots, sumsq) = jax.jit(lambda *a: _cluster(a, True, cluster=1, programs=programs, warpgroups=warpgroups,
                                                        out_dtype=jnp.float32))(*args)
         want_h, (want_dots, want_sumsq) = jax.jit(lambda *a: _one_cta(a, True))(*args)
         oracle = jax.jit(lambda *a: _oracle(a, True))(*args)
