@@ -19,6 +19,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # time_phase2's inputs
 if "--aot" in sys.argv:  # before jax starts: the CUDA plugin's deviceless topology
     from msar_jax import aot
 
@@ -27,7 +28,7 @@ if "--aot" in sys.argv:  # before jax starts: the CUDA plugin's deviceless topol
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels.depth_attention import mosaic_gpu, mosaic_gpu_cluster, reference  # noqa: E402
+from pallas_kernels.depth_attention import mosaic_gpu, mosaic_gpu_cluster  # noqa: E402
 
 KERNELS = (0, 4, 8, 12)
 SHAPES = (("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048)))
@@ -35,17 +36,10 @@ KW = dict(stream_kernels=KERNELS, heads=1, eps=1e-6, gate_eps=1e-6, out_dtype=jn
 
 
 def inputs(batch, t_len, d, key=0):
-    """Random non-zero inputs (``time_phase2.inputs``' recipe)."""
-    m = len(KERNELS)
-    k = jax.random.split(jax.random.key(key), 8)
-    x = jax.random.normal(k[0], (batch, t_len, d), jnp.bfloat16)
-    bank = 0.3 * jax.random.normal(k[1], (sum(KERNELS), d), jnp.float32)
-    q = jax.random.normal(k[2], (m, d), jnp.float32)
-    state = reference.SoftmaxState(jax.random.normal(k[3], (m, batch, t_len, 1)),
-                                   jnp.exp(jax.random.normal(k[4], (m, batch, t_len, 1))),
-                                   jax.random.normal(k[5], (m, batch, t_len, d)))
-    gate = (jax.random.normal(k[6], (m * d, m)) / (m * d) ** 0.5, jnp.float32(0.7), jax.random.normal(k[7], (m,)))
-    return state, x, bank, q, gate
+    """Random non-zero inputs (``time_phase2.inputs``)."""
+    from time_phase2 import inputs as phase2_inputs
+
+    return phase2_inputs(batch, t_len, d, KERNELS, key)
 
 
 def variants(d, n_tiles):
