@@ -22,7 +22,11 @@ next to it: ``async_store_smem``'s stores and the receiving WGMMA-layout loads d
 tile's layout); with no exchange the kernel took 95.1 us per call; with two rounds it faulted
 (unspecified launch failure), which left the GPU unusable for G = 4-16.
 
-Run: ``python experiments/mgpu/cluster_probe.py`` (GPU); ``--interpret`` tries the exchange in
+Session 37 also added ``--mode pull`` (each CTA's tile read from its peers' shared memory through
+``plgpu.cluster_ref`` after a ``ClusterBarrier``) and ``--cols`` (tiles of 16 or 32 columns), and
+``--only G`` to run one cluster size per process.
+
+Run: ``python experiments/mgpu/cluster_probe.py [--mode push|pull] [--cols 8|16|32] [--only G]`` (GPU); ``--interpret`` tries the exchange in
 Pallas' Mosaic GPU interpret mode (jax 0.11.2's interpreter has no rule for ``async_store_smem``:
 it says so); ``--aot`` compiles every variant for an H200 on a machine without one (JAX's CUDA
 plugin on ``PYTHONPATH``, ``msar_jax.aot``): Mosaic GPU's lowering and ptxas, not the launch."""
@@ -42,31 +46,58 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-BT, COLS = 64, 8  # one [64, 8] float32 tile of per-token sums (column j: sum j)
+BT = 64
+COLS = 8  # the default tile: [64, 8] float32 of per-token sums (column j: sum j); ``--cols`` changes it
+MODES = ("push", "pull")
 F32 = jnp.float32
 
 
-def build(g_size: int, rounds: int, batch: int, tiles: int, interpret: bool):
+def build(g_size: int, rounds: int, batch: int, tiles: int, interpret: bool, cols: int = COLS, mode: str = "push"):
+    """The probe kernel. ``mode="push"``: every CTA stores its tile into slot g of every CTA with
+    ``plgpu.async_store_smem`` (``st.async``, counted on the receiver's barrier). ``"pull"``: every
+    CTA writes its tile into its own shared memory, the cluster meets at a ``ClusterBarrier``, and
+    each CTA loads every peer's tile through ``plgpu.cluster_ref`` (``ld.shared::cluster``)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    # one receive buffer per round, so no round overwrites a slot a peer may still read
-    recv_type = plgpu.SMEM((max(rounds, 1), g_size, BT, COLS), F32,
-                           transforms=(plgpu.TilingTransform((8, COLS)), plgpu.SwizzleTransform(COLS * 4)))
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}: must be one of {MODES}")
+    n_rounds = max(rounds, 1)
+    swizzled = lambda *shape: plgpu.SMEM(shape, F32, transforms=(  # noqa: E731
+        plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(min(128, cols * 4))))
+    # push: one receive buffer per round and sender, so no round overwrites a slot a peer may still
+    # read; pull: the CTA's own tile per round
+    buf_type = swizzled(n_rounds, g_size, BT, cols) if mode == "push" else swizzled(n_rounds, BT, cols)
+    if mode == "push":
+        # one arrival per store: each of a sender's 128 threads arrives once per store (Lane
+        # semantics), and Pallas multiplies a Lane kernel's num_arrivals by the warpgroup's 128
+        # threads itself (``lowering._get_barrier``). Session 34 wrote 128 * G here, which no store
+        # count reaches: session 36's run hung silently
+        bar_type = plgpu.Barrier(num_arrivals=g_size, num_barriers=n_rounds)
+    else:  # each CTA's warpgroup arrives once at every CTA's barrier of the round
+        bar_type = plgpu.ClusterBarrier(collective_axes=("g",), num_arrivals=1, num_barriers=n_rounds)
 
-    def body(out_ref, recv, out_s, bar):
+    def body(out_ref, buf, out_s, bar):
         g = lax.axis_index("g")
         b, t = lax.axis_index("b"), lax.axis_index("t")
         layout = plgpu.Layout.WGMMA
-        rows = plgpu.broadcasted_iota(jnp.int32, (BT, COLS), 0, layout=layout)
-        cols = plgpu.broadcasted_iota(jnp.int32, (BT, COLS), 1, layout=layout)
-        mine = (rows * COLS + cols + 1000 * g + 100000 * (b * tiles + t)).astype(F32)
+        rows = plgpu.broadcasted_iota(jnp.int32, (BT, cols), 0, layout=layout)
+        col = plgpu.broadcasted_iota(jnp.int32, (BT, cols), 1, layout=layout)
+        mine = (rows * cols + col + 1000 * g + 100000 * (b * tiles + t)).astype(F32)
         total = None
         for k in range(rounds):
             val = mine + float(k)
-            for j in range(g_size):  # every CTA sends its tile to slot g of every CTA (itself too)
-                plgpu.async_store_smem(val, recv.at[k, g], bar.at[k], cluster_idx=jnp.int32(j), cluster_dim="g")
-            plgpu.barrier_wait(bar.at[k])
-            got = sum(plgpu.load(recv.at[k, j], layout=layout) for j in range(g_size))
+            if mode == "push":
+                for j in range(g_size):  # every CTA sends its tile to slot g of every CTA (itself too)
+                    plgpu.async_store_smem(val, buf.at[k, g], bar.at[k], cluster_idx=jnp.int32(j), cluster_dim="g")
+                plgpu.barrier_wait(bar.at[k])
+                got = sum(plgpu.load(buf.at[k, j], (), layout=layout) for j in range(g_size))
+            else:
+                buf[k] = val
+                plgpu.commit_smem()  # a warpgroup barrier: the whole tile written before the arrival
+                plgpu.barrier_arrive(bar.at[k])
+                plgpu.barrier_wait(bar.at[k])
+                got = sum(plgpu.load(plgpu.cluster_ref(buf.at[k], {"g": jnp.int32(j)}), (), layout=layout)
+                          for j in range(g_size))
             total = got if total is None else total + got
         if total is None:
             total = mine
@@ -74,24 +105,22 @@ def build(g_size: int, rounds: int, batch: int, tiles: int, interpret: bool):
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_s, out_ref.at[b, t, g])
         plgpu.wait_smem_to_gmem(0)
+        if mode == "pull" and rounds:  # no CTA leaves while a peer may still read its tiles
+            plgpu.barrier_arrive(bar.at[0])
+            plgpu.barrier_wait(bar.at[0])
 
     return plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((batch, tiles, g_size, BT, COLS), F32),
-        scratch_types=[recv_type, plgpu.SMEM((BT, COLS), F32),
-                       # one arrival per store: each of a sender's 128 threads arrives once per store
-                       # (Lane semantics), and Pallas multiplies a Lane kernel's num_arrivals by the
-                       # warpgroup's 128 threads itself (``lowering._get_barrier``). Session 34 wrote
-                       # 128 * G here, which no store count reaches: session 36's run hung silently
-                       plgpu.Barrier(num_arrivals=g_size, num_barriers=max(rounds, 1))],
+        body, out_type=jax.ShapeDtypeStruct((batch, tiles, g_size, BT, cols), F32),
+        scratch_types=[buf_type, plgpu.SMEM((BT, cols), F32), bar_type],
         grid=(batch, tiles), grid_names=("b", "t"), cluster=(g_size,), cluster_names=("g",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else False)
 
 
-def expected(g_size, rounds, batch, tiles):
-    rows, cols = np.meshgrid(np.arange(BT), np.arange(COLS), indexing="ij")
-    base = rows * COLS + cols
-    out = np.zeros((batch, tiles, g_size, BT, COLS), np.float64)
+def expected(g_size, rounds, batch, tiles, n_cols=COLS):
+    rows, cols = np.meshgrid(np.arange(BT), np.arange(n_cols), indexing="ij")
+    base = rows * n_cols + cols
+    out = np.zeros((batch, tiles, g_size, BT, n_cols), np.float64)
     for b in range(batch):
         for t in range(tiles):
             s = sum(base + 1000 * j + 100000 * (b * tiles + t) for j in range(g_size))
@@ -100,45 +129,60 @@ def expected(g_size, rounds, batch, tiles):
     return out
 
 
-def compile_for_h200() -> int:
-    """Compiles each variant the GPU run times for an H200, deviceless; returns the failures."""
+def _option(argv, name, default, cast=int):
+    return cast(argv[argv.index(name) + 1]) if name in argv else default
+
+
+def compile_for_h200(modes, widths) -> int:
+    """Compiles each variant the GPU run takes for an H200, deviceless; returns the failures."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     mesh = aot.gpu_mesh("h200")
     failures = 0
-    for g_size in (2, 4, 8, 16):
-        for rounds in (0, 1, 2):
-            try:
-                with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                    jax.jit(build(g_size, rounds, 8, 32, False), out_shardings=NamedSharding(mesh, P())).lower().compile()
-                print(f"G={g_size} rounds={rounds}: compiled for the H200", flush=True)
-            except Exception as e:  # noqa: BLE001
-                failures += 1
-                print(f"G={g_size} rounds={rounds}: compile failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
+    for mode in modes:
+        for cols in widths:
+            for g_size in (2, 4, 8, 16):
+                for rounds in (0, 1, 2):
+                    name = f"{mode} cols={cols} G={g_size} rounds={rounds}"
+                    try:
+                        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                            jax.jit(build(g_size, rounds, 8, 32, False, cols, mode),
+                                    out_shardings=NamedSharding(mesh, P())).lower().compile()
+                        print(f"{name}: compiled for the H200", flush=True)
+                    except Exception as e:  # noqa: BLE001
+                        failures += 1
+                        print(f"{name}: compile failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
     return failures
 
 
 def main(argv):
+    """``--mode push|pull`` (default push), ``--cols N`` (the tile's width, default 8), ``--only G``
+    (one cluster size: a failed launch leaves the process's GPU unusable, so run one per process)."""
+    modes = (argv[argv.index("--mode") + 1],) if "--mode" in argv else MODES
+    widths = (_option(argv, "--cols", COLS),) if "--cols" in argv else (8, 16, 32)
     if "--aot" in argv:
-        return 1 if compile_for_h200() else 0
+        return 1 if compile_for_h200(modes, widths) else 0
+    mode, cols = modes[0], widths[0]
     interpret = "--interpret" in argv
     sizes = (2, 4) if interpret else (2, 4, 8, 16)
+    sizes = (_option(argv, "--only", None),) if "--only" in argv else sizes
     batch, tiles = (1, 2) if interpret else (8, 32)
     for g_size in sizes:
+        tag = f"{mode} cols={cols} G={g_size}"
         try:
-            f = jax.jit(build(g_size, 1, batch, tiles, interpret))
+            f = jax.jit(build(g_size, 1, batch, tiles, interpret, cols, mode))
             out = np.asarray(f())
-            err = float(np.abs(out - expected(g_size, 1, batch, tiles)).max())
-            print(f"G={g_size}: exchange max abs error {err:g} ({'right' if err == 0 else 'WRONG'})", flush=True)
+            err = float(np.abs(out - expected(g_size, 1, batch, tiles, cols)).max())
+            print(f"{tag}: exchange max abs error {err:g} ({'right' if err == 0 else 'WRONG'})", flush=True)
         except Exception as e:  # noqa: BLE001 - a probe: report what failed and go on
-            print(f"G={g_size}: exchange failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            print(f"{tag}: exchange failed: {type(e).__name__}: {str(e)[:400]}", flush=True)
             continue
         if interpret:
             continue
         for rounds in (0, 2):
             try:
-                f = jax.jit(build(g_size, rounds, batch, tiles, False))
+                f = jax.jit(build(g_size, rounds, batch, tiles, False, cols, mode))
                 jax.block_until_ready(f())
                 ts = []
                 for _ in range(21):
@@ -147,10 +191,10 @@ def main(argv):
                         out = f()
                     jax.block_until_ready(out)
                     ts.append((time.perf_counter() - t0) / 5)
-                print(f"G={g_size} rounds={rounds}: {1e6 * float(np.median(ts)):.1f} us per call "
+                print(f"{tag} rounds={rounds}: {1e6 * float(np.median(ts)):.1f} us per call "
                       f"({batch * tiles} clusters of {g_size} CTAs)", flush=True)
             except Exception as e:  # noqa: BLE001
-                print(f"G={g_size} rounds={rounds}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(f"{tag} rounds={rounds}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,18 @@
+#!/bin/bash
+# Session 38 plan, call 1: which cluster exchange works (session 37: the push form's sums were
+# off by 2 at G = 2 and its later launches faulted; a failed launch leaves the process's GPU
+# unusable, so every variant runs in its own process), then the cluster kernel's one-CTA path on
+# the GPU (JAX_PLATFORMS=cuda: the tests' conftest defaults to the CPU). Carry [".whl"].
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD:$PWD/experiments/mgpu PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv
+S=$(date +%s)
+for mode in pull push; do for cols in 8 32; do for g in 2 8 16; do
+  timeout 40 python experiments/mgpu/cluster_probe.py --mode $mode --cols $cols --only $g 2>&1 \
+      | grep -v "Warning\|cuda_stream\|cuda_event\|Source Location\|cuda_status\|cuda_host\|cuda_device\|^$" \
+      | tail -4 | tee -a $OUT/cluster_probe.txt
+done; done; done
+echo "probes $(( $(date +%s)-S ))s"; S=$(date +%s)
+env JAX_PLATFORMS=cuda timeout 150 python -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+    tests/kernels/test_mosaic_gpu_cluster.py 2>&1 | tail -20 | tee $OUT/gpu_test.txt
+echo "gpu test $(( $(date +%s)-S ))s"
