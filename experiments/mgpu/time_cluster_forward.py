@@ -9,7 +9,7 @@ only in their grouping), then the median of 21 timings of 5 calls and the fracti
 design's floor (bytes over the copy bandwidth measured in the same run: the partial's windows
 about 1.25x, the state once or twice, ``h`` once).
 
-Run on the GPU: ``python experiments/mgpu/time_cluster_forward.py [--base-only]``; ``--aot``
+Run on the GPU: ``python experiments/mgpu/time_cluster_forward.py [--base-only] [--only TEXT]``; ``--aot``
 compiles every variant for an H200 on a machine without one (JAX's CUDA plugin on
 ``PYTHONPATH``, ``msar_jax.aot``): Mosaic GPU's lowering and ptxas, not the launch. Session 37's
 run on an H100 (``kernels_h200_s37/call1b``): the first cluster launch failed and left the process's
@@ -94,7 +94,10 @@ def compile_all(shapes) -> int:
 
 
 def main(argv):
+    """``--base-only``: `base`'s shape alone; ``--only TEXT``: the one-CTA kernel and the variants
+    whose label holds TEXT (a failed launch leaves the process's GPU unusable: one per process)."""
     shapes = SHAPES[:1] if "--base-only" in argv else SHAPES
+    only = argv[argv.index("--only") + 1] if "--only" in argv else None
     if "--aot" in argv:
         return 1 if compile_all(shapes) else 0
     from pallas_kernels.depth_attention import bench
@@ -107,6 +110,8 @@ def main(argv):
         scale = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))  # noqa: E731
         print(f"## {name}: B x T = {batch} x {t_len}, d = {d}", flush=True)
         for label, fn in variants(d, batch * t_len // 64):
+            if only and only not in label and not label.startswith("one CTA"):
+                continue
             try:
                 f = jax.jit(fn)
                 h, (dots, ss) = f(*args)

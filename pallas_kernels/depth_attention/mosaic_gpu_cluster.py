@@ -18,9 +18,11 @@ The exchanges move a ``[64, 8]`` float32 tile of per-token sums per CTA (column 
 ``j``) with ``plgpu.async_store_smem`` (``st.async`` into a peer's shared memory, counted on the
 peer's barrier): ``"all"`` sends each CTA's tile to every CTA (one hop; ``G`` tiles of receive
 buffer per exchange), ``"butterfly"`` adds pairs ``g, g xor 2^s`` for ``s < log2 G`` (``log2 G``
-hops and tiles). Every CTA adds the same values in the same order (``"all"``: the tiles in CTA
-order; ``"butterfly"``: ``a + b`` and ``b + a`` are the same float), so all ``G`` CTAs form the
-same gate to the bit. The channel sums are grouped differently from ``mosaic_gpu``'s (per CTA,
+hops and tiles). ``"pull"`` leaves each CTA's tile in its own shared memory and, once a
+``ClusterBarrier`` says all are written, every CTA loads all of them through
+``plgpu.cluster_ref`` (one tile per exchange). Every CTA adds the same values in the same order
+(``"all"``, ``"pull"``: the tiles in CTA order; ``"butterfly"``: ``a + b`` and ``b + a`` are the
+same float), so all ``G`` CTAs form the same gate to the bit. The channel sums are grouped differently from ``mosaic_gpu``'s (per CTA,
 then across the cluster): the same values to float32 rounding.
 
 Bytes per call: the partial's windows and the state once, ``h`` once (the one-CTA kernel: the
@@ -59,7 +61,9 @@ from pallas_kernels.depth_attention.mosaic_gpu import (
 
 BLOCK_D = 32  # channels per chunk, as ``mosaic_gpu``'s forward
 SLICE_D = 128  # channels per CTA that ``cluster_size`` aims at: the state's slice 128 KB (m = 4, float32)
-EXCHANGES = ("all", "butterfly")
+# "all" and "butterfly" push tiles into the peers' shared memory (``st.async``); "pull" reads them
+# from there (``plgpu.cluster_ref`` after a ``ClusterBarrier``): the module docstring
+EXCHANGES = ("all", "butterfly", "pull")
 XCH_COLS = 8  # per-token sums per exchange tile: m dots and m sums of squares (m <= 4), or 1 + m
 MAX_CLUSTER = 16  # Hopper's largest cluster (above 8: non-portable, opted into at launch)
 WARPGROUPS = (1, 2)  # per CTA (``_kernel``)
@@ -94,15 +98,17 @@ def smem_bytes(*, d: int, cluster: int, stream_kernels: Sequence[int], x_dtype, 
 
 
 def _exchange_barriers(cluster: int, exchange: str) -> int:
-    """Barriers of the two exchanges: one each (``"all"``), one per butterfly step, none alone."""
-    return 0 if cluster == 1 else 2 if exchange == "all" else 2 * _exchange_tiles(cluster, exchange)
+    """Barriers of the two exchanges: one each (``"all"``, ``"pull"``), one per butterfly step,
+    none alone."""
+    return 0 if cluster == 1 else 2 if exchange in ("all", "pull") else 2 * _exchange_tiles(cluster, exchange)
 
 
 def _exchange_tiles(cluster: int, exchange: str) -> int:
-    """Receive tiles per exchange: one per CTA (``"all"``), one per butterfly step, none alone."""
+    """Tiles per exchange: one per CTA received (``"all"``), one per butterfly step, the CTA's
+    own (``"pull"``), none alone."""
     if cluster == 1:
         return 0
-    return cluster if exchange == "all" else cluster.bit_length() - 1
+    return cluster if exchange == "all" else 1 if exchange == "pull" else cluster.bit_length() - 1
 
 
 def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *,
@@ -234,6 +240,16 @@ def _cluster_sum(plgpu, cfg: _Config, mine, recv, bar, round_: int):
         return mine
     tile = plgpu.Layout.WGMMA
     g = lax.axis_index("g")
+    if cfg.exchange == "pull":  # the CTA's tile in its own shared memory; once all are, every CTA reads all
+        recv[round_, 0] = mine
+        plgpu.commit_smem()  # a warpgroup barrier: the whole tile is written before the arrival
+        plgpu.barrier_arrive(bar.at[round_])
+        plgpu.barrier_wait(bar.at[round_])
+        total = None
+        for j in range(cfg.cluster):
+            got = plgpu.load(plgpu.cluster_ref(recv.at[round_, 0], {"g": jnp.int32(j)}), (), layout=tile)
+            total = got if total is None else total + got
+        return total
     if cfg.exchange == "all":  # every CTA's tile into slot g of every CTA, then the slots in order
         for j in range(cfg.cluster):
             plgpu.async_store_smem(mine, recv.at[round_, g], bar.at[round_], cluster_idx=jnp.int32(j),
@@ -283,6 +299,8 @@ def _kernel(cfg: _Config):
     # (Pallas counts a Lane kernel's arrivals per thread: num_arrivals is per store)
     xch_bar = plgpu.Barrier(num_arrivals=G if cfg.exchange == "all" else 1,
                             num_barriers=max(1, _exchange_barriers(G, cfg.exchange)))
+    if cfg.exchange == "pull":  # each CTA's (leading) warpgroup arrives once at every CTA's barrier
+        xch_bar = plgpu.ClusterBarrier(collective_axes=("g",), num_arrivals=1, num_barriers=2)
     n_t = t_pad // bt
     persistent = cfg.programs > 0
     n_iter = batch * n_t // cfg.programs if persistent else 1  # tiles per program

@@ -76,7 +76,8 @@ def test_interpreted_forward_matches_oracle_and_one_cta_kernel(include, cut, sta
 
 
 @pytest.mark.parametrize("d, cluster, exchange, warpgroups", [(1024, 8, "all", 1), (1024, 8, "butterfly", 1),
-                                                              (2048, 16, "butterfly", 1), (2048, 16, "butterfly", 2)])
+                                                              (2048, 16, "butterfly", 1), (2048, 16, "butterfly", 2),
+                                                              (2048, 16, "pull", 2)])
 def test_shared_memory_count_is_the_allocation(monkeypatch, d, cluster, exchange, warpgroups):
     """``smem_bytes`` is what Mosaic GPU allocates for one CTA lowered for the H200 (with segment
     ids and taps: every buffer present; a bf16 ``h``, as the models write it), and under the

@@ -13,6 +13,17 @@ for mode in pull push; do for cols in 8 32; do for g in 2 8 16; do
       | tail -4 | tee -a $OUT/cluster_probe.txt
 done; done; done
 echo "probes $(( $(date +%s)-S ))s"; S=$(date +%s)
+# the cluster forward with the pull exchange (mosaic_gpu_cluster, exchange="pull"), one variant per
+# process, the one-CTA kernel beside each
+for v in "cluster  8 pull      2 wg" "cluster 16 pull      2 wg" "cluster  8 pull      2 wg, 16 walking"; do
+  timeout 60 python experiments/mgpu/time_cluster_forward.py --base-only --only "$v" 2>&1 \
+      | grep -v "Warning\|cuda_stream\|cuda_event\|Source Location\|cuda_status\|cuda_host\|cuda_device\|^$" \
+      | tail -3 | tee -a $OUT/cluster_forward.txt
+done
+timeout 60 python experiments/mgpu/time_cluster_forward.py --only "cluster 16 pull      2 wg" 2>&1 \
+    | grep -v "Warning\|cuda_stream\|cuda_event\|Source Location\|cuda_status\|cuda_host\|cuda_device\|^$" \
+    | tail -5 | tee -a $OUT/cluster_forward.txt
+echo "cluster forward $(( $(date +%s)-S ))s"; S=$(date +%s)
 env JAX_PLATFORMS=cuda timeout 150 python -m pytest -q -m gpu -p no:cacheprovider --tb=short \
     tests/kernels/test_mosaic_gpu_cluster.py 2>&1 | tail -20 | tee $OUT/gpu_test.txt
 echo "gpu test $(( $(date +%s)-S ))s"
