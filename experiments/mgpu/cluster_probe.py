@@ -26,7 +26,8 @@ Session 37 also added ``--mode pull`` (each CTA's tile read from its peers' shar
 ``plgpu.cluster_ref`` after a ``ClusterBarrier``) and ``--cols`` (tiles of 16 or 32 columns), and
 ``--only G`` to run one cluster size per process.
 
-Run: ``python experiments/mgpu/cluster_probe.py [--mode push|pull] [--cols 8|16|32] [--only G]`` (GPU); ``--interpret`` tries the exchange in
+Run: ``python experiments/mgpu/cluster_probe.py [--mode push|pull] [--cols 8|16|32] [--only G]``
+(GPU); ``--interpret`` tries the exchange in
 Pallas' Mosaic GPU interpret mode (jax 0.11.2's interpreter has no rule for ``async_store_smem``:
 it says so); ``--aot`` compiles every variant for an H200 on a machine without one (JAX's CUDA
 plugin on ``PYTHONPATH``, ``msar_jax.aot``): Mosaic GPU's lowering and ptxas, not the launch."""

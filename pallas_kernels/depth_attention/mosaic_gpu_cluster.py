@@ -22,8 +22,9 @@ hops and tiles). ``"pull"`` leaves each CTA's tile in its own shared memory and,
 ``ClusterBarrier`` says all are written, every CTA loads all of them through
 ``plgpu.cluster_ref`` (one tile per exchange). Every CTA adds the same values in the same order
 (``"all"``, ``"pull"``: the tiles in CTA order; ``"butterfly"``: ``a + b`` and ``b + a`` are the
-same float), so all ``G`` CTAs form the same gate to the bit. The channel sums are grouped differently from ``mosaic_gpu``'s (per CTA,
-then across the cluster): the same values to float32 rounding.
+same float), so all ``G`` CTAs form the same gate to the bit. The channel sums are grouped
+differently from ``mosaic_gpu``'s (per CTA, then across the cluster): the same values to float32
+rounding.
 
 Bytes per call: the partial's windows and the state once, ``h`` once (the one-CTA kernel: the
 state twice). One CTA per SM (the state's slice is 128 KB); the passes of one tile do not
@@ -125,9 +126,9 @@ def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_pa
     tiles; ``persistent_programs`` picks one per SM group), each walking its tiles and bringing the
     next tile's chunks in as the last pass frees their buffers. ``warpgroups``: 1 or 2 per CTA
     (``_kernel``), each with half the CTA's chunks. ``unverified_exchange``: required for
-    ``cluster > 1``, whose exchange failed on the H100 (the module docstring). Raises ``NotImplementedError`` for
-    other shapes and where a CTA's scratch exceeds the shared memory; ``ValueError`` for a bad
-    ``cluster`` or ``exchange``."""
+    ``cluster > 1``, whose exchange failed on the H100 (the module docstring). Raises
+    ``NotImplementedError`` for other shapes and where a CTA's scratch exceeds the shared memory;
+    ``ValueError`` for a bad ``cluster``, ``exchange``, ``warpgroups`` or ``programs``."""
     batch, t_len, d = partial.shape
     m = len(stream_kernels)
     cluster = cluster_size(d) if cluster is None else cluster
@@ -147,8 +148,8 @@ def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_pa
             "sums at G = 2); pass unverified_exchange=True to run it anyway (timing experiments), cluster=1 "
             "otherwise")
     if interpret and cluster > 1:
-        raise NotImplementedError(f"cluster={cluster}: the Mosaic GPU interpreter (jax 0.11.2) has no "
-                                  "async_store_smem; interpret mode runs cluster=1")
+        raise NotImplementedError(f"cluster={cluster}: the Mosaic GPU interpreter (jax 0.11.2) has no rule for "
+                                  "the cluster exchange (async_store_smem, cluster_ref); interpret mode runs cluster=1")
     if heads != 1 or m > XCH_COLS // 2:
         raise NotImplementedError(f"phase2_cluster_forward: one head and at most {XCH_COLS // 2} streams "
                                   f"(got heads={heads}, m={m})")
@@ -177,7 +178,8 @@ def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_pa
     banks = jnp.asarray(bank, F32) if sh.has_bank and bank is not None else jnp.zeros((1, d), F32)
     w, scale, bias = gate_params
     w_rows = jnp.asarray(w, F32).reshape(m, d, m).transpose(0, 2, 1).reshape(m * m, d)  # [(r, j), c]
-    consts = [jnp.asarray(include_partial, F32), jnp.asarray(scale, F32).reshape(()), *jnp.asarray(bias, F32).reshape(m)]
+    consts = [jnp.asarray(include_partial, F32), jnp.asarray(scale, F32).reshape(()),
+              *jnp.asarray(bias, F32).reshape(m)]
     consts = jnp.broadcast_to(jnp.stack(consts)[:, None], (len(consts), BLOCK_T))
     rows = jnp.stack([pad_t(jnp.asarray(state.max, F32)[..., 0], 2),  # [2, m, B, Tp]: max, denom
                       pad_t(jnp.asarray(state.denom, F32)[..., 0], 2, 1.0)])
