@@ -24,9 +24,11 @@ tile's layout); with no exchange the kernel took 95.1 us per call; with two roun
 
 Session 37 also added ``--mode pull`` (each CTA's tile read from its peers' shared memory through
 ``plgpu.cluster_ref`` after a ``ClusterBarrier``) and ``--cols`` (tiles of 16 or 32 columns), and
-``--only G`` to run one cluster size per process.
+``--only G`` to run one cluster size per process. Session 38 put ``fence.acq_rel.cluster``
+around the pull's barrier (``mosaic_gpu_cluster.cluster_fence``: the barrier alone orders at CTA
+scope); ``--no-fence`` leaves it out.
 
-Run: ``python experiments/mgpu/cluster_probe.py [--mode push|pull] [--cols 8|16|32] [--only G]``
+Run: ``python experiments/mgpu/cluster_probe.py [--mode push|pull] [--cols 8|16|32] [--only G] [--no-fence]``
 (GPU); ``--interpret`` tries the exchange in
 Pallas' Mosaic GPU interpret mode (jax 0.11.2's interpreter has no rule for ``async_store_smem``:
 it says so); ``--aot`` compiles every variant for an H200 on a machine without one (JAX's CUDA
@@ -35,8 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: pallas_kernels, msar_jax
 if "--aot" in sys.argv:  # before jax starts: the CUDA plugin's deviceless topology
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from msar_jax import aot
 
     aot.prepare_gpu_environment()
@@ -47,17 +49,22 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.depth_attention.mosaic_gpu_cluster import cluster_fence
+
 BT = 64
 COLS = 8  # the default tile: [64, 8] float32 of per-token sums (column j: sum j); ``--cols`` changes it
 MODES = ("push", "pull")
 F32 = jnp.float32
 
 
-def build(g_size: int, rounds: int, batch: int, tiles: int, interpret: bool, cols: int = COLS, mode: str = "push"):
+def build(g_size: int, rounds: int, batch: int, tiles: int, interpret: bool, cols: int = COLS, mode: str = "push",
+          fence: bool = True):
     """The probe kernel. ``mode="push"``: every CTA stores its tile into slot g of every CTA with
     ``plgpu.async_store_smem`` (``st.async``, counted on the receiver's barrier). ``"pull"``: every
     CTA writes its tile into its own shared memory, the cluster meets at a ``ClusterBarrier``, and
-    each CTA loads every peer's tile through ``plgpu.cluster_ref`` (``ld.shared::cluster``)."""
+    each CTA loads every peer's tile through ``plgpu.cluster_ref`` (``ld.shared::cluster``);
+    ``fence``: with ``mosaic_gpu_cluster.cluster_fence`` after the write and after the wait (the
+    barrier alone orders at CTA scope)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if mode not in MODES:
@@ -94,9 +101,13 @@ def build(g_size: int, rounds: int, batch: int, tiles: int, interpret: bool, col
                 got = sum(plgpu.load(buf.at[k, j], (), layout=layout) for j in range(g_size))
             else:
                 buf[k] = val
+                if fence:
+                    cluster_fence(plgpu)
                 plgpu.commit_smem()  # a warpgroup barrier: the whole tile written before the arrival
                 plgpu.barrier_arrive(bar.at[k])
                 plgpu.barrier_wait(bar.at[k])
+                if fence:
+                    cluster_fence(plgpu)
                 got = sum(plgpu.load(plgpu.cluster_ref(buf.at[k], {"g": jnp.int32(j)}), (), layout=layout)
                           for j in range(g_size))
             total = got if total is None else total + got
@@ -169,14 +180,15 @@ def main(argv):
     if "--aot" in argv:
         return 1 if compile_for_h200(modes, widths) else 0
     mode, cols = modes[0], widths[0]
+    fence = "--no-fence" not in argv
     interpret = "--interpret" in argv
     sizes = (2, 4) if interpret else (2, 4, 8, 16)
     sizes = (_option(argv, "--only", None),) if "--only" in argv else sizes
     batch, tiles = (1, 2) if interpret else (8, 32)
     for g_size in sizes:
-        tag = f"{mode} cols={cols} G={g_size}"
+        tag = f"{mode} cols={cols} G={g_size}" + ("" if fence or mode == "push" else " no fence")
         try:
-            f = jax.jit(build(g_size, 1, batch, tiles, interpret, cols, mode))
+            f = jax.jit(build(g_size, 1, batch, tiles, interpret, cols, mode, fence))
             out = np.asarray(f())
             err = float(np.abs(out - expected(g_size, 1, batch, tiles, cols)).max())
             print(f"{tag}: exchange max abs error {err:g} ({'right' if err == 0 else 'WRONG'})", flush=True)
@@ -187,7 +199,7 @@ def main(argv):
             continue
         for rounds in (0, 2):
             try:
-                f = jax.jit(build(g_size, rounds, batch, tiles, False, cols, mode))
+                f = jax.jit(build(g_size, rounds, batch, tiles, False, cols, mode, fence))
                 jax.block_until_ready(f())
                 ts = []
                 for _ in range(21):

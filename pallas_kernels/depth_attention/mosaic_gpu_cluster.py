@@ -234,6 +234,21 @@ def _unpack(plgpu, packed, n: int):
     return [jnp.sum(packed * (cols == j).astype(F32), axis=1) for j in range(n)]
 
 
+def cluster_fence(plgpu) -> None:
+    """``fence.acq_rel.cluster`` in every thread that calls it. Mosaic GPU's cluster barrier
+    arrives and waits at CTA scope (``mbarrier.arrive.shared::cluster`` with PTX's default
+    ``.release.cta``), which orders a CTA's own shared-memory writes but, by PTX's memory model,
+    not for a peer's ``ld.shared::cluster``: the writer fences before its arrival, the reader
+    after its wait (the pattern of ``barrier.cluster.arrive.release`` / ``wait.acquire``)."""
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu()
+    def fence(_ctx):
+        mgpu_utils.inline_ptx("fence.acq_rel.cluster;", has_side_effects=True)
+
+    fence()
+
+
 def _cluster_sum(plgpu, cfg: _Config, mine, recv, bar, round_: int):
     """The sum over the cluster's CTAs of each CTA's ``[64, 8]`` tile ``mine`` (``cfg.exchange``;
     exchange ``round_`` of the tile: its own receive tiles and barriers, so no round overwrites a
@@ -244,9 +259,11 @@ def _cluster_sum(plgpu, cfg: _Config, mine, recv, bar, round_: int):
     g = lax.axis_index("g")
     if cfg.exchange == "pull":  # the CTA's tile in its own shared memory; once all are, every CTA reads all
         recv[round_, 0] = mine
+        cluster_fence(plgpu)  # each thread's part of the tile released to the cluster
         plgpu.commit_smem()  # a warpgroup barrier: the whole tile is written before the arrival
         plgpu.barrier_arrive(bar.at[round_])
         plgpu.barrier_wait(bar.at[round_])
+        cluster_fence(plgpu)  # the peers' tiles acquired before they are loaded
         total = None
         for j in range(cfg.cluster):
             got = plgpu.load(plgpu.cluster_ref(recv.at[round_, 0], {"g": jnp.int32(j)}), (), layout=tile)

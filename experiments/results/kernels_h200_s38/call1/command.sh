@@ -7,11 +7,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD:$PWD/experiments/mgpu PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv
 S=$(date +%s)
-for mode in pull push; do for cols in 8 32; do for g in 2 8 16; do
-  timeout 40 python experiments/mgpu/cluster_probe.py --mode $mode --cols $cols --only $g 2>&1 \
+# pull with the cluster fences (session 38) at both widths and three sizes, pull without them at
+# G = 8, push at 32 columns
+for args in "pull --cols 8 --only 2" "pull --cols 8 --only 8" "pull --cols 8 --only 16" "pull --cols 32 --only 8" \
+            "pull --cols 8 --only 8 --no-fence" "push --cols 32 --only 2" "push --cols 32 --only 8"; do
+  timeout 30 python experiments/mgpu/cluster_probe.py --mode $args 2>&1 \
       | grep -v "Warning\|cuda_stream\|cuda_event\|Source Location\|cuda_status\|cuda_host\|cuda_device\|^$" \
       | tail -4 | tee -a $OUT/cluster_probe.txt
-done; done; done
+done
 echo "probes $(( $(date +%s)-S ))s"; S=$(date +%s)
 # the cluster forward with the pull exchange (mosaic_gpu_cluster, exchange="pull"), one variant per
 # process, the one-CTA kernel beside each
