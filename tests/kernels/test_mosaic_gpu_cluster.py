@@ -149,3 +149,25 @@ def test_gpu_one_cta_cluster_matches_one_cta_kernel(programs, warpgroups):
     assert _rel(h, oracle) < 1e-4
     assert _rel(h, want_h) < 1e-5
     assert _rel(dots, want_dots) < 1e-5 and _rel(sumsq, want_sumsq) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, cluster, programs, warpgroups", [
+    (1024, 8, None, 2), (1024, 8, 4, 2), (2048, 16, None, 2), (1024, 8, None, 1)])
+def test_gpu_pull_cluster_matches_one_cta_kernel(d, cluster, programs, warpgroups):
+    """On a GPU, clusters of 8 and 16 CTAs with the pull exchange (``exchange="pull"``): ``h`` and
+    the scores against the one-CTA kernel and the oracle (float32 state, bf16 partial, segments,
+    a ragged tile; one cluster per tile or 4 walking the 8 tiles). Run it in a process of its own
+    (``-k pull``): a failed cluster launch leaves the process's GPU unusable for what follows."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    args = _inputs(2, 200, d, 77)
+    with jax.default_matmul_precision("highest"):
+        h, (dots, sumsq) = jax.jit(lambda *a: _cluster(
+            a, True, cluster=cluster, exchange="pull", programs=programs, warpgroups=warpgroups,
+            unverified_exchange=True, out_dtype=jnp.float32))(*args)
+        want_h, (want_dots, want_sumsq) = jax.jit(lambda *a: _one_cta(a, True, out_dtype=jnp.float32))(*args)
+        oracle = jax.jit(lambda *a: _oracle(a, True))(*args)
+    assert _rel(h, oracle) < 1e-4
+    assert _rel(h, want_h) < 1e-5
+    assert _rel(dots, want_dots) < 1e-5 and _rel(sumsq, want_sumsq) < 1e-5

@@ -11,14 +11,14 @@ S=$(date +%s)
 # G = 8, push at 32 columns
 for args in "pull --cols 8 --only 2" "pull --cols 8 --only 8" "pull --cols 8 --only 16" "pull --cols 32 --only 8" \
             "pull --cols 8 --only 8 --no-fence" "push --cols 32 --only 2" "push --cols 32 --only 8"; do
-  timeout 30 python experiments/mgpu/cluster_probe.py --mode $args 2>&1 \
+  timeout 25 python experiments/mgpu/cluster_probe.py --mode $args 2>&1 \
       | grep -v "Warning\|cuda_stream\|cuda_event\|Source Location\|cuda_status\|cuda_host\|cuda_device\|^$" \
       | tail -4 | tee -a $OUT/cluster_probe.txt
 done
 echo "probes $(( $(date +%s)-S ))s"; S=$(date +%s)
 # the cluster forward with the pull exchange (mosaic_gpu_cluster, exchange="pull"), one variant per
 # process, the one-CTA kernel beside each
-for v in "cluster  8 pull      2 wg" "cluster 16 pull      2 wg" "cluster  8 pull      2 wg, 16 walking"; do
+for v in "cluster  8 pull      2 wg" "cluster 16 pull      2 wg"; do  # the first also runs its walking form
   timeout 60 python experiments/mgpu/time_cluster_forward.py --base-only --only "$v" 2>&1 \
       | grep -v "Warning\|cuda_stream\|cuda_event\|Source Location\|cuda_status\|cuda_host\|cuda_device\|^$" \
       | tail -3 | tee -a $OUT/cluster_forward.txt
@@ -27,6 +27,9 @@ timeout 60 python experiments/mgpu/time_cluster_forward.py --only "cluster 16 pu
     | grep -v "Warning\|cuda_stream\|cuda_event\|Source Location\|cuda_status\|cuda_host\|cuda_device\|^$" \
     | tail -5 | tee -a $OUT/cluster_forward.txt
 echo "cluster forward $(( $(date +%s)-S ))s"; S=$(date +%s)
-env JAX_PLATFORMS=cuda timeout 150 python -m pytest -q -m gpu -p no:cacheprovider --tb=short \
+env JAX_PLATFORMS=cuda timeout 120 python -m pytest -q -m gpu -p no:cacheprovider --tb=short -k one_cta_cluster \
     tests/kernels/test_mosaic_gpu_cluster.py 2>&1 | tail -20 | tee $OUT/gpu_test.txt
+# clusters of 8 and 16 with the pull exchange against the one-CTA kernel (a process of its own)
+env JAX_PLATFORMS=cuda timeout 150 python -m pytest -q -m gpu -p no:cacheprovider --tb=short -k pull_cluster \
+    tests/kernels/test_mosaic_gpu_cluster.py 2>&1 | tail -30 | tee $OUT/gpu_test_pull.txt
 echo "gpu test $(( $(date +%s)-S ))s"
