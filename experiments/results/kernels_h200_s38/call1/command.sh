@@ -21,11 +21,11 @@ echo "probes $(( $(date +%s)-S ))s"; S=$(date +%s)
 for v in "cluster  8 pull      2 wg"; do  # its walking form too
   timeout 60 python experiments/mgpu/time_cluster_forward.py --base-only --only "$v" 2>&1 \
       | grep -v "Warning\|cuda_stream\|cuda_event\|Source Location\|cuda_status\|cuda_host\|cuda_device\|^$" \
-      | tail -3 | tee -a $OUT/cluster_forward.txt
+      | tail -4 | tee -a $OUT/cluster_forward.txt
 done
 timeout 60 python experiments/mgpu/time_cluster_forward.py --only "cluster 16 pull      2 wg" 2>&1 \
     | grep -v "Warning\|cuda_stream\|cuda_event\|Source Location\|cuda_status\|cuda_host\|cuda_device\|^$" \
-    | tail -5 | tee -a $OUT/cluster_forward.txt
+    | tail -10 | tee -a $OUT/cluster_forward.txt
 echo "cluster forward $(( $(date +%s)-S ))s"; S=$(date +%s)
 env JAX_PLATFORMS=cuda timeout 120 python -m pytest -q -m gpu -p no:cacheprovider --tb=short -k one_cta_cluster \
     tests/kernels/test_mosaic_gpu_cluster.py 2>&1 | tail -20 | tee $OUT/gpu_test.txt
