@@ -537,6 +537,11 @@ def _kernel(cfg: _Config):
 
             lax.fori_loop(0, n_iter, tile_step, 0)
             plgpu.wait_smem_to_gmem(0)
+            if leader and G > 1 and cfg.exchange == "pull":
+                # no CTA leaves while a peer may still load its last tile's sums (a CTA's shared memory
+                # goes when it exits); the first exchange's barrier, whose last phase every CTA has passed
+                plgpu.barrier_arrive(bar_xch.at[0])
+                plgpu.barrier_wait(bar_xch.at[0])
 
         if W == 1:
             run(0)
