@@ -9,7 +9,11 @@ only in their grouping), then the median of 21 timings of 5 calls and the fracti
 design's floor (bytes over the copy bandwidth measured in the same run: the partial's windows
 about 1.25x, the state once or twice, ``h`` once).
 
-Run on the GPU: ``python experiments/mgpu/time_cluster_forward.py [--base-only] [--only TEXT]``; ``--aot``
+``--backward`` does the same for the backward's state pass (``phase2_cluster_backward_state``
+against ``mosaic_gpu.phase2_backward_state``: every output's difference; the floor: the partial's
+windows, the state once or twice, ``d_acc`` once, a bf16 ``dh`` once).
+
+Run on the GPU: ``python experiments/mgpu/time_cluster_forward.py [--backward] [--base-only] [--only TEXT]``; ``--aot``
 compiles every variant for an H200 on a machine without one (JAX's CUDA plugin on
 ``PYTHONPATH``, ``msar_jax.aot``): Mosaic GPU's lowering and ptxas, not the launch. Session 37's
 run on an H100 (``kernels_h200_s37/call1b``): the first cluster launch failed and left the process's
@@ -72,7 +76,40 @@ def floor_bytes(batch, t_len, d, state_reads: int) -> int:
     return tok * d * 2 * 1.25 + state_reads * m * tok * d * 4 + tok * d * 2 + 2 * m * tok * 4
 
 
-def compile_all(shapes) -> int:
+def backward_inputs(batch, t_len, d, key=0):
+    """The state pass's inputs: the forward's (``inputs``), random merge coefficients and a bf16 ``dh``."""
+    state, partial, bank, _, gate = inputs(batch, t_len, d, key)
+    keys = jax.random.split(jax.random.key(key + 1), 4)
+    coef = [jax.random.uniform(k, (len(KERNELS), batch, t_len, 1), minval=0.1) for k in keys[:3]]
+    dh = jax.random.normal(keys[3], (batch, t_len, d), jnp.bfloat16)
+    return partial, bank, *coef, state.acc, dh, gate, None  # no segment ids, as the model's `base` step
+
+
+def backward_variants(d, n_tiles):
+    """(label, fn) per variant of the backward's state pass: the one-CTA kernel, then each cluster
+    (the pull exchange) that fits, with one or two warpgroups, one cluster per tile or walking."""
+    kw = dict(stream_kernels=KERNELS, heads=1, gate_eps=1e-6)
+    out = [("one CTA (state twice)", lambda *a: mosaic_gpu.phase2_backward_state(*a, **kw))]
+    cluster = mosaic_gpu_cluster.cluster_size(d)
+    most = mosaic_gpu_cluster.persistent_programs(n_tiles, cluster)
+    for warpgroups in mosaic_gpu_cluster.BWD_WARPGROUPS:
+        if d % (cluster * warpgroups * mosaic_gpu_cluster.BLOCK_D) or mosaic_gpu_cluster.backward_smem_bytes(
+                d=d, cluster=cluster, stream_kernels=KERNELS, x_dtype=jnp.bfloat16, acc_dtype=jnp.float32,
+                dh_dtype=jnp.bfloat16, warpgroups=warpgroups) > mosaic_gpu.SMEM_BYTES:
+            continue
+        for programs in (None, most):
+            label = f"cluster {cluster:2d} pull      {warpgroups} wg" + (f", {programs} walking" if programs else "")
+            out.append((label, (lambda p, w: lambda *a: mosaic_gpu_cluster.phase2_cluster_backward_state(
+                *a, cluster=cluster, programs=p, warpgroups=w, unverified_exchange=True, **kw))(programs, warpgroups)))
+    return out
+
+
+def backward_floor_bytes(batch, t_len, d, state_reads: int) -> int:
+    tok, m = batch * t_len, len(KERNELS)
+    return tok * d * 2 * 1.25 + (state_reads + 1) * m * tok * d * 4 + tok * d * 2 + 6 * m * tok * 4
+
+
+def compile_all(shapes, backward: bool = False) -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -81,8 +118,8 @@ def compile_all(shapes) -> int:
     mesh = aot.gpu_mesh("h200")
     failures = 0
     for name, (batch, t_len, d) in shapes:
-        args = jax.eval_shape(lambda: inputs(batch, t_len, d))
-        for label, fn in variants(d, batch * t_len // 64):
+        args = jax.eval_shape(lambda: (backward_inputs if backward else inputs)(batch, t_len, d))
+        for label, fn in (backward_variants if backward else variants)(d, batch * t_len // 64):
             try:
                 with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
                     jax.jit(fn, out_shardings=NamedSharding(mesh, P())).lower(*args).compile()
@@ -98,30 +135,34 @@ def main(argv):
     whose label holds TEXT (a failed launch leaves the process's GPU unusable: one per process)."""
     shapes = SHAPES[:1] if "--base-only" in argv else SHAPES
     only = argv[argv.index("--only") + 1] if "--only" in argv else None
+    backward = "--backward" in argv
     if "--aot" in argv:
-        return 1 if compile_all(shapes) else 0
+        return 1 if compile_all(shapes, backward) else 0
     from pallas_kernels.depth_attention import bench
 
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {jax.devices()[0].device_kind}", flush=True)
     for name, (batch, t_len, d) in shapes:
-        args = inputs(batch, t_len, d)
-        want_h, (want_dots, want_ss) = jax.jit(variants(d, batch * t_len // 64)[0][1])(*args)
+        args = (backward_inputs if backward else inputs)(batch, t_len, d)
+        all_variants = (backward_variants if backward else variants)(d, batch * t_len // 64)
+        want = jax.tree.leaves(jax.jit(all_variants[0][1])(*args))
         scale = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))  # noqa: E731
-        print(f"## {name}: B x T = {batch} x {t_len}, d = {d}", flush=True)
-        for label, fn in variants(d, batch * t_len // 64):
+        print(f"## {name}{' backward state pass' if backward else ''}: B x T = {batch} x {t_len}, d = {d}",
+              flush=True)
+        for label, fn in all_variants:
             if only and only not in label and not label.startswith("one CTA"):
                 continue
             try:
                 f = jax.jit(fn)
-                h, (dots, ss) = f(*args)
-                errs = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))) / scale(w)
-                        for g, w in ((h, want_h), (dots, want_dots), (ss, want_ss))]
+                got = jax.tree.leaves(f(*args))
+                errs = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))) / max(scale(w), 1e-30)
+                        for g, w in zip(got, want)]
                 ms = bench.timeit(f, *args, reps=21, inner=5)[0] * 1e3
                 reads = 2 if label.startswith("one") else 1
-                floor_ms = floor_bytes(batch, t_len, d, reads) / bw * 1e3
-                print(f"{label:40s} {ms:8.4f} ms  floor {floor_ms:.4f} ({floor_ms / ms:6.1%})  rel diff h "
-                      f"{errs[0]:.1e} dots {errs[1]:.1e} sumsq {errs[2]:.1e}", flush=True)
+                floor_ms = (backward_floor_bytes if backward else floor_bytes)(batch, t_len, d, reads) / bw * 1e3
+                what = "every output" if backward else "h, dots, sumsq"
+                print(f"{label:40s} {ms:8.4f} ms  floor {floor_ms:.4f} ({floor_ms / ms:6.1%})  rel diff ({what}) "
+                      + " ".join(f"{e:.1e}" for e in errs), flush=True)
             except Exception:  # noqa: BLE001
                 print(f"{label:40s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
 

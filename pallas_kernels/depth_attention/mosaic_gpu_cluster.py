@@ -57,7 +57,7 @@ from pallas_kernels.depth_attention import reference
 from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu import (
     BLOCK_T, F32, SMEM_BYTES, _cols, _copy_state, _expand_all, _fetch_partial, _Lags, _lag_masks_of, _LanePlgpu,
-    _rows, _shape, _smem_sum, _state_rows, _tile_smem, _window_elems, named_body,
+    _dh_operand, _rows, _shape, _smem_sum, _state_rows, _tile_smem, _window_elems, named_body,
 )
 
 BLOCK_D = 32  # channels per chunk, as ``mosaic_gpu``'s forward
@@ -217,20 +217,20 @@ class _Config(NamedTuple):
     interpret: bool
 
 
-def _pack(plgpu, vals):
-    """Row vectors ``vals`` (``[64]`` each, at most ``XCH_COLS``) as the columns of one ``[64, 8]`` tile."""
+def _pack(plgpu, vals, width: int = XCH_COLS):
+    """Row vectors ``vals`` (``[64]`` each, at most ``width``) as the columns of one ``[64, width]`` tile."""
     tile = plgpu.Layout.WGMMA
-    cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_T, XCH_COLS), 1, layout=tile)
+    cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_T, width), 1, layout=tile)
     out = None
     for j, v in enumerate(vals):
-        term = _rows(v, BLOCK_T, XCH_COLS) * (cols == j).astype(F32)
+        term = _rows(v, BLOCK_T, width) * (cols == j).astype(F32)
         out = term if out is None else out + term
     return out
 
 
 def _unpack(plgpu, packed, n: int):
-    """The first ``n`` columns of a ``[64, 8]`` tile as row vectors (``_pack``'s inverse)."""
-    cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_T, XCH_COLS), 1, layout=plgpu.Layout.WGMMA)
+    """The first ``n`` columns of a ``[64, width]`` tile as row vectors (``_pack``'s inverse)."""
+    cols = plgpu.broadcasted_iota(jnp.int32, packed.shape, 1, layout=plgpu.Layout.WGMMA)
     return [jnp.sum(packed * (cols == j).astype(F32), axis=1) for j in range(n)]
 
 
@@ -569,3 +569,417 @@ def _kernel(cfg: _Config):
             return kernel(*inputs)
 
     return run
+
+
+# --------------------------------------------------------------------------- the backward's state pass
+
+BWD_XCH_COLS = 16  # the backward's per-token sums: sum z^2, m dots z . W_j, m dots <dh, z_r> (2 m + 1)
+BWD_WARPGROUPS = (1, 2)
+
+
+def backward_smem_bytes(*, d: int, cluster: int, stream_kernels: Sequence[int], x_dtype, acc_dtype, dh_dtype,
+                        has_seg: bool = True, warpgroups: int = 1) -> int:
+    """Shared memory of one CTA of ``phase2_cluster_backward_state`` (its scratch list as
+    ``_backward_kernel`` builds it; ``_smem_sum``)."""
+    m, bt, bd = len(stream_kernels), BLOCK_T, BLOCK_D
+    nck = d // cluster // bd
+    size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
+    n_taps = max(1, sum(stream_kernels))
+    xch = bt * BWD_XCH_COLS * 4
+    return _smem_sum(nck * _window_elems(stream_kernels, "padded", bd) * size(x_dtype), nck * n_taps * bd * 4,
+                     nck * m * m * bd * 4, nck * m * bt * bd * size(acc_dtype), nck * bt * bd * size(dh_dtype),
+                     2 * 3 * m * bt * 4, 2 * bt * 4 if has_seg else 0, (1 + m) * bt * 4,
+                     warpgroups * 3 * m * bt * 4, (3 * m + 2) * bt * 4, 2 * xch if cluster > 1 else 0,
+                     2 * (warpgroups - 1) * xch, 2 * xch if warpgroups > 1 else 0,
+                     barriers=warpgroups + 1 + 2 * nck + 2 + (2 if cluster > 1 else 0) + (4 if warpgroups > 1 else 0),
+                     reduces=True)
+
+
+def phase2_cluster_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segment_ids, *,
+                                  stream_kernels: Sequence[int], heads: int, gate_eps: float,
+                                  cluster: int | None = None, programs: int | None = None, warpgroups: int = 1,
+                                  unverified_exchange: bool = False, interpret: bool = False):
+    """``mosaic_gpu.phase2_backward_state``'s outputs (with the H_pre gate) from a cluster of
+    ``cluster`` CTAs per 64-token tile (None: ``cluster_size(d)``), each holding its slice of the
+    state in shared memory through both passes: the state is read once, not twice.
+
+    Per tile, CTA ``g`` over its channels: (1) ``z_r = a A_r + b E_r`` and the sums ``sum z^2``,
+    ``y_j = z . W[:, j]``, ``dg_r = <dh, z_r>``, then their cluster sums (one ``"pull"`` exchange of
+    ``[64, 16]`` tiles) and, in registers, the gate ``g`` and its backward (``dlogit = dg g (1 -
+    g)``, ``dy = scale rz dlogit``, ``coef = -scale (dlogit . y) rz^3 / (m d)``; Eq. 13-14); (2)
+    ``dz_r = g_r dh + sum_j W[r, :, j] dy_j + coef z_r`` from the state still in shared memory,
+    ``d_acc = a dz`` and the CTA's part of ``S1 = dz . z``, ``Sm = dz . (A - E D)``, ``Ss = dz .
+    (E - z)`` (summed over the CTAs and warpgroups here, in XLA: ``[G W, 3 m, B, T]``, 0.2% of the
+    state's bytes at `base`). One head, at most ``BWD_XCH_COLS // 2`` streams, ``d`` a multiple of
+    ``cluster * warpgroups * 32``. ``programs`` and ``warpgroups`` as ``phase2_cluster_forward``'s.
+    ``unverified_exchange``: required for ``cluster > 1`` until a GPU run has checked the
+    exchange (the module docstring)."""
+    batch, t_len, d = partial.shape
+    m = len(stream_kernels)
+    cluster = cluster_size(d) if cluster is None else cluster
+    if cluster < 1 or cluster > MAX_CLUSTER or cluster & (cluster - 1):
+        raise ValueError(f"cluster={cluster}: must be a power of two from 1 to {MAX_CLUSTER}")
+    if cluster > 1 and not unverified_exchange:
+        raise NotImplementedError(f"cluster={cluster}: the backward's cluster exchange is not verified on a GPU; pass "
+                                  "unverified_exchange=True to run it anyway (timing experiments), cluster=1 otherwise")
+    if interpret and cluster > 1:
+        raise NotImplementedError(f"cluster={cluster}: the Mosaic GPU interpreter (jax 0.11.2) has no rule for the "
+                                  "cluster exchange (cluster_ref); interpret mode runs cluster=1")
+    if gate_params is None or heads != 1 or 2 * m + 1 > BWD_XCH_COLS:
+        raise NotImplementedError(f"phase2_cluster_backward_state: the H_pre gate, one head and at most "
+                                  f"{(BWD_XCH_COLS - 1) // 2} streams (got gate={gate_params is not None}, "
+                                  f"heads={heads}, m={m})")
+    if warpgroups not in BWD_WARPGROUPS:
+        raise ValueError(f"warpgroups={warpgroups!r}: must be one of {BWD_WARPGROUPS}")
+    if d % (cluster * warpgroups * BLOCK_D):
+        raise NotImplementedError(f"phase2_cluster_backward_state: d = {d} must be a multiple of cluster x "
+                                  f"warpgroups x {BLOCK_D} = {cluster * warpgroups * BLOCK_D}")
+    if max([1, *stream_kernels]) - 1 > 8 * _Lags.of(max([1, *stream_kernels]), "padded").extra:
+        raise NotImplementedError(f"phase2_cluster_backward_state: kernels {tuple(stream_kernels)}")
+    dh = _dh_operand(dh)
+    sh = _shape("phase2_cluster_backward_state", partial, segment_ids, stream_kernels=stream_kernels, heads=1,
+                block_d=BLOCK_D, interpret=interpret, smem=None, x_dtype=partial.dtype, acc_dtype=acc.dtype,
+                out_dtype=F32)
+    smem = backward_smem_bytes(d=d, cluster=cluster, stream_kernels=stream_kernels, x_dtype=partial.dtype,
+                               acc_dtype=acc.dtype, dh_dtype=dh.dtype, has_seg=sh.has_seg, warpgroups=warpgroups)
+    if not interpret and smem > SMEM_BYTES:
+        raise NotImplementedError(f"phase2_cluster_backward_state: {smem} bytes of shared memory per CTA at d = {d}, "
+                                  f"cluster = {cluster}, warpgroups = {warpgroups}, a {dh.dtype} dh (the H200 has "
+                                  f"{SMEM_BYTES})")
+    t_pad = sh.t_pad
+    n_tiles = batch * (t_pad // BLOCK_T)
+    if programs is not None and (programs < 1 or n_tiles % programs):
+        raise ValueError(f"programs={programs}: must divide the {n_tiles} token tiles (B x ceil(T / 64))")
+    pad_t = lambda v, axis, value=0.0: _pad_t(v, axis, t_pad, value)  # noqa: E731
+    rows = jnp.stack([pad_t(jnp.asarray(v, F32)[..., 0], 2, fill)  # [3, m, B, Tp]: a, b, dold
+                      for v, fill in ((a, 0.0), (b, 0.0), (dold, 1.0))])
+    w, scale, bias = gate_params
+    w_rows = jnp.asarray(w, F32).reshape(m, d, m).transpose(0, 2, 1).reshape(m * m, d)  # [(r, j), c]
+    consts = jnp.stack([jnp.asarray(scale, F32).reshape(()), *jnp.asarray(bias, F32).reshape(m)])
+    consts = jnp.broadcast_to(consts[:, None], (1 + m, BLOCK_T))
+    banks = jnp.asarray(bank, F32) if sh.has_bank and bank is not None else jnp.zeros((1, d), F32)
+    inputs = [sh.x, banks, rows, _state_rows(acc, t_pad), pad_t(dh, 1), w_rows, consts]
+    if sh.has_seg:
+        inputs.append(sh.bits)
+    cfg = _BwdConfig(batch=batch, t_pad=t_pad, t_len=t_len, d=d, cluster=cluster,
+                     stream_kernels=tuple(stream_kernels), has_bank=bool(sh.has_bank and bank is not None),
+                     has_seg=sh.has_seg, front=sh.front, gate_eps=float(gate_eps), x_dtype=jnp.dtype(sh.x.dtype),
+                     acc_dtype=jnp.dtype(acc.dtype), dh_dtype=jnp.dtype(dh.dtype), programs=programs or 0,
+                     warpgroups=warpgroups, interpret=bool(interpret))
+    d_acc, sums, gate_rows = _backward_kernel(cfg)(*inputs)
+    sums = jnp.sum(sums, axis=0)[:, :, :t_len, None]  # the CTAs' and warpgroups' parts: [3 m, B, T, 1]
+    s1, sm, ss = sums[:m], sums[m:2 * m], sums[2 * m:]
+    rows_out = gate_rows[:, :, :t_len]  # [3 m + 2, B, T]
+    g, dy, coef = jnp.moveaxis(rows_out[:m], 0, -1), jnp.moveaxis(rows_out[m:2 * m], 0, -1), rows_out[2 * m]
+    d_bias = jnp.sum(rows_out[2 * m + 1:3 * m + 1], axis=(1, 2))
+    d_scale = jnp.sum(rows_out[3 * m + 1]).reshape(jnp.shape(scale))
+    return (d_acc.reshape(m, batch, t_pad, d)[:, :, :t_len], (s1, sm, ss), (g, dy, coef, d_scale, d_bias))
+
+
+class _BwdConfig(NamedTuple):
+    """Everything ``_backward_kernel``'s code depends on (hashable: built once per value)."""
+
+    batch: int
+    t_pad: int
+    t_len: int
+    d: int
+    cluster: int
+    stream_kernels: tuple
+    has_bank: bool
+    has_seg: bool
+    front: int
+    gate_eps: float
+    x_dtype: jnp.dtype
+    acc_dtype: jnp.dtype
+    dh_dtype: jnp.dtype
+    programs: int  # 0: one program per tile; else that many programs (clusters) walk the tiles
+    warpgroups: int
+    interpret: bool
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_kernel(cfg: _BwdConfig):
+    """The kernel for ``cfg``, jitted (as ``_kernel``): per CTA, ``cfg.warpgroups`` warpgroups,
+    each with a contiguous run of the CTA's chunks; pass 1's sums meet in the first warpgroup,
+    which runs the cluster's exchange (slot: the tile's parity, so a CTA's next exchange never
+    overwrites a tile a peer may still load) and hands the totals back."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu_module
+
+    plgpu = _LanePlgpu(plgpu_module)
+    batch, t_pad, d, G, W = cfg.batch, cfg.t_pad, cfg.d, cfg.cluster, cfg.warpgroups
+    m, bt, bd = len(cfg.stream_kernels), BLOCK_T, BLOCK_D
+    layout = _stream_layout(cfg.stream_kernels)
+    max_lag = max([1, *cfg.stream_kernels])
+    lags = _Lags.of(max_lag, "padded")
+    nck = d // G // bd  # chunks per CTA
+    nw = nck // W  # chunks per warpgroup
+    n_taps = max(1, sum(cfg.stream_kernels))
+    n_gate_rows = 3 * m + 2  # g, dy, coef, dlogit, dlogit . rz y
+    xw = BWD_XCH_COLS
+    row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
+    xch_tiles = lambda n: plgpu.SMEM((2, n, bt, xw), F32, transforms=(  # noqa: E731
+        plgpu.TilingTransform((8, xw)), plgpu.SwizzleTransform(xw * 4)))
+    n_t = t_pad // bt
+    persistent = cfg.programs > 0
+    n_iter = batch * n_t // cfg.programs if persistent else 1  # tiles per program
+    scratch = dict(
+        xs=plgpu.SMEM((nck, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
+        bs=plgpu.SMEM((nck, n_taps, bd), F32) if cfg.has_bank else None,
+        ws=plgpu.SMEM((nck, m * m, bd), F32),
+        accs=_tile_smem(plgpu, (nck, m, bt, bd), cfg.acc_dtype),  # the state's slice; d_acc's, stored in place
+        dhs=_tile_smem(plgpu, (nck, bt, bd), cfg.dh_dtype),
+        rows_s=plgpu.SMEM((2, 3, m, bt), F32),  # per tile slot: a, b, dold
+        bits_s=plgpu.SMEM((2, bt), jnp.int32) if cfg.has_seg else None,
+        scal_s=plgpu.SMEM((1 + m, bt), F32),
+        sums_s=plgpu.SMEM((W, 3 * m, bt), F32),  # per warpgroup, its part of S1, Sm, Ss
+        gate_s=plgpu.SMEM((n_gate_rows, bt), F32),
+        recv=xch_tiles(1) if G > 1 else None,  # per tile parity, the CTA's own tile (pull)
+        part_s=xch_tiles(W - 1) if W > 1 else None,
+        total_s=xch_tiles(1) if W > 1 else None,
+        bar_const=plgpu.Barrier(num_arrivals=nw * (cfg.has_bank + 1), num_barriers=W),
+        bar_scal=plgpu.Barrier(num_arrivals=1, num_barriers=1),
+        bar_x=plgpu.Barrier(num_arrivals=lags.count, num_barriers=nck),
+        bar_acc=plgpu.Barrier(num_arrivals=2, num_barriers=nck),  # a tile's chunk of the state and of dh
+        bar_in=plgpu.Barrier(num_arrivals=1 + cfg.has_seg, num_barriers=2),
+        bar_xch=plgpu.ClusterBarrier(collective_axes=("g",), num_arrivals=1, num_barriers=2) if G > 1 else None,
+        bar_part=plgpu.Barrier(num_arrivals=W - 1, num_barriers=2) if W > 1 else None,
+        bar_total=plgpu.Barrier(num_arrivals=1, num_barriers=2) if W > 1 else None,
+    )
+    names = [k for k, v in scratch.items() if v is not None]
+    pull = _Config(batch=batch, t_pad=t_pad, d=d, cluster=G, exchange="pull", stream_kernels=cfg.stream_kernels,
+                   has_bank=cfg.has_bank, has_seg=cfg.has_seg, front=cfg.front, eps=0.0, gate_eps=cfg.gate_eps,
+                   x_dtype=cfg.x_dtype, acc_dtype=cfg.acc_dtype, out_dtype=F32, programs=cfg.programs,
+                   warpgroups=W, interpret=cfg.interpret)
+
+    def body(x_ref, bank_ref, rows_ref, acc_ref, dh_ref, w_ref, consts_ref, *rest):
+        bits_ref = rest[0] if cfg.has_seg else None
+        dacc_ref, sums_ref, gate_ref = rest[cfg.has_seg:cfg.has_seg + 3]
+        sc = dict(zip(names, rest[cfg.has_seg + 3:]))
+        xs, bs, ws, accs, dhs = (sc.get(k) for k in ("xs", "bs", "ws", "accs", "dhs"))
+        rows_s, bits_s, scal_s, sums_s, gate_s = (sc.get(k) for k in ("rows_s", "bits_s", "scal_s", "sums_s",
+                                                                       "gate_s"))
+        recv, part_s, total_s = sc.get("recv"), sc.get("part_s"), sc.get("total_s")
+        bar_const, bar_x, bar_acc, bar_in = (sc.get(k) for k in ("bar_const", "bar_x", "bar_acc", "bar_in"))
+        bar_xch, bar_part, bar_total, bar_scal = (sc.get(k) for k in ("bar_xch", "bar_part", "bar_total",
+                                                                        "bar_scal"))
+        g_idx = lax.axis_index("g") if G > 1 else 0
+        c_first = g_idx * nck  # the CTA's first channel chunk
+
+        def tile_of(j):
+            if not persistent:
+                return lax.axis_index("b"), lax.axis_index("t")
+            i = lax.axis_index("b") + j * cfg.programs
+            return i // n_t, lax.rem(i, n_t)
+
+        def fetch_rows(j, slot):
+            bi, ti = tile_of(j)
+            plgpu.copy_gmem_to_smem(rows_ref.at[:, :, bi, pl.ds(ti * bt, bt)], rows_s.at[slot], bar_in.at[slot])
+            if cfg.has_seg:
+                plgpu.copy_gmem_to_smem(bits_ref.at[bi, pl.ds(ti * bt, bt)], bits_s.at[slot], bar_in.at[slot])
+
+        def fetch_x(j, k):
+            bi, ti = tile_of(j)
+            _fetch_partial(plgpu, x_ref, None, xs, None, bi, ti * bt, cfg.front, c_first + k, bd, k, bar_x, lags,
+                           max_lag)
+
+        def fetch_dh(j, k):
+            bi, ti = tile_of(j)
+            plgpu.copy_gmem_to_smem(dh_ref.at[bi, pl.ds(ti * bt, bt), pl.ds((c_first + k) * bd, bd)], dhs.at[k],
+                                    bar_acc.at[k])
+
+        def fetch_acc(j, k):
+            bi, ti = tile_of(j)
+            _copy_state(plgpu, acc_ref, accs, pl.ds(bi * t_pad + ti * bt, bt), pl.ds((c_first + k) * bd, bd), k,
+                        bar_acc.at[k], "one")
+
+        def run(w: int):
+            leader, k0 = w == 0, w * nw
+
+            def cta_sum(vals, rnd):
+                """The sums over the CTA's warpgroups and the cluster of the row vectors ``vals``
+                (``rnd``: the tile's parity, the exchange's buffers and barriers)."""
+                mine = _pack(plgpu, vals, xw)
+                if W == 1:
+                    return _unpack(plgpu, _cluster_sum(plgpu, pull, mine, recv, bar_xch, rnd), len(vals))
+                if not leader:
+                    part_s[rnd, w - 1] = mine
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(bar_part.at[rnd])
+                    plgpu.barrier_wait(bar_total.at[rnd])
+                    return _unpack(plgpu, plgpu.load(total_s.at[rnd, 0], (), layout=tile), len(vals))
+                plgpu.barrier_wait(bar_part.at[rnd])
+                for other in range(W - 1):
+                    mine = mine + plgpu.load(part_s.at[rnd, other], (), layout=tile)
+                total = _cluster_sum(plgpu, pull, mine, recv, bar_xch, rnd)
+                total_s[rnd, 0] = total
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(bar_total.at[rnd])
+                return _unpack(plgpu, total, len(vals))
+
+            for k in range(k0, k0 + nw):  # this warpgroup's chunks' taps and gate columns, once
+                cs = pl.ds((c_first + k) * bd, bd)
+                if cfg.has_bank:
+                    plgpu.copy_gmem_to_smem(bank_ref.at[:, cs], bs.at[k], bar_const.at[w])
+                plgpu.copy_gmem_to_smem(w_ref.at[:, cs], ws.at[k], bar_const.at[w])
+            if leader:
+                plgpu.copy_gmem_to_smem(consts_ref, scal_s, bar_scal.at[0])
+                fetch_rows(0, 0)
+            for k in range(k0, k0 + nw):
+                fetch_x(0, k)
+            for k in range(k0, k0 + nw):
+                fetch_acc(0, k)
+                fetch_dh(0, k)
+            plgpu.barrier_wait(bar_const.at[w])
+            plgpu.barrier_wait(bar_scal.at[0])
+            zero = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
+            scale = plgpu.load(scal_s, 0, layout=row)
+
+            def tile_step(j, carry):
+                slot = lax.rem(j, 2)
+                bi, ti = tile_of(j)
+                t0 = ti * bt
+                has_next = j + 1 < n_iter
+                if leader:
+                    @pl.when(has_next)
+                    def _():
+                        fetch_rows(j + 1, 1 - slot)
+
+                plgpu.barrier_wait(bar_in.at[slot])
+                masks = _lag_masks_of(plgpu, bits_s.at[slot] if cfg.has_seg else None, max_lag, bt, bd)
+                coef_a, coef_b, dold = ([plgpu.load(rows_s, (slot, i, r), layout=row) for r in range(m)]
+                                        for i in range(3))
+
+                def expand(k):
+                    return _expand_all(plgpu, xs, bs, k, layout, masks, bt, bd, lags, "shared")
+
+                def chunk_values(k, r, e):
+                    """``A_r`` and ``z_r = a A_r + b E_r`` of chunk ``k``."""
+                    acc = plgpu.load(accs, (k, r), layout=tile).astype(F32)
+                    return acc, _rows(coef_a[r], bt, bd) * acc + _rows(coef_b[r], bt, bd) * e
+
+                def w_col(k, r, jj):
+                    return _cols(plgpu.load(ws, (k, r * m + jj), layout=col), bt, bd)
+
+                # ---- 1: the gate's statistics over these chunks, then the CTA's and cluster's (Eq. 13)
+                def stats_chunk(k, carry):
+                    plgpu.barrier_wait(bar_x.at[k])
+                    plgpu.barrier_wait(bar_acc.at[k])
+                    sq, zw, dg = carry[0], list(carry[1]), list(carry[2])
+                    dh = plgpu.load(dhs, k, layout=tile).astype(F32)
+                    for r, e in enumerate(expand(k)):
+                        _, z = chunk_values(k, r, e)
+                        sq = sq + jnp.sum(z * z, axis=1)
+                        for jj in range(m):
+                            zw[jj] = zw[jj] + jnp.sum(z * w_col(k, r, jj), axis=1)
+                        dg[r] = dg[r] + jnp.sum(dh * z, axis=1)
+                    return sq, zw, dg
+
+                sq, y, dg = lax.fori_loop(k0, k0 + nw, stats_chunk, (zero, [zero] * m, [zero] * m))
+                sums = cta_sum([sq, *y, *dg], slot)
+                sq, y, dg = sums[0], sums[1:1 + m], sums[1 + m:]
+                # the gate and its backward on per-token scalars (Eq. 13-14)
+                rz = lax.rsqrt(sq * (1.0 / (m * d)) + cfg.gate_eps)
+                valid = (plgpu.broadcasted_iota(jnp.int32, (bt,), 0, layout=row) + t0 < cfg.t_len).astype(F32)
+                g, dlogit = [], []
+                for jj in range(m):
+                    gj = 1.0 / (1.0 + jnp.exp(-(scale * (rz * y[jj]) + plgpu.load(scal_s, 1 + jj, layout=row))))
+                    g.append(gj * valid)
+                    dlogit.append(dg[jj] * gj * (1.0 - gj) * valid)
+                dy = [scale * rz * dlogit[jj] for jj in range(m)]
+                dly = dlogit[0] * y[0]
+                for jj in range(1, m):
+                    dly = dly + dlogit[jj] * y[jj]
+                coef = -scale * dly * (rz * rz * rz) * (1.0 / (m * d))
+
+                def store_gate():  # one CTA of the cluster (every CTA holds the same values)
+                    for jj in range(m):
+                        gate_s[jj] = g[jj]
+                        gate_s[m + jj] = dy[jj]
+                        gate_s[2 * m + 1 + jj] = dlogit[jj]
+                    gate_s[2 * m] = coef
+                    gate_s[3 * m + 1] = dly * rz
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(gate_s, gate_ref.at[:, bi, pl.ds(t0, bt)])
+
+                if leader and G == 1:
+                    store_gate()
+                elif leader:
+                    pl.when(g_idx == 0)(store_gate)
+
+                # ---- 2: d_acc = a dz and this warpgroup's part of S1, Sm, Ss; each chunk's buffers then
+                # take the next tile's chunk (the state's once its d_acc store has read it)
+                def state_chunk(k, carry):
+                    s1, sm, ss = (list(v) for v in carry)
+                    dh = plgpu.load(dhs, k, layout=tile).astype(F32)
+                    for r, e in enumerate(expand(k)):
+                        acc, z = chunk_values(k, r, e)
+                        dz = _rows(g[r], bt, bd) * dh + _rows(coef, bt, bd) * z
+                        for jj in range(m):
+                            dz = dz + w_col(k, r, jj) * _rows(dy[jj], bt, bd)
+                        s1[r] = s1[r] + jnp.sum(dz * z, axis=1)
+                        sm[r] = sm[r] + jnp.sum(dz * (acc - e * _rows(dold[r], bt, bd)), axis=1)
+                        ss[r] = ss[r] + jnp.sum(dz * (e - z), axis=1)
+                        accs[k, r] = (_rows(coef_a[r], bt, bd) * dz).astype(accs.dtype)
+                    plgpu.commit_smem()  # also: every thread's loads of chunk k are done (a warpgroup barrier)
+                    plgpu.copy_smem_to_gmem(accs.at[k], dacc_ref.at[:, pl.ds(bi * t_pad + t0, bt),
+                                                                    pl.ds((c_first + k) * bd, bd)])
+
+                    @pl.when(has_next)
+                    def _():
+                        fetch_x(j + 1, k)
+                        fetch_dh(j + 1, k)
+
+                        @pl.when(k > k0)
+                        def _():
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # chunk k - 1's d_acc store
+                            fetch_acc(j + 1, k - 1)
+
+                    return s1, sm, ss
+
+                s1, sm, ss = lax.fori_loop(k0, k0 + nw, state_chunk, ([zero] * m,) * 3)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # every store has read its buffer
+
+                @pl.when(has_next)
+                def _():
+                    fetch_acc(j + 1, k0 + nw - 1)
+
+                for i, part in enumerate((s1, sm, ss)):
+                    for r in range(m):
+                        sums_s[w, i * m + r] = part[r]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(sums_s.at[w], sums_ref.at[g_idx * W + w, :, bi, pl.ds(t0, bt)])
+                return carry
+
+            lax.fori_loop(0, n_iter, tile_step, 0)
+            plgpu.wait_smem_to_gmem(0)
+            if leader and G > 1:  # no CTA leaves while a peer may still load its last sums (as _kernel)
+                plgpu.barrier_arrive(bar_xch.at[n_iter % 2])
+                plgpu.barrier_wait(bar_xch.at[n_iter % 2])
+
+        if W == 1:
+            run(0)
+        else:
+            wg = lax.axis_index("wg")
+            for w in range(W):
+                pl.when(wg == w)(functools.partial(run, w))
+
+    out_type = (jax.ShapeDtypeStruct((m, batch * t_pad, d), cfg.acc_dtype),
+                jax.ShapeDtypeStruct((G * W, 3 * m, batch, t_pad), F32),
+                jax.ShapeDtypeStruct((n_gate_rows, batch, t_pad), F32))
+    params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
+    if W > 1:
+        params.update(num_threads=W, thread_name="wg")
+    if G > 1:
+        params.update(cluster=(G,), cluster_names=("g",))
+    grid = dict(grid=(cfg.programs,), grid_names=("b",)) if persistent else dict(grid=(batch, n_t),
+                                                                                    grid_names=("b", "t"))
+    kernel = plgpu.kernel(named_body(body, "depth_attention_phase2_bwd_state_cluster_mosaic"), out_type=out_type,
+                          scratch_types=[scratch[k] for k in names], **grid,
+                          interpret=plgpu.InterpretGPUParams() if cfg.interpret else False, **params)
+
+    @jax.jit
+    def run_kernel(*inputs):
+        with jax.named_scope("depth_attention_phase2_bwd_state_cluster_mosaic"):
+            return kernel(*inputs)
+
+    return run_kernel

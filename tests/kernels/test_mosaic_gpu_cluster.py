@@ -171,3 +171,101 @@ def test_gpu_pull_cluster_matches_one_cta_kernel(d, cluster, programs, warpgroup
     assert _rel(h, oracle) < 1e-4
     assert _rel(h, want_h) < 1e-5
     assert _rel(dots, want_dots) < 1e-5 and _rel(sumsq, want_sumsq) < 1e-5
+
+
+def _bwd_inputs(batch, t_len, d, cut, dh_dtype=BF16, state_dtype=jnp.float32):
+    """The state kernel's inputs: random merge coefficients, a random ``dh`` (non-zero gate
+    parameters, taps and state: ``_phase2_inputs``)."""
+    state, partial, bank, _, gate = _phase2_inputs(batch, t_len, d, KERNELS, 1)
+    coef = [jax.random.uniform(jax.random.key(20 + k), (len(KERNELS), batch, t_len, 1), minval=0.1)
+            for k in range(3)]
+    dh = jax.random.normal(jax.random.key(31), (batch, t_len, d)).astype(dh_dtype)
+    seg = None if cut is None else _segments(batch, t_len, cut)
+    return partial.astype(BF16), bank, *coef, state.acc.astype(state_dtype), dh, gate, seg
+
+
+def _cluster_bwd(args, **opts):
+    return mosaic_gpu_cluster.phase2_cluster_backward_state(*args, stream_kernels=KERNELS, heads=1, gate_eps=1e-6,
+                                                            **opts)
+
+
+def _one_cta_bwd(args, **opts):
+    return mosaic_gpu.phase2_backward_state(*args, stream_kernels=KERNELS, heads=1, gate_eps=1e-6, **opts)
+
+
+@pytest.mark.parametrize("cut, dh_dtype, programs, warpgroups", [
+    pytest.param(37, BF16, None, 1, id="segments_ragged_T"),
+    pytest.param(37, jnp.float32, 2, 2, id="two_programs_walk_the_tiles_two_warpgroups_f32_dh"),
+    pytest.param(None, BF16, 1, 1, id="one_program", marks=pytest.mark.slow),
+])
+def test_interpreted_backward_state_matches_one_cta_kernel(cut, dh_dtype, programs, warpgroups):
+    """The backward's state pass on a cluster of one (interpreted) against the one-CTA kernel
+    (``mosaic_gpu.phase2_backward_state``, itself tested against the reference's gradients):
+    ``d_acc``, the per-token sums and the gate's rows and gradients at float32 rounding (the
+    sums are added per warpgroup, then over them). Four token tiles (two rows of a full and a
+    ragged one), four channel chunks, segment boundaries inside the lag windows; one program per
+    tile, or programs that walk 2 or 4 tiles and fetch each next tile's chunks into the buffers
+    the last pass (or its ``d_acc`` store) frees."""
+    args = _bwd_inputs(2, 100, 128, cut, dh_dtype)
+    got = _cluster_bwd(args, cluster=1, programs=programs, warpgroups=warpgroups, interpret=True)
+    want = _one_cta_bwd(args, interpret=True)
+    got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got_leaves) == len(want_leaves) == 9  # d_acc, S1, Sm, Ss, g, dy, coef, d_scale, d_bias
+    for g, w in zip(got_leaves, want_leaves):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert np.any(np.asarray(w))
+        assert _rel(g, w) < F32_TOL
+
+
+@pytest.mark.parametrize("d, cluster, warpgroups, dh_dtype", [(1024, 8, 1, BF16), (2048, 16, 1, BF16),
+                                                               (1024, 8, 1, jnp.float32), (1024, 8, 2, BF16)])
+def test_backward_shared_memory_count_is_the_allocation(monkeypatch, d, cluster, warpgroups, dh_dtype):
+    """``backward_smem_bytes`` is what Mosaic GPU allocates for one CTA lowered for the H200
+    (segment ids and taps: every buffer present), and whether it fits the H200."""
+    seen, real = [], mgpu_core._smem_tree_size
+    monkeypatch.setattr(mgpu_core, "_smem_tree_size", lambda tree: seen.append(real(tree)) or seen[-1])
+    want = mosaic_gpu_cluster.backward_smem_bytes(d=d, cluster=cluster, stream_kernels=KERNELS, x_dtype=BF16,
+                                                  acc_dtype=jnp.float32, dh_dtype=dh_dtype, warpgroups=warpgroups)
+    args = _bwd_inputs(1, 64, d, 30, dh_dtype)
+    run = jax.jit(lambda *a: _cluster_bwd(a, cluster=cluster, warpgroups=warpgroups, unverified_exchange=True))
+    if want > mosaic_gpu.SMEM_BYTES:
+        with pytest.raises(NotImplementedError, match="bytes of shared memory per CTA"):
+            run.trace(*args)
+        return
+    run.trace(*args).lower(lowering_platforms=("cuda",))
+    assert seen == [want]
+
+
+def test_backward_refusals():
+    """Bad clusters, warpgroups, programs and shapes are refused with what was asked."""
+    args = _bwd_inputs(1, 64, 64, None)
+    with pytest.raises(ValueError, match="cluster=3"):
+        _cluster_bwd(args, cluster=3, interpret=True)
+    with pytest.raises(ValueError, match="warpgroups=3"):
+        _cluster_bwd(args, cluster=1, warpgroups=3, interpret=True)
+    with pytest.raises(ValueError, match="programs=3: must divide the 1 token tiles"):
+        _cluster_bwd(args, cluster=1, programs=3, interpret=True)
+    with pytest.raises(NotImplementedError, match="not verified on a GPU"):
+        jax.eval_shape(lambda *a: _cluster_bwd(a, cluster=2), *args)
+    with pytest.raises(NotImplementedError, match="interpreter"):
+        _cluster_bwd(args, cluster=2, unverified_exchange=True, interpret=True)
+    with pytest.raises(NotImplementedError, match="the H_pre gate"):
+        _cluster_bwd(args[:-2] + (None, None), cluster=1, interpret=True)
+    with pytest.raises(NotImplementedError, match="multiple of cluster"):
+        jax.eval_shape(lambda *a: _cluster_bwd(a, cluster=4, unverified_exchange=True), *args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d, cluster, programs", [(128, 1, None), (1024, 8, None), (1024, 8, 4), (2048, 16, None)])
+def test_gpu_backward_state_cluster_matches_one_cta_kernel(d, cluster, programs):
+    """On a GPU, the backward's state pass on clusters of 1, 8 and 16 CTAs (pull exchange)
+    against the one-CTA kernel (bf16 ``dh``, segments, a ragged tile). Run it in a process of its
+    own (``-k backward_state_cluster``): a failed cluster launch leaves the GPU unusable."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    args = _bwd_inputs(2, 200, d, 77)
+    got = jax.jit(lambda *a: _cluster_bwd(a, cluster=cluster, programs=programs,
+                                          unverified_exchange=cluster > 1))(*args)
+    want = jax.jit(lambda *a: _one_cta_bwd(a))(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert _rel(g, w) < 1e-5
