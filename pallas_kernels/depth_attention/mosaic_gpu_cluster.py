@@ -590,8 +590,8 @@ def backward_smem_bytes(*, d: int, cluster: int, stream_kernels: Sequence[int], 
                      nck * m * m * bd * 4, nck * m * bt * bd * size(acc_dtype), nck * bt * bd * size(dh_dtype),
                      2 * 3 * m * bt * 4, 2 * bt * 4 if has_seg else 0, (1 + m) * bt * 4,
                      warpgroups * 3 * m * bt * 4, (3 * m + 2) * bt * 4, 2 * xch if cluster > 1 else 0,
-                     2 * (warpgroups - 1) * xch, 2 * xch if warpgroups > 1 else 0,
-                     barriers=warpgroups + 1 + 2 * nck + 2 + (2 if cluster > 1 else 0) + (4 if warpgroups > 1 else 0),
+                     (warpgroups - 1) * xch, xch if warpgroups > 1 else 0,
+                     barriers=warpgroups + 1 + 2 * nck + 2 + (2 if cluster > 1 else 0) + (2 if warpgroups > 1 else 0),
                      reduces=True)
 
 
@@ -717,7 +717,7 @@ def _backward_kernel(cfg: _BwdConfig):
     n_gate_rows = 3 * m + 2  # g, dy, coef, dlogit, dlogit . rz y
     xw = BWD_XCH_COLS
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
-    xch_tiles = lambda n: plgpu.SMEM((2, n, bt, xw), F32, transforms=(  # noqa: E731
+    xch_tiles = lambda slots, n: plgpu.SMEM((slots, n, bt, xw), F32, transforms=(  # noqa: E731
         plgpu.TilingTransform((8, xw)), plgpu.SwizzleTransform(xw * 4)))
     n_t = t_pad // bt
     persistent = cfg.programs > 0
@@ -733,17 +733,19 @@ def _backward_kernel(cfg: _BwdConfig):
         scal_s=plgpu.SMEM((1 + m, bt), F32),
         sums_s=plgpu.SMEM((W, 3 * m, bt), F32),  # per warpgroup, its part of S1, Sm, Ss
         gate_s=plgpu.SMEM((n_gate_rows, bt), F32),
-        recv=xch_tiles(1) if G > 1 else None,  # per tile parity, the CTA's own tile (pull)
-        part_s=xch_tiles(W - 1) if W > 1 else None,
-        total_s=xch_tiles(1) if W > 1 else None,
+        recv=xch_tiles(2, 1) if G > 1 else None,  # per tile parity, the CTA's own tile (pull)
+        # one slot each (two do not fit with two warpgroups): a warpgroup writes its part of tile j + 1
+        # only after it has read tile j's totals, and the first writes those only after reading the parts
+        part_s=xch_tiles(1, W - 1) if W > 1 else None,
+        total_s=xch_tiles(1, 1) if W > 1 else None,
         bar_const=plgpu.Barrier(num_arrivals=nw * (cfg.has_bank + 1), num_barriers=W),
         bar_scal=plgpu.Barrier(num_arrivals=1, num_barriers=1),
         bar_x=plgpu.Barrier(num_arrivals=lags.count, num_barriers=nck),
         bar_acc=plgpu.Barrier(num_arrivals=2, num_barriers=nck),  # a tile's chunk of the state and of dh
         bar_in=plgpu.Barrier(num_arrivals=1 + cfg.has_seg, num_barriers=2),
         bar_xch=plgpu.ClusterBarrier(collective_axes=("g",), num_arrivals=1, num_barriers=2) if G > 1 else None,
-        bar_part=plgpu.Barrier(num_arrivals=W - 1, num_barriers=2) if W > 1 else None,
-        bar_total=plgpu.Barrier(num_arrivals=1, num_barriers=2) if W > 1 else None,
+        bar_part=plgpu.Barrier(num_arrivals=W - 1, num_barriers=1) if W > 1 else None,
+        bar_total=plgpu.Barrier(num_arrivals=1, num_barriers=1) if W > 1 else None,
     )
     names = [k for k, v in scratch.items() if v is not None]
     pull = _Config(batch=batch, t_pad=t_pad, d=d, cluster=G, exchange="pull", stream_kernels=cfg.stream_kernels,
@@ -802,18 +804,18 @@ def _backward_kernel(cfg: _BwdConfig):
                 if W == 1:
                     return _unpack(plgpu, _cluster_sum(plgpu, pull, mine, recv, bar_xch, rnd), len(vals))
                 if not leader:
-                    part_s[rnd, w - 1] = mine
+                    part_s[0, w - 1] = mine
                     plgpu.commit_smem()
-                    plgpu.barrier_arrive(bar_part.at[rnd])
-                    plgpu.barrier_wait(bar_total.at[rnd])
-                    return _unpack(plgpu, plgpu.load(total_s.at[rnd, 0], (), layout=tile), len(vals))
-                plgpu.barrier_wait(bar_part.at[rnd])
+                    plgpu.barrier_arrive(bar_part.at[0])
+                    plgpu.barrier_wait(bar_total.at[0])
+                    return _unpack(plgpu, plgpu.load(total_s.at[0, 0], (), layout=tile), len(vals))
+                plgpu.barrier_wait(bar_part.at[0])
                 for other in range(W - 1):
-                    mine = mine + plgpu.load(part_s.at[rnd, other], (), layout=tile)
+                    mine = mine + plgpu.load(part_s.at[0, other], (), layout=tile)
                 total = _cluster_sum(plgpu, pull, mine, recv, bar_xch, rnd)
-                total_s[rnd, 0] = total
+                total_s[0, 0] = total
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(bar_total.at[rnd])
+                plgpu.barrier_arrive(bar_total.at[0])
                 return _unpack(plgpu, total, len(vals))
 
             for k in range(k0, k0 + nw):  # this warpgroup's chunks' taps and gate columns, once
