@@ -100,7 +100,7 @@ def backward_variants(d, n_tiles):
         for programs in (None, most):
             label = f"cluster {cluster:2d} pull      {warpgroups} wg" + (f", {programs} walking" if programs else "")
             out.append((label, (lambda p, w: lambda *a: mosaic_gpu_cluster.phase2_cluster_backward_state(
-                *a, cluster=cluster, programs=p, warpgroups=w, unverified_exchange=True, **kw))(programs, warpgroups)))
+                *a, cluster=cluster, programs=p, warpgroups=w, **kw))(programs, warpgroups)))
     return out
 
 

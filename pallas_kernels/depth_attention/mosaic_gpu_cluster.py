@@ -33,14 +33,21 @@ remains 3" (BENCHMARKS.md, kernels); ``experiments/mgpu/cluster_probe.py`` tests
 alone. On the CPU it runs interpreted with ``G = 1`` (no exchange: jax 0.11.2's Mosaic GPU
 interpreter has no rule for ``async_store_smem``); ``G > 1`` runs on a GPU only.
 
-**Status (session 37): the exchange does not work yet.** On an H100 (BENCHMARKS.md, kernels,
-session 37; ``experiments/results/kernels_h200_s37/call1b``) the first cluster launch (8 CTAs,
-``"all"``) failed with an unspecified launch failure, the butterfly variants did not finish in 60
-s, and ``cluster_probe.py``'s bare ``st.async`` exchange at ``G = 2`` completed with sums off by
-2 (values from the neighbouring column pair: a layout mismatch between ``async_store_smem``'s
-stores and the receiving loads) and then faulted with two rounds. So ``G > 1`` asks for
-``unverified_exchange=True``, and nothing in the package calls this kernel; ``G = 1`` is exact
-(interpreted here; every pass but the exchange is shared with ``G > 1``).
+**Status (session 38): exact, and slower than the one-CTA kernels; nothing in the package
+calls it.** On an H100 (BENCHMARKS.md, kernels, session 38; ``experiments/results/kernels_h200_s38``)
+the ``"pull"`` exchange is exact: ``cluster_probe.py``'s sums at ``G = 2, 8, 16``, this forward
+at ``G = 8`` against the one-CTA kernel at 1e-5 (segments, a ragged tile), the backward's state
+pass (``phase2_cluster_backward_state``, below) at ``G = 8`` and 16. The ``st.async`` forms
+(``"all"``, ``"butterfly"``) fault at launch (unspecified launch failure; session 37's "sums off
+by 2" was the probe's own float32 rounding of its test values), so they ask for
+``unverified_exchange=True``. Timed at `base`, the cluster forward takes 1.39-1.48 ms against the
+one-CTA kernel's 1.18-1.19 (one warpgroup per CTA; two: 2.32), and the backward's state pass
+1.64-1.71 against 1.58-1.60: with one CTA per SM (its slice of the state is 128 KB) a tile's
+loads, passes and exchanges run one after another, where the one-CTA kernels overlap programs;
+clusters that walk the tiles take 1.3-1.7x the time of one cluster per tile, and clusters of 16
+are slower than of 8.
+``PULL_FENCE`` (``fence.acq_rel.cluster`` around the barrier, which PTX's memory model asks for)
+costs 4-7%.
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ SLICE_D = 128  # channels per CTA that ``cluster_size`` aims at: the state's sli
 # "all" and "butterfly" push tiles into the peers' shared memory (``st.async``); "pull" reads them
 # from there (``plgpu.cluster_ref`` after a ``ClusterBarrier``): the module docstring
 EXCHANGES = ("all", "butterfly", "pull")
+PULL_FENCE = True  # cluster_fence around the pull exchange's barrier (timing experiments: False)
 XCH_COLS = 8  # per-token sums per exchange tile: m dots and m sums of squares (m <= 4), or 1 + m
 MAX_CLUSTER = 16  # Hopper's largest cluster (above 8: non-portable, opted into at launch)
 WARPGROUPS = (1, 2)  # per CTA (``_kernel``)
@@ -120,33 +128,27 @@ def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_pa
     ``(dots[m, B, T, 1], sumsq[m, B, T])``, from a cluster of ``cluster`` CTAs per 64-token tile
     (None: ``cluster_size(d)``) that reads the state once (the module docstring). MSAR's shape
     only: one head, the H_pre gate, ``d`` a multiple of ``cluster * 32``, ``cluster`` a power of
-    two up to ``MAX_CLUSTER``; ``exchange``: ``EXCHANGES`` (None: ``"all"`` where its receive
-    tiles fit in shared memory, else ``"butterfly"``). ``programs``: None runs one cluster per
+    two up to ``MAX_CLUSTER``; ``exchange``: ``EXCHANGES`` (None: ``"pull"``, the one that works). ``programs``: None runs one cluster per
     64-token tile; an integer runs that many clusters (a divisor of the ``B * ceil(T / 64)``
     tiles; ``persistent_programs`` picks one per SM group), each walking its tiles and bringing the
     next tile's chunks in as the last pass frees their buffers. ``warpgroups``: 1 or 2 per CTA
     (``_kernel``), each with half the CTA's chunks. ``unverified_exchange``: required for
-    ``cluster > 1``, whose exchange failed on the H100 (the module docstring). Raises
+    ``cluster > 1`` with ``"all"`` or ``"butterfly"``, whose launches fail (the module docstring). Raises
     ``NotImplementedError`` for other shapes and where a CTA's scratch exceeds the shared memory;
     ``ValueError`` for a bad ``cluster``, ``exchange``, ``warpgroups`` or ``programs``."""
     batch, t_len, d = partial.shape
     m = len(stream_kernels)
     cluster = cluster_size(d) if cluster is None else cluster
-    if exchange is None:
-        exchange = "all" if interpret or smem_bytes(
-            d=d, cluster=cluster, stream_kernels=stream_kernels, x_dtype=partial.dtype, acc_dtype=state.acc.dtype,
-            out_dtype=out_dtype, exchange="all", has_seg=segment_ids is not None,
-            warpgroups=warpgroups) <= SMEM_BYTES else "butterfly"
+    exchange = "pull" if exchange is None else exchange
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange={exchange!r}: must be one of {EXCHANGES}")
     if cluster < 1 or cluster > MAX_CLUSTER or cluster & (cluster - 1):
         raise ValueError(f"cluster={cluster}: must be a power of two from 1 to {MAX_CLUSTER}")
-    if cluster > 1 and not unverified_exchange:
+    if cluster > 1 and exchange != "pull" and not unverified_exchange:
         raise NotImplementedError(
-            f"cluster={cluster}: the exchange between CTAs is not verified on a GPU (session 37 on an H100, "
-            "jax 0.11.2: the first cluster launch failed, and cluster_probe.py's st.async exchange gave wrong "
-            "sums at G = 2); pass unverified_exchange=True to run it anyway (timing experiments), cluster=1 "
-            "otherwise")
+            f"cluster={cluster}, exchange={exchange!r}: the st.async exchange's launches fail on an H100 (jax "
+            "0.11.2, sessions 37-38: unspecified launch failure); exchange='pull' works; pass "
+            "unverified_exchange=True to run it anyway")
     if interpret and cluster > 1:
         raise NotImplementedError(f"cluster={cluster}: the Mosaic GPU interpreter (jax 0.11.2) has no rule for "
                                   "the cluster exchange (async_store_smem, cluster_ref); interpret mode runs cluster=1")
@@ -259,11 +261,13 @@ def _cluster_sum(plgpu, cfg: _Config, mine, recv, bar, round_: int):
     g = lax.axis_index("g")
     if cfg.exchange == "pull":  # the CTA's tile in its own shared memory; once all are, every CTA reads all
         recv[round_, 0] = mine
-        cluster_fence(plgpu)  # each thread's part of the tile released to the cluster
+        if PULL_FENCE:
+            cluster_fence(plgpu)  # each thread's part of the tile released to the cluster
         plgpu.commit_smem()  # a warpgroup barrier: the whole tile is written before the arrival
         plgpu.barrier_arrive(bar.at[round_])
         plgpu.barrier_wait(bar.at[round_])
-        cluster_fence(plgpu)  # the peers' tiles acquired before they are loaded
+        if PULL_FENCE:
+            cluster_fence(plgpu)  # the peers' tiles acquired before they are loaded
         total = None
         for j in range(cfg.cluster):
             got = plgpu.load(plgpu.cluster_ref(recv.at[round_, 0], {"g": jnp.int32(j)}), (), layout=tile)
@@ -598,7 +602,7 @@ def backward_smem_bytes(*, d: int, cluster: int, stream_kernels: Sequence[int], 
 def phase2_cluster_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segment_ids, *,
                                   stream_kernels: Sequence[int], heads: int, gate_eps: float,
                                   cluster: int | None = None, programs: int | None = None, warpgroups: int = 1,
-                                  unverified_exchange: bool = False, interpret: bool = False):
+                                  interpret: bool = False):
     """``mosaic_gpu.phase2_backward_state``'s outputs (with the H_pre gate) from a cluster of
     ``cluster`` CTAs per 64-token tile (None: ``cluster_size(d)``), each holding its slice of the
     state in shared memory through both passes: the state is read once, not twice.
@@ -612,16 +616,13 @@ def phase2_cluster_backward_state(partial, bank, a, b, dold, acc, dh, gate_param
     (E - z)`` (summed over the CTAs and warpgroups here, in XLA: ``[G W, 3 m, B, T]``, 0.2% of the
     state's bytes at `base`). One head, at most ``BWD_XCH_COLS // 2`` streams, ``d`` a multiple of
     ``cluster * warpgroups * 32``. ``programs`` and ``warpgroups`` as ``phase2_cluster_forward``'s.
-    ``unverified_exchange``: required for ``cluster > 1`` until a GPU run has checked the
-    exchange (the module docstring)."""
+    Exact on an H100 at clusters of 8 and 16 (session 38); slower than the one-CTA kernel there
+    (the module docstring)."""
     batch, t_len, d = partial.shape
     m = len(stream_kernels)
     cluster = cluster_size(d) if cluster is None else cluster
     if cluster < 1 or cluster > MAX_CLUSTER or cluster & (cluster - 1):
         raise ValueError(f"cluster={cluster}: must be a power of two from 1 to {MAX_CLUSTER}")
-    if cluster > 1 and not unverified_exchange:
-        raise NotImplementedError(f"cluster={cluster}: the backward's cluster exchange is not verified on a GPU; pass "
-                                  "unverified_exchange=True to run it anyway (timing experiments), cluster=1 otherwise")
     if interpret and cluster > 1:
         raise NotImplementedError(f"cluster={cluster}: the Mosaic GPU interpreter (jax 0.11.2) has no rule for the "
                                   "cluster exchange (cluster_ref); interpret mode runs cluster=1")
