@@ -47,7 +47,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention.mosaic_gpu_cluster import cluster_fence
 

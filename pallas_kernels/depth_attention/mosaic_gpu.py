@@ -1005,6 +1005,32 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     return d_acc.reshape(m, batch, t_pad, d)[:, :, :t_len], (s1, sm, ss), gate_out
 
 
+def gate_backward(plgpu, scal_s, sq, y, dg, valid, *, d: int, gate_eps: float):
+    """The H_pre gate and its backward on a tile's per-token scalars (Eq. 13-14), from the sums
+    over a token's ``m d`` channels ``sq = sum z^2``, ``y_j = z . W[:, j]`` and ``dg_r = <dh,
+    z_r>``: ``rz = rsqrt(sq / (m d) + eps)``, ``g_j = sigmoid(scale rz y_j + bias_j)`` (``scale``
+    and ``bias_j``: rows 0 and ``1 + j`` of ``scal_s``), ``dlogit = dg g (1 - g)``, ``dy = scale rz
+    dlogit``, ``coef = -scale (dlogit . y) rz^3 / (m d)``; tokens past T (``valid`` 0) get none.
+    Returns ``(g, dy, coef)`` for ``dz`` and the gate's rows as ``phase2_backward_state`` returns
+    them (``g``, ``dy``, ``coef``, ``dlogit``, ``dlogit . y rz``). Shared by the one-CTA kernel and
+    ``mosaic_gpu_cluster``'s."""
+    m = len(y)
+    row = plgpu.Layout.WGMMA.reduce(1)
+    rz = lax.rsqrt(sq * (1.0 / (m * d)) + gate_eps)
+    scale = plgpu.load(scal_s, 0, layout=row)
+    g, dlogit = [], []
+    for j in range(m):
+        gj = 1.0 / (1.0 + jnp.exp(-(scale * (rz * y[j]) + plgpu.load(scal_s, 1 + j, layout=row))))
+        g.append(gj * valid)
+        dlogit.append(dg[j] * gj * (1.0 - gj) * valid)
+    dy = [scale * rz * dlogit[j] for j in range(m)]
+    dly = dlogit[0] * y[0]
+    for j in range(1, m):
+        dly = dly + dlogit[j] * y[j]
+    coef = -scale * dly * (rz * rz * rz) * (1.0 / (m * d))
+    return (g, dy, coef), [*g, *dy, coef, *dlogit, dly * rz]
+
+
 class _StateConfig(NamedTuple):
     """Everything ``phase2_backward_state``'s kernel code depends on (see ``_Config``)."""
 
@@ -1126,26 +1152,10 @@ def _state_kernel(cfg: _StateConfig):
                 return sq, zw, dg
 
             sq, y, dg = _pipelined(plgpu, fetch, bar, nc, heads, stats_chunk, (zero, [zero] * m, [zero] * m))
-            rz = lax.rsqrt(sq * (1.0 / (m * d)) + cfg.gate_eps)
-            scale = plgpu.load(scal_s, 0, layout=row)
             valid = (plgpu.broadcasted_iota(jnp.int32, (bt,), 0, layout=row) + t0 < cfg.t_len).astype(F32)
-            g, dlogit = [], []
-            for j in range(m):
-                gj = 1.0 / (1.0 + jnp.exp(-(scale * (rz * y[j]) + plgpu.load(scal_s, 1 + j, layout=row))))
-                g.append(gj * valid)
-                dlogit.append(dg[j] * gj * (1.0 - gj) * valid)
-            dy = [scale * rz * dlogit[j] for j in range(m)]
-            dly = dlogit[0] * y[0]
-            for j in range(1, m):
-                dly = dly + dlogit[j] * y[j]
-            coef = -scale * dly * (rz * rz * rz) * (1.0 / (m * d))
-            for j in range(m):
-                gate_s[j] = g[j]
-                gate_s[m + j] = dy[j]
-                gate_s[2 * m + 1 + j] = dlogit[j]
-            gate_s[2 * m] = coef
-            gate_s[3 * m + 1] = dly * rz
-            gate_vals = (g, dy, coef)
+            gate_vals, gate_rows = gate_backward(plgpu, scal_s, sq, y, dg, valid, d=d, gate_eps=cfg.gate_eps)
+            for i, v in enumerate(gate_rows):
+                gate_s[i] = v
 
         # ---- 2: d_acc = a dz, and the per-head sums S1, Sm, Ss
         def state_chunk(c, slot, head, carry):

@@ -64,7 +64,7 @@ from pallas_kernels.depth_attention import reference
 from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu import (
     BLOCK_T, F32, SMEM_BYTES, _cols, _copy_state, _expand_all, _fetch_partial, _Lags, _lag_masks_of, _LanePlgpu,
-    _dh_operand, _rows, _shape, _smem_sum, _state_rows, _tile_smem, _window_elems, named_body,
+    _dh_operand, _rows, _shape, _smem_sum, _state_rows, _tile_smem, _window_elems, gate_backward, named_body,
 )
 
 BLOCK_D = 32  # channels per chunk, as ``mosaic_gpu``'s forward
@@ -294,6 +294,118 @@ def _cluster_sum(plgpu, cfg: _Config, mine, recv, bar, round_: int):
     return total
 
 
+def _tile_of(programs: int, n_t: int, j):
+    """The (batch row, token tile) of a program's ``j``-th tile: its own (``programs == 0``, grid
+    ``("b", "t")``) or, for ``programs`` programs walking the tiles (grid ``("b",)``), every
+    ``programs``-th of them in row-major order."""
+    if not programs:
+        return lax.axis_index("b"), lax.axis_index("t")
+    i = lax.axis_index("b") + j * programs  # "b": the program (``_Lags.columns`` reads that axis)
+    return i // n_t, lax.rem(i, n_t)
+
+
+class _TileCopies(NamedTuple):
+    """A CTA's TMA copies of a tile's pieces into its buffers (both cluster kernels): the per-token
+    rows (and segment bits) into slot ``slot``, and chunk ``k`` of its channel slice (from
+    ``c_first``) of the partial's lag windows and of the state."""
+
+    plgpu: object
+    programs: int
+    n_t: int
+    t_pad: int
+    front: int
+    c_first: object
+    lags: _Lags
+    max_lag: int
+    rows_ref: object
+    rows_s: object
+    bits_ref: object
+    bits_s: object
+    bar_in: object
+    x_ref: object
+    xs: object
+    bar_x: object
+    acc_ref: object
+    accs: object
+    bar_acc: object
+
+    def rows(self, j, slot):
+        bi, ti = _tile_of(self.programs, self.n_t, j)
+        self.plgpu.copy_gmem_to_smem(self.rows_ref.at[:, :, bi, pl.ds(ti * BLOCK_T, BLOCK_T)], self.rows_s.at[slot],
+                                     self.bar_in.at[slot])
+        if self.bits_ref is not None:
+            self.plgpu.copy_gmem_to_smem(self.bits_ref.at[bi, pl.ds(ti * BLOCK_T, BLOCK_T)], self.bits_s.at[slot],
+                                         self.bar_in.at[slot])
+
+    def x(self, j, k):
+        bi, ti = _tile_of(self.programs, self.n_t, j)
+        _fetch_partial(self.plgpu, self.x_ref, None, self.xs, None, bi, ti * BLOCK_T, self.front, self.c_first + k,
+                       BLOCK_D, k, self.bar_x, self.lags, self.max_lag)
+
+    def acc(self, j, k):
+        bi, ti = _tile_of(self.programs, self.n_t, j)
+        _copy_state(self.plgpu, self.acc_ref, self.accs, pl.ds(bi * self.t_pad + ti * BLOCK_T, BLOCK_T),
+                    pl.ds((self.c_first + k) * BLOCK_D, BLOCK_D), k, self.bar_acc.at[k], "one")
+
+
+def _cta_sum(plgpu, cfg: _Config, w: int, vals, rnd, hand, width: int, recv, bar_xch, part_s, total_s, bar_part,
+             bar_total):
+    """The sums over the CTA's warpgroups and the cluster of warpgroup ``w``'s row vectors ``vals``,
+    packed as the columns of a ``[64, width]`` tile. The other warpgroups hand their tiles to the
+    first (slot ``hand`` of ``part_s``), which adds them, runs the cluster's exchange (round ``rnd``:
+    ``_cluster_sum``) and hands the totals back (``total_s``)."""
+    tile = plgpu.Layout.WGMMA
+    mine = _pack(plgpu, vals, width)
+    if cfg.warpgroups == 1:
+        return _unpack(plgpu, _cluster_sum(plgpu, cfg, mine, recv, bar_xch, rnd), len(vals))
+    if w:
+        part_s[hand, w - 1] = mine
+        plgpu.commit_smem()  # a warpgroup barrier: every thread's part written before the arrival
+        plgpu.barrier_arrive(bar_part.at[hand])
+        plgpu.barrier_wait(bar_total.at[hand])
+        return _unpack(plgpu, plgpu.load(total_s.at[hand, 0], (), layout=tile), len(vals))
+    plgpu.barrier_wait(bar_part.at[hand])
+    for other in range(cfg.warpgroups - 1):
+        mine = mine + plgpu.load(part_s.at[hand, other], (), layout=tile)
+    total = _cluster_sum(plgpu, cfg, mine, recv, bar_xch, rnd)
+    total_s[hand, 0] = total
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(bar_total.at[hand])
+    return _unpack(plgpu, total, len(vals))
+
+
+def _run_warpgroups(run, warpgroups: int) -> None:
+    """``run(w)`` in warpgroup ``w`` of the CTA (thread axis ``"wg"`` when there are several)."""
+    if warpgroups == 1:
+        run(0)
+        return
+    wg = lax.axis_index("wg")
+    for w in range(warpgroups):
+        pl.when(wg == w)(functools.partial(run, w))
+
+
+def _launch(plgpu, body, name: str, out_type, scratch_types, *, batch: int, n_t: int, cluster: int,
+            warpgroups: int, programs: int, interpret: bool):
+    """``body`` as a jitted Mosaic GPU kernel named ``name`` (Lane semantics): ``warpgroups``
+    warpgroups per CTA, clusters of ``cluster`` CTAs along ``"g"``, and one program per (batch row,
+    token tile) or ``programs`` programs walking them (``_tile_of``)."""
+    params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
+    if warpgroups > 1:
+        params.update(num_threads=warpgroups, thread_name="wg")
+    if cluster > 1:
+        params.update(cluster=(cluster,), cluster_names=("g",))
+    grid = dict(grid=(programs,), grid_names=("b",)) if programs else dict(grid=(batch, n_t), grid_names=("b", "t"))
+    kernel = plgpu.kernel(named_body(body, name), out_type=out_type, scratch_types=scratch_types, **grid,
+                          interpret=plgpu.InterpretGPUParams() if interpret else False, **params)
+
+    @jax.jit
+    def run(*inputs):
+        with jax.named_scope(name):
+            return kernel(*inputs)
+
+    return run
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel(cfg: _Config):
     """The kernel for ``cfg``, jitted (``mosaic_gpu._kernel`` says why once per configuration).
@@ -366,53 +478,19 @@ def _kernel(cfg: _Config):
         g = lax.axis_index("g") if G > 1 else 0
         c_first = g * nck  # the CTA's first channel chunk
 
-        def tile_of(j):
-            """The (batch row, token tile) of the program's ``j``-th tile."""
-            if not persistent:
-                return lax.axis_index("b"), lax.axis_index("t")
-            i = lax.axis_index("b") + j * cfg.programs  # "b": the program (``_Lags.columns`` reads that axis)
-            return i // n_t, lax.rem(i, n_t)
-
-        def fetch_rows(j, slot):
-            bi, ti = tile_of(j)
-            plgpu.copy_gmem_to_smem(rows_ref.at[:, :, bi, pl.ds(ti * bt, bt)], rows_s.at[slot], bar_in.at[slot])
-            if cfg.has_seg:
-                plgpu.copy_gmem_to_smem(bits_ref.at[bi, pl.ds(ti * bt, bt)], bits_s.at[slot], bar_in.at[slot])
-
-        def fetch_x(j, k):
-            bi, ti = tile_of(j)
-            _fetch_partial(plgpu, x_ref, None, xs, None, bi, ti * bt, cfg.front, c_first + k, bd, k, bar_x, lags,
-                           max_lag)
-
-        def fetch_acc(j, k):
-            bi, ti = tile_of(j)
-            _copy_state(plgpu, acc_ref, accs, pl.ds(bi * t_pad + ti * bt, bt), pl.ds((c_first + k) * bd, bd), k,
-                        bar_acc.at[k], "one")
+        tile_of = functools.partial(_tile_of, cfg.programs, n_t)
+        copies = _TileCopies(plgpu, cfg.programs, n_t, t_pad, cfg.front, c_first, lags, max_lag, rows_ref, rows_s,
+                             bits_ref, bits_s, bar_in, x_ref, xs, bar_x, acc_ref, accs, bar_acc)
+        fetch_rows, fetch_x, fetch_acc = copies.rows, copies.x, copies.acc
 
         def run(w: int):
             """Warpgroup ``w``: its chunks ``k0 .. k0 + nw - 1`` of every tile; the first also the
             tile's rows, the exchanges and the scores."""
             leader, k0 = w == 0, w * nw
 
-            def cta_sum(vals, rnd):
-                """The sums over the CTA's warpgroups and the cluster of the row vectors ``vals``."""
-                mine = _pack(plgpu, vals)
-                if W == 1:
-                    return _unpack(plgpu, _cluster_sum(plgpu, cfg, mine, recv, bar_xch, rnd), len(vals))
-                if not leader:
-                    part_s[rnd, w - 1] = mine
-                    plgpu.commit_smem()  # a warpgroup barrier: every thread's part written before the arrival
-                    plgpu.barrier_arrive(bar_part.at[rnd])
-                    plgpu.barrier_wait(bar_total.at[rnd])
-                    return _unpack(plgpu, plgpu.load(total_s.at[rnd, 0], (), layout=tile), len(vals))
-                plgpu.barrier_wait(bar_part.at[rnd])
-                for other in range(W - 1):
-                    mine = mine + plgpu.load(part_s.at[rnd, other], (), layout=tile)
-                total = _cluster_sum(plgpu, cfg, mine, recv, bar_xch, rnd)
-                total_s[rnd, 0] = total
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(bar_total.at[rnd])
-                return _unpack(plgpu, total, len(vals))
+            def cta_sum(vals, rnd):  # the exchange's round: its own buffers and barriers
+                return _cta_sum(plgpu, cfg, w, vals, rnd, rnd, XCH_COLS, recv, bar_xch, part_s, total_s, bar_part,
+                                bar_total)
 
             # the constants of this warpgroup's chunks once; the first tile's rows, then its chunks of
             # the partial (pass A) and of the state (pass B); later tiles' come as the tile before
@@ -547,32 +625,12 @@ def _kernel(cfg: _Config):
                 plgpu.barrier_arrive(bar_xch.at[0])
                 plgpu.barrier_wait(bar_xch.at[0])
 
-        if W == 1:
-            run(0)
-        else:
-            wg = lax.axis_index("wg")
-            for w in range(W):
-                pl.when(wg == w)(functools.partial(run, w))
+        _run_warpgroups(run, W)
 
     out_type = (jax.ShapeDtypeStruct((batch, t_pad, d), cfg.out_dtype), jax.ShapeDtypeStruct((m, batch, t_pad), F32),
                 jax.ShapeDtypeStruct((m, batch, t_pad), F32))
-    params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
-    if W > 1:
-        params.update(num_threads=W, thread_name="wg")
-    if G > 1:
-        params.update(cluster=(G,), cluster_names=("g",))
-    grid = dict(grid=(cfg.programs,), grid_names=("b",)) if persistent else dict(grid=(batch, n_t),
-                                                                                    grid_names=("b", "t"))
-    kernel = plgpu.kernel(named_body(body, "depth_attention_phase2_cluster_mosaic"), out_type=out_type,
-                          scratch_types=[scratch[k] for k in names], **grid,
-                          interpret=plgpu.InterpretGPUParams() if cfg.interpret else False, **params)
-
-    @jax.jit
-    def run(*inputs):
-        with jax.named_scope("depth_attention_phase2_cluster_mosaic"):
-            return kernel(*inputs)
-
-    return run
+    return _launch(plgpu, body, "depth_attention_phase2_cluster_mosaic", out_type, [scratch[k] for k in names],
+                   batch=batch, n_t=n_t, cluster=G, warpgroups=W, programs=cfg.programs, interpret=cfg.interpret)
 
 
 # --------------------------------------------------------------------------- the backward's state pass
@@ -768,56 +826,22 @@ def _backward_kernel(cfg: _BwdConfig):
         g_idx = lax.axis_index("g") if G > 1 else 0
         c_first = g_idx * nck  # the CTA's first channel chunk
 
-        def tile_of(j):
-            if not persistent:
-                return lax.axis_index("b"), lax.axis_index("t")
-            i = lax.axis_index("b") + j * cfg.programs
-            return i // n_t, lax.rem(i, n_t)
-
-        def fetch_rows(j, slot):
-            bi, ti = tile_of(j)
-            plgpu.copy_gmem_to_smem(rows_ref.at[:, :, bi, pl.ds(ti * bt, bt)], rows_s.at[slot], bar_in.at[slot])
-            if cfg.has_seg:
-                plgpu.copy_gmem_to_smem(bits_ref.at[bi, pl.ds(ti * bt, bt)], bits_s.at[slot], bar_in.at[slot])
-
-        def fetch_x(j, k):
-            bi, ti = tile_of(j)
-            _fetch_partial(plgpu, x_ref, None, xs, None, bi, ti * bt, cfg.front, c_first + k, bd, k, bar_x, lags,
-                           max_lag)
+        tile_of = functools.partial(_tile_of, cfg.programs, n_t)
+        copies = _TileCopies(plgpu, cfg.programs, n_t, t_pad, cfg.front, c_first, lags, max_lag, rows_ref, rows_s,
+                             bits_ref, bits_s, bar_in, x_ref, xs, bar_x, acc_ref, accs, bar_acc)
+        fetch_rows, fetch_x, fetch_acc = copies.rows, copies.x, copies.acc
 
         def fetch_dh(j, k):
             bi, ti = tile_of(j)
             plgpu.copy_gmem_to_smem(dh_ref.at[bi, pl.ds(ti * bt, bt), pl.ds((c_first + k) * bd, bd)], dhs.at[k],
                                     bar_acc.at[k])
 
-        def fetch_acc(j, k):
-            bi, ti = tile_of(j)
-            _copy_state(plgpu, acc_ref, accs, pl.ds(bi * t_pad + ti * bt, bt), pl.ds((c_first + k) * bd, bd), k,
-                        bar_acc.at[k], "one")
 
         def run(w: int):
             leader, k0 = w == 0, w * nw
 
-            def cta_sum(vals, rnd):
-                """The sums over the CTA's warpgroups and the cluster of the row vectors ``vals``
-                (``rnd``: the tile's parity, the exchange's buffers and barriers)."""
-                mine = _pack(plgpu, vals, xw)
-                if W == 1:
-                    return _unpack(plgpu, _cluster_sum(plgpu, pull, mine, recv, bar_xch, rnd), len(vals))
-                if not leader:
-                    part_s[0, w - 1] = mine
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(bar_part.at[0])
-                    plgpu.barrier_wait(bar_total.at[0])
-                    return _unpack(plgpu, plgpu.load(total_s.at[0, 0], (), layout=tile), len(vals))
-                plgpu.barrier_wait(bar_part.at[0])
-                for other in range(W - 1):
-                    mine = mine + plgpu.load(part_s.at[0, other], (), layout=tile)
-                total = _cluster_sum(plgpu, pull, mine, recv, bar_xch, rnd)
-                total_s[0, 0] = total
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(bar_total.at[0])
-                return _unpack(plgpu, total, len(vals))
+            def cta_sum(vals, rnd):  # rnd: the tile's parity (the exchange's buffers); one handoff slot
+                return _cta_sum(plgpu, pull, w, vals, rnd, 0, xw, recv, bar_xch, part_s, total_s, bar_part, bar_total)
 
             for k in range(k0, k0 + nw):  # this warpgroup's chunks' taps and gate columns, once
                 cs = pl.ds((c_first + k) * bd, bd)
@@ -835,7 +859,6 @@ def _backward_kernel(cfg: _BwdConfig):
             plgpu.barrier_wait(bar_const.at[w])
             plgpu.barrier_wait(bar_scal.at[0])
             zero = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
-            scale = plgpu.load(scal_s, 0, layout=row)
 
             def tile_step(j, carry):
                 slot = lax.rem(j, 2)
@@ -881,26 +904,12 @@ def _backward_kernel(cfg: _BwdConfig):
                 sums = cta_sum([sq, *y, *dg], slot)
                 sq, y, dg = sums[0], sums[1:1 + m], sums[1 + m:]
                 # the gate and its backward on per-token scalars (Eq. 13-14)
-                rz = lax.rsqrt(sq * (1.0 / (m * d)) + cfg.gate_eps)
                 valid = (plgpu.broadcasted_iota(jnp.int32, (bt,), 0, layout=row) + t0 < cfg.t_len).astype(F32)
-                g, dlogit = [], []
-                for jj in range(m):
-                    gj = 1.0 / (1.0 + jnp.exp(-(scale * (rz * y[jj]) + plgpu.load(scal_s, 1 + jj, layout=row))))
-                    g.append(gj * valid)
-                    dlogit.append(dg[jj] * gj * (1.0 - gj) * valid)
-                dy = [scale * rz * dlogit[jj] for jj in range(m)]
-                dly = dlogit[0] * y[0]
-                for jj in range(1, m):
-                    dly = dly + dlogit[jj] * y[jj]
-                coef = -scale * dly * (rz * rz * rz) * (1.0 / (m * d))
+                (g, dy, coef), gate_rows = gate_backward(plgpu, scal_s, sq, y, dg, valid, d=d, gate_eps=cfg.gate_eps)
 
                 def store_gate():  # one CTA of the cluster (every CTA holds the same values)
-                    for jj in range(m):
-                        gate_s[jj] = g[jj]
-                        gate_s[m + jj] = dy[jj]
-                        gate_s[2 * m + 1 + jj] = dlogit[jj]
-                    gate_s[2 * m] = coef
-                    gate_s[3 * m + 1] = dly * rz
+                    for i, v in enumerate(gate_rows):
+                        gate_s[i] = v
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(gate_s, gate_ref.at[:, bi, pl.ds(t0, bt)])
 
@@ -959,30 +968,11 @@ def _backward_kernel(cfg: _BwdConfig):
                 plgpu.barrier_arrive(bar_xch.at[n_iter % 2])
                 plgpu.barrier_wait(bar_xch.at[n_iter % 2])
 
-        if W == 1:
-            run(0)
-        else:
-            wg = lax.axis_index("wg")
-            for w in range(W):
-                pl.when(wg == w)(functools.partial(run, w))
+        _run_warpgroups(run, W)
 
     out_type = (jax.ShapeDtypeStruct((m, batch * t_pad, d), cfg.acc_dtype),
                 jax.ShapeDtypeStruct((G * W, 3 * m, batch, t_pad), F32),
                 jax.ShapeDtypeStruct((n_gate_rows, batch, t_pad), F32))
-    params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
-    if W > 1:
-        params.update(num_threads=W, thread_name="wg")
-    if G > 1:
-        params.update(cluster=(G,), cluster_names=("g",))
-    grid = dict(grid=(cfg.programs,), grid_names=("b",)) if persistent else dict(grid=(batch, n_t),
-                                                                                    grid_names=("b", "t"))
-    kernel = plgpu.kernel(named_body(body, "depth_attention_phase2_bwd_state_cluster_mosaic"), out_type=out_type,
-                          scratch_types=[scratch[k] for k in names], **grid,
-                          interpret=plgpu.InterpretGPUParams() if cfg.interpret else False, **params)
-
-    @jax.jit
-    def run_kernel(*inputs):
-        with jax.named_scope("depth_attention_phase2_bwd_state_cluster_mosaic"):
-            return kernel(*inputs)
-
-    return run_kernel
+    return _launch(plgpu, body, "depth_attention_phase2_bwd_state_cluster_mosaic", out_type,
+                   [scratch[k] for k in names], batch=batch, n_t=n_t, cluster=G, warpgroups=W,
+                   programs=cfg.programs, interpret=cfg.interpret)
