@@ -15,9 +15,11 @@ windows, the state once or twice, ``d_acc`` once, a bf16 ``dh`` once).
 
 Run on the GPU: ``python experiments/mgpu/time_cluster_forward.py [--backward] [--base-only] [--only TEXT]``; ``--aot``
 compiles every variant for an H200 on a machine without one (JAX's CUDA plugin on
-``PYTHONPATH``, ``msar_jax.aot``): Mosaic GPU's lowering and ptxas, not the launch. Session 37's
-run on an H100 (``kernels_h200_s37/call1b``): the first cluster launch failed and left the process's
-GPU unusable, so the later rows say nothing (run one variant per process until the exchange works)."""
+``PYTHONPATH``, ``msar_jax.aot``): Mosaic GPU's lowering and ptxas, not the launch. The ``st.async``
+exchanges (``"all"``, ``"butterfly"``) fail at launch and leave the process's GPU unusable (sessions
+37-38), so run them one per process (``--only``). Session 38 on an H100 (``kernels_h200_s38``,
+calls 1-3): the pull forms exact and slower than the one-CTA kernels (BENCHMARKS.md, kernels,
+session 38)."""
 import sys
 import traceback
 from pathlib import Path
