@@ -1,0 +1,117 @@
+"""Phase 2's forward with whole channel rows per program (``rows_forward``, the state read once)
+against the one-CTA Mosaic GPU kernel (``mosaic_gpu.phase2_fused_forward``, the state read twice),
+MSAR (kernels (0, 4, 8, 12), gate, float32 or bf16 state, bf16 partial and ``h``) at `base`'s shape
+(B x T = 64 x 1024, d = 1024) and the issue's (8 x 2048, d = 2048). Per variant (tokens per
+program x warps): the largest difference of ``h`` and of the scores from the Mosaic kernel's,
+relative to their largest magnitude (the Mosaic kernel is the one the tests hold to the oracle),
+then the median of 21 timings of 5 calls and the fraction of each design's floor (bytes over the
+copy bandwidth measured in the same run: the partial about 1.25x, the state once or twice, ``h``
+once).
+
+Run on the GPU: ``python experiments/mgpu/time_rows_forward.py [--base-only] [--bf16-state]``;
+``--aot`` compiles every variant for an H200 on a machine without one (JAX's CUDA plugin on
+``PYTHONPATH``, ``msar_jax.aot``)."""
+import sys
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # time_phase2's inputs
+if "--aot" in sys.argv:  # before jax starts: the CUDA plugin's deviceless topology
+    from msar_jax import aot
+
+    aot.prepare_gpu_environment()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels.depth_attention import mosaic_gpu, rows_forward  # noqa: E402
+
+KERNELS = (0, 4, 8, 12)
+SHAPES = (("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048)))
+KW = dict(stream_kernels=KERNELS, heads=1, eps=1e-6, gate_eps=1e-6, out_dtype=jnp.bfloat16)
+TILES = ((1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8), (8, 16), (16, 16))
+
+
+def inputs(batch, t_len, d, key=0, bf16_state=False):
+    """Random non-zero inputs (``time_phase2.inputs``); ``bf16_state``: the state's ``acc`` in bf16."""
+    from time_phase2 import inputs as phase2_inputs
+
+    state, x, bank, q, gate = phase2_inputs(batch, t_len, d, KERNELS, key)
+    if bf16_state:
+        state = state._replace(acc=state.acc.astype(jnp.bfloat16))
+    return state, x, bank, q, gate
+
+
+def variants(d):
+    """(label, fn) per variant: the Mosaic kernel, then each rows tile whose z fits 255 registers."""
+    out = [("mosaic one CTA (state twice)", lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
+        st, x, b, q, True, g, None, fuse="gate", **KW))]
+    for bt, warps in TILES:
+        if len(KERNELS) * bt * d // (32 * warps) > 160:  # z alone past 160 registers a thread: spills
+            continue
+        out.append((f"rows {bt:2d} tokens {warps:2d} warps", (lambda bt, w: lambda st, x, b, q, g: (
+            rows_forward.phase2_rows_forward(st, x, b, q, True, g, None, fuse="gate", block_t=bt, num_warps=w,
+                                             **KW)))(bt, warps)))
+    return out
+
+
+def floor_bytes(batch, t_len, d, state_reads: int, state_bytes: int = 4) -> int:
+    tok, m = batch * t_len, len(KERNELS)
+    return tok * d * 2 * 1.25 + state_reads * m * tok * d * state_bytes + tok * d * 2 + 2 * m * tok * 4
+
+
+def compile_all(shapes) -> int:
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from msar_jax import aot
+
+    mesh = aot.gpu_mesh("h200")
+    failures = 0
+    for name, (batch, t_len, d) in shapes:
+        args = jax.eval_shape(lambda: inputs(batch, t_len, d))
+        for label, fn in variants(d)[1:]:
+            try:
+                with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                    jax.jit(fn, out_shardings=NamedSharding(mesh, P())).lower(*args).compile()
+                print(f"{name} {label}: compiled for the H200", flush=True)
+            except Exception as e:  # noqa: BLE001
+                failures += 1
+                print(f"{name} {label}: FAILED {type(e).__name__}: {str(e)[:1500]}", flush=True)
+    return failures
+
+
+def main(argv):
+    shapes = SHAPES[:1] if "--base-only" in argv else SHAPES
+    if "--aot" in argv:
+        return 1 if compile_all(shapes) else 0
+    from pallas_kernels.depth_attention import bench
+
+    bf16_state = "--bf16-state" in argv
+    bw = bench.copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {jax.devices()[0].device_kind}; state "
+          f"{'bf16' if bf16_state else 'float32'}", flush=True)
+    for name, (batch, t_len, d) in shapes:
+        args = inputs(batch, t_len, d, bf16_state=bf16_state)
+        all_variants = variants(d)
+        want = jax.tree.leaves(jax.jit(all_variants[0][1])(*args))
+        scale = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))  # noqa: E731
+        print(f"## {name}: B x T = {batch} x {t_len}, d = {d}", flush=True)
+        for label, fn in all_variants:
+            try:
+                f = jax.jit(fn)
+                got = jax.tree.leaves(f(*args))
+                errs = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))) / max(scale(w), 1e-30)
+                        for g, w in zip(got, want)]
+                ms = bench.timeit(f, *args, reps=21, inner=5)[0] * 1e3
+                reads = 2 if label.startswith("mosaic") else 1
+                floor_ms = floor_bytes(batch, t_len, d, reads, 2 if bf16_state else 4) / bw * 1e3
+                print(f"{label:32s} {ms:8.4f} ms  floor {floor_ms:.4f} ({floor_ms / ms:6.1%})  rel diff (h, dots, "
+                      f"sumsq) " + " ".join(f"{e:.1e}" for e in errs), flush=True)
+            except Exception:  # noqa: BLE001
+                print(f"{label:32s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
