@@ -30,7 +30,7 @@ from pallas_kernels.depth_attention import mosaic_gpu, rows_forward  # noqa: E40
 KERNELS = (0, 4, 8, 12)
 SHAPES = (("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048)))
 KW = dict(stream_kernels=KERNELS, heads=1, eps=1e-6, gate_eps=1e-6, out_dtype=jnp.bfloat16)
-TILES = ((1, 4), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8), (8, 16), (16, 16))
+TILES = ((1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (8, 4), (8, 8))  # (tokens, warps) per program
 
 
 def inputs(batch, t_len, d, key=0, bf16_state=False):
@@ -48,11 +48,13 @@ def variants(d):
     out = [("mosaic one CTA (state twice)", lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
         st, x, b, q, True, g, None, fuse="gate", **KW))]
     for bt, warps in TILES:
-        if len(KERNELS) * bt * d // (32 * warps) > 160:  # z alone past 160 registers a thread: spills
-            continue
-        out.append((f"rows {bt:2d} tokens {warps:2d} warps", (lambda bt, w: lambda st, x, b, q, g: (
-            rows_forward.phase2_rows_forward(st, x, b, q, True, g, None, fuse="gate", block_t=bt, num_warps=w,
-                                             **KW)))(bt, warps)))
+        for early in (False, True):
+            if (1 + early) * len(KERNELS) * bt * d // (32 * warps) > 160:  # z (and acc) past 160 registers: spills
+                continue
+            out.append((f"rows {bt:2d} tokens {warps:2d} warps{' early' if early else ''}",
+                        (lambda bt, w, e: lambda st, x, b, q, g: rows_forward.phase2_rows_forward(
+                            st, x, b, q, True, g, None, fuse="gate", block_t=bt, num_warps=w, early_state=e,
+                            **KW))(bt, warps, early)))
     return out
 
 

@@ -67,7 +67,7 @@ def default_tiles(d: int) -> tuple[int, int]:
     return max(1, min(8, 4096 // d)), 8
 
 
-def _kernel(*refs, layout, d, bt, x_front, gate, has_seg, eps, gate_eps, triton):
+def _kernel(*refs, layout, d, bt, x_front, gate, has_seg, eps, gate_eps, triton, early_state):
     m = len(layout)
     it = iter(refs)
     x_ref, bank_ref, q_ref, consts_ref = next(it), next(it), next(it), next(it)  # [Tp(+F), d], [K, d], [m, d], [8]
@@ -96,6 +96,9 @@ def _kernel(*refs, layout, d, bt, x_front, gate, has_seg, eps, gate_eps, triton)
         """``[bt, 1]``: token ``t - delta`` exists and shares ``t``'s segment (``reference._lag_masks``)."""
         same = seg_ref[pl.ds(t0 + FRONT - delta, bt)] == seg_ref[pl.ds(t0 + FRONT, bt)]
         return ((rows >= delta) & same).astype(F32)[:, None]
+
+    # the state first: its loads are the program's DRAM traffic, issued before the arithmetic
+    accs = [acc_ref[...].astype(F32) for acc_ref in acc_refs] if early_state else [None] * m
 
     # 1. the streams, each lag row loaded once for all of them (Eq. 10)
     e = [None] * m
@@ -127,17 +130,19 @@ def _kernel(*refs, layout, d, bt, x_front, gate, has_seg, eps, gate_eps, triton)
         keep = jnp.exp(pmax - new_max)
         pnew = jnp.where(include, jnp.exp(s - new_max), 0.0)
         inv_den = 1.0 / (pden * keep + pnew)
-        z.append((keep * inv_den)[:, None] * acc_refs[r][...].astype(F32) + (pnew * inv_den)[:, None] * e[r])
-        e[r] = None
+        acc = accs[r] if early_state else acc_refs[r][...].astype(F32)
+        z.append((keep * inv_den)[:, None] * acc + (pnew * inv_den)[:, None] * e[r])
+        e[r], accs[r] = None, None
 
     # 3. stream fusion (Eq. 13-14)
     if gate:
-        sq = sum(jnp.sum(z_r * z_r, axis=1) for z_r in z)
+        # one reduction over the channels per statistic: the streams are summed elementwise first
+        sq = jnp.sum(sum(z_r * z_r for z_r in z), axis=1)
         inv = jax.lax.rsqrt(sq / (m * d) + gate_eps)
         scale = consts_ref[1]
         h = None
         for j in range(m):
-            zw = sum(jnp.sum(z[r] * w_ref[r * m + j, :][None, :], axis=1) for r in range(m))
+            zw = jnp.sum(sum(z[r] * w_ref[r * m + j, :][None, :] for r in range(m)), axis=1)
             g = 1.0 / (1.0 + jnp.exp(-(scale * (inv * zw) + consts_ref[2 + j])))
             term = g[:, None] * z[j]
             h = term if h is None else h + term
@@ -148,11 +153,13 @@ def _kernel(*refs, layout, d, bt, x_front, gate, has_seg, eps, gate_eps, triton)
 
 def phase2_rows_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *, fuse: str,
                         stream_kernels: Sequence[int], heads: int, eps: float, gate_eps: float, out_dtype=F32,
-                        block_t: int | None = None, num_warps: int | None = None, interpret: bool = False):
+                        block_t: int | None = None, num_warps: int | None = None, early_state: bool = False,
+                        interpret: bool = False):
     """``h[B, T, d]`` and the scores ``(dots[m, B, T, 1], sumsq[m, B, T])``, as
     ``mosaic_gpu.phase2_fused_forward`` (same arguments; ``reference.phase2_fused`` is the
     definition). ``block_t``, ``num_warps``: tokens and warps per program (None:
-    ``default_tiles``). ``interpret``: Pallas' interpret mode (CPU tests)."""
+    ``default_tiles``). ``early_state``: load every stream's state tile before the arithmetic
+    (more registers, the loads in flight together). ``interpret``: Pallas' interpret mode (CPU tests)."""
     from jax.experimental.pallas import triton as pltriton
 
     stream_kernels = tuple(stream_kernels)
@@ -210,7 +217,8 @@ def phase2_rows_forward(state, partial, bank, query, include_partial, gate_param
     out_shape = [jax.ShapeDtypeStruct((batch, t_pad, d), out_dtype)] + [
         jax.ShapeDtypeStruct((batch, t_pad), F32)] * (2 * m)
     kernel = functools.partial(_kernel, layout=layout, d=d, bt=bt, x_front=front, gate=gate, has_seg=has_seg,
-                               eps=float(eps), gate_eps=float(gate_eps), triton=not interpret)
+                               eps=float(eps), gate_eps=float(gate_eps), triton=not interpret,
+                               early_state=bool(early_state))
     h, *scalars = pl.pallas_call(
         kernel, grid=(batch, t_pad // bt), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         name="depth_attention_phase2_rows_forward",
