@@ -240,7 +240,7 @@ def hop_table(args, overrides) -> list[dict]:
     from msar_jax.parallel import pipeline as pipeline_lib
     from msar_jax.train import step as step_lib
 
-    base = load_config(args.config, overrides).model
+    load_config(args.config, overrides)  # the asked-for config must load (its errors first)
     seq, rows = 16, []
     proxy = {"model.n_heads": 2, "model.n_kv_heads": 1, "model.head_dim": 16, "model.mlp_dim": 64,
              "model.vocab_size": 256, "model.moe.enabled": False, "model.max_seq_len": max(seq, 16)}

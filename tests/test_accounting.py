@@ -67,7 +67,7 @@ def test_residual_params_match_eq19_eq20(mechanism, arg, overrides, expected):
     report = acc.account(config)
     assert report["params"]["residual"] == report["params"]["residual_analytic"] == expected(L, d)
     # the backbone part does not depend on the mechanism
-    vanilla = acc.param_counts(cfg("vanilla", arg.replace(f",heads=4", ""), **overrides).model)
+    vanilla = acc.param_counts(cfg("vanilla", arg.replace(",heads=4", ""), **overrides).model)
     assert counts["total"] - counts["residual"] == vanilla["total"]
 
 

@@ -240,6 +240,7 @@ def test_bpe_prepare_roundtrip_and_determinism(tmp_path):
     m2 = data.prepare(str(src), tmp_path / "b", "bpe", 300)
     for f in ("train.bin", "val.bin", "tokenizer.json"):
         assert _sha(tmp_path / "a" / f) == _sha(tmp_path / "b" / f)
+    assert m1 == m2
     assert m1["dtype"] == "uint16" and m1["tokenizer"]["kind"] == "bpe"
     tok = data.load_tokenizer(tmp_path / "a")
     assert isinstance(tok, data.BPETokenizer)

@@ -18,7 +18,6 @@ GPU (call 3: the identity stream, loaded at row offset 16, is exact; every strea
 offsets 15 down to 5 is wrong; not investigated further)."""
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -12,7 +12,6 @@ panels is the pre-attention reads, the bottom row the pre-MLP reads, one column 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 

@@ -1642,7 +1642,7 @@ def _mix_kernel(cfg: _MixConfig):
     layout = _stream_layout(stream_kernels)
     max_lag = max([1, *stream_kernels])
     nc, nch = d // bd, d // bd // heads
-    row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
+    row, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA
     lags = _Lags.of(max_lag, cfg.windows)
     copies = [len(lags.copies(kernel)) for kernel in stream_kernels]  # lag-window copies of a stream's item
     taps = [has_bank and kernel > 0 for kernel in stream_kernels]
