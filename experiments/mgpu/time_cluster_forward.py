@@ -111,7 +111,9 @@ def backward_floor_bytes(batch, t_len, d, state_reads: int) -> int:
     return tok * d * 2 * 1.25 + (state_reads + 1) * m * tok * d * 4 + tok * d * 2 + 6 * m * tok * 4
 
 
-def compile_all(shapes, backward: bool = False) -> int:
+def compile_variants(shapes, make_inputs, make_variants) -> int:
+    """Compiles ``make_variants(d, n_tiles)``'s functions on ``make_inputs(batch, t_len, d)``'s
+    shapes for an H200 (deviceless, ``msar_jax.aot``); returns the number that failed."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -120,8 +122,8 @@ def compile_all(shapes, backward: bool = False) -> int:
     mesh = aot.gpu_mesh("h200")
     failures = 0
     for name, (batch, t_len, d) in shapes:
-        args = jax.eval_shape(lambda: (backward_inputs if backward else inputs)(batch, t_len, d))
-        for label, fn in (backward_variants if backward else variants)(d, batch * t_len // 64):
+        args = jax.eval_shape(lambda: make_inputs(batch, t_len, d))
+        for label, fn in make_variants(d, batch * t_len // 64):
             try:
                 with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
                     jax.jit(fn, out_shardings=NamedSharding(mesh, P())).lower(*args).compile()
@@ -132,27 +134,21 @@ def compile_all(shapes, backward: bool = False) -> int:
     return failures
 
 
-def main(argv):
-    """``--base-only``: `base`'s shape alone; ``--only TEXT``: the one-CTA kernel and the variants
-    whose label holds TEXT (a failed launch leaves the process's GPU unusable: one per process)."""
-    shapes = SHAPES[:1] if "--base-only" in argv else SHAPES
-    only = argv[argv.index("--only") + 1] if "--only" in argv else None
-    backward = "--backward" in argv
-    if "--aot" in argv:
-        return 1 if compile_all(shapes, backward) else 0
+def time_variants(shapes, make_inputs, make_variants, floor_ms, title="", what="h, dots, sumsq", only=None):
+    """Per shape, each of ``make_variants(d, n_tiles)``'s functions (the first is the baseline):
+    every output's largest difference from the baseline's, relative to its largest magnitude,
+    the median of 21 timings of 5 calls, and ``floor_ms(batch, t_len, d, label)`` as a fraction
+    of it. ``only``: the baseline and the variants whose label holds it."""
     from pallas_kernels.depth_attention import bench
 
-    bw = bench.copy_bandwidth()
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {jax.devices()[0].device_kind}", flush=True)
     for name, (batch, t_len, d) in shapes:
-        args = (backward_inputs if backward else inputs)(batch, t_len, d)
-        all_variants = (backward_variants if backward else variants)(d, batch * t_len // 64)
+        args = make_inputs(batch, t_len, d)
+        all_variants = make_variants(d, batch * t_len // 64)
         want = jax.tree.leaves(jax.jit(all_variants[0][1])(*args))
         scale = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))  # noqa: E731
-        print(f"## {name}{' backward state pass' if backward else ''}: B x T = {batch} x {t_len}, d = {d}",
-              flush=True)
-        for label, fn in all_variants:
-            if only and only not in label and not label.startswith("one CTA"):
+        print(f"## {name}{title}: B x T = {batch} x {t_len}, d = {d}", flush=True)
+        for k, (label, fn) in enumerate(all_variants):
+            if only and only not in label and k:
                 continue
             try:
                 f = jax.jit(fn)
@@ -160,13 +156,34 @@ def main(argv):
                 errs = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))) / max(scale(w), 1e-30)
                         for g, w in zip(got, want)]
                 ms = bench.timeit(f, *args, reps=21, inner=5)[0] * 1e3
-                reads = 2 if label.startswith("one") else 1
-                floor_ms = (backward_floor_bytes if backward else floor_bytes)(batch, t_len, d, reads) / bw * 1e3
-                what = "every output" if backward else "h, dots, sumsq"
-                print(f"{label:40s} {ms:8.4f} ms  floor {floor_ms:.4f} ({floor_ms / ms:6.1%})  rel diff ({what}) "
+                floor = floor_ms(batch, t_len, d, label)
+                print(f"{label:40s} {ms:8.4f} ms  floor {floor:.4f} ({floor / ms:6.1%})  rel diff ({what}) "
                       + " ".join(f"{e:.1e}" for e in errs), flush=True)
             except Exception:  # noqa: BLE001
                 print(f"{label:40s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
+
+
+def main(argv):
+    """``--base-only``: `base`'s shape alone; ``--only TEXT``: the one-CTA kernel and the variants
+    whose label holds TEXT (a failed launch leaves the process's GPU unusable: one per process)."""
+    shapes = SHAPES[:1] if "--base-only" in argv else SHAPES
+    only = argv[argv.index("--only") + 1] if "--only" in argv else None
+    backward = "--backward" in argv
+    make_inputs = backward_inputs if backward else inputs
+    make_variants = backward_variants if backward else variants
+    if "--aot" in argv:
+        return 1 if compile_variants(shapes, make_inputs, make_variants) else 0
+    from pallas_kernels.depth_attention import bench
+
+    bw = bench.copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {jax.devices()[0].device_kind}", flush=True)
+
+    def floor_ms(batch, t_len, d, label):
+        reads = 2 if label.startswith("one") else 1
+        return (backward_floor_bytes if backward else floor_bytes)(batch, t_len, d, reads) / bw * 1e3
+
+    time_variants(shapes, make_inputs, make_variants, floor_ms, " backward state pass" if backward else "",
+                  "every output" if backward else "h, dots, sumsq", only)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Run on the GPU: ``python experiments/mgpu/time_rows_forward.py [--base-only] [--
 ``--aot`` compiles every variant for an H200 on a machine without one (JAX's CUDA plugin on
 ``PYTHONPATH``, ``msar_jax.aot``)."""
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -25,6 +24,7 @@ if "--aot" in sys.argv:  # before jax starts: the CUDA plugin's deviceless topol
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import time_cluster_forward  # noqa: E402  (its compile and timing loops)
 from pallas_kernels.depth_attention import mosaic_gpu, rows_forward  # noqa: E402
 
 KERNELS = (0, 4, 8, 12)
@@ -63,56 +63,25 @@ def floor_bytes(batch, t_len, d, state_reads: int, state_bytes: int = 4) -> int:
     return tok * d * 2 * 1.25 + state_reads * m * tok * d * state_bytes + tok * d * 2 + 2 * m * tok * 4
 
 
-def compile_all(shapes) -> int:
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from msar_jax import aot
-
-    mesh = aot.gpu_mesh("h200")
-    failures = 0
-    for name, (batch, t_len, d) in shapes:
-        args = jax.eval_shape(lambda: inputs(batch, t_len, d))
-        for label, fn in variants(d)[1:]:
-            try:
-                with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-                    jax.jit(fn, out_shardings=NamedSharding(mesh, P())).lower(*args).compile()
-                print(f"{name} {label}: compiled for the H200", flush=True)
-            except Exception as e:  # noqa: BLE001
-                failures += 1
-                print(f"{name} {label}: FAILED {type(e).__name__}: {str(e)[:1500]}", flush=True)
-    return failures
-
-
 def main(argv):
     shapes = SHAPES[:1] if "--base-only" in argv else SHAPES
     if "--aot" in argv:
-        return 1 if compile_all(shapes) else 0
+        rows_only = lambda d, n_tiles: variants(d)[1:]  # noqa: E731  (the Mosaic kernel: time_phase2)
+        return 1 if time_cluster_forward.compile_variants(shapes, inputs, rows_only) else 0
     from pallas_kernels.depth_attention import bench
 
     bf16_state = "--bf16-state" in argv
     bw = bench.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {jax.devices()[0].device_kind}; state "
           f"{'bf16' if bf16_state else 'float32'}", flush=True)
-    for name, (batch, t_len, d) in shapes:
-        args = inputs(batch, t_len, d, bf16_state=bf16_state)
-        all_variants = variants(d)
-        want = jax.tree.leaves(jax.jit(all_variants[0][1])(*args))
-        scale = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))  # noqa: E731
-        print(f"## {name}: B x T = {batch} x {t_len}, d = {d}", flush=True)
-        for label, fn in all_variants:
-            try:
-                f = jax.jit(fn)
-                got = jax.tree.leaves(f(*args))
-                errs = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - w.astype(jnp.float32)))) / max(scale(w), 1e-30)
-                        for g, w in zip(got, want)]
-                ms = bench.timeit(f, *args, reps=21, inner=5)[0] * 1e3
-                reads = 2 if label.startswith("mosaic") else 1
-                floor_ms = floor_bytes(batch, t_len, d, reads, 2 if bf16_state else 4) / bw * 1e3
-                print(f"{label:32s} {ms:8.4f} ms  floor {floor_ms:.4f} ({floor_ms / ms:6.1%})  rel diff (h, dots, "
-                      f"sumsq) " + " ".join(f"{e:.1e}" for e in errs), flush=True)
-            except Exception:  # noqa: BLE001
-                print(f"{label:32s} FAILED: {traceback.format_exc()[-1500:]}", flush=True)
+
+    def floor_ms(batch, t_len, d, label):
+        reads = 2 if label.startswith("mosaic") else 1
+        return floor_bytes(batch, t_len, d, reads, 2 if bf16_state else 4) / bw * 1e3
+
+    time_cluster_forward.time_variants(
+        shapes, lambda batch, t_len, d: inputs(batch, t_len, d, bf16_state=bf16_state),
+        lambda d, n_tiles: variants(d), floor_ms)
 
 
 if __name__ == "__main__":
