@@ -25,6 +25,11 @@ Pallas' Triton lowering (one program per token tile, the channel row a power of 
 interpret mode (CPU tests) the partial gets ``FRONT`` zero rows before token 0 instead of the
 GPU's masked loads. One head only (MSAR; AttnRes and MHAR keep ``fused.py``'s kernels). Returns
 what ``mosaic_gpu.phase2_fused_forward`` does, so the backward kernels take its scores.
+
+Not wired into the package: exact, and slower than the Mosaic kernel with MSAR's taps and gate
+(1.42x on the H200 at `base`). A program of a few tokens reloads every per-channel constant (24
+taps, 16 gate columns, 4 queries: 176 KB at `base`) for its tokens; without the taps and the gate
+it runs at 92% of its floor (BENCHMARKS.md, kernels, session 39, call 6).
 """
 
 from __future__ import annotations
