@@ -47,7 +47,8 @@ def inputs(batch, t_len, d, key=0, bf16_state=False):
 
 def variants(d):
     """(label, fn) per variant: the Mosaic kernel, then each rows tile whose z fits 255 registers."""
-    out = [("mosaic one CTA (state twice)", lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
+    label = "mosaic one CTA" + (" (state twice)" if FUSE == "gate" else "")  # mean fusion reads it once
+    out = [(label, lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
         st, x, b, q, True, g if FUSE == "gate" else None, None, fuse=FUSE, **KW))]
     for bt, warps in TILES:
         for early in (False, True):
@@ -88,7 +89,7 @@ def main(argv):
           f"{'bf16' if bf16_state else 'float32'}; kernels {KERNELS}, fuse={FUSE}", flush=True)
 
     def floor_ms(batch, t_len, d, label):
-        reads = 2 if label.startswith("mosaic") else 1
+        reads = 2 if label.startswith("mosaic") and FUSE == "gate" else 1  # mean fusion: no gate pass
         return floor_bytes(batch, t_len, d, reads, 2 if bf16_state else 4) / bw * 1e3
 
     time_cluster_forward.time_variants(
