@@ -33,7 +33,6 @@ SHAPES = (("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048)))
 KW = dict(stream_kernels=KERNELS, heads=1, eps=1e-6, gate_eps=1e-6, out_dtype=jnp.bfloat16)
 FUSE = "gate"
 TILES = ((1, 1), (1, 2), (2, 1), (2, 2), (2, 4), (4, 2), (4, 4), (8, 4), (8, 8))  # (tokens, warps) per program
-TWO_PASS_TILES = ((4, 4), (8, 4), (8, 8), (16, 8), (16, 16), (32, 16))
 
 
 def inputs(batch, t_len, d, key=0, bf16_state=False):
@@ -51,12 +50,6 @@ def variants(d):
     label = "mosaic one CTA" + (" (state twice)" if FUSE == "gate" else "")  # mean fusion reads it once
     out = [(label, lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
         st, x, b, q, True, g if FUSE == "gate" else None, None, fuse=FUSE, **KW))]
-    for bt, warps in TWO_PASS_TILES:
-        if bt * d // (32 * warps) > 64:  # one stream's E, acc, z and h: about 4 of these a thread
-            continue
-        out.append((f"rows {bt:2d} tokens {warps:2d} warps two-pass", (lambda bt, w: lambda st, x, b, q, g: (
-            rows_forward.phase2_rows_forward(st, x, b, q, True, g if FUSE == "gate" else None, None, fuse=FUSE,
-                                             block_t=bt, num_warps=w, two_pass=True, **KW)))(bt, warps)))
     for bt, warps in TILES:
         for early in (False, True):
             if (1 + early) * len(KERNELS) * bt * d // (32 * warps) > 160:  # z (and acc) past 160 registers: spills

@@ -48,7 +48,7 @@ FRONT = 16  # interpret mode: zero rows before token 0 (at least the largest lag
 # tokens per program and warps, by the channel row: z holds m * block_t * d float32 values in
 # registers, so wider rows take fewer tokens or more warps (tuned on the GPU: BENCHMARKS.md)
 DEFAULT_TILES = {1024: (4, 8), 2048: (2, 8)}
-BLOCK_T_CHOICES = (1, 2, 4, 8, 16, 32)
+BLOCK_T_CHOICES = (1, 2, 4, 8, 16)
 NUM_WARPS_CHOICES = (1, 2, 4, 8, 16)
 
 
@@ -72,7 +72,7 @@ def default_tiles(d: int) -> tuple[int, int]:
     return max(1, min(8, 4096 // d)), 8
 
 
-def _kernel(*refs, layout, d, bt, x_front, gate, has_seg, eps, gate_eps, triton, early_state, two_pass):
+def _kernel(*refs, layout, d, bt, x_front, gate, has_seg, eps, gate_eps, triton, early_state):
     m = len(layout)
     it = iter(refs)
     x_ref, bank_ref, q_ref, consts_ref = next(it), next(it), next(it), next(it)  # [Tp(+F), d], [K, d], [m, d], [8]
@@ -102,10 +102,6 @@ def _kernel(*refs, layout, d, bt, x_front, gate, has_seg, eps, gate_eps, triton,
         same = seg_ref[pl.ds(t0 + FRONT - delta, bt)] == seg_ref[pl.ds(t0 + FRONT, bt)]
         return ((rows >= delta) & same).astype(F32)[:, None]
 
-    if two_pass:
-        return _two_pass(layout, d, bt, gate, has_seg, eps, gate_eps, lag_rows, lag_mask, bank_ref, q_ref,
-                         consts_ref, acc_refs, max_refs, den_refs, w_ref, h_ref, dots_refs, sumsq_refs)
-
     # the state first: its loads are the program's DRAM traffic, issued before the arithmetic
     accs = [acc_ref[...].astype(F32) for acc_ref in acc_refs] if early_state else [None] * m
 
@@ -129,9 +125,18 @@ def _kernel(*refs, layout, d, bt, x_front, gate, has_seg, eps, gate_eps, triton,
     include = consts_ref[0] > 0.5
     z = []
     for r in range(m):
-        a, b = _merge_coefs(r, e[r], d, eps, include, q_ref, max_refs, den_refs, dots_refs, sumsq_refs)
+        sumsq = jnp.sum(e[r] * e[r], axis=1)
+        dot = jnp.sum(e[r] * q_ref[r, :].astype(F32)[None, :], axis=1)
+        dots_refs[r][...] = dot
+        sumsq_refs[r][...] = sumsq
+        s = jnp.where(include, dot * jax.lax.rsqrt(sumsq / d + eps), reference.NEG_LARGE)
+        pmax, pden = max_refs[r][...], den_refs[r][...]
+        new_max = jnp.maximum(pmax, s)
+        keep = jnp.exp(pmax - new_max)
+        pnew = jnp.where(include, jnp.exp(s - new_max), 0.0)
+        inv_den = 1.0 / (pden * keep + pnew)
         acc = accs[r] if early_state else acc_refs[r][...].astype(F32)
-        z.append(a[:, None] * acc + b[:, None] * e[r])
+        z.append((keep * inv_den)[:, None] * acc + (pnew * inv_den)[:, None] * e[r])
         e[r], accs[r] = None, None
 
     # 3. stream fusion (Eq. 13-14)
@@ -151,82 +156,15 @@ def _kernel(*refs, layout, d, bt, x_front, gate, has_seg, eps, gate_eps, triton,
     h_ref[...] = h.astype(h_ref.dtype)
 
 
-def _merge_coefs(r, e, d, eps, include, q_ref, max_refs, den_refs, dots_refs, sumsq_refs):
-    """Stream ``r``'s score against the partial (written out) and its merge coefficients ``(a, b)``
-    (``[bt]`` each): ``z_r = a acc_r + b E_r`` (Eq. 11; ``reference.merge``, ``finalize``)."""
-    sumsq = jnp.sum(e * e, axis=1)
-    dot = jnp.sum(e * q_ref[r, :].astype(F32)[None, :], axis=1)
-    dots_refs[r][...] = dot
-    sumsq_refs[r][...] = sumsq
-    s = jnp.where(include, dot * jax.lax.rsqrt(sumsq / d + eps), reference.NEG_LARGE)
-    pmax, pden = max_refs[r][...], den_refs[r][...]
-    new_max = jnp.maximum(pmax, s)
-    keep = jnp.exp(pmax - new_max)
-    pnew = jnp.where(include, jnp.exp(s - new_max), 0.0)
-    inv_den = 1.0 / (pden * keep + pnew)
-    return keep * inv_den, pnew * inv_den
-
-
-def _two_pass(layout, d, bt, gate, has_seg, eps, gate_eps, lag_rows, lag_mask, bank_ref, q_ref, consts_ref,
-              acc_refs, max_refs, den_refs, w_ref, h_ref, dots_refs, sumsq_refs):
-    """``_kernel`` with one stream live at a time: pass 1 builds each ``z_r`` for the scores and
-    the gate's statistics and drops it, pass 2 builds it again for ``h``. The state tile is
-    read twice, the second time soon after the first (from L2 when the programs in flight hold
-    less state than L2), and the registers hold one stream, so a program can take more tokens
-    and share its per-channel constants among them (session 39, call 6: those constants hold
-    the one-pass form)."""
-    m = len(layout)
-
-    def stream(r):
-        kernel, off = layout[r]
-        if kernel == 0:
-            return lag_rows(0)
-        e = None
-        for delta in range(kernel):
-            x_lag = lag_rows(delta)
-            if has_seg and delta:
-                x_lag = x_lag * lag_mask(delta)
-            term = bank_ref[off + delta, :].astype(F32)[None, :] * x_lag
-            e = term if e is None else e + term
-        return e
-
-    include = consts_ref[0] > 0.5
-    coefs, sq, zw = [], None, [None] * m
-    for r in range(m):
-        e = stream(r)
-        a, b = _merge_coefs(r, e, d, eps, include, q_ref, max_refs, den_refs, dots_refs, sumsq_refs)
-        coefs.append((a, b))
-        if gate:
-            z = a[:, None] * acc_refs[r][...].astype(F32) + b[:, None] * e
-            term = jnp.sum(z * z, axis=1)
-            sq = term if sq is None else sq + term
-            for j in range(m):
-                term = jnp.sum(z * w_ref[r * m + j, :][None, :], axis=1)
-                zw[j] = term if zw[j] is None else zw[j] + term
-    if gate:
-        inv = jax.lax.rsqrt(sq / (m * d) + gate_eps)
-        g = [1.0 / (1.0 + jnp.exp(-(consts_ref[1] * (inv * zw[j]) + consts_ref[2 + j]))) for j in range(m)]
-    else:
-        g = [jnp.full((bt,), 1.0 / m, F32)] * m
-    h = None
-    for r in range(m):
-        a, b = coefs[r]
-        z = a[:, None] * acc_refs[r][...].astype(F32) + b[:, None] * stream(r)
-        term = g[r][:, None] * z
-        h = term if h is None else h + term
-    h_ref[...] = h.astype(h_ref.dtype)
-
-
 def phase2_rows_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *, fuse: str,
                         stream_kernels: Sequence[int], heads: int, eps: float, gate_eps: float, out_dtype=F32,
                         block_t: int | None = None, num_warps: int | None = None, early_state: bool = False,
-                        two_pass: bool = False, interpret: bool = False):
+                        interpret: bool = False):
     """``h[B, T, d]`` and the scores ``(dots[m, B, T, 1], sumsq[m, B, T])``, as
     ``mosaic_gpu.phase2_fused_forward`` (same arguments; ``reference.phase2_fused`` is the
     definition). ``block_t``, ``num_warps``: tokens and warps per program (None:
     ``default_tiles``). ``early_state``: load every stream's state tile before the arithmetic
-    (more registers, the loads in flight together). ``two_pass``: one stream live at a time, the
-    state tile read twice (``_two_pass``). ``interpret``: Pallas' interpret mode (CPU tests)."""
+    (more registers, the loads in flight together). ``interpret``: Pallas' interpret mode (CPU tests)."""
     from jax.experimental.pallas import triton as pltriton
 
     stream_kernels = tuple(stream_kernels)
@@ -285,7 +223,7 @@ def phase2_rows_forward(state, partial, bank, query, include_partial, gate_param
         jax.ShapeDtypeStruct((batch, t_pad), F32)] * (2 * m)
     kernel = functools.partial(_kernel, layout=layout, d=d, bt=bt, x_front=front, gate=gate, has_seg=has_seg,
                                eps=float(eps), gate_eps=float(gate_eps), triton=not interpret,
-                               early_state=bool(early_state), two_pass=bool(two_pass))
+                               early_state=bool(early_state))
     h, *scalars = pl.pallas_call(
         kernel, grid=(batch, t_pad // bt), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         name="depth_attention_phase2_rows_forward",
