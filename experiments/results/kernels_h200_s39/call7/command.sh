@@ -2,6 +2,7 @@
 # Session 39, call 7: rows_forward's two-pass form (one stream live at a time, the state tile read
 # twice with the second read soon after the first, 4-32 tokens a program sharing the per-channel
 # constants) against the Mosaic kernel, both shapes; then its GPU test. Carry [".whl"].
+# Runs at commit f08d4f9 (the two-pass form was removed after this call).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD:$PWD/experiments/mgpu PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv
