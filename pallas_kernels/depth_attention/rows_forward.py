@@ -46,8 +46,9 @@ from pallas_kernels.depth_attention import fused, reference
 F32 = jnp.float32
 FRONT = 16  # interpret mode: zero rows before token 0 (at least the largest lag, max kernel - 1)
 # tokens per program and warps, by the channel row: z holds m * block_t * d float32 values in
-# registers, so wider rows take fewer tokens or more warps (tuned on the GPU: BENCHMARKS.md)
-DEFAULT_TILES = {1024: (4, 8), 2048: (2, 8)}
+# registers. The fastest of the tiles timed at `base` (d = 1024) and the issue's shape (d = 2048) on
+# the H100 and the H200 (BENCHMARKS.md, kernels, session 39, calls 2-3)
+DEFAULT_TILES = {1024: (2, 4), 2048: (2, 4)}
 BLOCK_T_CHOICES = (1, 2, 4, 8, 16)
 NUM_WARPS_CHOICES = (1, 2, 4, 8, 16)
 
@@ -65,11 +66,11 @@ def check_shape(*, d: int, heads: int, stream_kernels: Sequence[int], fuse) -> N
 
 
 def default_tiles(d: int) -> tuple[int, int]:
-    """``(block_t, num_warps)`` for a channel row of ``d``: ``DEFAULT_TILES``, else the one whose
-    ``block_t * d`` is nearest to 4096 per 8 warps."""
+    """``(block_t, num_warps)`` for a channel row of ``d``: ``DEFAULT_TILES``, else 4 warps and
+    the ``block_t`` whose ``block_t * d`` is nearest to 2048 (the timed tiles' row at `base`)."""
     if d in DEFAULT_TILES:
         return DEFAULT_TILES[d]
-    return max(1, min(8, 4096 // d)), 8
+    return max(1, min(8, 2048 // d)), 4
 
 
 def _kernel(*refs, layout, d, bt, x_front, gate, has_seg, eps, gate_eps, triton, early_state):
