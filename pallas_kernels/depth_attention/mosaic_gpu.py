@@ -1824,6 +1824,14 @@ INPUTS_WARPGROUPS_CHOICES = (1, 2, 3, 4)
 # spills; phase 2's whole backward at `base` 3.220 against 3.297 ms in the same call (session 23,
 # call 4). Read when the kernel is built.
 INPUTS_REUSE_LOADS = True
+# where ``phase2_backward_inputs`` takes its per-channel constants (the taps, the queries and W's
+# columns: the same in every token tile of a program): "per_use" loads each from shared memory at
+# every use (a tap twice per tile: the expansion and the transposed conv); "per_tile" once per tile
+# (as ``INPUTS_REUSE_LOADS`` does for the lags and the per-token rows); "per_program" once per
+# program, before the token loop, so they stay in registers (each warpgroup only its streams').
+# Bitwise the same gradients. Read when the kernel is built.
+INPUTS_CONSTANTS = "per_use"
+INPUTS_CONSTANTS_CHOICES = ("per_use", "per_tile", "per_program")
 # batch rows each program of ``phase2_backward_inputs`` walks, one after the other (the largest
 # divisor of the batch up to this): its carried token sums are reduced over the 64 rows, and its
 # first copies waited for, once per program rather than once per row. Read when the kernel is built.
@@ -1862,7 +1870,7 @@ def inputs_rows_per_program(batch: int, rows: int | None = None) -> int:
 
 def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, segment_ids, *, stream_kernels,
                            heads: int, warpgroups: int | None = None, rows_per_program: int | None = None,
-                           dx_dtype=F32, interpret: bool = False):
+                           dx_dtype=F32, constants: str | None = None, interpret: bool = False):
     """Pass 3 of ``fused_bwd_phase2`` (its reverse-T input kernel, ``_dinput_kernel``) as one
     Mosaic GPU kernel: per (group of batch rows, 8-channel chunk), each row's 64-token tiles in
     reverse (``rows_per_program``: the carried sums are reduced once per group); per
@@ -1887,7 +1895,10 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     their sum over the first axis is the gradient. ``warpgroups``: per program, one of
     ``INPUTS_WARPGROUPS_CHOICES`` (None: ``INPUTS_WARPGROUPS``; ``_inputs_kernel``);
     ``rows_per_program``: one of ``INPUTS_ROWS_PER_PROGRAM_CHOICES`` (None:
-    ``INPUTS_ROWS_PER_PROGRAM``)."""
+    ``INPUTS_ROWS_PER_PROGRAM``); ``constants``: where the per-channel constants come from, one of
+    ``INPUTS_CONSTANTS_CHOICES`` (None: ``INPUTS_CONSTANTS``)."""
+    if constants is not None and constants not in INPUTS_CONSTANTS_CHOICES:
+        raise ValueError(f"phase2_backward_inputs: constants={constants!r}: must be one of {INPUTS_CONSTANTS_CHOICES}")
     if warpgroups is not None and warpgroups not in INPUTS_WARPGROUPS_CHOICES:
         raise ValueError(f"warpgroups={warpgroups!r}: must be one of {INPUTS_WARPGROUPS_CHOICES}")
     stream_kernels = tuple(stream_kernels)
@@ -1929,6 +1940,8 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
                                         dh_dtype=jnp.dtype(_dh_operand(dh).dtype), dx_dtype=jnp.dtype(dx_dtype),
                                         warpgroups=warpgroups or INPUTS_WARPGROUPS,
                                         reuse_loads=bool(INPUTS_REUSE_LOADS), rows_per_program=rows_per_program,
+                                        constants=constants or _checked_default(
+                                            "INPUTS_CONSTANTS", INPUTS_CONSTANTS, INPUTS_CONSTANTS_CHOICES),
                                         interpret=bool(interpret)))
     dx, sums = call(*inputs)
     n_taps = sum(stream_kernels) if has_bank else 0
@@ -1957,6 +1970,7 @@ class _InputsConfig(NamedTuple):
     warpgroups: int
     reuse_loads: bool
     rows_per_program: int
+    constants: str
     interpret: bool
 
 
@@ -2060,9 +2074,6 @@ def _inputs_kernel(cfg: _InputsConfig):
             if has_seg:
                 plgpu.copy_gmem_to_smem(bits_ref.at[bi, pl.ds(t0, INPUTS_BITS_ROWS)], bits_s.at[slot], bar.at[slot])
 
-        def tap(k):
-            return _cols(plgpu.load(consts, taps_at + k, layout=col), bt, bd)
-
         def run(g: int):
             """Warpgroup ``g``'s loop over the token tiles, for its streams ``groups[g]``."""
             group, leader = groups[g], g == 0
@@ -2081,6 +2092,11 @@ def _inputs_kernel(cfg: _InputsConfig):
             for r in own_convs:  # the next tile's rows of d_E start as zeros (nothing lies past the last tile)
                 des[convs.index(r), pl.ds(bt, bt)] = zero
             plgpu.barrier_wait(bar_in.at[0])
+            const_rows = [taps_at + layout[r][1] + delta for r in own_convs for delta in range(layout[r][0])]
+            const_rows += [q_at + r for r in group] + ([w_at + r * m + j for r in group for j in range(m)] if gate else [])
+            # "per_program": this warpgroup's constants, loaded once and held in registers by the loop
+            held = ({k: plgpu.load(consts, k, layout=col) for k in const_rows} if cfg.constants == "per_program"
+                    else {})
 
             def step(i, carry):
                 dq, dbank, dw = dict(carry[0]), dict(carry[1]), dict(carry[2])
@@ -2107,6 +2123,18 @@ def _inputs_kernel(cfg: _InputsConfig):
                 def x_lag(delta):
                     return once(("x", delta), lambda: lags.load(plgpu, xs, slot, delta).astype(F32))
 
+                def const(k):  # row ``k`` of ``consts`` (a tap, a query, a column of W), per ``cfg.constants``
+                    if k in held:
+                        return _cols(held[k], bt, bd)
+                    if cfg.constants == "per_use":
+                        return _cols(plgpu.load(consts, k, layout=col), bt, bd)
+                    if ("const", k) not in loaded:
+                        loaded["const", k] = _cols(plgpu.load(consts, k, layout=col), bt, bd)
+                    return loaded["const", k]
+
+                def tap(k):
+                    return const(taps_at + k)
+
                 dh = plgpu.load(dhs, slot, layout=tile).astype(F32)
                 dx = None
                 for r in group:
@@ -2126,13 +2154,13 @@ def _inputs_kernel(cfg: _InputsConfig):
                     if gate:
                         dz = rows_of(4 * m + r) * dh + rows_of(6 * m) * z
                         for j in range(m):
-                            w_rj = _cols(plgpu.load(consts, w_at + r * m + j, layout=col), bt, bd)
+                            w_rj = const(w_at + r * m + j)
                             dz = dz + w_rj * rows_of(5 * m + j)
                             dw[r, j] = dw[r, j] + z * rows_of(5 * m + j)
                     else:
                         dz = dh * (1.0 / m)
                     coef_u = rows_of(2 * m + r)
-                    q_r = _cols(plgpu.load(consts, q_at + r, layout=col), bt, bd)
+                    q_r = const(q_at + r)
                     de = coef_b * dz + coef_u * q_r + rows_of(3 * m + r) * e
                     dq[r] = dq[r] + coef_u * e
                     if kernel == 0:

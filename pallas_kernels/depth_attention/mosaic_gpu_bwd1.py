@@ -506,6 +506,19 @@ def _kernel(cfg: _Config):
 # in ``mosaic_gpu.phase2_backward_inputs``
 TRANSPOSE_BLOCK_D = 8
 TRANSPOSE_AHEAD = 16  # rows past the tile the transposed conv reaches (max_lag - 1, in 8s)
+# Where ``sources_transpose``' lag loads find float32 values. "per_lag": each lag's rows of ``dE``
+# and ``x`` are loaded in their dtype and widened in registers (bf16: one conversion per value and
+# lag, as many instructions as the taps' FMAs: 194 of the 608 in its loop at `base`, the H200's
+# compile read back on a CPU machine, session 40); "per_tile": each tile's windows are widened once
+# into float32 buffers and every lag loads from those. Bitwise the same outputs. Read when the
+# kernel is built.
+TRANSPOSE_WIDENS = ("per_lag", "per_tile")
+TRANSPOSE_WIDEN = "per_lag"
+# Where its taps come from: "per_tile" with each item's copies (a TMA copy per tile, loaded from
+# shared memory at each use); "per_source" once per source (their own copy, a source ahead), held
+# in registers through the source's tiles. Bitwise the same outputs. Read when the kernel is built.
+TRANSPOSE_TAPS_CHOICES = ("per_tile", "per_source")
+TRANSPOSE_TAPS = "per_tile"
 
 
 def check_transpose_shape(*, d: int, stream_kernels: Sequence[int]) -> None:
@@ -522,7 +535,7 @@ def check_transpose_shape(*, d: int, stream_kernels: Sequence[int]) -> None:
 
 
 def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels, out_dtype=None,
-                      interpret: bool = False):
+                      widen: str | None = None, taps: str | None = None, interpret: bool = False):
     """``conv_transpose.sources_transpose`` (the vjp of the expansion, Eq. 10, for ``n`` sources)
     as one Mosaic GPU kernel: ``d x[t] = sum_{r: kernel_r = 0} dE_r[t] + sum_r sum_delta
     c_r[delta] mask_delta[t + delta] dE_r[t + delta]`` and ``d c_r[delta] = sum_{b, t}
@@ -538,7 +551,11 @@ def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels
 
     ``d_streams[n, m, B, T, d]`` (rows past ``T`` are taken as zeros), ``x[n, B, T, d]``,
     ``banks[n, K, d]``, ``segment_ids[B, T]`` or None, ``valid[n]`` or None. Returns ``(d x[n, B,
-    T, d]`` in ``out_dtype`` (None: ``x``'s), ``d banks[n, K, d]`` float32)."""
+    T, d]`` in ``out_dtype`` (None: ``x``'s), ``d banks[n, K, d]`` float32). ``widen``: one of
+    ``TRANSPOSE_WIDENS`` (None: ``TRANSPOSE_WIDEN``); ``taps``: one of ``TRANSPOSE_TAPS_CHOICES``
+    (None: ``TRANSPOSE_TAPS``)."""
+    widen = _option("widen", widen, "TRANSPOSE_WIDEN", TRANSPOSE_WIDEN, TRANSPOSE_WIDENS)
+    taps = _option("taps", taps, "TRANSPOSE_TAPS", TRANSPOSE_TAPS, TRANSPOSE_TAPS_CHOICES)
     stream_kernels = tuple(stream_kernels)
     n, m, batch, t_len, d = d_streams.shape
     if m != len(stream_kernels) or x.shape != (n, batch, t_len, d):
@@ -565,12 +582,25 @@ def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels
     call = _transpose_kernel(_TransposeConfig(
         n=n, batch=batch, t_pad=t_pad, d=d, stream_kernels=stream_kernels, has_seg=has_seg,
         x_dtype=jnp.dtype(x.dtype), de_dtype=jnp.dtype(d_streams.dtype),
-        out_dtype=jnp.dtype(out_dtype or x.dtype), n_tap_rows=_rows4(n_taps), interpret=bool(interpret)))
+        out_dtype=jnp.dtype(out_dtype or x.dtype), n_tap_rows=_rows4(n_taps), widen=widen, taps=taps,
+        interpret=bool(interpret)))
     dx, dbank = call(*inputs)  # [n, B, Tp, d], [n, B, K4, d]
     return dx[:, :, :t_len], jnp.sum(dbank[:, :, :n_taps], axis=1)
 
 
 _BITS_ROWS = 96  # a tile's lag bits and the 16 rows after it, padded to 384 bytes (Lane copies: 128-byte multiples)
+
+
+def _option(arg: str, value, default_name: str, default: str, choices: tuple) -> str:
+    """``value`` if given, else the module default ``default`` (named ``default_name``); either
+    must be one of ``choices``."""
+    if value is None:
+        if default not in choices:
+            raise ValueError(f"mosaic_gpu_bwd1.{default_name}={default!r}: must be one of {choices}")
+        return default
+    if value not in choices:
+        raise ValueError(f"mosaic_gpu_bwd1.sources_transpose: {arg}={value!r}: must be one of {choices}")
+    return value
 
 
 class _TransposeConfig(NamedTuple):
@@ -584,6 +614,8 @@ class _TransposeConfig(NamedTuple):
     de_dtype: jnp.dtype
     out_dtype: jnp.dtype
     n_tap_rows: int
+    widen: str
+    taps: str
     interpret: bool
 
 
@@ -600,17 +632,22 @@ def _transpose_kernel(cfg: _TransposeConfig):
     n_taps, n_tiles = sum(stream_kernels), t_pad // bt
     rows_in = bt + ahead
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
+    conv_streams = [r for r, (kernel, _) in enumerate(layout) if kernel > 0]
+    widened, per_source = cfg.widen == "per_tile", cfg.taps == "per_source"
     scratch = dict(
         des=plgpu.SMEM((2, m, rows_in, bd), cfg.de_dtype),  # the tile's rows of dE and the 16 after
         xs=plgpu.SMEM((2, rows_in, bd), cfg.x_dtype),  # the 16 rows before the tile and its own
-        taps=plgpu.SMEM((2, cfg.n_tap_rows, bd), F32),
+        taps=plgpu.SMEM((2, cfg.n_tap_rows, bd), F32),  # per item, or per source ("per_source")
         bits_s=plgpu.SMEM((2, _BITS_ROWS), jnp.int32) if has_seg else None,
         dxs=plgpu.SMEM((2, bt, bd), cfg.out_dtype),
         zero_s=plgpu.SMEM((bt, bd), cfg.out_dtype),
         sums_s=plgpu.SMEM((2, cfg.n_tap_rows, bd), F32),
         meta_s=plgpu.SMEM((n + 1, 64), jnp.int32),
-        bar=plgpu.Barrier(num_arrivals=3 + has_seg, num_barriers=2),
+        desf=plgpu.SMEM((len(conv_streams), rows_in, bd), F32) if widened else None,  # the tile's dE, widened
+        xsf=plgpu.SMEM((rows_in, bd), F32) if widened else None,  # its x rows, widened
+        bar=plgpu.Barrier(num_arrivals=3 + has_seg - per_source, num_barriers=2),
         bar_in=plgpu.Barrier(num_arrivals=1, num_barriers=1),
+        bar_taps=plgpu.Barrier(num_arrivals=1, num_barriers=2) if per_source else None,
     )
     names = [k for k, v in scratch.items() if v is not None]
 
@@ -622,7 +659,7 @@ def _transpose_kernel(cfg: _TransposeConfig):
         sc = dict(zip(names, it))
         des, xs, taps, bits_s, dxs, zero_s, sums_s, meta_s = (
             sc.get(k) for k in ("des", "xs", "taps", "bits_s", "dxs", "zero_s", "sums_s", "meta_s"))
-        bar, bar_in = sc["bar"], sc["bar_in"]
+        bar, bar_in, bar_taps, desf, xsf = sc["bar"], sc["bar_in"], sc.get("bar_taps"), sc.get("desf"), sc.get("xsf")
         b, c = lax.axis_index("b"), lax.axis_index("c")
         cs = pl.ds(c * bd, bd)
         plgpu.copy_gmem_to_smem(meta_ref, meta_s, bar_in.at[0])
@@ -644,14 +681,48 @@ def _transpose_kernel(cfg: _TransposeConfig):
                                         bar.at[slot])
                 plgpu.copy_gmem_to_smem(x_ref.at[i * batch + b, pl.ds(t0 + front - ahead, rows_in), cs],
                                         xs.at[slot], bar.at[slot])
-                plgpu.copy_gmem_to_smem(bank_ref.at[:, pl.ds(i * d + c * bd, bd)], taps.at[slot], bar.at[slot])
+                if not per_source:
+                    plgpu.copy_gmem_to_smem(bank_ref.at[:, pl.ds(i * d + c * bd, bd)], taps.at[slot], bar.at[slot])
                 if has_seg:
                     plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t0, _BITS_ROWS)], bits_s.at[slot], bar.at[slot])
 
-        def tile_step(f, dbank):
-            """Tile ``f % n_tiles`` of valid source ``f // n_tiles``: ``d x`` stored, the bank sums carried."""
+        def fetch_taps(j):
+            """``"per_source"``: valid source ``j``'s taps, if there is one, into ``taps[j % 2]``."""
+            @pl.when(j < n_live)
+            def _():
+                sslot = lax.rem(j, 2)
+                plgpu.copy_gmem_to_smem(bank_ref.at[:, pl.ds(meta_s[j, 0] * d + c * bd, bd)], taps.at[sslot],
+                                        bar_taps.at[sslot])
+
+        def tile_step(f, dbank, held=None):
+            """Tile ``f % n_tiles`` of valid source ``f // n_tiles``: ``d x`` stored, the bank sums
+            carried; ``held``: the source's taps in registers (``"per_source"``)."""
             slot = lax.rem(f, 2)
             plgpu.barrier_wait(bar.at[slot])
+            if held is None:
+                tap_of = lambda k: _cols(plgpu.load(taps, (slot, k), layout=col), bt, bd)  # noqa: E731
+            else:
+                tap_of = lambda k: _cols(held[k], bt, bd)  # noqa: E731
+            if widened:  # each window widened once; the lag loads below read float32 (the last tile's
+                # loads are done: every thread passed its commit before the store of d x)
+                for ci, r in enumerate(conv_streams):
+                    for start in (0, ahead):  # rows [0, 64) and [16, 80): the overlap gets the same values
+                        desf[ci, pl.ds(start, bt)] = plgpu.load(des.at[slot, r, pl.ds(start, bt)], (),
+                                                                layout=tile).astype(F32)
+                for start in (0, ahead):
+                    xsf[pl.ds(start, bt)] = plgpu.load(xs.at[slot, pl.ds(start, bt)], (), layout=tile).astype(F32)
+                plgpu.commit_smem()
+
+            def de_rows(r, off):  # rows [off, off + 64) of stream r's dE in this tile's window, float32
+                if widened:
+                    return plgpu.load(desf.at[conv_streams.index(r), pl.ds(off, bt)], (), layout=tile)
+                return plgpu.load(des.at[slot, r, pl.ds(off, bt)], (), layout=tile).astype(F32)
+
+            def x_rows(off):
+                if widened:
+                    return plgpu.load(xsf.at[pl.ds(off, bt)], (), layout=tile)
+                return plgpu.load(xs.at[slot, pl.ds(off, bt)], (), layout=tile).astype(F32)
+
             behind, lead = [None] * max(1, max(stream_kernels)), [None] * max(1, max(stream_kernels))
             if has_seg:
                 bits = plgpu.load(bits_s.at[slot, pl.ds(0, bt)], (), layout=row)
@@ -662,19 +733,19 @@ def _transpose_kernel(cfg: _TransposeConfig):
             dbank = list(dbank)
             dx = None
             for r, (kernel, off) in enumerate(layout):
-                de0 = plgpu.load(des.at[slot, r, pl.ds(0, bt)], (), layout=tile).astype(F32)
                 if kernel == 0:
+                    de0 = plgpu.load(des.at[slot, r, pl.ds(0, bt)], (), layout=tile).astype(F32)
                     dx = de0 if dx is None else dx + de0
                     continue
+                de0 = de_rows(r, 0)
                 for delta in range(kernel):
-                    tap = _cols(plgpu.load(taps, (slot, off + delta), layout=col), bt, bd)
-                    de_lead = de0 if delta == 0 else plgpu.load(des.at[slot, r, pl.ds(delta, bt)], (),
-                                                                layout=tile).astype(F32)
+                    tap = tap_of(off + delta)
+                    de_lead = de0 if delta == 0 else de_rows(r, delta)
                     if lead[delta] is not None:
                         de_lead = de_lead * lead[delta]
                     term = tap * de_lead
                     dx = term if dx is None else dx + term
-                    xl = plgpu.load(xs.at[slot, pl.ds(ahead - delta, bt)], (), layout=tile).astype(F32)
+                    xl = x_rows(ahead - delta)
                     g = de0 * xl
                     if behind[delta] is not None:
                         g = g * behind[delta]
@@ -689,8 +760,15 @@ def _transpose_kernel(cfg: _TransposeConfig):
             return dbank
 
         def source_body(j, carry):
-            dbank = lax.fori_loop(j * n_tiles, (j + 1) * n_tiles, tile_step, [zero] * n_taps)
             sslot = lax.rem(j, 2)
+            step, held = tile_step, None
+            if per_source:
+                plgpu.barrier_wait(bar_taps.at[sslot])
+                held = [plgpu.load(taps, (sslot, k), layout=col) for k in range(n_taps)]
+                step = lambda f, dbank: tile_step(f, dbank, held)  # noqa: E731
+            dbank = lax.fori_loop(j * n_tiles, (j + 1) * n_tiles, step, [zero] * n_taps)
+            if per_source:  # every thread loaded this source's taps before the loop's commits
+                fetch_taps(j + 2)
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
             for t in range(n_taps):
                 sums_s[sslot, t] = jnp.sum(dbank[t], axis=0)
@@ -698,6 +776,9 @@ def _transpose_kernel(cfg: _TransposeConfig):
             plgpu.copy_smem_to_gmem(sums_s.at[sslot], dbank_ref.at[meta_s[j, 0], b, :, cs])
             return carry
 
+        if per_source:
+            fetch_taps(0)
+            fetch_taps(1)
         fetch(0)
         fetch(1)
         lax.fori_loop(0, n_live, source_body, 0)

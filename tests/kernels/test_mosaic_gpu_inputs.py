@@ -129,6 +129,32 @@ def test_interpreted_inputs_kernel_loading_at_every_use_matches(monkeypatch, cas
     _check(_mosaic(args, kernels, heads), _pass3(args, kernels, heads, "interpret"), 1e-5)
 
 
+@pytest.mark.parametrize("constants", ["per_tile", "per_program"])
+@pytest.mark.parametrize("warpgroups", [2, *(pytest.param(wg, marks=pytest.mark.slow) for wg in (1, 3))])
+def test_interpreted_inputs_kernel_constants_held_give_the_same_bits(monkeypatch, constants, warpgroups):
+    """``INPUTS_CONSTANTS``: the taps, queries and W's columns loaded once per tile, or once per
+    program and held in registers, give the same bits as loading them at every use (the values
+    loaded are the same; only where they come from changes), for each warpgroup's share of them."""
+    kernels, heads = (0, 4, 8, 12), 1
+    args = _inputs(2, 200, 16, kernels, heads, True, 77)
+    want = _mosaic(args, kernels, heads, warpgroups=warpgroups)
+    monkeypatch.setattr(mosaic_gpu, "INPUTS_CONSTANTS", constants)
+    got = _mosaic(args, kernels, heads, warpgroups=warpgroups)
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert bool(jnp.all(g == w)), constants
+    _check(got, _pass3(args, kernels, heads, "interpret"), 1e-5)
+
+
+def test_inputs_kernel_refuses_an_unknown_constants_option(monkeypatch):
+    monkeypatch.setattr(mosaic_gpu, "INPUTS_CONSTANTS", "per_block")
+    kernels, heads = (0, 4), 1
+    args = _inputs(1, 64, 8, kernels, heads, False, None)
+    with pytest.raises(ValueError, match="INPUTS_CONSTANTS='per_block'.*per_use"):
+        _mosaic(args, kernels, heads)
+
+
 @pytest.mark.slow  # an option against the default (case 0's two rows already share a program there)
 @pytest.mark.parametrize("rows_per_program", [1, 2, 4])
 def test_interpreted_inputs_kernel_with_rows_per_program_matches(rows_per_program):
@@ -196,10 +222,14 @@ def test_which_choice_takes_the_inputs_kernel(monkeypatch, choice, auto_inputs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("warpgroups, reuse_loads, rows_per_program, t_len",
-                         [(2, False, 4, 300), (3, False, 4, 300), (4, False, 4, 300), (2, True, 4, 300),
-                          (2, True, 4, 320), (2, True, 1, 320), (3, True, 2, 320), (2, True, 4, -320)])
-def test_gpu_inputs_kernel_matches_the_triton_pass(monkeypatch, warpgroups, reuse_loads, rows_per_program, t_len):
+@pytest.mark.parametrize("warpgroups, reuse_loads, rows_per_program, t_len, constants",
+                         [(2, False, 4, 300, "per_use"), (3, False, 4, 300, "per_use"), (4, False, 4, 300, "per_use"),
+                          (2, True, 4, 300, "per_use"), (2, True, 4, 320, "per_use"), (2, True, 1, 320, "per_use"),
+                          (3, True, 2, 320, "per_use"), (2, True, 4, -320, "per_use"),
+                          (2, True, 4, 300, "per_tile"), (2, True, 4, 300, "per_program"),
+                          (3, True, 2, -320, "per_program")])
+def test_gpu_inputs_kernel_matches_the_triton_pass(monkeypatch, warpgroups, reuse_loads, rows_per_program, t_len,
+                                                   constants):
     """On a GPU: the compiled kernel (TMA's zero fill before token 0 and past the last tile, at
     each row of a program) against Triton's reverse-T pass (bf16 partial, segments, two heads,
     the gate; four batch rows; ragged T, and whole tiles, whose last rows reach past the end;
@@ -207,6 +237,7 @@ def test_gpu_inputs_kernel_matches_the_triton_pass(monkeypatch, warpgroups, reus
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     monkeypatch.setattr(mosaic_gpu, "INPUTS_REUSE_LOADS", reuse_loads)
+    monkeypatch.setattr(mosaic_gpu, "INPUTS_CONSTANTS", constants)
     kernels, heads = (0, 4, 8, 12), 2
     args = _inputs(4, abs(t_len), 256, kernels, heads, True, 77 if t_len > 0 else None)
     got = jax.jit(lambda *a: _mosaic(a, kernels, heads, interpret=False, warpgroups=warpgroups,
