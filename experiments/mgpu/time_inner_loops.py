@@ -3,8 +3,9 @@ phase 2's backward input kernel (``mosaic_gpu.phase2_backward_inputs``) with eac
 per-channel constants come from (``mosaic_gpu.INPUTS_CONSTANTS_CHOICES``: the taps, queries and
 W's columns loaded at every use, once per token tile, or once per program and held in registers),
 and phase 1's expansion transpose (``mosaic_gpu_bwd1.sources_transpose``) with its windows widened
-to float32 per lag or once per tile (``TRANSPOSE_WIDENS``) and its taps per tile or held per
-source (``TRANSPOSE_TAPS_CHOICES``). MSAR's kernels (0, 4, 8, 12), bf16 partial / sources and
+to float32 per lag or once per tile (``TRANSPOSE_WIDENS``), its taps per tile or held per source
+(``TRANSPOSE_TAPS_CHOICES``), with and without Pallas' automatic barriers
+(``TRANSPOSE_AUTO_BARRIERS``). MSAR's kernels (0, 4, 8, 12), bf16 partial / sources and
 cotangents, float32 state, as the model runs them; `base`'s shape (B x T = 64 x 1024, d = 1024;
 the transpose at its last block: 7 sources, 4 valid) and the issue's (8 x 2048, d = 2048; 9
 sources). Per variant: each output's largest difference from the first variant's (relative to
@@ -13,7 +14,8 @@ timings of 5 calls, and the floor: the bytes the kernel must move (each input re
 output written once) at the copy bandwidth measured in the same run.
 
 Run on the GPU: ``python experiments/mgpu/time_inner_loops.py [--base-only] [--inputs-only |
---transpose-only]``; ``--aot`` compiles every variant for an H200 on a machine without one (JAX's
+--transpose-only] [--only TEXT]`` (``--only``: the first variant of each kernel and those whose
+label holds TEXT); ``--aot`` compiles every variant for an H200 on a machine without one (JAX's
 CUDA plugin on ``PYTHONPATH``, ``msar_jax.aot``)."""
 
 from __future__ import annotations
@@ -78,11 +80,16 @@ def transpose_inputs(batch, t_len, d):
     return d_streams, x, banks, None, jnp.arange(n) < n_live
 
 
+TRANSPOSE_FORMS = (("per_lag", "per_tile", True), ("per_tile", "per_tile", True), ("per_lag", "per_source", True),
+                   ("per_tile", "per_source", True), ("per_lag", "per_tile", False), ("per_tile", "per_tile", False),
+                   ("per_lag", "per_source", False), ("per_tile", "per_source", False))
+
+
 def transpose_variants(d, n_tiles):
-    return [(f"transpose widen {w}, taps {t}", (lambda w, t: lambda *a: mosaic_gpu_bwd1.sources_transpose(
-        *a, stream_kernels=KERNELS, widen=w, taps=t))(w, t))
-        for w, t in (("per_lag", "per_tile"), ("per_tile", "per_tile"), ("per_lag", "per_source"),
-                     ("per_tile", "per_source"))]
+    return [(f"transpose widen {w}, taps {t}" + ("" if auto else ", own barriers"),
+             (lambda w, t, auto: lambda *a: mosaic_gpu_bwd1.sources_transpose(
+                 *a, stream_kernels=KERNELS, widen=w, taps=t, auto_barriers=auto))(w, t, auto))
+            for w, t, auto in TRANSPOSE_FORMS]
 
 
 def transpose_floor_bytes(batch, t_len, d) -> int:
@@ -105,7 +112,7 @@ def main(argv):
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {jax.devices()[0].device_kind}", flush=True)
     for title, make, var, floor, what in kernels:
         time_variants(shapes, make, var, lambda batch, t_len, d, label, floor=floor: floor(batch, t_len, d) / bw * 1e3,
-                      f" {title}", what)
+                      f" {title}", what, argv[argv.index("--only") + 1] if "--only" in argv else None)
     return 0
 
 

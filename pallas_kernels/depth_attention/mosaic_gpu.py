@@ -1829,8 +1829,13 @@ INPUTS_REUSE_LOADS = True
 # every use (a tap twice per tile: the expansion and the transposed conv); "per_tile" once per tile
 # (as ``INPUTS_REUSE_LOADS`` does for the lags and the per-token rows); "per_program" once per
 # program, before the token loop, so they stay in registers (each warpgroup only its streams').
-# Bitwise the same gradients. Read when the kernel is built.
-INPUTS_CONSTANTS = "per_use"
+# The same values loaded: bitwise the same gradients interpreted; compiled, ptxas schedules the
+# arithmetic around them differently (`d_x` within one bf16 rounding of the others, `d_bank` 2e-7
+# relative). "per_program" by measurement (session 40, call 1, an H100; the loops 608 / 494 ->
+# 574 / 460 instructions per tile, 254 registers, no spills): 1.375 -> 1.229 ms per call at
+# `base` (-10.7%), 0.695 -> 0.635 at the issue's shape (-8.7%); "per_tile" -4.9% / -5.7%.
+# Read when the kernel is built.
+INPUTS_CONSTANTS = "per_program"
 INPUTS_CONSTANTS_CHOICES = ("per_use", "per_tile", "per_program")
 # batch rows each program of ``phase2_backward_inputs`` walks, one after the other (the largest
 # divisor of the batch up to this): its carried token sums are reduced over the 64 rows, and its

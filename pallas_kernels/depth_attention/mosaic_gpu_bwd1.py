@@ -510,15 +510,25 @@ TRANSPOSE_AHEAD = 16  # rows past the tile the transposed conv reaches (max_lag 
 # and ``x`` are loaded in their dtype and widened in registers (bf16: one conversion per value and
 # lag, as many instructions as the taps' FMAs: 194 of the 608 in its loop at `base`, the H200's
 # compile read back on a CPU machine, session 40); "per_tile": each tile's windows are widened once
-# into float32 buffers and every lag loads from those. Bitwise the same outputs. Read when the
-# kernel is built.
+# into float32 buffers and every lag loads from those (608 -> 512 instructions, but 17 more
+# barriers from Pallas' stores: 15-19% slower on an H100, session 40, call 1). Bitwise the same
+# outputs. Read when the kernel is built.
 TRANSPOSE_WIDENS = ("per_lag", "per_tile")
 TRANSPOSE_WIDEN = "per_lag"
 # Where its taps come from: "per_tile" with each item's copies (a TMA copy per tile, loaded from
 # shared memory at each use); "per_source" once per source (their own copy, a source ahead), held
-# in registers through the source's tiles. Bitwise the same outputs. Read when the kernel is built.
+# in registers through the source's tiles (175 -> 224 registers: two programs per SM either way).
+# Bitwise the same outputs. "per_source" by measurement (session 40, call 1, an H100): 3.119 ->
+# 3.032 ms per call at `base`'s last block (-2.8%), 2.922 -> 2.791 at the issue's shape (-4.5%).
+# Read when the kernel is built.
 TRANSPOSE_TAPS_CHOICES = ("per_tile", "per_source")
-TRANSPOSE_TAPS = "per_tile"
+TRANSPOSE_TAPS = "per_source"
+# Whether the compiled transpose keeps Pallas' automatic warpgroup barriers (a ``bar.sync`` before
+# each TMA copy into shared memory and before and after each store to it: 17 more per tile with
+# the widened windows); False: built with ``unsafe_no_auto_barriers`` and synced where its pipeline
+# needs it (``_wg_sync``: after waiting for a staging buffer's stores; the commits before each
+# store and refill). Interpreted kernels keep them. Read when the kernel is built.
+TRANSPOSE_AUTO_BARRIERS = True
 
 
 def check_transpose_shape(*, d: int, stream_kernels: Sequence[int]) -> None:
@@ -535,7 +545,8 @@ def check_transpose_shape(*, d: int, stream_kernels: Sequence[int]) -> None:
 
 
 def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels, out_dtype=None,
-                      widen: str | None = None, taps: str | None = None, interpret: bool = False):
+                      widen: str | None = None, taps: str | None = None, auto_barriers: bool | None = None,
+                      interpret: bool = False):
     """``conv_transpose.sources_transpose`` (the vjp of the expansion, Eq. 10, for ``n`` sources)
     as one Mosaic GPU kernel: ``d x[t] = sum_{r: kernel_r = 0} dE_r[t] + sum_r sum_delta
     c_r[delta] mask_delta[t + delta] dE_r[t + delta]`` and ``d c_r[delta] = sum_{b, t}
@@ -553,7 +564,7 @@ def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels
     ``banks[n, K, d]``, ``segment_ids[B, T]`` or None, ``valid[n]`` or None. Returns ``(d x[n, B,
     T, d]`` in ``out_dtype`` (None: ``x``'s), ``d banks[n, K, d]`` float32). ``widen``: one of
     ``TRANSPOSE_WIDENS`` (None: ``TRANSPOSE_WIDEN``); ``taps``: one of ``TRANSPOSE_TAPS_CHOICES``
-    (None: ``TRANSPOSE_TAPS``)."""
+    (None: ``TRANSPOSE_TAPS``); ``auto_barriers``: None is ``TRANSPOSE_AUTO_BARRIERS``."""
     widen = _option("widen", widen, "TRANSPOSE_WIDEN", TRANSPOSE_WIDEN, TRANSPOSE_WIDENS)
     taps = _option("taps", taps, "TRANSPOSE_TAPS", TRANSPOSE_TAPS, TRANSPOSE_TAPS_CHOICES)
     stream_kernels = tuple(stream_kernels)
@@ -583,6 +594,7 @@ def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels
         n=n, batch=batch, t_pad=t_pad, d=d, stream_kernels=stream_kernels, has_seg=has_seg,
         x_dtype=jnp.dtype(x.dtype), de_dtype=jnp.dtype(d_streams.dtype),
         out_dtype=jnp.dtype(out_dtype or x.dtype), n_tap_rows=_rows4(n_taps), widen=widen, taps=taps,
+        auto_barriers=bool(TRANSPOSE_AUTO_BARRIERS if auto_barriers is None else auto_barriers) or bool(interpret),
         interpret=bool(interpret)))
     dx, dbank = call(*inputs)  # [n, B, Tp, d], [n, B, K4, d]
     return dx[:, :, :t_len], jnp.sum(dbank[:, :, :n_taps], axis=1)
@@ -616,6 +628,7 @@ class _TransposeConfig(NamedTuple):
     n_tap_rows: int
     widen: str
     taps: str
+    auto_barriers: bool
     interpret: bool
 
 
@@ -650,6 +663,18 @@ def _transpose_kernel(cfg: _TransposeConfig):
         bar_taps=plgpu.Barrier(num_arrivals=1, num_barriers=2) if per_source else None,
     )
     names = [k for k, v in scratch.items() if v is not None]
+
+    def wg_sync():
+        """A warpgroup barrier where a kernel without Pallas' automatic ones needs it (they sync there)."""
+        if cfg.auto_barriers:
+            return
+        from jax.experimental.mosaic import gpu as mgpu
+
+        @plgpu.inline_mgpu()
+        def barrier(_ctx):
+            mgpu.utils.warpgroup_barrier()
+
+        barrier()
 
     def body(*refs):
         it = iter(refs)
@@ -753,6 +778,7 @@ def _transpose_kernel(cfg: _TransposeConfig):
             j, k = f // n_tiles, lax.rem(f, n_tiles)
             i = meta_s[j, 0]
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot two tiles ago is read
+            wg_sync()  # ... by the thread that issued it, before any thread writes the slot
             dxs[slot] = dx.astype(dxs.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(dxs.at[slot], dx_ref.at[i, b, pl.ds(k * bt, bt), cs])
@@ -770,6 +796,7 @@ def _transpose_kernel(cfg: _TransposeConfig):
             if per_source:  # every thread loaded this source's taps before the loop's commits
                 fetch_taps(j + 2)
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            wg_sync()
             for t in range(n_taps):
                 sums_s[sslot, t] = jnp.sum(dbank[t], axis=0)
             plgpu.commit_smem()
@@ -786,6 +813,7 @@ def _transpose_kernel(cfg: _TransposeConfig):
         # the ruled-out sources: zeros for d x and the bank partial (sums_s[0] zeroed once its
         # last store has read it)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        wg_sync()
         for t in range(cfg.n_tap_rows):
             sums_s[0, t] = plgpu.layout_cast(jnp.zeros((bd,), F32), col)
         plgpu.commit_smem()
@@ -802,7 +830,8 @@ def _transpose_kernel(cfg: _TransposeConfig):
 
     out_type = (jax.ShapeDtypeStruct((n, batch, t_pad, d), cfg.out_dtype),
                 jax.ShapeDtypeStruct((n, batch, cfg.n_tap_rows, d), F32))
-    params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
+    params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                                       unsafe_no_auto_barriers=not cfg.auto_barriers))
     kernel = plgpu.kernel(named_body(body, "depth_attention_expansion_transpose_mosaic"),
                           out_type=out_type, scratch_types=[scratch[k] for k in names],
                           grid=(batch, d // bd), grid_names=("b", "c"),

@@ -420,14 +420,16 @@ def test_single_stream_bf16_ga_lowers_for_sm90(monkeypatch, mode):
     assert seen == [(mode, 64, 2, 1, False)], seen
 
 
-@pytest.mark.parametrize("t_len, segments, widen, taps", [pytest.param(64, False, None, None, marks=pytest.mark.slow),
-                                                        (200, True, None, None), (200, True, "per_tile", "per_source")])
-def test_transpose_lowers_for_sm90(t_len, segments, widen, taps):
+@pytest.mark.parametrize("t_len, segments, widen, taps, auto", [
+    pytest.param(64, False, None, None, None, marks=pytest.mark.slow), (200, True, None, None, None),
+    (200, True, "per_tile", "per_source", False)])
+def test_transpose_lowers_for_sm90(t_len, segments, widen, taps, auto):
     """The compiled transpose lowers for the H200 (one and several tiles: its x window starts 16
-    rows before token 0, its cotangents' window reaches 16 rows past the tile), with its options."""
+    rows before token 0, its cotangents' window reaches 16 rows past the tile), with its options
+    (without Pallas' automatic barriers: its own ``bar.sync`` through inline Mosaic GPU code)."""
     inputs = _transpose_inputs(3, 2, t_len, 64, (True, True, False), 30 if segments else None)
     text = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS, widen=widen,
-                                                                taps=taps)).trace(
+                                                                taps=taps, auto_barriers=auto)).trace(
         *inputs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1
 
@@ -458,8 +460,10 @@ def test_gpu_kernels_match_the_triton_passes():
                                                                backend="triton", interpret=False,
                                                                out_dtype=jnp.float32))(*t_args)
     _check_tree(got, want, 1e-5)
-    for widen, taps in (("per_tile", "per_tile"), ("per_lag", "per_source"), ("per_tile", "per_source")):
+    for widen, taps, auto in (("per_tile", "per_tile", True), ("per_lag", "per_source", True),
+                              ("per_tile", "per_source", True), ("per_lag", "per_tile", False),
+                              ("per_tile", "per_tile", False), ("per_tile", "per_source", False)):
         other = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(  # noqa: B023
-            *a, stream_kernels=KERNELS, out_dtype=jnp.float32, widen=widen, taps=taps))(*t_args)
+            *a, stream_kernels=KERNELS, out_dtype=jnp.float32, widen=widen, taps=taps, auto_barriers=auto))(*t_args)
         for o, g in zip(other, got):
-            assert bool(jnp.all(o == g)), (widen, taps)
+            assert bool(jnp.all(o == g)), (widen, taps, auto)

@@ -131,15 +131,15 @@ def test_interpreted_inputs_kernel_loading_at_every_use_matches(monkeypatch, cas
 
 @pytest.mark.parametrize("constants", ["per_tile", "per_program"])
 @pytest.mark.parametrize("warpgroups", [2, *(pytest.param(wg, marks=pytest.mark.slow) for wg in (1, 3))])
-def test_interpreted_inputs_kernel_constants_held_give_the_same_bits(monkeypatch, constants, warpgroups):
+def test_interpreted_inputs_kernel_constants_held_give_the_same_bits(constants, warpgroups):
     """``INPUTS_CONSTANTS``: the taps, queries and W's columns loaded once per tile, or once per
     program and held in registers, give the same bits as loading them at every use (the values
     loaded are the same; only where they come from changes), for each warpgroup's share of them."""
     kernels, heads = (0, 4, 8, 12), 1
     args = _inputs(2, 200, 16, kernels, heads, True, 77)
-    want = _mosaic(args, kernels, heads, warpgroups=warpgroups)
-    monkeypatch.setattr(mosaic_gpu, "INPUTS_CONSTANTS", constants)
-    got = _mosaic(args, kernels, heads, warpgroups=warpgroups)
+    run = lambda c: _summed(mosaic_gpu.phase2_backward_inputs(  # noqa: E731
+        *args, stream_kernels=kernels, heads=heads, warpgroups=warpgroups, constants=c, interpret=True), 200)
+    want, got = run("per_use"), run(constants)
     for g, w in zip(got, want):
         assert (g is None) == (w is None)
         if g is not None:
@@ -148,9 +148,12 @@ def test_interpreted_inputs_kernel_constants_held_give_the_same_bits(monkeypatch
 
 
 def test_inputs_kernel_refuses_an_unknown_constants_option(monkeypatch):
-    monkeypatch.setattr(mosaic_gpu, "INPUTS_CONSTANTS", "per_block")
     kernels, heads = (0, 4), 1
     args = _inputs(1, 64, 8, kernels, heads, False, None)
+    with pytest.raises(ValueError, match="constants='per_block': must be one of .*per_use"):
+        mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=heads, constants="per_block",
+                                          interpret=True)
+    monkeypatch.setattr(mosaic_gpu, "INPUTS_CONSTANTS", "per_block")
     with pytest.raises(ValueError, match="INPUTS_CONSTANTS='per_block'.*per_use"):
         _mosaic(args, kernels, heads)
 
