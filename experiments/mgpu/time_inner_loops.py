@@ -2,6 +2,7 @@
 phase 2's backward input kernel (``mosaic_gpu.phase2_backward_inputs``) with each place its
 per-channel constants come from (``mosaic_gpu.INPUTS_CONSTANTS_CHOICES``: the taps, queries and
 W's columns loaded at every use, once per token tile, or once per program and held in registers),
+with and without Pallas' automatic barriers (``INPUTS_AUTO_BARRIERS``),
 and phase 1's expansion transpose (``mosaic_gpu_bwd1.sources_transpose``) with its windows widened
 to float32 per lag or once per tile (``TRANSPOSE_WIDENS``), its taps per tile or held per source
 (``TRANSPOSE_TAPS_CHOICES``), with and without Pallas' automatic barriers
@@ -57,10 +58,15 @@ def inputs(batch, t_len, d):
     return x, bank, q, a, b, u, v, acc, dh, gate_in, None
 
 
+INPUTS_FORMS = (("per_use", True), ("per_tile", True), ("per_program", True), ("per_use", False),
+                ("per_program", False))
+
+
 def variants(d, n_tiles):
-    return [(f"constants {c}", (lambda c: lambda *a: mosaic_gpu.phase2_backward_inputs(
-        *a, stream_kernels=KERNELS, heads=1, dx_dtype=jnp.bfloat16, constants=c))(c))
-        for c in mosaic_gpu.INPUTS_CONSTANTS_CHOICES]
+    return [(f"constants {c}" + ("" if auto else ", own barriers"), (lambda c, auto: lambda *a: (
+        mosaic_gpu.phase2_backward_inputs(*a, stream_kernels=KERNELS, heads=1, dx_dtype=jnp.bfloat16, constants=c,
+                                          auto_barriers=auto)))(c, auto))
+        for c, auto in INPUTS_FORMS]
 
 
 def floor_bytes(batch, t_len, d) -> int:

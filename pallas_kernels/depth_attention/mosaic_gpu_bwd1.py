@@ -42,6 +42,7 @@ from pallas_kernels.depth_attention.mosaic_gpu import (
     BLOCK_T, F32, ITEM_DECODES, MAX_LAG_BITS, MIX_WINDOW_FETCHES, SMEM_BYTES, _cols, _expand_item, _jitted_kernel,
     _Lags, _lag_masks_of, _LanePlgpu, _pad_rows4, _plgpu_for, _rows, _rows4, _shape, _smem_sum, _store_group,
     _tile_smem, _valid_first, _window_elems, default_windows, lag_bits, named_body, resolve_window_fetch,
+    warpgroup_sync,
 )
 
 MODES = ("gdots", "dstreams")
@@ -664,17 +665,7 @@ def _transpose_kernel(cfg: _TransposeConfig):
     )
     names = [k for k, v in scratch.items() if v is not None]
 
-    def wg_sync():
-        """A warpgroup barrier where a kernel without Pallas' automatic ones needs it (they sync there)."""
-        if cfg.auto_barriers:
-            return
-        from jax.experimental.mosaic import gpu as mgpu
-
-        @plgpu.inline_mgpu()
-        def barrier(_ctx):
-            mgpu.utils.warpgroup_barrier()
-
-        barrier()
+    wg_sync = functools.partial(warpgroup_sync, plgpu, not cfg.auto_barriers)
 
     def body(*refs):
         it = iter(refs)
