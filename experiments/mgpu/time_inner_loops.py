@@ -2,11 +2,10 @@
 phase 2's backward input kernel (``mosaic_gpu.phase2_backward_inputs``) with each place its
 per-channel constants come from (``mosaic_gpu.INPUTS_CONSTANTS_CHOICES``: the taps, queries and
 W's columns loaded at every use, once per token tile, or once per program and held in registers),
-with and without Pallas' automatic barriers (``INPUTS_AUTO_BARRIERS``),
-and phase 1's expansion transpose (``mosaic_gpu_bwd1.sources_transpose``) with its windows widened
-to float32 per lag or once per tile (``TRANSPOSE_WIDENS``), its taps per tile or held per source
-(``TRANSPOSE_TAPS_CHOICES``), with and without Pallas' automatic barriers
-(``TRANSPOSE_AUTO_BARRIERS``). MSAR's kernels (0, 4, 8, 12), bf16 partial / sources and
+and phase 1's expansion transpose (``mosaic_gpu_bwd1.sources_transpose``) with its taps per tile
+or held per source (``TRANSPOSE_TAPS_CHOICES``). Session 40's calls also timed options taken out
+since (the transpose's windows widened once per tile, both kernels without Pallas' automatic
+barriers; BENCHMARKS.md, session 40; commit dfe9301 has them). MSAR's kernels (0, 4, 8, 12), bf16 partial / sources and
 cotangents, float32 state, as the model runs them; `base`'s shape (B x T = 64 x 1024, d = 1024;
 the transpose at its last block: 7 sources, 4 valid) and the issue's (8 x 2048, d = 2048; 9
 sources). Per variant: each output's largest difference from the first variant's (relative to
@@ -58,15 +57,10 @@ def inputs(batch, t_len, d):
     return x, bank, q, a, b, u, v, acc, dh, gate_in, None
 
 
-INPUTS_FORMS = (("per_use", True), ("per_tile", True), ("per_program", True), ("per_use", False),
-                ("per_program", False))
-
-
 def variants(d, n_tiles):
-    return [(f"constants {c}" + ("" if auto else ", own barriers"), (lambda c, auto: lambda *a: (
-        mosaic_gpu.phase2_backward_inputs(*a, stream_kernels=KERNELS, heads=1, dx_dtype=jnp.bfloat16, constants=c,
-                                          auto_barriers=auto)))(c, auto))
-        for c, auto in INPUTS_FORMS]
+    return [(f"constants {c}", (lambda c: lambda *a: mosaic_gpu.phase2_backward_inputs(
+        *a, stream_kernels=KERNELS, heads=1, dx_dtype=jnp.bfloat16, constants=c))(c))
+        for c in mosaic_gpu.INPUTS_CONSTANTS_CHOICES]
 
 
 def floor_bytes(batch, t_len, d) -> int:
@@ -86,16 +80,9 @@ def transpose_inputs(batch, t_len, d):
     return d_streams, x, banks, None, jnp.arange(n) < n_live
 
 
-TRANSPOSE_FORMS = (("per_lag", "per_tile", True), ("per_tile", "per_tile", True), ("per_lag", "per_source", True),
-                   ("per_tile", "per_source", True), ("per_lag", "per_tile", False), ("per_tile", "per_tile", False),
-                   ("per_lag", "per_source", False), ("per_tile", "per_source", False))
-
-
 def transpose_variants(d, n_tiles):
-    return [(f"transpose widen {w}, taps {t}" + ("" if auto else ", own barriers"),
-             (lambda w, t, auto: lambda *a: mosaic_gpu_bwd1.sources_transpose(
-                 *a, stream_kernels=KERNELS, widen=w, taps=t, auto_barriers=auto))(w, t, auto))
-            for w, t, auto in TRANSPOSE_FORMS]
+    return [(f"transpose taps {t}", (lambda t: lambda *a: mosaic_gpu_bwd1.sources_transpose(
+        *a, stream_kernels=KERNELS, taps=t))(t)) for t in mosaic_gpu_bwd1.TRANSPOSE_TAPS_CHOICES]
 
 
 def transpose_floor_bytes(batch, t_len, d) -> int:

@@ -626,21 +626,6 @@ def _plgpu_for(windows: str, interpret: bool):
     return _LanePlgpu(plgpu) if windows in ONE_WINDOW else plgpu
 
 
-def warpgroup_sync(plgpu, explicit: bool) -> None:
-    """A ``bar.sync`` of the calling warpgroup where a kernel built without Pallas' automatic
-    barriers (``unsafe_no_auto_barriers``) needs one; ``explicit`` False: nothing (Pallas syncs
-    there itself, or the kernel is interpreted, which keeps Pallas' barriers)."""
-    if not explicit:
-        return
-    from jax.experimental.mosaic import gpu as mgpu
-
-    @plgpu.inline_mgpu()
-    def barrier(_ctx):
-        mgpu.utils.warpgroup_barrier()
-
-    barrier()
-
-
 def named_body(body, name: str):
     """``body`` renamed ``name``: Pallas names a Mosaic GPU kernel after its body function (in
     Nsight, ``<name>_mosaic_gpu_kernel``) and Mosaic GPU names its dumps after it
@@ -1852,13 +1837,10 @@ INPUTS_REUSE_LOADS = True
 # Read when the kernel is built.
 INPUTS_CONSTANTS = "per_program"
 INPUTS_CONSTANTS_CHOICES = ("per_use", "per_tile", "per_program")
-# Whether the compiled input kernel keeps Pallas' automatic warpgroup barriers (a ``bar.sync``
-# before each TMA copy into shared memory and before and after each store to it: 13 / 12 in its
-# two warpgroups' loops at `base`); False: built with ``unsafe_no_auto_barriers``, synced where its
-# pipeline needs it (``warpgroup_sync``: before a tile's ``d_E`` moves to the next rows, after the
-# wait for the ``d_x`` staging buffer; its commits and the handoff barriers already order the
-# rest). Interpreted kernels keep them. Read when the kernel is built.
-INPUTS_AUTO_BARRIERS = True
+# Measured in session 40 and taken out again (commit dfe9301 has it): the input kernel without
+# Pallas' automatic barriers (13 / 12 ``bar.sync`` per tile in its two warpgroups' loops; its own
+# before a tile's ``d_E`` moves to the next rows and after the wait for the ``d_x`` staging
+# buffer): exact on the GPU, 3.2% / 0.4% faster at `base` / the issue's shape (call 4).
 # batch rows each program of ``phase2_backward_inputs`` walks, one after the other (the largest
 # divisor of the batch up to this): its carried token sums are reduced over the 64 rows, and its
 # first copies waited for, once per program rather than once per row. Read when the kernel is built.
@@ -1897,8 +1879,7 @@ def inputs_rows_per_program(batch: int, rows: int | None = None) -> int:
 
 def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, segment_ids, *, stream_kernels,
                            heads: int, warpgroups: int | None = None, rows_per_program: int | None = None,
-                           dx_dtype=F32, constants: str | None = None, auto_barriers: bool | None = None,
-                           interpret: bool = False):
+                           dx_dtype=F32, constants: str | None = None, interpret: bool = False):
     """Pass 3 of ``fused_bwd_phase2`` (its reverse-T input kernel, ``_dinput_kernel``) as one
     Mosaic GPU kernel: per (group of batch rows, 8-channel chunk), each row's 64-token tiles in
     reverse (``rows_per_program``: the carried sums are reduced once per group); per
@@ -1924,8 +1905,7 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     ``INPUTS_WARPGROUPS_CHOICES`` (None: ``INPUTS_WARPGROUPS``; ``_inputs_kernel``);
     ``rows_per_program``: one of ``INPUTS_ROWS_PER_PROGRAM_CHOICES`` (None:
     ``INPUTS_ROWS_PER_PROGRAM``); ``constants``: where the per-channel constants come from, one of
-    ``INPUTS_CONSTANTS_CHOICES`` (None: ``INPUTS_CONSTANTS``); ``auto_barriers``: None is
-    ``INPUTS_AUTO_BARRIERS``."""
+    ``INPUTS_CONSTANTS_CHOICES`` (None: ``INPUTS_CONSTANTS``)."""
     if constants is not None and constants not in INPUTS_CONSTANTS_CHOICES:
         raise ValueError(f"phase2_backward_inputs: constants={constants!r}: must be one of {INPUTS_CONSTANTS_CHOICES}")
     if warpgroups is not None and warpgroups not in INPUTS_WARPGROUPS_CHOICES:
@@ -1971,8 +1951,6 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
                                         reuse_loads=bool(INPUTS_REUSE_LOADS), rows_per_program=rows_per_program,
                                         constants=constants or _checked_default(
                                             "INPUTS_CONSTANTS", INPUTS_CONSTANTS, INPUTS_CONSTANTS_CHOICES),
-                                        auto_barriers=bool(INPUTS_AUTO_BARRIERS if auto_barriers is None
-                                                           else auto_barriers) or bool(interpret),
                                         interpret=bool(interpret)))
     dx, sums = call(*inputs)
     n_taps = sum(stream_kernels) if has_bank else 0
@@ -2002,7 +1980,6 @@ class _InputsConfig(NamedTuple):
     reuse_loads: bool
     rows_per_program: int
     constants: str
-    auto_barriers: bool
     interpret: bool
 
 
@@ -2224,7 +2201,6 @@ def _inputs_kernel(cfg: _InputsConfig):
                         for other in range(n_wg - 1):
                             dx = dx + plgpu.load(dx1s, (other, slot), layout=tile)
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot two tiles ago is read
-                    warpgroup_sync(plgpu, not cfg.auto_barriers)  # ... by the thread that issued it
                     dxs[slot] = dx.astype(cfg.dx_dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(dxs.at[slot], dx_ref.at[bi, pl.ds(k * bt, bt), cs])
@@ -2232,8 +2208,6 @@ def _inputs_kernel(cfg: _InputsConfig):
                 # only; every thread of the warpgroup has done its shifted loads: the commit above);
                 # after a row's first tile the next step starts another row, past whose end lie zeros
                 keep = (k > 0).astype(F32) if rows_per_program > 1 else None
-                if own_convs:  # every thread of the warpgroup is done with the transposed conv's loads
-                    warpgroup_sync(plgpu, not cfg.auto_barriers)
                 for r in own_convs:
                     de = plgpu.load(des.at[convs.index(r), pl.ds(0, bt)], (), layout=tile)
                     des[convs.index(r), pl.ds(bt, bt)] = de if keep is None else de * keep
@@ -2275,8 +2249,7 @@ def _inputs_kernel(cfg: _InputsConfig):
 
     out_type = (jax.ShapeDtypeStruct((batch, t_pad, d), cfg.dx_dtype),
                 jax.ShapeDtypeStruct((batch // rows_per_program, _rows4(n_sums), d), F32))
-    params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                                       unsafe_no_auto_barriers=not cfg.auto_barriers))
+    params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
     if n_wg > 1:
         params.update(num_threads=n_wg, thread_name="wg")
     kernel = plgpu.kernel(named_body(body, "depth_attention_phase2_bwd_inputs_mosaic"), out_type=out_type,

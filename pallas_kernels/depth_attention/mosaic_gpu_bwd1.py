@@ -42,7 +42,6 @@ from pallas_kernels.depth_attention.mosaic_gpu import (
     BLOCK_T, F32, ITEM_DECODES, MAX_LAG_BITS, MIX_WINDOW_FETCHES, SMEM_BYTES, _cols, _expand_item, _jitted_kernel,
     _Lags, _lag_masks_of, _LanePlgpu, _pad_rows4, _plgpu_for, _rows, _rows4, _shape, _smem_sum, _store_group,
     _tile_smem, _valid_first, _window_elems, default_windows, lag_bits, named_body, resolve_window_fetch,
-    warpgroup_sync,
 )
 
 MODES = ("gdots", "dstreams")
@@ -507,16 +506,7 @@ def _kernel(cfg: _Config):
 # in ``mosaic_gpu.phase2_backward_inputs``
 TRANSPOSE_BLOCK_D = 8
 TRANSPOSE_AHEAD = 16  # rows past the tile the transposed conv reaches (max_lag - 1, in 8s)
-# Where ``sources_transpose``' lag loads find float32 values. "per_lag": each lag's rows of ``dE``
-# and ``x`` are loaded in their dtype and widened in registers (bf16: one conversion per value and
-# lag, as many instructions as the taps' FMAs: 194 of the 608 in its loop at `base`, the H200's
-# compile read back on a CPU machine, session 40); "per_tile": each tile's windows are widened once
-# into float32 buffers and every lag loads from those (608 -> 512 instructions, but 17 more
-# barriers from Pallas' stores: 15-19% slower on an H100, session 40, call 1). Bitwise the same
-# outputs. Read when the kernel is built.
-TRANSPOSE_WIDENS = ("per_lag", "per_tile")
-TRANSPOSE_WIDEN = "per_lag"
-# Where its taps come from: "per_tile" with each item's copies (a TMA copy per tile, loaded from
+# Where ``sources_transpose``' taps come from: "per_tile" with each item's copies (a TMA copy per tile, loaded from
 # shared memory at each use); "per_source" once per source (their own copy, a source ahead), held
 # in registers through the source's tiles (175 -> 224 registers: two programs per SM either way).
 # Bitwise the same outputs. "per_source" by measurement (session 40, call 1, an H100): 3.119 ->
@@ -524,12 +514,10 @@ TRANSPOSE_WIDEN = "per_lag"
 # Read when the kernel is built.
 TRANSPOSE_TAPS_CHOICES = ("per_tile", "per_source")
 TRANSPOSE_TAPS = "per_source"
-# Whether the compiled transpose keeps Pallas' automatic warpgroup barriers (a ``bar.sync`` before
-# each TMA copy into shared memory and before and after each store to it: 17 more per tile with
-# the widened windows); False: built with ``unsafe_no_auto_barriers`` and synced where its pipeline
-# needs it (``_wg_sync``: after waiting for a staging buffer's stores; the commits before each
-# store and refill). Interpreted kernels keep them. Read when the kernel is built.
-TRANSPOSE_AUTO_BARRIERS = True
+# Measured in session 40 and taken out again (commit dfe9301 has them): its bf16 windows widened to
+# float32 once per tile instead of per lag (96 fewer instructions in its 608-instruction loop, 7-19%
+# slower: twice the shared-memory bytes per lag load), and the kernel without Pallas' automatic
+# barriers (0.1% / 1.6% faster at `base` / the issue's shape).
 
 
 def check_transpose_shape(*, d: int, stream_kernels: Sequence[int]) -> None:
@@ -546,8 +534,7 @@ def check_transpose_shape(*, d: int, stream_kernels: Sequence[int]) -> None:
 
 
 def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels, out_dtype=None,
-                      widen: str | None = None, taps: str | None = None, auto_barriers: bool | None = None,
-                      interpret: bool = False):
+                      taps: str | None = None, interpret: bool = False):
     """``conv_transpose.sources_transpose`` (the vjp of the expansion, Eq. 10, for ``n`` sources)
     as one Mosaic GPU kernel: ``d x[t] = sum_{r: kernel_r = 0} dE_r[t] + sum_r sum_delta
     c_r[delta] mask_delta[t + delta] dE_r[t + delta]`` and ``d c_r[delta] = sum_{b, t}
@@ -563,10 +550,8 @@ def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels
 
     ``d_streams[n, m, B, T, d]`` (rows past ``T`` are taken as zeros), ``x[n, B, T, d]``,
     ``banks[n, K, d]``, ``segment_ids[B, T]`` or None, ``valid[n]`` or None. Returns ``(d x[n, B,
-    T, d]`` in ``out_dtype`` (None: ``x``'s), ``d banks[n, K, d]`` float32). ``widen``: one of
-    ``TRANSPOSE_WIDENS`` (None: ``TRANSPOSE_WIDEN``); ``taps``: one of ``TRANSPOSE_TAPS_CHOICES``
-    (None: ``TRANSPOSE_TAPS``); ``auto_barriers``: None is ``TRANSPOSE_AUTO_BARRIERS``."""
-    widen = _option("widen", widen, "TRANSPOSE_WIDEN", TRANSPOSE_WIDEN, TRANSPOSE_WIDENS)
+    T, d]`` in ``out_dtype`` (None: ``x``'s), ``d banks[n, K, d]`` float32). ``taps``: one of
+    ``TRANSPOSE_TAPS_CHOICES`` (None: ``TRANSPOSE_TAPS``)."""
     taps = _option("taps", taps, "TRANSPOSE_TAPS", TRANSPOSE_TAPS, TRANSPOSE_TAPS_CHOICES)
     stream_kernels = tuple(stream_kernels)
     n, m, batch, t_len, d = d_streams.shape
@@ -594,9 +579,7 @@ def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels
     call = _transpose_kernel(_TransposeConfig(
         n=n, batch=batch, t_pad=t_pad, d=d, stream_kernels=stream_kernels, has_seg=has_seg,
         x_dtype=jnp.dtype(x.dtype), de_dtype=jnp.dtype(d_streams.dtype),
-        out_dtype=jnp.dtype(out_dtype or x.dtype), n_tap_rows=_rows4(n_taps), widen=widen, taps=taps,
-        auto_barriers=bool(TRANSPOSE_AUTO_BARRIERS if auto_barriers is None else auto_barriers) or bool(interpret),
-        interpret=bool(interpret)))
+        out_dtype=jnp.dtype(out_dtype or x.dtype), n_tap_rows=_rows4(n_taps), taps=taps, interpret=bool(interpret)))
     dx, dbank = call(*inputs)  # [n, B, Tp, d], [n, B, K4, d]
     return dx[:, :, :t_len], jnp.sum(dbank[:, :, :n_taps], axis=1)
 
@@ -627,9 +610,7 @@ class _TransposeConfig(NamedTuple):
     de_dtype: jnp.dtype
     out_dtype: jnp.dtype
     n_tap_rows: int
-    widen: str
     taps: str
-    auto_barriers: bool
     interpret: bool
 
 
@@ -646,8 +627,7 @@ def _transpose_kernel(cfg: _TransposeConfig):
     n_taps, n_tiles = sum(stream_kernels), t_pad // bt
     rows_in = bt + ahead
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
-    conv_streams = [r for r, (kernel, _) in enumerate(layout) if kernel > 0]
-    widened, per_source = cfg.widen == "per_tile", cfg.taps == "per_source"
+    per_source = cfg.taps == "per_source"
     scratch = dict(
         des=plgpu.SMEM((2, m, rows_in, bd), cfg.de_dtype),  # the tile's rows of dE and the 16 after
         xs=plgpu.SMEM((2, rows_in, bd), cfg.x_dtype),  # the 16 rows before the tile and its own
@@ -657,15 +637,11 @@ def _transpose_kernel(cfg: _TransposeConfig):
         zero_s=plgpu.SMEM((bt, bd), cfg.out_dtype),
         sums_s=plgpu.SMEM((2, cfg.n_tap_rows, bd), F32),
         meta_s=plgpu.SMEM((n + 1, 64), jnp.int32),
-        desf=plgpu.SMEM((len(conv_streams), rows_in, bd), F32) if widened else None,  # the tile's dE, widened
-        xsf=plgpu.SMEM((rows_in, bd), F32) if widened else None,  # its x rows, widened
         bar=plgpu.Barrier(num_arrivals=3 + has_seg - per_source, num_barriers=2),
         bar_in=plgpu.Barrier(num_arrivals=1, num_barriers=1),
         bar_taps=plgpu.Barrier(num_arrivals=1, num_barriers=2) if per_source else None,
     )
     names = [k for k, v in scratch.items() if v is not None]
-
-    wg_sync = functools.partial(warpgroup_sync, plgpu, not cfg.auto_barriers)
 
     def body(*refs):
         it = iter(refs)
@@ -675,7 +651,7 @@ def _transpose_kernel(cfg: _TransposeConfig):
         sc = dict(zip(names, it))
         des, xs, taps, bits_s, dxs, zero_s, sums_s, meta_s = (
             sc.get(k) for k in ("des", "xs", "taps", "bits_s", "dxs", "zero_s", "sums_s", "meta_s"))
-        bar, bar_in, bar_taps, desf, xsf = sc["bar"], sc["bar_in"], sc.get("bar_taps"), sc.get("desf"), sc.get("xsf")
+        bar, bar_in, bar_taps = sc["bar"], sc["bar_in"], sc.get("bar_taps")
         b, c = lax.axis_index("b"), lax.axis_index("c")
         cs = pl.ds(c * bd, bd)
         plgpu.copy_gmem_to_smem(meta_ref, meta_s, bar_in.at[0])
@@ -719,24 +695,11 @@ def _transpose_kernel(cfg: _TransposeConfig):
                 tap_of = lambda k: _cols(plgpu.load(taps, (slot, k), layout=col), bt, bd)  # noqa: E731
             else:
                 tap_of = lambda k: _cols(held[k], bt, bd)  # noqa: E731
-            if widened:  # each window widened once; the lag loads below read float32 (the last tile's
-                # loads are done: every thread passed its commit before the store of d x)
-                for ci, r in enumerate(conv_streams):
-                    for start in (0, ahead):  # rows [0, 64) and [16, 80): the overlap gets the same values
-                        desf[ci, pl.ds(start, bt)] = plgpu.load(des.at[slot, r, pl.ds(start, bt)], (),
-                                                                layout=tile).astype(F32)
-                for start in (0, ahead):
-                    xsf[pl.ds(start, bt)] = plgpu.load(xs.at[slot, pl.ds(start, bt)], (), layout=tile).astype(F32)
-                plgpu.commit_smem()
 
-            def de_rows(r, off):  # rows [off, off + 64) of stream r's dE in this tile's window, float32
-                if widened:
-                    return plgpu.load(desf.at[conv_streams.index(r), pl.ds(off, bt)], (), layout=tile)
+            def de_rows(r, off):  # rows [off, off + 64) of stream r's dE in this tile's window, widened
                 return plgpu.load(des.at[slot, r, pl.ds(off, bt)], (), layout=tile).astype(F32)
 
             def x_rows(off):
-                if widened:
-                    return plgpu.load(xsf.at[pl.ds(off, bt)], (), layout=tile)
                 return plgpu.load(xs.at[slot, pl.ds(off, bt)], (), layout=tile).astype(F32)
 
             behind, lead = [None] * max(1, max(stream_kernels)), [None] * max(1, max(stream_kernels))
@@ -769,7 +732,6 @@ def _transpose_kernel(cfg: _TransposeConfig):
             j, k = f // n_tiles, lax.rem(f, n_tiles)
             i = meta_s[j, 0]
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot two tiles ago is read
-            wg_sync()  # ... by the thread that issued it, before any thread writes the slot
             dxs[slot] = dx.astype(dxs.dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(dxs.at[slot], dx_ref.at[i, b, pl.ds(k * bt, bt), cs])
@@ -787,7 +749,6 @@ def _transpose_kernel(cfg: _TransposeConfig):
             if per_source:  # every thread loaded this source's taps before the loop's commits
                 fetch_taps(j + 2)
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            wg_sync()
             for t in range(n_taps):
                 sums_s[sslot, t] = jnp.sum(dbank[t], axis=0)
             plgpu.commit_smem()
@@ -804,7 +765,6 @@ def _transpose_kernel(cfg: _TransposeConfig):
         # the ruled-out sources: zeros for d x and the bank partial (sums_s[0] zeroed once its
         # last store has read it)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        wg_sync()
         for t in range(cfg.n_tap_rows):
             sums_s[0, t] = plgpu.layout_cast(jnp.zeros((bd,), F32), col)
         plgpu.commit_smem()
@@ -821,8 +781,7 @@ def _transpose_kernel(cfg: _TransposeConfig):
 
     out_type = (jax.ShapeDtypeStruct((n, batch, t_pad, d), cfg.out_dtype),
                 jax.ShapeDtypeStruct((n, batch, cfg.n_tap_rows, d), F32))
-    params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
-                                                       unsafe_no_auto_barriers=not cfg.auto_barriers))
+    params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
     kernel = plgpu.kernel(named_body(body, "depth_attention_expansion_transpose_mosaic"),
                           out_type=out_type, scratch_types=[scratch[k] for k in names],
                           grid=(batch, d // bd), grid_names=("b", "c"),

@@ -265,20 +265,17 @@ def test_interpreted_transpose_matches_the_pallas_kernel(case):
         assert not np.any(np.asarray(got[0][~live])) and not np.any(np.asarray(got[1][~live]))
 
 
-@pytest.mark.parametrize("widen, taps", [("per_tile", "per_tile"), ("per_lag", "per_source"),
-                                         ("per_tile", "per_source")])
-def test_interpreted_transpose_options_give_the_same_bits(widen, taps):
-    """``widen`` (each tile's windows widened to float32 once) and ``taps`` (held in registers
-    through a source's tiles, copied a source ahead) change where the values come from, not the
-    values: the same bits as the defaults, three sources (one ruled out: the taps' double buffer
-    and its barriers go round more than once), segments, a ragged end."""
+def test_interpreted_transpose_taps_held_per_source_give_the_same_bits():
+    """``taps="per_source"`` (held in registers through a source's tiles, copied a source ahead)
+    changes where the taps come from, not their values: the same bits as ``"per_tile"``, three
+    valid sources of four (the taps' double buffer and its barriers go round more than once, past
+    a ruled-out source), segments, a ragged end."""
     args = _transpose_inputs(4, 2, 150, 16, (True, False, True, True), 37)
-    want = mosaic_gpu_bwd1.sources_transpose(*args, stream_kernels=KERNELS, out_dtype=jnp.float32, interpret=True)
-    got = mosaic_gpu_bwd1.sources_transpose(*args, stream_kernels=KERNELS, out_dtype=jnp.float32, widen=widen,
-                                            taps=taps, interpret=True)
+    want, got = (mosaic_gpu_bwd1.sources_transpose(*args, stream_kernels=KERNELS, out_dtype=jnp.float32, taps=taps,
+                                                   interpret=True) for taps in ("per_tile", "per_source"))
     for g, w in zip(got, want):
         assert np.any(np.asarray(w))
-        assert bool(jnp.all(g == w)), (widen, taps)
+        assert bool(jnp.all(g == w))
 
 
 def test_transpose_refuses_bad_inputs():
@@ -292,8 +289,6 @@ def test_transpose_refuses_bad_inputs():
         mosaic_gpu_bwd1.sources_transpose(d_streams[..., :4], x[..., :4], banks[..., :4], seg, valid, **kw)
     with pytest.raises(NotImplementedError, match="kernels up to 17 taps"):
         mosaic_gpu_bwd1.check_transpose_shape(d=8, stream_kernels=(0, 20))
-    with pytest.raises(ValueError, match="widen='once': must be one of"):
-        mosaic_gpu_bwd1.sources_transpose(d_streams, x, banks, seg, valid, widen="once", **kw)
     with pytest.raises(ValueError, match="taps='per_block': must be one of"):
         mosaic_gpu_bwd1.sources_transpose(d_streams, x, banks, seg, valid, taps="per_block", **kw)
 
@@ -420,16 +415,14 @@ def test_single_stream_bf16_ga_lowers_for_sm90(monkeypatch, mode):
     assert seen == [(mode, 64, 2, 1, False)], seen
 
 
-@pytest.mark.parametrize("t_len, segments, widen, taps, auto", [
-    pytest.param(64, False, None, None, None, marks=pytest.mark.slow), (200, True, None, None, None),
-    (200, True, "per_tile", "per_source", False)])
-def test_transpose_lowers_for_sm90(t_len, segments, widen, taps, auto):
+@pytest.mark.parametrize("t_len, segments, taps", [pytest.param(64, False, None, marks=pytest.mark.slow),
+                                                  (200, True, None), (200, True, "per_tile")])
+def test_transpose_lowers_for_sm90(t_len, segments, taps):
     """The compiled transpose lowers for the H200 (one and several tiles: its x window starts 16
-    rows before token 0, its cotangents' window reaches 16 rows past the tile), with its options
-    (without Pallas' automatic barriers: its own ``bar.sync`` through inline Mosaic GPU code)."""
+    rows before token 0, its cotangents' window reaches 16 rows past the tile), with its taps per
+    source (the default) and per tile."""
     inputs = _transpose_inputs(3, 2, t_len, 64, (True, True, False), 30 if segments else None)
-    text = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS, widen=widen,
-                                                                taps=taps, auto_barriers=auto)).trace(
+    text = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS, taps=taps)).trace(
         *inputs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1
 
@@ -460,10 +453,7 @@ def test_gpu_kernels_match_the_triton_passes():
                                                                backend="triton", interpret=False,
                                                                out_dtype=jnp.float32))(*t_args)
     _check_tree(got, want, 1e-5)
-    for widen, taps, auto in (("per_tile", "per_tile", True), ("per_lag", "per_source", True),
-                              ("per_tile", "per_source", True), ("per_lag", "per_tile", False),
-                              ("per_tile", "per_tile", False), ("per_tile", "per_source", False)):
-        other = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(  # noqa: B023
-            *a, stream_kernels=KERNELS, out_dtype=jnp.float32, widen=widen, taps=taps, auto_barriers=auto))(*t_args)
-        for o, g in zip(other, got):
-            assert bool(jnp.all(o == g)), (widen, taps, auto)
+    other = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS, out_dtype=jnp.float32,
+                                                                 taps="per_tile"))(*t_args)
+    for o, g in zip(other, got):  # the taps per tile give the default's (per source) bits
+        assert bool(jnp.all(o == g))

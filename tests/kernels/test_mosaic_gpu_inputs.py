@@ -230,8 +230,7 @@ def test_which_choice_takes_the_inputs_kernel(monkeypatch, choice, auto_inputs):
                           (2, True, 4, 300, "per_use"), (2, True, 4, 320, "per_use"), (2, True, 1, 320, "per_use"),
                           (3, True, 2, 320, "per_use"), (2, True, 4, -320, "per_use"),
                           (2, True, 4, 300, "per_tile"), (2, True, 4, 300, "per_program"),
-                          (3, True, 2, -320, "per_program"), (2, True, 4, 300, "per_program, own barriers"),
-                          (3, True, 2, -320, "per_use, own barriers"), (1, True, 4, 320, "per_program, own barriers")])
+                          (3, True, 2, -320, "per_program"), (1, True, 4, 320, "per_program")])
 def test_gpu_inputs_kernel_matches_the_triton_pass(monkeypatch, warpgroups, reuse_loads, rows_per_program, t_len,
                                                    constants):
     """On a GPU: the compiled kernel (TMA's zero fill before token 0 and past the last tile, at
@@ -241,26 +240,13 @@ def test_gpu_inputs_kernel_matches_the_triton_pass(monkeypatch, warpgroups, reus
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     monkeypatch.setattr(mosaic_gpu, "INPUTS_REUSE_LOADS", reuse_loads)
-    monkeypatch.setattr(mosaic_gpu, "INPUTS_CONSTANTS", constants.split(",")[0])
-    monkeypatch.setattr(mosaic_gpu, "INPUTS_AUTO_BARRIERS", "own barriers" not in constants)
+    monkeypatch.setattr(mosaic_gpu, "INPUTS_CONSTANTS", constants)
     kernels, heads = (0, 4, 8, 12), 2
     args = _inputs(4, abs(t_len), 256, kernels, heads, True, 77 if t_len > 0 else None)
     got = jax.jit(lambda *a: _mosaic(a, kernels, heads, interpret=False, warpgroups=warpgroups,
                                      rows_per_program=rows_per_program))(*args)
     want = jax.jit(lambda *a: _pass3(a, kernels, heads, "triton"))(*args)
     _check(got, want, 1e-5)
-
-
-@pytest.mark.parametrize("warpgroups", [2, *(pytest.param(wg, marks=pytest.mark.slow) for wg in (1, 3))])
-def test_inputs_kernel_without_automatic_barriers_lowers_for_sm90(warpgroups):
-    """``auto_barriers=False``: built with ``unsafe_no_auto_barriers``, its own ``bar.sync``
-    through inline Mosaic GPU code (only the compiled kernel: interpreted ones keep Pallas')."""
-    kernels, heads = (0, 4, 8, 12), 1
-    args = _inputs(2, 200, 64, kernels, heads, True, 30)
-    text = jax.jit(lambda *a: mosaic_gpu.phase2_backward_inputs(*a, stream_kernels=kernels, heads=heads,
-                                                                warpgroups=warpgroups, auto_barriers=False)).trace(
-        *args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @mosaic_gpu_v2") == 1
 
 
 @pytest.mark.parametrize("warpgroups", [2, *(pytest.param(wg, marks=pytest.mark.slow) for wg in (1, 3))])
