@@ -1833,8 +1833,9 @@ INPUTS_REUSE_LOADS = True
 # arithmetic around them differently (`d_x` within one bf16 rounding of the others, `d_bank` 2e-7
 # relative). "per_program" by measurement (session 40, call 1, an H100; the loops 608 / 494 ->
 # 574 / 460 instructions per tile, 254 registers, no spills): 1.375 -> 1.229 ms per call at
-# `base` (-10.7%), 0.695 -> 0.635 at the issue's shape (-8.7%); "per_tile" -4.9% / -5.7%.
-# Read when the kernel is built.
+# `base` (-10.7%), 0.695 -> 0.635 at the issue's shape (-8.7%); "per_tile" -4.9% / -5.7%; on an
+# H200 (call 4) -9.1% / -8.7%. A program of one warpgroup takes "per_use" for it
+# (``_default_inputs_constants``). Read when the kernel is built.
 INPUTS_CONSTANTS = "per_program"
 INPUTS_CONSTANTS_CHOICES = ("per_use", "per_tile", "per_program")
 # Measured in session 40 and taken out again (commit dfe9301 has it): the input kernel without
@@ -1949,8 +1950,8 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
                                         dh_dtype=jnp.dtype(_dh_operand(dh).dtype), dx_dtype=jnp.dtype(dx_dtype),
                                         warpgroups=warpgroups or INPUTS_WARPGROUPS,
                                         reuse_loads=bool(INPUTS_REUSE_LOADS), rows_per_program=rows_per_program,
-                                        constants=constants or _checked_default(
-                                            "INPUTS_CONSTANTS", INPUTS_CONSTANTS, INPUTS_CONSTANTS_CHOICES),
+                                        constants=constants or _default_inputs_constants(
+                                            stream_kernels, gate, warpgroups or INPUTS_WARPGROUPS),
                                         interpret=bool(interpret)))
     dx, sums = call(*inputs)
     n_taps = sum(stream_kernels) if has_bank else 0
@@ -1958,6 +1959,17 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     dbank = sums[:, m:m + n_taps] if has_bank else None
     dw = sums[:, m + n_taps:m + n_taps + m * m].reshape(-1, m, m, d).transpose(0, 1, 3, 2) if gate else None
     return dx[:, :t_len], dq, dbank, dw
+
+
+def _default_inputs_constants(stream_kernels, gate: bool, warpgroups: int) -> str:
+    """``INPUTS_CONSTANTS``, except that a program of one warpgroup (``warpgroups=1``, or one
+    stream) takes ``"per_use"`` for ``"per_program"``: holding all four streams' constants in one
+    warpgroup's registers took its spills from 404 to 1060 bytes and its loop from 1080 to 1180
+    instructions (the H200's compile at `base`, session 40); a one-stream program holds one row."""
+    constants = _checked_default("INPUTS_CONSTANTS", INPUTS_CONSTANTS, INPUTS_CONSTANTS_CHOICES)
+    if constants == "per_program" and len(_stream_groups(_stream_layout(stream_kernels), gate, warpgroups)) == 1:
+        return "per_use"
+    return constants
 
 
 class _InputsConfig(NamedTuple):

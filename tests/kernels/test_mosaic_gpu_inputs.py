@@ -147,6 +147,22 @@ def test_interpreted_inputs_kernel_constants_held_give_the_same_bits(constants, 
     _check(got, _pass3(args, kernels, heads, "interpret"), 1e-5)
 
 
+def test_one_warpgroup_programs_load_their_constants_per_use(monkeypatch):
+    """The default ``"per_program"`` holds each warpgroup's constants in registers; a program of
+    one warpgroup (all four streams: it spills more) or of one stream takes ``"per_use"``."""
+    seen = []
+    real = mosaic_gpu._inputs_kernel
+    monkeypatch.setattr(mosaic_gpu, "_inputs_kernel", lambda cfg: seen.append((cfg.warpgroups, cfg.constants))
+                        or real(cfg))
+    monkeypatch.setattr(mosaic_gpu, "INPUTS_CONSTANTS", "per_program")
+    for kernels, warpgroups in (((0, 4, 8, 12), 2), ((0, 4, 8, 12), 1), ((0,), 2)):
+        args = _inputs(1, 64, 8, kernels, 1, len(kernels) > 1, None)
+        mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=1, warpgroups=warpgroups,
+                                          interpret=True)
+    mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=(0,), heads=1, constants="per_program", interpret=True)
+    assert seen == [(2, "per_program"), (1, "per_use"), (2, "per_use"), (2, "per_program")], seen
+
+
 def test_inputs_kernel_refuses_an_unknown_constants_option(monkeypatch):
     kernels, heads = (0, 4), 1
     args = _inputs(1, 64, 8, kernels, heads, False, None)
