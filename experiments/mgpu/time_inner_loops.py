@@ -1,15 +1,19 @@
-"""Two kernels' inner loops with the options that take instructions out of them (session 40):
+"""Two kernels' inner loops with the options that take instructions out of them (sessions 40-41):
 phase 2's backward input kernel (``mosaic_gpu.phase2_backward_inputs``) with each place its
 per-channel constants come from (``mosaic_gpu.INPUTS_CONSTANTS_CHOICES``: the taps, queries and
-W's columns loaded at every use, once per token tile, or once per program and held in registers),
+W's columns loaded at every use, once per token tile, or once per program and held in registers)
+and with one or two token tiles per fetch and each way of widening bf16
+(``INPUTS_TILES_PER_FETCH_CHOICES`` x ``INPUTS_WIDEN_CHOICES``, session 41),
 and phase 1's expansion transpose (``mosaic_gpu_bwd1.sources_transpose``) with its taps per tile
-or held per source (``TRANSPOSE_TAPS_CHOICES``). Session 40's calls also timed options taken out
+or held per source (``TRANSPOSE_TAPS_CHOICES``) and its bf16 widened in place (``TRANSPOSE_WIDEN``,
+session 41). Session 40's calls also timed options taken out
 since (the transpose's windows widened once per tile, both kernels without Pallas' automatic
 barriers; BENCHMARKS.md, session 40; commit dfe9301 has them). MSAR's kernels (0, 4, 8, 12), bf16 partial / sources and
 cotangents, float32 state, as the model runs them; `base`'s shape (B x T = 64 x 1024, d = 1024;
 the transpose at its last block: 7 sources, 4 valid) and the issue's (8 x 2048, d = 2048; 9
 sources). Per variant: each output's largest difference from the first variant's (relative to
-its largest magnitude: the variants load the same values, so 0 is expected), the median of 21
+its largest magnitude: the variants compute the same values, but ptxas may contract and order
+them differently, up to a bf16 rounding of `d_x`: session 40), the median of 21
 timings of 5 calls, and the floor: the bytes the kernel must move (each input read once, each
 output written once) at the copy bandwidth measured in the same run.
 
@@ -58,9 +62,13 @@ def inputs(batch, t_len, d):
 
 
 def variants(d, n_tiles):
-    return [(f"constants {c}", (lambda c: lambda *a: mosaic_gpu.phase2_backward_inputs(
-        *a, stream_kernels=KERNELS, heads=1, dx_dtype=jnp.bfloat16, constants=c))(c))
-        for c in mosaic_gpu.INPUTS_CONSTANTS_CHOICES]
+    """Each place the constants come from (one tile per fetch), then the default's constants with
+    each number of tiles per fetch (``INPUTS_TILES_PER_FETCH_CHOICES``, session 41)."""
+    run = lambda **kw: lambda *a: mosaic_gpu.phase2_backward_inputs(  # noqa: E731
+        *a, stream_kernels=KERNELS, heads=1, dx_dtype=jnp.bfloat16, **kw)
+    return ([(f"constants {c}", run(constants=c, tiles_per_fetch=1)) for c in mosaic_gpu.INPUTS_CONSTANTS_CHOICES]
+            + [(f"{t} tiles per fetch, widen {w}", run(tiles_per_fetch=t, widen=w))
+               for t in mosaic_gpu.INPUTS_TILES_PER_FETCH_CHOICES for w in mosaic_gpu.INPUTS_WIDEN_CHOICES])
 
 
 def floor_bytes(batch, t_len, d) -> int:
@@ -81,8 +89,11 @@ def transpose_inputs(batch, t_len, d):
 
 
 def transpose_variants(d, n_tiles):
-    return [(f"transpose taps {t}", (lambda t: lambda *a: mosaic_gpu_bwd1.sources_transpose(
-        *a, stream_kernels=KERNELS, taps=t))(t)) for t in mosaic_gpu_bwd1.TRANSPOSE_TAPS_CHOICES]
+    """Each place the taps come from, then the default's taps with bf16 widened in place
+    (``TRANSPOSE_WIDEN_CHOICES``, session 41)."""
+    run = lambda **kw: lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS, **kw)  # noqa: E731
+    return ([(f"transpose taps {t}", run(taps=t, widen="extf")) for t in mosaic_gpu_bwd1.TRANSPOSE_TAPS_CHOICES]
+            + [("transpose widen bits", run(widen="bits"))])
 
 
 def transpose_floor_bytes(batch, t_len, d) -> int:

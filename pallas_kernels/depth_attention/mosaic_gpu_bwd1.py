@@ -41,7 +41,7 @@ from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu import (
     BLOCK_T, F32, ITEM_DECODES, MAX_LAG_BITS, MIX_WINDOW_FETCHES, SMEM_BYTES, _cols, _expand_item, _jitted_kernel,
     _Lags, _lag_masks_of, _LanePlgpu, _pad_rows4, _plgpu_for, _rows, _rows4, _shape, _smem_sum, _store_group,
-    _tile_smem, _valid_first, _window_elems, default_windows, lag_bits, named_body, resolve_window_fetch,
+    _tile_smem, _valid_first, _window_elems, default_windows, lag_bits, named_body, resolve_window_fetch, widen_bits,
 )
 
 MODES = ("gdots", "dstreams")
@@ -514,6 +514,14 @@ TRANSPOSE_AHEAD = 16  # rows past the tile the transposed conv reaches (max_lag 
 # Read when the kernel is built.
 TRANSPOSE_TAPS_CHOICES = ("per_tile", "per_source")
 TRANSPOSE_TAPS = "per_source"
+# how ``sources_transpose`` widens its bf16 lag rows (``dE``'s and the source's) to float32:
+# "extf", Mosaic GPU's conversion (three instructions per pair of bf16), or "bits", each register
+# of two widened in place (``mosaic_gpu.widen_bits``, two per pair; compiled kernels only: the
+# interpreter converts). In the H200's compile at `base` the conversions are about 230 of its
+# loop's 566 instructions per tile, beside 192 FFMA. The same values. Untimed: "extf" until
+# measured (session 41). Read when the kernel is built.
+TRANSPOSE_WIDEN_CHOICES = ("extf", "bits")
+TRANSPOSE_WIDEN = "extf"
 # Measured in session 40 and taken out again (commit dfe9301 has them): its bf16 windows widened to
 # float32 once per tile instead of per lag (96 fewer instructions in its 608-instruction loop, 7-19%
 # slower: twice the shared-memory bytes per lag load), and the kernel without Pallas' automatic
@@ -534,7 +542,7 @@ def check_transpose_shape(*, d: int, stream_kernels: Sequence[int]) -> None:
 
 
 def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels, out_dtype=None,
-                      taps: str | None = None, interpret: bool = False):
+                      taps: str | None = None, widen: str | None = None, interpret: bool = False):
     """``conv_transpose.sources_transpose`` (the vjp of the expansion, Eq. 10, for ``n`` sources)
     as one Mosaic GPU kernel: ``d x[t] = sum_{r: kernel_r = 0} dE_r[t] + sum_r sum_delta
     c_r[delta] mask_delta[t + delta] dE_r[t + delta]`` and ``d c_r[delta] = sum_{b, t}
@@ -551,8 +559,11 @@ def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels
     ``d_streams[n, m, B, T, d]`` (rows past ``T`` are taken as zeros), ``x[n, B, T, d]``,
     ``banks[n, K, d]``, ``segment_ids[B, T]`` or None, ``valid[n]`` or None. Returns ``(d x[n, B,
     T, d]`` in ``out_dtype`` (None: ``x``'s), ``d banks[n, K, d]`` float32). ``taps``: one of
-    ``TRANSPOSE_TAPS_CHOICES`` (None: ``TRANSPOSE_TAPS``)."""
+    ``TRANSPOSE_TAPS_CHOICES`` (None: ``TRANSPOSE_TAPS``); ``widen``: one of
+    ``TRANSPOSE_WIDEN_CHOICES`` (None: ``TRANSPOSE_WIDEN``; interpreted: "extf")."""
     taps = _option("taps", taps, "TRANSPOSE_TAPS", TRANSPOSE_TAPS, TRANSPOSE_TAPS_CHOICES)
+    widen = _option("widen", widen, "TRANSPOSE_WIDEN", TRANSPOSE_WIDEN, TRANSPOSE_WIDEN_CHOICES)
+    widen = "extf" if interpret else widen  # the interpreter does not run inline Mosaic GPU code
     stream_kernels = tuple(stream_kernels)
     n, m, batch, t_len, d = d_streams.shape
     if m != len(stream_kernels) or x.shape != (n, batch, t_len, d):
@@ -579,7 +590,8 @@ def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels
     call = _transpose_kernel(_TransposeConfig(
         n=n, batch=batch, t_pad=t_pad, d=d, stream_kernels=stream_kernels, has_seg=has_seg,
         x_dtype=jnp.dtype(x.dtype), de_dtype=jnp.dtype(d_streams.dtype),
-        out_dtype=jnp.dtype(out_dtype or x.dtype), n_tap_rows=_rows4(n_taps), taps=taps, interpret=bool(interpret)))
+        out_dtype=jnp.dtype(out_dtype or x.dtype), n_tap_rows=_rows4(n_taps), taps=taps, widen=widen,
+        interpret=bool(interpret)))
     dx, dbank = call(*inputs)  # [n, B, Tp, d], [n, B, K4, d]
     return dx[:, :, :t_len], jnp.sum(dbank[:, :, :n_taps], axis=1)
 
@@ -611,6 +623,7 @@ class _TransposeConfig(NamedTuple):
     out_dtype: jnp.dtype
     n_tap_rows: int
     taps: str
+    widen: str
     interpret: bool
 
 
@@ -628,6 +641,10 @@ def _transpose_kernel(cfg: _TransposeConfig):
     rows_in = bt + ahead
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
     per_source = cfg.taps == "per_source"
+
+    def to_f32(v):  # a register tile as float32 (``TRANSPOSE_WIDEN``)
+        return widen_bits(plgpu, v) if cfg.widen == "bits" and v.dtype == jnp.bfloat16 else v.astype(F32)
+
     scratch = dict(
         des=plgpu.SMEM((2, m, rows_in, bd), cfg.de_dtype),  # the tile's rows of dE and the 16 after
         xs=plgpu.SMEM((2, rows_in, bd), cfg.x_dtype),  # the 16 rows before the tile and its own
@@ -697,10 +714,10 @@ def _transpose_kernel(cfg: _TransposeConfig):
                 tap_of = lambda k: _cols(held[k], bt, bd)  # noqa: E731
 
             def de_rows(r, off):  # rows [off, off + 64) of stream r's dE in this tile's window, widened
-                return plgpu.load(des.at[slot, r, pl.ds(off, bt)], (), layout=tile).astype(F32)
+                return to_f32(plgpu.load(des.at[slot, r, pl.ds(off, bt)], (), layout=tile))
 
             def x_rows(off):
-                return plgpu.load(xs.at[slot, pl.ds(off, bt)], (), layout=tile).astype(F32)
+                return to_f32(plgpu.load(xs.at[slot, pl.ds(off, bt)], (), layout=tile))
 
             behind, lead = [None] * max(1, max(stream_kernels)), [None] * max(1, max(stream_kernels))
             if has_seg:
@@ -713,7 +730,7 @@ def _transpose_kernel(cfg: _TransposeConfig):
             dx = None
             for r, (kernel, off) in enumerate(layout):
                 if kernel == 0:
-                    de0 = plgpu.load(des.at[slot, r, pl.ds(0, bt)], (), layout=tile).astype(F32)
+                    de0 = to_f32(plgpu.load(des.at[slot, r, pl.ds(0, bt)], (), layout=tile))
                     dx = de0 if dx is None else dx + de0
                     continue
                 de0 = de_rows(r, 0)

@@ -291,6 +291,8 @@ def test_transpose_refuses_bad_inputs():
         mosaic_gpu_bwd1.check_transpose_shape(d=8, stream_kernels=(0, 20))
     with pytest.raises(ValueError, match="taps='per_block': must be one of"):
         mosaic_gpu_bwd1.sources_transpose(d_streams, x, banks, seg, valid, taps="per_block", **kw)
+    with pytest.raises(ValueError, match="widen='fast': must be one of"):
+        mosaic_gpu_bwd1.sources_transpose(d_streams, x, banks, seg, valid, widen="fast", **kw)
 
 
 @pytest.mark.parametrize("choice, auto_bwd, interpret, want", [
@@ -415,16 +417,23 @@ def test_single_stream_bf16_ga_lowers_for_sm90(monkeypatch, mode):
     assert seen == [(mode, 64, 2, 1, False)], seen
 
 
-@pytest.mark.parametrize("t_len, segments, taps", [pytest.param(64, False, None, marks=pytest.mark.slow),
-                                                  (200, True, None), (200, True, "per_tile")])
-def test_transpose_lowers_for_sm90(t_len, segments, taps):
+@pytest.mark.parametrize("t_len, segments, taps, widen", [pytest.param(64, False, None, None, marks=pytest.mark.slow),
+                                                         (200, True, None, None), (200, True, "per_tile", None),
+                                                         (200, True, None, "bits")])
+def test_transpose_lowers_for_sm90(monkeypatch, t_len, segments, taps, widen):
     """The compiled transpose lowers for the H200 (one and several tiles: its x window starts 16
     rows before token 0, its cotangents' window reaches 16 rows past the tile), with its taps per
-    source (the default) and per tile."""
+    source (the default) and per tile, and with its bf16 rows widened in place (``widen_bits`` on
+    each lag row it reads: per conv stream of K taps, K of its ``dE`` and K of the source's; the
+    identity stream's ``dE``)."""
+    seen, real = [], mosaic_gpu_bwd1.widen_bits
+    monkeypatch.setattr(mosaic_gpu_bwd1, "widen_bits", lambda plgpu, x: seen.append(x.dtype) or real(plgpu, x))
     inputs = _transpose_inputs(3, 2, t_len, 64, (True, True, False), 30 if segments else None)
-    text = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS, taps=taps)).trace(
+    text = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS, taps=taps,
+                                                                widen=widen)).trace(
         *inputs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1
+    assert len(seen) == (0 if widen is None else 1 + 2 * sum(KERNELS)), seen
 
 
 @pytest.mark.gpu
@@ -457,3 +466,6 @@ def test_gpu_kernels_match_the_triton_passes():
                                                                  taps="per_tile"))(*t_args)
     for o, g in zip(other, got):  # the taps per tile give the default's (per source) bits
         assert bool(jnp.all(o == g))
+    widened = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS, out_dtype=jnp.float32,
+                                                                   widen="bits"))(*t_args)
+    _check_tree(widened, want, 1e-5)  # bf16 widened in place (ptxas may order the sums differently)
