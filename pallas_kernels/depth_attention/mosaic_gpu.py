@@ -253,7 +253,7 @@ class _Lags(NamedTuple):
         """Lag ``delta``'s ``[64, bd]`` tile (WGMMA layout, the window's dtype); ``offset``: rows
         past the window's first tile, for a window that spans several (one-window kinds only)."""
         tile = plgpu.Layout.WGMMA
-        if offset and self.kind not in ONE_WINDOW:
+        if self.kind not in ONE_WINDOW and not (isinstance(offset, int) and offset == 0):
             raise ValueError(f"_Lags.load: a row offset needs one window per chunk, not {self.kind!r}")
         if self.kind == "per_lag":
             return plgpu.load(xs, (slot, delta), layout=tile)
