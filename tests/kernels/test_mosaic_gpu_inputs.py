@@ -188,8 +188,8 @@ def test_interpreted_inputs_kernel_with_rows_per_program_matches(rows_per_progra
     _check(_summed(got, 128), _pass3(args, kernels, heads, "interpret"), 1e-5)
 
 
-@pytest.mark.parametrize("warpgroups, rows_per_program", [(2, 2), pytest.param(2, 1, marks=pytest.mark.slow),
-                                                         pytest.param(1, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("warpgroups, rows_per_program", [(2, 2), *(pytest.param(wg, rows, marks=pytest.mark.slow)
+                                                                   for wg, rows in ((2, 1), (1, 2), (3, 2)))])
 def test_interpreted_inputs_kernel_with_two_tiles_per_fetch_matches(warpgroups, rows_per_program):
     """Two token tiles per fetch (``INPUTS_TILES_PER_FETCH``): each fetch's tiles in reverse, the
     transposed conv reaching from the fetch's first tile into its second and from its second into
