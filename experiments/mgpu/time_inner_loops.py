@@ -2,8 +2,8 @@
 phase 2's backward input kernel (``mosaic_gpu.phase2_backward_inputs``) with each place its
 per-channel constants come from (``mosaic_gpu.INPUTS_CONSTANTS_CHOICES``: the taps, queries and
 W's columns loaded at every use, once per token tile, or once per program and held in registers)
-and with one or two token tiles per fetch and each way of widening bf16
-(``INPUTS_TILES_PER_FETCH_CHOICES`` x ``INPUTS_WIDEN_CHOICES``, session 41),
+and with session 41's options: two token tiles per fetch, bf16 widened in place and the refills
+issued by the last warpgroup (``INPUTS_TILES_PER_FETCH``, ``INPUTS_WIDEN``, ``INPUTS_REFILLS``),
 and phase 1's expansion transpose (``mosaic_gpu_bwd1.sources_transpose``) with its taps per tile
 or held per source (``TRANSPOSE_TAPS_CHOICES``) and its bf16 widened in place (``TRANSPOSE_WIDEN``,
 session 41). Session 40's calls also timed options taken out
@@ -62,13 +62,19 @@ def inputs(batch, t_len, d):
 
 
 def variants(d, n_tiles):
-    """Each place the constants come from (one tile per fetch), then the default's constants with
-    each number of tiles per fetch (``INPUTS_TILES_PER_FETCH_CHOICES``, session 41)."""
+    """Today's defaults first (the reference for the differences), then session 41's options:
+    two tiles per fetch, bf16 widened in place, the refills by the last warpgroup, alone and
+    together; then session 40's places for the constants (per use, per tile)."""
     run = lambda **kw: lambda *a: mosaic_gpu.phase2_backward_inputs(  # noqa: E731
         *a, stream_kernels=KERNELS, heads=1, dx_dtype=jnp.bfloat16, **kw)
-    return ([(f"constants {c}", run(constants=c, tiles_per_fetch=1)) for c in mosaic_gpu.INPUTS_CONSTANTS_CHOICES]
-            + [(f"{t} tiles per fetch, widen {w}", run(tiles_per_fetch=t, widen=w))
-               for t in mosaic_gpu.INPUTS_TILES_PER_FETCH_CHOICES for w in mosaic_gpu.INPUTS_WIDEN_CHOICES])
+    options = [("2 tiles per fetch", dict(tiles_per_fetch=2)), ("widen bits", dict(widen="bits")),
+               ("2 tiles per fetch, widen bits", dict(tiles_per_fetch=2, widen="bits")),
+               ("refills last", dict(refills="last")), ("refills last, widen bits", dict(refills="last", widen="bits")),
+               ("refills last, 2 tiles per fetch", dict(refills="last", tiles_per_fetch=2)),
+               ("refills last, 2 tiles per fetch, widen bits", dict(refills="last", tiles_per_fetch=2, widen="bits"))]
+    base = dict(tiles_per_fetch=1, widen="extf", refills="first")
+    return ([("defaults", run(**base))] + [(label, run(**{**base, **kw})) for label, kw in options]
+            + [(f"constants {c}", run(constants=c, **base)) for c in ("per_use", "per_tile")])
 
 
 def floor_bytes(batch, t_len, d) -> int:

@@ -1871,6 +1871,14 @@ INPUTS_TILES_PER_FETCH_CHOICES = (1, 2)
 # first warpgroup's). Untimed: "extf" until measured (session 41).
 INPUTS_WIDEN = "extf"
 INPUTS_WIDEN_CHOICES = ("extf", "bits")
+# which warpgroup of ``phase2_backward_inputs`` refills a slot's buffers with the fetch after next:
+# "first", the one that also adds the parts of ``d_x`` and stores it, once the others have handed
+# theirs over; or "last", once the first has stored ``d_x`` and arrives at a barrier of its own
+# (``consumed``). The first warpgroup's loop is the longer (574 against 460 instructions per tile
+# in the H200's compile at `base`); the refill's copies and their addresses are about 66 of them.
+# The same values either way. One warpgroup: "first". Untimed: "first" until measured (session 41).
+INPUTS_REFILLS = "first"
+INPUTS_REFILLS_CHOICES = ("first", "last")
 
 
 def widen_bits(plgpu, x):
@@ -1948,7 +1956,7 @@ def inputs_tiles_per_fetch(n_tiles: int, tiles: int | None = None) -> int:
 def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, segment_ids, *, stream_kernels,
                            heads: int, warpgroups: int | None = None, rows_per_program: int | None = None,
                            dx_dtype=F32, constants: str | None = None, tiles_per_fetch: int | None = None,
-                           widen: str | None = None, interpret: bool = False):
+                           widen: str | None = None, refills: str | None = None, interpret: bool = False):
     """Pass 3 of ``fused_bwd_phase2`` (its reverse-T input kernel, ``_dinput_kernel``) as one
     Mosaic GPU kernel: per (group of batch rows, 8-channel chunk), each row's 64-token tiles in
     reverse (``rows_per_program``: the carried sums are reduced once per group); per
@@ -1977,11 +1985,16 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     ``INPUTS_CONSTANTS_CHOICES`` (None: ``INPUTS_CONSTANTS``); ``tiles_per_fetch``: the token tiles
     each fetch brings, one of ``INPUTS_TILES_PER_FETCH_CHOICES`` (None: ``INPUTS_TILES_PER_FETCH``;
     ``inputs_tiles_per_fetch``: fewer where a row's tiles do not divide); ``widen``: how bf16 tiles
-    become float32, one of ``INPUTS_WIDEN_CHOICES`` (None: ``INPUTS_WIDEN``; interpreted: "extf")."""
+    become float32, one of ``INPUTS_WIDEN_CHOICES`` (None: ``INPUTS_WIDEN``; interpreted: "extf");
+    ``refills``: the warpgroup that issues the refills, one of ``INPUTS_REFILLS_CHOICES`` (None:
+    ``INPUTS_REFILLS``)."""
     if widen is not None and widen not in INPUTS_WIDEN_CHOICES:
         raise ValueError(f"phase2_backward_inputs: widen={widen!r}: must be one of {INPUTS_WIDEN_CHOICES}")
     widen = widen or _checked_default("INPUTS_WIDEN", INPUTS_WIDEN, INPUTS_WIDEN_CHOICES)
     widen = "extf" if interpret else widen  # the interpreter does not run inline Mosaic GPU code
+    if refills is not None and refills not in INPUTS_REFILLS_CHOICES:
+        raise ValueError(f"phase2_backward_inputs: refills={refills!r}: must be one of {INPUTS_REFILLS_CHOICES}")
+    refills = refills or _checked_default("INPUTS_REFILLS", INPUTS_REFILLS, INPUTS_REFILLS_CHOICES)
     if constants is not None and constants not in INPUTS_CONSTANTS_CHOICES:
         raise ValueError(f"phase2_backward_inputs: constants={constants!r}: must be one of {INPUTS_CONSTANTS_CHOICES}")
     if warpgroups is not None and warpgroups not in INPUTS_WARPGROUPS_CHOICES:
@@ -2026,7 +2039,7 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
                                         dh_dtype=jnp.dtype(_dh_operand(dh).dtype), dx_dtype=jnp.dtype(dx_dtype),
                                         warpgroups=warpgroups or INPUTS_WARPGROUPS,
                                         reuse_loads=bool(INPUTS_REUSE_LOADS), rows_per_program=rows_per_program,
-                                        tiles_per_fetch=tiles_per_fetch, widen=widen,
+                                        tiles_per_fetch=tiles_per_fetch, widen=widen, refills=refills,
                                         constants=constants or _default_inputs_constants(
                                             stream_kernels, gate, warpgroups or INPUTS_WARPGROUPS),
                                         interpret=bool(interpret)))
@@ -2070,6 +2083,7 @@ class _InputsConfig(NamedTuple):
     rows_per_program: int
     tiles_per_fetch: int
     widen: str
+    refills: str
     constants: str
     interpret: bool
 
@@ -2125,6 +2139,7 @@ def _inputs_kernel(cfg: _InputsConfig):
     n_sums = m + (n_taps if has_bank else 0) + (m * m if gate else 0)
     groups = _stream_groups(layout, gate, cfg.warpgroups)
     n_wg = len(groups)
+    refiller = n_wg - 1 if cfg.refills == "last" else 0  # the warpgroup that issues the refills
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
     scratch = dict(
         xs=plgpu.SMEM((2, 1, lags.rows - bt + fetch_rows, bd), cfg.x_dtype),
@@ -2142,6 +2157,8 @@ def _inputs_kernel(cfg: _InputsConfig):
         bar_in=plgpu.Barrier(num_arrivals=1 + has_bank + gate, num_barriers=1),
         handoff=plgpu.Barrier(num_arrivals=n_wg - 1, num_barriers=2 * per_fetch) if n_wg > 1 else None,
         done=plgpu.Barrier(num_arrivals=1, num_barriers=n_wg - 1) if n_wg > 1 else None,  # the sums' relay
+        # the first warpgroup is done with a slot (the others were before their last handoff)
+        consumed=plgpu.Barrier(num_arrivals=1, num_barriers=2) if refiller else None,
     )
     names = [k for k, v in scratch.items() if v is not None]
 
@@ -2155,7 +2172,7 @@ def _inputs_kernel(cfg: _InputsConfig):
         xs, accs, dhs, rows_s, bits_s, consts = (sc.get(k) for k in ("xs", "accs", "dhs", "rows_s", "bits_s",
                                                                      "consts"))
         des, dxs, dx1s, sums_s, bar, bar_in = (sc.get(k) for k in ("des", "dxs", "dx1s", "sums_s", "bar", "bar_in"))
-        handoff, done = sc.get("handoff"), sc.get("done")
+        handoff, done, consumed = sc.get("handoff"), sc.get("done"), sc.get("consumed")
         program, c = lax.axis_index("b"), lax.axis_index("c")
         cs = pl.ds(c * bd, bd)
         head = (c * bd) // (d // heads)
@@ -2324,9 +2341,18 @@ def _inputs_kernel(cfg: _InputsConfig):
                 plgpu.barrier_wait(bar.at[slot])
                 for u in range(per_fetch):
                     carry = one_tile(i, u, carry)
-                if leader:  # both warpgroups are done with this slot (the last tile's handoff)
+                if leader and not refiller:  # every warpgroup is done with this slot (the last tile's handoff)
                     @pl.when(i + 2 < n_steps)
                     def _():
+                        fetch(i + 2, slot)
+                elif leader:  # its reads of the slot are done (the commit before d_x's store)
+                    @pl.when(i + 2 < n_steps)
+                    def _():
+                        plgpu.barrier_arrive(consumed.at[slot])
+                elif g == refiller:  # its own reads were done before its handoff, the others' too
+                    @pl.when(i + 2 < n_steps)
+                    def _():
+                        plgpu.barrier_wait(consumed.at[slot])
                         fetch(i + 2, slot)
 
                 return carry

@@ -208,6 +208,34 @@ def test_interpreted_inputs_kernel_with_two_tiles_per_fetch_matches(warpgroups, 
     _check(two, _pass3(args, kernels, heads, "interpret"), 1e-5)
 
 
+@pytest.mark.parametrize("warpgroups, tiles_per_fetch", [(2, 1), *(pytest.param(wg, tiles, marks=pytest.mark.slow)
+                                                                  for wg, tiles in ((2, 2), (3, 2), (1, 1)))])
+def test_interpreted_inputs_kernel_refilled_by_the_last_warpgroup_gives_the_same_bits(warpgroups, tiles_per_fetch):
+    """``INPUTS_REFILLS="last"``: the last warpgroup issues the fetch after next once the first has
+    stored ``d_x`` (``consumed``); only who issues the copies changes, so the same bits as
+    ``"first"``, with one or two tiles per fetch and two or three warpgroups (with one, the first
+    is the last)."""
+    kernels, heads = (0, 4, 8, 12), 1
+    args = _inputs(2, 200, 16, kernels, heads, True, 77)
+    run = lambda refills: _summed(mosaic_gpu.phase2_backward_inputs(  # noqa: E731
+        *args, stream_kernels=kernels, heads=heads, warpgroups=warpgroups, tiles_per_fetch=tiles_per_fetch,
+        refills=refills, interpret=True), 200)
+    want, got = run("first"), run("last")
+    for g, w in zip(got, want):
+        assert bool(jnp.all(g == w))
+    _check(got, _pass3(args, kernels, heads, "interpret"), 1e-5)
+
+
+def test_inputs_kernel_refuses_an_unknown_refills_option(monkeypatch):
+    kernels, heads = (0, 4), 1
+    args = _inputs(1, 64, 8, kernels, heads, False, None)
+    with pytest.raises(ValueError, match="refills='middle': must be one of .*first"):
+        mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=heads, refills="middle", interpret=True)
+    monkeypatch.setattr(mosaic_gpu, "INPUTS_REFILLS", "middle")
+    with pytest.raises(ValueError, match="INPUTS_REFILLS='middle'.*first"):
+        _mosaic(args, kernels, heads)
+
+
 def test_tiles_per_fetch_is_the_largest_divisor_of_a_rows_tiles(monkeypatch):
     assert mosaic_gpu.inputs_tiles_per_fetch(16, 2) == 2
     assert mosaic_gpu.inputs_tiles_per_fetch(5, 2) == 1  # an odd number of tiles: one per fetch
@@ -300,29 +328,34 @@ def test_which_choice_takes_the_inputs_kernel(monkeypatch, choice, auto_inputs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("warpgroups, reuse_loads, rows_per_program, t_len, constants, tiles_per_fetch, widen",
-                         [(2, False, 4, 300, "per_use", 1, "extf"), (3, False, 4, 300, "per_use", 1, "extf"),
-                          (4, False, 4, 300, "per_use", 1, "extf"), (2, True, 4, 300, "per_use", 1, "extf"),
-                          (2, True, 4, 320, "per_use", 1, "extf"), (2, True, 1, 320, "per_use", 1, "extf"),
-                          (3, True, 2, 320, "per_use", 1, "extf"), (2, True, 4, -320, "per_use", 1, "extf"),
-                          (2, True, 4, 300, "per_tile", 1, "extf"), (2, True, 4, 300, "per_program", 1, "extf"),
-                          (3, True, 2, -320, "per_program", 1, "extf"), (1, True, 4, 320, "per_program", 1, "extf"),
-                          (2, True, 4, 200, "per_program", 2, "extf"), (2, True, 2, -256, "per_program", 2, "extf"),
-                          (3, True, 1, 256, "per_program", 2, "extf"), (2, True, 4, 300, "per_program", 1, "bits"),
-                          (2, True, 4, 200, "per_program", 2, "bits")])
+@pytest.mark.parametrize(
+    "warpgroups, reuse_loads, rows_per_program, t_len, constants, tiles_per_fetch, widen, refills",
+    [(2, False, 4, 300, "per_use", 1, "extf", "first"), (3, False, 4, 300, "per_use", 1, "extf", "first"),
+     (4, False, 4, 300, "per_use", 1, "extf", "first"), (2, True, 4, 300, "per_use", 1, "extf", "first"),
+     (2, True, 4, 320, "per_use", 1, "extf", "first"), (2, True, 1, 320, "per_use", 1, "extf", "first"),
+     (3, True, 2, 320, "per_use", 1, "extf", "first"), (2, True, 4, -320, "per_use", 1, "extf", "first"),
+     (2, True, 4, 300, "per_tile", 1, "extf", "first"), (2, True, 4, 300, "per_program", 1, "extf", "first"),
+     (3, True, 2, -320, "per_program", 1, "extf", "first"), (1, True, 4, 320, "per_program", 1, "extf", "first"),
+     # session 41's options
+     (2, True, 4, 200, "per_program", 2, "extf", "first"), (2, True, 2, -256, "per_program", 2, "extf", "first"),
+     (3, True, 1, 256, "per_program", 2, "extf", "first"), (2, True, 4, 300, "per_program", 1, "bits", "first"),
+     (2, True, 4, 200, "per_program", 2, "bits", "first"), (2, True, 4, 300, "per_program", 1, "extf", "last"),
+     (3, True, 2, 256, "per_program", 2, "extf", "last"), (2, True, 4, 200, "per_program", 2, "bits", "last")])
 def test_gpu_inputs_kernel_matches_the_triton_pass(monkeypatch, warpgroups, reuse_loads, rows_per_program, t_len,
-                                                   constants, tiles_per_fetch, widen):
+                                                   constants, tiles_per_fetch, widen, refills):
     """On a GPU: the compiled kernel (TMA's zero fill before token 0 and past the last tile, at
     each row of a program) against Triton's reverse-T pass (bf16 partial, segments, two heads,
     the gate; four batch rows; ragged T, and whole tiles, whose last rows reach past the end;
     ``-t_len``: without segments, whose masks would hide a row's reach into the next one; one or
-    two tiles per fetch; bf16 widened by Mosaic GPU's conversion or in place)."""
+    two tiles per fetch; bf16 widened by Mosaic GPU's conversion or in place; the refills issued by
+    the first warpgroup or the last)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     monkeypatch.setattr(mosaic_gpu, "INPUTS_REUSE_LOADS", reuse_loads)
     monkeypatch.setattr(mosaic_gpu, "INPUTS_CONSTANTS", constants)
     monkeypatch.setattr(mosaic_gpu, "INPUTS_TILES_PER_FETCH", tiles_per_fetch)
     monkeypatch.setattr(mosaic_gpu, "INPUTS_WIDEN", widen)
+    monkeypatch.setattr(mosaic_gpu, "INPUTS_REFILLS", refills)
     kernels, heads = (0, 4, 8, 12), 2
     args = _inputs(4, abs(t_len), 256, kernels, heads, True, 77 if t_len > 0 else None)
     got = jax.jit(lambda *a: _mosaic(a, kernels, heads, interpret=False, warpgroups=warpgroups,
@@ -334,16 +367,17 @@ def test_gpu_inputs_kernel_matches_the_triton_pass(monkeypatch, warpgroups, reus
 @pytest.mark.parametrize("warpgroups", [2, *(pytest.param(wg, marks=pytest.mark.slow) for wg in (1, 3))])
 @pytest.mark.parametrize("t_len", [64, 128, 200])
 @pytest.mark.parametrize("segments", [False, True], ids=["no_segments", "segments"])
-@pytest.mark.parametrize("tiles_per_fetch", [1, 2])
-def test_inputs_kernel_lowers_for_sm90(t_len, segments, warpgroups, tiles_per_fetch):
+@pytest.mark.parametrize("tiles_per_fetch, refills", [(1, "first"), (2, "first"), (2, "last")])
+def test_inputs_kernel_lowers_for_sm90(t_len, segments, warpgroups, tiles_per_fetch, refills):
     """The compiled (not interpreted) kernel lowers for the H200 in Lane semantics for one, two
-    and more token tiles, one or two per fetch: its first tile's window starts 16 rows before
-    token 0, a start that must stay traced (TMA fills those rows; a static negative start failed
-    on the GPU with two tiles, session 21, call 5)."""
+    and more token tiles, one or two per fetch, refilled by the first or the last warpgroup: its
+    first tile's window starts 16 rows before token 0, a start that must stay traced (TMA fills
+    those rows; a static negative start failed on the GPU with two tiles, session 21, call 5)."""
     kernels, heads = (0, 4, 8, 12), 1
     args = _inputs(2, t_len, 64, kernels, heads, True, 30 if segments else None)
     text = jax.jit(lambda *a: mosaic_gpu.phase2_backward_inputs(*a, stream_kernels=kernels, heads=heads,
                                                                 warpgroups=warpgroups,
-                                                                tiles_per_fetch=tiles_per_fetch)).trace(
+                                                                tiles_per_fetch=tiles_per_fetch,
+                                                                refills=refills)).trace(
         *args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1
