@@ -2,8 +2,7 @@
 phase 2's backward input kernel (``mosaic_gpu.phase2_backward_inputs``) with each place its
 per-channel constants come from (``mosaic_gpu.INPUTS_CONSTANTS_CHOICES``: the taps, queries and
 W's columns loaded at every use, once per token tile, or once per program and held in registers)
-and with session 41's options: two token tiles per fetch, bf16 widened in place and the refills
-issued by the last warpgroup (``INPUTS_TILES_PER_FETCH``, ``INPUTS_WIDEN``, ``INPUTS_REFILLS``),
+and with its bf16 widened in place (``INPUTS_WIDEN``, session 41),
 and phase 1's expansion transpose (``mosaic_gpu_bwd1.sources_transpose``) with its taps per tile
 or held per source (``TRANSPOSE_TAPS_CHOICES``) and its bf16 widened in place (``TRANSPOSE_WIDEN``,
 session 41). Session 40's calls also timed options taken out
@@ -62,19 +61,14 @@ def inputs(batch, t_len, d):
 
 
 def variants(d, n_tiles):
-    """Today's defaults first (the reference for the differences), then session 41's options:
-    two tiles per fetch, bf16 widened in place, the refills by the last warpgroup, alone and
-    together; then session 40's places for the constants (per use, per tile)."""
+    """Today's defaults first (the reference for the differences), then bf16 widened in place
+    (``INPUTS_WIDEN``, session 41), then session 40's places for the constants (per use, per
+    tile). Session 41's calls also timed two tiles per fetch and the refills by the last
+    warpgroup, taken out since (commit 07655f3 has them and this script's variants for them)."""
     run = lambda **kw: lambda *a: mosaic_gpu.phase2_backward_inputs(  # noqa: E731
         *a, stream_kernels=KERNELS, heads=1, dx_dtype=jnp.bfloat16, **kw)
-    options = [("2 tiles per fetch", dict(tiles_per_fetch=2)), ("widen bits", dict(widen="bits")),
-               ("2 tiles per fetch, widen bits", dict(tiles_per_fetch=2, widen="bits")),
-               ("refills last", dict(refills="last")), ("refills last, widen bits", dict(refills="last", widen="bits")),
-               ("refills last, 2 tiles per fetch", dict(refills="last", tiles_per_fetch=2)),
-               ("refills last, 2 tiles per fetch, widen bits", dict(refills="last", tiles_per_fetch=2, widen="bits"))]
-    base = dict(tiles_per_fetch=1, widen="extf", refills="first")
-    return ([("defaults", run(**base))] + [(label, run(**{**base, **kw})) for label, kw in options]
-            + [(f"constants {c}", run(constants=c, **base)) for c in ("per_use", "per_tile")])
+    return ([("defaults", run(widen="extf")), ("widen bits", run(widen="bits"))]
+            + [(f"constants {c}", run(constants=c, widen="extf")) for c in ("per_use", "per_tile")])
 
 
 def floor_bytes(batch, t_len, d) -> int:

@@ -249,16 +249,13 @@ class _Lags(NamedTuple):
             dst = xs.at[slot, w] if self.kind == "per_lag" else xs.at[slot, w, pl.ds(first, rows)]
             plgpu.copy_gmem_to_smem(src_rows(lag, rows), dst, bar)
 
-    def load(self, plgpu, xs, slot, delta: int, offset: int = 0):
-        """Lag ``delta``'s ``[64, bd]`` tile (WGMMA layout, the window's dtype); ``offset``: rows
-        past the window's first tile, for a window that spans several (one-window kinds only)."""
+    def load(self, plgpu, xs, slot, delta: int):
+        """Lag ``delta``'s ``[64, bd]`` tile (WGMMA layout, the window's dtype)."""
         tile = plgpu.Layout.WGMMA
-        if self.kind not in ONE_WINDOW and not (isinstance(offset, int) and offset == 0):
-            raise ValueError(f"_Lags.load: a row offset needs one window per chunk, not {self.kind!r}")
         if self.kind == "per_lag":
             return plgpu.load(xs, (slot, delta), layout=tile)
         if self.kind in ONE_WINDOW:
-            return plgpu.load(xs.at[slot, 0, pl.ds(self.zero + offset + 8 * self.extra - delta, BLOCK_T),
+            return plgpu.load(xs.at[slot, 0, pl.ds(self.zero + 8 * self.extra - delta, BLOCK_T),
                                     pl.ds(0, xs.shape[-1] - self.pad)], (), layout=tile, optimized=False)
         return plgpu.load(xs.at[slot, delta % 8, pl.ds(8 * (self.extra - delta // 8), BLOCK_T)], (), layout=tile)
 
@@ -1851,34 +1848,21 @@ INPUTS_CONSTANTS_CHOICES = ("per_use", "per_tile", "per_program")
 # first copies waited for, once per program rather than once per row. Read when the kernel is built.
 INPUTS_ROWS_PER_PROGRAM = 4
 INPUTS_ROWS_PER_PROGRAM_CHOICES = (1, 2, 4, 8)
-# token tiles each fetch of ``phase2_backward_inputs`` brings (the largest divisor of a row's tiles
-# up to this): its lag window, state chunk, ``dh`` and per-token rows for that many 64-token tiles
-# in one TMA copy each, waited for once. The first warpgroup issues the copies, and in the H200's
-# compile their descriptors' addresses and the wait take about 75 of its loop's 574 instructions
-# per tile (55 integer, 6 TMA, 6 barrier ops), while the second warpgroup's loop holds 460: the
-# first's is the longer one, and with two tiles per fetch these come once per two tiles. The
-# arithmetic and its order do not change (the same bits). Untimed: 1 until measured (session 41).
-INPUTS_TILES_PER_FETCH = 1
-INPUTS_TILES_PER_FETCH_CHOICES = (1, 2)
 # how ``phase2_backward_inputs`` widens its bf16 tiles (the partial's lags, a bf16 ``dh``) to
 # float32: "extf", Mosaic GPU's conversion, which ptxas makes three instructions per pair of bf16
 # (a PRMT moves the high half down, then a shift up for each); "bits", each 32-bit register of two
-# bf16 widened in place (``widen_bits``: two instructions per pair). The same values; "bits" is
-# inline Mosaic GPU code, which Pallas' interpreter does not run, so interpreted kernels take
-# "extf". Session 33 built "bits" for every Mosaic kernel and timed it only in phase 1's (no gain:
-# they wait more than they issue); this kernel is issue-bound (session 23). In the H200's compile
-# at `base` its loops hold about 80 conversion instructions per tile (PRMT 26, SHF 57 in the
-# first warpgroup's). Untimed: "extf" until measured (session 41).
+# bf16 widened in place (``widen_bits``: two per pair; the loops 574 / 460 -> 548 / 442
+# instructions per tile in the H200's compile at `base`). The same values; compiled, `d_x` within
+# a bf16 rounding of "extf"'s (ptxas orders the sums differently). "bits" is inline Mosaic GPU
+# code, which Pallas' interpreter does not run: interpreted kernels take "extf". Measured (session
+# 41, call 1, an H100): 1.2072 -> 1.1997 ms per call at `base` (-0.6%), 0.6004 -> 0.5923 at the
+# issue's shape (-1.3%): under 1 ms per `base` step, so "extf" stays the default.
+# Measured in session 41 and taken out again (commit 07655f3 has them): two token tiles per TMA
+# fetch (the first warpgroup's loop 574 -> 539 instructions per tile) +4.8% / +5.1% slower, and
+# the refills issued by the last warpgroup (the longer loop 489 with two tiles per fetch) +6.2% to
+# +7.6% slower: fewer instructions in the longer loop, later data.
 INPUTS_WIDEN = "extf"
 INPUTS_WIDEN_CHOICES = ("extf", "bits")
-# which warpgroup of ``phase2_backward_inputs`` refills a slot's buffers with the fetch after next:
-# "first", the one that also adds the parts of ``d_x`` and stores it, once the others have handed
-# theirs over; or "last", once the first has stored ``d_x`` and arrives at a barrier of its own
-# (``consumed``). The first warpgroup's loop is the longer (574 against 460 instructions per tile
-# in the H200's compile at `base`); the refill's copies and their addresses are about 66 of them.
-# The same values either way. One warpgroup: "first". Untimed: "first" until measured (session 41).
-INPUTS_REFILLS = "first"
-INPUTS_REFILLS_CHOICES = ("first", "last")
 
 
 def widen_bits(plgpu, x):
@@ -1940,23 +1924,10 @@ def inputs_rows_per_program(batch: int, rows: int | None = None) -> int:
     return max(k for k in range(1, rows + 1) if batch % k == 0)
 
 
-def inputs_tiles_per_fetch(n_tiles: int, tiles: int | None = None) -> int:
-    """The token tiles each fetch of ``phase2_backward_inputs`` brings: the largest divisor of a
-    row's ``n_tiles`` up to ``tiles`` (None: ``INPUTS_TILES_PER_FETCH``)."""
-    if tiles is None:
-        tiles = INPUTS_TILES_PER_FETCH
-        name = f"INPUTS_TILES_PER_FETCH={tiles!r}"
-    else:
-        name = f"tiles_per_fetch={tiles!r}"
-    if tiles not in INPUTS_TILES_PER_FETCH_CHOICES:
-        raise ValueError(f"phase2_backward_inputs: {name}: must be one of {INPUTS_TILES_PER_FETCH_CHOICES}")
-    return max(k for k in range(1, tiles + 1) if n_tiles % k == 0)
-
-
 def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, segment_ids, *, stream_kernels,
                            heads: int, warpgroups: int | None = None, rows_per_program: int | None = None,
-                           dx_dtype=F32, constants: str | None = None, tiles_per_fetch: int | None = None,
-                           widen: str | None = None, refills: str | None = None, interpret: bool = False):
+                           dx_dtype=F32, constants: str | None = None, widen: str | None = None,
+                           interpret: bool = False):
     """Pass 3 of ``fused_bwd_phase2`` (its reverse-T input kernel, ``_dinput_kernel``) as one
     Mosaic GPU kernel: per (group of batch rows, 8-channel chunk), each row's 64-token tiles in
     reverse (``rows_per_program``: the carried sums are reduced once per group); per
@@ -1982,19 +1953,12 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     ``INPUTS_WARPGROUPS_CHOICES`` (None: ``INPUTS_WARPGROUPS``; ``_inputs_kernel``);
     ``rows_per_program``: one of ``INPUTS_ROWS_PER_PROGRAM_CHOICES`` (None:
     ``INPUTS_ROWS_PER_PROGRAM``); ``constants``: where the per-channel constants come from, one of
-    ``INPUTS_CONSTANTS_CHOICES`` (None: ``INPUTS_CONSTANTS``); ``tiles_per_fetch``: the token tiles
-    each fetch brings, one of ``INPUTS_TILES_PER_FETCH_CHOICES`` (None: ``INPUTS_TILES_PER_FETCH``;
-    ``inputs_tiles_per_fetch``: fewer where a row's tiles do not divide); ``widen``: how bf16 tiles
-    become float32, one of ``INPUTS_WIDEN_CHOICES`` (None: ``INPUTS_WIDEN``; interpreted: "extf");
-    ``refills``: the warpgroup that issues the refills, one of ``INPUTS_REFILLS_CHOICES`` (None:
-    ``INPUTS_REFILLS``)."""
+    ``INPUTS_CONSTANTS_CHOICES`` (None: ``INPUTS_CONSTANTS``); ``widen``: how bf16 tiles become
+    float32, one of ``INPUTS_WIDEN_CHOICES`` (None: ``INPUTS_WIDEN``; interpreted: "extf")."""
     if widen is not None and widen not in INPUTS_WIDEN_CHOICES:
         raise ValueError(f"phase2_backward_inputs: widen={widen!r}: must be one of {INPUTS_WIDEN_CHOICES}")
     widen = widen or _checked_default("INPUTS_WIDEN", INPUTS_WIDEN, INPUTS_WIDEN_CHOICES)
     widen = "extf" if interpret else widen  # the interpreter does not run inline Mosaic GPU code
-    if refills is not None and refills not in INPUTS_REFILLS_CHOICES:
-        raise ValueError(f"phase2_backward_inputs: refills={refills!r}: must be one of {INPUTS_REFILLS_CHOICES}")
-    refills = refills or _checked_default("INPUTS_REFILLS", INPUTS_REFILLS, INPUTS_REFILLS_CHOICES)
     if constants is not None and constants not in INPUTS_CONSTANTS_CHOICES:
         raise ValueError(f"phase2_backward_inputs: constants={constants!r}: must be one of {INPUTS_CONSTANTS_CHOICES}")
     if warpgroups is not None and warpgroups not in INPUTS_WARPGROUPS_CHOICES:
@@ -2009,7 +1973,6 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     has_bank = any(stream_kernels) and bank is not None
     has_seg = segment_ids is not None and max_lag > 1
     t_pad = -(-t_len // bt) * bt
-    tiles_per_fetch = inputs_tiles_per_fetch(t_pad // bt, tiles_per_fetch)
     lags = _Lags.of(max_lag, "single")
     front = 8 * lags.extra if interpret else 0
     x = _pad_t(partial, 1, t_pad)
@@ -2039,7 +2002,7 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
                                         dh_dtype=jnp.dtype(_dh_operand(dh).dtype), dx_dtype=jnp.dtype(dx_dtype),
                                         warpgroups=warpgroups or INPUTS_WARPGROUPS,
                                         reuse_loads=bool(INPUTS_REUSE_LOADS), rows_per_program=rows_per_program,
-                                        tiles_per_fetch=tiles_per_fetch, widen=widen, refills=refills,
+                                        widen=widen,
                                         constants=constants or _default_inputs_constants(
                                             stream_kernels, gate, warpgroups or INPUTS_WARPGROUPS),
                                         interpret=bool(interpret)))
@@ -2081,9 +2044,7 @@ class _InputsConfig(NamedTuple):
     warpgroups: int
     reuse_loads: bool
     rows_per_program: int
-    tiles_per_fetch: int
     widen: str
-    refills: str
     constants: str
     interpret: bool
 
@@ -2111,9 +2072,9 @@ def _inputs_kernel(cfg: _InputsConfig):
     sums of kernels (0, 4, 8, 12) with the gate take 176 registers per thread and ptxas spills
     (session 21, call 7); more warpgroups also give each scheduler more warps to issue from (the
     kernel is issue-bound at two, session 23, call 1). The streams meet only in ``d_x``: the other
-    warpgroups hand their parts over through shared memory (``dx1s``, one buffer each per tile of
-    the two fetches in flight, a barrier per such tile that all of them arrive at); the first adds
-    them, stores ``d_x`` and issues every TMA copy, ``cfg.tiles_per_fetch`` tiles' worth at a time."""
+    warpgroups hand their parts over through shared memory (``dx1s``, one buffer each per slot,
+    a barrier per slot that all of them arrive at); the first adds them, stores ``d_x`` and
+    issues every TMA copy."""
     from jax.experimental.pallas import mosaic_gpu as plgpu_module
 
     plgpu = _LanePlgpu(plgpu_module)
@@ -2127,10 +2088,8 @@ def _inputs_kernel(cfg: _InputsConfig):
     has_bank = cfg.has_bank
     n_taps = sum(stream_kernels)
     nc, n_tiles = d // bd, t_pad // bt
-    rows_per_program, per_fetch = cfg.rows_per_program, cfg.tiles_per_fetch
-    fetches_per_row = n_tiles // per_fetch
-    n_steps = rows_per_program * fetches_per_row  # the program's fetches: each of its batch rows' in reverse
-    fetch_rows = per_fetch * bt  # the token rows of one fetch
+    rows_per_program = cfg.rows_per_program
+    n_steps = rows_per_program * n_tiles  # the program's tiles: each of its batch rows' in reverse
 
     def to_f32(v):  # a register tile as float32 (``INPUTS_WIDEN``)
         return widen_bits(plgpu, v) if cfg.widen == "bits" and v.dtype == jnp.bfloat16 else v.astype(F32)
@@ -2139,26 +2098,22 @@ def _inputs_kernel(cfg: _InputsConfig):
     n_sums = m + (n_taps if has_bank else 0) + (m * m if gate else 0)
     groups = _stream_groups(layout, gate, cfg.warpgroups)
     n_wg = len(groups)
-    refiller = n_wg - 1 if cfg.refills == "last" else 0  # the warpgroup that issues the refills
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
     scratch = dict(
-        xs=plgpu.SMEM((2, 1, lags.rows - bt + fetch_rows, bd), cfg.x_dtype),
-        accs=plgpu.SMEM((2, m, fetch_rows, bd), cfg.acc_dtype),
-        dhs=plgpu.SMEM((2, fetch_rows, bd), cfg.dh_dtype),
-        rows_s=plgpu.SMEM((2, n_rows, fetch_rows), F32),
-        bits_s=plgpu.SMEM((2, INPUTS_BITS_ROWS - bt + fetch_rows), jnp.int32) if has_seg else None,
+        xs=plgpu.SMEM((2, 1, lags.rows, bd), cfg.x_dtype),
+        accs=plgpu.SMEM((2, m, bt, bd), cfg.acc_dtype),
+        dhs=plgpu.SMEM((2, bt, bd), cfg.dh_dtype),
+        rows_s=plgpu.SMEM((2, n_rows, bt), F32),
+        bits_s=plgpu.SMEM((2, INPUTS_BITS_ROWS), jnp.int32) if has_seg else None,
         consts=plgpu.SMEM((_rows4(max(1, n_taps)) + _rows4(m) + (_rows4(m * m) if gate else 0), bd), F32),
         des=plgpu.SMEM((max(1, len(convs)), 2 * bt, bd), F32),  # d_E: this tile's rows, then the next tile's
         dxs=plgpu.SMEM((2, bt, bd), cfg.dx_dtype),
-        # the other warpgroups' parts of d_x, one buffer per tile of the two fetches in flight
-        dx1s=plgpu.SMEM((n_wg - 1, 2 * per_fetch, bt, bd), F32) if n_wg > 1 else None,
+        dx1s=plgpu.SMEM((n_wg - 1, 2, bt, bd), F32) if n_wg > 1 else None,  # the other warpgroups' parts of d_x
         sums_s=plgpu.SMEM((_rows4(n_sums), bd), F32),
         bar=plgpu.Barrier(num_arrivals=4 + has_seg, num_barriers=2),  # one per copy of ``fetch``
         bar_in=plgpu.Barrier(num_arrivals=1 + has_bank + gate, num_barriers=1),
-        handoff=plgpu.Barrier(num_arrivals=n_wg - 1, num_barriers=2 * per_fetch) if n_wg > 1 else None,
+        handoff=plgpu.Barrier(num_arrivals=n_wg - 1, num_barriers=2) if n_wg > 1 else None,
         done=plgpu.Barrier(num_arrivals=1, num_barriers=n_wg - 1) if n_wg > 1 else None,  # the sums' relay
-        # the first warpgroup is done with a slot (the others were before their last handoff)
-        consumed=plgpu.Barrier(num_arrivals=1, num_barriers=2) if refiller else None,
     )
     names = [k for k, v in scratch.items() if v is not None]
 
@@ -2172,31 +2127,30 @@ def _inputs_kernel(cfg: _InputsConfig):
         xs, accs, dhs, rows_s, bits_s, consts = (sc.get(k) for k in ("xs", "accs", "dhs", "rows_s", "bits_s",
                                                                      "consts"))
         des, dxs, dx1s, sums_s, bar, bar_in = (sc.get(k) for k in ("des", "dxs", "dx1s", "sums_s", "bar", "bar_in"))
-        handoff, done, consumed = sc.get("handoff"), sc.get("done"), sc.get("consumed")
+        handoff, done = sc.get("handoff"), sc.get("done")
         program, c = lax.axis_index("b"), lax.axis_index("c")
         cs = pl.ds(c * bd, bd)
         head = (c * bd) // (d // heads)
         taps_at, q_at = 0, _rows4(max(1, n_taps))
         w_at = q_at + _rows4(m)
 
-        def fetch_of(j):
-            """Step ``j``'s batch row and fetch (``per_fetch`` token tiles): the program's rows one
-            after the other, each row's fetches in reverse."""
-            return program * rows_per_program + j // fetches_per_row, fetches_per_row - 1 - j % fetches_per_row
+        def tile_of(j):
+            """Step ``j``'s batch row and token tile: the program's rows one after the other, each
+            row's tiles in reverse."""
+            return program * rows_per_program + j // n_tiles, n_tiles - 1 - j % n_tiles
 
         def fetch(j, slot):
-            bi, f = fetch_of(j)
+            bi, k = tile_of(j)
             # a traced start: the first tile's window starts before row 0 on the GPU (TMA fills the
             # rows with zeros), which Pallas refuses as a static slice
-            t0 = f * fetch_rows + bi * 0
-            plgpu.copy_gmem_to_smem(x_ref.at[bi, pl.ds(t0 + front - 8 * lags.extra, xs.shape[2]), cs],
+            t0 = k * bt + bi * 0
+            plgpu.copy_gmem_to_smem(x_ref.at[bi, pl.ds(t0 + front - 8 * lags.extra, lags.rows), cs],
                                     xs.at[slot, 0], bar.at[slot])
-            plgpu.copy_gmem_to_smem(acc_ref.at[:, pl.ds(bi * t_pad + t0, fetch_rows), cs], accs.at[slot],
-                                    bar.at[slot])
-            plgpu.copy_gmem_to_smem(dh_ref.at[bi, pl.ds(t0, fetch_rows), cs], dhs.at[slot], bar.at[slot])
-            plgpu.copy_gmem_to_smem(rows_ref.at[head, :, bi, pl.ds(t0, fetch_rows)], rows_s.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(acc_ref.at[:, pl.ds(bi * t_pad + t0, bt), cs], accs.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(dh_ref.at[bi, pl.ds(t0, bt), cs], dhs.at[slot], bar.at[slot])
+            plgpu.copy_gmem_to_smem(rows_ref.at[head, :, bi, pl.ds(t0, bt)], rows_s.at[slot], bar.at[slot])
             if has_seg:
-                plgpu.copy_gmem_to_smem(bits_ref.at[bi, pl.ds(t0, bits_s.shape[1])], bits_s.at[slot], bar.at[slot])
+                plgpu.copy_gmem_to_smem(bits_ref.at[bi, pl.ds(t0, INPUTS_BITS_ROWS)], bits_s.at[slot], bar.at[slot])
 
         def run(g: int):
             """Warpgroup ``g``'s loop over the token tiles, for its streams ``groups[g]``."""
@@ -2222,21 +2176,14 @@ def _inputs_kernel(cfg: _InputsConfig):
             held = ({k: plgpu.load(consts, k, layout=col) for k in const_rows} if cfg.constants == "per_program"
                     else {})
 
-            def one_tile(i, u, carry):
-                """Tile ``u`` of step ``i``'s fetch (a fetch's tiles in reverse, as the rows')."""
+            def step(i, carry):
                 dq, dbank, dw = dict(carry[0]), dict(carry[1]), dict(carry[2])
-                bi, f = fetch_of(i)
-                sub = per_fetch - 1 - u  # the tile's place in its fetch
-                k, o = f * per_fetch + sub, sub * bt  # its tile in the row; its first row in the fetched buffers
+                bi, k = tile_of(i)
                 slot = lax.rem(i, 2)
-                # d_x's staging alternates per tile; the handoff of the other warpgroups' parts has a
-                # buffer per tile of the two fetches in flight: they run at most a fetch ahead (the
-                # next but one waits for the first warpgroup's refill, after its last handoff)
-                tslot = u % 2 if per_fetch % 2 == 0 else lax.rem(i * per_fetch + u, 2)
-                hslot = slot * per_fetch + u
+                plgpu.barrier_wait(bar.at[slot])
                 masks = [None] * max_lag
                 if has_seg:
-                    bits = plgpu.load(bits_s.at[slot, pl.ds(o, bt)], (), layout=row)
+                    bits = plgpu.load(bits_s.at[slot, pl.ds(0, bt)], (), layout=row)
                     masks = [None] + [_rows(((bits >> delta) & 1).astype(F32), bt, bd) for delta in range(1, max_lag)]
 
                 loaded = {}  # with ``reuse_loads``: this tile's values, loaded at their first use
@@ -2249,11 +2196,10 @@ def _inputs_kernel(cfg: _InputsConfig):
                     return loaded[key]
 
                 def rows_of(j):
-                    return once(("rows", j),
-                                lambda: _rows(plgpu.load(rows_s.at[slot, j, pl.ds(o, bt)], (), layout=row), bt, bd))
+                    return once(("rows", j), lambda: _rows(plgpu.load(rows_s, (slot, j), layout=row), bt, bd))
 
                 def x_lag(delta):
-                    return once(("x", delta), lambda: to_f32(lags.load(plgpu, xs, slot, delta, offset=o)))
+                    return once(("x", delta), lambda: to_f32(lags.load(plgpu, xs, slot, delta)))
 
                 def const(k):  # row ``k`` of ``consts`` (a tap, a query, a column of W), per ``cfg.constants``
                     if k in held:
@@ -2267,7 +2213,7 @@ def _inputs_kernel(cfg: _InputsConfig):
                 def tap(k):
                     return const(taps_at + k)
 
-                dh = to_f32(plgpu.load(dhs.at[slot, pl.ds(o, bt)], (), layout=tile))
+                dh = to_f32(plgpu.load(dhs, slot, layout=tile))
                 dx = None
                 for r in group:
                     kernel, off = layout[r]
@@ -2280,7 +2226,7 @@ def _inputs_kernel(cfg: _InputsConfig):
                             if masks[delta] is not None:
                                 term = term * masks[delta]
                             e = term if e is None else e + term
-                    acc = plgpu.load(accs.at[slot, r, pl.ds(o, bt)], (), layout=tile).astype(F32)
+                    acc = plgpu.load(accs, (slot, r), layout=tile).astype(F32)
                     coef_b = rows_of(m + r)
                     z = rows_of(r) * acc + coef_b * e
                     if gate:
@@ -2310,52 +2256,36 @@ def _inputs_kernel(cfg: _InputsConfig):
                         term = tap(off + delta) * plgpu.load(des.at[convs.index(r), pl.ds(delta, bt)], (),
                                                              layout=tile)
                         if has_seg and delta:
-                            nbits = plgpu.load(bits_s.at[slot, pl.ds(o + delta, bt)], (), layout=row)
+                            nbits = plgpu.load(bits_s.at[slot, pl.ds(delta, bt)], (), layout=row)
                             term = term * _rows(((nbits >> delta) & 1).astype(F32), bt, bd)
                         dx = term if dx is None else dx + term
                 dx = zero if dx is None else dx
                 if not leader:  # hand this warpgroup's part of d_x to the first
-                    dx1s[g - 1, hslot] = dx
+                    dx1s[g - 1, slot] = dx
                     plgpu.commit_smem()
-                    plgpu.barrier_arrive(handoff.at[hslot])
+                    plgpu.barrier_arrive(handoff.at[slot])
                 else:
                     if n_wg > 1:
-                        plgpu.barrier_wait(handoff.at[hslot])
+                        plgpu.barrier_wait(handoff.at[slot])
                         for other in range(n_wg - 1):
-                            dx = dx + plgpu.load(dx1s, (other, hslot), layout=tile)
+                            dx = dx + plgpu.load(dx1s, (other, slot), layout=tile)
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot two tiles ago is read
-                    dxs[tslot] = dx.astype(cfg.dx_dtype)
+                    dxs[slot] = dx.astype(cfg.dx_dtype)
                     plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(dxs.at[tslot], dx_ref.at[bi, pl.ds(k * bt, bt), cs])
+                    plgpu.copy_smem_to_gmem(dxs.at[slot], dx_ref.at[bi, pl.ds(k * bt, bt), cs])
                 # this tile's d_E becomes the next (earlier) tile's "next rows" (read by this thread
                 # only; every thread of the warpgroup has done its shifted loads: the commit above);
                 # after a row's first tile the next step starts another row, past whose end lie zeros
-                keep = (k > 0).astype(F32) if rows_per_program > 1 and sub == 0 else None
+                keep = (k > 0).astype(F32) if rows_per_program > 1 else None
                 for r in own_convs:
                     de = plgpu.load(des.at[convs.index(r), pl.ds(0, bt)], (), layout=tile)
                     des[convs.index(r), pl.ds(bt, bt)] = de if keep is None else de * keep
+                if leader:  # both warpgroups are done with this slot (the handoff above)
+                    @pl.when(i + 2 < n_steps)
+                    def _():
+                        fetch(i + 2, slot)
+
                 return dq, dbank, dw
-
-            def step(i, carry):
-                slot = lax.rem(i, 2)
-                plgpu.barrier_wait(bar.at[slot])
-                for u in range(per_fetch):
-                    carry = one_tile(i, u, carry)
-                if leader and not refiller:  # every warpgroup is done with this slot (the last tile's handoff)
-                    @pl.when(i + 2 < n_steps)
-                    def _():
-                        fetch(i + 2, slot)
-                elif leader:  # its reads of the slot are done (the commit before d_x's store)
-                    @pl.when(i + 2 < n_steps)
-                    def _():
-                        plgpu.barrier_arrive(consumed.at[slot])
-                elif g == refiller:  # its own reads were done before its handoff, the others' too
-                    @pl.when(i + 2 < n_steps)
-                    def _():
-                        plgpu.barrier_wait(consumed.at[slot])
-                        fetch(i + 2, slot)
-
-                return carry
 
             own_taps = [layout[r][1] + delta for r in group for delta in range(layout[r][0])] if has_bank else []
             carry = ({r: zero for r in group}, {t: zero for t in own_taps},

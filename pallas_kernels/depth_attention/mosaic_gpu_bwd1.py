@@ -518,8 +518,10 @@ TRANSPOSE_TAPS = "per_source"
 # "extf", Mosaic GPU's conversion (three instructions per pair of bf16), or "bits", each register
 # of two widened in place (``mosaic_gpu.widen_bits``, two per pair; compiled kernels only: the
 # interpreter converts). In the H200's compile at `base` the conversions are about 230 of its
-# loop's 566 instructions per tile, beside 192 FFMA. The same values. Untimed: "extf" until
-# measured (session 41). Read when the kernel is built.
+# loop's 566 instructions per tile, beside 192 FFMA; with "bits" the loop holds 492. The same
+# bits on the GPU. Measured (session 41, call 2, an H100): 3.136 -> 3.172 ms per call at `base`'s
+# last block (+1.1%), 2.830 -> 2.770 at the issue's shape (-2.1%): not the default. Read when the
+# kernel is built.
 TRANSPOSE_WIDEN_CHOICES = ("extf", "bits")
 TRANSPOSE_WIDEN = "extf"
 # Measured in session 40 and taken out again (commit dfe9301 has them): its bf16 windows widened to

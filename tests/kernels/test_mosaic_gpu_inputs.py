@@ -188,66 +188,6 @@ def test_interpreted_inputs_kernel_with_rows_per_program_matches(rows_per_progra
     _check(_summed(got, 128), _pass3(args, kernels, heads, "interpret"), 1e-5)
 
 
-@pytest.mark.parametrize("warpgroups, rows_per_program", [(2, 2), *(pytest.param(wg, rows, marks=pytest.mark.slow)
-                                                                   for wg, rows in ((2, 1), (1, 2), (3, 2)))])
-def test_interpreted_inputs_kernel_with_two_tiles_per_fetch_matches(warpgroups, rows_per_program):
-    """Two token tiles per fetch (``INPUTS_TILES_PER_FETCH``): each fetch's tiles in reverse, the
-    transposed conv reaching from the fetch's first tile into its second and from its second into
-    the next fetch's first, a segment boundary in the second row's lag windows, the other
-    warpgroup's parts of ``d_x`` handed over per tile. The same arithmetic in the same order as one
-    tile per fetch: ``d_x`` and ``d_bank`` the same bits interpreted; the carried token sums within
-    float32 rounding (XLA's CPU compile of the twice-as-long loop body fuses them differently)."""
-    kernels, heads = (0, 4, 8, 12), 1
-    args = _inputs(2, 200, 16, kernels, heads, True, 77)  # 4 tiles per row, the last one ragged
-    run = lambda tiles: mosaic_gpu.phase2_backward_inputs(  # noqa: E731
-        *args, stream_kernels=kernels, heads=heads, warpgroups=warpgroups, rows_per_program=rows_per_program,
-        tiles_per_fetch=tiles, interpret=True)
-    one, two = _summed(run(1), 200), _summed(run(2), 200)
-    assert bool(jnp.all(one[0] == two[0])) and bool(jnp.all(one[2] == two[2]))
-    _check(two, one, 2e-6)
-    _check(two, _pass3(args, kernels, heads, "interpret"), 1e-5)
-
-
-@pytest.mark.parametrize("warpgroups, tiles_per_fetch", [(2, 1), *(pytest.param(wg, tiles, marks=pytest.mark.slow)
-                                                                  for wg, tiles in ((2, 2), (3, 2), (1, 1)))])
-def test_interpreted_inputs_kernel_refilled_by_the_last_warpgroup_gives_the_same_bits(warpgroups, tiles_per_fetch):
-    """``INPUTS_REFILLS="last"``: the last warpgroup issues the fetch after next once the first has
-    stored ``d_x`` (``consumed``); only who issues the copies changes, so the same bits as
-    ``"first"``, with one or two tiles per fetch and two or three warpgroups (with one, the first
-    is the last)."""
-    kernels, heads = (0, 4, 8, 12), 1
-    args = _inputs(2, 200, 16, kernels, heads, True, 77)
-    run = lambda refills: _summed(mosaic_gpu.phase2_backward_inputs(  # noqa: E731
-        *args, stream_kernels=kernels, heads=heads, warpgroups=warpgroups, tiles_per_fetch=tiles_per_fetch,
-        refills=refills, interpret=True), 200)
-    want, got = run("first"), run("last")
-    for g, w in zip(got, want):
-        assert bool(jnp.all(g == w))
-    _check(got, _pass3(args, kernels, heads, "interpret"), 1e-5)
-
-
-def test_inputs_kernel_refuses_an_unknown_refills_option(monkeypatch):
-    kernels, heads = (0, 4), 1
-    args = _inputs(1, 64, 8, kernels, heads, False, None)
-    with pytest.raises(ValueError, match="refills='middle': must be one of .*first"):
-        mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=heads, refills="middle", interpret=True)
-    monkeypatch.setattr(mosaic_gpu, "INPUTS_REFILLS", "middle")
-    with pytest.raises(ValueError, match="INPUTS_REFILLS='middle'.*first"):
-        _mosaic(args, kernels, heads)
-
-
-def test_tiles_per_fetch_is_the_largest_divisor_of_a_rows_tiles(monkeypatch):
-    assert mosaic_gpu.inputs_tiles_per_fetch(16, 2) == 2
-    assert mosaic_gpu.inputs_tiles_per_fetch(5, 2) == 1  # an odd number of tiles: one per fetch
-    assert mosaic_gpu.inputs_tiles_per_fetch(1, 2) == 1
-    assert mosaic_gpu.inputs_tiles_per_fetch(4) == mosaic_gpu.INPUTS_TILES_PER_FETCH
-    with pytest.raises(ValueError, match="tiles_per_fetch=3: must be one of"):
-        mosaic_gpu.inputs_tiles_per_fetch(6, 3)
-    monkeypatch.setattr(mosaic_gpu, "INPUTS_TILES_PER_FETCH", 4)
-    with pytest.raises(ValueError, match="INPUTS_TILES_PER_FETCH=4: must be one of"):
-        mosaic_gpu.inputs_tiles_per_fetch(8)
-
-
 def test_widen_bits_lowers_and_the_interpreter_converts(monkeypatch):
     """``INPUTS_WIDEN="bits"``: the compiled kernel widens its bf16 lags and ``dh`` with
     ``widen_bits`` (inline Mosaic GPU code, lowered for the H200 here; its values are checked
@@ -329,33 +269,24 @@ def test_which_choice_takes_the_inputs_kernel(monkeypatch, choice, auto_inputs):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "warpgroups, reuse_loads, rows_per_program, t_len, constants, tiles_per_fetch, widen, refills",
-    [(2, False, 4, 300, "per_use", 1, "extf", "first"), (3, False, 4, 300, "per_use", 1, "extf", "first"),
-     (4, False, 4, 300, "per_use", 1, "extf", "first"), (2, True, 4, 300, "per_use", 1, "extf", "first"),
-     (2, True, 4, 320, "per_use", 1, "extf", "first"), (2, True, 1, 320, "per_use", 1, "extf", "first"),
-     (3, True, 2, 320, "per_use", 1, "extf", "first"), (2, True, 4, -320, "per_use", 1, "extf", "first"),
-     (2, True, 4, 300, "per_tile", 1, "extf", "first"), (2, True, 4, 300, "per_program", 1, "extf", "first"),
-     (3, True, 2, -320, "per_program", 1, "extf", "first"), (1, True, 4, 320, "per_program", 1, "extf", "first"),
-     # session 41's options
-     (2, True, 4, 200, "per_program", 2, "extf", "first"), (2, True, 2, -256, "per_program", 2, "extf", "first"),
-     (3, True, 1, 256, "per_program", 2, "extf", "first"), (2, True, 4, 300, "per_program", 1, "bits", "first"),
-     (2, True, 4, 200, "per_program", 2, "bits", "first"), (2, True, 4, 300, "per_program", 1, "extf", "last"),
-     (3, True, 2, 256, "per_program", 2, "extf", "last"), (2, True, 4, 200, "per_program", 2, "bits", "last")])
+    "warpgroups, reuse_loads, rows_per_program, t_len, constants, widen",
+    [(2, False, 4, 300, "per_use", "extf"), (3, False, 4, 300, "per_use", "extf"), (4, False, 4, 300, "per_use", "extf"),
+     (2, True, 4, 300, "per_use", "extf"), (2, True, 4, 320, "per_use", "extf"), (2, True, 1, 320, "per_use", "extf"),
+     (3, True, 2, 320, "per_use", "extf"), (2, True, 4, -320, "per_use", "extf"), (2, True, 4, 300, "per_tile", "extf"),
+     (2, True, 4, 300, "per_program", "extf"), (3, True, 2, -320, "per_program", "extf"),
+     (1, True, 4, 320, "per_program", "extf"), (2, True, 4, 300, "per_program", "bits")])
 def test_gpu_inputs_kernel_matches_the_triton_pass(monkeypatch, warpgroups, reuse_loads, rows_per_program, t_len,
-                                                   constants, tiles_per_fetch, widen, refills):
+                                                   constants, widen):
     """On a GPU: the compiled kernel (TMA's zero fill before token 0 and past the last tile, at
     each row of a program) against Triton's reverse-T pass (bf16 partial, segments, two heads,
     the gate; four batch rows; ragged T, and whole tiles, whose last rows reach past the end;
-    ``-t_len``: without segments, whose masks would hide a row's reach into the next one; one or
-    two tiles per fetch; bf16 widened by Mosaic GPU's conversion or in place; the refills issued by
-    the first warpgroup or the last)."""
+    ``-t_len``: without segments, whose masks would hide a row's reach into the next one; bf16
+    widened by Mosaic GPU's conversion or in place)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     monkeypatch.setattr(mosaic_gpu, "INPUTS_REUSE_LOADS", reuse_loads)
     monkeypatch.setattr(mosaic_gpu, "INPUTS_CONSTANTS", constants)
-    monkeypatch.setattr(mosaic_gpu, "INPUTS_TILES_PER_FETCH", tiles_per_fetch)
     monkeypatch.setattr(mosaic_gpu, "INPUTS_WIDEN", widen)
-    monkeypatch.setattr(mosaic_gpu, "INPUTS_REFILLS", refills)
     kernels, heads = (0, 4, 8, 12), 2
     args = _inputs(4, abs(t_len), 256, kernels, heads, True, 77 if t_len > 0 else None)
     got = jax.jit(lambda *a: _mosaic(a, kernels, heads, interpret=False, warpgroups=warpgroups,
@@ -367,17 +298,14 @@ def test_gpu_inputs_kernel_matches_the_triton_pass(monkeypatch, warpgroups, reus
 @pytest.mark.parametrize("warpgroups", [2, *(pytest.param(wg, marks=pytest.mark.slow) for wg in (1, 3))])
 @pytest.mark.parametrize("t_len", [64, 128, 200])
 @pytest.mark.parametrize("segments", [False, True], ids=["no_segments", "segments"])
-@pytest.mark.parametrize("tiles_per_fetch, refills", [(1, "first"), (2, "first"), (2, "last")])
-def test_inputs_kernel_lowers_for_sm90(t_len, segments, warpgroups, tiles_per_fetch, refills):
+def test_inputs_kernel_lowers_for_sm90(t_len, segments, warpgroups):
     """The compiled (not interpreted) kernel lowers for the H200 in Lane semantics for one, two
-    and more token tiles, one or two per fetch, refilled by the first or the last warpgroup: its
-    first tile's window starts 16 rows before token 0, a start that must stay traced (TMA fills
-    those rows; a static negative start failed on the GPU with two tiles, session 21, call 5)."""
+    and more token tiles: its first tile's window starts 16 rows before token 0, a start that
+    must stay traced (TMA fills those rows; a static negative start failed on the GPU with two
+    tiles, session 21, call 5)."""
     kernels, heads = (0, 4, 8, 12), 1
     args = _inputs(2, t_len, 64, kernels, heads, True, 30 if segments else None)
     text = jax.jit(lambda *a: mosaic_gpu.phase2_backward_inputs(*a, stream_kernels=kernels, heads=heads,
-                                                                warpgroups=warpgroups,
-                                                                tiles_per_fetch=tiles_per_fetch,
-                                                                refills=refills)).trace(
+                                                                warpgroups=warpgroups)).trace(
         *args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1
