@@ -67,7 +67,8 @@ def variants(d, n_tiles):
     warpgroup, taken out since (commit 07655f3 has them and this script's variants for them)."""
     run = lambda **kw: lambda *a: mosaic_gpu.phase2_backward_inputs(  # noqa: E731
         *a, stream_kernels=KERNELS, heads=1, dx_dtype=jnp.bfloat16, **kw)
-    return ([("defaults", run(widen="extf")), ("widen bits", run(widen="bits"))]
+    return ([("defaults", run(widen="extf")), ("widen bits", run(widen="bits")), ("3 slots", run(slots=3)),
+             ("3 slots, widen bits", run(slots=3, widen="bits"))]
             + [(f"constants {c}", run(constants=c, widen="extf")) for c in ("per_use", "per_tile")])
 
 

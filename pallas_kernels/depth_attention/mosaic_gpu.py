@@ -1863,6 +1863,13 @@ INPUTS_ROWS_PER_PROGRAM_CHOICES = (1, 2, 4, 8)
 # +7.6% slower: fewer instructions in the longer loop, later data.
 INPUTS_WIDEN = "extf"
 INPUTS_WIDEN_CHOICES = ("extf", "bits")
+# the token tiles ``phase2_backward_inputs`` has in flight: its buffers, the fetch barriers and the
+# handoff of ``d_x``'s parts per slot; the fetch for tile ``i + INPUTS_SLOTS`` issued once tile ``i``
+# is done. Session 41's calls found the kernel held by when its copies arrive, not by the first
+# warpgroup's instructions; 3 slots (about 85 KB of shared memory per program, not 59; the same
+# bits interpreted) is untimed: 2 until measured. Read when the kernel is built.
+INPUTS_SLOTS = 2
+INPUTS_SLOTS_CHOICES = (2, 3)
 
 
 def widen_bits(plgpu, x):
@@ -1927,7 +1934,7 @@ def inputs_rows_per_program(batch: int, rows: int | None = None) -> int:
 def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, segment_ids, *, stream_kernels,
                            heads: int, warpgroups: int | None = None, rows_per_program: int | None = None,
                            dx_dtype=F32, constants: str | None = None, widen: str | None = None,
-                           interpret: bool = False):
+                           slots: int | None = None, interpret: bool = False):
     """Pass 3 of ``fused_bwd_phase2`` (its reverse-T input kernel, ``_dinput_kernel``) as one
     Mosaic GPU kernel: per (group of batch rows, 8-channel chunk), each row's 64-token tiles in
     reverse (``rows_per_program``: the carried sums are reduced once per group); per
@@ -1954,7 +1961,12 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     ``rows_per_program``: one of ``INPUTS_ROWS_PER_PROGRAM_CHOICES`` (None:
     ``INPUTS_ROWS_PER_PROGRAM``); ``constants``: where the per-channel constants come from, one of
     ``INPUTS_CONSTANTS_CHOICES`` (None: ``INPUTS_CONSTANTS``); ``widen``: how bf16 tiles become
-    float32, one of ``INPUTS_WIDEN_CHOICES`` (None: ``INPUTS_WIDEN``; interpreted: "extf")."""
+    float32, one of ``INPUTS_WIDEN_CHOICES`` (None: ``INPUTS_WIDEN``; interpreted: "extf");
+    ``slots``: the tiles in flight, one of ``INPUTS_SLOTS_CHOICES`` (None: ``INPUTS_SLOTS``)."""
+    slots = INPUTS_SLOTS if slots is None else slots
+    if slots not in INPUTS_SLOTS_CHOICES:
+        raise ValueError(f"phase2_backward_inputs: slots={slots!r} (or INPUTS_SLOTS): must be one of "
+                         f"{INPUTS_SLOTS_CHOICES}")
     if widen is not None and widen not in INPUTS_WIDEN_CHOICES:
         raise ValueError(f"phase2_backward_inputs: widen={widen!r}: must be one of {INPUTS_WIDEN_CHOICES}")
     widen = widen or _checked_default("INPUTS_WIDEN", INPUTS_WIDEN, INPUTS_WIDEN_CHOICES)
@@ -2002,7 +2014,7 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
                                         dh_dtype=jnp.dtype(_dh_operand(dh).dtype), dx_dtype=jnp.dtype(dx_dtype),
                                         warpgroups=warpgroups or INPUTS_WARPGROUPS,
                                         reuse_loads=bool(INPUTS_REUSE_LOADS), rows_per_program=rows_per_program,
-                                        widen=widen,
+                                        widen=widen, slots=slots,
                                         constants=constants or _default_inputs_constants(
                                             stream_kernels, gate, warpgroups or INPUTS_WARPGROUPS),
                                         interpret=bool(interpret)))
@@ -2045,6 +2057,7 @@ class _InputsConfig(NamedTuple):
     reuse_loads: bool
     rows_per_program: int
     widen: str
+    slots: int
     constants: str
     interpret: bool
 
@@ -2090,6 +2103,7 @@ def _inputs_kernel(cfg: _InputsConfig):
     nc, n_tiles = d // bd, t_pad // bt
     rows_per_program = cfg.rows_per_program
     n_steps = rows_per_program * n_tiles  # the program's tiles: each of its batch rows' in reverse
+    n_slots = cfg.slots  # fetches in flight (``INPUTS_SLOTS``)
 
     def to_f32(v):  # a register tile as float32 (``INPUTS_WIDEN``)
         return widen_bits(plgpu, v) if cfg.widen == "bits" and v.dtype == jnp.bfloat16 else v.astype(F32)
@@ -2100,19 +2114,19 @@ def _inputs_kernel(cfg: _InputsConfig):
     n_wg = len(groups)
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
     scratch = dict(
-        xs=plgpu.SMEM((2, 1, lags.rows, bd), cfg.x_dtype),
-        accs=plgpu.SMEM((2, m, bt, bd), cfg.acc_dtype),
-        dhs=plgpu.SMEM((2, bt, bd), cfg.dh_dtype),
-        rows_s=plgpu.SMEM((2, n_rows, bt), F32),
-        bits_s=plgpu.SMEM((2, INPUTS_BITS_ROWS), jnp.int32) if has_seg else None,
+        xs=plgpu.SMEM((n_slots, 1, lags.rows, bd), cfg.x_dtype),
+        accs=plgpu.SMEM((n_slots, m, bt, bd), cfg.acc_dtype),
+        dhs=plgpu.SMEM((n_slots, bt, bd), cfg.dh_dtype),
+        rows_s=plgpu.SMEM((n_slots, n_rows, bt), F32),
+        bits_s=plgpu.SMEM((n_slots, INPUTS_BITS_ROWS), jnp.int32) if has_seg else None,
         consts=plgpu.SMEM((_rows4(max(1, n_taps)) + _rows4(m) + (_rows4(m * m) if gate else 0), bd), F32),
         des=plgpu.SMEM((max(1, len(convs)), 2 * bt, bd), F32),  # d_E: this tile's rows, then the next tile's
-        dxs=plgpu.SMEM((2, bt, bd), cfg.dx_dtype),
-        dx1s=plgpu.SMEM((n_wg - 1, 2, bt, bd), F32) if n_wg > 1 else None,  # the other warpgroups' parts of d_x
+        dxs=plgpu.SMEM((n_slots, bt, bd), cfg.dx_dtype),
+        dx1s=plgpu.SMEM((n_wg - 1, n_slots, bt, bd), F32) if n_wg > 1 else None,  # the other warpgroups' parts of d_x
         sums_s=plgpu.SMEM((_rows4(n_sums), bd), F32),
-        bar=plgpu.Barrier(num_arrivals=4 + has_seg, num_barriers=2),  # one per copy of ``fetch``
+        bar=plgpu.Barrier(num_arrivals=4 + has_seg, num_barriers=n_slots),  # one per copy of ``fetch``
         bar_in=plgpu.Barrier(num_arrivals=1 + has_bank + gate, num_barriers=1),
-        handoff=plgpu.Barrier(num_arrivals=n_wg - 1, num_barriers=2) if n_wg > 1 else None,
+        handoff=plgpu.Barrier(num_arrivals=n_wg - 1, num_barriers=n_slots) if n_wg > 1 else None,
         done=plgpu.Barrier(num_arrivals=1, num_barriers=n_wg - 1) if n_wg > 1 else None,  # the sums' relay
     )
     names = [k for k, v in scratch.items() if v is not None]
@@ -2164,9 +2178,8 @@ def _inputs_kernel(cfg: _InputsConfig):
                 plgpu.copy_gmem_to_smem(q_ref.at[:, cs], consts.at[pl.ds(q_at, q_ref.shape[0])], bar_in.at[0])
                 if gate:
                     plgpu.copy_gmem_to_smem(w_ref.at[:, cs], consts.at[pl.ds(w_at, w_ref.shape[0])], bar_in.at[0])
-                fetch(0, 0)
-                if n_steps > 1:
-                    fetch(1, 1)
+                for j in range(min(n_slots, n_steps)):
+                    fetch(j, j)
             for r in own_convs:  # the next tile's rows of d_E start as zeros (nothing lies past the last tile)
                 des[convs.index(r), pl.ds(bt, bt)] = zero
             plgpu.barrier_wait(bar_in.at[0])
@@ -2179,7 +2192,7 @@ def _inputs_kernel(cfg: _InputsConfig):
             def step(i, carry):
                 dq, dbank, dw = dict(carry[0]), dict(carry[1]), dict(carry[2])
                 bi, k = tile_of(i)
-                slot = lax.rem(i, 2)
+                slot = lax.rem(i, n_slots)
                 plgpu.barrier_wait(bar.at[slot])
                 masks = [None] * max_lag
                 if has_seg:
@@ -2269,7 +2282,7 @@ def _inputs_kernel(cfg: _InputsConfig):
                         plgpu.barrier_wait(handoff.at[slot])
                         for other in range(n_wg - 1):
                             dx = dx + plgpu.load(dx1s, (other, slot), layout=tile)
-                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot two tiles ago is read
+                    plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # one store in flight at most: this slot's last is read
                     dxs[slot] = dx.astype(cfg.dx_dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(dxs.at[slot], dx_ref.at[bi, pl.ds(k * bt, bt), cs])
@@ -2281,9 +2294,9 @@ def _inputs_kernel(cfg: _InputsConfig):
                     de = plgpu.load(des.at[convs.index(r), pl.ds(0, bt)], (), layout=tile)
                     des[convs.index(r), pl.ds(bt, bt)] = de if keep is None else de * keep
                 if leader:  # both warpgroups are done with this slot (the handoff above)
-                    @pl.when(i + 2 < n_steps)
+                    @pl.when(i + n_slots < n_steps)
                     def _():
-                        fetch(i + 2, slot)
+                        fetch(i + n_slots, slot)
 
                 return dq, dbank, dw
 

@@ -188,6 +188,22 @@ def test_interpreted_inputs_kernel_with_rows_per_program_matches(rows_per_progra
     _check(_summed(got, 128), _pass3(args, kernels, heads, "interpret"), 1e-5)
 
 
+@pytest.mark.parametrize("warpgroups", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_interpreted_inputs_kernel_with_three_slots_gives_the_same_bits(warpgroups):
+    """``INPUTS_SLOTS=3``: three tiles in flight (buffers, fetch barriers and the handoff of
+    ``d_x``'s parts per slot; the other warpgroups may run two tiles ahead) change when the
+    copies come, not the values: the same bits as two, over two rows of four tiles per program."""
+    kernels, heads = (0, 4, 8, 12), 1
+    args = _inputs(2, 200, 16, kernels, heads, True, 77)
+    run = lambda slots: _summed(mosaic_gpu.phase2_backward_inputs(  # noqa: E731
+        *args, stream_kernels=kernels, heads=heads, warpgroups=warpgroups, slots=slots, interpret=True), 200)
+    want, got = run(2), run(3)
+    for g, w in zip(got, want):
+        assert bool(jnp.all(g == w))
+    with pytest.raises(ValueError, match="slots=4 .*must be one of"):
+        run(4)
+
+
 def test_widen_bits_lowers_and_the_interpreter_converts(monkeypatch):
     """``INPUTS_WIDEN="bits"``: the compiled kernel widens its bf16 lags and ``dh`` with
     ``widen_bits`` (inline Mosaic GPU code, lowered for the H200 here; its values are checked
@@ -298,14 +314,15 @@ def test_gpu_inputs_kernel_matches_the_triton_pass(monkeypatch, warpgroups, reus
 @pytest.mark.parametrize("warpgroups", [2, *(pytest.param(wg, marks=pytest.mark.slow) for wg in (1, 3))])
 @pytest.mark.parametrize("t_len", [64, 128, 200])
 @pytest.mark.parametrize("segments", [False, True], ids=["no_segments", "segments"])
-def test_inputs_kernel_lowers_for_sm90(t_len, segments, warpgroups):
+@pytest.mark.parametrize("slots", [2, 3])
+def test_inputs_kernel_lowers_for_sm90(t_len, segments, warpgroups, slots):
     """The compiled (not interpreted) kernel lowers for the H200 in Lane semantics for one, two
-    and more token tiles: its first tile's window starts 16 rows before token 0, a start that
+    and more token tiles, with two or three in flight: its first tile's window starts 16 rows before token 0, a start that
     must stay traced (TMA fills those rows; a static negative start failed on the GPU with two
     tiles, session 21, call 5)."""
     kernels, heads = (0, 4, 8, 12), 1
     args = _inputs(2, t_len, 64, kernels, heads, True, 30 if segments else None)
     text = jax.jit(lambda *a: mosaic_gpu.phase2_backward_inputs(*a, stream_kernels=kernels, heads=heads,
-                                                                warpgroups=warpgroups)).trace(
+                                                                warpgroups=warpgroups, slots=slots)).trace(
         *args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1
