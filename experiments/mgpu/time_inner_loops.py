@@ -1,8 +1,9 @@
 """Two kernels' inner loops with the options that take instructions out of them (sessions 40-41):
 phase 2's backward input kernel (``mosaic_gpu.phase2_backward_inputs``) with each place its
 per-channel constants come from (``mosaic_gpu.INPUTS_CONSTANTS_CHOICES``: the taps, queries and
-W's columns loaded at every use, once per token tile, or once per program and held in registers)
-and with its bf16 widened in place (``INPUTS_WIDEN``, session 41),
+W's columns loaded at every use, once per token tile, or once per program and held in registers),
+with its bf16 widened in place (``INPUTS_WIDEN``, session 41) and with two tiles in flight
+(``INPUTS_SLOTS``: three since session 42),
 and phase 1's expansion transpose (``mosaic_gpu_bwd1.sources_transpose``) with its taps per tile
 or held per source (``TRANSPOSE_TAPS_CHOICES``) and its bf16 widened in place (``TRANSPOSE_WIDEN``,
 session 41). Session 40's calls also timed options taken out
@@ -61,14 +62,15 @@ def inputs(batch, t_len, d):
 
 
 def variants(d, n_tiles):
-    """Today's defaults first (the reference for the differences), then bf16 widened in place
-    (``INPUTS_WIDEN``, session 41), then session 40's places for the constants (per use, per
-    tile). Session 41's calls also timed two tiles per fetch and the refills by the last
-    warpgroup, taken out since (commit 07655f3 has them and this script's variants for them)."""
+    """Today's defaults first (the reference for the differences; three tiles in flight since
+    session 42), then bf16 widened in place (``INPUTS_WIDEN``, session 41), two tiles in flight
+    (``INPUTS_SLOTS``, the default to session 41), then session 40's places for the constants
+    (per use, per tile). Session 41's calls also timed two tiles per fetch and the refills by the
+    last warpgroup, taken out since (commit 07655f3 has them and this script's variants for them)."""
     run = lambda **kw: lambda *a: mosaic_gpu.phase2_backward_inputs(  # noqa: E731
         *a, stream_kernels=KERNELS, heads=1, dx_dtype=jnp.bfloat16, **kw)
-    return ([("defaults", run(widen="extf")), ("widen bits", run(widen="bits")), ("3 slots", run(slots=3)),
-             ("3 slots, widen bits", run(slots=3, widen="bits"))]
+    return ([("defaults", run(widen="extf", slots=3)), ("widen bits", run(widen="bits", slots=3)),
+             ("2 slots", run(slots=2)), ("2 slots, widen bits", run(slots=2, widen="bits"))]
             + [(f"constants {c}", run(constants=c, widen="extf")) for c in ("per_use", "per_tile")])
 
 

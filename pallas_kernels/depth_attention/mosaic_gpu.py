@@ -1866,9 +1866,11 @@ INPUTS_WIDEN_CHOICES = ("extf", "bits")
 # the token tiles ``phase2_backward_inputs`` has in flight: its buffers, the fetch barriers and the
 # handoff of ``d_x``'s parts per slot; the fetch for tile ``i + INPUTS_SLOTS`` issued once tile ``i``
 # is done. Session 41's calls found the kernel held by when its copies arrive, not by the first
-# warpgroup's instructions; 3 slots (about 85 KB of shared memory per program, not 59; the same
-# bits interpreted) is untimed: 2 until measured. Read when the kernel is built.
-INPUTS_SLOTS = 2
+# warpgroup's instructions. 3 slots (about 85 KB of shared memory per program, not 59; the same
+# bits): on the H200 (session 42, calls 1-2, two runs each) 1.2460 / 1.2504 -> 1.2597 / 1.2191 ms
+# at `base` (+1.1% / -2.5%) and 0.6491 / 0.6454 -> 0.6207 / 0.6279 at the issue's shape (-4.4% /
+# -2.7%): taken. Read when the kernel is built.
+INPUTS_SLOTS = 3
 INPUTS_SLOTS_CHOICES = (2, 3)
 
 
