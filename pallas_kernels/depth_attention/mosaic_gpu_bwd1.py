@@ -525,10 +525,11 @@ TRANSPOSE_TAPS = "per_source"
 TRANSPOSE_WIDEN_CHOICES = ("extf", "bits")
 TRANSPOSE_WIDEN = "extf"
 # the items (source, token tile) ``sources_transpose`` has in flight: each slot holds a tile's ``dE``
-# windows, the source's rows, its lag bits (and its taps with "per_tile"), about 7.7 KB; the copy
+# windows, the source's rows, its lag bits (and its taps with "per_tile"), about 7 KB; the copy
 # for item ``f + TRANSPOSE_SLOTS`` issued once item ``f`` is done. Its programs hold 224 registers
-# per thread (two programs, 8 warps per SM), so with two slots each SM has about 15 KB of copies in
-# flight, less than the copy bandwidth's share of an SM times a copy's latency; phase 2's input
+# per thread (two programs, 8 warps per SM), so with two slots each SM has about one item per
+# program, 14 KB, in flight while the other is worked on: less than an SM's share of the copy
+# bandwidth (about 24 KB per microsecond) times a copy's latency; phase 2's input
 # kernel gained from a third slot (session 42). Until measured: 2. Read when the kernel is built.
 TRANSPOSE_SLOTS = 2
 TRANSPOSE_SLOTS_CHOICES = (2, 3, 4)
