@@ -70,7 +70,8 @@ def variants(d, n_tiles):
     run = lambda **kw: lambda *a: mosaic_gpu.phase2_backward_inputs(  # noqa: E731
         *a, stream_kernels=KERNELS, heads=1, dx_dtype=jnp.bfloat16, **kw)
     return ([("defaults", run(widen="extf", slots=3)), ("widen bits", run(widen="bits", slots=3)),
-             ("2 slots", run(slots=2)), ("2 slots, widen bits", run(slots=2, widen="bits"))]
+             ("2 slots", run(slots=2)), ("2 slots, widen bits", run(slots=2, widen="bits")),
+             ("4 slots", run(slots=4, widen="extf"))]
             + [(f"constants {c}", run(constants=c, widen="extf")) for c in ("per_use", "per_tile")])
 
 
