@@ -93,14 +93,14 @@ def transpose_inputs(batch, t_len, d):
 
 
 def transpose_variants(d, n_tiles):
-    """Today's defaults first (taps per source, two items in flight), then each other place the
-    taps come from, the default's taps with bf16 widened in place (``TRANSPOSE_WIDEN_CHOICES``,
-    session 41), and each other number of items in flight (``TRANSPOSE_SLOTS_CHOICES``, session 42)."""
+    """Today's defaults first (taps per source), then each other place the taps come from, then
+    the default's taps with bf16 widened in place (``TRANSPOSE_WIDEN_CHOICES``, session 41).
+    (Three or four items in flight, session 42's ``TRANSPOSE_SLOTS``, were 2-17% slower on an
+    H200 and are taken out: commit 7037f37 has them.)"""
     run = lambda **kw: lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS, **kw)  # noqa: E731
     taps = sorted(mosaic_gpu_bwd1.TRANSPOSE_TAPS_CHOICES, key=lambda t: t != "per_source")
-    return ([(f"transpose taps {t}", run(taps=t, widen="extf", slots=2)) for t in taps]
-            + [("transpose widen bits", run(widen="bits", slots=2))]
-            + [(f"transpose {k} slots", run(widen="extf", slots=k)) for k in mosaic_gpu_bwd1.TRANSPOSE_SLOTS_CHOICES[1:]])
+    return ([(f"transpose taps {t}", run(taps=t, widen="extf")) for t in taps]
+            + [("transpose widen bits", run(widen="bits"))])
 
 
 def transpose_floor_bytes(batch, t_len, d) -> int:

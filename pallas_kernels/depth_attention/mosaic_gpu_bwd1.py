@@ -524,19 +524,13 @@ TRANSPOSE_TAPS = "per_source"
 # kernel is built.
 TRANSPOSE_WIDEN_CHOICES = ("extf", "bits")
 TRANSPOSE_WIDEN = "extf"
-# the items (source, token tile) ``sources_transpose`` has in flight: each slot holds a tile's ``dE``
-# windows, the source's rows, its lag bits (and its taps with "per_tile"), about 7 KB; the copy
-# for item ``f + TRANSPOSE_SLOTS`` issued once item ``f`` is done. Its programs hold 224 registers
-# per thread (two programs, 8 warps per SM), so with two slots each SM has about one item per
-# program, 14 KB, in flight while the other is worked on: less than an SM's share of the copy
-# bandwidth (about 24 KB per microsecond) times a copy's latency; phase 2's input
-# kernel gained from a third slot (session 42). Until measured: 2. Read when the kernel is built.
-TRANSPOSE_SLOTS = 2
-TRANSPOSE_SLOTS_CHOICES = (2, 3, 4)
 # Measured in session 40 and taken out again (commit dfe9301 has them): its bf16 windows widened to
 # float32 once per tile instead of per lag (96 fewer instructions in its 608-instruction loop, 7-19%
 # slower: twice the shared-memory bytes per lag load), and the kernel without Pallas' automatic
-# barriers (0.1% / 1.6% faster at `base` / the issue's shape).
+# barriers (0.1% / 1.6% faster at `base` / the issue's shape). Measured in session 43 and taken out
+# (commit 7037f37 has it): three or four items in flight instead of two (about 7 KB each), 2-7% /
+# 5-17% slower at the issue's shape / `base`'s last block on an H200, the same bits: the copies'
+# latency does not hold this kernel.
 
 
 def check_transpose_shape(*, d: int, stream_kernels: Sequence[int]) -> None:
@@ -553,8 +547,7 @@ def check_transpose_shape(*, d: int, stream_kernels: Sequence[int]) -> None:
 
 
 def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels, out_dtype=None,
-                      taps: str | None = None, widen: str | None = None, slots: int | None = None,
-                      interpret: bool = False):
+                      taps: str | None = None, widen: str | None = None, interpret: bool = False):
     """``conv_transpose.sources_transpose`` (the vjp of the expansion, Eq. 10, for ``n`` sources)
     as one Mosaic GPU kernel: ``d x[t] = sum_{r: kernel_r = 0} dE_r[t] + sum_r sum_delta
     c_r[delta] mask_delta[t + delta] dE_r[t + delta]`` and ``d c_r[delta] = sum_{b, t}
@@ -572,9 +565,7 @@ def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels
     ``banks[n, K, d]``, ``segment_ids[B, T]`` or None, ``valid[n]`` or None. Returns ``(d x[n, B,
     T, d]`` in ``out_dtype`` (None: ``x``'s), ``d banks[n, K, d]`` float32). ``taps``: one of
     ``TRANSPOSE_TAPS_CHOICES`` (None: ``TRANSPOSE_TAPS``); ``widen``: one of
-    ``TRANSPOSE_WIDEN_CHOICES`` (None: ``TRANSPOSE_WIDEN``; interpreted: "extf"); ``slots``: the
-    items in flight, one of ``TRANSPOSE_SLOTS_CHOICES`` (None: ``TRANSPOSE_SLOTS``)."""
-    slots = _option("slots", slots, "TRANSPOSE_SLOTS", TRANSPOSE_SLOTS, TRANSPOSE_SLOTS_CHOICES)
+    ``TRANSPOSE_WIDEN_CHOICES`` (None: ``TRANSPOSE_WIDEN``; interpreted: "extf")."""
     taps = _option("taps", taps, "TRANSPOSE_TAPS", TRANSPOSE_TAPS, TRANSPOSE_TAPS_CHOICES)
     widen = _option("widen", widen, "TRANSPOSE_WIDEN", TRANSPOSE_WIDEN, TRANSPOSE_WIDEN_CHOICES)
     widen = "extf" if interpret else widen  # the interpreter does not run inline Mosaic GPU code
@@ -605,7 +596,7 @@ def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels
         n=n, batch=batch, t_pad=t_pad, d=d, stream_kernels=stream_kernels, has_seg=has_seg,
         x_dtype=jnp.dtype(x.dtype), de_dtype=jnp.dtype(d_streams.dtype),
         out_dtype=jnp.dtype(out_dtype or x.dtype), n_tap_rows=_rows4(n_taps), taps=taps, widen=widen,
-        slots=slots, interpret=bool(interpret)))
+        interpret=bool(interpret)))
     dx, dbank = call(*inputs)  # [n, B, Tp, d], [n, B, K4, d]
     return dx[:, :, :t_len], jnp.sum(dbank[:, :, :n_taps], axis=1)
 
@@ -638,7 +629,6 @@ class _TransposeConfig(NamedTuple):
     n_tap_rows: int
     taps: str
     widen: str
-    slots: int
     interpret: bool
 
 
@@ -656,22 +646,20 @@ def _transpose_kernel(cfg: _TransposeConfig):
     rows_in = bt + ahead
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
     per_source = cfg.taps == "per_source"
-    n_slots = cfg.slots  # items in flight (``TRANSPOSE_SLOTS``)
 
     def to_f32(v):  # a register tile as float32 (``TRANSPOSE_WIDEN``)
         return widen_bits(plgpu, v) if cfg.widen == "bits" and v.dtype == jnp.bfloat16 else v.astype(F32)
 
     scratch = dict(
-        des=plgpu.SMEM((n_slots, m, rows_in, bd), cfg.de_dtype),  # the tile's rows of dE and the 16 after
-        xs=plgpu.SMEM((n_slots, rows_in, bd), cfg.x_dtype),  # the 16 rows before the tile and its own
-        # per item, or per source ("per_source": two, a source ahead)
-        taps=plgpu.SMEM((2 if per_source else n_slots, cfg.n_tap_rows, bd), F32),
-        bits_s=plgpu.SMEM((n_slots, _BITS_ROWS), jnp.int32) if has_seg else None,
-        dxs=plgpu.SMEM((2, bt, bd), cfg.out_dtype),  # d x's stores: two tiles (the wait below)
+        des=plgpu.SMEM((2, m, rows_in, bd), cfg.de_dtype),  # the tile's rows of dE and the 16 after
+        xs=plgpu.SMEM((2, rows_in, bd), cfg.x_dtype),  # the 16 rows before the tile and its own
+        taps=plgpu.SMEM((2, cfg.n_tap_rows, bd), F32),  # per item, or per source ("per_source")
+        bits_s=plgpu.SMEM((2, _BITS_ROWS), jnp.int32) if has_seg else None,
+        dxs=plgpu.SMEM((2, bt, bd), cfg.out_dtype),
         zero_s=plgpu.SMEM((bt, bd), cfg.out_dtype),
         sums_s=plgpu.SMEM((2, cfg.n_tap_rows, bd), F32),
         meta_s=plgpu.SMEM((n + 1, 64), jnp.int32),
-        bar=plgpu.Barrier(num_arrivals=3 + has_seg - per_source, num_barriers=n_slots),
+        bar=plgpu.Barrier(num_arrivals=3 + has_seg - per_source, num_barriers=2),
         bar_in=plgpu.Barrier(num_arrivals=1, num_barriers=1),
         bar_taps=plgpu.Barrier(num_arrivals=1, num_barriers=2) if per_source else None,
     )
@@ -701,7 +689,7 @@ def _transpose_kernel(cfg: _TransposeConfig):
             """Item ``f`` (valid source ``f // n_tiles``, tile ``f % n_tiles``), if there is one."""
             @pl.when(f < total)
             def _():
-                i, k, slot = meta_s[f // n_tiles, 0], lax.rem(f, n_tiles), lax.rem(f, n_slots)
+                i, k, slot = meta_s[f // n_tiles, 0], lax.rem(f, n_tiles), lax.rem(f, 2)
                 t0 = k * bt + b * 0  # traced: the x window starts before row 0 (TMA fills zeros)
                 plgpu.copy_gmem_to_smem(de_ref.at[pl.ds(i * m, m), b, pl.ds(t0, rows_in), cs], des.at[slot],
                                         bar.at[slot])
@@ -723,7 +711,7 @@ def _transpose_kernel(cfg: _TransposeConfig):
         def tile_step(f, dbank, held=None):
             """Tile ``f % n_tiles`` of valid source ``f // n_tiles``: ``d x`` stored, the bank sums
             carried; ``held``: the source's taps in registers (``"per_source"``)."""
-            slot = lax.rem(f, n_slots)
+            slot = lax.rem(f, 2)
             plgpu.barrier_wait(bar.at[slot])
             if held is None:
                 tap_of = lambda k: _cols(plgpu.load(taps, (slot, k), layout=col), bt, bd)  # noqa: E731
@@ -765,12 +753,11 @@ def _transpose_kernel(cfg: _TransposeConfig):
                     dbank[off + delta] = dbank[off + delta] + g
             j, k = f // n_tiles, lax.rem(f, n_tiles)
             i = meta_s[j, 0]
-            out = lax.rem(f, 2)
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this buffer two tiles ago is read
-            dxs[out] = dx.astype(dxs.dtype)
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot two tiles ago is read
+            dxs[slot] = dx.astype(dxs.dtype)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dxs.at[out], dx_ref.at[i, b, pl.ds(k * bt, bt), cs])
-            fetch(f + n_slots)  # every thread is done with this slot (the commit above)
+            plgpu.copy_smem_to_gmem(dxs.at[slot], dx_ref.at[i, b, pl.ds(k * bt, bt), cs])
+            fetch(f + 2)  # every thread is done with this slot (the commit above)
             return dbank
 
         def source_body(j, carry):
@@ -793,8 +780,8 @@ def _transpose_kernel(cfg: _TransposeConfig):
         if per_source:
             fetch_taps(0)
             fetch_taps(1)
-        for f in range(n_slots):
-            fetch(f)
+        fetch(0)
+        fetch(1)
         lax.fori_loop(0, n_live, source_body, 0)
 
         # the ruled-out sources: zeros for d x and the bank partial (sums_s[0] zeroed once its

@@ -278,20 +278,6 @@ def test_interpreted_transpose_taps_held_per_source_give_the_same_bits():
         assert bool(jnp.all(g == w))
 
 
-@pytest.mark.parametrize("slots, taps", [(3, "per_source"), (4, "per_tile"),
-                                         pytest.param(4, "per_source", marks=pytest.mark.slow)])
-def test_interpreted_transpose_with_more_items_in_flight_gives_the_same_bits(slots, taps):
-    """``TRANSPOSE_SLOTS`` 3 or 4: more items (source, tile) in flight change when the copies
-    come, not the values: the same bits as two, over three valid sources of four (the slots go
-    round several times and across sources: 3 tiles each), segments, a ragged end."""
-    args = _transpose_inputs(4, 2, 150, 16, (True, False, True, True), 37)
-    want, got = (mosaic_gpu_bwd1.sources_transpose(*args, stream_kernels=KERNELS, out_dtype=jnp.float32, taps=taps,
-                                                   slots=k, interpret=True) for k in (2, slots))
-    for g, w in zip(got, want):
-        assert np.any(np.asarray(w))
-        assert bool(jnp.all(g == w))
-
-
 def test_transpose_refuses_bad_inputs():
     d_streams, x, banks, seg, valid = _transpose_inputs(2, 1, 8, 8, None, None)
     kw = dict(stream_kernels=KERNELS, interpret=True)
@@ -307,8 +293,6 @@ def test_transpose_refuses_bad_inputs():
         mosaic_gpu_bwd1.sources_transpose(d_streams, x, banks, seg, valid, taps="per_block", **kw)
     with pytest.raises(ValueError, match="widen='fast': must be one of"):
         mosaic_gpu_bwd1.sources_transpose(d_streams, x, banks, seg, valid, widen="fast", **kw)
-    with pytest.raises(ValueError, match=r"slots=5: must be one of \(2, 3, 4\)"):
-        mosaic_gpu_bwd1.sources_transpose(d_streams, x, banks, seg, valid, slots=5, **kw)
 
 
 @pytest.mark.parametrize("choice, auto_bwd, interpret, want", [
@@ -433,20 +417,20 @@ def test_single_stream_bf16_ga_lowers_for_sm90(monkeypatch, mode):
     assert seen == [(mode, 64, 2, 1, False)], seen
 
 
-@pytest.mark.parametrize("t_len, segments, taps, widen, slots", [
-    pytest.param(64, False, None, None, None, marks=pytest.mark.slow), (200, True, None, None, None),
-    (200, True, "per_tile", None, None), (200, True, None, "bits", None), (200, True, "per_tile", None, 4)])
-def test_transpose_lowers_for_sm90(monkeypatch, t_len, segments, taps, widen, slots):
+@pytest.mark.parametrize("t_len, segments, taps, widen", [pytest.param(64, False, None, None, marks=pytest.mark.slow),
+                                                         (200, True, None, None), (200, True, "per_tile", None),
+                                                         (200, True, None, "bits")])
+def test_transpose_lowers_for_sm90(monkeypatch, t_len, segments, taps, widen):
     """The compiled transpose lowers for the H200 (one and several tiles: its x window starts 16
     rows before token 0, its cotangents' window reaches 16 rows past the tile), with its taps per
-    source (the default) and per tile, with its bf16 rows widened in place (``widen_bits`` on
+    source (the default) and per tile, and with its bf16 rows widened in place (``widen_bits`` on
     each lag row it reads: per conv stream of K taps, K of its ``dE`` and K of the source's; the
-    identity stream's ``dE``), and with four items in flight (``TRANSPOSE_SLOTS``)."""
+    identity stream's ``dE``)."""
     seen, real = [], mosaic_gpu_bwd1.widen_bits
     monkeypatch.setattr(mosaic_gpu_bwd1, "widen_bits", lambda plgpu, x: seen.append(x.dtype) or real(plgpu, x))
     inputs = _transpose_inputs(3, 2, t_len, 64, (True, True, False), 30 if segments else None)
     text = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS, taps=taps,
-                                                                widen=widen, slots=slots)).trace(
+                                                                widen=widen)).trace(
         *inputs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1
     assert len(seen) == (0 if widen is None else 1 + 2 * sum(KERNELS)), seen
@@ -485,8 +469,3 @@ def test_gpu_kernels_match_the_triton_passes():
     widened = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS, out_dtype=jnp.float32,
                                                                    widen="bits"))(*t_args)
     _check_tree(widened, want, 1e-5)  # bf16 widened in place (ptxas may order the sums differently)
-    for slots in mosaic_gpu_bwd1.TRANSPOSE_SLOTS_CHOICES:  # more items in flight: the same bits
-        deeper = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(  # noqa: B023
-            *a, stream_kernels=KERNELS, out_dtype=jnp.float32, slots=slots))(*t_args)
-        for o, g in zip(deeper, got):
-            assert bool(jnp.all(o == g)), slots
