@@ -308,6 +308,30 @@ def _state_boxes() -> str:
     return _checked_default("DEFAULT_STATE_BOXES", DEFAULT_STATE_BOXES, STATE_BOXES)
 
 
+REREAD_ORDERS = ("same", "reverse")
+# The order in which phase 2's gated kernels (the forward, the backward's state kernel) walk the
+# channel chunks the second time they read a tile's state: the gate's statistics need the whole
+# tile (every stream and channel, 1 MB at `base`, 2 MB at the issue's shape) before the output
+# pass, so each state element is read twice. In the same order the second read of a chunk comes
+# a whole tile's bytes after its first, which with some 260 programs in flight is about 260 MB
+# of other traffic: far more than the H200's L2 (50 MB), so it comes from DRAM again (Nsight
+# Compute: the forward moves both reads' bytes at its DRAM bound, BENCHMARKS.md, kernels,
+# session 23). In reverse the last chunks the first pass read are the first the second reads,
+# while they may still be in L2. The same bits for ``h`` and ``d_acc`` (chunks are independent
+# there); the state kernel's per-token sums add their chunks in the other order. Read when a
+# kernel is built (part of its configuration).
+REREAD_ORDER = "same"
+
+
+def _reread_order(order: str | None) -> str:
+    """``order`` (a kernel's argument) or, for None, ``REREAD_ORDER``, checked."""
+    if order is None:
+        return _checked_default("REREAD_ORDER", REREAD_ORDER, REREAD_ORDERS)
+    if order not in REREAD_ORDERS:
+        raise ValueError(f"reread_order={order!r}: must be one of {REREAD_ORDERS}")
+    return order
+
+
 def _state_copies(m: int, state_boxes: str) -> int:
     return 1 if state_boxes == "one" else m
 
@@ -347,32 +371,37 @@ def _store_group(plgpu, pairs):
         plgpu.copy_smem_to_gmem(src, dst, commit_group=not STORE_GROUPS or k == len(pairs) - 1)
 
 
-def _pipelined(plgpu, fetch, bar, nc, heads, per_chunk, carry, before_refill=None, n_slots=2, head_end=None):
+def _pipelined(plgpu, fetch, bar, nc, heads, per_chunk, carry, before_refill=None, n_slots=2, head_end=None,
+               reverse=False):
     """``per_chunk(c, slot, head, carry)`` over the ``nc`` channel chunks, head by head (a static
     head index; ``nc / heads`` chunks each), with the next ``n_slots - 1`` chunks' copies in
-    flight: ``fetch(c, slot)`` issues chunk ``c``'s copies on ``bar.at[slot]``, slot ``c mod
-    n_slots``. ``before_refill()`` runs before a slot is refilled (to wait for stores still
-    reading it). ``head_end(head, carry) -> carry`` runs after each head's chunks (outside the
-    loop: what only one head needs need not ride through the others' loops)."""
+    flight: ``fetch(c, slot)`` issues chunk ``c``'s copies on ``bar.at[slot]``, the ``k``-th
+    chunk walked in slot ``k mod n_slots``. ``before_refill()`` runs before a slot is refilled
+    (to wait for stores still reading it). ``head_end(head, carry) -> carry`` runs after each
+    head's chunks (outside the loop: what only one head needs need not ride through the others'
+    loops). ``reverse``: the chunks (and heads) last to first (``REREAD_ORDER``)."""
     nch = nc // heads
-    for c in range(min(n_slots, nc)):
-        fetch(c, c)
-    for head in range(heads):
+    chunk = (lambda k: nc - 1 - k) if reverse else (lambda k: k)  # noqa: E731
+    for k in range(min(n_slots, nc)):
+        fetch(chunk(k), k)
+    for walked in range(heads):
+        head = heads - 1 - walked if reverse else walked
 
-        def step(c, carry, head=head):
-            slot = lax.rem(c, n_slots)
+        def step(k, carry, head=head):
+            slot = lax.rem(k, n_slots)
             plgpu.barrier_wait(bar.at[slot])
-            carry = per_chunk(c, slot, head, carry)
+            carry = per_chunk(chunk(k), slot, head, carry)
 
-            @pl.when(c + n_slots < nc)
+            @pl.when(k + n_slots < nc)
             def _():
                 if before_refill is not None:
                     before_refill()
-                fetch(c + n_slots, slot)
+                fetch(chunk(k + n_slots), slot)
 
             return carry
 
-        carry = lax.fori_loop(head * nch, (head + 1) * nch, step, carry)
+        # the k-th chunk walked lies in ``head``'s chunks, reversed or not
+        carry = lax.fori_loop(walked * nch, (walked + 1) * nch, step, carry)
         if head_end is not None:
             carry = head_end(head, carry)
     return carry
@@ -509,7 +538,8 @@ DEFAULT_GATE_STATS = "own_pass"
 def phase2_fused_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *, fuse: str,
                          stream_kernels: Sequence[int], heads: int, eps: float, gate_eps: float, out_dtype=F32,
                          block_d: int | None = None, expand: str | None = None, windows: str | None = None,
-                         gate_stats: str | None = None, split: bool = False, interpret: bool = False):
+                         gate_stats: str | None = None, split: bool = False, reread_order: str | None = None,
+                         interpret: bool = False):
     """``h[B, T, d]`` and the scores ``(dots[m, B, T, H], sumsq[m, B, T])``.
 
     ``state``: ``reference.SoftmaxState`` (``[m, B, T, H]`` max and denom, ``[m, B, T, d]`` acc,
@@ -522,8 +552,9 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     None: ``DEFAULT_GATE_STATS``). ``split``: two kernels (``FORWARD_PASSES``), the scores and
     then the merge with the state, the gate and ``h``, the same values to the last bit; where
     ``h`` is not used (the backward's re-run of a read whose output a model saved) XLA drops the
-    second, so the re-run reads the partial once and the state not at all. ``interpret``: run in
-    Pallas' Mosaic GPU interpret mode (CPU tests)."""
+    second, so the re-run reads the partial once and the state not at all. ``reread_order``: the
+    chunks' order in the output pass, the state's second read with the gate (``REREAD_ORDERS``;
+    None: ``REREAD_ORDER``). ``interpret``: run in Pallas' Mosaic GPU interpret mode (CPU tests)."""
     expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows or default_windows("forward")).kind
     if expand not in EXPANDS:
         raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
@@ -568,7 +599,8 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
                   block_d=bd, gate=gate, has_seg=has_seg, front=front, eps=float(eps),
                   gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
                   out_dtype=jnp.dtype(out_dtype), n_consts=consts.shape[0], expand=expand, windows=windows,
-                  state_boxes=_state_boxes(), gate_stats=gate_stats, passes="all", interpret=bool(interpret))
+                  state_boxes=_state_boxes(), gate_stats=gate_stats, passes="all", interpret=bool(interpret),
+                  reread_order=_reread_order(reread_order))
     if split:
         dots, sumsq = _kernel(cfg._replace(passes="scores"))(*inputs)
         (h,) = _kernel(cfg._replace(passes="merge"))(*inputs, dots, sumsq)
@@ -679,6 +711,7 @@ class _Config(NamedTuple):
     gate_stats: str
     passes: str  # FORWARD_PASSES
     interpret: bool
+    reread_order: str = "same"  # REREAD_ORDERS
 
 
 # What one kernel of ``phase2_fused_forward`` runs: ``"all"`` (passes A-C, one kernel), or the
@@ -778,8 +811,9 @@ def _kernel(cfg: _Config):
 
             return issue
 
-        def pipelined(bar, with_state, per_chunk, carry, with_query=False):
-            return _pipelined(plgpu, fetch(bar, with_state, with_query), bar, nc, heads, per_chunk, carry)
+        def pipelined(bar, with_state, per_chunk, carry, with_query=False, reverse=False):
+            return _pipelined(plgpu, fetch(bar, with_state, with_query), bar, nc, heads, per_chunk, carry,
+                              reverse=reverse)
 
         if n_in:
             plgpu.barrier_wait(bar_in.at[0])
@@ -914,7 +948,8 @@ def _kernel(cfg: _Config):
             plgpu.copy_smem_to_gmem(h_s.at[slot], h_ref.at[b, pl.ds(t0, bt), pl.ds(c * bd, bd)])
             return carry
 
-        pipelined(bar_bc, True, fuse_chunk, 0)
+        # the state's second read (with the gate: pass B read it first; ``REREAD_ORDER``)
+        pipelined(bar_bc, True, fuse_chunk, 0, reverse=gate and not fused_stats and cfg.reread_order == "reverse")
         plgpu.wait_smem_to_gmem(0)
 
     out_type = ([jax.ShapeDtypeStruct((batch, t_pad, d), cfg.out_dtype)] if merge_pass else []) + (
@@ -939,7 +974,7 @@ def _dh_operand(dh):
 
 def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segment_ids, *, stream_kernels,
                           heads: int, gate_eps: float, block_d: int | None = None, expand: str | None = None,
-                          windows: str | None = None, interpret: bool = False):
+                          windows: str | None = None, reread_order: str | None = None, interpret: bool = False):
     """Passes 1 and 2 of ``fused_bwd_phase2`` (the gate's statistics and backward, then
     ``d_acc``) as one Mosaic GPU kernel: per (batch row, 64-token tile), (1) recompute ``z_r =
     a A_r + b E_r`` chunk by chunk and sum ``sum z^2``, ``y_j = z . W[:, j]`` and ``dg_r = <dh,
@@ -956,7 +991,8 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     and bias's gradients) or None. On the H200 at `base` the whole Pallas backward ran 5.40 ms
     per call with it against 6.19 with the two Triton passes (BENCHMARKS.md, kernels, session
     17), so ``gpu_kernels="auto"`` takes it wherever it takes the forward. ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
-    ``default_windows``)."""
+    ``default_windows``). ``reread_order``: the chunks' order in pass 2, the state's second read
+    with the gate (``REREAD_ORDERS``; None: ``REREAD_ORDER``)."""
     expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows or default_windows("backward_state")).kind
     if expand not in EXPANDS:
         raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
@@ -992,7 +1028,7 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
                                       acc_dtype=jnp.dtype(acc.dtype), dh_dtype=jnp.dtype(dh.dtype), expand=expand,
                                       windows=windows,
                                       state_boxes=_state_boxes(), sums_in_rows=bool(STATE_SUMS_IN_ROWS),
-                                      interpret=bool(interpret)))
+                                      interpret=bool(interpret), reread_order=_reread_order(reread_order)))
     d_acc, sums, gate_rows_out = call(*inputs)
     per_head = lambda v: jnp.moveaxis(v.reshape(m, heads, batch, t_pad), 1, -1)[:, :, :t_len]  # noqa: E731
     s1, sm, ss = (per_head(sums[i * mh:(i + 1) * mh]) for i in range(3))
@@ -1054,6 +1090,7 @@ class _StateConfig(NamedTuple):
     state_boxes: str
     sums_in_rows: bool
     interpret: bool
+    reread_order: str = "same"  # REREAD_ORDERS
 
 
 @functools.lru_cache(maxsize=None)
@@ -1189,8 +1226,9 @@ def _state_kernel(cfg: _StateConfig):
         def stores_done():  # d_acc's stores from this slot have read it before the slot is refilled
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+        # with the gate, the state's second read (pass 1 read it first; ``REREAD_ORDER``)
         s1, sm, ss = _pipelined(plgpu, fetch, bar, nc, heads, state_chunk, ([zero] * mh,) * 3,
-                                before_refill=stores_done)
+                                before_refill=stores_done, reverse=gate and cfg.reread_order == "reverse")
         for i, sums in enumerate((s1, sm, ss)):
             for k in range(mh):
                 sums_s[i * mh + k] = sums[k]

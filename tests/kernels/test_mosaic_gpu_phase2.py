@@ -203,19 +203,22 @@ def test_which_kernels_each_choice_takes_on_a_gpu(choice, kernels, forward, back
 
 
 GPU_CASES = [  # each configuration's two Mosaic GPU lowerings take 15-35 s of CPU each
-    (("msar", 2, 300, 256, (0, 4, 8, 12), 2, True, 77, "gate"), jnp.float32),
-    (("msar_mean_excluded", 3, 128, 512, (0, 4, 8, 12), 1, False, 40, "mean"), jnp.bfloat16),
+    (("msar", 2, 300, 256, (0, 4, 8, 12), 2, True, 77, "gate"), jnp.float32, "same"),
+    (("msar_reread_reverse", 2, 300, 256, (0, 4, 8, 12), 2, True, 77, "gate"), jnp.float32, "reverse"),
+    (("msar_mean_excluded", 3, 128, 512, (0, 4, 8, 12), 1, False, 40, "mean"), jnp.bfloat16, "same"),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case, state_dtype", GPU_CASES, ids=[c[0][0] for c in GPU_CASES])
-def test_gpu_mosaic_matches_reference(monkeypatch, case, state_dtype):
+@pytest.mark.parametrize("case, state_dtype, reread_order", GPU_CASES, ids=[c[0][0] for c in GPU_CASES])
+def test_gpu_mosaic_matches_reference(monkeypatch, case, state_dtype, reread_order):
     """On a GPU: the compiled forward and the backward's kernel, both taken by
     ``gpu_kernels="auto"``, against the oracle (bf16 partial; a float32 and a bf16 state;
-    segments, two heads, ragged T, an excluded partial, mean fusion)."""
+    segments, two heads, ragged T, an excluded partial, mean fusion; the state's second read in
+    each ``REREAD_ORDERS``)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
+    monkeypatch.setattr(mosaic_gpu, "REREAD_ORDER", reread_order)
     calls = []
     for name in ("phase2_fused_forward", "phase2_backward_state", "phase2_backward_inputs"):
         real = getattr(mosaic_gpu, name)
@@ -385,3 +388,76 @@ def test_state_sums_through_the_rows_buffer_agree(monkeypatch):
     smem = {flag: mosaic_gpu.state_smem_bytes(block_d=32, stream_kernels=kernels, heads=heads, x_dtype=jnp.bfloat16,
                                               acc_dtype=jnp.float32, sums_in_rows=flag) for flag in (True, False)}
     assert smem[False] - smem[True] == 3 * m * heads * 64 * 4
+
+
+@pytest.mark.slow  # an option against the default (about 60 s on 2 cores)
+def test_state_reread_in_reverse_agrees(monkeypatch):
+    """``REREAD_ORDER = "reverse"``: the forward's output pass and the backward state kernel's
+    ``d_acc`` pass walk the channel chunks (and heads) last to first, so that the chunks their
+    first pass read last may still be in L2. Interpreted, with two heads of two chunks each (so
+    both the heads' and the chunks' order turn), segments and a ragged second tile: ``h``, the
+    scores, ``d_acc`` and the gate's rows are the same bits as in the same order, the per-head
+    sums (added in the other order) agree to float32 rounding; an unknown order is refused."""
+    kernels, batch, t_len, d, heads = (0, 4, 8, 12), 2, 100, 128, 2
+    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
+    coef = [jax.random.uniform(jax.random.key(k), (len(kernels), batch, t_len, heads), minval=0.1) for k in range(3)]
+    seg, dh = _segments(batch, t_len, 37), _rnd(5, (batch, t_len, d))
+    assert d // mosaic_gpu.choose_block_d(d=d, heads=heads, stream_kernels=kernels, x_dtype=partial.dtype,
+                                          acc_dtype=jnp.float32, out_dtype=jnp.float32, gate=True) == 2 * heads
+
+    def run(order):
+        monkeypatch.setattr(mosaic_gpu, "REREAD_ORDER", order)
+        fwd = mosaic_gpu.phase2_fused_forward(state, partial, bank, query, True, gate, seg, fuse="gate",
+                                              stream_kernels=kernels, heads=heads, eps=1e-6, gate_eps=1e-6,
+                                              interpret=True)
+        d_acc, sums, gate_rows = mosaic_gpu.phase2_backward_state(
+            partial, bank, *coef, state.acc, dh, gate, seg, stream_kernels=kernels, heads=heads, gate_eps=1e-6,
+            interpret=True)
+        return jax.tree.leaves((fwd, d_acc, gate_rows)), sums
+
+    (got, got_sums), (want, want_sums) = run("reverse"), run("same")
+    assert len(got) == len(want) and all(np.any(np.asarray(w)) for w in want)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    for g, w in zip(got_sums, want_sums):
+        assert _rel(g, w) < F32_TOL
+    with pytest.raises(ValueError, match="REREAD_ORDER='backwards'"):
+        run("backwards")
+    with pytest.raises(ValueError, match="reread_order='up'"):
+        mosaic_gpu.phase2_backward_state(partial, bank, *coef, state.acc, dh, gate, seg, stream_kernels=kernels,
+                                         heads=heads, gate_eps=1e-6, reread_order="up", interpret=True)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_pipelined_walks_chunks_and_heads_in_order(reverse):
+    """``_pipelined`` (outside a kernel, its barrier waits and copies stubbed): every chunk once,
+    each with its own head, first to last or (``reverse``) last to first, and the first copies
+    issued for the first chunks walked, slot by slot."""
+    nc, heads, n_slots = 6, 2, 2
+    issued = []
+
+    class Stub:
+        @staticmethod
+        def barrier_wait(_):
+            pass
+
+    class Bar:  # bar.at[slot] -> None
+        at = property(lambda self: self)
+
+        def __getitem__(self, _):
+            return None
+
+    def fetch(c, slot):
+        if isinstance(c, int):  # the copies issued before the loop (the loop's are traced)
+            issued.append((c, slot))
+
+    def per_chunk(c, slot, head, carry):
+        walked, k = carry
+        return walked.at[k].set(c * 10 + head), k + 1
+
+    walked, k = mosaic_gpu._pipelined(Stub, fetch, Bar(), nc, heads, per_chunk,
+                                      (jnp.full((nc,), -1, jnp.int32), 0), n_slots=n_slots, reverse=reverse)
+    chunks = list(range(nc))[::-1] if reverse else list(range(nc))
+    assert int(k) == nc
+    assert [int(v) for v in walked] == [c * 10 + c // (nc // heads) for c in chunks]
+    assert issued == [(chunks[s], s) for s in range(n_slots)]
