@@ -29,6 +29,10 @@ CPU smoke (the test suite runs this)::
 
     python experiments/profile_step.py configs/attnres.py:size=tiny --steps 2 --warmup 1
 
+``--kernel-option MODULE.NAME=VALUE`` (repeatable) sets a default of a
+``pallas_kernels.depth_attention`` module before the step is built, to time a kernel option in
+the whole step (e.g. ``--kernel-option mosaic_gpu.REREAD_ORDER=reverse``).
+
 Prints per config: the median wall time per step (timed separately, outside the trace),
 device busy time per step, a part x pass table (ms per step and share of busy time), the
 kernel kinds, each Pallas kernel by name (time per step, calls per step, time per call; a call
@@ -339,6 +343,36 @@ def report(row: dict, top: int) -> str:
     return "\n".join(out)
 
 
+def set_kernel_options(options: list[str]) -> dict:
+    """``MODULE.NAME=VALUE`` items: sets ``pallas_kernels.depth_attention.MODULE.NAME`` (a module
+    default the kernels read when they are built, e.g. ``mosaic_gpu.REREAD_ORDER=reverse``) to
+    VALUE, a Python literal or else the string. Raises ``ValueError`` (naming the item) for a
+    malformed item, an unknown module or a name the module does not have (so a typo cannot time
+    the defaults under another label). Returns ``{item's name: value}``."""
+    import ast
+    import importlib
+
+    done = {}
+    for item in options:
+        name, sep, text = item.partition("=")
+        module_name, dot, attr = name.strip().rpartition(".")
+        if not sep or not dot or not attr:
+            raise ValueError(f"--kernel-option {item!r}: must be MODULE.NAME=VALUE (e.g. mosaic_gpu.REREAD_ORDER=reverse)")
+        try:
+            module = importlib.import_module(f"pallas_kernels.depth_attention.{module_name}")
+        except ImportError as e:
+            raise ValueError(f"--kernel-option {item!r}: no module pallas_kernels.depth_attention.{module_name}") from e
+        if not hasattr(module, attr):
+            raise ValueError(f"--kernel-option {item!r}: {module_name} has no {attr}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        setattr(module, attr, value)
+        done[name.strip()] = value
+    return done
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("configs", nargs="+")
@@ -347,6 +381,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--trace_root", default=None, help="where the raw traces go (default: a temp dir)")
     ap.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
+    ap.add_argument("--kernel-option", action="append", default=[],
+                    help="MODULE.NAME=VALUE: a pallas_kernels.depth_attention module default set before "
+                         "the step is built (repeatable), e.g. mosaic_gpu.REREAD_ORDER=reverse")
     ap.add_argument("--json", default=None)
     ap.add_argument("--hlo_dir", default=None,
                     help="also write each config's compiled HLO here (<config>.hlo.txt.gz): the report's op names")
@@ -355,8 +392,11 @@ def main(argv=None) -> list[dict]:
         ap.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     try:
         overrides = parse_overrides(args.set)
+        kernel_options = set_kernel_options(args.kernel_option)
     except ValueError as e:
         ap.error(str(e))
+    if kernel_options:
+        print(f"kernel options: {kernel_options}", flush=True)
     trace_root = Path(args.trace_root or tempfile.mkdtemp(prefix="profile_"))
     trace_root.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -94,3 +94,21 @@ def test_profile_names_pallas_kernels(prof, tmp_path):
     kernels = row["pallas_kernels"]
     assert {"depth_attention_scores", "depth_attention_mix_mean"} <= set(kernels), sorted(kernels)
     assert all(v["ms_per_step"] > 0 and v["calls_per_step"] >= 1 for v in kernels.values())
+
+
+def test_kernel_options_set_module_defaults(prof, monkeypatch):
+    """``--kernel-option MODULE.NAME=VALUE`` sets a kernel module's default (a literal or a
+    string), and refuses a malformed item, an unknown module or a name the module lacks."""
+    from pallas_kernels.depth_attention import mosaic_gpu
+
+    monkeypatch.setattr(mosaic_gpu, "REREAD_ORDER", mosaic_gpu.REREAD_ORDER)
+    monkeypatch.setattr(mosaic_gpu, "INPUTS_SLOTS", mosaic_gpu.INPUTS_SLOTS)
+    got = prof.set_kernel_options(["mosaic_gpu.REREAD_ORDER=reverse", "mosaic_gpu.INPUTS_SLOTS=4"])
+    assert got == {"mosaic_gpu.REREAD_ORDER": "reverse", "mosaic_gpu.INPUTS_SLOTS": 4}
+    assert (mosaic_gpu.REREAD_ORDER, mosaic_gpu.INPUTS_SLOTS) == ("reverse", 4)
+    for bad, match in (("REREAD_ORDER=reverse", "must be MODULE.NAME=VALUE"),
+                       ("mosaic_gpu.REREAD_ORDER", "must be MODULE.NAME=VALUE"),
+                       ("no_such_module.X=1", "no module"),
+                       ("mosaic_gpu.REREAD_ORDR=reverse", "mosaic_gpu has no REREAD_ORDR")):
+        with pytest.raises(ValueError, match=match):
+            prof.set_kernel_options([bad])
