@@ -948,8 +948,9 @@ def _kernel(cfg: _Config):
             plgpu.copy_smem_to_gmem(h_s.at[slot], h_ref.at[b, pl.ds(t0, bt), pl.ds(c * bd, bd)])
             return carry
 
-        # the state's second read (with the gate: pass B read it first; ``REREAD_ORDER``)
-        pipelined(bar_bc, True, fuse_chunk, 0, reverse=gate and not fused_stats and cfg.reread_order == "reverse")
+        # with the gate, the state's second read (pass B, or with ``fused_stats`` pass A, read it
+        # first; ``REREAD_ORDER``)
+        pipelined(bar_bc, True, fuse_chunk, 0, reverse=gate and cfg.reread_order == "reverse")
         plgpu.wait_smem_to_gmem(0)
 
     out_type = ([jax.ShapeDtypeStruct((batch, t_pad, d), cfg.out_dtype)] if merge_pass else []) + (

@@ -395,7 +395,8 @@ def test_state_reread_in_reverse_agrees(monkeypatch):
     """``REREAD_ORDER = "reverse"``: the forward's output pass and the backward state kernel's
     ``d_acc`` pass walk the channel chunks (and heads) last to first, so that the chunks their
     first pass read last may still be in L2. Interpreted, with two heads of two chunks each (so
-    both the heads' and the chunks' order turn), segments and a ragged second tile: ``h``, the
+    both the heads' and the chunks' order turn), segments and a ragged second tile, the gate's
+    statistics in their own pass and in the scoring pass (``GATE_STATS``): ``h``, the
     scores, ``d_acc`` and the gate's rows are the same bits as in the same order, the per-head
     sums (added in the other order) agree to float32 rounding; an unknown order is refused."""
     kernels, batch, t_len, d, heads = (0, 4, 8, 12), 2, 100, 128, 2
@@ -407,9 +408,9 @@ def test_state_reread_in_reverse_agrees(monkeypatch):
 
     def run(order):
         monkeypatch.setattr(mosaic_gpu, "REREAD_ORDER", order)
-        fwd = mosaic_gpu.phase2_fused_forward(state, partial, bank, query, True, gate, seg, fuse="gate",
-                                              stream_kernels=kernels, heads=heads, eps=1e-6, gate_eps=1e-6,
-                                              interpret=True)
+        fwd = [mosaic_gpu.phase2_fused_forward(state, partial, bank, query, True, gate, seg, fuse="gate",
+                                               stream_kernels=kernels, heads=heads, eps=1e-6, gate_eps=1e-6,
+                                               gate_stats=stats, interpret=True) for stats in mosaic_gpu.GATE_STATS]
         d_acc, sums, gate_rows = mosaic_gpu.phase2_backward_state(
             partial, bank, *coef, state.acc, dh, gate, seg, stream_kernels=kernels, heads=heads, gate_eps=1e-6,
             interpret=True)
