@@ -314,13 +314,16 @@ REREAD_ORDERS = ("same", "reverse")
 # tile (every stream and channel, 1 MB at `base`, 2 MB at the issue's shape) before the output
 # pass, so each state element is read twice. In the same order the second read of a chunk comes
 # a whole tile's bytes after its first, which with some 260 programs in flight is about 260 MB
-# of other traffic: far more than the H200's L2 (50 MB), so it comes from DRAM again (Nsight
-# Compute: the forward moves both reads' bytes at its DRAM bound, BENCHMARKS.md, kernels,
-# session 23). In reverse the last chunks the first pass read are the first the second reads,
-# while they may still be in L2. The same bits for ``h`` and ``d_acc`` (chunks are independent
-# there); the state kernel's per-token sums add their chunks in the other order. Read when a
-# kernel is built (part of its configuration).
-REREAD_ORDER = "same"
+# of other traffic, far more than L2 (50 MiB on the H100, read from the driver in session 43),
+# so it comes from DRAM again (Nsight Compute: the forward moves both reads' bytes at its DRAM
+# bound, BENCHMARKS.md, kernels, session 23). In reverse the last chunks the first pass read are
+# the first the second reads, while they may still be in L2. The same bits for ``h``, the scores
+# and ``d_acc`` (chunks are independent there); the state kernel's per-token sums add their
+# chunks in the other order (3e-7 apart). Measured (session 43, call 1, an H100, three
+# alternating rounds): the forward 1.8% / 0.5% faster at `base` / the issue's shape, the state
+# kernel 1.3% / 1.7%; each of the three reversed rounds at `base` faster than each in the same
+# order. Read when a kernel is built (part of its configuration).
+REREAD_ORDER = "reverse"
 
 
 def _reread_order(order: str | None) -> str:
@@ -711,7 +714,7 @@ class _Config(NamedTuple):
     gate_stats: str
     passes: str  # FORWARD_PASSES
     interpret: bool
-    reread_order: str = "same"  # REREAD_ORDERS
+    reread_order: str  # REREAD_ORDERS
 
 
 # What one kernel of ``phase2_fused_forward`` runs: ``"all"`` (passes A-C, one kernel), or the
@@ -1091,7 +1094,7 @@ class _StateConfig(NamedTuple):
     state_boxes: str
     sums_in_rows: bool
     interpret: bool
-    reread_order: str = "same"  # REREAD_ORDERS
+    reread_order: str  # REREAD_ORDERS
 
 
 @functools.lru_cache(maxsize=None)
