@@ -111,6 +111,8 @@ def test_interpreted_kernels_match_the_pallas_passes(case):
         assert not np.any(np.asarray(got_gd[:, ~live]))
 
 
+# an option against the default (19 s on 2 cores): every case in the slow suite
+@pytest.mark.slow
 @pytest.mark.parametrize("valid", [(True, False, False), pytest.param((True, True, True), marks=pytest.mark.slow),
                                    pytest.param((False, False, False), marks=pytest.mark.slow)],
                          ids=["one_valid", "all_valid", "none_valid"])

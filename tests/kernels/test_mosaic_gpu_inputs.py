@@ -129,7 +129,8 @@ def test_interpreted_inputs_kernel_loading_at_every_use_matches(monkeypatch, cas
     _check(_mosaic(args, kernels, heads), _pass3(args, kernels, heads, "interpret"), 1e-5)
 
 
-@pytest.mark.parametrize("constants", ["per_tile", "per_program"])
+# the default's place (per program) in the default suite, the option (per tile) in the slow one
+@pytest.mark.parametrize("constants", [pytest.param("per_tile", marks=pytest.mark.slow), "per_program"])
 @pytest.mark.parametrize("warpgroups", [2, *(pytest.param(wg, marks=pytest.mark.slow) for wg in (1, 3))])
 def test_interpreted_inputs_kernel_constants_held_give_the_same_bits(constants, warpgroups):
     """``INPUTS_CONSTANTS``: the taps, queries and W's columns loaded once per tile, or once per
