@@ -16,7 +16,8 @@ Session 23's version ran one forward and Pallas backward of ``api.phase1`` under
 instead; under ``ncu`` its process segfaulted 24 s in (cause not established), so this one
 calls each kernel alone, with the random inputs of ``time_phase1_bwd.py``.
 ``--interpret``: the same calls in Mosaic GPU interpret mode at a tiny shape on the CPU (a
-smoke test of this script)."""
+smoke test of this script). ``--issue``: issue 4's shape instead (9 sources, all valid, S = 8,
+B x T = 8 x 2048, d = 2048; ``ncu_census.py`` reads the counters of both shapes)."""
 import sys
 
 import jax
@@ -29,7 +30,12 @@ KERNELS = (0, 4, 8, 12)
 
 def main():
     interpret = "--interpret" in sys.argv
-    n, n_live, batch, t_len, d, n_targets = (3, 2, 1, 70, 64, 2) if interpret else (7, 4, 64, 1024, 1024, 8)
+    if interpret:
+        n, n_live, batch, t_len, d, n_targets = 3, 2, 1, 70, 64, 2
+    elif "--issue" in sys.argv:
+        n, n_live, batch, t_len, d, n_targets = 9, 9, 8, 2048, 2048, 8
+    else:
+        n, n_live, batch, t_len, d, n_targets = 7, 4, 64, 1024, 1024, 8
     m, heads = len(KERNELS), 1
     k = jax.random.split(jax.random.key(0), 8)
     sources = jax.random.normal(k[0], (n, batch, t_len, d), jnp.bfloat16)
