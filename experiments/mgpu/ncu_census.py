@@ -27,8 +27,8 @@ import sys
 METRICS = ("gpu__time_duration.sum", "smsp__inst_executed.avg", "smsp__cycles_elapsed.avg.per_second",
            "dram__bytes_read.sum", "dram__bytes_write.sum", "smsp__issue_active.avg.pct_of_peak_sustained_active")
 
-# Nsight Compute's units (``--print-units base`` gives the first of each kind) -> SI factor
-UNITS = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0, "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6,
+# Nsight Compute's units -> SI factor (``--print-units base`` gave ns, byte, hz, inst and % in 2025.3.1)
+UNITS = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0, "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6,
          "Gbyte": 1e9, "cycle/nsecond": 1e9, "cycle/usecond": 1e6, "cycle/second": 1.0, "hz": 1.0, "Khz": 1e3,
          "Mhz": 1e6, "Ghz": 1e9, "inst": 1.0, "warp": 1.0, "%": 1.0, "": 1.0}
 

@@ -17,7 +17,11 @@ instead; under ``ncu`` its process segfaulted 24 s in (cause not established), s
 calls each kernel alone, with the random inputs of ``time_phase1_bwd.py``.
 ``--interpret``: the same calls in Mosaic GPU interpret mode at a tiny shape on the CPU (a
 smoke test of this script). ``--issue``: issue 4's shape instead (9 sources, all valid, S = 8,
-B x T = 8 x 2048, d = 2048; ``ncu_census.py`` reads the counters of both shapes)."""
+B x T = 8 x 2048, d = 2048; ``ncu_census.py`` reads the counters of both shapes). ``--variants``:
+then the options' forms the census compares with the defaults: ``dstreams`` with each chunk's
+windows once for all streams (``window_fetch="per_chunk"``), the mixing pass with a window per
+item (``"per_item"``) and, timing only (wrong outputs), with only stream 0's items bringing their
+``p`` rows (``timing_skip=("p",)``: its outputs may hold non-finite values)."""
 import sys
 
 import jax
@@ -50,7 +54,7 @@ def main():
 
     def run(label, fn, *args):
         out = jax.block_until_ready(jax.jit(fn)(*args))
-        if label.endswith("dstreams"):  # the rows of the sources ``valid`` rules out are not written
+        if "dstreams" in label:  # the rows of the sources ``valid`` rules out are not written
             out = out[:n_live]
         finite = all(bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))) for a in jax.tree.leaves(out))
         print(f"{label}: {len(jax.tree.leaves(out))} outputs, all finite: {finite}", flush=True)
@@ -67,6 +71,13 @@ def main():
     d_streams = jax.random.normal(k[7], (n, m, batch, t_len, d), jnp.bfloat16)
     run("6 transpose", lambda de, x, b, v: mosaic_gpu_bwd1.sources_transpose(
         de, x, b, None, v, stream_kernels=KERNELS, interpret=interpret), d_streams, sources, banks, valid)
+    if "--variants" in sys.argv:
+        run("7 dstreams (per_chunk windows)", lambda x, b, q, ga, pp, ds, ww, v: mosaic_gpu_bwd1.phase1_dstreams(
+            x, b, q, ga, pp, ds, ww, None, v, out_dtype=jnp.bfloat16, window_fetch="per_chunk", **kw),
+            sources, banks, queries, g_acc, p, dsr, w, valid)
+        for i, options in ((8, dict(window_fetch="per_item")), (9, dict(timing_skip=("p",)))):
+            run(f"{i} mix ({options})", lambda x, b, pp, v, options=options: mosaic_gpu.phase1_mix(
+                x, b, pp, None, v, out_dtype=jnp.float32, per_target=True, **options, **kw), sources, banks, p, valid)
 
 
 if __name__ == "__main__":
