@@ -21,7 +21,9 @@ B x T = 8 x 2048, d = 2048; ``ncu_census.py`` reads the counters of both shapes)
 then the options' forms the census compares with the defaults: ``dstreams`` with each chunk's
 windows once for all streams (``window_fetch="per_chunk"``), the mixing pass with a window per
 item (``"per_item"``) and, timing only (wrong outputs), with only stream 0's items bringing their
-``p`` rows (``timing_skip=("p",)``: its outputs may hold non-finite values)."""
+``p`` rows (``timing_skip=("p",)``: its outputs may hold non-finite values). ``--windows W``:
+every kernel with its lag windows placed as ``W`` (``mosaic_gpu.DEFAULT_WINDOWS``; a kernel whose
+program does not fit then fails)."""
 import sys
 
 import jax
@@ -34,6 +36,11 @@ KERNELS = (0, 4, 8, 12)
 
 def main():
     interpret = "--interpret" in sys.argv
+    if "--windows" in sys.argv:
+        windows = sys.argv[sys.argv.index("--windows") + 1]
+        if windows not in mosaic_gpu.WINDOWS:
+            sys.exit(f"--windows {windows}: must be one of {mosaic_gpu.WINDOWS}")
+        mosaic_gpu.DEFAULT_WINDOWS = windows
     if interpret:
         n, n_live, batch, t_len, d, n_targets = 3, 2, 1, 70, 64, 2
     elif "--issue" in sys.argv:

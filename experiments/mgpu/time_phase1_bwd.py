@@ -21,15 +21,19 @@ stream without a conv (AttnRes; kernels ``(0,)``, no transpose) with ``ATTNRES_V
 one stream's kernels the read's ``dh`` (session 30). ``--window-fetch``: dstreams with each item
 bringing its source's lag windows and with a chunk's windows brought once for all streams
 (``mosaic_gpu_bwd1.WINDOW_FETCHES``; session 35); ``--dstreams-only``: leave out gdots and the
-transpose. Run on the GPU: ``python experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants]
-[--bd16] [--attnres] [--ga_bf16] [--window-fetch] [--dstreams-only]``."""
+transpose. ``--windows P,Q``: gdots and dstreams with each placement of the lag windows
+(``mosaic_gpu.WINDOWS``; session 44: ``"padded"``'s 80-byte rows touch three 32-byte sectors for
+64 bytes of channels, ``"single"``'s two, where L2 does not hold the neighbours' rows). Run on the
+GPU: ``python experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants] [--bd16] [--attnres]
+[--ga_bf16] [--window-fetch] [--dstreams-only] [--windows P,Q]``."""
 import sys
 import traceback
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.depth_attention import bench, conv_transpose, fused, fused_bwd_phase1, mosaic_gpu_bwd1, tiling
+from pallas_kernels.depth_attention import (bench, conv_transpose, fused, fused_bwd_phase1, mosaic_gpu, mosaic_gpu_bwd1,
+                                            tiling)
 from time_phase2 import set_store_groups  # this folder, on the path when run as a script
 
 KERNELS = (0, 4, 8, 12)
@@ -56,6 +60,10 @@ GROUPS = (True, False) if "--store-groups" in sys.argv else (True,)
 # dstreams' window fetches to time (None: the module's default)
 FETCHES = mosaic_gpu_bwd1.WINDOW_FETCHES if "--window-fetch" in sys.argv else (None,)
 DSTREAMS_ONLY = "--dstreams-only" in sys.argv
+# gdots' and dstreams' lag-window placements to time (None: each kernel's default)
+WINDOW_PLACEMENTS = tuple(sys.argv[sys.argv.index("--windows") + 1].split(",")) if "--windows" in sys.argv else (None,)
+if any(w is not None and w not in mosaic_gpu.WINDOWS for w in WINDOW_PLACEMENTS):
+    sys.exit(f"--windows {','.join(WINDOW_PLACEMENTS)}: each must be one of {mosaic_gpu.WINDOWS}")
 
 
 def _variants(mode, groups=GROUPS):
@@ -65,13 +73,14 @@ def _variants(mode, groups=GROUPS):
     return [(v, bd, g) for v in VARIANTS[mode] for bd in CHUNKS for g in groups]
 
 
-def _variant_label(mode, n, n_targets, slots, groups, regs, bd=32, fetch=None):
+def _variant_label(mode, n, n_targets, slots, groups, regs, bd=32, fetch=None, windows=None):
     smem = mosaic_gpu_bwd1.smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
                                       acc_dtype=GA_DTYPE, n_targets=n_targets, n_sources=n, mode=mode,
-                                      n_slots=slots, group_slots=groups,
+                                      n_slots=slots, group_slots=groups, windows=windows,
                                       window_fetch=fetch or mosaic_gpu_bwd1.DEFAULT_DSTREAMS_WINDOW_FETCH)
     return (f"mosaic {mode} {slots}/{groups}{' regs' if regs else ''}{f' bd={bd}' if bd != 32 else ''}"
-            f"{f' {fetch}' if fetch else ''} ({smem // 1024} KB, {SM_SMEM // (smem + 1024)}/SM)")
+            f"{f' {fetch}' if fetch else ''}{f' {windows}' if windows else ''} ({smem // 1024} KB, "
+            f"{SM_SMEM // (smem + 1024)}/SM)")
 
 
 def _timed(label, fn, args, want, floor_ms, rows=None):
@@ -128,13 +137,14 @@ def main():
         print(f"# gdots: floor {floor:.4f} ms", flush=True)
         want = None if DSTREAMS_ONLY else _timed("triton gdots", triton_gdots, (sources, banks, g_acc, valid), None,
                                                  floor)
-        for (slots, groups, regs), bd, grouped in [] if DSTREAMS_ONLY else _variants("gdots"):
+        for ((slots, groups, regs), bd, grouped), win in [] if DSTREAMS_ONLY else (
+                (v, w) for v in _variants("gdots") for w in WINDOW_PLACEMENTS):
             mosaic_gpu_bwd1.GA_REGISTERS = regs  # read when the jitted function traces (first call in _timed)
             set_store_groups(grouped)
-            fn = (lambda sl, gs, bd: lambda x, b, ga, v: mosaic_gpu_bwd1.phase1_gdots(
-                x, b, ga, None, v, stream_kernels=KERNELS, heads=heads, n_slots=sl, group_slots=gs, block_d=bd))(
-                slots, groups, bd)
-            _timed(_variant_label("gdots", n, n_targets, slots, groups, regs, bd)
+            fn = (lambda sl, gs, bd, win: lambda x, b, ga, v: mosaic_gpu_bwd1.phase1_gdots(
+                x, b, ga, None, v, stream_kernels=KERNELS, heads=heads, n_slots=sl, group_slots=gs, block_d=bd,
+                windows=win))(slots, groups, bd, win)
+            _timed(_variant_label("gdots", n, n_targets, slots, groups, regs, bd, windows=win)
                    + ("" if len(GROUPS) == 1 else " grouped" if grouped else " one by one"), fn,
                    (sources, banks, g_acc, valid), want, floor)
         del want
@@ -148,14 +158,14 @@ def main():
         print(f"# dstreams: floor {floor:.4f} ms", flush=True)
         args = (sources, banks, queries, g_acc, p, dsr, w, valid)
         want = _timed("triton dstreams", triton_dstreams, args, None, floor)
-        for ((slots, groups, regs), bd, _), fetch in ((v, f) for v in _variants("dstreams", groups=(True,))
-                                                      for f in FETCHES):
+        for ((slots, groups, regs), bd, _), fetch, win in ((v, f, w) for v in _variants("dstreams", groups=(True,))
+                                                           for f in FETCHES for w in WINDOW_PLACEMENTS):
             mosaic_gpu_bwd1.GA_REGISTERS = regs
-            fn = (lambda sl, gs, bd, wf: lambda x, b, q, ga, p, dsr, w, v: mosaic_gpu_bwd1.phase1_dstreams(
+            fn = (lambda sl, gs, bd, wf, win: lambda x, b, q, ga, p, dsr, w, v: mosaic_gpu_bwd1.phase1_dstreams(
                 x, b, q, ga, p, dsr, w, None, v, stream_kernels=KERNELS, heads=heads, out_dtype=jnp.bfloat16,
-                n_slots=sl, group_slots=gs, block_d=bd, window_fetch=wf))(slots, groups, bd, fetch)
-            _timed(_variant_label("dstreams", n, n_targets, slots, groups, regs, bd, fetch), fn, args, want, floor,
-                   rows=slice(0, n_live))
+                n_slots=sl, group_slots=gs, block_d=bd, window_fetch=wf, windows=win))(slots, groups, bd, fetch, win)
+            _timed(_variant_label("dstreams", n, n_targets, slots, groups, regs, bd, fetch, win), fn, args, want,
+                   floor, rows=slice(0, n_live))
         del want
 
         if not any(KERNELS) or DSTREAMS_ONLY:  # no conv: the transpose is a sum over the streams, in XLA
