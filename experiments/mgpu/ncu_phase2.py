@@ -16,7 +16,9 @@ memory throughput); each Mosaic GPU kernel is named after its op (``<op>_mosaic_
 replayed kernel may touch, so JAX should not hold the whole GPU.) ``--interpret``: the same
 calls in Mosaic GPU interpret mode at a tiny shape on the CPU (a smoke test of this script).
 ``--issue``: issue 4's shape (B x T = 8 x 2048, d = 2048) with ``h`` and its cotangent in bf16, as
-the bench and a bf16 model run them (``ncu_census.py`` reads the counters of both shapes)."""
+the bench and a bf16 model run them (``ncu_census.py`` reads the counters of both shapes).
+``--gate-stats G``: the forward with the gate's statistics summed as ``G``
+(``mosaic_gpu.GATE_STATS``)."""
 import sys
 
 import jax
@@ -31,12 +33,17 @@ from time_phase2 import inputs  # noqa: E402
 def main():
     interpret = "--interpret" in sys.argv
     issue = "--issue" in sys.argv
+    from pallas_kernels.depth_attention import mosaic_gpu
+
+    if "--gate-stats" in sys.argv:
+        gate_stats = sys.argv[sys.argv.index("--gate-stats") + 1]
+        if gate_stats not in mosaic_gpu.GATE_STATS:
+            sys.exit(f"--gate-stats {gate_stats}: must be one of {mosaic_gpu.GATE_STATS}")
+        mosaic_gpu.DEFAULT_GATE_STATS = gate_stats
     batch, t_len, d = (1, 70, 64) if interpret else (8, 2048, 2048) if issue else (64, 1024, 1024)
     out_dtype = jnp.bfloat16 if issue else jnp.float32  # h and its cotangent
     kernels = (0, 4, 8, 12)
     kw = dict(stream_kernels=kernels, heads=1, eps=1e-6, gate_eps=1e-6)
-    from pallas_kernels.depth_attention import mosaic_gpu
-
     state, x, bank, q, gate = inputs(batch, t_len, d, kernels)
     dh = jax.random.normal(jax.random.key(7), (batch, t_len, d), out_dtype)
     h, scores = jax.block_until_ready(mosaic_gpu.phase2_fused_forward(state, x, bank, q, True, gate, None, fuse="gate",
