@@ -20,7 +20,8 @@ one time and the fourth another, with the same kernel each time). ``--base-only`
 only the Mosaic default (shared, aligned) with each ``mosaic_gpu.STATE_BOXES`` (the state's
 chunk as one TMA copy per stream or one 3D box). ``--gate-stats``: the forward only, the Mosaic
 default with each ``mosaic_gpu.GATE_STATS`` (the gate's statistics in their own pass or summed
-in the scoring pass). ``--single``: forward or backward, the Mosaic default's aligned windows
+in the scoring pass; the default windows, since session 44: session 19's form, which call 5 of
+session 44 also ran, took "aligned"). ``--single``: forward or backward, the Mosaic default's aligned windows
 against one window per chunk (``"single"``, Lane semantics; session 20), with its tile buffers
 swizzled (``LANE_TILE_SWIZZLE``) and plain. ``--wide``: the backward, Mosaic passes 1-2 with
 each ``fused_bwd_phase2.FORMS`` of pass 3 (the reverse-T input kernel, or the stream cotangents
@@ -262,8 +263,8 @@ def main():
             forms = [(ex, "per_lag", None, None) for ex in mosaic_gpu.EXPANDS] + [("shared", "aligned", None, None)]
             if "--state-boxes" in sys.argv:
                 variants, forms = {}, [("shared", "aligned", sb, None) for sb in mosaic_gpu.STATE_BOXES]
-            if "--gate-stats" in sys.argv:
-                variants, forms = {}, [("shared", "aligned", None, gs) for gs in mosaic_gpu.GATE_STATS]
+            if "--gate-stats" in sys.argv:  # with the default windows ("aligned" until session 44)
+                variants, forms = {}, [("shared", None, None, gs) for gs in mosaic_gpu.GATE_STATS]
             if "--single" in sys.argv:
                 variants, forms = {}, [("shared", w, None, None) for w in ("aligned", "single", PLAIN)]
             if "--padded" in sys.argv:  # the one window with 80-byte rows (session 20, call 8)
@@ -293,7 +294,7 @@ def main():
                             st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, split=split, **kw)))(
                         split, scores_only), None)
             for expand, windows, boxes, stats in forms:
-                label = f"mosaic {expand} {windows}" + (f" state {boxes}" if boxes else "") + (
+                label = f"mosaic {expand} {windows or 'default windows'}" + (f" state {boxes}" if boxes else "") + (
                     f" gate stats {stats}" if stats else "")
                 variants[label] = ((lambda ex, w, gs: lambda st, x, b, q, g: (mosaic_gpu.phase2_fused_forward(
                     st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, expand=ex,
