@@ -532,10 +532,14 @@ def _shape(name, partial, segment_ids, *, stream_kernels, heads, block_d, interp
 GATE_STATS = ("own_pass", "in_scores")
 # ``"own_pass"``: the forward's pass B re-expands the partial to sum ``sum z^2`` and ``z . W_j``;
 # ``"in_scores"``: pass A sums ``A.A``, ``A.E``, ``E.E``, ``A.W_j``, ``E.W_j`` per stream and head
-# and the statistics follow from them once a and b are known, so the forward expands twice. On
-# the H200 at `base` that was slower (1.385 against 1.234 ms per call; BENCHMARKS.md, kernels,
-# session 19, call 6): pass A's extra sums cost more than the expansion they save.
-DEFAULT_GATE_STATS = "own_pass"
+# and the statistics follow from them once a and b are known, so the forward expands twice and
+# reads the partial twice. With session 19's "aligned" windows that was slower on the H200 (1.385
+# against 1.234 ms per call at `base`; BENCHMARKS.md, kernels, session 19, call 6); with today's
+# "padded" windows it is faster (session 44, call 6, an H100: 1.1644 -> 1.0265 ms per call at
+# `base`, 0.6202 -> 0.5605 at the issue's shape; the bench's forward per sublayer 1.196 -> 1.109
+# ms; Nsight Compute: 6% fewer instructions and DRAM bytes), so it is the default. The split form
+# (``split=True``) has no scoring pass that could sum them: it takes "own_pass".
+DEFAULT_GATE_STATS = "in_scores"
 
 
 def phase2_fused_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *, fuse: str,
@@ -552,7 +556,7 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     ``NotImplementedError`` when no chunk fits). ``expand``: how the streams are built from the
     lag windows (``EXPANDS``, ``_expand_all``; None: ``DEFAULT_EXPAND``). ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
     ``default_windows``). ``gate_stats``: where the gate's statistics are summed (``GATE_STATS``;
-    None: ``DEFAULT_GATE_STATS``). ``split``: two kernels (``FORWARD_PASSES``), the scores and
+    None: ``DEFAULT_GATE_STATS``, or ``"own_pass"`` with ``split``). ``split``: two kernels (``FORWARD_PASSES``), the scores and
     then the merge with the state, the gate and ``h``, the same values to the last bit; where
     ``h`` is not used (the backward's re-run of a read whose output a model saved) XLA drops the
     second, so the re-run reads the partial once and the state not at all. ``reread_order``: the
@@ -561,7 +565,7 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows or default_windows("forward")).kind
     if expand not in EXPANDS:
         raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
-    gate_stats = gate_stats or DEFAULT_GATE_STATS
+    gate_stats = gate_stats or ("own_pass" if split else DEFAULT_GATE_STATS)
     if gate_stats not in GATE_STATS:
         raise ValueError(f"gate_stats={gate_stats!r}: must be one of {GATE_STATS}")
     if split and gate_stats == "in_scores":

@@ -245,11 +245,19 @@ def _forward(case, split, **opts):
                                   pytest.param(CASES[1], id=CASES[1][0], marks=pytest.mark.slow)])
 def test_split_forward_gives_the_same_values(case):
     """``split=True`` (the scores kernel, then the merge kernel from the scores it wrote) gives
-    ``h`` and the scores of the one-kernel forward to the last bit (interpreted; segments and a
-    ragged tile; two heads with the partial excluded)."""
-    one, split = _forward(case, False, interpret=True), _forward(case, True, interpret=True)
-    for got, want in zip(jax.tree.leaves(split), jax.tree.leaves(one), strict=True):
+    ``h`` and the scores of the one-kernel forward with the gate's statistics in their own pass
+    to the last bit, and those of the default one-kernel forward (``DEFAULT_GATE_STATS``,
+    "in_scores": the scoring pass sums them) with the same scores and ``h`` to float32 rounding
+    (interpreted; segments and a ragged tile; two heads with the partial excluded). Asked for
+    "in_scores", the split form refuses (its scores kernel does not sum them)."""
+    split = _forward(case, True, interpret=True)
+    own, default = _forward(case, False, gate_stats="own_pass", interpret=True), _forward(case, False, interpret=True)
+    for got, want in zip(jax.tree.leaves(split), jax.tree.leaves(own), strict=True):
         assert np.any(np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    (h, scores), (h_default, scores_default) = split, default
+    assert _rel(h_default, h) < F32_TOL
+    for got, want in zip(scores_default, scores, strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     with pytest.raises(ValueError, match="split=True"):
         _forward(case, True, gate_stats="in_scores", interpret=True)
@@ -342,11 +350,12 @@ def test_state_boxes_agree(monkeypatch):
 @pytest.mark.slow  # an option against the default (14 s and more on 2 cores)
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in (CASES[0], CASES[1], CASES[3])])
 def test_gate_statistics_summed_in_the_scoring_pass(case):
-    """``gate_stats="in_scores"`` (pass A sums A.A, A.E, E.E, A.W_j and E.W_j per stream and head;
-    the gate's ``sum z^2`` and ``z . W_j`` follow once a and b are known, so the forward expands
-    twice, not three times) gives the reference's ``h`` and scores, and ``"own_pass"``'s to float32
-    rounding (interpreted; segments and a ragged tile, two heads with the partial excluded,
-    AttnRes's one stream); an unknown choice is refused."""
+    """``gate_stats="in_scores"`` (the default since session 44: pass A sums A.A, A.E, E.E, A.W_j
+    and E.W_j per stream and head; the gate's ``sum z^2`` and ``z . W_j`` follow once a and b are
+    known, so the forward expands twice, not three times) gives the reference's ``h`` and scores,
+    and ``"own_pass"``'s (pass B re-expands the partial for them) to float32 rounding
+    (interpreted; segments and a ragged tile, two heads with the partial excluded, AttnRes's one
+    stream); an unknown choice is refused."""
     _, batch, t_len, d, kernels, heads, include, cut, _ = case
     state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
     seg = None if cut is None else _segments(batch, t_len, cut)
