@@ -557,7 +557,8 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     lag windows (``EXPANDS``, ``_expand_all``; None: ``DEFAULT_EXPAND``). ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
     ``default_windows``). ``gate_stats``: where the gate's statistics are summed (``GATE_STATS``;
     None: ``DEFAULT_GATE_STATS``, or ``"own_pass"`` with ``split``). ``split``: two kernels (``FORWARD_PASSES``), the scores and
-    then the merge with the state, the gate and ``h``, the same values to the last bit; where
+    then the merge with the state, the gate and ``h``, the same values to the last bit as one
+    kernel with ``gate_stats="own_pass"`` (with the default, ``h`` to float32 rounding); where
     ``h`` is not used (the backward's re-run of a read whose output a model saved) XLA drops the
     second, so the re-run reads the partial once and the state not at all. ``reread_order``: the
     chunks' order in the output pass, the state's second read with the gate (``REREAD_ORDERS``;
