@@ -23,7 +23,9 @@ windows once for all streams (``window_fetch="per_chunk"``), the mixing pass wit
 item (``"per_item"``) and, timing only (wrong outputs), with only stream 0's items bringing their
 ``p`` rows (``timing_skip=("p",)``: its outputs may hold non-finite values). ``--windows W``:
 every kernel with its lag windows placed as ``W`` (``mosaic_gpu.DEFAULT_WINDOWS``; a kernel whose
-program does not fit then fails)."""
+program does not fit then fails). ``--split``: then ``gdots`` and ``dstreams`` with a program per stream
+(``stream_programs="split"``, session 45; under ``ncu -k regex:bwd1_`` only those two kernels are
+profiled)."""
 import sys
 
 import jax
@@ -85,6 +87,12 @@ def main():
         for i, options in ((8, dict(window_fetch="per_item")), (9, dict(timing_skip=("p",)))):
             run(f"{i} mix ({options})", lambda x, b, pp, v, options=options: mosaic_gpu.phase1_mix(
                 x, b, pp, None, v, out_dtype=jnp.float32, per_target=True, **options, **kw), sources, banks, p, valid)
+    if "--split" in sys.argv:
+        run("10 gdots (split)", lambda x, b, ga, v: mosaic_gpu_bwd1.phase1_gdots(
+            x, b, ga, None, v, stream_programs="split", **kw), sources, banks, g_acc, valid)
+        run("11 dstreams (split)", lambda x, b, q, ga, pp, ds, ww, v: mosaic_gpu_bwd1.phase1_dstreams(
+            x, b, q, ga, pp, ds, ww, None, v, out_dtype=jnp.bfloat16, stream_programs="split", **kw),
+            sources, banks, queries, g_acc, p, dsr, w, valid)
 
 
 if __name__ == "__main__":

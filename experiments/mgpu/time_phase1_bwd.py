@@ -23,9 +23,11 @@ bringing its source's lag windows and with a chunk's windows brought once for al
 (``mosaic_gpu_bwd1.WINDOW_FETCHES``; session 35); ``--dstreams-only``: leave out gdots and the
 transpose. ``--windows P,Q``: gdots and dstreams with each placement of the lag windows
 (``mosaic_gpu.WINDOWS``; session 44: ``"padded"``'s 80-byte rows touch three 32-byte sectors for
-64 bytes of channels, ``"single"``'s two, where L2 does not hold the neighbours' rows). Run on the
-GPU: ``python experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants] [--bd16] [--attnres]
-[--ga_bf16] [--window-fetch] [--dstreams-only] [--windows P,Q]``."""
+64 bytes of channels, ``"single"``'s two, where L2 does not hold the neighbours' rows).
+``--stream-programs P,Q``: gdots and dstreams with each ``mosaic_gpu_bwd1.STREAM_PROGRAMS`` (session
+45: "split", a program per stream, its tile's m programs side by side). Run on the GPU: ``python
+experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants] [--bd16] [--attnres] [--ga_bf16]
+[--window-fetch] [--dstreams-only] [--windows P,Q] [--stream-programs P,Q]``."""
 import sys
 import traceback
 
@@ -64,6 +66,11 @@ DSTREAMS_ONLY = "--dstreams-only" in sys.argv
 WINDOW_PLACEMENTS = tuple(sys.argv[sys.argv.index("--windows") + 1].split(",")) if "--windows" in sys.argv else (None,)
 if any(w is not None and w not in mosaic_gpu.WINDOWS for w in WINDOW_PLACEMENTS):
     sys.exit(f"--windows {','.join(WINDOW_PLACEMENTS)}: each must be one of {mosaic_gpu.WINDOWS}")
+# gdots' and dstreams' stream programs to time (None: each kernel's default)
+STREAM_PROGRAMS = (tuple(sys.argv[sys.argv.index("--stream-programs") + 1].split(","))
+                   if "--stream-programs" in sys.argv else (None,))
+if any(sp is not None and sp not in mosaic_gpu_bwd1.STREAM_PROGRAMS for sp in STREAM_PROGRAMS):
+    sys.exit(f"--stream-programs {','.join(STREAM_PROGRAMS)}: each must be one of {mosaic_gpu_bwd1.STREAM_PROGRAMS}")
 
 
 def _variants(mode, groups=GROUPS):
@@ -73,13 +80,14 @@ def _variants(mode, groups=GROUPS):
     return [(v, bd, g) for v in VARIANTS[mode] for bd in CHUNKS for g in groups]
 
 
-def _variant_label(mode, n, n_targets, slots, groups, regs, bd=32, fetch=None, windows=None):
+def _variant_label(mode, n, n_targets, slots, groups, regs, bd=32, fetch=None, windows=None, programs=None):
     smem = mosaic_gpu_bwd1.smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
                                       acc_dtype=GA_DTYPE, n_targets=n_targets, n_sources=n, mode=mode,
                                       n_slots=slots, group_slots=groups, windows=windows,
                                       window_fetch=fetch or mosaic_gpu_bwd1.DEFAULT_DSTREAMS_WINDOW_FETCH)
     return (f"mosaic {mode} {slots}/{groups}{' regs' if regs else ''}{f' bd={bd}' if bd != 32 else ''}"
-            f"{f' {fetch}' if fetch else ''}{f' {windows}' if windows else ''} ({smem // 1024} KB, "
+            f"{f' {fetch}' if fetch else ''}{f' {windows}' if windows else ''}{f' {programs}' if programs else ''} "
+            f"({smem // 1024} KB, "
             f"{SM_SMEM // (smem + 1024)}/SM)")
 
 
@@ -137,14 +145,14 @@ def main():
         print(f"# gdots: floor {floor:.4f} ms", flush=True)
         want = None if DSTREAMS_ONLY else _timed("triton gdots", triton_gdots, (sources, banks, g_acc, valid), None,
                                                  floor)
-        for ((slots, groups, regs), bd, grouped), win in [] if DSTREAMS_ONLY else (
-                (v, w) for v in _variants("gdots") for w in WINDOW_PLACEMENTS):
+        for ((slots, groups, regs), bd, grouped), win, sp in [] if DSTREAMS_ONLY else (
+                (v, w, sp) for v in _variants("gdots") for w in WINDOW_PLACEMENTS for sp in STREAM_PROGRAMS):
             mosaic_gpu_bwd1.GA_REGISTERS = regs  # read when the jitted function traces (first call in _timed)
             set_store_groups(grouped)
-            fn = (lambda sl, gs, bd, win: lambda x, b, ga, v: mosaic_gpu_bwd1.phase1_gdots(
+            fn = (lambda sl, gs, bd, win, sp: lambda x, b, ga, v: mosaic_gpu_bwd1.phase1_gdots(
                 x, b, ga, None, v, stream_kernels=KERNELS, heads=heads, n_slots=sl, group_slots=gs, block_d=bd,
-                windows=win))(slots, groups, bd, win)
-            _timed(_variant_label("gdots", n, n_targets, slots, groups, regs, bd, windows=win)
+                windows=win, stream_programs=sp))(slots, groups, bd, win, sp)
+            _timed(_variant_label("gdots", n, n_targets, slots, groups, regs, bd, windows=win, programs=sp)
                    + ("" if len(GROUPS) == 1 else " grouped" if grouped else " one by one"), fn,
                    (sources, banks, g_acc, valid), want, floor)
         del want
@@ -158,13 +166,17 @@ def main():
         print(f"# dstreams: floor {floor:.4f} ms", flush=True)
         args = (sources, banks, queries, g_acc, p, dsr, w, valid)
         want = _timed("triton dstreams", triton_dstreams, args, None, floor)
-        for ((slots, groups, regs), bd, _), fetch, win in ((v, f, w) for v in _variants("dstreams", groups=(True,))
-                                                           for f in FETCHES for w in WINDOW_PLACEMENTS):
+        for ((slots, groups, regs), bd, _), fetch, win, sp in (
+                (v, f, w, sp) for v in _variants("dstreams", groups=(True,)) for f in FETCHES for w in WINDOW_PLACEMENTS
+                for sp in STREAM_PROGRAMS):
+            if sp == "split" and fetch == "per_chunk":  # not a form (a program walks one stream)
+                continue
             mosaic_gpu_bwd1.GA_REGISTERS = regs
-            fn = (lambda sl, gs, bd, wf, win: lambda x, b, q, ga, p, dsr, w, v: mosaic_gpu_bwd1.phase1_dstreams(
+            fn = (lambda sl, gs, bd, wf, win, sp: lambda x, b, q, ga, p, dsr, w, v: mosaic_gpu_bwd1.phase1_dstreams(
                 x, b, q, ga, p, dsr, w, None, v, stream_kernels=KERNELS, heads=heads, out_dtype=jnp.bfloat16,
-                n_slots=sl, group_slots=gs, block_d=bd, window_fetch=wf, windows=win))(slots, groups, bd, fetch, win)
-            _timed(_variant_label("dstreams", n, n_targets, slots, groups, regs, bd, fetch, win), fn, args, want,
+                n_slots=sl, group_slots=gs, block_d=bd, window_fetch=wf, windows=win, stream_programs=sp))(
+                    slots, groups, bd, fetch, win, sp)
+            _timed(_variant_label("dstreams", n, n_targets, slots, groups, regs, bd, fetch, win, sp), fn, args, want,
                    floor, rows=slice(0, n_live))
         del want
 

@@ -675,16 +675,19 @@ def named_body(body, name: str):
     return body
 
 
-def _jitted_kernel(plgpu, body, out_type, scratch_types, *, name, batch, t_pad, interpret):
+def _jitted_kernel(plgpu, body, out_type, scratch_types, *, name, batch, t_pad, interpret, streams=None):
     """``body`` as a ``plgpu.kernel`` over (batch row, 64-token tile), one warpgroup each, jitted
     under the named scope ``name`` (the kernel's name in profiles); in Lane semantics when
-    ``plgpu`` is ``_LanePlgpu``."""
+    ``plgpu`` is ``_LanePlgpu``. ``streams``: a leading grid axis ``"r"`` of that many programs
+    per (batch row, tile), the fastest in launch order (the grid's first axis is CUDA's x)."""
     params = {}
     if getattr(plgpu, "lane", False):
         params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
+    grid, names = (batch, t_pad // BLOCK_T), ("b", "t")
+    if streams is not None:
+        grid, names = (streams, *grid), ("r", *names)
     kernel = plgpu.kernel(named_body(body, name), out_type=out_type, scratch_types=scratch_types,
-                          grid=(batch, t_pad // BLOCK_T),
-                          grid_names=("b", "t"), interpret=plgpu.InterpretGPUParams() if interpret else False,
+                          grid=grid, grid_names=names, interpret=plgpu.InterpretGPUParams() if interpret else False,
                           **params)
 
     @jax.jit

@@ -89,6 +89,19 @@ DEFAULT_ITEM_DECODE = "carried"
 # are not what holds it.
 WINDOW_FETCHES = MIX_WINDOW_FETCHES
 DEFAULT_DSTREAMS_WINDOW_FETCH = "per_item"
+# Which programs walk a token tile's streams, per mode. "joint": one program per (batch row, token
+# tile) walks every stream's groups (head, stream, chunk), so it fetches a chunk's lag window of a
+# source once per stream, its streams' groups a whole head of chunks apart; with the targets' g_A
+# streaming through L2 in between, each of those fetches comes from DRAM (session 44's census at the
+# issue's shape, an H100: gdots reads 8.85 GB where the design needs 4.9, dstreams 9.85). "split":
+# one program per (stream, batch row, token tile), the stream the grid's fastest axis, so the m
+# programs of a tile start side by side and the later ones find each window (and its halo, which
+# the next tile's programs fetch too) in L2. The same work per item and the same bits; m times the
+# programs, each holding one stream's sums. "split" takes each item's own windows
+# (``window_fetch="per_item"``): "per_chunk" shares a chunk's windows across one program's streams.
+# Read when a kernel is traced.
+STREAM_PROGRAMS = ("joint", "split")
+DEFAULT_STREAM_PROGRAMS = {"gdots": "joint", "dstreams": "joint"}
 
 
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, n_targets: int,
@@ -137,22 +150,25 @@ def _check(name, sources, g_acc, stream_kernels):
 
 def phase1_gdots(sources, banks, g_acc, segment_ids, valid, *, stream_kernels, heads: int,
                  block_d: int | None = None, n_slots: int | None = None, group_slots: int | None = None,
-                 windows: str | None = None, interpret: bool = False):
+                 windows: str | None = None, interpret: bool = False, stream_programs: str | None = None):
     """``gd[S, n, m, B, T, H]`` float32: ``<g_A{s,r}, E_r[x_i]>`` per head (the value-path dots of
     ``fused_bwd_phase1``'s pass 2; zeros for a source ``valid`` rules out, not computed).
 
     ``sources[n, B, T, d]``, ``banks[n, K, d]`` or None, ``g_acc`` one ``[S, m, B, T', d]`` array
     or ``S`` arrays ``[m, B, T', d]`` (``T' >= T``; float32 or bf16), ``segment_ids[B, T]`` or
     None, ``valid[n]`` or None. ``n_slots``: items in flight (None: ``SLOTS``); ``group_slots``:
-    groups' ``g_A`` in shared memory (None: ``GROUP_SLOTS``); both per mode."""
+    groups' ``g_A`` in shared memory (None: ``GROUP_SLOTS``); both per mode. ``stream_programs``:
+    one of ``STREAM_PROGRAMS`` (None: ``DEFAULT_STREAM_PROGRAMS``); the outputs are the same in
+    either."""
     return _call("gdots", sources, banks, g_acc, segment_ids, valid, stream_kernels=stream_kernels, heads=heads,
-                 block_d=block_d, n_slots=n_slots, group_slots=group_slots, windows=windows, interpret=interpret)
+                 block_d=block_d, n_slots=n_slots, group_slots=group_slots, windows=windows, interpret=interpret,
+                 stream_programs=stream_programs)
 
 
 def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, valid, *, stream_kernels, heads: int,
                     out_dtype, block_d: int | None = None, n_slots: int | None = None,
                     group_slots: int | None = None, windows: str | None = None, interpret: bool = False,
-                    window_fetch: str | None = None):
+                    window_fetch: str | None = None, stream_programs: str | None = None):
     """The stream cotangents ``dE[n, m, B, T, d]`` (``out_dtype``) of the wide form's pass 4:
     ``dE[i, r] = sum_s (P_{s,i,r} g_A{s,r} + DSR_{s,i,r} q_{s,r}) - W_{i,r} E_r[x_i]`` (per head
     for ``P`` and ``DSR``). A source ``valid`` rules out is not written (its rows hold whatever
@@ -161,8 +177,9 @@ def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, vali
 
     ``queries[S, m, d]``, ``p``/``dsr`` ``[S, n, m, B, T', H]`` and ``w[n, m, B, T']`` float32
     (``T' >= T``); ``window_fetch``: ``WINDOW_FETCHES`` (None: ``DEFAULT_DSTREAMS_WINDOW_FETCH``,
-    or "per_item" where "per_chunk" does not fit); the outputs are the same in either. The rest
-    as ``phase1_gdots``."""
+    or "per_item" where "per_chunk" does not fit, or where ``stream_programs`` is "split"); the
+    outputs are the same in either. ``stream_programs``: as ``phase1_gdots``'s (None: the default,
+    or "joint" with ``window_fetch="per_chunk"``). The rest as ``phase1_gdots``."""
     n, batch, t_len, d = sources.shape
     m = len(stream_kernels)
     n_targets = _check("phase1_dstreams", sources, g_acc, stream_kernels)
@@ -176,11 +193,33 @@ def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, vali
         raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: w {w.shape}: want [{n}, {m}, {batch}, >= {t_len}]")
     return _call("dstreams", sources, banks, g_acc, segment_ids, valid, stream_kernels=stream_kernels, heads=heads,
                  block_d=block_d, n_slots=n_slots, group_slots=group_slots, windows=windows, interpret=interpret,
-                 queries=queries, p=p, dsr=dsr, w=w, out_dtype=out_dtype, window_fetch=window_fetch)
+                 queries=queries, p=p, dsr=dsr, w=w, out_dtype=out_dtype, window_fetch=window_fetch,
+                 stream_programs=stream_programs)
+
+
+def _stream_programs(mode: str, stream_programs: str | None, window_fetch: str | None) -> str:
+    """``stream_programs`` if given, else "joint" for an explicit "per_chunk" window fetch, else
+    ``DEFAULT_STREAM_PROGRAMS[mode]``; an explicit "split" with an explicit "per_chunk" raises."""
+    name = f"mosaic_gpu_bwd1.phase1_{mode}"
+    if stream_programs is None:
+        if window_fetch == "per_chunk":
+            return "joint"
+        stream_programs = DEFAULT_STREAM_PROGRAMS.get(mode)
+        if stream_programs not in STREAM_PROGRAMS:
+            raise ValueError(f"mosaic_gpu_bwd1.DEFAULT_STREAM_PROGRAMS[{mode!r}]={stream_programs!r}: must be one "
+                             f"of {STREAM_PROGRAMS}")
+        return stream_programs
+    if stream_programs not in STREAM_PROGRAMS:
+        raise ValueError(f"{name}: stream_programs={stream_programs!r}: must be one of {STREAM_PROGRAMS}")
+    if stream_programs == "split" and window_fetch == "per_chunk":
+        raise ValueError(f"{name}: stream_programs='split' takes window_fetch='per_item' (a program walks one "
+                         f"stream; 'per_chunk' shares a chunk's windows across one program's streams)")
+    return stream_programs
 
 
 def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, heads, block_d, n_slots, group_slots,
-          windows, interpret, queries=None, p=None, dsr=None, w=None, out_dtype=jnp.bfloat16, window_fetch=None):
+          windows, interpret, queries=None, p=None, dsr=None, w=None, out_dtype=jnp.bfloat16, window_fetch=None,
+          stream_programs=None):
     n, batch, t_len, d = sources.shape
     m = len(stream_kernels)
     n_targets = _check(f"phase1_{mode}", sources, g_acc, stream_kernels)
@@ -199,10 +238,13 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
                          f"n_slots={n_slots} at least 1")
     smem = functools.partial(smem_bytes, n_targets=n_targets, n_sources=n, mode=mode, n_slots=n_slots,
                              group_slots=group_slots, windows=windows, out_dtype=out_dtype)
+    stream_programs = _stream_programs(mode, stream_programs, window_fetch)
     if mode == "gdots":
         window_fetch = "per_item"
     else:
         def fits(fetch):  # one program's shared memory holds it (interpret mode: no limit)
+            if stream_programs == "split":  # a program walks one stream: nothing to share
+                return False
             return interpret or any(smem(block_d=bd, window_fetch=fetch, stream_kernels=stream_kernels, heads=heads,
                                          x_dtype=sources.dtype, acc_dtype=acc_dtype) <= SMEM_BYTES
                                     for bd in ((block_d,) if block_d else BLOCK_D_CHOICES))
@@ -233,7 +275,7 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
                            acc_dtype=jnp.dtype(acc_dtype), out_dtype=jnp.dtype(out_dtype), n_slots=n_slots,
                            group_slots=group_slots, ga_registers=ga_registers, windows=windows,
                            item_decode=DEFAULT_ITEM_DECODE, interpret=bool(interpret),
-                           window_fetch=window_fetch))
+                           window_fetch=window_fetch, stream_split=stream_programs == "split"))
     out = call(*inputs)
     if mode == "gdots":  # [n, m H S, B, Tp] -> [S, n, m, B, T, H]
         out = out.reshape(n, m, heads, n_targets, batch, t_pad).transpose(3, 0, 1, 4, 5, 2)
@@ -266,6 +308,7 @@ class _Config(NamedTuple):
     item_decode: str
     interpret: bool
     window_fetch: str = "per_item"
+    stream_split: bool = False  # STREAM_PROGRAMS' "split": a program per (stream, batch row, token tile)
 
 
 @functools.lru_cache(maxsize=None)
@@ -281,11 +324,12 @@ def _kernel(cfg: _Config):
     layout = _stream_layout(stream_kernels)
     max_lag = max([1, *stream_kernels])
     nch = d // bd // heads  # chunks per head
-    # (head, stream, chunk) groups in this order; "per_chunk" windows: (head, chunk, stream)
-    per_chunk_windows = cfg.window_fetch == "per_chunk"
-    if per_chunk_windows and gdots:
-        raise ValueError("mosaic_gpu_bwd1: gdots takes window_fetch='per_item' only")
-    n_groups = heads * m * nch
+    # (head, stream, chunk) groups in this order; "per_chunk" windows: (head, chunk, stream); a
+    # program of "split" streams: its stream's (head, chunk) groups
+    per_chunk_windows, split = cfg.window_fetch == "per_chunk", cfg.stream_split
+    if per_chunk_windows and (gdots or split):
+        raise ValueError("mosaic_gpu_bwd1: gdots and split stream programs take window_fetch='per_item' only")
+    n_groups = heads * nch if split else heads * m * nch
     n_rows = 2 * n_targets + 1  # "dstreams": an item's per-token rows
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
     lags = _Lags.of(max_lag, cfg.windows)
@@ -324,6 +368,7 @@ def _kernel(cfg: _Config):
         bars = [sc[f"bar{r}"] for r in range(m)]
         gbar, bar_in, bar_win = sc["gbar"], sc["bar_in"], sc.get("bar_win")
         b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
+        program_stream = lax.axis_index("r") if split else None
         rows = pl.ds(t0, bt)
         plgpu.copy_gmem_to_smem(meta_ref, meta_s, bar_in.at[0])
         if has_seg:
@@ -335,6 +380,8 @@ def _kernel(cfg: _Config):
 
         def group_of(g):
             """(head, stream, chunk) of group ``g``."""
+            if split:  # (head, chunk) of the program's stream
+                return g // nch, program_stream, g
             head = g // (m * nch)
             if per_chunk_windows:  # (head, chunk, stream)
                 return head, lax.rem(g, m), head * nch + lax.rem(g // m, nch)
@@ -465,29 +512,39 @@ def _kernel(cfg: _Config):
             fetch_group(g + n_gslots)
             return upcoming
 
-        for head in range(heads):
-            if per_chunk_windows:  # (head, chunk, stream): a chunk's windows serve its m groups
+        def walk(streams, upcoming):
+            """The program's groups: every head's ``streams``, in the order ``group_of`` numbers them."""
+            for head in range(heads):
+                if per_chunk_windows:  # (head, chunk, stream): a chunk's windows serve its m groups
 
-                def chunk_body(cc, upcoming, head=head):
-                    for r in range(m):
-                        upcoming = group_body((head * nch + cc) * m + r, head * nch + cc, r, upcoming)
-                    return upcoming
+                    def chunk_body(cc, upcoming, head=head):
+                        for r in range(m):
+                            upcoming = group_body((head * nch + cc) * m + r, head * nch + cc, r, upcoming)
+                        return upcoming
 
-                upcoming = lax.fori_loop(0, nch, chunk_body, upcoming)
-                continue
+                    upcoming = lax.fori_loop(0, nch, chunk_body, upcoming)
+                    continue
+                for r in streams:
+                    if gdots:  # this (head, stream)'s sums start at zero, once the last one's stores have read them
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        for i in range(n):
+                            for s in range(n_targets):
+                                dots_s[i, s] = zero_row
+                        plgpu.commit_smem()
+                    first = head * nch if split else (head * m + r) * nch  # the (head, stream)'s first group
+                    upcoming = lax.fori_loop(
+                        0, nch, lambda cc, upcoming, head=head, r=r, first=first: group_body(
+                            first + cc, head * nch + cc, r, upcoming), upcoming)
+                    if gdots:
+                        _store_group(plgpu, ((dots_s.at[i], out_ref.at[i, pl.ds((r * heads + head) * n_targets,
+                                                                                n_targets), b, rows])
+                                             for i in range(n)))
+
+        if split:  # the stream's code, static per stream, under the program's stream
             for r in range(m):
-                if gdots:  # this (head, stream)'s sums start at zero, once the last one's stores have read them
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    for i in range(n):
-                        for s in range(n_targets):
-                            dots_s[i, s] = zero_row
-                    plgpu.commit_smem()
-                upcoming = lax.fori_loop(
-                    0, nch, lambda cc, upcoming, head=head, r=r: group_body((head * m + r) * nch + cc, head * nch + cc,
-                                                                            r, upcoming), upcoming)
-                if gdots:
-                    _store_group(plgpu, ((dots_s.at[i], out_ref.at[i, pl.ds((r * heads + head) * n_targets, n_targets),
-                                                                   b, rows]) for i in range(n)))
+                pl.when(program_stream == r)(functools.partial(walk, (r,), upcoming))
+        else:
+            walk(range(m), upcoming)
         plgpu.wait_smem_to_gmem(0)
 
     if gdots:
@@ -496,7 +553,7 @@ def _kernel(cfg: _Config):
         out_type = jax.ShapeDtypeStruct((n, m, batch, t_pad, d), cfg.out_dtype)
     return _jitted_kernel(plgpu, body, out_type, [scratch[k] for k in names],
                           name=f"depth_attention_bwd1_{mode}_mosaic", batch=batch, t_pad=t_pad,
-                          interpret=cfg.interpret)
+                          interpret=cfg.interpret, streams=m if split else None)
 
 
 # --------------------------------------------------------------------------- the expansion's transpose
