@@ -99,9 +99,14 @@ DEFAULT_DSTREAMS_WINDOW_FETCH = "per_item"
 # the next tile's programs fetch too) in L2. The same work per item and the same bits; m times the
 # programs, each holding one stream's sums. "split" takes each item's own windows
 # (``window_fetch="per_item"``): "per_chunk" shares a chunk's windows across one program's streams.
-# Read when a kernel is traced.
+# Measured (BENCHMARKS.md, kernels, session 45, calls 2-3, an H100; the same bits): gdots 4.547 ->
+# 4.514 ms per call at `base`'s last block (-0.7%) and 3.891 -> 3.740 at the issue's shape (-3.9%),
+# dstreams -0.7% / -0.2%. The DRAM reads hardly moved (gdots 8.85 -> 8.72 GB, dstreams 12.25 ->
+# 12.15 under Nsight Compute): the streams' programs drift apart (stream 0 expands nothing, stream 3
+# twelve taps) by more than L2 holds a window. Taken for gdots; dstreams stays "joint". Read when a
+# kernel is traced.
 STREAM_PROGRAMS = ("joint", "split")
-DEFAULT_STREAM_PROGRAMS = {"gdots": "joint", "dstreams": "joint"}
+DEFAULT_STREAM_PROGRAMS = {"gdots": "split", "dstreams": "joint"}
 
 
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, n_targets: int,

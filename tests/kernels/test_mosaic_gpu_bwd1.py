@@ -152,6 +152,89 @@ def test_dstreams_window_fetches_agree(valid):
     assert np.all(np.isfinite(want[live])) and (np.abs(want[live]).max() > 1 if live.any() else True)
 
 
+@pytest.mark.parametrize("valid", [(True, False, True), pytest.param((True, False, False), marks=pytest.mark.slow),
+                                   pytest.param((False, False, False), marks=pytest.mark.slow)],
+                         ids=["ruled_out", "one_valid", "none_valid"])
+def test_stream_programs_give_the_same_bits(valid):
+    """Both kernels with a program per stream (``stream_programs="split"``: a leading grid axis,
+    each program one stream's (head, chunk) groups and its own item numbering) write bitwise what
+    one program walking every stream writes: two heads of two channel chunks each, segments, a
+    source ruled out, one valid source, none."""
+    args = _inputs(3, 1, 70, 128, 2, 2, valid, 30, jnp.bfloat16, jnp.float32, True)
+    sources, banks, queries, g_acc, p, dsr, w, seg, ok = args
+    out = {}
+    for programs in mosaic_gpu_bwd1.STREAM_PROGRAMS:
+        kw = dict(interpret=True, stream_programs=programs)
+        out[programs] = (np.asarray(mosaic_gpu_bwd1.phase1_gdots(sources, banks, g_acc, seg, ok, stream_kernels=KERNELS,
+                                                                 heads=2, **kw)),
+                         np.asarray(_dstreams(args, 2, **kw)))
+    live = _live(ok, 3)
+    np.testing.assert_array_equal(out["split"][0], out["joint"][0])
+    np.testing.assert_array_equal(out["split"][1][live], out["joint"][1][live])
+    assert np.any(out["joint"][0]) == any(valid)
+
+
+def _recorded_programs(monkeypatch):
+    seen, real = [], mosaic_gpu_bwd1._kernel
+    monkeypatch.setattr(mosaic_gpu_bwd1, "_kernel",
+                        lambda cfg: seen.append((cfg.mode, cfg.window_fetch, cfg.stream_split)) or real(cfg))
+    return seen
+
+
+def test_stream_programs_choice_and_its_errors(monkeypatch):
+    """``stream_programs`` given wins; None takes ``DEFAULT_STREAM_PROGRAMS``, or "joint" beside an
+    explicit ``window_fetch="per_chunk"`` (which shares windows across one program's streams); a
+    split ``dstreams`` falls back to "per_item" where the default window fetch is "per_chunk";
+    "split" with an explicit "per_chunk", an unknown value and an unknown default raise."""
+    seen = _recorded_programs(monkeypatch)
+    args = _inputs(3, 1, 64, 64, 2, 1, None, None, jnp.bfloat16, jnp.float32, True)
+    sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
+
+    def lower(mode, **kw):
+        kw = dict(stream_kernels=KERNELS, heads=1, **kw)
+        if mode == "gdots":
+            fn = lambda *a: mosaic_gpu_bwd1.phase1_gdots(*a[:2], a[3], *a[7:], **kw)  # noqa: E731
+        else:
+            fn = lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, out_dtype=jnp.bfloat16, **kw)  # noqa: E731
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_STREAM_PROGRAMS", {"gdots": "split", "dstreams": "joint"})
+    lower("gdots")
+    lower("gdots", stream_programs="joint")
+    lower("dstreams")
+    lower("dstreams", stream_programs="split")
+    lower("dstreams", window_fetch="per_chunk")
+    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_STREAM_PROGRAMS", {"gdots": "split", "dstreams": "split"})
+    lower("dstreams", window_fetch="per_chunk")  # the explicit fetch takes one program for all streams
+    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_DSTREAMS_WINDOW_FETCH", "per_chunk")
+    lower("dstreams")  # the default fetch gives way to the split
+    assert seen == [("gdots", "per_item", True), ("gdots", "per_item", False), ("dstreams", "per_item", False),
+                    ("dstreams", "per_item", True), ("dstreams", "per_chunk", False),
+                    ("dstreams", "per_chunk", False), ("dstreams", "per_item", True)], seen
+    with pytest.raises(ValueError, match="stream_programs='split' takes window_fetch='per_item'"):
+        lower("dstreams", stream_programs="split", window_fetch="per_chunk")
+    with pytest.raises(ValueError, match="phase1_gdots: stream_programs='sometimes': must be one of"):
+        lower("gdots", stream_programs="sometimes")
+    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_STREAM_PROGRAMS", {"gdots": "halves"})
+    with pytest.raises(ValueError, match=r"DEFAULT_STREAM_PROGRAMS\['gdots'\]='halves': must be one of"):
+        lower("gdots")
+
+
+@pytest.mark.parametrize("mode", mosaic_gpu_bwd1.MODES)
+def test_split_stream_programs_lower_for_sm90(mode):
+    """A program per stream lowers for the H200 (three grid axes), segments and several tiles."""
+    args = _inputs(3, 2, 200, 64, 2, 1, (True, True, False), 30, jnp.bfloat16, jnp.float32, True)
+    sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
+    kw = dict(stream_kernels=KERNELS, heads=1, stream_programs="split")
+    if mode == "gdots":
+        fn, inputs = (lambda *a: mosaic_gpu_bwd1.phase1_gdots(*a, **kw)), (sources, banks, g_acc, seg, valid)
+    else:
+        fn = lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, out_dtype=jnp.bfloat16, **kw)  # noqa: E731
+        inputs = (sources, banks, queries, g_acc, p, dsr, w, seg, valid)
+    text = jax.jit(fn).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu_v2") == 1
+
+
 @pytest.mark.slow
 def test_dstreams_per_chunk_matches_the_pallas_pass_with_one_group_buffer():
     """``"per_chunk"`` against the Triton pass with one group buffer and two items in flight (the
@@ -454,6 +537,13 @@ def test_gpu_kernels_match_the_triton_passes():
     for fetch in mosaic_gpu_bwd1.WINDOW_FETCHES:  # dstreams with its lag windows per item and per chunk
         got_de = jax.jit(lambda *a: _dstreams(a, heads, window_fetch=fetch))(*args)  # noqa: B023
         _check_tree(got_de[live], want[1][live], 1e-5)
+    for programs in mosaic_gpu_bwd1.STREAM_PROGRAMS:  # both kernels with a program per stream, and one for all
+        got = jax.jit(lambda *a: (  # noqa: B023
+            mosaic_gpu_bwd1.phase1_gdots(*a[:2], a[3], *a[7:], stream_kernels=KERNELS, heads=heads,
+                                         stream_programs=programs),  # noqa: B023
+            _dstreams(a, heads, stream_programs=programs)))(*args)  # noqa: B023
+        _check_tree(got[0], want[0], 1e-5)
+        _check_tree(got[1][live], want[1][live], 1e-5)
     # the transpose (bf16 cotangents and sources, float32 outputs)
     t_args = _transpose_inputs(4, 3, 300, 256, (True, True, False, True), 77)
     got = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS,
