@@ -25,9 +25,11 @@ transpose. ``--windows P,Q``: gdots and dstreams with each placement of the lag 
 (``mosaic_gpu.WINDOWS``; session 44: ``"padded"``'s 80-byte rows touch three 32-byte sectors for
 64 bytes of channels, ``"single"``'s two, where L2 does not hold the neighbours' rows).
 ``--stream-programs P,Q``: gdots and dstreams with each ``mosaic_gpu_bwd1.STREAM_PROGRAMS`` (session
-45: "split", a program per stream, its tile's m programs side by side). Run on the GPU: ``python
+45: "split", a program per stream, its tile's m programs side by side). ``--rows-fetch P,Q``:
+dstreams with each ``mosaic_gpu_bwd1.ROWS_FETCHES`` (session 45: "per_stream", each source's
+per-token rows once per (head, stream) instead of once per item). Run on the GPU: ``python
 experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants] [--bd16] [--attnres] [--ga_bf16]
-[--window-fetch] [--dstreams-only] [--windows P,Q] [--stream-programs P,Q]``."""
+[--window-fetch] [--dstreams-only] [--windows P,Q] [--stream-programs P,Q] [--rows-fetch P,Q]``."""
 import sys
 import traceback
 
@@ -71,6 +73,10 @@ STREAM_PROGRAMS = (tuple(sys.argv[sys.argv.index("--stream-programs") + 1].split
                    if "--stream-programs" in sys.argv else (None,))
 if any(sp is not None and sp not in mosaic_gpu_bwd1.STREAM_PROGRAMS for sp in STREAM_PROGRAMS):
     sys.exit(f"--stream-programs {','.join(STREAM_PROGRAMS)}: each must be one of {mosaic_gpu_bwd1.STREAM_PROGRAMS}")
+# dstreams' rows fetches to time (None: the default)
+ROWS = tuple(sys.argv[sys.argv.index("--rows-fetch") + 1].split(",")) if "--rows-fetch" in sys.argv else (None,)
+if any(rf is not None and rf not in mosaic_gpu_bwd1.ROWS_FETCHES for rf in ROWS):
+    sys.exit(f"--rows-fetch {','.join(ROWS)}: each must be one of {mosaic_gpu_bwd1.ROWS_FETCHES}")
 
 
 def _variants(mode, groups=GROUPS):
@@ -80,13 +86,16 @@ def _variants(mode, groups=GROUPS):
     return [(v, bd, g) for v in VARIANTS[mode] for bd in CHUNKS for g in groups]
 
 
-def _variant_label(mode, n, n_targets, slots, groups, regs, bd=32, fetch=None, windows=None, programs=None):
+def _variant_label(mode, n, n_targets, slots, groups, regs, bd=32, fetch=None, windows=None, programs=None,
+                   rows=None):
     smem = mosaic_gpu_bwd1.smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
                                       acc_dtype=GA_DTYPE, n_targets=n_targets, n_sources=n, mode=mode,
                                       n_slots=slots, group_slots=groups, windows=windows,
-                                      window_fetch=fetch or mosaic_gpu_bwd1.DEFAULT_DSTREAMS_WINDOW_FETCH)
+                                      window_fetch=fetch or mosaic_gpu_bwd1.DEFAULT_DSTREAMS_WINDOW_FETCH,
+                                      rows_fetch=rows or "per_item")
     return (f"mosaic {mode} {slots}/{groups}{' regs' if regs else ''}{f' bd={bd}' if bd != 32 else ''}"
-            f"{f' {fetch}' if fetch else ''}{f' {windows}' if windows else ''}{f' {programs}' if programs else ''} "
+            f"{f' {fetch}' if fetch else ''}{f' {windows}' if windows else ''}{f' {programs}' if programs else ''}"
+            f"{f' rows {rows}' if rows else ''} "
             f"({smem // 1024} KB, "
             f"{SM_SMEM // (smem + 1024)}/SM)")
 
@@ -166,18 +175,18 @@ def main():
         print(f"# dstreams: floor {floor:.4f} ms", flush=True)
         args = (sources, banks, queries, g_acc, p, dsr, w, valid)
         want = _timed("triton dstreams", triton_dstreams, args, None, floor)
-        for ((slots, groups, regs), bd, _), fetch, win, sp in (
-                (v, f, w, sp) for v in _variants("dstreams", groups=(True,)) for f in FETCHES for w in WINDOW_PLACEMENTS
-                for sp in STREAM_PROGRAMS):
-            if sp == "split" and fetch == "per_chunk":  # not a form (a program walks one stream)
+        for ((slots, groups, regs), bd, _), fetch, win, sp, rf in (
+                (v, f, w, sp, rf) for v in _variants("dstreams", groups=(True,)) for f in FETCHES
+                for w in WINDOW_PLACEMENTS for sp in STREAM_PROGRAMS for rf in ROWS):
+            if fetch == "per_chunk" and (sp == "split" or rf == "per_stream"):  # not forms the kernel takes
                 continue
             mosaic_gpu_bwd1.GA_REGISTERS = regs
-            fn = (lambda sl, gs, bd, wf, win, sp: lambda x, b, q, ga, p, dsr, w, v: mosaic_gpu_bwd1.phase1_dstreams(
+            fn = (lambda sl, gs, bd, wf, win, sp, rf: lambda x, b, q, ga, p, dsr, w, v: mosaic_gpu_bwd1.phase1_dstreams(
                 x, b, q, ga, p, dsr, w, None, v, stream_kernels=KERNELS, heads=heads, out_dtype=jnp.bfloat16,
-                n_slots=sl, group_slots=gs, block_d=bd, window_fetch=wf, windows=win, stream_programs=sp))(
-                    slots, groups, bd, fetch, win, sp)
-            _timed(_variant_label("dstreams", n, n_targets, slots, groups, regs, bd, fetch, win, sp), fn, args, want,
-                   floor, rows=slice(0, n_live))
+                n_slots=sl, group_slots=gs, block_d=bd, window_fetch=wf, windows=win, stream_programs=sp,
+                rows_fetch=rf))(slots, groups, bd, fetch, win, sp, rf)
+            _timed(_variant_label("dstreams", n, n_targets, slots, groups, regs, bd, fetch, win, sp, rf), fn, args,
+                   want, floor, rows=slice(0, n_live))
         del want
 
         if not any(KERNELS) or DSTREAMS_ONLY:  # no conv: the transpose is a sum over the streams, in XLA

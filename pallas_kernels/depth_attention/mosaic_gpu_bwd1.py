@@ -107,15 +107,27 @@ DEFAULT_DSTREAMS_WINDOW_FETCH = "per_item"
 # kernel is traced.
 STREAM_PROGRAMS = ("joint", "split")
 DEFAULT_STREAM_PROGRAMS = {"gdots": "split", "dstreams": "joint"}
+# Where ``dstreams``' items find their per-token rows (``P`` and ``DSR`` of every target and ``W``:
+# ``2 S + 1`` float32 rows of 64 tokens per (source, stream, head), the same for every channel
+# chunk). "per_item": each item copies its source's rows into its pipeline slot, so the rows come
+# once per chunk (64 times at d = 2048: 2.6 GB of copies per call at the issue's shape for 40 MB of
+# rows); "per_stream": each valid source's rows come once per (head, stream) into a buffer of their
+# own (``n (2 S + 1) 64`` floats, 39 KB at the issue's shape), refilled as the (head, stream)'s last
+# chunk is done. It takes ``window_fetch="per_item"`` ("per_chunk" runs a chunk's streams together,
+# which would hold every stream's rows); where it does not fit or the windows come per chunk, the
+# default falls back to "per_item" (an explicit "per_stream" raises). Read when a kernel is traced.
+ROWS_FETCHES = ("per_item", "per_stream")
+DEFAULT_DSTREAMS_ROWS_FETCH = "per_item"
 
 
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, n_targets: int,
                n_sources: int, mode: str, out_dtype=jnp.bfloat16, n_slots: int | None = None,
                group_slots: int | None = None, windows: str | None = None, window_fetch: str = "per_item",
-               **_unused) -> int:
+               rows_fetch: str = "per_item", **_unused) -> int:
     """Shared memory of one program of ``mode``'s kernel (its scratch list, ``mosaic_gpu._smem_sum``;
     ``acc_dtype``: ``g_A``'s; ``window_fetch`` (``WINDOW_FETCHES``): "per_chunk" holds a window
-    per source)."""
+    per source; ``rows_fetch`` (``ROWS_FETCHES``, "dstreams"): "per_stream" holds the rows per
+    source instead of per item in flight)."""
     bt, bd, n_slots, n_groups = BLOCK_T, block_d, n_slots or SLOTS[mode], group_slots or GROUP_SLOTS[mode]
     m, n = len(stream_kernels), n_sources
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
@@ -126,8 +138,9 @@ def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dty
     barriers = (n if per_chunk else 0) + m * n_slots + n_groups + 1
     if mode == "gdots":
         return _smem_sum(*common, n * n_targets * bt * 4, barriers=barriers, reduces=True)  # its row dots
-    return _smem_sum(*common, n_groups * n_targets * bd * 4, n_slots * (2 * n_targets + 1) * bt * 4,
-                     2 * bt * bd * size(out_dtype), barriers=barriers)
+    per_stream = rows_fetch == "per_stream"
+    return _smem_sum(*common, n_groups * n_targets * bd * 4, (n if per_stream else n_slots) * (2 * n_targets + 1) * bt * 4,
+                     2 * bt * bd * size(out_dtype), barriers=barriers + (n if per_stream else 0))
 
 
 def _acc_rows(g_acc, t_len: int, t_pad: int):
@@ -173,7 +186,8 @@ def phase1_gdots(sources, banks, g_acc, segment_ids, valid, *, stream_kernels, h
 def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, valid, *, stream_kernels, heads: int,
                     out_dtype, block_d: int | None = None, n_slots: int | None = None,
                     group_slots: int | None = None, windows: str | None = None, interpret: bool = False,
-                    window_fetch: str | None = None, stream_programs: str | None = None):
+                    window_fetch: str | None = None, stream_programs: str | None = None,
+                    rows_fetch: str | None = None):
     """The stream cotangents ``dE[n, m, B, T, d]`` (``out_dtype``) of the wide form's pass 4:
     ``dE[i, r] = sum_s (P_{s,i,r} g_A{s,r} + DSR_{s,i,r} q_{s,r}) - W_{i,r} E_r[x_i]`` (per head
     for ``P`` and ``DSR``). A source ``valid`` rules out is not written (its rows hold whatever
@@ -184,7 +198,9 @@ def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, vali
     (``T' >= T``); ``window_fetch``: ``WINDOW_FETCHES`` (None: ``DEFAULT_DSTREAMS_WINDOW_FETCH``,
     or "per_item" where "per_chunk" does not fit, or where ``stream_programs`` is "split"); the
     outputs are the same in either. ``stream_programs``: as ``phase1_gdots``'s (None: the default,
-    or "joint" with ``window_fetch="per_chunk"``). The rest as ``phase1_gdots``."""
+    or "joint" with ``window_fetch="per_chunk"``). ``rows_fetch``: one of ``ROWS_FETCHES`` (None:
+    ``DEFAULT_DSTREAMS_ROWS_FETCH``, or "per_item" where "per_stream" does not fit or the windows
+    come per chunk); the outputs are the same in either. The rest as ``phase1_gdots``."""
     n, batch, t_len, d = sources.shape
     m = len(stream_kernels)
     n_targets = _check("phase1_dstreams", sources, g_acc, stream_kernels)
@@ -199,7 +215,7 @@ def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, vali
     return _call("dstreams", sources, banks, g_acc, segment_ids, valid, stream_kernels=stream_kernels, heads=heads,
                  block_d=block_d, n_slots=n_slots, group_slots=group_slots, windows=windows, interpret=interpret,
                  queries=queries, p=p, dsr=dsr, w=w, out_dtype=out_dtype, window_fetch=window_fetch,
-                 stream_programs=stream_programs)
+                 stream_programs=stream_programs, rows_fetch=rows_fetch)
 
 
 def _stream_programs(mode: str, stream_programs: str | None, window_fetch: str | None) -> str:
@@ -222,9 +238,30 @@ def _stream_programs(mode: str, stream_programs: str | None, window_fetch: str |
     return stream_programs
 
 
+def _rows_fetch(rows_fetch: str | None, window_fetch: str, fits) -> str:
+    """``dstreams``' rows fetch (``ROWS_FETCHES``): ``rows_fetch`` if given (an explicit
+    "per_stream" with "per_chunk" windows raises; one that does not fit fails in ``_shape``), else
+    ``DEFAULT_DSTREAMS_ROWS_FETCH``, whose "per_stream" is taken only with "per_item" windows and
+    where ``fits("per_stream")``."""
+    name = "mosaic_gpu_bwd1.phase1_dstreams"
+    if rows_fetch is not None:
+        if rows_fetch not in ROWS_FETCHES:
+            raise ValueError(f"{name}: rows_fetch={rows_fetch!r}: must be one of {ROWS_FETCHES}")
+        if rows_fetch == "per_stream" and window_fetch == "per_chunk":
+            raise ValueError(f"{name}: rows_fetch='per_stream' takes window_fetch='per_item' ('per_chunk' runs a "
+                             f"chunk's streams together)")
+        return rows_fetch
+    if DEFAULT_DSTREAMS_ROWS_FETCH not in ROWS_FETCHES:
+        raise ValueError(f"mosaic_gpu_bwd1.DEFAULT_DSTREAMS_ROWS_FETCH={DEFAULT_DSTREAMS_ROWS_FETCH!r}: must be one "
+                         f"of {ROWS_FETCHES}")
+    if DEFAULT_DSTREAMS_ROWS_FETCH == "per_stream" and (window_fetch == "per_chunk" or not fits("per_stream")):
+        return "per_item"
+    return DEFAULT_DSTREAMS_ROWS_FETCH
+
+
 def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, heads, block_d, n_slots, group_slots,
           windows, interpret, queries=None, p=None, dsr=None, w=None, out_dtype=jnp.bfloat16, window_fetch=None,
-          stream_programs=None):
+          stream_programs=None, rows_fetch=None):
     n, batch, t_len, d = sources.shape
     m = len(stream_kernels)
     n_targets = _check(f"phase1_{mode}", sources, g_acc, stream_kernels)
@@ -257,7 +294,12 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
         window_fetch = resolve_window_fetch("mosaic_gpu_bwd1.phase1_dstreams", window_fetch,
                                             DEFAULT_DSTREAMS_WINDOW_FETCH,
                                             "mosaic_gpu_bwd1.DEFAULT_DSTREAMS_WINDOW_FETCH", fits)
-    smem = functools.partial(smem, window_fetch=window_fetch)
+    rows_fetch = "per_item" if mode == "gdots" else _rows_fetch(
+        rows_fetch, window_fetch, lambda fetch: interpret or any(
+            smem(block_d=bd, window_fetch=window_fetch, rows_fetch=fetch, stream_kernels=stream_kernels, heads=heads,
+                 x_dtype=sources.dtype, acc_dtype=acc_dtype) <= SMEM_BYTES
+            for bd in ((block_d,) if block_d else BLOCK_D_CHOICES)))
+    smem = functools.partial(smem, window_fetch=window_fetch, rows_fetch=rows_fetch)
     sh = _shape(f"phase1_{mode}", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, choices=BLOCK_D_CHOICES,
                 x_dtype=sources.dtype, acc_dtype=acc_dtype, out_dtype=out_dtype)
@@ -280,7 +322,8 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
                            acc_dtype=jnp.dtype(acc_dtype), out_dtype=jnp.dtype(out_dtype), n_slots=n_slots,
                            group_slots=group_slots, ga_registers=ga_registers, windows=windows,
                            item_decode=DEFAULT_ITEM_DECODE, interpret=bool(interpret),
-                           window_fetch=window_fetch, stream_split=stream_programs == "split"))
+                           window_fetch=window_fetch, stream_split=stream_programs == "split",
+                           rows_fetch=rows_fetch))
     out = call(*inputs)
     if mode == "gdots":  # [n, m H S, B, Tp] -> [S, n, m, B, T, H]
         out = out.reshape(n, m, heads, n_targets, batch, t_pad).transpose(3, 0, 1, 4, 5, 2)
@@ -314,6 +357,7 @@ class _Config(NamedTuple):
     interpret: bool
     window_fetch: str = "per_item"
     stream_split: bool = False  # STREAM_PROGRAMS' "split": a program per (stream, batch row, token tile)
+    rows_fetch: str = "per_item"  # ROWS_FETCHES ("dstreams")
 
 
 @functools.lru_cache(maxsize=None)
@@ -336,6 +380,11 @@ def _kernel(cfg: _Config):
         raise ValueError("mosaic_gpu_bwd1: gdots and split stream programs take window_fetch='per_item' only")
     n_groups = heads * nch if split else heads * m * nch
     n_rows = 2 * n_targets + 1  # "dstreams": an item's per-token rows
+    # "dstreams" with ROWS_FETCHES' "per_stream": each valid source's rows once per (head, stream)
+    rows_cached = not gdots and cfg.rows_fetch == "per_stream"
+    if rows_cached and per_chunk_windows:
+        raise ValueError("mosaic_gpu_bwd1: rows_fetch='per_stream' takes window_fetch='per_item' only")
+    rows_per_item = not gdots and not rows_cached
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
     lags = _Lags.of(max_lag, cfg.windows)
     # lag-window copies of a stream's item ("per_chunk": none, the windows come per source)
@@ -347,12 +396,13 @@ def _kernel(cfg: _Config):
         **{f"bs{r}": plgpu.SMEM((n_slots, kernel, bd), F32) for r, kernel in enumerate(stream_kernels) if taps[r]},
         gas=_tile_smem(plgpu, (n_gslots, n_targets, bt, bd), cfg.acc_dtype),
         qs=None if gdots else plgpu.SMEM((n_gslots, n_targets, bd), F32),
-        rs=None if gdots else plgpu.SMEM((n_slots, n_rows, bt), F32),
+        rs=plgpu.SMEM((n if rows_cached else n_slots, n_rows, bt), F32) if not gdots else None,
+        bar_rows=plgpu.Barrier(num_arrivals=1, num_barriers=n) if rows_cached else None,
         out_s=None if gdots else _tile_smem(plgpu, (2, bt, bd), cfg.out_dtype),
         dots_s=plgpu.SMEM((n, n_targets, bt), F32) if gdots else None,
         meta_s=plgpu.SMEM((n + 1, 64), jnp.int32),
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
-        **{f"bar{r}": plgpu.Barrier(num_arrivals=copies[r] + taps[r] + (not gdots), num_barriers=n_slots)
+        **{f"bar{r}": plgpu.Barrier(num_arrivals=copies[r] + taps[r] + rows_per_item, num_barriers=n_slots)
            for r in range(m)},
         gbar=plgpu.Barrier(num_arrivals=n_targets + (not gdots), num_barriers=n_gslots),
         bar_in=plgpu.Barrier(num_arrivals=1 + has_seg, num_barriers=1),
@@ -371,7 +421,7 @@ def _kernel(cfg: _Config):
             sc.get(k) for k in ("xs", "gas", "qs", "rs", "out_s", "dots_s", "meta_s", "bits_s"))
         bss = [sc.get(f"bs{r}") for r in range(m)]
         bars = [sc[f"bar{r}"] for r in range(m)]
-        gbar, bar_in, bar_win = sc["gbar"], sc["bar_in"], sc.get("bar_win")
+        gbar, bar_in, bar_win, bar_rows = sc["gbar"], sc["bar_in"], sc.get("bar_win"), sc.get("bar_rows")
         b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
         program_stream = lax.axis_index("r") if split else None
         rows = pl.ds(t0, bt)
@@ -413,9 +463,21 @@ def _kernel(cfg: _Config):
             if taps[r]:
                 kernel, off = layout[r]
                 plgpu.copy_gmem_to_smem(bank_ref.at[i, pl.ds(off, kernel), cs], bss[r].at[slot], bars[r].at[slot])
-            if not gdots:
+            if rows_per_item:
                 plgpu.copy_gmem_to_smem(rows_ref.at[i, r, pl.ds(head * n_rows, n_rows), b, rows], rs.at[slot],
                                         bars[r].at[slot])
+
+        def fetch_rows(head, r: int):
+            """"per_stream" rows: every valid source's rows of (``head``, stream ``r``) into ``rs[j]``."""
+            for j in range(n):
+                @pl.when(j < n_live)
+                def _(j=j):
+                    plgpu.copy_gmem_to_smem(rows_ref.at[meta_s[j, 0], r, pl.ds(head * n_rows, n_rows), b, rows],
+                                            rs.at[j], bar_rows.at[j])
+
+        def wait_rows():
+            for j in range(n):
+                pl.when(j < n_live)(functools.partial(plgpu.barrier_wait, bar_rows.at[j]))
 
         def fetch_window(c, j):
             """"per_chunk": chunk ``c``'s window of valid source ``j`` (every lag a stream reaches)
@@ -490,7 +552,7 @@ def _kernel(cfg: _Config):
                         dots_s[i, s] = plgpu.load(dots_s, (i, s), layout=row) + jnp.sum(ga * e, axis=1)
                 else:
                     def row_of(k):
-                        return _rows(plgpu.load(rs, (slot, k), layout=row), bt, bd)
+                        return _rows(plgpu.load(rs, (j if rows_cached else slot, k), layout=row), bt, bd)
 
                     de = -row_of(2 * n_targets) * e
                     for s in range(n_targets):
@@ -519,6 +581,9 @@ def _kernel(cfg: _Config):
 
         def walk(streams, upcoming):
             """The program's groups: every head's ``streams``, in the order ``group_of`` numbers them."""
+            runs = [(head, r) for head in range(heads) for r in streams]  # "per_stream" rows: one fill each
+            if rows_cached:
+                fetch_rows(*runs[0])
             for head in range(heads):
                 if per_chunk_windows:  # (head, chunk, stream): a chunk's windows serve its m groups
 
@@ -530,6 +595,8 @@ def _kernel(cfg: _Config):
                     upcoming = lax.fori_loop(0, nch, chunk_body, upcoming)
                     continue
                 for r in streams:
+                    if rows_cached:
+                        wait_rows()
                     if gdots:  # this (head, stream)'s sums start at zero, once the last one's stores have read them
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         for i in range(n):
@@ -544,6 +611,10 @@ def _kernel(cfg: _Config):
                         _store_group(plgpu, ((dots_s.at[i], out_ref.at[i, pl.ds((r * heads + head) * n_targets,
                                                                                 n_targets), b, rows])
                                              for i in range(n)))
+                    run = runs.index((head, r))
+                    if rows_cached and run + 1 < len(runs):  # every thread is done with these rows: the next run's
+                        plgpu.commit_smem()
+                        fetch_rows(*runs[run + 1])
 
         if split:  # the stream's code, static per stream, under the program's stream
             for r in range(m):

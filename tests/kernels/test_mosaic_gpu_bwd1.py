@@ -235,6 +235,70 @@ def test_split_stream_programs_lower_for_sm90(mode):
     assert text.count("custom_call @mosaic_gpu_v2") == 1
 
 
+@pytest.mark.parametrize("valid, programs", [((True, False, True), "joint"),
+                                             pytest.param((True, False, True), "split", marks=pytest.mark.slow),
+                                             pytest.param((True, False, False), "joint", marks=pytest.mark.slow),
+                                             pytest.param((False, False, False), "joint", marks=pytest.mark.slow)],
+                         ids=["ruled_out", "ruled_out_split", "one_valid", "none_valid"])
+def test_dstreams_rows_fetches_agree(valid, programs):
+    """``dstreams`` with each valid source's per-token rows brought once per (head, stream)
+    (``rows_fetch="per_stream"``: a buffer per source, refilled between the runs) writes bitwise
+    what it writes with each item bringing its own: two heads of two channel chunks each (three
+    refills, one across heads), segments, a source ruled out, one valid source, none; and with a
+    program per stream."""
+    args = _inputs(3, 1, 70, 128, 2, 2, valid, 30, jnp.bfloat16, jnp.float32, True)
+    want, got = (np.asarray(_dstreams(args, 2, interpret=True, rows_fetch=rf, stream_programs=programs))
+                 for rf in mosaic_gpu_bwd1.ROWS_FETCHES)
+    live = _live(args[-1], 3)
+    np.testing.assert_array_equal(got[live], want[live])
+    assert np.all(np.isfinite(want[live])) and (np.abs(want[live]).max() > 1 if live.any() else True)
+
+
+def test_dstreams_rows_fetch_choice_and_its_errors(monkeypatch):
+    """``rows_fetch`` given wins; the default's "per_stream" is taken with per-item windows where it
+    fits (the issue's 9 sources and 8 targets at 32 channels) and gives way to "per_item" with
+    per-chunk windows; an explicit "per_stream" with per-chunk windows, an unknown value and an
+    unknown default raise."""
+    seen, real = [], mosaic_gpu_bwd1._kernel
+    monkeypatch.setattr(mosaic_gpu_bwd1, "_kernel", lambda cfg: seen.append((cfg.window_fetch, cfg.rows_fetch))
+                        or real(cfg))
+    smem = functools.partial(mosaic_gpu_bwd1.smem_bytes, block_d=32, stream_kernels=KERNELS, heads=1,
+                             x_dtype=jnp.bfloat16, acc_dtype=jnp.float32, n_targets=8, n_sources=9, mode="dstreams")
+    align = lambda b: -(-b // 1024) * 1024  # noqa: E731  (each buffer from a 1 KiB boundary)
+    assert smem(rows_fetch="per_stream") <= mosaic_gpu.SMEM_BYTES
+    assert smem(rows_fetch="per_stream") - smem() == align(9 * 17 * 64 * 4) - align(3 * 17 * 64 * 4) + 8 * 9
+    args = _inputs(3, 1, 64, 64, 2, 1, None, None, jnp.bfloat16, jnp.float32, True)
+
+    def lower(**kw):
+        jax.jit(lambda *a: _dstreams(a, 1, **kw)).trace(*args).lower(lowering_platforms=("cuda",))
+
+    lower()
+    lower(rows_fetch="per_stream")
+    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_DSTREAMS_ROWS_FETCH", "per_stream")
+    lower()
+    lower(window_fetch="per_chunk")
+    lower(rows_fetch="per_item")
+    assert seen == [("per_item", "per_item"), ("per_item", "per_stream"), ("per_item", "per_stream"),
+                    ("per_chunk", "per_item"), ("per_item", "per_item")], seen
+    with pytest.raises(ValueError, match="rows_fetch='per_stream' takes window_fetch='per_item'"):
+        lower(rows_fetch="per_stream", window_fetch="per_chunk")
+    with pytest.raises(ValueError, match="rows_fetch='per_token': must be one of"):
+        lower(rows_fetch="per_token")
+    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_DSTREAMS_ROWS_FETCH", "sometimes")
+    with pytest.raises(ValueError, match="DEFAULT_DSTREAMS_ROWS_FETCH='sometimes': must be one of"):
+        lower()
+
+
+@pytest.mark.parametrize("programs", mosaic_gpu_bwd1.STREAM_PROGRAMS)
+def test_dstreams_rows_per_stream_lower_for_sm90(programs):
+    """``dstreams`` with its rows per (head, stream) lowers for the H200, two heads, segments,
+    several tiles, one program for all streams and one per stream."""
+    args = _inputs(3, 2, 200, 128, 2, 2, (True, True, False), 30, jnp.bfloat16, jnp.float32, True)
+    fn = lambda *a: _dstreams(a, 2, rows_fetch="per_stream", stream_programs=programs)  # noqa: E731
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @mosaic_gpu_v2") == 1
+
+
 @pytest.mark.slow
 def test_dstreams_per_chunk_matches_the_pallas_pass_with_one_group_buffer():
     """``"per_chunk"`` against the Triton pass with one group buffer and two items in flight (the
@@ -544,6 +608,9 @@ def test_gpu_kernels_match_the_triton_passes():
             _dstreams(a, heads, stream_programs=programs)))(*args)  # noqa: B023
         _check_tree(got[0], want[0], 1e-5)
         _check_tree(got[1][live], want[1][live], 1e-5)
+        got_de = jax.jit(lambda *a: _dstreams(a, heads, rows_fetch="per_stream", stream_programs=programs))(  # noqa: B023
+            *args)
+        _check_tree(got_de[live], want[1][live], 1e-5)
     # the transpose (bf16 cotangents and sources, float32 outputs)
     t_args = _transpose_inputs(4, 3, 300, 256, (True, True, False, True), 77)
     got = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS,
