@@ -103,10 +103,11 @@ DEFAULT_DSTREAMS_WINDOW_FETCH = "per_item"
 # 4.514 ms per call at `base`'s last block (-0.7%) and 3.891 -> 3.740 at the issue's shape (-3.9%),
 # dstreams -0.7% / -0.2%. The DRAM reads hardly moved (gdots 8.85 -> 8.72 GB, dstreams 12.25 ->
 # 12.15 under Nsight Compute): the streams' programs drift apart (stream 0 expands nothing, stream 3
-# twelve taps) by more than L2 holds a window. Taken for gdots; dstreams stays "joint". Read when a
-# kernel is traced.
+# twelve taps) by more than L2 holds a window. Taken for gdots; for dstreams with its rows once per
+# (head, stream) (``ROWS_FETCHES``, call 4): 5.316 -> 5.209 ms (-2.0%) / 4.987 -> 4.892 (-1.9%),
+# taken. Read when a kernel is traced.
 STREAM_PROGRAMS = ("joint", "split")
-DEFAULT_STREAM_PROGRAMS = {"gdots": "split", "dstreams": "joint"}
+DEFAULT_STREAM_PROGRAMS = {"gdots": "split", "dstreams": "split"}
 # Where ``dstreams``' items find their per-token rows (``P`` and ``DSR`` of every target and ``W``:
 # ``2 S + 1`` float32 rows of 64 tokens per (source, stream, head), the same for every channel
 # chunk). "per_item": each item copies its source's rows into its pipeline slot, so the rows come
@@ -115,9 +116,13 @@ DEFAULT_STREAM_PROGRAMS = {"gdots": "split", "dstreams": "joint"}
 # own (``n (2 S + 1) 64`` floats, 39 KB at the issue's shape), refilled as the (head, stream)'s last
 # chunk is done. It takes ``window_fetch="per_item"`` ("per_chunk" runs a chunk's streams together,
 # which would hold every stream's rows); where it does not fit or the windows come per chunk, the
-# default falls back to "per_item" (an explicit "per_stream" raises). Read when a kernel is traced.
+# default falls back to "per_item" (an explicit "per_stream" raises). Measured (BENCHMARKS.md,
+# kernels, session 45, call 4, an H100; the same bits): 5.426 -> 5.316 ms per call at `base`'s last
+# block (-2.0%) and 5.424 -> 4.987 at the issue's shape (-8.1%) with one program for all streams;
+# with a program per stream (the default) 5.336 -> 5.209 (-2.4%) and 5.461 -> 4.892 (-10.4%).
+# Read when a kernel is traced.
 ROWS_FETCHES = ("per_item", "per_stream")
-DEFAULT_DSTREAMS_ROWS_FETCH = "per_item"
+DEFAULT_DSTREAMS_ROWS_FETCH = "per_stream"
 
 
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, n_targets: int,

@@ -272,6 +272,7 @@ def test_dstreams_rows_fetch_choice_and_its_errors(monkeypatch):
     def lower(**kw):
         jax.jit(lambda *a: _dstreams(a, 1, **kw)).trace(*args).lower(lowering_platforms=("cuda",))
 
+    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_DSTREAMS_ROWS_FETCH", "per_item")
     lower()
     lower(rows_fetch="per_stream")
     monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_DSTREAMS_ROWS_FETCH", "per_stream")
@@ -319,8 +320,10 @@ def test_dstreams_window_fetch_choice_and_its_errors(monkeypatch):
     memory holds them (the issue's 9 sources at 32 channels with a bf16 ``dE``; 8 with the
     float32 ``dE`` these tests ask for), ``"per_item"`` where it does not (12); asked for
     explicitly where it does not fit, it raises, as an unknown value does. ``gdots`` always takes
-    ``"per_item"``."""
+    ``"per_item"``. (A program per stream takes ``"per_item"``: ``dstreams``' one program for all
+    streams here.)"""
     seen = _recorded_fetches(monkeypatch)
+    monkeypatch.setitem(mosaic_gpu_bwd1.DEFAULT_STREAM_PROGRAMS, "dstreams", "joint")
     smem = functools.partial(mosaic_gpu_bwd1.smem_bytes, block_d=32, stream_kernels=KERNELS, heads=1,
                              x_dtype=jnp.bfloat16, acc_dtype=jnp.float32, n_targets=8, mode="dstreams")
     assert smem(n_sources=9, window_fetch="per_chunk") <= mosaic_gpu.SMEM_BYTES < smem(n_sources=12,
@@ -608,9 +611,10 @@ def test_gpu_kernels_match_the_triton_passes():
             _dstreams(a, heads, stream_programs=programs)))(*args)  # noqa: B023
         _check_tree(got[0], want[0], 1e-5)
         _check_tree(got[1][live], want[1][live], 1e-5)
-        got_de = jax.jit(lambda *a: _dstreams(a, heads, rows_fetch="per_stream", stream_programs=programs))(  # noqa: B023
-            *args)
-        _check_tree(got_de[live], want[1][live], 1e-5)
+        for rows in mosaic_gpu_bwd1.ROWS_FETCHES:  # dstreams' rows per item and per (head, stream)
+            got_de = jax.jit(lambda *a: _dstreams(a, heads, rows_fetch=rows, stream_programs=programs))(  # noqa: B023
+                *args)
+            _check_tree(got_de[live], want[1][live], 1e-5)
     # the transpose (bf16 cotangents and sources, float32 outputs)
     t_args = _transpose_inputs(4, 3, 300, 256, (True, True, False, True), 77)
     got = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS,
