@@ -11,8 +11,9 @@ tile and channel chunk) and the stream ``E = E_r[x_i]`` (Eq. 10) rebuilt in regi
   q_{s,r}) - W E_{i,r}``, the stream cotangents (Triton: ``fused_bwd_phase1.dstreams_call``).
 
 ``g_A`` is most of both passes' bytes (``S m d`` float32 per token against ``n d`` bf16 of
-sources), so both kernels are built around reading it once: one program per (batch row, 64-token
-tile) walks the work in groups (head, stream, channel chunk). Each group's ``S`` tiles of
+sources), so both kernels are built around reading it once: one program per (stream, batch row,
+64-token tile) walks its stream's work in groups (head, channel chunk) (``STREAM_PROGRAMS``'
+"split", the default; "joint": one program per (batch row, tile) for every stream's groups). Each group's ``S`` tiles of
 ``g_A`` (and, for ``dstreams``, the stream's query chunks) come in one TMA copy set into
 one of ``GROUP_SLOTS`` buffers, the group that reuses a buffer issued once a group is done;
 inside a group the valid sources are the items of ``phase1_mix``'s pipeline (their lag windows,
@@ -20,7 +21,8 @@ taps and per-token rows, ``n_slots`` deep; ``dstreams`` with ``window_fetch="per
 its groups (head, chunk, stream) and brings each source's window once per chunk:
 ``DEFAULT_DSTREAMS_WINDOW_FETCH``). ``gdots`` sums each item's ``S`` row dots into a
 shared-memory accumulator per (source, target) and stores it when the (head, stream) is done;
-``dstreams`` stores each item's ``dE`` tile as it is formed.
+``dstreams`` stores each item's ``dE`` tile as it is formed, with each valid source's per-token
+rows brought once per (head, stream) (``ROWS_FETCHES``' "per_stream", the default).
 
 Lane semantics and ``"padded"`` lag windows as in ``mosaic_gpu`` (whose helpers these kernels
 use); the ``g_A`` buffer is tiled and swizzled (``mosaic_gpu._tile_smem``) so its row loads

@@ -61,20 +61,22 @@ def test_mix_count(allocated, n, n_targets, window_fetch):
 
 
 @pytest.mark.parametrize("n, n_targets", CASES[:2])
-@pytest.mark.parametrize("mode, window_fetch", [("gdots", "per_item"), ("dstreams", "per_item"),
-                                                ("dstreams", "per_chunk")])
-def test_phase1_backward_counts(allocated, n, n_targets, mode, window_fetch):
+@pytest.mark.parametrize("mode, window_fetch, rows_fetch", [
+    ("gdots", "per_item", "per_item"), ("dstreams", "per_item", "per_item"), ("dstreams", "per_item", "per_stream"),
+    ("dstreams", "per_chunk", "per_item")])
+def test_phase1_backward_counts(allocated, n, n_targets, mode, window_fetch, rows_fetch):
     sources, banks, queries, g_acc, p, dsr, w, seg, _ = _inputs(n, 1, 64, 64, n_targets, 1, None, 30, BF16,
                                                                 jnp.float32, True)
     kw = dict(stream_kernels=KERNELS, heads=1)
     if mode == "gdots":
         _lower(lambda x, b, ga, sg: mosaic_gpu_bwd1.phase1_gdots(x, b, ga, sg, None, **kw), sources, banks, g_acc, seg)
     else:
-        _lower(lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, None, out_dtype=BF16, window_fetch=window_fetch, **kw),
+        _lower(lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, None, out_dtype=BF16, window_fetch=window_fetch,
+                                                          rows_fetch=rows_fetch, **kw),
                sources, banks, queries, g_acc, p, dsr, w, seg)
     assert allocated == [mosaic_gpu_bwd1.smem_bytes(block_d=32, stream_kernels=KERNELS, heads=1, x_dtype=BF16,
                                                     acc_dtype=jnp.float32, n_targets=n_targets, n_sources=n,
-                                                    mode=mode, window_fetch=window_fetch)]
+                                                    mode=mode, window_fetch=window_fetch, rows_fetch=rows_fetch)]
 
 
 @pytest.mark.parametrize("kernels, heads, n", [(KERNELS, 1, 9), pytest.param((0,), 1, 3, marks=pytest.mark.slow),
