@@ -442,8 +442,9 @@ def _kernel(cfg: _Config):
 
         def group_of(g):
             """(head, stream, chunk) of group ``g``."""
-            if split:  # (head, chunk) of the program's stream
-                return g // nch, program_stream, g
+            if split:  # (head, chunk) of the program's stream; a static g past the groups (the first
+                # fetches' guard is traced) stays inside d
+                return lax.rem(g // nch, heads), program_stream, lax.rem(g, heads * nch)
             head = g // (m * nch)
             if per_chunk_windows:  # (head, chunk, stream)
                 return head, lax.rem(g, m), head * nch + lax.rem(g // m, nch)

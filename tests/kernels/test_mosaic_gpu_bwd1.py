@@ -93,6 +93,18 @@ def _dstreams(args, heads, **kw):
                                            stream_kernels=KERNELS, heads=heads, out_dtype=jnp.float32, **kw)
 
 
+def _lowered(mode, args, **kw):
+    """``mode``'s kernel (``mosaic_gpu_bwd1.MODES``) on ``_inputs``' ``args`` with the keywords
+    ``kw``, lowered for the H200: the StableHLO text."""
+    sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
+    if mode == "gdots":
+        fn, inputs = (lambda *a: mosaic_gpu_bwd1.phase1_gdots(*a, **kw)), (sources, banks, g_acc, seg, valid)
+    else:
+        fn = lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, out_dtype=jnp.bfloat16, **kw)  # noqa: E731
+        inputs = (sources, banks, queries, g_acc, p, dsr, w, seg, valid)
+    return jax.jit(fn).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def _live(valid, n):
     return np.ones(n, bool) if valid is None else np.asarray(valid)
 
@@ -152,22 +164,24 @@ def test_dstreams_window_fetches_agree(valid):
     assert np.all(np.isfinite(want[live])) and (np.abs(want[live]).max() > 1 if live.any() else True)
 
 
-@pytest.mark.parametrize("valid", [(True, False, True), pytest.param((True, False, False), marks=pytest.mark.slow),
-                                   pytest.param((False, False, False), marks=pytest.mark.slow)],
-                         ids=["ruled_out", "one_valid", "none_valid"])
-def test_stream_programs_give_the_same_bits(valid):
+@pytest.mark.parametrize("valid, d, heads", [((True, False, True), 128, 2), ((True, True, False), 32, 1),
+                                             pytest.param((True, False, False), 128, 2, marks=pytest.mark.slow),
+                                             pytest.param((False, False, False), 128, 2, marks=pytest.mark.slow)],
+                         ids=["ruled_out", "one_group", "one_valid", "none_valid"])
+def test_stream_programs_give_the_same_bits(valid, d, heads):
     """Both kernels with a program per stream (``stream_programs="split"``: a leading grid axis,
     each program one stream's (head, chunk) groups and its own item numbering) write bitwise what
     one program walking every stream writes: two heads of two channel chunks each, segments, a
-    source ruled out, one valid source, none."""
-    args = _inputs(3, 1, 70, 128, 2, 2, valid, 30, jnp.bfloat16, jnp.float32, True)
+    source ruled out, one valid source, none; and one chunk, one head, so a program has fewer
+    groups than group buffers (the model's smoke shape)."""
+    args = _inputs(3, 1, 70, d, 2, heads, valid, 30, jnp.bfloat16, jnp.float32, True)
     sources, banks, queries, g_acc, p, dsr, w, seg, ok = args
     out = {}
     for programs in mosaic_gpu_bwd1.STREAM_PROGRAMS:
         kw = dict(interpret=True, stream_programs=programs)
         out[programs] = (np.asarray(mosaic_gpu_bwd1.phase1_gdots(sources, banks, g_acc, seg, ok, stream_kernels=KERNELS,
-                                                                 heads=2, **kw)),
-                         np.asarray(_dstreams(args, 2, **kw)))
+                                                                 heads=heads, **kw)),
+                         np.asarray(_dstreams(args, heads, **kw)))
     live = _live(ok, 3)
     np.testing.assert_array_equal(out["split"][0], out["joint"][0])
     np.testing.assert_array_equal(out["split"][1][live], out["joint"][1][live])
@@ -188,15 +202,9 @@ def test_stream_programs_choice_and_its_errors(monkeypatch):
     "split" with an explicit "per_chunk", an unknown value and an unknown default raise."""
     seen = _recorded_programs(monkeypatch)
     args = _inputs(3, 1, 64, 64, 2, 1, None, None, jnp.bfloat16, jnp.float32, True)
-    sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
 
     def lower(mode, **kw):
-        kw = dict(stream_kernels=KERNELS, heads=1, **kw)
-        if mode == "gdots":
-            fn = lambda *a: mosaic_gpu_bwd1.phase1_gdots(*a[:2], a[3], *a[7:], **kw)  # noqa: E731
-        else:
-            fn = lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, out_dtype=jnp.bfloat16, **kw)  # noqa: E731
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        _lowered(mode, args, stream_kernels=KERNELS, heads=1, **kw)
 
     monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_STREAM_PROGRAMS", {"gdots": "split", "dstreams": "joint"})
     lower("gdots")
@@ -224,14 +232,7 @@ def test_stream_programs_choice_and_its_errors(monkeypatch):
 def test_split_stream_programs_lower_for_sm90(mode):
     """A program per stream lowers for the H200 (three grid axes), segments and several tiles."""
     args = _inputs(3, 2, 200, 64, 2, 1, (True, True, False), 30, jnp.bfloat16, jnp.float32, True)
-    sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
-    kw = dict(stream_kernels=KERNELS, heads=1, stream_programs="split")
-    if mode == "gdots":
-        fn, inputs = (lambda *a: mosaic_gpu_bwd1.phase1_gdots(*a, **kw)), (sources, banks, g_acc, seg, valid)
-    else:
-        fn = lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, out_dtype=jnp.bfloat16, **kw)  # noqa: E731
-        inputs = (sources, banks, queries, g_acc, p, dsr, w, seg, valid)
-    text = jax.jit(fn).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+    text = _lowered(mode, args, stream_kernels=KERNELS, heads=1, stream_programs="split")
     assert text.count("custom_call @mosaic_gpu_v2") == 1
 
 
@@ -483,14 +484,7 @@ def test_kernels_lower_for_sm90(mode, t_len, segments, group_slots):
     several token tiles, with and without segments, with one and two group buffers."""
     args = _inputs(3, 2, t_len, 64, 2, 1, (True, True, False), 30 if segments else None, jnp.bfloat16,
                    jnp.float32, True)
-    sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
-    kw = dict(stream_kernels=KERNELS, heads=1, group_slots=group_slots)
-    if mode == "gdots":
-        fn, inputs = (lambda *a: mosaic_gpu_bwd1.phase1_gdots(*a, **kw)), (sources, banks, g_acc, seg, valid)
-    else:
-        fn = lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, out_dtype=jnp.bfloat16, **kw)  # noqa: E731
-        inputs = (sources, banks, queries, g_acc, p, dsr, w, seg, valid)
-    text = jax.jit(fn).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+    text = _lowered(mode, args, stream_kernels=KERNELS, heads=1, group_slots=group_slots)
     assert text.count("custom_call @mosaic_gpu_v2") == 1
 
 
@@ -513,14 +507,7 @@ def test_divided_item_decode_lowers_for_sm90(monkeypatch, mode):
     ptxas included: ``experiments/mgpu/sass_stats.py``)."""
     monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_ITEM_DECODE", "divide")
     args = _inputs(3, 2, 200, 64, 2, 1, (True, True, False), 30, jnp.bfloat16, jnp.float32, True)
-    sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
-    kw = dict(stream_kernels=KERNELS, heads=1)
-    if mode == "gdots":
-        fn, inputs = (lambda *a: mosaic_gpu_bwd1.phase1_gdots(*a, **kw)), (sources, banks, g_acc, seg, valid)
-    else:
-        fn = lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, out_dtype=jnp.bfloat16, **kw)  # noqa: E731
-        inputs = (sources, banks, queries, g_acc, p, dsr, w, seg, valid)
-    text = jax.jit(fn).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+    text = _lowered(mode, args, stream_kernels=KERNELS, heads=1)
     assert text.count("custom_call @mosaic_gpu_v2") == 1
 
 
@@ -556,15 +543,8 @@ def test_single_stream_bf16_ga_takes_its_config_and_matches_the_pallas_passes(mo
 def test_single_stream_bf16_ga_lowers_for_sm90(monkeypatch, mode):
     """The compiled kernels of ``SINGLE_STREAM_BF16_GA`` lower for the H200."""
     seen = _single_stream_bf16_configs(monkeypatch)
-    sources, banks, queries, g_acc, p, dsr, w, seg, valid = _inputs(
-        3, 2, 200, 128, 2, 1, (True, True, False), None, jnp.bfloat16, jnp.bfloat16, True)
-    kw = dict(stream_kernels=(0,), heads=1)
-    if mode == "gdots":
-        fn, inputs = (lambda *a: mosaic_gpu_bwd1.phase1_gdots(*a, **kw)), (sources, None, g_acc, seg, valid)
-    else:
-        fn = lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, out_dtype=jnp.bfloat16, **kw)  # noqa: E731
-        inputs = (sources, None, queries, g_acc, p, dsr, w, seg, valid)
-    text = jax.jit(fn).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+    args = _inputs(3, 2, 200, 128, 2, 1, (True, True, False), None, jnp.bfloat16, jnp.bfloat16, True)
+    text = _lowered(mode, (args[0], None, *args[2:]), stream_kernels=(0,), heads=1)  # no conv: no bank
     assert text.count("custom_call @mosaic_gpu_v2") == 1
     assert seen == [(mode, 64, 2, 1, False)], seen
 
