@@ -92,7 +92,8 @@ def _variant_label(mode, n, n_targets, slots, groups, regs, bd=32, fetch=None, w
                                       acc_dtype=GA_DTYPE, n_targets=n_targets, n_sources=n, mode=mode,
                                       n_slots=slots, group_slots=groups, windows=windows,
                                       window_fetch=fetch or mosaic_gpu_bwd1.DEFAULT_DSTREAMS_WINDOW_FETCH,
-                                      rows_fetch=rows or mosaic_gpu_bwd1.DEFAULT_DSTREAMS_ROWS_FETCH)
+                                      rows_fetch=rows or mosaic_gpu_bwd1.DEFAULT_DSTREAMS_ROWS_FETCH[
+                                          "one_stream" if len(KERNELS) == 1 else "several"])
     return (f"mosaic {mode} {slots}/{groups}{' regs' if regs else ''}{f' bd={bd}' if bd != 32 else ''}"
             f"{f' {fetch}' if fetch else ''}{f' {windows}' if windows else ''}{f' {programs}' if programs else ''}"
             f"{f' rows {rows}' if rows else ''} "

@@ -22,7 +22,8 @@ its groups (head, chunk, stream) and brings each source's window once per chunk:
 ``DEFAULT_DSTREAMS_WINDOW_FETCH``). ``gdots`` sums each item's ``S`` row dots into a
 shared-memory accumulator per (source, target) and stores it when the (head, stream) is done;
 ``dstreams`` stores each item's ``dE`` tile as it is formed, with each valid source's per-token
-rows brought once per (head, stream) (``ROWS_FETCHES``' "per_stream", the default).
+rows brought once per (head, stream) (``ROWS_FETCHES``' "per_stream", the default for several
+streams).
 
 Lane semantics and ``"padded"`` lag windows as in ``mosaic_gpu`` (whose helpers these kernels
 use); the ``g_A`` buffer is tiled and swizzled (``mosaic_gpu._tile_smem``) so its row loads
@@ -122,9 +123,11 @@ DEFAULT_STREAM_PROGRAMS = {"gdots": "split", "dstreams": "split"}
 # kernels, session 45, call 4, an H100; the same bits): 5.426 -> 5.316 ms per call at `base`'s last
 # block (-2.0%) and 5.424 -> 4.987 at the issue's shape (-8.1%) with one program for all streams;
 # with a program per stream (the default) 5.336 -> 5.209 (-2.4%) and 5.461 -> 4.892 (-10.4%).
-# Read when a kernel is traced.
+# Per number of streams: one stream (AttnRes, MHAR: the value channel's bf16 g_A, 64-channel
+# chunks) keeps "per_item" until it is timed (session 45 had no device time left for it). Read when
+# a kernel is traced.
 ROWS_FETCHES = ("per_item", "per_stream")
-DEFAULT_DSTREAMS_ROWS_FETCH = "per_stream"
+DEFAULT_DSTREAMS_ROWS_FETCH = {"one_stream": "per_item", "several": "per_stream"}
 
 
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, n_targets: int,
@@ -206,8 +209,8 @@ def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, vali
     or "per_item" where "per_chunk" does not fit, or where ``stream_programs`` is "split"); the
     outputs are the same in either. ``stream_programs``: as ``phase1_gdots``'s (None: the default,
     or "joint" with ``window_fetch="per_chunk"``). ``rows_fetch``: one of ``ROWS_FETCHES`` (None:
-    ``DEFAULT_DSTREAMS_ROWS_FETCH``, or "per_item" where "per_stream" does not fit or the windows
-    come per chunk); the outputs are the same in either. The rest as ``phase1_gdots``."""
+    ``DEFAULT_DSTREAMS_ROWS_FETCH`` for one stream or several, or "per_item" where "per_stream" does
+    not fit or the windows come per chunk); the outputs are the same in either. The rest as ``phase1_gdots``."""
     n, batch, t_len, d = sources.shape
     m = len(stream_kernels)
     n_targets = _check("phase1_dstreams", sources, g_acc, stream_kernels)
@@ -245,11 +248,11 @@ def _stream_programs(mode: str, stream_programs: str | None, window_fetch: str |
     return stream_programs
 
 
-def _rows_fetch(rows_fetch: str | None, window_fetch: str, fits) -> str:
+def _rows_fetch(rows_fetch: str | None, window_fetch: str, streams: str, fits) -> str:
     """``dstreams``' rows fetch (``ROWS_FETCHES``): ``rows_fetch`` if given (an explicit
     "per_stream" with "per_chunk" windows raises; one that does not fit fails in ``_shape``), else
-    ``DEFAULT_DSTREAMS_ROWS_FETCH``, whose "per_stream" is taken only with "per_item" windows and
-    where ``fits("per_stream")``."""
+    ``DEFAULT_DSTREAMS_ROWS_FETCH[streams]`` ("one_stream" or "several"), whose "per_stream" is
+    taken only with "per_item" windows and where ``fits("per_stream")``."""
     name = "mosaic_gpu_bwd1.phase1_dstreams"
     if rows_fetch is not None:
         if rows_fetch not in ROWS_FETCHES:
@@ -258,12 +261,13 @@ def _rows_fetch(rows_fetch: str | None, window_fetch: str, fits) -> str:
             raise ValueError(f"{name}: rows_fetch='per_stream' takes window_fetch='per_item' ('per_chunk' runs a "
                              f"chunk's streams together)")
         return rows_fetch
-    if DEFAULT_DSTREAMS_ROWS_FETCH not in ROWS_FETCHES:
-        raise ValueError(f"mosaic_gpu_bwd1.DEFAULT_DSTREAMS_ROWS_FETCH={DEFAULT_DSTREAMS_ROWS_FETCH!r}: must be one "
-                         f"of {ROWS_FETCHES}")
-    if DEFAULT_DSTREAMS_ROWS_FETCH == "per_stream" and (window_fetch == "per_chunk" or not fits("per_stream")):
+    default = DEFAULT_DSTREAMS_ROWS_FETCH.get(streams)
+    if default not in ROWS_FETCHES:
+        raise ValueError(f"mosaic_gpu_bwd1.DEFAULT_DSTREAMS_ROWS_FETCH[{streams!r}]={default!r}: must be one of "
+                         f"{ROWS_FETCHES}")
+    if default == "per_stream" and (window_fetch == "per_chunk" or not fits("per_stream")):
         return "per_item"
-    return DEFAULT_DSTREAMS_ROWS_FETCH
+    return default
 
 
 def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, heads, block_d, n_slots, group_slots,
@@ -302,7 +306,7 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
                                             DEFAULT_DSTREAMS_WINDOW_FETCH,
                                             "mosaic_gpu_bwd1.DEFAULT_DSTREAMS_WINDOW_FETCH", fits)
     rows_fetch = "per_item" if mode == "gdots" else _rows_fetch(
-        rows_fetch, window_fetch, lambda fetch: interpret or any(
+        rows_fetch, window_fetch, "one_stream" if m == 1 else "several", lambda fetch: interpret or any(
             smem(block_d=bd, window_fetch=window_fetch, rows_fetch=fetch, stream_kernels=stream_kernels, heads=heads,
                  x_dtype=sources.dtype, acc_dtype=acc_dtype) <= SMEM_BYTES
             for bd in ((block_d,) if block_d else BLOCK_D_CHOICES)))

@@ -256,9 +256,10 @@ def test_dstreams_rows_fetches_agree(valid, programs):
 
 
 def test_dstreams_rows_fetch_choice_and_its_errors(monkeypatch):
-    """``rows_fetch`` given wins; the default's "per_stream" is taken with per-item windows where it
-    fits (the issue's 9 sources and 8 targets at 32 channels) and gives way to "per_item" with
-    per-chunk windows; an explicit "per_stream" with per-chunk windows, an unknown value and an
+    """``rows_fetch`` given wins; the default's "per_stream" (several streams) is taken with per-item
+    windows where it fits (the issue's 9 sources and 8 targets at 32 channels) and gives way to
+    "per_item" with per-chunk windows; one stream takes its own default ("per_item", untimed with
+    the rows per stream); an explicit "per_stream" with per-chunk windows, an unknown value and an
     unknown default raise."""
     seen, real = [], mosaic_gpu_bwd1._kernel
     monkeypatch.setattr(mosaic_gpu_bwd1, "_kernel", lambda cfg: seen.append((cfg.window_fetch, cfg.rows_fetch))
@@ -273,21 +274,27 @@ def test_dstreams_rows_fetch_choice_and_its_errors(monkeypatch):
     def lower(**kw):
         jax.jit(lambda *a: _dstreams(a, 1, **kw)).trace(*args).lower(lowering_platforms=("cuda",))
 
-    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_DSTREAMS_ROWS_FETCH", "per_item")
+    monkeypatch.setitem(mosaic_gpu_bwd1.DEFAULT_DSTREAMS_ROWS_FETCH, "several", "per_item")
     lower()
     lower(rows_fetch="per_stream")
-    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_DSTREAMS_ROWS_FETCH", "per_stream")
+    monkeypatch.setitem(mosaic_gpu_bwd1.DEFAULT_DSTREAMS_ROWS_FETCH, "several", "per_stream")
     lower()
     lower(window_fetch="per_chunk")
     lower(rows_fetch="per_item")
     assert seen == [("per_item", "per_item"), ("per_item", "per_stream"), ("per_item", "per_stream"),
                     ("per_chunk", "per_item"), ("per_item", "per_item")], seen
+    monkeypatch.setattr(sys.modules[__name__], "KERNELS", (0,))  # one stream, as the value channel hands it
+    one = _inputs(3, 1, 64, 128, 2, 1, None, None, jnp.bfloat16, jnp.bfloat16, True)
+    seen.clear()
+    jax.jit(lambda *a: _dstreams((a[0], None, *a[2:]), 1)).trace(*one).lower(lowering_platforms=("cuda",))
+    assert seen == [("per_item", "per_item")], seen
+    monkeypatch.setattr(sys.modules[__name__], "KERNELS", (0, 4, 8, 12))
     with pytest.raises(ValueError, match="rows_fetch='per_stream' takes window_fetch='per_item'"):
         lower(rows_fetch="per_stream", window_fetch="per_chunk")
     with pytest.raises(ValueError, match="rows_fetch='per_token': must be one of"):
         lower(rows_fetch="per_token")
-    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_DSTREAMS_ROWS_FETCH", "sometimes")
-    with pytest.raises(ValueError, match="DEFAULT_DSTREAMS_ROWS_FETCH='sometimes': must be one of"):
+    monkeypatch.setitem(mosaic_gpu_bwd1.DEFAULT_DSTREAMS_ROWS_FETCH, "several", "sometimes")
+    with pytest.raises(ValueError, match=r"DEFAULT_DSTREAMS_ROWS_FETCH\['several'\]='sometimes': must be one of"):
         lower()
 
 
