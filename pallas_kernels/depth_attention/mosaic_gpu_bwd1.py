@@ -98,8 +98,8 @@ DEFAULT_DSTREAMS_WINDOW_FETCH = "per_item"
 # streaming through L2 in between, each of those fetches comes from DRAM (session 44's census at the
 # issue's shape, an H100: gdots reads 8.85 GB where the design needs 4.9, dstreams 9.85). "split":
 # one program per (stream, batch row, token tile), the stream the grid's fastest axis, so the m
-# programs of a tile start side by side and the later ones find each window (and its halo, which
-# the next tile's programs fetch too) in L2. The same work per item and the same bits; m times the
+# programs of a tile start side by side, meant to let the later ones find each window in L2 (they
+# do not, measured below). The same work per item and the same bits; m times the
 # programs, each holding one stream's sums. "split" takes each item's own windows
 # (``window_fetch="per_item"``): "per_chunk" shares a chunk's windows across one program's streams.
 # Measured (BENCHMARKS.md, kernels, session 45, calls 2-3, an H100; the same bits): gdots 4.547 ->
