@@ -123,11 +123,13 @@ DEFAULT_STREAM_PROGRAMS = {"gdots": "split", "dstreams": "split"}
 # kernels, session 45, call 4, an H100; the same bits): 5.426 -> 5.316 ms per call at `base`'s last
 # block (-2.0%) and 5.424 -> 4.987 at the issue's shape (-8.1%) with one program for all streams;
 # with a program per stream (the default) 5.336 -> 5.209 (-2.4%) and 5.461 -> 4.892 (-10.4%).
-# Per number of streams: one stream (AttnRes, MHAR: the value channel's bf16 g_A, 64-channel
-# chunks) keeps "per_item" until it is timed (session 45 had no device time left for it). Read when
-# a kernel is traced.
+# Per number of streams, each timed on its own: one stream (AttnRes, MHAR: the value channel's bf16
+# g_A, 64-channel chunks) gains less (session 46, call 1, an H100: 1.046 -> 1.034 ms per call at
+# `base`, 0.981 -> 0.963 at the issue's shape; AttnRes's bench and `base` step unchanged within
+# 0.5%), as its 16-32 chunks' row copies were a smaller part of each item. Read when a kernel is
+# traced.
 ROWS_FETCHES = ("per_item", "per_stream")
-DEFAULT_DSTREAMS_ROWS_FETCH = {"one_stream": "per_item", "several": "per_stream"}
+DEFAULT_DSTREAMS_ROWS_FETCH = {"one_stream": "per_stream", "several": "per_stream"}
 
 
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, n_targets: int,

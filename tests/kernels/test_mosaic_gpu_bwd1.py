@@ -287,6 +287,10 @@ def test_dstreams_rows_fetch_choice_and_its_errors(monkeypatch):
     one = _inputs(3, 1, 64, 128, 2, 1, None, None, jnp.bfloat16, jnp.bfloat16, True)
     seen.clear()
     jax.jit(lambda *a: _dstreams((a[0], None, *a[2:]), 1)).trace(*one).lower(lowering_platforms=("cuda",))
+    assert seen == [("per_item", "per_stream")], seen
+    monkeypatch.setitem(mosaic_gpu_bwd1.DEFAULT_DSTREAMS_ROWS_FETCH, "one_stream", "per_item")
+    seen.clear()
+    jax.jit(lambda *a: _dstreams((a[0], None, *a[2:]), 1)).trace(*one).lower(lowering_platforms=("cuda",))
     assert seen == [("per_item", "per_item")], seen
     monkeypatch.setattr(sys.modules[__name__], "KERNELS", (0, 4, 8, 12))
     with pytest.raises(ValueError, match="rows_fetch='per_stream' takes window_fetch='per_item'"):
