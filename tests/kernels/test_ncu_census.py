@@ -70,3 +70,30 @@ def test_bad_input_is_named():
         ncu_census.census(ncu_census.parse(partial), 1e12)
     with pytest.raises(SystemExit):
         ncu_census.main(["x.csv"])  # neither --copy-tbps nor --measure-copy
+
+
+def test_per_sublayer_stacks_split_forward_and_backward():
+    rows = ncu_census.census(ncu_census.parse(csv_lines()), copy_bytes_per_s=4e12)
+    rows.append(dict(rows[0], name="gdots", ms=3.0, issue_ms=0.5, dram_ms=2.0))  # a backward kernel of phase 1
+    stacks = ncu_census.per_sublayer_stacks(rows, per_sublayer=2)
+    # phase 1's kernels halved, phase 2's as they are; mix#2 (a variant) left out; gdots only in fwd + bwd
+    assert stacks["forward"] == [("scores", 1.0, 0.5), ("mix", 2.0, 1.25), ("phase2", 0.5, pytest.approx(0.3))]
+    assert [name for name, _, _ in stacks["forward + backward"]] == ["scores", "mix", "phase2", "gdots"]
+    assert stacks["forward + backward"][-1] == ("gdots", 1.5, 1.0)
+
+
+def test_main_draws_the_plot(tmp_path, capsys):
+    path = tmp_path / "p1.csv"
+    path.write_text("\n".join(csv_lines()) + "\n")
+    png = tmp_path / "census.png"
+    ncu_census.main([str(path), "--copy-tbps", "4", "--per-sublayer", "8", "--plot", str(png), "--targets",
+                     "0.45,2.0", "--design-floors", "0.4,1.0", "--title", "hand-made"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert f"wrote {png}" in capsys.readouterr().out
+    for bad in (["--targets", "0.45"], ["--targets", "a,b"], ["--design-floors", "0,1"]):
+        with pytest.raises(SystemExit):
+            ncu_census.main([str(path), "--copy-tbps", "4", "--per-sublayer", "8", "--plot", str(png), *bad])
+    assert "must be two positive ms values" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ncu_census.main([str(path), "--copy-tbps", "4", "--targets", "0.45,2.0"])
+    assert "--targets goes with --plot and --per-sublayer" in capsys.readouterr().err
