@@ -27,12 +27,9 @@ transpose. ``--windows P,Q``: gdots and dstreams with each placement of the lag 
 ``--stream-programs P,Q``: gdots and dstreams with each ``mosaic_gpu_bwd1.STREAM_PROGRAMS`` (session
 45: "split", a program per stream, its tile's m programs side by side). ``--rows-fetch P,Q``:
 dstreams with each ``mosaic_gpu_bwd1.ROWS_FETCHES`` (session 45: "per_stream", each source's
-per-token rows once per (head, stream) instead of once per item). ``--group-refill P,Q``: gdots
-with each ``mosaic_gpu_bwd1.GROUP_REFILLS`` (session 46: "after_load", the g_A buffer refilled as
-soon as the group's tiles are in registers). Run on the GPU: ``python
+per-token rows once per (head, stream) instead of once per item). Run on the GPU: ``python
 experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants] [--bd16] [--attnres] [--ga_bf16]
-[--window-fetch] [--dstreams-only] [--windows P,Q] [--stream-programs P,Q] [--rows-fetch P,Q]
-[--group-refill P,Q]``."""
+[--window-fetch] [--dstreams-only] [--windows P,Q] [--stream-programs P,Q] [--rows-fetch P,Q]``."""
 import sys
 import traceback
 
@@ -78,10 +75,6 @@ if any(sp is not None and sp not in mosaic_gpu_bwd1.STREAM_PROGRAMS for sp in ST
     sys.exit(f"--stream-programs {','.join(STREAM_PROGRAMS)}: each must be one of {mosaic_gpu_bwd1.STREAM_PROGRAMS}")
 # dstreams' rows fetches to time (None: the default)
 ROWS = tuple(sys.argv[sys.argv.index("--rows-fetch") + 1].split(",")) if "--rows-fetch" in sys.argv else (None,)
-REFILLS = (tuple(sys.argv[sys.argv.index("--group-refill") + 1].split(",")) if "--group-refill" in sys.argv
-           else (None,))
-if any(r not in (None, *mosaic_gpu_bwd1.GROUP_REFILLS) for r in REFILLS):
-    sys.exit(f"--group-refill {','.join(REFILLS)}: each must be one of {mosaic_gpu_bwd1.GROUP_REFILLS}")
 if any(rf is not None and rf not in mosaic_gpu_bwd1.ROWS_FETCHES for rf in ROWS):
     sys.exit(f"--rows-fetch {','.join(ROWS)}: each must be one of {mosaic_gpu_bwd1.ROWS_FETCHES}")
 
@@ -94,7 +87,7 @@ def _variants(mode, groups=GROUPS):
 
 
 def _variant_label(mode, n, n_targets, slots, groups, regs, bd=32, fetch=None, windows=None, programs=None,
-                   rows=None, refill=None):
+                   rows=None):
     smem = mosaic_gpu_bwd1.smem_bytes(block_d=bd, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16,
                                       acc_dtype=GA_DTYPE, n_targets=n_targets, n_sources=n, mode=mode,
                                       n_slots=slots, group_slots=groups, windows=windows,
@@ -103,7 +96,7 @@ def _variant_label(mode, n, n_targets, slots, groups, regs, bd=32, fetch=None, w
                                           "one_stream" if len(KERNELS) == 1 else "several"])
     return (f"mosaic {mode} {slots}/{groups}{' regs' if regs else ''}{f' bd={bd}' if bd != 32 else ''}"
             f"{f' {fetch}' if fetch else ''}{f' {windows}' if windows else ''}{f' {programs}' if programs else ''}"
-            f"{f' rows {rows}' if rows else ''}{f' refill {refill}' if refill else ''} "
+            f"{f' rows {rows}' if rows else ''} "
             f"({smem // 1024} KB, "
             f"{SM_SMEM // (smem + 1024)}/SM)")
 
@@ -162,17 +155,14 @@ def main():
         print(f"# gdots: floor {floor:.4f} ms", flush=True)
         want = None if DSTREAMS_ONLY else _timed("triton gdots", triton_gdots, (sources, banks, g_acc, valid), None,
                                                  floor)
-        for ((slots, groups, regs), bd, grouped), win, sp, rf in [] if DSTREAMS_ONLY else (
-                (v, w, sp, rf) for v in _variants("gdots") for w in WINDOW_PLACEMENTS for sp in STREAM_PROGRAMS
-                for rf in REFILLS):
-            if rf == "after_load" and not regs:  # not a form the kernel takes
-                continue
+        for ((slots, groups, regs), bd, grouped), win, sp in [] if DSTREAMS_ONLY else (
+                (v, w, sp) for v in _variants("gdots") for w in WINDOW_PLACEMENTS for sp in STREAM_PROGRAMS):
             mosaic_gpu_bwd1.GA_REGISTERS = regs  # read when the jitted function traces (first call in _timed)
             set_store_groups(grouped)
-            fn = (lambda sl, gs, bd, win, sp, rf: lambda x, b, ga, v: mosaic_gpu_bwd1.phase1_gdots(
+            fn = (lambda sl, gs, bd, win, sp: lambda x, b, ga, v: mosaic_gpu_bwd1.phase1_gdots(
                 x, b, ga, None, v, stream_kernels=KERNELS, heads=heads, n_slots=sl, group_slots=gs, block_d=bd,
-                windows=win, stream_programs=sp, group_refill=rf))(slots, groups, bd, win, sp, rf)
-            _timed(_variant_label("gdots", n, n_targets, slots, groups, regs, bd, windows=win, programs=sp, refill=rf)
+                windows=win, stream_programs=sp))(slots, groups, bd, win, sp)
+            _timed(_variant_label("gdots", n, n_targets, slots, groups, regs, bd, windows=win, programs=sp)
                    + ("" if len(GROUPS) == 1 else " grouped" if grouped else " one by one"), fn,
                    (sources, banks, g_acc, valid), want, floor)
         del want

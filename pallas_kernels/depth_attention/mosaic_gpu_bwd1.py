@@ -59,7 +59,11 @@ GROUP_SLOTS = {"gdots": 1, "dstreams": 2}
 BLOCK_D_CHOICES = (32,)
 # whether a group's g_A tiles are loaded into registers once for all its items (128 registers per
 # thread for 8 float32 targets; no spills) rather than read from shared memory by each item:
-# gdots 7.27 -> 5.16 ms, dstreams 6.29 -> 4.81 (session 22, call 2). Read at the call.
+# gdots 7.27 -> 5.16 ms, dstreams 6.29 -> 4.81 (session 22, call 2). Measured in session 46 and
+# taken out (commit 7baf063 has it): gdots refilling its one g_A buffer as soon as every thread
+# holds the group's tiles in registers, not after the group's items, 4.368 -> 4.314 ms per call at
+# `base`'s last block and 3.592 -> 3.628 at the issue's shape (an H100, call 3): the copy's wait
+# is already hidden by the SM's other program. Read at the call.
 GA_REGISTERS = True
 # One stream (AttnRes, MHAR) with a bf16 g_A (the value channel hands phase 1 the read's bf16 dh,
 # api.phase1(value_channel=True); a bf16 state's cotangent is bf16 too): (n_slots, group_slots, g_A
@@ -130,15 +134,6 @@ DEFAULT_STREAM_PROGRAMS = {"gdots": "split", "dstreams": "split"}
 # traced.
 ROWS_FETCHES = ("per_item", "per_stream")
 DEFAULT_DSTREAMS_ROWS_FETCH = {"one_stream": "per_stream", "several": "per_stream"}
-# When ``gdots`` refills a group's g_A buffer with the group that takes it next. "after_items": once
-# the group's items are done (the next group's first item then waits for its whole copy: 64 KB of
-# g_A for 8 float32 targets and 32 channels, with one group buffer); "after_load": as soon as every
-# thread holds the group's g_A tiles in registers (``GA_REGISTERS``), so that the copy runs under the
-# group's items. The same work and the same bits. "after_load" needs the tiles in registers (the
-# one-stream bf16 form reads them from shared memory per item: it stays "after_items"). Read when a
-# kernel is traced.
-GROUP_REFILLS = ("after_items", "after_load")
-DEFAULT_GDOTS_GROUP_REFILL = "after_items"
 
 
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, n_targets: int,
@@ -189,8 +184,7 @@ def _check(name, sources, g_acc, stream_kernels):
 
 def phase1_gdots(sources, banks, g_acc, segment_ids, valid, *, stream_kernels, heads: int,
                  block_d: int | None = None, n_slots: int | None = None, group_slots: int | None = None,
-                 windows: str | None = None, interpret: bool = False, stream_programs: str | None = None,
-                 group_refill: str | None = None):
+                 windows: str | None = None, interpret: bool = False, stream_programs: str | None = None):
     """``gd[S, n, m, B, T, H]`` float32: ``<g_A{s,r}, E_r[x_i]>`` per head (the value-path dots of
     ``fused_bwd_phase1``'s pass 2; zeros for a source ``valid`` rules out, not computed).
 
@@ -198,13 +192,11 @@ def phase1_gdots(sources, banks, g_acc, segment_ids, valid, *, stream_kernels, h
     or ``S`` arrays ``[m, B, T', d]`` (``T' >= T``; float32 or bf16), ``segment_ids[B, T]`` or
     None, ``valid[n]`` or None. ``n_slots``: items in flight (None: ``SLOTS``); ``group_slots``:
     groups' ``g_A`` in shared memory (None: ``GROUP_SLOTS``); both per mode. ``stream_programs``:
-    one of ``STREAM_PROGRAMS`` (None: ``DEFAULT_STREAM_PROGRAMS``); ``group_refill``: one of
-    ``GROUP_REFILLS`` (None: ``DEFAULT_GDOTS_GROUP_REFILL`` where the g_A tiles are held in
-    registers, else "after_items"; an explicit "after_load" without them raises). The outputs are
-    the same in every form."""
+    one of ``STREAM_PROGRAMS`` (None: ``DEFAULT_STREAM_PROGRAMS``); the outputs are the same in
+    either."""
     return _call("gdots", sources, banks, g_acc, segment_ids, valid, stream_kernels=stream_kernels, heads=heads,
                  block_d=block_d, n_slots=n_slots, group_slots=group_slots, windows=windows, interpret=interpret,
-                 stream_programs=stream_programs, group_refill=group_refill)
+                 stream_programs=stream_programs)
 
 
 def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, valid, *, stream_kernels, heads: int,
@@ -284,30 +276,9 @@ def _rows_fetch(rows_fetch: str | None, window_fetch: str, streams: str, fits) -
     return default
 
 
-def _group_refill(mode: str, group_refill: str | None, ga_registers: bool) -> str:
-    """``gdots``' group refill (``GROUP_REFILLS``): ``group_refill`` if given (an explicit
-    "after_load" needs the g_A tiles in registers), else ``DEFAULT_GDOTS_GROUP_REFILL`` where they
-    are held, else "after_items". ``dstreams`` takes "after_items" only (its items read the
-    group's query chunks from the buffer)."""
-    name = f"mosaic_gpu_bwd1.phase1_{mode}"
-    if group_refill is None:
-        if mode != "gdots" or not ga_registers:
-            return "after_items"
-        if DEFAULT_GDOTS_GROUP_REFILL not in GROUP_REFILLS:
-            raise ValueError(f"mosaic_gpu_bwd1.DEFAULT_GDOTS_GROUP_REFILL={DEFAULT_GDOTS_GROUP_REFILL!r}: must be "
-                             f"one of {GROUP_REFILLS}")
-        return DEFAULT_GDOTS_GROUP_REFILL
-    if group_refill not in GROUP_REFILLS:
-        raise ValueError(f"{name}: group_refill={group_refill!r}: must be one of {GROUP_REFILLS}")
-    if group_refill == "after_load" and (mode != "gdots" or not ga_registers):
-        raise ValueError(f"{name}: group_refill='after_load' needs gdots with its g_A tiles held in registers "
-                         f"(mode {mode!r}, held: {ga_registers})")
-    return group_refill
-
-
 def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, heads, block_d, n_slots, group_slots,
           windows, interpret, queries=None, p=None, dsr=None, w=None, out_dtype=jnp.bfloat16, window_fetch=None,
-          stream_programs=None, rows_fetch=None, group_refill=None):
+          stream_programs=None, rows_fetch=None):
     n, batch, t_len, d = sources.shape
     m = len(stream_kernels)
     n_targets = _check(f"phase1_{mode}", sources, g_acc, stream_kernels)
@@ -346,7 +317,6 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
                  x_dtype=sources.dtype, acc_dtype=acc_dtype) <= SMEM_BYTES
             for bd in ((block_d,) if block_d else BLOCK_D_CHOICES)))
     smem = functools.partial(smem, window_fetch=window_fetch, rows_fetch=rows_fetch)
-    group_refill = _group_refill(mode, group_refill, ga_registers)
     sh = _shape(f"phase1_{mode}", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, choices=BLOCK_D_CHOICES,
                 x_dtype=sources.dtype, acc_dtype=acc_dtype, out_dtype=out_dtype)
@@ -370,7 +340,7 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
                            group_slots=group_slots, ga_registers=ga_registers, windows=windows,
                            item_decode=DEFAULT_ITEM_DECODE, interpret=bool(interpret),
                            window_fetch=window_fetch, stream_split=stream_programs == "split",
-                           rows_fetch=rows_fetch, group_refill=group_refill))
+                           rows_fetch=rows_fetch))
     out = call(*inputs)
     if mode == "gdots":  # [n, m H S, B, Tp] -> [S, n, m, B, T, H]
         out = out.reshape(n, m, heads, n_targets, batch, t_pad).transpose(3, 0, 1, 4, 5, 2)
@@ -405,7 +375,6 @@ class _Config(NamedTuple):
     window_fetch: str = "per_item"
     stream_split: bool = False  # STREAM_PROGRAMS' "split": a program per (stream, batch row, token tile)
     rows_fetch: str = "per_item"  # ROWS_FETCHES ("dstreams")
-    group_refill: str = "after_items"  # GROUP_REFILLS ("gdots")
 
 
 @functools.lru_cache(maxsize=None)
@@ -433,9 +402,6 @@ def _kernel(cfg: _Config):
     if rows_cached and per_chunk_windows:
         raise ValueError("mosaic_gpu_bwd1: rows_fetch='per_stream' takes window_fetch='per_item' only")
     rows_per_item = not gdots and not rows_cached
-    refill_after_load = cfg.group_refill == "after_load"
-    if refill_after_load and not (gdots and cfg.ga_registers):
-        raise ValueError("mosaic_gpu_bwd1: group_refill='after_load' takes gdots with its g_A in registers")
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
     lags = _Lags.of(max_lag, cfg.windows)
     # lag-window copies of a stream's item ("per_chunk": none, the windows come per source)
@@ -589,9 +555,6 @@ def _kernel(cfg: _Config):
             if cfg.ga_registers:  # loaded once for the group's items (garbage when it has none)
                 held = [ga_tile(s) for s in range(n_targets)]
                 ga_tile = held.__getitem__  # noqa: F811
-            if refill_after_load:  # every thread holds them: the buffer takes its next group now
-                plgpu.commit_smem()
-                fetch_group(g + n_gslots)
 
             def source_body(j, upcoming):
                 f = g * n_live + j
@@ -631,8 +594,7 @@ def _kernel(cfg: _Config):
             upcoming = lax.fori_loop(0, n_live, source_body, upcoming)
             # every thread is done with this group's g_A slot (and, for gdots, its sums)
             plgpu.commit_smem()
-            if not refill_after_load:
-                fetch_group(g + n_gslots)
+            fetch_group(g + n_gslots)
             return upcoming
 
         def walk(streams, upcoming):

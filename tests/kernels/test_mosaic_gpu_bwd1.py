@@ -188,64 +188,6 @@ def test_stream_programs_give_the_same_bits(valid, d, heads):
     assert np.any(out["joint"][0]) == any(valid)
 
 
-@pytest.mark.parametrize("programs, valid", [("split", (True, False, True)),
-                                             pytest.param("joint", (True, True, True), marks=pytest.mark.slow)],
-                         ids=["split_ruled_out", "joint"])
-def test_gdots_group_refills_give_the_same_bits(programs, valid):
-    """``gdots`` with its g_A buffer refilled as soon as the group's tiles are in registers
-    (``group_refill="after_load"``) writes bitwise what the refill after the group's items
-    writes: two heads of two chunks, one group buffer (the default), so each refill lands in the
-    buffer the group was read from; and two buffers."""
-    sources, banks, _, g_acc, _, _, _, seg, ok = _inputs(3, 1, 70, 128, 2, 2, valid, 30, jnp.bfloat16, jnp.float32,
-                                                         True)
-    out = {(refill, slots): np.asarray(mosaic_gpu_bwd1.phase1_gdots(
-        sources, banks, g_acc, seg, ok, stream_kernels=KERNELS, heads=2, interpret=True, stream_programs=programs,
-        group_refill=refill, group_slots=slots)) for refill in mosaic_gpu_bwd1.GROUP_REFILLS for slots in (1, 2)}
-    for key, got in out.items():
-        np.testing.assert_array_equal(got, out[("after_items", 1)], err_msg=str(key))
-    assert np.abs(out[("after_items", 1)]).max() > 1
-
-
-def test_gdots_group_refill_choice_and_its_errors(monkeypatch):
-    """``group_refill`` given wins; None takes ``DEFAULT_GDOTS_GROUP_REFILL`` where the g_A tiles
-    are held in registers and "after_items" where they are not (one stream's bf16 form) and for
-    ``dstreams``; "after_load" without the tiles in registers, an unknown form or a bad default raise."""
-    seen, real = [], mosaic_gpu_bwd1._kernel
-    monkeypatch.setattr(mosaic_gpu_bwd1, "_kernel", lambda cfg: seen.append((cfg.mode, cfg.group_refill)) or real(cfg))
-    args = _inputs(3, 1, 64, 64, 2, 1, None, None, jnp.bfloat16, jnp.float32, True)
-
-    def lower(mode="gdots", **kw):
-        _lowered(mode, args, stream_kernels=KERNELS, heads=1, **kw)
-
-    for default in mosaic_gpu_bwd1.GROUP_REFILLS:
-        monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_GDOTS_GROUP_REFILL", default)
-        lower()
-        lower("dstreams")
-    lower(group_refill="after_items")
-    monkeypatch.setattr(mosaic_gpu_bwd1, "GA_REGISTERS", False)
-    lower()
-    assert seen == [("gdots", "after_items"), ("dstreams", "after_items"), ("gdots", "after_load"),
-                    ("dstreams", "after_items"), ("gdots", "after_items"), ("gdots", "after_items")], seen
-    with pytest.raises(ValueError, match="group_refill='after_load' needs gdots with its g_A tiles held in registers"):
-        lower(group_refill="after_load")
-    monkeypatch.setattr(mosaic_gpu_bwd1, "GA_REGISTERS", True)
-    with pytest.raises(ValueError, match="group_refill='after_load' needs gdots"):
-        mosaic_gpu_bwd1._group_refill("dstreams", "after_load", True)
-    with pytest.raises(ValueError, match="group_refill='sometimes': must be one of"):
-        lower(group_refill="sometimes")
-    monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_GDOTS_GROUP_REFILL", "early")
-    with pytest.raises(ValueError, match=r"DEFAULT_GDOTS_GROUP_REFILL='early': must be one of"):
-        lower()
-
-
-@pytest.mark.parametrize("programs", mosaic_gpu_bwd1.STREAM_PROGRAMS)
-def test_gdots_refill_after_load_lowers_for_sm90(programs):
-    """The early refill lowers for the H200 with segments and several tiles, in both program forms."""
-    args = _inputs(3, 2, 200, 64, 2, 1, (True, True, False), 30, jnp.bfloat16, jnp.float32, True)
-    text = _lowered("gdots", args, stream_kernels=KERNELS, heads=1, stream_programs=programs, group_refill="after_load")
-    assert text.count("custom_call @mosaic_gpu_v2") == 1
-
-
 def _recorded_programs(monkeypatch):
     seen, real = [], mosaic_gpu_bwd1._kernel
     monkeypatch.setattr(mosaic_gpu_bwd1, "_kernel",
@@ -664,11 +606,6 @@ def test_gpu_kernels_match_the_triton_passes():
             got_de = jax.jit(lambda *a: _dstreams(a, heads, rows_fetch=rows, stream_programs=programs))(  # noqa: B023
                 *args)
             _check_tree(got_de[live], want[1][live], 1e-5)
-        for refill in mosaic_gpu_bwd1.GROUP_REFILLS:  # gdots' g_A buffer refilled after the items or the load
-            got_gd = jax.jit(lambda *a: mosaic_gpu_bwd1.phase1_gdots(  # noqa: B023
-                *a[:2], a[3], *a[7:], stream_kernels=KERNELS, heads=heads, stream_programs=programs,  # noqa: B023
-                group_refill=refill))(*args)  # noqa: B023
-            _check_tree(got_gd, want[0], 1e-5)
     # the transpose (bf16 cotangents and sources, float32 outputs)
     t_args = _transpose_inputs(4, 3, 300, 256, (True, True, False, True), 77)
     got = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS,
