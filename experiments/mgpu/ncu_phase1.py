@@ -36,6 +36,24 @@ from pallas_kernels.depth_attention import mosaic_gpu, mosaic_gpu_bwd1
 KERNELS = (0, 4, 8, 12)
 
 
+def random_inputs(n, n_live, batch, t_len, d, n_targets, heads=1):
+    """Phase 1's kernels' inputs (bf16 sources, float32 rest; the first ``n_live`` sources
+    valid) as a dict: sources, banks, queries, valid, p, g_acc (per target), dsr, w."""
+    m = len(KERNELS)
+    k = jax.random.split(jax.random.key(0), 8)
+    valid = jnp.arange(n) < n_live
+    return dict(
+        sources=jax.random.normal(k[0], (n, batch, t_len, d), jnp.bfloat16),
+        banks=0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32),
+        queries=jax.random.normal(k[2], (n_targets, m, d), jnp.float32),
+        valid=valid,
+        p=jax.random.uniform(k[3], (n_targets, n, m, batch, t_len, heads)) * valid[None, :, None, None, None, None],
+        g_acc=[jax.random.normal(kk, (m, batch, t_len, d), jnp.float32) for kk in jax.random.split(k[4], n_targets)],
+        dsr=jax.random.normal(k[5], (n_targets, n, m, batch, t_len, heads)),
+        w=jax.random.normal(k[6], (n, m, batch, t_len)),
+        key=k[7])
+
+
 def main():
     interpret = "--interpret" in sys.argv
     if "--windows" in sys.argv:
@@ -50,15 +68,9 @@ def main():
     else:
         n, n_live, batch, t_len, d, n_targets = 7, 4, 64, 1024, 1024, 8
     m, heads = len(KERNELS), 1
-    k = jax.random.split(jax.random.key(0), 8)
-    sources = jax.random.normal(k[0], (n, batch, t_len, d), jnp.bfloat16)
-    banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32)
-    queries = jax.random.normal(k[2], (n_targets, m, d), jnp.float32)
-    valid = jnp.arange(n) < n_live
-    p = jax.random.uniform(k[3], (n_targets, n, m, batch, t_len, heads)) * valid[None, :, None, None, None, None]
-    g_acc = [jax.random.normal(kk, (m, batch, t_len, d), jnp.float32) for kk in jax.random.split(k[4], n_targets)]
-    dsr = jax.random.normal(k[5], (n_targets, n, m, batch, t_len, heads))
-    w = jax.random.normal(k[6], (n, m, batch, t_len))
+    inputs = random_inputs(n, n_live, batch, t_len, d, n_targets, heads)
+    sources, banks, queries, valid, p, g_acc, dsr, w = (
+        inputs[name] for name in ("sources", "banks", "queries", "valid", "p", "g_acc", "dsr", "w"))
     kw = dict(stream_kernels=KERNELS, heads=heads, interpret=interpret)
 
     def run(label, fn, *args):
@@ -77,7 +89,7 @@ def main():
         valid)
     run("5 dstreams", lambda x, b, q, ga, pp, ds, ww, v: mosaic_gpu_bwd1.phase1_dstreams(
         x, b, q, ga, pp, ds, ww, None, v, out_dtype=jnp.bfloat16, **kw), sources, banks, queries, g_acc, p, dsr, w, valid)
-    d_streams = jax.random.normal(k[7], (n, m, batch, t_len, d), jnp.bfloat16)
+    d_streams = jax.random.normal(inputs["key"], (n, m, batch, t_len, d), jnp.bfloat16)
     run("6 transpose", lambda de, x, b, v: mosaic_gpu_bwd1.sources_transpose(
         de, x, b, None, v, stream_kernels=KERNELS, interpret=interpret), d_streams, sources, banks, valid)
     if "--variants" in sys.argv:

@@ -4,7 +4,7 @@
 Each hint set is a comma-separated list of ``rule=policy`` (``l2_hints.RULES`` and ``POLICIES``;
 ``none`` for no hints). For each set the kernels are built again (the module caches and JAX's
 cleared), checked bitwise against the first set's outputs (hints change no arithmetic), and timed
-(``bench.timeit``: median of 21 timings of 3 calls) at `base`'s last block (7 sources of which 4
+(``bench.timeit``: median of 21 timings of 3 calls; ``ncu_phase1.random_inputs``) at `base`'s last block (7 sources of which 4
 valid, B x T = 64 x 1024, d = 1024) and the issue's shape (9 valid, 8 x 2048, d = 2048); S = 8,
 kernels (0, 4, 8, 12), bf16 sources, float32 state and ``g_A``. Run on the GPU::
 
@@ -22,9 +22,8 @@ import jax
 import jax.numpy as jnp
 
 import l2_hints  # this folder, on the path when run as a script
+from ncu_phase1 import KERNELS, random_inputs
 from pallas_kernels.depth_attention import bench, mosaic_gpu, mosaic_gpu_bwd1
-
-KERNELS = (0, 4, 8, 12)
 
 
 def parse_set(text: str) -> dict:
@@ -49,16 +48,10 @@ def main(argv: list[str]) -> None:
     if not interpret:
         print(f"copy bandwidth {bench.copy_bandwidth() / 1e12:.2f} TB/s", flush=True)
     for name, (n, n_live, batch, t_len, d, n_targets) in shapes:
-        m, heads = len(KERNELS), 1
-        k = jax.random.split(jax.random.key(0), 7)
-        sources = jax.random.normal(k[0], (n, batch, t_len, d), jnp.bfloat16)
-        banks = 0.3 * jax.random.normal(k[1], (n, sum(KERNELS), d), jnp.float32)
-        queries = jax.random.normal(k[2], (n_targets, m, d), jnp.float32)
-        valid = jnp.arange(n) < n_live
-        p = jax.random.uniform(k[3], (n_targets, n, m, batch, t_len, heads)) * valid[None, :, None, None, None, None]
-        g_acc = [jax.random.normal(kk, (m, batch, t_len, d), jnp.float32) for kk in jax.random.split(k[4], n_targets)]
-        dsr = jax.random.normal(k[5], (n_targets, n, m, batch, t_len, heads))
-        w = jax.random.normal(k[6], (n, m, batch, t_len))
+        heads = 1
+        sources, banks, queries, valid, p, g_acc, dsr, w = (
+            random_inputs(n, n_live, batch, t_len, d, n_targets, heads)[name]
+            for name in ("sources", "banks", "queries", "valid", "p", "g_acc", "dsr", "w"))
         kw = dict(stream_kernels=KERNELS, heads=heads, interpret=interpret)
         calls = {
             "mix": (lambda x, b, pp, v: mosaic_gpu.phase1_mix(x, b, pp, None, v, per_target=True, **kw),
