@@ -25,7 +25,8 @@ item (``"per_item"``) and, timing only (wrong outputs), with only stream 0's ite
 every kernel with its lag windows placed as ``W`` (``mosaic_gpu.DEFAULT_WINDOWS``; a kernel whose
 program does not fit then fails). ``--split``: then ``gdots`` and ``dstreams`` with a program per stream
 (``stream_programs="split"``, session 45; under ``ncu -k regex:bwd1_`` only those two kernels are
-profiled)."""
+profiled). ``--l2-hints SET``: every kernel lowered with ``l2_hints.hinted`` (``SET`` as
+``time_l2_hints.py`` takes it, e.g. ``stores=evict_first,large_f32_loads=evict_first``; session 46)."""
 import sys
 
 import jax
@@ -108,4 +109,11 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if "--l2-hints" in sys.argv:
+        import l2_hints  # this folder, on the path when run as a script
+        from time_l2_hints import parse_set
+
+        with l2_hints.hinted(parse_set(sys.argv[sys.argv.index("--l2-hints") + 1])):
+            main()
+    else:
+        main()
