@@ -22,8 +22,8 @@ its groups (head, chunk, stream) and brings each source's window once per chunk:
 ``DEFAULT_DSTREAMS_WINDOW_FETCH``). ``gdots`` sums each item's ``S`` row dots into a
 shared-memory accumulator per (source, target) and stores it when the (head, stream) is done;
 ``dstreams`` stores each item's ``dE`` tile as it is formed, with each valid source's per-token
-rows brought once per (head, stream) (``ROWS_FETCHES``' "per_stream", the default for several
-streams).
+rows brought once per (head, stream) (``ROWS_FETCHES``' "per_stream", the default where it
+fits).
 
 Lane semantics and ``"padded"`` lag windows as in ``mosaic_gpu`` (whose helpers these kernels
 use); the ``g_A`` buffer is tiled and swizzled (``mosaic_gpu._tile_smem``) so its row loads
