@@ -33,7 +33,13 @@ Usage::
 ``--vanilla_ms``: a measured Vanilla step, to print ``(vanilla + floor) / vanilla``;
 ``--state_bytes 2`` shows the floor of a bf16 state (``model.residual.state_dtype="bfloat16"``,
 which the config's value sets by default; SPEC 5's default is float32); ``--set
-model.save_read_outputs=true`` the floor with the reads' outputs saved.
+model.save_read_outputs=true`` the floor with the reads' outputs saved. ``--factored_cotangent``:
+the floor of a design not built (BENCHMARKS.md, kernels, What remains 16): phase 2's backward
+hands phase 1 its state cotangent as per-token scalars (it is affine in the state, ``dh`` and
+the partial's expansion) instead of writing ``d_state``, and phase 1's backward rebuilds it from
+the states, each target's ``dh`` and its partial: phase 2 backward ``s (3 a + m f)``, phase 1
+backward ``2 v a + s m f + 2 s a`` (``s m f`` fewer bytes per unit with ``f = 4``, ``m = 4``,
+``a = 2``: ``12 s``).
 """
 
 from __future__ import annotations
@@ -85,24 +91,29 @@ def read_shape(config) -> ReadShape:
                      save_read_outputs=bool(model.get("save_read_outputs", False)))
 
 
-def unit_bytes(v: int, s: int, m: int, a: int, f: int, save_read_outputs: bool = False) -> dict:
+def unit_bytes(v: int, s: int, m: int, a: int, f: int, save_read_outputs: bool = False,
+               factored_cotangent: bool = False) -> dict:
     """Bytes per ``E`` of one unit (``v`` valid sources, ``s`` targets), by pass."""
     phase1 = v * a + s * m * f
     fwd = phase1 + s * (m * f + 2 * a)
     rerun = phase1 + s * a if save_read_outputs else fwd
-    bwd = s * (3 * a + 2 * m * f) + (2 * v * a + s * m * f)
+    if factored_cotangent:  # no d_state written; phase 1 reads the states, each target's dh and partial
+        bwd = s * (3 * a + m * f) + (2 * v * a + s * m * f + 2 * s * a)
+    else:
+        bwd = s * (3 * a + 2 * m * f) + (2 * v * a + s * m * f)
     return {"forward": fwd, "recompute": rerun, "backward": bwd}
 
 
-def step_bytes(shape: ReadShape, state_bytes: int | None = None) -> dict:
+def step_bytes(shape: ReadShape, state_bytes: int | None = None, factored_cotangent: bool = False) -> dict:
     """Bytes per step of the depth reads, by pass and in total (``state_bytes``: default the
-    config's)."""
+    config's; ``factored_cotangent``: the unbuilt design of the module docstring)."""
     state_bytes = shape.state_bytes if state_bytes is None else state_bytes
     elems = shape.batch * shape.t_len * shape.d
     out = {"forward": 0, "recompute": 0, "backward": 0}
     for u, first in enumerate(range(0, shape.n_sublayers, shape.block_size)):
         s = min(shape.block_size, shape.n_sublayers - first)
-        for k, b in unit_bytes(1 + u, s, shape.streams, shape.act_bytes, state_bytes, shape.save_read_outputs).items():
+        for k, b in unit_bytes(1 + u, s, shape.streams, shape.act_bytes, state_bytes, shape.save_read_outputs,
+                               factored_cotangent).items():
             out[k] += b * elems
     out["total"] = sum(out.values())
     return out
@@ -117,6 +128,8 @@ def main(argv=None) -> None:
     ap.add_argument("--vanilla_ms", type=float, default=None, help="a measured Vanilla step (ms) for the ratio")
     ap.add_argument("--state_bytes", type=int, default=None, choices=(2, 4),
                     help="bytes per phase-1 state value (default: the config's model.residual.state_dtype)")
+    ap.add_argument("--factored_cotangent", action="store_true",
+                    help="the floor of phase 2 handing phase 1 its state cotangent factored (not built)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     args = ap.parse_args(argv)
     try:
@@ -136,7 +149,7 @@ def main(argv=None) -> None:
     print("|" + "---|" * (head.count("|") - 1))
     for spec in args.configs:
         shape = read_shape(load_config(spec, overrides))
-        b = step_bytes(shape, args.state_bytes)
+        b = step_bytes(shape, args.state_bytes, args.factored_cotangent)
         floors = [b["total"] / (bw * 1e12) * 1e3 for bw in bandwidths]
         row = (f"| {spec} | {shape.batch} x {shape.t_len}, {shape.d} | {shape.n_sublayers} / {shape.block_size} | "
                f"{shape.streams} | {b['forward'] / 1e9:.1f} / {b['recompute'] / 1e9:.1f} / {b['backward'] / 1e9:.1f} | "

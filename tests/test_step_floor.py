@@ -28,7 +28,7 @@ def test_base_step_bytes_by_hand(floor):
     """`base`: 56 sublayers in 7 blocks of 8, unit u reads 1 + u sources; bf16 activations,
     float32 state. Per unit in E = B T d bytes: forward (2v + 8 x 16) + 8 (16 + 4) = 2v + 288,
     twice; backward 8 (6 + 32) + (4v + 128) = 4v + 432. Sum over v = 1..7: 7280 E for m = 4,
-    and with m = 1 (state 4 bytes) 2v + 96 twice and 4v + 240: 2576 E."""
+    and with m = 1 (state 4 bytes) 2v + 96 twice and 4v + 144: 2576 E."""
     elems = 64 * 1024 * 1024
     for spec, per_e in (("configs/msar.py:size=base", 7280), ("configs/attnres.py:size=base", 2576)):
         shape = floor.read_shape(load_config(spec))
@@ -47,6 +47,15 @@ def test_base_step_bytes_by_hand(floor):
                                                           {"model.save_read_outputs": True})))
     assert saved["recompute"] == (2 * 28 + 7 * 144) * elems
     assert saved["total"] == (7280 - 7 * 144) * elems
+    # the factored state cotangent (not built): backward 8 (6 + 16) + (4v + 128 + 32) = 4v + 336
+    # per unit, 96 fewer than 4v + 432; m = 1: 8 (6 + 4) + (4v + 32 + 32), the same as 4v + 144 (one
+    # stream's d_state, 4 bytes a token, costs what dh and the partial do)
+    msar = floor.read_shape(load_config("configs/msar.py:size=base"))
+    factored = floor.step_bytes(msar, factored_cotangent=True)
+    assert factored["backward"] == (4 * 28 + 7 * 336) * elems
+    assert factored["total"] == (7280 - 7 * 96) * elems
+    one = floor.step_bytes(floor.read_shape(load_config("configs/attnres.py:size=base")), factored_cotangent=True)
+    assert one["total"] == 2576 * elems
 
 
 def test_shorter_last_block(floor):
@@ -71,5 +80,7 @@ def test_cli(floor, capsys):
     out = capsys.readouterr().out
     assert "| configs/msar.py:size=base | 64 x 1024, 1024 | 56 / 8 | 4 |" in out
     assert "| 488.6 | 101.8 | 1.109 |" in out
+    floor.main(["configs/msar.py:size=base", "--vanilla_ms", "935.3", "--bandwidth", "4.8", "--factored_cotangent"])
+    assert "| 443.5 | 92.4 | 1.099 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         floor.main(["configs/msar.py:size=base", "--bandwidth", "0"])
