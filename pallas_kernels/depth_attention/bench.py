@@ -102,6 +102,43 @@ def table6_bytes(n, batch, t_len, d, m, n_targets, elem_bytes=2):
     return (n / n_targets + 4 * m + 5) * d * batch * t_len * elem_bytes
 
 
+# Issue 4's per-sublayer targets at its shape, ms: forward, forward + backward.
+ISSUE_TARGETS_MS = (0.45, 2.0)
+
+
+def target_budgets(bandwidths_tbps, *, n, batch, t_len, d, n_targets, targets_ms=ISSUE_TARGETS_MS,
+                   configs=("msar",), state_bytes=(4, 2)):
+    """What issue 4's per-sublayer targets ask of the memory system: per config, phase-1 state
+    width and bandwidth, the bytes floor (``design_bytes`` over the bandwidth) of the forward and
+    of forward + backward, and the fraction of that bandwidth a read meeting each target must
+    sustain (floor / target: above 1 no kernel of this design can meet it; memory-bound kernels
+    here reach 0.8-0.9 at best, BENCHMARKS.md, kernels, session 44's census). One dict per row."""
+    rows = []
+    for config in configs:
+        _, kernels, heads = TABLE_CONFIGS[config]
+        for sb in state_bytes:
+            fwd_b, fb_b = design_bytes(n, batch, t_len, d, len(kernels), n_targets, heads, state_bytes=sb)
+            for tbps in bandwidths_tbps:
+                if tbps <= 0:
+                    raise ValueError(f"target_budgets: bandwidth {tbps!r} TB/s must be > 0")
+                floors = [b / (tbps * 1e12) * 1e3 for b in (fwd_b, fb_b)]
+                rows.append(dict(config=config, state_bytes=sb, tbps=tbps, floor_fwd_ms=floors[0],
+                                 floor_fb_ms=floors[1], need_fwd=floors[0] / targets_ms[0],
+                                 need_fb=floors[1] / targets_ms[1]))
+    return rows
+
+
+def print_target_budgets(rows, targets_ms=ISSUE_TARGETS_MS):
+    print(f"per sublayer at the issue's shape; targets {targets_ms[0]} / {targets_ms[1]} ms; 'needs': the floor "
+          "over the target, the fraction of the bandwidth a read meeting the target sustains")
+    print("| config | state | TB/s | forward floor, ms | needs | fwd + bwd floor, ms | needs |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        state = {4: "float32", 2: "bfloat16"}.get(r["state_bytes"], f"{r['state_bytes']} B")
+        print(f"| {r['config']} | {state} | {r['tbps']:.2f} | {r['floor_fwd_ms']:.3f} | {r['need_fwd']:.0%} "
+              f"| {r['floor_fb_ms']:.3f} | {r['need_fb']:.0%} |")
+
+
 def make_inputs(n, batch, t_len, d, n_targets, kernels, heads, dtype, seed=0):
     ks = jax.random.split(jax.random.key(seed), 10)
     m, k = len(kernels), reference.bank_size(kernels)
@@ -807,6 +844,10 @@ def per_target(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true", help="CPU smoke run of the harness")
+    ap.add_argument("--budgets", default=None, metavar="TBPS,...",
+                    help="print what the issue's per-sublayer targets ask of each bandwidth (TB/s, comma-"
+                         "separated: MSAR's bytes floors with a float32 and a bf16 state and "
+                         "the fraction of the bandwidth each target needs) and exit; runs on any machine")
     ap.add_argument("--no-bwd", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time each kernel alone for several tilings")
     ap.add_argument("--backward", default="xla",
@@ -867,6 +908,14 @@ def main():
                     help="how phase 1's backward runs the query gradient's products with several heads "
                          "(fused_bwd_phase1.QUERY_GRADS_HEADS; default: its DEFAULT_QUERY_GRADS_HEADS)")
     args = ap.parse_args()
+    if args.budgets is not None:
+        try:
+            tbps = [float(b) for b in args.budgets.split(",")]
+            rows = target_budgets(tbps, **ISSUE_SHAPE)  # MSAR: AttnRes's target is 1.5x its floor
+        except ValueError as e:
+            ap.error(f"--budgets={args.budgets!r}: comma-separated bandwidths in TB/s, each > 0 ({e})")
+        print_target_budgets(rows)
+        return
     if args.query_grads_heads:  # read when the backward is traced
         fused_bwd_phase1.DEFAULT_QUERY_GRADS_HEADS = args.query_grads_heads
     backwards = ("xla", "pallas") if args.backward == "both" else tuple(args.backward.split(","))

@@ -109,3 +109,21 @@ def test_design_flops_counts_the_definitions_arithmetic():
     assert fwd1 == 2 * (9 * elems * 17 / 8 + elems * 5)
     # at the H200's float32 peak the MSAR forward's arithmetic takes 0.168 ms, under its 0.40 ms of bytes
     assert fwd / bench.FP32_PEAK_FLOPS * 1e3 == pytest.approx(0.1678, abs=1e-4)
+
+
+def test_target_budgets_give_the_floor_over_the_target():
+    """MSAR's forward at the issue's shape moves 1.2845 GB (``design_bytes``: 9 bf16 sources and 8
+    float32 states amortised over 8 targets, one state, the partial and h): at 2.92 TB/s (an H100's
+    copy) 0.440 ms, 98% of the 0.45 ms target; at 4.27 TB/s 0.301 ms, 67%. A bf16 state: 0.748 GB."""
+    from pallas_kernels.depth_attention import bench
+
+    rows = bench.target_budgets((2.92, 4.27), **bench.ISSUE_SHAPE)
+    assert [(r["state_bytes"], r["tbps"]) for r in rows] == [(4, 2.92), (4, 4.27), (2, 2.92), (2, 4.27)]
+    f32_h100, f32_h200, bf16_h100 = rows[0], rows[1], rows[2]
+    assert f32_h100["floor_fwd_ms"] == pytest.approx(1.2845056e9 / 2.92e12 * 1e3)
+    assert f32_h100["need_fwd"] == pytest.approx(0.9776, abs=1e-4)
+    assert f32_h200["need_fwd"] == pytest.approx(0.6685, abs=1e-4)
+    assert bf16_h100["floor_fwd_ms"] == pytest.approx(0.747634688e9 / 2.92e12 * 1e3)
+    assert f32_h100["need_fb"] == pytest.approx(f32_h100["floor_fb_ms"] / 2.0)
+    with pytest.raises(ValueError, match="must be > 0"):
+        bench.target_budgets((0.0,), **bench.ISSUE_SHAPE)
