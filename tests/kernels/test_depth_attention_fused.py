@@ -393,3 +393,44 @@ def test_mixing_passes_with_their_own_tiles(kernels, heads):
     with pytest.raises(ValueError, match="a 8 x 24 tile must divide"):
         fused.mix_call(jnp.zeros((n, batch, 32, d)), banks, p, None, mode="acc", stream_kernels=kernels, heads=heads,
                        tiles=tiling.Tiles(16, 8, 8, mix_tiles=(("acc", 8, 24),)), backend="interpret", interpret=True)
+
+
+def test_call_params_set_one_triton_calls_launch_apart(monkeypatch):
+    """``Tiles.call_params`` gives the scoring call or a mixing mode its own Triton warps and
+    stages (the others keep the tiles' own), and its entries are checked. Which launch parameters
+    reach ``pallas_call`` is read through a stand-in ``CompilerParams``: on CPU Triton's are not
+    compiled."""
+    from jax.experimental.pallas import triton as pltriton
+
+    from pallas_kernels.depth_attention import fused, tiling
+
+    tiles = tiling.Tiles(16, 8, 8, num_warps=4, num_stages=1, call_params=(("scores", 2, 1), ("mean", 8, 2)))
+    assert tiles.triton_params("scores") == (2, 1) and tiles.triton_params("mean") == (8, 2)
+    assert tiles.triton_params("acc") == (4, 1) and tiles.triton_params(None) == (4, 1)
+    monkeypatch.setattr(pltriton, "CompilerParams", lambda **kw: kw)
+    got = {call: fused._call_kwargs("triton", tiles, False, (), call=call)["compiler_params"]
+           for call in ("scores", "mean", "acc", None)}
+    assert got == {"scores": dict(num_warps=2, num_stages=1), "mean": dict(num_warps=8, num_stages=2),
+                   "acc": dict(num_warps=4, num_stages=1), None: dict(num_warps=4, num_stages=1)}
+    with pytest.raises(ValueError, match=r"entry \('bwd', 2, 1\)"):
+        tiling.Tiles(16, 8, 8, call_params=(("bwd", 2, 1),))
+    with pytest.raises(ValueError, match=r"entry \('scores', 3, 1\)"):
+        tiling.Tiles(16, 8, 8, call_params=(("scores", 3, 1),))
+    with pytest.raises(ValueError, match="one entry per call"):
+        tiling.Tiles(16, 8, 8, call_params=(("scores", 2, 1), ("scores", 4, 1)))
+    # through the op: phase 2's forward and gradients with the scoring call on its own launch
+    # parameters equal the reference (interpret mode runs whatever the parameters)
+    kernels, batch, t_len, d = (0,), 2, 21, 64
+    sources, banks, queries = _phase1_inputs(3, batch, t_len, d, 2, kernels)
+    state = jax.tree.map(lambda a: a[0], reference.phase1(sources, banks, queries, None, stream_kernels=kernels,
+                                                          heads=1))
+    kw = dict(stream_kernels=kernels, heads=1, segment_ids=_segments(batch, t_len, 9))
+
+    def run2(fn):
+        return jit_vjp(lambda st, x, q: fn(st, x, None, q, True, None, **kw), (state, sources[0], queries[0]),
+                       lambda out: _rnd(34, out.shape))
+
+    monkeypatch.undo()
+    alt = tiling.Tiles(16, 8, 8, block_t_scores=8, call_params=(("scores", 2, 1),))
+    got = run2(lambda *a, **k: api.phase2_fused(*a, implementation="pallas_gpu", tiles=alt, backward="pallas", **k))
+    _check_tree(got, run2(reference.phase2_fused), F32_TOL)

@@ -2,7 +2,9 @@
 # Session 47, call 1: the copy ceiling measured four ways (experiments/mgpu/copy_ceiling.py); then
 # on an H200 session 45's call 1 (the per-sublayer bench of MSAR and AttnRes, the `base` steps of
 # Vanilla, MSAR and AttnRes with today's defaults), on any other card session 46's call 6 (phase 1's
-# kernels under Nsight Compute at the issue's shape, without and with the L2 eviction hints).
+# kernels under Nsight Compute at the issue's shape, without and with the L2 eviction hints), after
+# one stream's phase-2 forward with its Triton calls on launch parameters of their own
+# (time_phase2.py --call-params).
 # Carry [".whl"].
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD:$PWD/experiments/mgpu PYTHONUNBUFFERED=1
@@ -25,6 +27,9 @@ if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
   done
   exit 0
 fi
+timeout 150 python3 experiments/mgpu/time_phase2.py --call-params --attnres-only 2>&1 | grep -v Warning \
+    | tee $OUT/time_call_params.txt
+echo "call params $(( $(date +%s)-S ))s"
 M=$(python3 experiments/mgpu/ncu_census.py --metrics)
 BOTH=stores=evict_first,large_f32_loads=evict_first,bf16_loads=evict_last,f32_rank5_loads=evict_last
 for label in none hinted; do
