@@ -75,6 +75,7 @@ from msar_jax.configs import load_config, parse_overrides  # noqa: E402
 from msar_jax.parallel import layout as layout_lib  # noqa: E402
 from msar_jax.parallel import mesh as mesh_lib  # noqa: E402
 from msar_jax.train.optim import make_optimizer  # noqa: E402
+from pallas_kernels.depth_attention.bench import set_kernel_options  # noqa: E402, F401 (tests use it here)
 
 PARTS = ("embed", "depth_begin_block", "depth_read", "sublayer_attn", "sublayer_dense", "sublayer_moe",
          "depth_write", "depth_end_block", "lm_head", "cross_entropy", "optimizer")
@@ -341,36 +342,6 @@ def report(row: dict, top: int) -> str:
     out += [f"| {o['op']} | {o['kind']} | {o['part']} | {o['pass']} | {o['ms_per_step']:.3f} |"
             for o in row["top_ops"][:top]]
     return "\n".join(out)
-
-
-def set_kernel_options(options: list[str]) -> dict:
-    """``MODULE.NAME=VALUE`` items: sets ``pallas_kernels.depth_attention.MODULE.NAME`` (a module
-    default the kernels read when they are built, e.g. ``mosaic_gpu.REREAD_ORDER=reverse``) to
-    VALUE, a Python literal or else the string. Raises ``ValueError`` (naming the item) for a
-    malformed item, an unknown module or a name the module does not have (so a typo cannot time
-    the defaults under another label). Returns ``{item's name: value}``."""
-    import ast
-    import importlib
-
-    done = {}
-    for item in options:
-        name, sep, text = item.partition("=")
-        module_name, dot, attr = name.strip().rpartition(".")
-        if not sep or not dot or not attr:
-            raise ValueError(f"--kernel-option {item!r}: must be MODULE.NAME=VALUE (e.g. mosaic_gpu.REREAD_ORDER=reverse)")
-        try:
-            module = importlib.import_module(f"pallas_kernels.depth_attention.{module_name}")
-        except ImportError as e:
-            raise ValueError(f"--kernel-option {item!r}: no module pallas_kernels.depth_attention.{module_name}") from e
-        if not hasattr(module, attr):
-            raise ValueError(f"--kernel-option {item!r}: {module_name} has no {attr}")
-        try:
-            value = ast.literal_eval(text)
-        except (ValueError, SyntaxError):
-            value = text
-        setattr(module, attr, value)
-        done[name.strip()] = value
-    return done
 
 
 def main(argv=None) -> list[dict]:

@@ -841,9 +841,42 @@ def per_target(log, shapes, kernels=(0, 4, 8, 12), heads=1, dtype=jnp.bfloat16, 
     return row
 
 
+def set_kernel_options(options: list[str]) -> dict:
+    """``MODULE.NAME=VALUE`` items: sets ``pallas_kernels.depth_attention.MODULE.NAME`` (a module
+    default the kernels read when they are built, e.g. ``mosaic_gpu.REREAD_ORDER=reverse``) to
+    VALUE, a Python literal or else the string. Raises ``ValueError`` (naming the item) for a
+    malformed item, an unknown module or a name the module does not have (so a typo cannot time
+    the defaults under another label). Returns ``{item's name: value}``."""
+    import ast
+    import importlib
+
+    done = {}
+    for item in options:
+        name, sep, text = item.partition("=")
+        module_name, dot, attr = name.strip().rpartition(".")
+        if not sep or not dot or not attr:
+            raise ValueError(f"--kernel-option {item!r}: must be MODULE.NAME=VALUE (e.g. mosaic_gpu.REREAD_ORDER=reverse)")
+        try:
+            module = importlib.import_module(f"pallas_kernels.depth_attention.{module_name}")
+        except ImportError as e:
+            raise ValueError(f"--kernel-option {item!r}: no module pallas_kernels.depth_attention.{module_name}") from e
+        if not hasattr(module, attr):
+            raise ValueError(f"--kernel-option {item!r}: {module_name} has no {attr}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        setattr(module, attr, value)
+        done[name.strip()] = value
+    return done
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true", help="CPU smoke run of the harness")
+    ap.add_argument("--kernel-option", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="set a module default the kernels read when built (set_kernel_options), e.g. "
+                         "tiling.ONE_STREAM_PHASE2_CALL_PARAMS=\"(('scores', 2, 1),)\"; repeatable")
     ap.add_argument("--budgets", default=None, metavar="TBPS,...",
                     help="print what the issue's per-sublayer targets ask of each bandwidth (TB/s, comma-"
                          "separated: MSAR's bytes floors with a float32 and a bf16 state and "
@@ -908,6 +941,10 @@ def main():
                     help="how phase 1's backward runs the query gradient's products with several heads "
                          "(fused_bwd_phase1.QUERY_GRADS_HEADS; default: its DEFAULT_QUERY_GRADS_HEADS)")
     args = ap.parse_args()
+    try:
+        kernel_options = set_kernel_options(args.kernel_option)
+    except ValueError as e:
+        ap.error(str(e))
     if args.budgets is not None:
         try:
             tbps = [float(b) for b in args.budgets.split(",")]
@@ -944,7 +981,7 @@ def main():
             f.write(line + "\n")
 
     log(json.dumps({"device": str(jax.devices()[0]), "kind": jax.devices()[0].device_kind, "jax": jax.__version__,
-                    "bwd_barrier": not args.no_bwd_barrier}))
+                    "bwd_barrier": not args.no_bwd_barrier, "kernel_options": repr(kernel_options)}))
     if args.small:
         shapes = dict(n=3, batch=1, t_len=32, d=64, n_targets=2)
         impl, reps, args.inner, args.inner_fb = "pallas_gpu", 3, 1, 1

@@ -106,6 +106,13 @@ class Tiles:
                                    block_t_transpose=up(self.block_t_transpose))
 
 
+# One stream's phase 2 (AttnRes, MHAR; one target per call) on Triton: its scoring call's tokens per
+# program (None: ``block_t``) and ``Tiles.call_params`` of its forward's calls. Module defaults so
+# that a timing can set them (``bench --kernel-option``, ``profile_step.py --kernel-option``).
+ONE_STREAM_PHASE2_SCORES_ROWS: int | None = None
+ONE_STREAM_PHASE2_CALL_PARAMS: tuple = ()
+
+
 def _next_pow2(x: int) -> int:
     p = 1
     while p < x:
@@ -139,7 +146,10 @@ def choose_tiles(*, d: int, heads: int, max_kernel: int, n_targets: int, backend
         # against 0.118 at the shape (session 27, call 7).
         wide = _pow2_divisor(dh, 128)
         mix = (("acc", 8, wide),) if n_targets > 1 else (("mean", 16, wide),)
-        return Tiles(16, _pow2_divisor(dh, 128), _pow2_divisor(dh, 64), num_warps=4, num_stages=1, mix_tiles=mix)
+        phase2 = {} if n_targets > 1 else dict(block_t_scores=ONE_STREAM_PHASE2_SCORES_ROWS,
+                                                 call_params=tuple(ONE_STREAM_PHASE2_CALL_PARAMS))
+        return Tiles(16, _pow2_divisor(dh, 128), _pow2_divisor(dh, 64), num_warps=4, num_stages=1, mix_tiles=mix,
+                     **phase2)
     if backend == "triton":
         # Best of 6 tilings timed on the H200 at the shape (BENCHMARKS.md, run 2):
         # phase 1 (S = 8 targets) 16 x 64 scoring chunks, 16 x 128 mixing chunks, 8 warps;

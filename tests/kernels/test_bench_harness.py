@@ -127,3 +127,22 @@ def test_target_budgets_give_the_floor_over_the_target():
     assert f32_h100["need_fb"] == pytest.approx(f32_h100["floor_fb_ms"] / 2.0)
     with pytest.raises(ValueError, match="must be > 0"):
         bench.target_budgets((0.0,), **bench.ISSUE_SHAPE)
+
+
+def test_bench_kernel_option_sets_a_default_and_refuses_a_typo(monkeypatch, capsys):
+    """``bench --kernel-option`` sets a kernel module's default before anything runs (here with
+    ``--budgets``, which exits without a device) and refuses a name the module lacks."""
+    import sys
+
+    from pallas_kernels.depth_attention import bench, tiling
+
+    monkeypatch.setattr(tiling, "ONE_STREAM_PHASE2_CALL_PARAMS", ())
+    monkeypatch.setattr(sys, "argv", ["bench", "--budgets", "3", "--kernel-option",
+                                      "tiling.ONE_STREAM_PHASE2_CALL_PARAMS=(('scores', 2, 1),)"])
+    bench.main()
+    assert tiling.ONE_STREAM_PHASE2_CALL_PARAMS == (("scores", 2, 1),)
+    assert "| msar | float32 | 3.00 |" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "argv", ["bench", "--budgets", "3", "--kernel-option", "tiling.NO_SUCH=1"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    assert "tiling has no NO_SUCH" in capsys.readouterr().err

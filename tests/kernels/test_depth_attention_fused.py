@@ -431,6 +431,17 @@ def test_call_params_set_one_triton_calls_launch_apart(monkeypatch):
                        lambda out: _rnd(34, out.shape))
 
     monkeypatch.undo()
+    # one stream's phase 2 takes them from the module defaults (what ``--kernel-option`` sets);
+    # phase 1 (several targets) and MSAR's tiles do not
+    monkeypatch.setattr(tiling, "ONE_STREAM_PHASE2_SCORES_ROWS", 8)
+    monkeypatch.setattr(tiling, "ONE_STREAM_PHASE2_CALL_PARAMS", (("scores", 2, 1),))
+    one2 = tiling.choose_tiles(d=1024, heads=1, max_kernel=0, n_targets=1, backend="triton", n_streams=1)
+    assert one2.bt_scores == 8 and one2.triton_params("scores") == (2, 1) and one2.triton_params("mean") == (4, 1)
+    one1 = tiling.choose_tiles(d=1024, heads=1, max_kernel=0, n_targets=8, backend="triton", n_streams=1)
+    assert one1.bt_scores == 16 and one1.call_params == ()
+    msar2 = tiling.choose_tiles(d=1024, heads=1, max_kernel=12, n_targets=1, backend="triton", n_streams=4)
+    assert msar2.call_params == ()
+    monkeypatch.undo()
     alt = tiling.Tiles(16, 8, 8, block_t_scores=8, call_params=(("scores", 2, 1),))
     got = run2(lambda *a, **k: api.phase2_fused(*a, implementation="pallas_gpu", tiles=alt, backward="pallas", **k))
     _check_tree(got, run2(reference.phase2_fused), F32_TOL)

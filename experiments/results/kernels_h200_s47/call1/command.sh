@@ -1,10 +1,10 @@
 #!/bin/bash
 # Session 47, call 1: the copy ceiling measured four ways (experiments/mgpu/copy_ceiling.py); then
 # on an H200 session 45's call 1 (the per-sublayer bench of MSAR and AttnRes, the `base` steps of
-# Vanilla, MSAR and AttnRes with today's defaults), on any other card session 46's call 6 (phase 1's
-# kernels under Nsight Compute at the issue's shape, without and with the L2 eviction hints), after
-# one stream's phase-2 forward with its Triton calls on launch parameters of their own
-# (time_phase2.py --call-params).
+# Vanilla, MSAR and AttnRes with today's defaults); on any other card one stream's phase-2 forward
+# with its Triton calls on launch parameters of their own (time_phase2.py --call-params), then
+# AttnRes's per-sublayer bench with the defaults and with its scoring call on 8 rows and 2 warps.
+# (Session 46's call 6, the ncu census with L2 hints, moved to a later call.)
 # Carry [".whl"].
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD:$PWD/experiments/mgpu PYTHONUNBUFFERED=1
@@ -30,12 +30,11 @@ fi
 timeout 150 python3 experiments/mgpu/time_phase2.py --call-params --attnres-only 2>&1 | grep -v Warning \
     | tee $OUT/time_call_params.txt
 echo "call params $(( $(date +%s)-S ))s"
-M=$(python3 experiments/mgpu/ncu_census.py --metrics)
-BOTH=stores=evict_first,large_f32_loads=evict_first,bf16_loads=evict_last,f32_rank5_loads=evict_last
-for label in none hinted; do
-  extra=$([ $label = hinted ] && echo "--l2-hints $BOTH")
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 150 ncu --clock-control none -k regex:mosaic --csv --print-units base \
-      --metrics $M python3 experiments/mgpu/ncu_phase1.py --issue $extra > $OUT/ncu_p1_issue_$label.csv 2>> $OUT/ncu.err
-  echo "ncu $label rc $? $(( $(date +%s)-S ))s"
-  python3 experiments/mgpu/ncu_census.py $OUT/ncu_p1_issue_$label.csv --copy-tbps 2.83 --skip 'mix#2' | tee $OUT/census_$label.txt
+for opt in none "tiling.ONE_STREAM_PHASE2_SCORES_ROWS=8 --kernel-option tiling.ONE_STREAM_PHASE2_CALL_PARAMS=(('scores',2,1),)"; do
+  label=$([ "$opt" = none ] && echo default || echo scores8w2)
+  extra=$([ "$opt" = none ] || echo "--kernel-option $opt")
+  timeout 150 python -m pallas_kernels.depth_attention.bench --backward pallas --configs attnres $extra 2>&1 \
+      | grep -v Warning | tail -8 > $OUT/bench_attnres_$label.txt
+  grep -E "fwd:|fb:" $OUT/bench_attnres_$label.txt | sed "s/^/$label /"
+  echo "bench attnres $label $(( $(date +%s)-S ))s"
 done
