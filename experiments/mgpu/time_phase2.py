@@ -27,8 +27,6 @@ swizzled (``LANE_TILE_SWIZZLE``) and plain. ``--wide``: the backward, Mosaic pas
 each ``fused_bwd_phase2.FORMS`` of pass 3 (the reverse-T input kernel, or the stream cotangents
 written and transposed by ``conv_transpose``). ``--chunks``: forward or backward, the padded
 windows with 32- and 64-channel chunks (``block_d``; for one stream also 128, session 27).
-``--call-params`` (with ``--attnres-only``): the Triton forward with its scoring call or its output pass
-on launch parameters of their own (``Tiles.call_params``, session 47), the other kernels' tiles unchanged.
 ``--triton-tiles`` (with ``--attnres-only``): the forward's Triton form with its tiles and seven others (block_t x
 scoring / mixing chunk, warps, stages; session 27). ``--attnres-only``: no MSAR rows.
 ``--attnres`` with ``--backward``: AttnRes's one stream (kernels ``(0,)``, mean fusion) instead of MSAR. ``--inputs``: the backward with pass 3 (the
@@ -42,7 +40,6 @@ scores kernel alone (``h`` unused: XLA drops the second; the floor printed is th
 with the state kernel's sums stored through their own buffer and through its rows' buffer
 (``mosaic_gpu.STATE_SUMS_IN_ROWS``: one or two programs per SM)."""
 import collections
-import dataclasses
 import os
 import sys
 import tempfile
@@ -285,17 +282,6 @@ def main():
                                                     (8, 128, 128, 2, 1)):
                     alt = tiling.Tiles(bt, bds, bdm, num_warps=warps, num_stages=stages)
                     variants[f"triton {bt}x{bds}/{bdm} w{warps} s{stages}"] = ((lambda alt: lambda st, x, b, q, g: (
-                        fused.phase2_forward(st, x, b, q, True, g, fuse=fuse, segment_ids=None, tiles=alt,
-                                             backend="triton", interpret=False, out_dtype=jnp.bfloat16, **kw)))(alt),
-                        None)
-            if "--call-params" in sys.argv:  # one stream's forward calls on launch parameters of their own (session 47)
-                variants, forms = {k: v for k, v in variants.items() if k.startswith("triton")}, []
-                for bts, params in ((16, (("scores", 2, 1),)), (8, (("scores", 2, 1),)), (8, (("scores", 4, 1),)),
-                                    (16, (("scores", 4, 2),)), (16, (("mean", 2, 1),)), (16, (("mean", 8, 1),)),
-                                    (8, (("scores", 2, 1), ("mean", 2, 1)))):
-                    alt = dataclasses.replace(tiles, block_t_scores=bts, call_params=params)
-                    label = f"triton scores {bts} rows, " + ", ".join(f"{c} w{w} s{st}" for c, w, st in params)
-                    variants[label] = ((lambda alt: lambda st, x, b, q, g: (
                         fused.phase2_forward(st, x, b, q, True, g, fuse=fuse, segment_ids=None, tiles=alt,
                                              backend="triton", interpret=False, out_dtype=jnp.bfloat16, **kw)))(alt),
                         None)

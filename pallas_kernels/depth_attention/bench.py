@@ -876,7 +876,7 @@ def main():
     ap.add_argument("--small", action="store_true", help="CPU smoke run of the harness")
     ap.add_argument("--kernel-option", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="set a module default the kernels read when built (set_kernel_options), e.g. "
-                         "tiling.ONE_STREAM_PHASE2_CALL_PARAMS=\"(('scores', 2, 1),)\"; repeatable")
+                         "mosaic_gpu.INPUTS_SLOTS=2; repeatable")
     ap.add_argument("--budgets", default=None, metavar="TBPS,...",
                     help="print what the issue's per-sublayer targets ask of each bandwidth (TB/s, comma-"
                          "separated: MSAR's bytes floors with a float32 and a bf16 state and "

@@ -433,15 +433,14 @@ def _pad_t(x, axis: int, t_pad: int, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _call_kwargs(backend: str, tiles: Tiles, interpret, semantics, call: str | None = None):
-    """``pallas_call``'s compiler parameters and interpret flag; ``call``: which call (``tiling.CALLS``)
-    for Triton's launch parameters (``Tiles.triton_params``)."""
+def _call_kwargs(backend: str, tiles: Tiles, interpret, semantics):
     if backend == "triton":
         from jax.experimental.pallas import triton as pltriton
 
-        num_warps, num_stages = tiles.triton_params(call)
-        return dict(compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-                    interpret=interpret)
+        return dict(
+            compiler_params=pltriton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+            interpret=interpret,
+        )
     from jax.experimental.pallas import tpu as pltpu
 
     return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics), interpret=interpret)
@@ -481,7 +480,7 @@ def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, 
             jax.ShapeDtypeStruct((n, m, batch, t_pad, 1), F32),
         ],
         name="depth_attention_scores",
-        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel"), call="scores"),
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel")),
     )(*args)
     return dots, sumsq[..., 0]
 
@@ -585,7 +584,7 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
         out_specs=out_specs,
         out_shape=out_shape,
         name=f"depth_attention_mix_{mode}",
-        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel"), call=mode),
+        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
     if mode == "stats":
         return out[0][..., 0].transpose(0, 2, 1), out[1].transpose(0, 2, 1, 3)

@@ -20,7 +20,6 @@ import dataclasses
 
 
 MIX_MODES = ("acc", "mean", "gate", "stats")  # fused.mix_call's modes
-CALLS = ("scores", *MIX_MODES)  # the forward's Triton calls ``Tiles.call_params`` can set apart
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +46,6 @@ class Tiles:
     # phase 1's mixing pass; ``"mean"``: phase 2's output without a gate); a mode not listed takes
     # ``(block_t, block_d_mix)``. Its own so that it can differ from the kernels sharing those.
     mix_tiles: tuple[tuple[str, int, int], ...] = ()
-    # ``(call, num_warps, num_stages)``: Triton's launch parameters of one call, ``"scores"``
-    # (``fused.scores_call``) or a ``fused.mix_call`` mode (``MIX_MODES``); a call not listed takes
-    # ``(num_warps, num_stages)``. Its own so that a forward call can differ from the backward's
-    # kernels sharing the tiles (one stream's phase 2, session 47).
-    call_params: tuple[tuple[str, int, int], ...] = ()
 
     def __post_init__(self):
         for name in ("block_t_scores", "block_t_transpose"):
@@ -65,13 +59,6 @@ class Tiles:
                                  f"{MIX_MODES}, tokens a positive divisor of block_t={self.block_t}, channels positive")
         if len({mode for mode, _, _ in self.mix_tiles}) != len(self.mix_tiles):
             raise ValueError(f"Tiles.mix_tiles={self.mix_tiles}: one entry per mode")
-        for entry in self.call_params:
-            call, warps, stages = entry
-            if call not in CALLS or warps not in (1, 2, 4, 8, 16) or stages < 1:
-                raise ValueError(f"Tiles.call_params entry {entry}: want (call, num_warps, num_stages) with a call of "
-                                 f"{CALLS}, num_warps a power of two up to 16, num_stages at least 1")
-        if len({call for call, _, _ in self.call_params}) != len(self.call_params):
-            raise ValueError(f"Tiles.call_params={self.call_params}: one entry per call")
 
     @property
     def block_d_grads(self) -> int:
@@ -83,13 +70,6 @@ class Tiles:
             if entry_mode == mode:
                 return bt, bd
         return self.block_t, self.block_d_mix
-
-    def triton_params(self, call: str | None) -> tuple[int, int]:
-        """``(num_warps, num_stages)`` of Triton call ``call`` (``CALLS``; None: the tiles' own)."""
-        for entry_call, warps, stages in self.call_params:
-            if entry_call == call:
-                return warps, stages
-        return self.num_warps, self.num_stages
 
     @property
     def bt_scores(self) -> int:
@@ -104,13 +84,6 @@ class Tiles:
         up = lambda bt: bt if bt is None or bt >= rows else rows  # noqa: E731
         return dataclasses.replace(self, block_t=up(self.block_t), block_t_scores=up(self.block_t_scores),
                                    block_t_transpose=up(self.block_t_transpose))
-
-
-# One stream's phase 2 (AttnRes, MHAR; one target per call) on Triton: its scoring call's tokens per
-# program (None: ``block_t``) and ``Tiles.call_params`` of its forward's calls. Module defaults so
-# that a timing can set them (``bench --kernel-option``, ``profile_step.py --kernel-option``).
-ONE_STREAM_PHASE2_SCORES_ROWS: int | None = None
-ONE_STREAM_PHASE2_CALL_PARAMS: tuple = ()
 
 
 def _next_pow2(x: int) -> int:
@@ -146,10 +119,7 @@ def choose_tiles(*, d: int, heads: int, max_kernel: int, n_targets: int, backend
         # against 0.118 at the issue's shape (session 27, call 7).
         wide = _pow2_divisor(dh, 128)
         mix = (("acc", 8, wide),) if n_targets > 1 else (("mean", 16, wide),)
-        phase2 = {} if n_targets > 1 else dict(block_t_scores=ONE_STREAM_PHASE2_SCORES_ROWS,
-                                                 call_params=tuple(ONE_STREAM_PHASE2_CALL_PARAMS))
-        return Tiles(16, _pow2_divisor(dh, 128), _pow2_divisor(dh, 64), num_warps=4, num_stages=1, mix_tiles=mix,
-                     **phase2)
+        return Tiles(16, _pow2_divisor(dh, 128), _pow2_divisor(dh, 64), num_warps=4, num_stages=1, mix_tiles=mix)
     if backend == "triton":
         # Best of 6 tilings timed on the H200 at the issue's shape (BENCHMARKS.md, run 2):
         # phase 1 (S = 8 targets) 16 x 64 scoring chunks, 16 x 128 mixing chunks, 8 warps;

@@ -134,15 +134,14 @@ def test_bench_kernel_option_sets_a_default_and_refuses_a_typo(monkeypatch, caps
     ``--budgets``, which exits without a device) and refuses a name the module lacks."""
     import sys
 
-    from pallas_kernels.depth_attention import bench, tiling
+    from pallas_kernels.depth_attention import bench, mosaic_gpu
 
-    monkeypatch.setattr(tiling, "ONE_STREAM_PHASE2_CALL_PARAMS", ())
-    monkeypatch.setattr(sys, "argv", ["bench", "--budgets", "3", "--kernel-option",
-                                      "tiling.ONE_STREAM_PHASE2_CALL_PARAMS=(('scores', 2, 1),)"])
+    monkeypatch.setattr(mosaic_gpu, "INPUTS_SLOTS", mosaic_gpu.INPUTS_SLOTS)
+    monkeypatch.setattr(sys, "argv", ["bench", "--budgets", "3", "--kernel-option", "mosaic_gpu.INPUTS_SLOTS=2"])
     bench.main()
-    assert tiling.ONE_STREAM_PHASE2_CALL_PARAMS == (("scores", 2, 1),)
+    assert mosaic_gpu.INPUTS_SLOTS == 2
     assert "| msar | float32 | 3.00 |" in capsys.readouterr().out
-    monkeypatch.setattr(sys, "argv", ["bench", "--budgets", "3", "--kernel-option", "tiling.NO_SUCH=1"])
+    monkeypatch.setattr(sys, "argv", ["bench", "--budgets", "3", "--kernel-option", "mosaic_gpu.NO_SUCH=1"])
     with pytest.raises(SystemExit):
         bench.main()
-    assert "tiling has no NO_SUCH" in capsys.readouterr().err
+    assert "mosaic_gpu has no NO_SUCH" in capsys.readouterr().err
