@@ -1,3 +1,0 @@
-#!/bin/bash
-# Session 20 (2026-12-03), call 9: the per-sublayer main table with "padded" windows in every Mosaic kernel (set in-process; the new default).
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl; export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1; OUT=$OUT timeout 200 python3 -c "import sys, runpy; from pallas_kernels.depth_attention import mosaic_gpu; mosaic_gpu.DEFAULT_WINDOWS = 'padded'; sys.argv = ['bench', '--backward', 'pallas']; runpy.run_module('pallas_kernels.depth_attention.bench', run_name='__main__', alter_sys=True)" > $OUT/bench_padded.txt 2>&1; echo "bench rc=$?"; grep -v "^{" $OUT/bench_padded.txt | tail -8
