@@ -196,24 +196,48 @@ ARG_SPEC = {
 }
 
 
+_TYPE_RULES = {int: "must be an integer", str: "must be text"}
+_FLAGS = ("smoke", "conv")  # 0 or 1
+
+
+def _arg_error(key: str, value, rule: str) -> config_lib.ConfigError:
+    return config_lib.ConfigError(key, value, rule, subject="config argument")
+
+
 def parse_arg(arg: str | None) -> dict:
-    """``"size=small,block_size=8"`` -> ``{"size": "small", "block_size": 8}``; strict."""
+    """``"size=small,block_size=8"`` -> ``{"size": "small", "block_size": 8}``; strict: an unknown
+    key names the close ones, a value of the wrong type names its type (``ConfigError``)."""
     out: dict = {}
     if not arg:
         return out
     for item in arg.split(","):
         if not item:
             continue
-        if "=" not in item:
-            raise config_lib.ConfigError("config argument", item, f"must be key=value with key in {sorted(ARG_SPEC)}")
-        key, value = item.split("=", 1)
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise _arg_error(key, None, f"must be key=value, with key one of {sorted(ARG_SPEC)}")
         if key not in ARG_SPEC:
-            raise config_lib.ConfigError("config argument", key, f"unknown key; known keys: {sorted(ARG_SPEC)}")
+            hint = config_lib.close_names(key, ARG_SPEC)
+            raise _arg_error(key, value, f"unknown key{hint} (keys: {', '.join(sorted(ARG_SPEC))})")
         try:
             out[key] = ARG_SPEC[key](value)
         except ValueError:
-            raise config_lib.ConfigError(f"config argument {key}", value, f"must be a {ARG_SPEC[key].__name__}") from None
+            raise _arg_error(key, value, _TYPE_RULES[ARG_SPEC[key]]) from None
+        if key in _FLAGS and out[key] not in (0, 1):
+            raise _arg_error(key, out[key], "must be 0 or 1")
+        if key == "seq_len" and out[key] <= 0:  # the model fields are checked by config.validate
+            raise _arg_error(key, out[key], "must be a positive integer")
     return out
+
+
+def _kernel_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(k) for k in text.split("-") if k)
+    except ValueError:
+        sizes = ()
+    if not sizes or any(k <= 0 for k in sizes):
+        raise _arg_error("kernel_sizes", text, "must be positive integers joined by '-', e.g. 4-8-12")
+    return sizes
 
 
 def make_config(mechanism: str, arg: str | None = None, default_size: str = "tiny", **residual) -> ml_collections.ConfigDict:
@@ -222,7 +246,8 @@ def make_config(mechanism: str, arg: str | None = None, default_size: str = "tin
     smoke = bool(args.pop("smoke", 0))
     size = args.pop("size", default_size)
     if size not in SIZES:
-        raise config_lib.ConfigError("config argument size", size, f"must be one of {sorted(SIZES)}")
+        hint = config_lib.close_names(size, SIZES)
+        raise _arg_error("size", size, f"must be one of {', '.join(sorted(SIZES))}{hint}")
     spec = SIZES[size]
     model = config_lib.model_config()
     overrides = dict(spec["model"])
@@ -241,8 +266,7 @@ def make_config(mechanism: str, arg: str | None = None, default_size: str = "tin
         if key in args:
             model.residual[key] = args.pop(key)
     if "kernel_sizes" in args:
-        text = args.pop("kernel_sizes")
-        model.residual.kernel_sizes = tuple(int(k) for k in text.split("-") if k)
+        model.residual.kernel_sizes = _kernel_sizes(args.pop("kernel_sizes"))
     if "conv" in args:
         model.residual.conv = bool(args.pop("conv"))
     if "dtype" in args:

@@ -10,6 +10,8 @@ residual sublayers, ``block_size`` (S) counts sublayers per block.
 
 from __future__ import annotations
 
+import difflib
+
 import ml_collections
 
 MECHANISMS = ("vanilla", "mhc", "attnres", "msar", "mhar", "attnres_mhc")
@@ -18,12 +20,40 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_layer_inputs")
 
 
-class ConfigError(ValueError):
-    """A config value broke a rule. The message names the field, the value and the rule."""
+_MESSAGE_ONLY = object()
 
-    def __init__(self, field: str, value, rule: str):
+
+class ConfigError(ValueError):
+    """A config value broke a rule: ``ConfigError(field, value, rule)``.
+
+    The message is one line naming all three, ``config field 'model.d_model' = 0: must be a
+    positive integer``; ``subject`` replaces "config field" for what is not a field of the tree
+    (``"config argument"``: a key of the ``:key=value`` text, ``"flag"``: a command-line flag).
+    ``ConfigError(message)`` is accepted too, because ml-collections' ``--config`` flag re-raises
+    an error from ``get_config`` as ``type(e)(message)`` (and pickling rebuilds an exception from
+    ``args``); ``field``, ``value`` and ``rule`` are then ``None``, and the original error is the
+    new one's ``__context__`` (``msar_jax.configs.config_error_line`` finds it).
+    """
+
+    def __init__(self, field, value=_MESSAGE_ONLY, rule: str | None = None, *, subject: str = "config field"):
+        self.subject = subject
+        if value is _MESSAGE_ONLY and rule is None:
+            self.field = self.value = self.rule = None
+            super().__init__(str(field))
+            return
+        if value is _MESSAGE_ONLY or rule is None:
+            raise TypeError("ConfigError takes (field, value, rule) or a single message")
         self.field, self.value, self.rule = field, value, rule
-        super().__init__(f"config field {field!r} = {value!r}: {rule}")
+        super().__init__(f"{subject} {field!r} = {value!r}: {rule}")
+
+
+def close_names(name: str, candidates, prefix: str = "") -> str:
+    """The ``"; did you mean 'optim.lr'?"`` hint for a mistyped ``name`` (difflib's close matches
+    among ``candidates``, each shown with ``prefix``); ``""`` when nothing is close."""
+    matches = difflib.get_close_matches(name, [str(c) for c in candidates], n=3, cutoff=0.6)
+    if not matches:
+        return ""
+    return "; did you mean " + " or ".join(repr(prefix + m) for m in matches) + "?"
 
 
 def residual_config() -> ml_collections.ConfigDict:
