@@ -152,6 +152,40 @@ def test_paired_difference_and_mean_std():
     assert ablation.mean_std([]) == (None, None)
 
 
+def test_paired_difference_t_interval():
+    """3 seeds: df = 2 and t_0.975 = 4.303 (not the normal 1.96); the interval is mean +- t se."""
+    d = ablation.paired_difference({0: 1.0, 1: 2.0, 2: 4.0}, {0: 1.5, 1: 2.0, 2: 3.0})
+    assert d["df"] == 2 and d["t_crit"] == pytest.approx(4.302653, abs=1e-6)
+    assert d["ci"] == pytest.approx([d["mean"] - 4.302653 * d["se"], d["mean"] + 4.302653 * d["se"]], abs=1e-6)
+    assert d["t"] == pytest.approx(d["mean"] / d["se"])
+    assert ablation.paired_difference({0: 1.0}, {0: 0.5})["ci"] is None
+
+
+def test_ablation_report_from_the_compact_table(tmp_path):
+    """The stored Table 2 result keeps only results.json; --report_only rebuilds the same table
+    from its run records, every comparison paired by seed (S = 8 against MSAR: paired t = -3.57,
+    its 95% t interval with df = 2 contains 0)."""
+    import pathlib
+    import shutil
+
+    stored = pathlib.Path(__file__).parents[1] / "experiments/results/ablation_small_300/results.json"
+    shutil.copy(stored, tmp_path / "results.json")
+    assert ablation.main([f"--workdir={tmp_path}", "--size=small", "--seeds=3", "--steps=300", "--report_only",
+                          "--no_figure5", "--set", "checkpoint.every=0"]) == 0
+    old, new = json.loads(stored.read_text()), json.loads((tmp_path / "results.json").read_text())
+    for name, row in old["rows"].items():
+        assert new["rows"][name]["per_seed"] == row["per_seed"] and new["rows"][name]["n_seeds"] == 3
+        for ref in ablation.REFERENCES:
+            if ref != name:
+                d = new["rows"][name][f"diff_vs_{ref}"]
+                per = [row["per_seed"][s] - old["rows"][ref]["per_seed"][s] for s in ("0", "1", "2")]
+                assert d["per_seed"] == pytest.approx(per) and d["df"] == 2
+    s8 = new["rows"]["s8"]["diff_vs_msar"]
+    assert s8["t"] == pytest.approx(-3.57, abs=0.01) and s8["ci"][0] < 0 < s8["ci"][1]
+    assert "t distribution" in (tmp_path / "table.md").read_text()
+    assert not (tmp_path / "curves.png").exists()  # curves need the run folders; nothing is faked
+
+
 def test_rows_are_table2():
     assert list(ablation.ROWS) == ["vanilla", "mhc", "attnres", "attnres_mhc", "msar", "no_conv", "mean_fusion",
                                    "m2", "m8", "full", "s2", "s8"]

@@ -1,4 +1,4 @@
-"""Table 2 (seed 000 §4.4): every ablation row, several seeds, one command.
+"""Table 2 (the MSAR paper §4.4): every ablation row, several seeds, one command.
 
     python -m msar_jax.experiments.ablation --size=small --seeds=3 --workdir=runs/ablation_small
     python -m msar_jax.experiments.ablation --size=small --seeds=3 --workdir=W --rows=vanilla,attnres,msar
@@ -22,17 +22,24 @@ What it does
 * ``--shard=i/n`` runs only every n-th (row, seed) pair starting at i (one process per GPU);
   ``--report_only`` trains nothing and aggregates the finished runs (runs whose step count
   differs from the requested one are left out); ``--dry_run`` prints the plan and exits.
-* Outputs in ``W``: ``results.json`` (per row: per-seed losses, mean/std, paired differences to
-  Vanilla and AttnRes with standard errors, accounting overheads, tokens/s, the paper's value),
-  ``table.md`` (the markdown table), ``curves.png`` (validation and training loss of every row,
-  mean over seeds), ``depth_weights_<row>.png`` (Figure 4 heatmaps of each depth-attention row,
-  seed 0) and ``mixing_matrices.png`` (Figure 5, see ``plots.py``).
+* Outputs in ``W``: ``results.json`` (per row: per-seed losses and run records, mean/std, paired
+  differences to Vanilla, AttnRes and the default MSAR with t intervals, accounting overheads,
+  tokens/s, the paper's value), ``table.md`` (the markdown table), ``curves.png`` (validation
+  and training loss of every row, mean over seeds), ``depth_weights_<row>.png`` (Figure 4
+  heatmaps of each depth-attention row, seed 0) and ``mixing_matrices.png`` (Figure 5, see
+  ``plots.py``). ``results.json`` alone is enough to rebuild the table: ``--report_only`` reads
+  its ``runs`` records for any run folder that is absent (the compact results under
+  ``experiments/results/`` keep only it and the figures); the curves and Figure 4 need the run
+  folders and are left as they are without them.
 
 Statistics: the loss of a run is its final validation loss (``train.eval_batches`` in-order val
 batches after the last step; the bundled corpus is repeated many times at ``size=small``, so
 the training loss would measure memorisation). Mean and sample standard deviation (ddof = 1)
-over seeds; the paired difference ``row - ref`` per common seed, its mean and standard error
-``std(ddof=1) / sqrt(n)`` (``null`` with one seed). Overheads from ``msar_jax.accounting`` at the
+over seeds. Every comparison is paired by seed: the difference ``row - ref`` per common seed,
+its mean, standard error ``std(ddof=1) / sqrt(n)``, paired t statistic and 95% interval
+``mean +- t_{0.975, n-1} se`` (3 seeds: df = 2, t = 4.303; ``null`` with one seed). The intervals
+are per comparison, with no correction for the ~30 comparisons a table makes: they describe
+the spread, they are not significance tests. Overheads from ``msar_jax.accounting`` at the
 run's config: residual parameters (and % of Vanilla's activated parameters) and training FLOPs
 overhead in % of Vanilla (including and excluding the LM head). tokens/s: median over the logged
 steps after the first (so compilation is excluded), mean over seeds.
@@ -51,6 +58,8 @@ from pathlib import Path
 
 import numpy as np
 
+from msar_jax.configs import non_negative_int, positive_int, run_cli, shard
+
 FINAL_NAME = "final.json"
 
 # name -> (config file, Table 2 label, paper Pile loss)
@@ -68,7 +77,9 @@ ROWS: dict[str, tuple[str, str, float]] = {
     "s2": ("configs/ablations/s2.py", "S = 2", 1.845),
     "s8": ("configs/ablations/s8.py", "S = 8", 1.852),
 }
-REFERENCES = ("vanilla", "attnres")
+# every row is compared, paired by seed, with Vanilla, AttnRes and the default MSAR (the ablations'
+# own reference: Table 2's "w/o Conv", m, S rows each change one thing in it)
+REFERENCES = ("vanilla", "attnres", "msar")
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,40 +238,84 @@ def mean_std(values) -> tuple[float | None, float | None]:
     return float(v.mean()), (float(v.std(ddof=1)) if v.size > 1 else None)
 
 
-def paired_difference(row: dict[int, float], ref: dict[int, float]) -> dict:
-    """``row - ref`` over the seeds both have: per-seed values, mean, std and standard error."""
+def t_quantile(level: float, df: int) -> float:
+    """Two-sided Student-t critical value: ``t_{(1 + level)/2, df}`` (3 seeds: df = 2, 4.303 at 95%)."""
+    from scipy import stats
+
+    return float(stats.t.ppf(0.5 + level / 2, df))
+
+
+def paired_difference(row: dict[int, float], ref: dict[int, float], level: float = 0.95) -> dict:
+    """``row - ref`` over the seeds both have: per-seed values, mean, std, standard error, the paired
+    t statistic ``mean / se`` and the ``level`` confidence interval ``mean +- t_{df} se`` from the t
+    distribution with ``df = n - 1`` (``None`` below two common seeds)."""
     seeds = sorted(set(row) & set(ref))
     diffs = [row[s] - ref[s] for s in seeds]
     mean, std = mean_std(diffs)
     se = std / math.sqrt(len(diffs)) if std is not None else None
-    return {"seeds": seeds, "per_seed": diffs, "mean": mean, "std": std, "se": se, "n": len(diffs)}
+    out = {"seeds": seeds, "per_seed": diffs, "mean": mean, "std": std, "se": se, "n": len(diffs),
+           "df": None, "t": None, "t_crit": None, "ci": None, "ci_level": level}
+    if se is not None:
+        df = len(diffs) - 1
+        crit = t_quantile(level, df)
+        out.update(df=df, t=(mean / se if se > 0 else None), t_crit=crit, ci=[mean - crit * se, mean + crit * se])
+    return out
+
+
+RUN_FIELDS = ("val_loss", "final_train_loss", "tokens_per_s", "steps", "wall_time_s", "time")
+
+
+def stored_runs(workdir) -> dict[str, dict[str, dict]]:
+    """``{row: {seed: run record}}`` from a previous ``results.json`` in ``workdir``: the compact table
+    a results folder keeps once its per-run folders are gone (``experiments/results/``)."""
+    path = Path(workdir) / "results.json"
+    if not path.is_file():
+        return {}
+    try:
+        rows = json.loads(path.read_text(encoding="utf-8")).get("rows", {})
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"{path}: not readable as the ablation table ({e})") from None
+    return {name: {str(k): v for k, v in (r.get("runs") or {}).items()} for name, r in rows.items()}
 
 
 def aggregate(workdir, rows, seeds, size: str, steps: int | None, overrides: dict | None) -> dict:
-    """Read every finished run of ``rows`` x ``seeds`` and build ``results.json``'s content."""
+    """Read every finished run of ``rows`` x ``seeds`` and build ``results.json``'s content.
+
+    A run is read from ``W/<row>/seed<k>/final.json``; where that folder is absent, from the
+    ``runs`` records of an earlier ``W/results.json`` (so the report can be rebuilt from the
+    compact table alone). Either way a run whose step count differs from the requested one is
+    left out with a warning.
+    """
     workdir = Path(workdir)
+    stored = stored_runs(workdir)
     out = {"size": size, "steps": steps, "seeds": list(seeds), "overrides": overrides or {},
            "loss": "final validation loss (nats/token)", "rows": {}, "created": time.time()}
     losses: dict[str, dict[int, float]] = {}
     for name in rows:
         spec, label, paper = ROWS[name]
-        per_seed, runs = {}, {}
+        per_seed, runs, accs = {}, {}, []
         try:
             expected = int(build_config(f"{spec}:size={size}", 0, steps, overrides).train.steps)
         except Exception:
             expected = None
         for seed in seeds:
-            final = read_final(workdir / name / f"seed{seed}")
+            run_dir = workdir / name / f"seed{seed}"
+            final = read_final(run_dir)
+            if final is None and not run_dir.exists():
+                final = stored.get(name, {}).get(str(seed))
+                final = {**final, "finished": True} if final else None
             if final and final.get("finished"):
                 if expected is not None and int(final.get("steps", final.get("step", -1))) != expected:
-                    print(f"warning: {workdir / name / f'seed{seed}'} ran {final.get('steps')} steps, not {expected}; "
+                    print(f"warning: {run_dir} ran {final.get('steps')} steps, not {expected}; "
                           "left out", file=sys.stderr)
                     continue
                 per_seed[seed] = float(final["val_loss"])
-                runs[seed] = final
+                runs[seed] = {k: final.get(k) for k in RUN_FIELDS}
+                if final.get("accounting"):
+                    accs.append(final["accounting"])
         losses[name] = per_seed
         mean, std = mean_std(per_seed.values())
-        acc = next(iter(runs.values()))["accounting"] if runs else None
+        acc = accs[0] if accs else None
         if acc is None:
             try:
                 acc = accounting_summary(build_config(f"{spec}:size={size}", 0, steps, overrides))
@@ -271,11 +326,13 @@ def aggregate(workdir, rows, seeds, size: str, steps: int | None, overrides: dic
             "label": label, "config": f"{spec}:size={size}", "paper_loss": paper,
             "paper_diff_vs_vanilla": round(paper - ROWS["vanilla"][2], 3),
             "paper_diff_vs_attnres": round(paper - ROWS["attnres"][2], 3),
+            "paper_diff_vs_msar": round(paper - ROWS["msar"][2], 3),
             "n_seeds": len(per_seed), "per_seed": {str(s): v for s, v in per_seed.items()},
             "mean": mean, "std": std,
             "train_loss_mean": mean_std([r.get("final_train_loss") for r in runs.values()])[0],
             "tokens_per_s": float(np.mean(tps)) if tps else None,
             "accounting": acc,
+            "runs": {str(s): r for s, r in runs.items()},
         }
     for name in rows:
         for ref in REFERENCES:
@@ -294,27 +351,39 @@ def _pm(mean, err, spec=".4f"):
     return f"{mean:{spec}}" + (f" ± {err:{spec}}" if err is not None else "")
 
 
+def _diff_cell(d: dict | None) -> str:
+    """``mean [lo, hi]`` (the t interval) or ``mean`` alone below two seeds; ``–`` for no comparison."""
+    if not d or d.get("mean") is None:
+        return "–"
+    if not d.get("ci"):
+        return f"{d['mean']:+.4f}"
+    return f"{d['mean']:+.4f} [{d['ci'][0]:+.4f}, {d['ci'][1]:+.4f}]"
+
+
 def markdown_table(results: dict) -> str:
     rows = results["rows"]
+    ns = sorted({d["n"] for r in rows.values() for k, d in r.items() if k.startswith("diff_vs_") and d.get("df")})
+    level = next((d["ci_level"] for r in rows.values() for k, d in r.items() if k.startswith("diff_vs_")), 0.95)
     lines = [
         f"Table 2 reproduction: size={results['size']}, steps={results['steps'] or 'config default'}, "
         f"seeds={results['seeds']}. Loss: {results['loss']}; mean ± std over seeds. Differences are "
-        "paired by seed (mean ± standard error); negative = better than the reference. Overheads from "
-        "msar_jax.accounting at this config (ΔP: residual parameters, % of Vanilla's activated "
-        "parameters; ΔF: training FLOPs, % of Vanilla incl. / excl. the LM head). Paper: 10B MoE, Pile loss.",
+        f"paired by seed: mean and {100 * level:.0f}% interval from the t distribution with n - 1 degrees of "
+        f"freedom (n = {', '.join(map(str, ns)) or '-'} common seeds); negative = better than the reference. "
+        "No correction for the number of comparisons. Overheads from msar_jax.accounting at this config "
+        "(ΔP: residual parameters, % of Vanilla's activated parameters; ΔF: training FLOPs, % of Vanilla "
+        "incl. / excl. the LM head). Paper: 10B MoE, Pile loss.",
         "",
-        "| Row | m | S | seeds | val loss | Δ vs Vanilla | Δ vs AttnRes | ΔP | ΔP % | ΔF % (incl./excl. head) "
-        "| tokens/s | paper loss | paper Δ vs Vanilla |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| Row | m | S | seeds | val loss | Δ vs Vanilla | Δ vs AttnRes | Δ vs MSAR | ΔP | ΔP % "
+        "| ΔF % (incl./excl. head) | tokens/s | paper loss | paper Δ vs Vanilla |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
         acc = r.get("accounting") or {}
         m = {"vanilla": "–", "attnres": "1"}.get(name, acc.get("streams", "-"))
         s = "–" if name in ("vanilla", "mhc") else acc.get("block_size", "-")
-        dv, da = r.get("diff_vs_vanilla"), r.get("diff_vs_attnres")
         cells = [
             f"{r['label']} (`{name}`)", str(m), str(s), str(r["n_seeds"]), _pm(r["mean"], r["std"]),
-            _pm(dv["mean"], dv["se"]) if dv else "–", _pm(da["mean"], da["se"]) if da else "–",
+            *(_diff_cell(r.get(f"diff_vs_{ref}")) for ref in REFERENCES),
             f"{acc['residual_params']:,}" if acc else "-", _f(acc.get("residual_params_pct"), ".3f"),
             f"{_f(acc.get('flops_overhead_pct_incl_lm_head'), '.2f')} / {_f(acc.get('flops_overhead_pct_excl_lm_head'), '.2f')}",
             _f(r.get("tokens_per_s"), ",.0f"), f"{r['paper_loss']:.3f}", f"{r['paper_diff_vs_vanilla']:+.3f}",
@@ -368,17 +437,17 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--size", default="small", help="config size (configs/common.py SIZES): tiny, small, base, ...")
-    ap.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1")
+    ap.add_argument("--seeds", type=positive_int, default=3, help="seeds 0..N-1")
     ap.add_argument("--rows", default="all", help=f"comma-separated subset of {','.join(ROWS)}")
-    ap.add_argument("--steps", type=int, default=None, help="override train.steps (warmup clipped to it)")
+    ap.add_argument("--steps", type=positive_int, default=None, help="override train.steps (warmup clipped to it)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override, e.g. --set train.batch_size=8 (repeatable; JSON values)")
-    ap.add_argument("--shard", default="0/1", help="i/n: run only the i-th of every n (row, seed) pairs")
+    ap.add_argument("--shard", type=shard, default=(0, 1), help="i/n: run only the i-th of every n (row, seed) pairs")
     ap.add_argument("--report_only", action="store_true", help="train nothing; aggregate finished runs")
     ap.add_argument("--dry_run", action="store_true",
                     help="print the planned runs (config, tokens, accounting, finished or not) and exit")
     ap.add_argument("--no_figure5", action="store_true", help="skip the Figure 5 mixing-matrix plot")
-    ap.add_argument("--fig5_steps", type=int, default=0,
+    ap.add_argument("--fig5_steps", type=non_negative_int, default=0,
                     help="Figure 5: train the L=4 models this many CPU steps first (0 = perturbed init)")
     args = ap.parse_args(argv)
 
@@ -388,7 +457,7 @@ def main(argv=None) -> int:
     rows = _parse_list(args.rows, ROWS)
     seeds = list(range(args.seeds))
     overrides = parse_overrides(args.set)
-    shard_i, shard_n = (int(x) for x in args.shard.split("/"))
+    shard_i, shard_n = args.shard
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     statuses = []
@@ -430,4 +499,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli(main))  # a config error (--size, --set): one line, exit status 1
