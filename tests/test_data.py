@@ -156,7 +156,9 @@ def test_default_cache_dir_location(monkeypatch, tmp_path):
     assert data.default_cache_dir() == tmp_path / "bundled_bytes"
     assert data.default_out_dir() == data.default_cache_dir()
     assert data.default_out_dir("stdlib", "bpe", 4096) == tmp_path / "stdlib_bpe4096"
-    assert data.default_out_dir(str(tmp_path / "my_txt"), "bytes") == tmp_path / "my_txt_bytes"
+    # a folder source: its name plus 8 hex of sha256(absolute path), so same-named folders differ
+    tag = hashlib.sha256(str((tmp_path / "my_txt").resolve()).encode()).hexdigest()[:8]
+    assert data.default_out_dir(str(tmp_path / "my_txt"), "bytes") == tmp_path / f"my_txt-{tag}_bytes"
 
 
 def test_normalize_text_strips_audience_notes():

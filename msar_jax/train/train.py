@@ -152,11 +152,26 @@ def make_layout(config) -> layout_lib.Layout:
 
 
 def prepare_data(config) -> tuple[Path, dict]:
-    """The prepared data folder of ``config.data`` (built if missing) and its meta."""
+    """The prepared data folder of ``config.data`` (built if missing) and its meta.
+
+    ``data.dir`` empty: the cache folder of ``data.source`` (``data.default_out_dir``), prepared
+    again whenever the source's content fingerprint changes. ``data.dir`` named: used as is when
+    it was made from ``data.source`` as it is now; data made from anything else stops the run
+    (``ConfigError``), as do a missing source and a source file that is not UTF-8 text.
+    """
     d = config.data
     vocab = d.vocab_size or None
     out = Path(d.dir) if d.dir else data.default_out_dir(d.source, d.tokenizer, vocab)
-    meta = data.ensure_prepared(out, source=d.source, tokenizer=d.tokenizer, vocab_size=vocab)
+    try:
+        meta = data.ensure_prepared(out, source=d.source, tokenizer=d.tokenizer, vocab_size=vocab)
+    except data.DataMismatchError as e:
+        raise ConfigError("data.dir", d.dir, f"{e} (or set data.source to what it was made from)") from None
+    except data.BadTextFile as e:
+        raise ConfigError("data.source", d.source, f"{e}; to read such a folder, run `python -m "
+                          f"msar_jax.data.prepare --source={d.source} [--out=DIR] --encoding=... or "
+                          "--skip_bad_files` first (training reuses that folder)") from None
+    except FileNotFoundError as e:
+        raise ConfigError("data.source", d.source, str(e)) from None
     if meta["tokenizer"]["vocab_size"] > config.model.vocab_size:
         raise ConfigError("model.vocab_size", config.model.vocab_size,
                           f"must be >= the data's vocabulary ({meta['tokenizer']['vocab_size']}, {out})")
@@ -242,13 +257,14 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
         print(f"mesh: {layout.describe()}", file=sys.stderr, flush=True)
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    data_dir, meta = prepare_data(config)  # before config.json, which records the data actually used
     if primary:
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2), encoding="utf-8")
+        record = json.loads(config.to_json_best_effort()) | {"data_used": data.provenance(data_dir, meta)}
+        (workdir / "config.json").write_text(json.dumps(record, indent=2), encoding="utf-8")
     t = config.train
     total = t.steps
     end = total if max_steps is None else min(max_steps, total)
 
-    data_dir, meta = prepare_data(config)
     tx, schedule = make_optimizer(config.optim, total)
     # This process's rows of every global batch (all of them on a single process).
     iterator = multihost.train_iterator(data_dir, t.batch_size, config.seq_len, t.seed)
