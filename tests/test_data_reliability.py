@@ -134,6 +134,9 @@ def test_train_prepare_data_names_the_config_field(tmp_path):
     with pytest.raises(ConfigError) as e:
         prepare_data(config)
     assert e.value.field == "data.source" and "bad.txt" in str(e.value) and "byte offset 3" in str(e.value)
+    config = load_config("configs/msar.py:smoke=1", {"data.source": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match=r"'data.source' = '.*missing': not 'bundled', not 'stdlib', and not a dir"):
+        prepare_data(config)
 
 
 def _run_config(src: Path):

@@ -341,13 +341,13 @@ def decode_text(raw: bytes, path: str | os.PathLike, encoding: str = "utf-8",
         raise ValueError(f"--errors={errors!r}: must be one of {TEXT_ERRORS}")
     codec = codec_name(encoding)
     wide = codec.startswith(("utf-16", "utf-32"))
-    skip_hint = "--skip_bad_files leaves such files out"
+    skip_hint = "--skip_bad_files to leave such files out"
     if not wide:
         nul = raw.find(b"\x00")
         if nul >= 0:
             what = ("a NUL byte at byte offset %d: UTF-16 text (pass --encoding=utf-16) or a binary file"
                     if _looks_utf16(raw) else "a NUL byte at byte offset %d: a binary file, not text") % nul
-            raise BadTextFile(path, what, skip_hint)
+            raise BadTextFile(path, what, f"pass {skip_hint}")
     offset = 0
     if codec == "utf-8" and raw.startswith(_UTF8_BOM):
         raw, offset = raw[len(_UTF8_BOM):], len(_UTF8_BOM)
@@ -359,10 +359,10 @@ def decode_text(raw: bytes, path: str | os.PathLike, encoding: str = "utf-8",
         raise BadTextFile(path, f"not valid {encoding} text: byte 0x{bad} at byte offset {e.start + offset} "
                           f"({e.reason})",
                           f"pass --encoding=<its encoding> (e.g. latin-1, cp1252, utf-16), "
-                          f"--errors=replace to decode it as U+FFFD, or {skip_hint}") from None
+                          f"--errors=replace to decode its bad bytes as U+FFFD, or {skip_hint}") from None
     if wide and "\x00" in text:
         raise BadTextFile(path, f"a NUL character at character {text.index(chr(0))} when read as {encoding}: "
-                          "a binary file, not text", skip_hint)
+                          "a binary file, not text", f"pass {skip_hint}")
     return text, _REPLACE_COUNTER.n
 
 

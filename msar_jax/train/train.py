@@ -171,7 +171,7 @@ def prepare_data(config) -> tuple[Path, dict]:
                           f"msar_jax.data.prepare --source={d.source} [--out=DIR] --encoding=... or "
                           "--skip_bad_files` first (training reuses that folder)") from None
     except FileNotFoundError as e:
-        raise ConfigError("data.source", d.source, str(e)) from None
+        raise ConfigError("data.source", d.source, str(e).removeprefix(f"--source={d.source}: ")) from None
     if meta["tokenizer"]["vocab_size"] > config.model.vocab_size:
         raise ConfigError("model.vocab_size", config.model.vocab_size,
                           f"must be >= the data's vocabulary ({meta['tokenizer']['vocab_size']}, {out})")
