@@ -1,6 +1,8 @@
-"""Phase 2's fused forward (merge + stream fusion) as one Mosaic GPU kernel (``plgpu.kernel``).
+"""The depth read's Mosaic GPU kernels (``plgpu.kernel``): phase 2's fused forward (merge + stream
+fusion), phase 2's backward state and input kernels, and phase 1's scoring and mixing passes.
+Phase 1's backward passes are in ``mosaic_gpu_bwd1``, which uses this module's helpers.
 
-Same contract as ``fused.phase2_forward(fuse="gate" | "mean")``; the Triton form runs it as
+Phase 2's forward has the same contract as ``fused.phase2_forward(fuse="gate" | "mean")``; the Triton form runs it as
 three Pallas calls (``scores``, ``mix_stats``, ``mix_gate``) with XLA between them. Here one
 program per (batch row, 64-token tile), one warpgroup, runs the three passes over the channel
 chunks in turn and keeps every per-token scalar between them in registers:
@@ -18,17 +20,17 @@ Each pass streams the chunks through a double-buffered TMA pipeline (the partial
 windows, the conv taps, the queries; the state's chunk and the gate's ``W`` in B and C). A
 conv lag's rows ``[t0 - delta, t0 - delta + 64)`` loaded from one window at a row offset that
 is not a multiple of 8 came out wrong on the H200 in Pallas' default Warpgroup semantics, whose
-layout inference swizzles every shared-memory ref (BENCHMARKS.md, kernels, sessions 15, 17 and
-20; ``experiments/mgpu/offset_loads.py``). Placements of the lags that
+layout inference swizzles every shared-memory ref (docs/kernels.md;
+``experiments/mgpu/offset_loads.py`` shows it). Placements of the lags that
 work (``_Lags``, ``WINDOWS``): ``"aligned"``, one window per lag class modulo 8, 72 rows tall where it serves two lags,
 each lag at a multiple of 8 rows in it (8 TMA copies for kernels up to 12; 544 rows into shared
 memory per 64-row tile and chunk, 8.5x the partial's), and ``"single"``, one window of 80 rows
 per chunk with each lag loaded at its own offset, the kernel lowered in Lane semantics (no
 inferred swizzle; half the shared memory). Those bytes, not the number of copies, bound the
-kernels (session 19, ``experiments/mgpu/tma_rate.py``), yet with 64-byte rows the single
+kernels (``experiments/mgpu/tma_rate.py`` measures it), yet with 64-byte rows the single
 window's loads meet 4-way bank conflicts (rows ``r`` and ``r + 2`` on the same banks) and cost
 more than they save; ``"padded"`` widens its rows to 80 bytes (``WINDOW_PAD`` channels fetched
-and never read) and is the fastest placement in every kernel (session 20, calls 7-9). Each
+and never read) and is the fastest placement in every kernel (``KERNEL_WINDOWS`` has the figures). Each
 kernel takes the placement measured best for it (``KERNEL_WINDOWS``: ``"padded"`` in all four;
 ``"per_lag"``, one window per lag, stays for comparison).
 Rows before token 0 come from TMA's zero fill on the GPU; Pallas' Mosaic GPU interpret mode
@@ -39,14 +41,13 @@ built by XLA from the ids with the reference's rule (``reference._lag_masks``).
 The forward's per-token scores (``dots[m, B, T, H]``, ``sumsq[m, B, T]``) are outputs too: the
 Pallas backward (``fused_bwd_phase2``) starts from them.
 
-Why Mosaic GPU for this op: session 15 timed the scoring pass alone 1.55-1.70x faster than the
-Triton kernel; this module's whole forward against the Triton three-call form is in
-BENCHMARKS.md, kernels, session 16.
+Why Mosaic GPU for this op: the scoring pass alone runs 1.55-1.70x faster than the Triton
+kernel on the H200; this module's whole forward against the Triton three-call form is in
+docs/kernels.md and BENCHMARKS.md.
 
-The module also holds the Pallas backward's phase-2 kernels (``phase2_backward_state``: the
-gate's statistics and ``d_acc``; ``phase2_backward_inputs``: the reverse-T input pass, in
-8-channel chunks) and phase 1's scoring and mixing passes (``phase1_scores``, ``phase1_mix``);
-phase 1's backward passes are in ``mosaic_gpu_bwd1``, which uses this module's helpers.
+Phase 2's backward: ``phase2_backward_state`` (the gate's statistics and ``d_acc``) and
+``phase2_backward_inputs`` (the reverse-T input pass, in 8-channel chunks). Phase 1:
+``phase1_scores`` and ``phase1_mix``.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ MAX_LAG_BITS = 31  # lag bits per token in one int32 (``lag_bits``)
 # kernels' counts (``smem_bytes``, ``state_smem_bytes``, ``scores_smem_bytes``, ``mix_smem_bytes``,
 # ``mosaic_gpu_bwd1.smem_bytes``) lay out the scratch list as Pallas does (``_smem_sum``), so they
 # bound the allocation from above (``tests/kernels/test_mosaic_gpu_smem.py`` lowers each kernel
-# and compares); until session 35 they summed the buffers' bytes alone against 4 KiB less than
-# this, and the mix's and the scoring pass's missed a row per source of their valid-source lists.
+# and compares). Summing the buffers' bytes alone undercounts: it misses each buffer's alignment
+# padding, the reduction scratch and the barriers.
 SMEM_BYTES = 227 * 1024
 SMEM_ALIGNMENT = 1024  # Pallas' Mosaic GPU lowering starts each scratch buffer at a multiple of this
 BARRIER_BYTES = 8  # one mbarrier, after the scratch buffers
@@ -90,7 +91,7 @@ def _smem_sum(*buffers: int, barriers: int = 0, reduces: bool = False) -> int:
             + (REDUCTION_SCRATCH_BYTES if reduces else 0))
 
 # Channel chunks, widest first. 16 ran MSAR's forward at `base` 12-13% slower than 32 (1.59-1.60
-# against 1.42 ms) and AttnRes's crashed with a misaligned address on the H200 (session 16, calls 1 and 3), so
+# against 1.42 ms) and AttnRes's crashed with a misaligned address on the H200, so
 # only 32 is offered: a program that does not fit with it (a float32 partial) runs on Triton.
 BLOCK_D_CHOICES = (32,)
 
@@ -111,10 +112,10 @@ def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dty
 
 # Whether ``phase2_backward_state`` stores its per-head sums through the buffer its per-token
 # coefficients came in (read into registers at the start): 3 KB less per program at `base`, which
-# then fits two programs per SM. Measured (session 22, call 5: the whole Pallas backward of phase 2)
-# 3.352 against 3.231 ms at `base` (slower), 1.557 against 1.676 at the issue's shape, so off
+# then fits two programs per SM. Measured on the H200 (the whole Pallas backward of phase 2)
+# 3.352 against 3.231 ms at `base` (slower), 1.557 against 1.676 at the bench shape, so off
 # (read at the call; ``time_phase2.py --backward --state-rows`` times both). Counted exactly
-# (session 35, ``state_smem_bytes``) the 3 KB decide two programs per SM only with a float32
+# (``state_smem_bytes``) the 3 KB decide two programs per SM only with a float32
 # ``dh`` (120,856 / 117,784 bytes: one either way); with the bf16 ``dh`` of a bf16 model
 # (``_dh_operand``) two fit either way (112,664 / 109,592).
 STATE_SUMS_IN_ROWS = False
@@ -175,16 +176,16 @@ WINDOWS = ("per_lag", "aligned", "single", "padded")
 ONE_WINDOW = ("single", "padded")  # one window per chunk, lowered in Lane semantics
 # channels past the chunk in each row of a "padded" window: 80-byte rows for 32 bf16 channels, so
 # that the 8 rows of a warp's load start on different banks (64-byte rows put rows r and r + 2 on
-# the same banks; session 20, call 7: the expansion alone 0.594 -> 0.364 ms); fetched, never read
+# the same banks; on the H200 the expansion alone 0.594 -> 0.364 ms); fetched, never read
 WINDOW_PAD = 8
 # What each kernel takes when called with windows=None (the ops do), by measurement on the H200 at
-# `base` (BENCHMARKS.md, kernels, session 20, calls 4-9). "aligned" took the step from 1648.4 to
-# 1595.2 ms (session 18, call 4); "single" halves each program's shared memory but its loads meet
+# `base` (docs/kernels.md). "aligned" took the step from 1648.4 to
+# 1595.2 ms against "per_lag"; "single" halves each program's shared memory but its loads meet
 # bank conflicts (the forward 1.20 -> 1.26 ms, the scoring pass 1.88 -> 2.16); "padded" avoids
 # them and is the fastest in all four kernels (the forward 1.245 -> 0.964 ms, the scoring pass
 # 2.00 -> 1.79, the mixing pass 4.37 -> 4.09 against "single", the backward's kernel as "single"):
 # the step 1571.2 -> 1530.1 ms. A dict, so that a later kernel or device can differ.
-# Phase 1's backward passes 2 and 4 (``mosaic_gpu_bwd1``, session 22) were written and timed with "padded".
+# Phase 1's backward passes 2 and 4 (``mosaic_gpu_bwd1``) were written and timed with "padded".
 KERNEL_WINDOWS = {"forward": "padded", "backward_state": "padded", "scores": "padded", "mix": "padded",
                   "gdots": "padded", "dstreams": "padded"}
 # one placement for every kernel (timing scripts and tests set it); None: ``KERNEL_WINDOWS``
@@ -202,7 +203,7 @@ class _Lags(NamedTuple):
     one window per lag modulo 8 (``min(8, max_lag)`` copies instead of ``max_lag``), ``64 + 8
     extra`` rows tall, lag ``w + 8 q`` at row ``8 (extra - q)`` of window ``w``: every load at a
     row offset that is a multiple of 8, the only offsets a WGMMA-layout load gets right on the
-    H200 (session 17's probe, ``experiments/mgpu/offset_loads.py``). ``"single"``: one window
+    H200 (``experiments/mgpu/offset_loads.py`` probes it). ``"single"``: one window
     of ``64 + 8 extra`` rows, lag ``delta`` at row ``8 extra - delta``: one copy of about the
     tile's bytes, loads at row offsets that are not multiples of 8 (exact in Lane semantics;
     ``zero``: a runtime 0 added to the offset). ``"padded"``: the same with ``WINDOW_PAD`` more
@@ -311,16 +312,16 @@ def _state_boxes() -> str:
 REREAD_ORDERS = ("same", "reverse")
 # The order in which phase 2's gated kernels (the forward, the backward's state kernel) walk the
 # channel chunks the second time they read a tile's state: the gate's statistics need the whole
-# tile (every stream and channel, 1 MB at `base`, 2 MB at the issue's shape) before the output
+# tile (every stream and channel, 1 MB at `base`, 2 MB at the bench shape) before the output
 # pass, so each state element is read twice. In the same order the second read of a chunk comes
 # a whole tile's bytes after its first, which with some 260 programs in flight is about 260 MB
-# of other traffic, far more than L2 (50 MiB on the H100, read from the driver in session 43),
+# of other traffic, far more than L2 (50 MiB on the H100, as the driver reports it),
 # so it comes from DRAM again (Nsight Compute: the forward moves both reads' bytes at its DRAM
-# bound, BENCHMARKS.md, kernels, session 23). In reverse the last chunks the first pass read are
+# bound; docs/kernels.md). In reverse the last chunks the first pass read are
 # the first the second reads, while they may still be in L2. The same bits for ``h``, the scores
 # and ``d_acc`` (chunks are independent there); the state kernel's per-token sums add their
-# chunks in the other order (3e-7 apart). Measured (session 43, call 1, an H100, three
-# alternating rounds): the forward 1.8% / 0.5% faster at `base` / the issue's shape, the state
+# chunks in the other order (3e-7 apart). Measured (an H100, three
+# alternating rounds): the forward 1.8% / 0.5% faster at `base` / the bench shape, the state
 # kernel 1.3% / 1.7%; each of the three reversed rounds at `base` faster than each in the same
 # order. Read when a kernel is built (part of its configuration).
 REREAD_ORDER = "reverse"
@@ -360,7 +361,7 @@ def _copy_state(plgpu, acc_ref, accs, rows, cs, slot, bar, state_boxes: str):
 
 # whether a kernel's run of TMA stores that is awaited as a whole (``_store_group``) is committed
 # once, after its last store, rather than once per store: Nsight Compute put 5% of the mixing
-# pass's warp samples on the commits of its 8 stores per chunk and stream (session 25, call 3).
+# pass's warp samples on the commits of its 8 stores per chunk and stream.
 # Read when a kernel is built.
 STORE_GROUPS = True
 
@@ -533,10 +534,10 @@ GATE_STATS = ("own_pass", "in_scores")
 # ``"own_pass"``: the forward's pass B re-expands the partial to sum ``sum z^2`` and ``z . W_j``;
 # ``"in_scores"``: pass A sums ``A.A``, ``A.E``, ``E.E``, ``A.W_j``, ``E.W_j`` per stream and head
 # and the statistics follow from them once a and b are known, so the forward expands twice and
-# reads the partial twice. With session 19's "aligned" windows that was slower on the H200 (1.385
-# against 1.234 ms per call at `base`; BENCHMARKS.md, kernels, session 19, call 6); with today's
-# "padded" windows it is faster (session 44, call 6, an H100: 1.1644 -> 1.0265 ms per call at
-# `base`, 0.6202 -> 0.5605 at the issue's shape; the bench's forward per sublayer 1.196 -> 1.109
+# reads the partial twice. With "aligned" windows that was slower on the H200 (1.385
+# against 1.234 ms per call at `base`); with
+# "padded" windows it is faster (an H100: 1.1644 -> 1.0265 ms per call at
+# `base`, 0.6202 -> 0.5605 at the bench shape; the bench's forward per sublayer 1.196 -> 1.109
 # ms; Nsight Compute: 6% fewer instructions and DRAM bytes), so it is the default. The split form
 # (``split=True``) has no scoring pass that could sum them: it takes "own_pass".
 DEFAULT_GATE_STATS = "in_scores"
@@ -623,8 +624,8 @@ class _LanePlgpu:
     Warpgroup semantics infers a swizzle for every shared-memory ref (64 bytes for a window of
     32 bf16 channels), and a WGMMA-layout load that starts at a row offset that is not a
     multiple of the swizzle's 8 rows unswizzles it relative to its own start, so it returns the
-    right rows with their 16-byte column groups permuted (session 20, ``experiments/mgpu/
-    offset_loads.py --map``). Lane semantics leaves unannotated refs unswizzled; their loads
+    right rows with their 16-byte column groups permuted (``experiments/mgpu/
+    offset_loads.py --map`` shows the permutation). Lane semantics leaves unannotated refs unswizzled; their loads
     must then be unoptimized (no bank-conflict-free plan exists for them), so ``load`` passes
     ``optimized=False``. Everything else is ``plgpu``'s."""
 
@@ -644,7 +645,7 @@ class _LanePlgpu:
 # Lane semantics only (``windows="single"``): give the buffers of whole [64, bd] tiles (the state's
 # chunk, dh, the outputs' staging) the (8, bd) tiling and the swizzle that Warpgroup semantics
 # would infer, so that their loads and stores stay free of bank conflicts; the lag window stays
-# unswizzled (its loads start at any row). False: every buffer plain (session 20, call 4).
+# unswizzled (its loads start at any row). False: every buffer plain.
 LANE_TILE_SWIZZLE = True
 
 
@@ -1001,8 +1002,7 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     (w, scale, bias)`` or None. Returns ``d_acc`` (``acc``'s dtype), ``(S1, Sm, Ss)`` each ``[m, B, T, H]``, and for the gate
     ``(g, dy, coef, d_scale, d_bias)`` (``[B, T, m]``, ``[B, T, m]``, ``[B, T]``, the scale's
     and bias's gradients) or None. On the H200 at `base` the whole Pallas backward ran 5.40 ms
-    per call with it against 6.19 with the two Triton passes (BENCHMARKS.md, kernels, session
-    17), so ``gpu_kernels="auto"`` takes it wherever it takes the forward. ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
+    per call with it against 6.19 with the two Triton passes (docs/kernels.md), so ``gpu_kernels="auto"`` takes it wherever it takes the forward. ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
     ``default_windows``). ``reread_order``: the chunks' order in pass 2, the state's second read
     with the gate (``REREAD_ORDERS``; None: ``REREAD_ORDER``)."""
     expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows or default_windows("backward_state")).kind
@@ -1275,12 +1275,12 @@ def scores_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int
 
 
 # Channel chunks in flight in ``phase1_scores``'s TMA pipeline (the one being reduced and the next
-# ``SCORES_SLOTS - 1``). 3 or 4 gave nothing on the H200 (session 27, call 1: within 5% either way).
+# ``SCORES_SLOTS - 1``). 3 or 4 gave nothing on the H200 (within 5% either way).
 SCORES_SLOTS = 2
 # ``phase1_scores``'s channel chunks, first choice first (``choose_block_d``), for one stream and for
-# several. Wider chunks mean fewer copies and fewer per-chunk reductions: on the H200 (session 27,
-# call 1) one stream took 0.387 / 0.299 / 0.262 ms with 32 / 64 / 128 channels at `base` (0.448 /
-# 0.346 / 0.292 at the issue's shape); MSAR's four streams 1.787 / 1.676 (1.947 / 1.870), and 128
+# several. Wider chunks mean fewer copies and fewer per-chunk reductions: on the H200
+# one stream took 0.387 / 0.299 / 0.262 ms with 32 / 64 / 128 channels at `base` (0.448 /
+# 0.346 / 0.292 at the bench shape); MSAR's four streams 1.787 / 1.676 (1.947 / 1.870), and 128
 # channels would hold four [64, 128] float32 streams in registers (256 per thread) before any sum.
 SCORES_BLOCK_D_CHOICES = {"one_stream": (128, 64, 32), "several": (64, 32)}
 
@@ -1298,9 +1298,9 @@ def scores_block_d_choices(n_streams: int, defer_sums: bool = False) -> tuple:
 # ``[64, bd]`` accumulators (S m dots and m sums of squares: AttnRes's one stream and 8 targets is 9,
 # 16 registers each at 32 channels; MSAR's 4 streams would need 36).
 DEFERRED_SUMS_MAX = 9
-# What ``defer_sums=None`` takes where it applies. Off: for one stream on the H200 (session 26, call 2)
+# What ``defer_sums=None`` takes where it applies. Off: for one stream on the H200
 # deferring was 10% slower at `base` (d = 1024: 0.391 against 0.355 ms), which the model runs, and 10%
-# faster at the issue's shape (d = 2048: 0.440 against 0.487 ms).
+# faster at the bench shape (d = 2048: 0.440 against 0.487 ms).
 SCORES_DEFER_SUMS = False
 
 
@@ -1457,7 +1457,7 @@ def _scores_kernel(cfg: _ScoresConfig):
             # The loop carries the current head's S m dots only: each head's go to the staging
             # buffer when its chunks are done (``head_end``). Carried through every head's loop,
             # MHAR's 8 heads x 8 targets made 64 live accumulators: the pass alone 0.733 -> 0.602
-            # ms at `base` with this (AttnRes's one head: 0.281; session 28, call 5).
+            # ms at `base` with this (AttnRes's one head: 0.281).
             def chunk(c, slot, head, carry):
                 dots, sqs = list(carry[0]), list(carry[1])
                 for r, e in enumerate(_expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags, cfg.expand)):
@@ -1503,13 +1503,12 @@ def _scores_kernel(cfg: _ScoresConfig):
 # --------------------------------------------------------------------------- phase 1's mixing pass
 
 # Items in flight in ``phase1_mix``'s TMA pipeline (``mix_smem_bytes`` counts them). 3 fits a
-# float32 state with the aligned windows (194 KB) and ran 5.18 against 5.60 ms with 2 at `base`
-# (session 18, call 4); with ``windows="per_lag"`` a float32 state needs ``n_slots=2``.
+# float32 state with the aligned windows (194 KB) and ran 5.18 against 5.60 ms with 2 at `base`;
+# with ``windows="per_lag"`` a float32 state needs ``n_slots=2``.
 MIX_SLOTS = 3
 # How the mixing pass finds the (chunk, stream, source) of the item it fetches next: "divide"
 # decodes the item's flat index (two integer divisions by the runtime count of valid sources,
-# about 80 SASS instructions per item, in the H200 compile read back on a CPU machine: session
-# 32); "carried" carries the next item's (chunk, stream, source) through the loops and steps it
+# about 80 SASS instructions per item, in the H200 compile read back on a CPU machine); "carried" carries the next item's (chunk, stream, source) through the loops and steps it
 # by one per item (a few compares and selects). The items, their order and the sums are the same.
 ITEM_DECODES = ("divide", "carried")
 DEFAULT_MIX_ITEM_DECODE = "divide"
@@ -1521,9 +1520,9 @@ MIX_BLOCK_D_CHOICES = (32,)
 # of its own that all the streams read, and is refilled for the next chunk as the last stream is
 # done with it (the lead: the other sources' items). "per_chunk" holds a window per source slot
 # (``n`` of them) and stages the targets' stores in two halves to stay at two programs per SM.
-# "per_chunk" by measurement on the H200 (BENCHMARKS.md, kernels, session 36, call 1; the same bits):
-# 4.175 -> 3.962 ms per call at `base`'s last block (-5.1%), 3.216 -> 2.851 at the issue's shape
-# (-11.3%); the MSAR `base` step's mixing passes 56.0 -> 52.5 ms (call 3). Where a window per
+# "per_chunk" by measurement on the H200 (docs/kernels.md; the same bits):
+# 4.175 -> 3.962 ms per call at `base`'s last block (-5.1%), 3.216 -> 2.851 at the bench shape
+# (-11.3%); the MSAR `base` step's mixing passes 56.0 -> 52.5 ms. Where a window per
 # source does not fit (more than 31 sources at 2 targets), the default falls back to "per_item"
 # (``resolve_window_fetch``).
 MIX_WINDOW_FETCHES = ("per_item", "per_chunk")
@@ -1834,7 +1833,7 @@ def _mix_kernel(cfg: _MixConfig):
                             out_s[s - s0] = accs[s].astype(out_s.dtype)
                         plgpu.commit_smem()
                         # issued all at once: spread over the next chunk and stream's items (a few per
-                        # item) they made the pass 1.3-1.8x slower (session 25, call 4)
+                        # item) they made the pass 1.3-1.8x slower
                         if "stores" not in cfg.timing_skip:
                             _store_group(plgpu, ((out_s.at[s - s0], outs[s].at[r, b, rows, cs] if cfg.per_target
                                                   else outs[0].at[s, r, b, rows, cs]) for s in group))
@@ -1863,17 +1862,16 @@ INPUTS_NEXT_ROWS = 16  # rows of the next token tile the transposed conv reaches
 # (the tile's 64 and the 16 it reaches, padded), the small per-chunk rows padded to 4 (4 x 32 bytes)
 INPUTS_BITS_ROWS = 96
 # warpgroups per program of ``phase2_backward_inputs`` (``INPUTS_WARPGROUPS_CHOICES``; ``_inputs_kernel``
-# says why 2): with two, no spills and 1.63 against 2.61 ms per call in the `base` step (session 21,
-# calls 9-10). Nsight Compute found two warps per scheduler issuing every 2.6 cycles (session 23,
-# call 1), but more warpgroups did not pay: phase 2's whole backward at `base` 3.217 ms with two,
-# 3.426 with three (168 registers, no spills), 3.721 with four (128, spills) (session 23, call 2)
+# says why 2): with two, no spills and 1.63 against 2.61 ms per call in the `base` step
+# with one. Nsight Compute found two warps per scheduler issuing every 2.6 cycles, but more
+# warpgroups did not pay: phase 2's whole backward at `base` 3.217 ms with two,
+# 3.426 with three (168 registers, no spills), 3.721 with four (128, spills)
 INPUTS_WARPGROUPS = 2
 INPUTS_WARPGROUPS_CHOICES = (1, 2, 3, 4)
 # whether ``phase2_backward_inputs`` loads each lag of the partial's window and each per-token row
 # once per tile and reuses the values (False: once per use; a stream's expansion and its bank
 # gradient each load the lags, 49 loads where 12 lags exist). Bitwise the same gradients, no
-# spills; phase 2's whole backward at `base` 3.220 against 3.297 ms in the same call (session 23,
-# call 4). Read when the kernel is built.
+# spills; phase 2's whole backward at `base` 3.220 against 3.297 ms, timed side by side. Read when the kernel is built.
 INPUTS_REUSE_LOADS = True
 # where ``phase2_backward_inputs`` takes its per-channel constants (the taps, the queries and W's
 # columns: the same in every token tile of a program): "per_use" loads each from shared memory at
@@ -1882,17 +1880,18 @@ INPUTS_REUSE_LOADS = True
 # program, before the token loop, so they stay in registers (each warpgroup only its streams').
 # The same values loaded: bitwise the same gradients interpreted; compiled, ptxas schedules the
 # arithmetic around them differently (`d_x` within one bf16 rounding of the others, `d_bank` 2e-7
-# relative). "per_program" by measurement (session 40, call 1, an H100; the loops 608 / 494 ->
+# relative). "per_program" by measurement (an H100; the loops 608 / 494 ->
 # 574 / 460 instructions per tile, 254 registers, no spills): 1.375 -> 1.229 ms per call at
-# `base` (-10.7%), 0.695 -> 0.635 at the issue's shape (-8.7%); "per_tile" -4.9% / -5.7%; on an
-# H200 (call 4) -9.1% / -8.7%. A program of one warpgroup takes "per_use" for it
+# `base` (-10.7%), 0.695 -> 0.635 at the bench shape (-8.7%); "per_tile" -4.9% / -5.7%; on an
+# H200 -9.1% / -8.7%. A program of one warpgroup takes "per_use" for it
 # (``_default_inputs_constants``). Read when the kernel is built.
 INPUTS_CONSTANTS = "per_program"
 INPUTS_CONSTANTS_CHOICES = ("per_use", "per_tile", "per_program")
-# Measured in session 40 and taken out again (commit dfe9301 has it): the input kernel without
+# Measured and taken out again (commit dfe9301 has it): the input kernel without
 # Pallas' automatic barriers (13 / 12 ``bar.sync`` per tile in its two warpgroups' loops; its own
 # before a tile's ``d_E`` moves to the next rows and after the wait for the ``d_x`` staging
-# buffer): exact on the GPU, 3.2% / 0.4% faster at `base` / the issue's shape (call 4).
+# buffer): exact on the GPU, 3.2% / 0.4% faster at `base` / the bench shape on an H200: too little
+# for hand-placed barriers.
 # batch rows each program of ``phase2_backward_inputs`` walks, one after the other (the largest
 # divisor of the batch up to this): its carried token sums are reduced over the 64 rows, and its
 # first copies waited for, once per program rather than once per row. Read when the kernel is built.
@@ -1904,10 +1903,10 @@ INPUTS_ROWS_PER_PROGRAM_CHOICES = (1, 2, 4, 8)
 # bf16 widened in place (``widen_bits``: two per pair; the loops 574 / 460 -> 548 / 442
 # instructions per tile in the H200's compile at `base`). The same values; compiled, `d_x` within
 # a bf16 rounding of "extf"'s (ptxas orders the sums differently). "bits" is inline Mosaic GPU
-# code, which Pallas' interpreter does not run: interpreted kernels take "extf". Measured (session
-# 41, call 1, an H100): 1.2072 -> 1.1997 ms per call at `base` (-0.6%), 0.6004 -> 0.5923 at the
-# issue's shape (-1.3%): under 1 ms per `base` step, so "extf" stays the default.
-# Measured in session 41 and taken out again (commit 07655f3 has them): two token tiles per TMA
+# code, which Pallas' interpreter does not run: interpreted kernels take "extf". Measured (an H100):
+# 1.2072 -> 1.1997 ms per call at `base` (-0.6%), 0.6004 -> 0.5923 at the
+# bench shape (-1.3%): under 1 ms per `base` step, so "extf" stays the default.
+# Measured and taken out again (commit 07655f3 has them): two token tiles per TMA
 # fetch (the first warpgroup's loop 574 -> 539 instructions per tile) +4.8% / +5.1% slower, and
 # the refills issued by the last warpgroup (the longer loop 489 with two tiles per fetch) +6.2% to
 # +7.6% slower: fewer instructions in the longer loop, later data.
@@ -1915,11 +1914,11 @@ INPUTS_WIDEN = "extf"
 INPUTS_WIDEN_CHOICES = ("extf", "bits")
 # the token tiles ``phase2_backward_inputs`` has in flight: its buffers, the fetch barriers and the
 # handoff of ``d_x``'s parts per slot; the fetch for tile ``i + INPUTS_SLOTS`` issued once tile ``i``
-# is done. Session 41's calls found the kernel held by when its copies arrive, not by the first
-# warpgroup's instructions. 3 slots (about 85 KB of shared memory per program, not 59; the same
-# bits): on the H200 (session 42, calls 1-2, two runs each) 1.2460 / 1.2504 -> 1.2597 / 1.2191 ms
-# at `base` (+1.1% / -2.5%) and 0.6491 / 0.6454 -> 0.6207 / 0.6279 at the issue's shape (-4.4% /
-# -2.7%): taken. 4 slots (about 111 KB) built after, untimed. Read when the kernel is built.
+# is done. The kernel is held by when its copies arrive, not by the first
+# warpgroup's instructions (the two alternatives above: fewer instructions, later data). 3 slots
+# (about 85 KB of shared memory per program, not 59; the same bits): on the H200 (two rounds each)
+# 1.2460 / 1.2504 -> 1.2597 / 1.2191 ms at `base` (+1.1% / -2.5%) and 0.6491 / 0.6454 -> 0.6207 /
+# 0.6279 at the bench shape (-4.4% / -2.7%): taken. 4 slots (about 111 KB) are built, untimed. Read when the kernel is built.
 INPUTS_SLOTS = 3
 INPUTS_SLOTS_CHOICES = (2, 3, 4)
 
@@ -2082,7 +2081,7 @@ def _default_inputs_constants(stream_kernels, gate: bool, warpgroups: int) -> st
     """``INPUTS_CONSTANTS``, except that a program of one warpgroup (``warpgroups=1``, or one
     stream) takes ``"per_use"`` for ``"per_program"``: holding all four streams' constants in one
     warpgroup's registers took its spills from 404 to 1060 bytes and its loop from 1080 to 1180
-    instructions (the H200's compile at `base`, session 40); a one-stream program holds one row."""
+    instructions (the H200's compile at `base`); a one-stream program holds one row."""
     constants = _checked_default("INPUTS_CONSTANTS", INPUTS_CONSTANTS, INPUTS_CONSTANTS_CHOICES)
     if constants == "per_program" and len(_stream_groups(_stream_layout(stream_kernels), gate, warpgroups)) == 1:
         return "per_use"
@@ -2134,9 +2133,9 @@ def _inputs_kernel(cfg: _InputsConfig):
 
     With ``cfg.warpgroups > 1`` each program runs that many warpgroups, each with its own streams
     (``_stream_groups``) and so its share of the carried token sums: with one warpgroup the 44
-    sums of kernels (0, 4, 8, 12) with the gate take 176 registers per thread and ptxas spills
-    (session 21, call 7); more warpgroups also give each scheduler more warps to issue from (the
-    kernel is issue-bound at two, session 23, call 1). The streams meet only in ``d_x``: the other
+    sums of kernels (0, 4, 8, 12) with the gate take 176 registers per thread and ptxas spills;
+    more warpgroups also give each scheduler more warps to issue from (Nsight Compute: the
+    kernel is issue-bound at two). The streams meet only in ``d_x``: the other
     warpgroups hand their parts over through shared memory (``dx1s``, one buffer each per slot,
     a barrier per slot that all of them arrive at); the first adds them, stores ``d_x`` and
     issues every TMA copy."""
