@@ -174,7 +174,7 @@ def _skips_sources(backend: str) -> bool:
     """Whether the kernels skip invalid sources (a scalar load and a branch per source) rather
     than compute them and mask their weights. The model's phase 1 runs on the whole source
     buffer with only the completed blocks valid (half of its ``n`` slots over a step), so
-    computing them doubled phase 1's work (BENCHMARKS.md, kernels, session 8). Every backend
+    computing them doubled phase 1's work on the H200. Every backend
     skips: Triton and interpret mode read the mask like any input, Mosaic TPU from scalar
     memory (``_token_inputs``; compiled ahead of time, not yet timed on a TPU)."""
     return backend in ("triton", "interpret", "tpu")
@@ -274,8 +274,7 @@ def _whole_tile_sums(backend: str, n_accumulators: int, bt: int, bd: int) -> boo
     """Whether a kernel's channel sums are carried as whole ``[bt, bd]`` tiles and reduced over
     channels once at the end (Triton, when ``n_accumulators`` such tiles fit the budget) rather
     than by a cross-lane reduction per chunk. Cross-lane and cross-row reductions inside the
-    loops cost the reverse-T kernels most of their time on the H200 (BENCHMARKS.md, kernels,
-    session 6); a function so the tests can force either form through the interpret path."""
+    loops cost the reverse-T kernels most of their time on the H200; a function so the tests can force either form through the interpret path."""
     return backend == "triton" and n_accumulators * bt * bd <= _WHOLE_TILE_BUDGET
 
 
@@ -505,9 +504,9 @@ def gate_rows(w, m: int, d: int):
     """The gate's ``W[m d, m]`` as ``wt[r, j, c] = W[r d + c, j]`` (float32), the layout the
     statistics kernels (``mix_call(mode="stats")``, ``fused_bwd_phase2._stats_kernel``) read it
     in: their ``[block_d]`` channel run per ``(r, j)`` is then contiguous, not strided by ``m``.
-    Measured on the H200 (BENCHMARKS, kernels, session 12): 0.98 -> 0.69 and 1.07 -> 0.81 ms per
+    Measured on the H200: 0.98 -> 0.69 and 1.07 -> 0.81 ms per
     call at ``base``. The two kernels built on ``fused_bwd_phase2._dz`` read ``gate_cols``
-    instead: there the strided layout was 3-5% faster in the same run."""
+    instead: there the strided layout was 3-5% faster, timed side by side."""
     return jnp.asarray(w, F32).reshape(m, d, m).transpose(0, 2, 1)
 
 

@@ -36,7 +36,7 @@ Two forms share passes 1-3 (``phase1_backward(form=...)``):
   gives the source and bank gradients and ``_query_grads`` the query gradient as matrix products
   over the tokens. No program walks the tokens; ``g_A`` is read about twice per block. On the
   H200 (bench shape, fwd + bwd of one block): 35.8 ms against 89.9 for the reverse-T form and
-  57.7 for the closed-form XLA backward (BENCHMARKS.md, kernels, session 8). It writes the
+  57.7 for the closed-form XLA backward (docs/kernels.md). It writes the
   ``[n, m, B, T, d]`` stream cotangents once.
 * ``"reverse_t"``: pass 4 is ``grads_call`` below, one program per (batch row, chunk, source)
   walking the token tiles in reverse; nothing of ``m d`` per token is written.
@@ -61,7 +61,7 @@ Passes of the reverse-T form (all float32 inside):
    rows after the loop) and the query gradient (on Triton ``m`` ``[S_pad, bd]`` products
    ``DSR^T E`` over each tile's tokens, ``S_pad = max(S, 16)``; elsewhere ``S*m`` chunk
    vectors) accumulate in the carry, not as per-tile cross-row sums, which cost most of the
-   time on the H200 (BENCHMARKS.md, kernels, session 6), and are written once per program
+   time on the H200, and are written once per program
    (``[n, B, K, d]`` and ``[n, B, S, m, d]`` partials, summed in XLA). Writes
    ``n*d`` values per token (``d x``, in the sources' dtype) plus those per-program partials.
    Sources are the innermost grid axis so the ``n`` programs that read the same ``g_A``
@@ -80,7 +80,7 @@ concatenate, as a product with a 0/1 shift matrix (``[bt, bt] @ [bt, bd]``, IEEE
 exact); elsewhere with concatenate + static slice. ``shift="buffer"`` (``grads_call``) takes
 phase 2's Triton default instead, the rows through a per-program scratch
 (``row_shift.shift_rows_via_buffer``), but here it was slower (H200, bench shape, this kernel
-alone: 75-81 against 72 ms; BENCHMARKS.md, kernels, session 7: the shift is 5% of this kernel,
+alone: 75-81 against 72 ms; the shift is 5% of this kernel,
 its carried token sums 29%). Both need ``block_t >= max_kernel - 1`` (the spill reaches one
 tile back only); Triton's dot also needs ``block_t, block_d >= 16``.
 
@@ -300,9 +300,9 @@ def _bf16_parts(a: jax.Array, n_parts: int = 3, axis: int = 0) -> jax.Array:
 
 # How ``_query_grads`` runs its products with several heads: ``"batched"``, one product per
 # (source, head), heads a batch axis of the matrix product, for which XLA transposes the sources
-# to heads-major first (a full copy: 0.56 GiB per block at the issue's shape for MHAR's 8 heads,
-# the ``wrapped_transpose`` that took 0.31 ms per block in session 29, call 7; the H200 compile
-# read back on a CPU machine named it, session 32); ``"all_heads"``, one product per source over
+# to heads-major first (a full copy: 0.56 GiB per block at the bench shape for MHAR's 8 heads,
+# the ``wrapped_transpose`` that took 0.31 ms per block on the H200, as the H200 compile read
+# back on a CPU machine names it); ``"all_heads"``, one product per source over
 # every head's channels, read in the sources' own layout, keeping the ``(h, h)`` blocks: ``heads``
 # times the multiply-adds (on the tensor cores), no copy. The same products of the same terms.
 QUERY_GRADS_HEADS = ("batched", "all_heads")
@@ -321,7 +321,7 @@ def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads, heads_form
     bfloat16, so the operand is split into three bfloat16 terms (``_bf16_parts``) and the product
     runs on bfloat16 inputs with float32 accumulation, as exact as a float32 product without
     materialising ``x`` in float32 (on the H200 the float32 ``x``, 4 bytes per element read once
-    per stream, bounded these products: BENCHMARKS.md, kernels, session 14). ``heads_form``:
+    per stream, bounded these products). ``heads_form``:
     ``QUERY_GRADS_HEADS`` (None: ``DEFAULT_QUERY_GRADS_HEADS``; one head runs the batched form)."""
     heads_form = heads_form or DEFAULT_QUERY_GRADS_HEADS
     if heads_form not in QUERY_GRADS_HEADS:
@@ -334,7 +334,7 @@ def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads, heads_form
     ok = reference._source_valid(n, valid)
     x = jnp.where(ok[:, None, None, None], x, jnp.zeros((), x.dtype)).reshape(n, batch * t_pad, heads, dh)
     # the sources' axis leads the operand, as the product's batch axis: the matrix-product call
-    # then takes it as built, with no transpose of its 25 x 3 lagged copies (session 23)
+    # then takes it as built, with no transpose of its 25 x 3 lagged copies
     dsr = jnp.moveaxis(dsr, 1, 0)  # [n, S, m, B, Tp, H]
     lagged = []
     for r, kernel in enumerate(stream_kernels):
@@ -426,7 +426,7 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
             if dq_dot:
                 # dq_{s,r} = sum_t DSR_s[t] E[t]: one [S_pad, bt] @ [bt, bd] product per stream and
                 # tile instead of S cross-row reductions (which cost most of phase 2's reverse-T
-                # kernel on the H200: BENCHMARKS.md, kernels, session 6); S_pad >= 16, Triton's
+                # kernel on the H200); S_pad >= 16, Triton's
                 # smallest dot, the extra rows of DSR are zeros
                 dq[r] = dq[r] + jnp.dot(dsr_ref[:, r, rows, 0], e, precision=jax.lax.Precision.HIGHEST,
                                         preferred_element_type=F32)
@@ -436,7 +436,7 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
             for delta in range(kernel):
                 g = de if delta == 0 else de * masks[delta]
                 # a whole tile, summed over rows after the loop (a cross-row reduction per tap and
-                # tile was most of phase 2's reverse-T kernel: BENCHMARKS.md, kernels, session 6)
+                # tile was most of phase 2's reverse-T kernel on the H200)
                 dbank[off + delta] = dbank[off + delta] + g * win.shift(delta)
                 hs[delta] = hs[delta] + bank[off + delta] * g
         dx = hs[0] + spill_in

@@ -60,8 +60,7 @@ value-level concatenates and slices do not lower, the lag tiles go through a per
 scratch in global memory with CTA barriers and come back at row offsets
 (``row_shift.shift_rows_via_buffer``, ``Tiles.shift_slots`` slots): at the bench shape on the
 H200 the input kernel took 1.92 ms so, against 2.97 with the former default, a product with a
-0/1 shift matrix per lag (``shift="dot"``, kept as an option; BENCHMARKS.md, kernels, session
-7). Every other lag is a ref load (``fused._Window``).
+0/1 shift matrix per lag (``shift="dot"``, kept as an option; docs/kernels.md). Every other lag is a ref load (``fused._Window``).
 
 HBM traffic per token, in float32 words (banks, queries and ``W`` are per-program constants
 and not counted; ``nc = d / block_d``): the partial ``x`` is read by every pass (4 times
@@ -149,7 +148,7 @@ def _stats_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, ba
     The per-stream scalars are loaded first and every sum is kept as a whole ``[bt, bd]`` tile
     and reduced over channels after the stream loop, not inside it: on the H200 that took this
     kernel from 1.40 to 1.07 ms per call at `base` (and ``_dstate_kernel``, written the same way,
-    from 2.24 to 1.75; BENCHMARKS.md, kernels, session 11). Looping over 2, 4 or 8 channel chunks
+    from 2.24 to 1.75). Looping over 2, 4 or 8 channel chunks
     per program, to reduce once per program rather than once per chunk, was slower."""
     it = iter(refs)
     x_ref = next(it)  # [Tp, bd]
@@ -270,9 +269,8 @@ class _Tile:
 def _stream_cotangent(ins, tile, q, r, kernel, off, m, col):
     """Stream ``r``'s ``(E_r, z_r, d_E_r = b dz_r + u q_r + v E_r, u_r)`` on one tile (pass 3 of
     both forms; ``q``: the stream's query row, loaded once per program). One stream at a time,
-    consumed before the next is made: computing all ``m`` first (as this code did for a few
-    commits) kept them all live and made the reverse-T kernel 37% slower on the H200 (`base`,
-    3.05 -> 4.19 ms per call; BENCHMARKS.md, kernels, session 9)."""
+    consumed before the next is made: computing all ``m`` first kept them all live and made the
+    reverse-T kernel 37% slower on the H200 (`base`, 3.05 -> 4.19 ms per call)."""
     rows = tile.rows
     e = _expand_chunk(tile.win, ins.bank, (), slice(None), kernel, off, tile.masks)
     b = _col(col(ins.b, (r, rows)))
@@ -323,7 +321,7 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
             # The token sums of d_query, d_W and d_bank stay whole [bt, bd] tiles in the carry and
             # are reduced over rows once, after the loop: a cross-row reduction per tile and
             # gradient (44 per tile for kernels (0, 4, 8, 12) with the gate) cost 60% of this
-            # kernel on the H200 (BENCHMARKS.md, kernels, session 6). d_W as one [bd, bt] @
+            # kernel on the H200. d_W as one [bd, bt] @
             # [bt, m] product per stream and tile was slower there and compiled 50% longer.
             dq[r] = dq[r] + u * e
             if has_gate:
@@ -549,9 +547,9 @@ def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_ke
     nc = d // bd
     has_bank, has_seg, has_gate = bank is not None, seg is not None, gate_in is not None
     # Streams without a conv carry nothing from tile to tile, so the T tiles split over programs:
-    # with (batch row, chunk) programs alone the issue's shape (B = 8, d = 2048, 64-channel chunks)
+    # with (batch row, chunk) programs alone the bench shape (B = 8, d = 2048, 64-channel chunks)
     # runs 256 programs of 128 sequential tiles each on 132 SMs, latency-bound (AttnRes: 0.105 ms
-    # per call for 201 MB, 60% of the copy bandwidth; BENCHMARKS.md, kernels, session 29). Not on
+    # per call for 201 MB, 60% of the copy bandwidth, on the H200). Not on
     # the TPU (its Mosaic form stays as compiled for v5p).
     grouped = max([1, *stream_kernels]) == 1 and backend != "tpu"
     rows = conv_transpose.rows_per_program(t_pad, bt, cap=INPUTS_GROUP_ROWS) if grouped else t_pad
@@ -631,12 +629,12 @@ def _dstreams_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_
 # --------------------------------------------------------------------------- entry point
 
 # Token rows per program of the input pass when its streams have no conv (``_dinput_call``): 256 gives
-# the issue's shape 8 x 32 x 8 programs and `base`'s 64 x 16 x 4.
+# the bench shape 8 x 32 x 8 programs and `base`'s 64 x 16 x 4.
 INPUTS_GROUP_ROWS = 256
 
 FORMS = ("reverse_t", "wide")
 # "wide" was slower on the H200 at `base`: the whole backward (Mosaic passes 1-2) 5.62 against 4.75 ms
-# per call with Triton's reverse-T pass (BENCHMARKS.md, kernels, session 21, call 1)
+# per call with Triton's reverse-T pass (docs/kernels.md)
 DEFAULT_FORM = "reverse_t"
 
 
