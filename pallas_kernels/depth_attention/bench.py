@@ -5,13 +5,12 @@ Usage (on the GPU machine): ``python3 -m pallas_kernels.depth_attention.bench``
 
 Per-sublayer amortised time = (phase 1 of a block + S phase-2 calls) / S, forward and
 forward+backward (each op timed separately: its outputs and the pullback of a cotangent of
-ones in the outputs' dtypes, as the model calls it; ``--fb_forms`` adds the loss form of
-sessions 16-28). Each figure is the median of >= 20 timed
-repetitions after warm-up; a repetition dispatches ``inner`` calls back to back and
-blocks once, so host dispatch overlaps device work (20 per repetition since session 29: what a
-repetition pays before its first call and after its last, 0.1-0.25 ms on the H200, is then a
-twentieth of a call's figure; with 2 calls, as forward + backward had, it was up to 20% of
-phase 2's). Also measured in the same call:
+ones in the outputs' dtypes, as the model calls it; ``--fb_forms`` adds the older loss form).
+Each figure is the median of >= 20 timed repetitions after warm-up; a repetition dispatches
+``inner`` calls back to back and blocks once, so host dispatch overlaps device work (20 per
+repetition: what a repetition pays before its first call and after its last, 0.1-0.25 ms on the
+H200, is then a twentieth of a call's figure; with 2 calls it was up to 20% of phase 2's
+forward + backward). Also measured in the same process:
 the device copy bandwidth (bytes read + written), from which the bandwidth floor of
 this design's byte count is computed (the arithmetic's floor, ``design_flops`` over the
 H200's float32 peak, is printed beside it); and the compiled peak temporary memory of the
@@ -102,17 +101,18 @@ def table6_bytes(n, batch, t_len, d, m, n_targets, elem_bytes=2):
     return (n / n_targets + 4 * m + 5) * d * batch * t_len * elem_bytes
 
 
-# Issue 4's per-sublayer targets at its shape, ms: forward, forward + backward.
+# The per-sublayer time targets at the bench shape (``ISSUE_SHAPE``), ms: forward, forward + backward
+# (docs/kernels.md, "What the per-sublayer targets ask").
 ISSUE_TARGETS_MS = (0.45, 2.0)
 
 
 def target_budgets(bandwidths_tbps, *, n, batch, t_len, d, n_targets, targets_ms=ISSUE_TARGETS_MS,
                    configs=("msar",), state_bytes=(4, 2)):
-    """What issue 4's per-sublayer targets ask of the memory system: per config, phase-1 state
+    """What the per-sublayer targets (``ISSUE_TARGETS_MS``) ask of the memory system: per config, phase-1 state
     width and bandwidth, the bytes floor (``design_bytes`` over the bandwidth) of the forward and
     of forward + backward, and the fraction of that bandwidth a read meeting each target must
     sustain (floor / target: above 1 no kernel of this design can meet it; memory-bound kernels
-    here reach 0.8-0.9 at best, BENCHMARKS.md, kernels, session 44's census). One dict per row."""
+    here reach 0.8-0.9 at best in Nsight Compute's census, docs/kernels.md). One dict per row."""
     rows = []
     for config in configs:
         _, kernels, heads = TABLE_CONFIGS[config]
@@ -129,7 +129,7 @@ def target_budgets(bandwidths_tbps, *, n, batch, t_len, d, n_targets, targets_ms
 
 
 def print_target_budgets(rows, targets_ms=ISSUE_TARGETS_MS):
-    print(f"per sublayer at the issue's shape; targets {targets_ms[0]} / {targets_ms[1]} ms; 'needs': the floor "
+    print(f"per sublayer at the bench shape; targets {targets_ms[0]} / {targets_ms[1]} ms; 'needs': the floor "
           "over the target, the fraction of the bandwidth a read meeting the target sustains")
     print("| config | state | TB/s | forward floor, ms | needs | fwd + bwd floor, ms | needs |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -164,7 +164,7 @@ def drop_channel_values(tree):
     returns from a read with a value channel: phase 1's channel outputs are zeros the model never
     materialises (nothing reads them) and phase 2's channel cotangent's ``values`` are its input
     ``dh``, which the model hands straight to phase 1's backward; a jitted function returning
-    either would write them out (at the issue's shape, 8 x 67 MB of zeros per block and a 67 MB
+    either would write them out (at the bench shape, 8 x 67 MB of zeros per block and a 67 MB
     copy per read)."""
     is_channel = lambda x: isinstance(x, reference.ValueChannel)  # noqa: E731
     return jax.tree.map(lambda x: x.scale if is_channel(x) else x, tree, is_leaf=is_channel)
@@ -173,15 +173,15 @@ def drop_channel_values(tree):
 def fwd_bwd(f, argnums, form="vjp", has_aux=False):
     """A jitted forward + backward of ``f`` taking ``(*primals, ct)``, in one of ``FB_FORMS``.
 
-    ``"vjp"`` (the bench's default since session 29): returns ``f``'s outputs and ``jax.vjp``'s
+    ``"vjp"`` (the bench's default): returns ``f``'s outputs and ``jax.vjp``'s
     pullback of ``ct`` (given in the outputs' dtypes, as the model hands the reads their
     cotangents: phase 2's ``h`` is bf16 and so is its cotangent); returning the outputs keeps
-    every forward pass. ``"loss"`` (sessions 16-28): ``value_and_grad`` of ``sum(out * ct)``
+    every forward pass. ``"loss"`` (the older form): ``value_and_grad`` of ``sum(out * ct)``
     with a float32 ``ct`` (phase 1: ``sum(acc * ct) + sum(max) + sum(denom)``); the loss reads
-    every output and ``ct`` once more (phase 1 at the issue's shape: the 8 float32 states and
+    every output and ``ct`` once more (phase 1 at the bench shape: the 8 float32 states and
     as many cotangents, 2.15 GB a block for AttnRes) and phase 2's backward casts the float32
-    ``ct`` to bf16 first: bytes the model never moves. (With ``grad`` alone, before session 16,
-    XLA dropped the forward passes that only compute the outputs.)
+    ``ct`` to bf16 first: bytes the model never moves. (With ``grad`` alone XLA drops the forward
+    passes that only compute the outputs, so neither form times ``grad`` alone.)
 
     ``has_aux`` (``"vjp"`` only): ``f`` returns ``(outputs, aux)``; ``aux`` is returned too but
     gets no cotangent, which reaches a ``custom_vjp`` as a symbolic zero (phase 1's ``acc`` when
@@ -230,11 +230,10 @@ def cotangent(f, args, form="vjp", has_aux=False):
 
 
 # How the kernels' phase 1 hands its state to the phase-2 reads (``run_config(p1_forms=...)``):
-# ``"stacked"`` (one ``[S, m, B, T, d]`` state: the main table until session 29), ``"per_target"``
-# (``api.phase1(per_target=True)``, as the model runs every read since session 10),
+# ``"stacked"`` (one ``[S, m, B, T, d]`` state, the older main table), ``"per_target"``
+# (``api.phase1(per_target=True)``, as the model runs reads of several streams),
 # ``"value_channel"`` (per target, each paired with its ``reference.ValueChannel``, which the phase-2
-# read takes: its value cotangent goes back factored; the model's single-stream reads since session
-# 30), ``"model"`` (the model's: ``value_channel`` for one stream, ``per_target`` for several).
+# read takes: its value cotangent goes back factored; the model's single-stream reads), ``"model" (the model's: ``value_channel`` for one stream, ``per_target`` for several).
 P1_FORMS = ("model", "stacked", "per_target", "value_channel")
 
 
@@ -242,7 +241,8 @@ P1_FORMS = ("model", "stacked", "per_target", "value_channel")
 # heads (configs/mhar.py)
 TABLE_CONFIGS = {"msar": ("msar_m4_k4-8-12", (0, 4, 8, 12), 1), "attnres": ("attnres", (0,), 1),
                  "mhar": ("mhar_h8", (0,), 8)}
-# the issue's shape (``n`` sources, S = ``n_targets`` reads per block) and configs/*.py:size=base's
+# the bench shape (``n`` sources, S = ``n_targets`` reads per block; docs/kernels.md) and
+# configs/*.py:size=base's
 ISSUE_SHAPE = dict(n=9, batch=8, t_len=2048, d=2048, n_targets=8)
 BASE_SHAPE = dict(n=8, batch=64, t_len=1024, d=1024, n_targets=8)
 
@@ -472,7 +472,7 @@ def sweep_bwd_chunks(log, shapes, chunks, kernels=(0, 4, 8, 12), heads=1, dtype=
 P2_BWD_TILES = (  # phase 2 + gate, fwd + Pallas bwd: (block_t, block_d_mix, block_d_bwd, warps, stages)
     (16, 32, 32, 4, 2), (32, 32, 32, 4, 2), (32, 32, 16, 4, 2), (16, 32, 16, 4, 2), (16, 32, 64, 4, 2),
     (16, 32, 32, 8, 2), (16, 32, 32, 2, 2),
-    # session 10, for `base`'s d = 1024 (the ones above were timed at d = 2048; (16, 32, 16, 4, 2) is
+    # for `base`'s d = 1024 (the ones above were timed at d = 2048; (16, 32, 16, 4, 2) is
     # the heuristic's): wider and narrower mixing chunks, 32 rows at 8 warps, one stage
     (16, 64, 16, 4, 2), (16, 64, 16, 8, 2), (32, 32, 16, 8, 2), (16, 16, 16, 4, 2), (16, 32, 16, 4, 1),
 )
@@ -878,7 +878,7 @@ def main():
                     help="set a module default the kernels read when built (set_kernel_options), e.g. "
                          "mosaic_gpu.INPUTS_SLOTS=2; repeatable")
     ap.add_argument("--budgets", default=None, metavar="TBPS,...",
-                    help="print what the issue's per-sublayer targets ask of each bandwidth (TB/s, comma-"
+                    help="print what the per-sublayer targets ask of each bandwidth (TB/s, comma-"
                          "separated: MSAR's bytes floors with a float32 and a bf16 state and "
                          "the fraction of the bandwidth each target needs) and exit; runs on any machine")
     ap.add_argument("--no-bwd", action="store_true")
@@ -906,7 +906,8 @@ def main():
                     help="phase 1 fwd + bwd with each backward (xla, hybrid, pallas in both forms), and the "
                          "expansion's transpose alone (autodiff, kernel)")
     ap.add_argument("--base_shape", action="store_true",
-                    help="the shape of the base config's reads (n=8, B=64, T=1024, d=1024, S=8) instead of the issue's")
+                    help="the shape of the base config's reads (n=8, B=64, T=1024, d=1024, S=8) instead of the bench shape "
+                         "(n=9, B=8, T=2048, d=2048, S=8)")
     ap.add_argument("--per_target", action="store_true",
                     help="phase 1 fwd and fwd + Pallas bwd with the state stacked and per target (api.phase1)")
     ap.add_argument("--per_target_tiles", action="store_true",
@@ -920,23 +921,23 @@ def main():
     ap.add_argument("--fb_forms", default="vjp",
                     help="how forward + backward is timed, comma-separated, the first in the table: vjp (the "
                          "outputs and the pullback of a cotangent in their dtypes, as the model calls the reads), "
-                         "loss (value_and_grad of sum(out * ct), float32 ct: sessions 16-28)")
+                         "loss (value_and_grad of sum(out * ct), float32 ct)")
     ap.add_argument("--p1_forms", default="model",
                     help="how the kernels' phase 1 hands its state to phase 2, comma-separated, the first in the "
                          "table: model (the model's: value_channel for one stream, per_target for several), "
-                         "stacked (sessions 1-29), per_target, value_channel (P1_FORMS)")
+                         "stacked (one [S, m, B, T, d] state), per_target, value_channel (P1_FORMS)")
     ap.add_argument("--inner", type=int, default=20,
-                    help="the main table's calls per timed repetition, forwards (sessions 1-28: 5); each "
+                    help="the main table's calls per timed repetition, forwards; each "
                          "repetition also pays the host's dispatch before its first call and the wait after "
-                         "its last, 0.1-0.25 ms on the H200 (session 29, call 2), which more calls amortise")
+                         "its last, 0.1-0.25 ms on the H200, which more calls amortise")
     ap.add_argument("--inner_fb", type=int, default=20,
-                    help="the same for forward + backward (sessions 1-28: 2)")
+                    help="the same for forward + backward")
     ap.add_argument("--configs", default="msar,attnres",
                     help="the main table's rows, comma-separated: msar, attnres, mhar (one stream, 8 heads)")
     ap.add_argument("--no_bwd_barrier", action="store_true",
                     help="trace the XLA backwards without their optimization barrier on (residuals, cotangent) "
                          "(xla_streaming.ordered_after_cotangent): what the barrier costs a read (the Pallas "
-                         "backwards run without it since session 8)")
+                         "backwards run without it)")
     ap.add_argument("--query_grads_heads", default=None, choices=fused_bwd_phase1.QUERY_GRADS_HEADS,
                     help="how phase 1's backward runs the query gradient's products with several heads "
                          "(fused_bwd_phase1.QUERY_GRADS_HEADS; default: its DEFAULT_QUERY_GRADS_HEADS)")
