@@ -12,23 +12,22 @@ from pallas_kernels.depth_attention import (conv_transpose, fused, fused_bwd_pha
 
 GPU_KERNELS = ("auto", "mosaic", "triton", "triton_forward", "split_forward")
 # whether "auto" takes phase 2's backward input kernel in Mosaic GPU (``mosaic_gpu.phase2_backward_inputs``):
-# 1.63 against Triton's 3.10 ms per call in the `base` step (two warpgroups per program), 1530.1 -> 1445.1 ms
-# (session 21, calls 4 and 10)
+# 1.63 against Triton's 3.10 ms per call in the `base` step on the H200 (two warpgroups per program), the
+# step 1530.1 -> 1445.1 ms
 AUTO_INPUTS = True
 # whether "auto" takes phase 1's backward passes 2 and 4 (wide form) in Mosaic GPU (``mosaic_gpu_bwd1``):
-# 4.25 and 4.81 against Triton's 7.72 and 7.94 ms per call at `base`, the step 1445.1 -> 1415.3 ms
-# (session 22, calls 2-3)
+# 4.25 and 4.81 against Triton's 7.72 and 7.94 ms per call at `base` on the H200, the step 1445.1 -> 1415.3 ms
 AUTO_PHASE1_BWD = True
 # whether "auto" takes the wide form's transpose in Mosaic GPU (``mosaic_gpu_bwd1.sources_transpose``):
-# 3.20 against Triton's 6.30 ms per call at `base`, 2.98 in the step, which went 1415.3 -> 1384.9 ms; its
-# GPU test against Triton's passed (session 22, call 5; session 23, call 1)
+# 3.20 against Triton's 6.30 ms per call at `base` on the H200, 2.98 in the step, which went 1415.3 -> 1384.9 ms;
+# its GPU test against Triton's passes
 AUTO_TRANSPOSE = True
 # phase 1's passes that "auto" takes in Mosaic GPU for one stream (AttnRes and MHAR: kernels (0,), no
-# conv), per call in AttnRes's `base` step (session 26, call 1): the scoring pass 0.28 against Triton's
-# 0.57 ms (0.50 against 0.96 at the issue's shape), gdots 0.79 against 1.21, dstreams 1.01 against 2.13;
-# in MHAR's (8 heads; calls 3-4): the scoring pass 0.42 against 0.73, gdots 0.96 against 1.21, dstreams
+# conv), per call in AttnRes's `base` step on the H200: the scoring pass 0.28 against Triton's
+# 0.57 ms (0.50 against 0.96 at the bench shape), gdots 0.79 against 1.21, dstreams 1.01 against 2.13;
+# in MHAR's (8 heads): the scoring pass 0.42 against 0.73, gdots 0.96 against 1.21, dstreams
 # 1.08 against 2.54; MHAR's step 1072.4 -> 1065.4 ms. The mixing pass stays in Triton: 0.91 against Mosaic's 1.01 ms (0.80
-# against 0.88 at the issue's shape; MHAR 1.08 against 1.12); 0.83 on its own 8 x 128 tile (session 27, call 6). Phase 2 keeps Triton for one stream too:
+# against 0.88 at the bench shape; MHAR 1.08 against 1.12); 0.83 on its own 8 x 128 tile. Phase 2 keeps Triton for one stream too:
 # its forward 0.21 (scores + mix) against Mosaic's 0.24 (MHAR 0.23 against 0.25), its backward's input
 # pass 0.19 against 0.41 (0.20 against 0.43), its state pass 0.263 against 0.262 (0.285 against 0.270).
 SINGLE_STREAM_MOSAIC_PHASE1 = frozenset({"scores", "gdots", "dstreams"})
@@ -42,7 +41,7 @@ def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype,
     passes, ``mosaic_gpu.phase2_backward_state``, against two Triton calls with XLA between).
 
     ``"auto"``: on a GPU (not in interpret mode), with several streams and a 16-bit partial (as
-    timed), whenever the kernel takes the shape. Measured on the H200 at `base` (BENCHMARKS.md, kernels, sessions 16-17): MSAR's
+    timed), whenever the kernel takes the shape. Measured on the H200 at `base` (docs/kernels.md): MSAR's
     forward 1.42 against 1.80 ms per call, its `base` step 1735.3 against 1764.4 ms; the whole
     Pallas backward 5.40 against 6.19 ms per call with the backward's kernel. A single stream
     (AttnRes) ran the forward 0.235 against 0.209 ms, so it keeps Triton. ``"mosaic"``: always
@@ -60,7 +59,7 @@ def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype,
     if choice == "triton" or backend != "triton" or static.fuse is None:
         return False
     if choice == "auto" and (interpret or len(static.stream_kernels) == 1 or jnp.dtype(partial.dtype).itemsize > 2):
-        return False  # a float32 partial: untimed in Mosaic (it fits shared memory with the padded windows, session 20)
+        return False  # a float32 partial: untimed in Mosaic (it fits shared memory with the padded windows)
     if kernel == "inputs":
         if choice == "auto" and not AUTO_INPUTS:
             return False
@@ -98,12 +97,12 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
 
     ``"auto"`` (and ``"triton_forward"`` and ``"split_forward"``, which concern phase 2's forward): on a GPU (not in
     interpret mode), with several streams and 16-bit sources (as timed; float32 sources double
-    the kernels' shared memory), whenever the kernel takes the shape. Measured on the H200 (BENCHMARKS.md, kernels, sessions 17-18): the scoring
+    the kernels' shared memory), whenever the kernel takes the shape. Measured on the H200 (docs/kernels.md): the scoring
     pass 3.18 against 4.82 ms per call at `base`'s shape (4 of 7 sources valid, 8 targets), 3.95
-    against 5.38 at the issue's; the MSAR `base` step 1692.0 -> 1651.8 ms. The mixing pass with
-    a float32 state 5.74-5.77 against 6.86-6.91 ms at `base`, 5.29 against 5.78 at the issue's
-    (step 1644.4-1648.4 ms). With a bf16 state Triton's was faster with the aligned windows (4.45
-    against 5.03-5.21 ms, session 18); with the padded ones (session 21, call 3) Mosaic's is, 3.81
+    against 5.38 at the bench shape; the MSAR `base` step 1692.0 -> 1651.8 ms. The mixing pass with
+    a float32 state 5.74-5.77 against 6.86-6.91 ms at `base`, 5.29 against 5.78 at the bench
+    shape (step 1644.4-1648.4 ms). With a bf16 state Triton's was faster with the aligned windows (4.45
+    against 5.03-5.21 ms); with the padded ones Mosaic's is, 3.81
     against 4.42 ms at `base` (float32 state: 4.04 against 6.79). One stream (AttnRes): the
     kernels of ``SINGLE_STREAM_MOSAIC_PHASE1`` only. ``"mosaic"``: always (an error for a shape
     it does not take); ``"triton"``: never."""

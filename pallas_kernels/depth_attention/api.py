@@ -122,7 +122,7 @@ def phase1(*args, implementation: Implementation = None, per_target: bool = Fals
     """Phase 1 of the two-phase read; see ``reference.phase1`` for the arguments.
 
     ``state_dtype``: the dtype of the state's weighted sum ``acc`` (``max`` and ``denom`` stay
-    float32), ``"float32"`` (SPEC 5: exact to float32 rounding) or ``"bfloat16"``. Scores,
+    float32), ``"float32"`` (docs/design.md §5: exact to float32 rounding) or ``"bfloat16"``. Scores,
     weights and sums are computed in float32 either way; ``"bfloat16"`` rounds ``acc`` once
     when it is stored (relative error about 2^-9) and halves the bytes of the largest arrays of
     a block's reads: ``acc`` (``S m d`` values per token), which phase 1 writes, every phase 2
@@ -134,7 +134,7 @@ def phase1(*args, implementation: Implementation = None, per_target: bool = Fals
     write each target's ``[m, B, T, d]`` state as its own array and take each one's cotangent as
     its own input, so no XLA op slices the stacked state for the ``S`` phase-2 reads or stacks
     their cotangents back (on the H200 those copies were about 86 ms of the MSAR `base` step;
-    BENCHMARKS.md, kernels, sessions 9-10). The XLA path computes the stacked state and splits it.
+    docs/kernels.md). The XLA path computes the stacked state and splits it.
 
     ``value_channel=True`` (with ``per_target``): each target comes as ``(state,
     reference.ValueChannel)``, a zero-valued companion to hand to that target's
@@ -142,7 +142,7 @@ def phase1(*args, implementation: Implementation = None, per_target: bool = Fals
     routes the state's value cotangent: with mean fusion (one stream: AttnRes, MHAR) the Pallas
     phase-2 backward returns it factored, ``dh`` (the values, in the sources' dtype: the read's
     ``h`` must come out in it) and a per-token, per-head scale, instead of writing the ``[B, T,
-    d]`` float32 ``d acc`` that phase 1's backward reads twice (BENCHMARKS.md, kernels, session 30).
+    d]`` float32 ``d acc`` that phase 1's backward reads twice (docs/kernels.md).
     Anything that does not use the channel leaves its cotangent zero and ``acc``'s whole.
     """
     dtype = str(jax.numpy.dtype(state_dtype)) if state_dtype is not None else None

@@ -6,7 +6,7 @@ one call, ``sources_transpose``) and by the ``backward="hybrid"`` option (``vjp.
 closed-form XLA backward (``xla_streaming.phase1_backward``) forms each source's stream
 cotangents ``dE`` (``[m, B, T, d]`` float32, one source at a time) and hands them here instead
 of to the autodiff of the expansion. Alone, one source at the bench shape: 0.90 ms against
-2.31 for XLA's autodiff on the H200 (BENCHMARKS.md, kernels, session 8).
+2.31 for XLA's autodiff on the H200.
 
 Math (one source, stream ``r`` with taps ``c_r[delta]``, ``mask_delta[t]``: token ``t - delta``
 exists and shares ``t``'s segment)::
@@ -22,7 +22,7 @@ program owns its ``d x`` rows: it reads ``dE`` ``delta`` rows AHEAD of its tile
 reverse-T kernels of the Pallas backwards). Grid ``(B, T / rows, d / bd)``: a program walks
 ``rows / bt`` token tiles and carries the bank gradient as ``K`` whole ``[bt, bd]`` tiles,
 reduced over rows once at the end (a cross-row sum per tap and tile cost most of a
-reverse-T kernel's time on the H200: BENCHMARKS.md, kernels, session 6) and written as
+reverse-T kernel's time on the H200) and written as
 ``[B, T / rows, K, d]`` partials that XLA sums.
 
 Bytes: ``dE`` and ``x`` read once (their halos hit L1), ``d x`` written once, the partials

@@ -9,8 +9,8 @@ as the TPU path. It is deprecated in jax 0.11 but present in the pinned 0.11.2.
 
 Why Mosaic GPU where ``"auto"`` takes it: TMA pipelines with shared-memory lag windows ran
 faster on the H200 than Triton's kernels for MSAR's phase 2 forward (1.27-1.30x), then phase
-1's passes, phase 2's backward and the transpose (each timed before it was taken; BENCHMARKS.md, kernels,
-sessions 15-25). For one stream (AttnRes, MHAR) the comparison is per kernel (session 26): phase 1's
+1's passes, phase 2's backward and the transpose (each timed before it was taken; docs/kernels.md).
+For one stream (AttnRes, MHAR) the comparison is per kernel: phase 1's
 scoring pass and its backward's passes 2 and 4 are faster in Mosaic GPU, its mixing pass and
 phase 2's kernels in Triton (``_backend.SINGLE_STREAM_MOSAIC_PHASE1``).
 """

@@ -1,6 +1,6 @@
 """Plain-jnp multi-stream depth attention: the oracle of every kernel and the XLA path.
 
-One op family serves every depth-attention residual of the MSAR paper (seed 000):
+One op family serves every depth-attention residual of the MSAR paper:
 
 * **Expansion** (Eq. 9-10): a single-stream source ``x[B, T, d]`` becomes ``m``
   streams. Stream ``r`` has a kernel size ``stream_kernels[r]``; ``0`` means the
@@ -13,8 +13,8 @@ One op family serves every depth-attention residual of the MSAR paper (seed 000)
   ``w^{(r)} in R^d``. The key is the weightless RMS norm of the expanded source
   over the full width ``d``; with ``heads = H`` the key and query are split into
   ``H`` contiguous channel slices that each get their own softmax over sources
-  (MHAR, seed 004). Values are the expanded sources, not normalised.
-* **Two-phase computation** (seed 000 Sec. 3.4): ``phase1`` scores all completed
+  (MHAR; docs/design.md §8). Values are the expanded sources, not normalised.
+* **Two-phase computation** (the MSAR paper, Sec. 3.4; docs/design.md §5): ``phase1`` scores all completed
   sources of a block against the queries of all the block's targets once and
   keeps an online-softmax state per (target, stream, token, head); ``phase2``
   merges one target's partial source into that state.
@@ -22,7 +22,7 @@ One op family serves every depth-attention residual of the MSAR paper (seed 000)
 AttnRes is ``stream_kernels=(0,)``, ``heads=1``; MHAR is ``stream_kernels=(0,)``,
 ``heads=H``; MSAR is e.g. ``(0, 4, 8, 12)``; the no-conv ablation ``(0, 0, 0, 0)``.
 
-Everything is computed in float32 whatever the input dtype (SPEC preamble).
+Everything is computed in float32 whatever the input dtype (docs/design.md §1, precision).
 """
 
 from __future__ import annotations
@@ -58,8 +58,7 @@ def split_targets(state: SoftmaxState) -> tuple[SoftmaxState, ...]:
 
     Split with ``jnp.split``, whose transpose is one concatenate of the ``S`` cotangents;
     indexing each target (``a[i]``) transposes to ``S`` zero-padded full-size arrays summed,
-    which on the H200 took 80.8 against 29.5 ms per MSAR `base` step (BENCHMARKS.md, kernels,
-    session 9)."""
+    which on the H200 took 80.8 against 29.5 ms per MSAR `base` step."""
     n_targets = state.acc.shape[0]
     parts = [[jnp.squeeze(p, 0) for p in jnp.split(a, n_targets)] for a in state]
     return tuple(SoftmaxState(*(p[i] for p in parts)) for i in range(n_targets))
@@ -72,7 +71,7 @@ class ValueChannel(NamedTuple):
         d acc[r, b, t, c] = scale[r, b, t, head(c)] * values[b, t, c]
 
     ``values[B, T, d]`` (the dtype of the read's output ``h``) and ``scale[m, B, T, H]`` (float32).
-    With mean fusion the fused phase 2's value cotangent has this form exactly (SPEC 5's merge:
+    With mean fusion the fused phase 2's value cotangent has this form exactly (docs/design.md §5's merge:
     ``z_r = a_r A_r + b_r E_r``, ``h = (1/m) sum_r z_r``, so ``d A_r = (a_r / m) dh``): the
     backward then hands phase 1 the cotangent ``dh`` it already has and ``m H`` floats per
     token instead of writing the ``[m, B, T, d]`` float32 ``d acc`` for phase 1 to read. Its
@@ -294,7 +293,7 @@ def _split_heads(x: jax.Array, heads: int) -> jax.Array:
 def scores(expanded: jax.Array, queries: jax.Array, heads: int, eps: float) -> jax.Array:
     """Scores of expanded sources ``[..., m, B, T, d]`` against ``queries[m, d]``.
 
-    ``s = w . rms(E_r[x])`` per head slice (no 1/sqrt(d), SPEC 3); ``[..., m, B, T, H]``.
+    ``s = w . rms(E_r[x])`` per head slice (no 1/sqrt(d), Eq. 8; docs/design.md §3); ``[..., m, B, T, H]``.
     """
     keys = _split_heads(key_rms(expanded, eps), heads)
     q = _split_heads(queries.astype(jnp.float32), heads)  # [m, H, dh]
@@ -315,7 +314,7 @@ def merge(state: SoftmaxState, s: jax.Array, value: jax.Array, include: jax.Arra
     """Fold one source (scores ``s[..., H]``, value ``[..., d]``) into ``state``.
 
     ``include`` (a boolean, may be traced) leaves the state unchanged when false:
-    an empty partial is omitted from the sum and the denominator (SPEC 2).
+    an empty partial is omitted from the sum and the denominator (docs/design.md §2).
     """
     heads = s.shape[-1]
     s = jnp.where(include, s, NEG_LARGE)
@@ -354,7 +353,7 @@ def phase1(
     segment_ids: jax.Array | None = None,
     eps: float = 1e-6,
 ) -> SoftmaxState:
-    """Phase 1 (seed 000 Sec. 3.4): all completed sources against all targets' queries.
+    """Phase 1 (the MSAR paper, Sec. 3.4): all completed sources against all targets' queries.
 
     Args:
       sources: ``[n, B, T, d]`` completed single-stream sources.

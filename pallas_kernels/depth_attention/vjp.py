@@ -163,7 +163,7 @@ def make_phase1(forward: Callable, kernel_backward: Callable | None = None,
                     dq.astype(queries.dtype), None, None)
         # Only the XLA backward waits behind the barrier: the kernels take the cotangent as an
         # input, so nothing of size d per token can be hoisted ahead of it, and the barrier cost
-        # the Pallas backwards 5-15% in the bench (session 8, call 1).
+        # the Pallas backwards 5-15% in the bench on the H200.
         res, ct = xla_streaming.ordered_after_cotangent(res, ct)
         sources, banks, queries, valid, segment_ids, smax = res
         n, d = sources.shape[0], sources.shape[-1]

@@ -111,7 +111,7 @@ def ordered_after_cotangent(res, ct):
     inputs cannot start before the cotangent exists. Without it XLA may hoist that
     cotangent-free work (expansions, keys, softmax weights) of every read to the start of the
     backward and keep it all alive at once, as a ``jax.checkpoint`` around the op would have
-    prevented (+146 MiB on the CPU memory bench without the barrier; session 7)."""
+    prevented (+146 MiB on the CPU memory bench without the barrier)."""
     return jax.lax.optimization_barrier((res, ct))
 
 
@@ -154,7 +154,7 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
         ds = p * (g_denom + jnp.einsum("smbthe,mbthe->smbth", g_acc, eh))
         # The two sums over the S targets are broadcast products reduced over s, not einsums:
         # as K = S dots XLA:GPU runs them on the tensor cores in TF32 by default, here they
-        # are exact float32 sums. (Measured on the H200, BENCHMARKS.md kernels session 5: no
+        # are exact float32 sums. (Measured on the H200: no
         # change in step time; the transposing copy of this dE in the base profile comes from
         # the layout XLA picks for the conv's tap reduction, not from these dots.)
         d_e = jnp.sum(p[..., None] * g_acc, axis=0)  # value path
