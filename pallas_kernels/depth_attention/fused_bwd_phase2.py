@@ -59,7 +59,7 @@ concatenate and static slices (as ``fused._Window`` builds its halo). On the Tri
 value-level concatenates and slices do not lower, the lag tiles go through a per-program
 scratch in global memory with CTA barriers and come back at row offsets
 (``row_shift.shift_rows_via_buffer``, ``Tiles.shift_slots`` slots): at the bench shape on the
-H200 the input kernel took 1.92 ms so, against 2.97 with the former default, a product with a
+H200 the input kernel took 1.92 ms so, against 2.97 as a product with a
 0/1 shift matrix per lag (``shift="dot"``, kept as an option; docs/kernels.md). Every other lag is a ref load (``fused._Window``).
 
 HBM traffic per token, in float32 words (banks, queries and ``W`` are per-program constants
@@ -548,7 +548,7 @@ def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_ke
     has_bank, has_seg, has_gate = bank is not None, seg is not None, gate_in is not None
     # Streams without a conv carry nothing from tile to tile, so the T tiles split over programs:
     # with (batch row, chunk) programs alone the bench shape (B = 8, d = 2048, 64-channel chunks)
-    # runs 256 programs of 128 sequential tiles each on 132 SMs, latency-bound (AttnRes: 0.105 ms
+    # gives 256 programs of 128 sequential tiles each on 132 SMs, latency-bound (AttnRes: 0.105 ms
     # per call for 201 MB, 60% of the copy bandwidth, on the H200). Not on
     # the TPU (its Mosaic form stays as compiled for v5p).
     grouped = max([1, *stream_kernels]) == 1 and backend != "tpu"

@@ -41,7 +41,7 @@ built by XLA from the ids with the reference's rule (``reference._lag_masks``).
 The forward's per-token scores (``dots[m, B, T, H]``, ``sumsq[m, B, T]``) are outputs too: the
 Pallas backward (``fused_bwd_phase2``) starts from them.
 
-Why Mosaic GPU for this op: the scoring pass alone runs 1.55-1.70x faster than the Triton
+Why Mosaic GPU for this op: the scoring pass alone is 1.55-1.70x faster than the Triton
 kernel on the H200; this module's whole forward against the Triton three-call form is in
 docs/kernels.md and BENCHMARKS.md.
 

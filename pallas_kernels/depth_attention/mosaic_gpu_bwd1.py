@@ -48,7 +48,7 @@ from pallas_kernels.depth_attention.mosaic_gpu import (
 )
 
 MODES = ("gdots", "dstreams")
-# Per mode, by measurement on the H200 at `base` (BENCHMARKS.md, kernels, session 22, call 2):
+# Per mode, by measurement on the H200 at `base`:
 # items (one valid source of one group) in flight, each with its lag windows, taps and, for
 # "dstreams", its per-token rows; and groups whose g_A is in shared memory at once (64 KB each for
 # 8 float32 targets and 32 channels): 2 overlaps the next group's copies with this one's work in
@@ -59,25 +59,25 @@ GROUP_SLOTS = {"gdots": 1, "dstreams": 2}
 BLOCK_D_CHOICES = (32,)
 # whether a group's g_A tiles are loaded into registers once for all its items (128 registers per
 # thread for 8 float32 targets; no spills) rather than read from shared memory by each item:
-# gdots 7.27 -> 5.16 ms, dstreams 6.29 -> 4.81 (session 22, call 2). Measured in session 46 and
+# gdots 7.27 -> 5.16 ms, dstreams 6.29 -> 4.81 on the H200. Measured and
 # taken out (commit 7baf063 has it): gdots refilling its one g_A buffer as soon as every thread
 # holds the group's tiles in registers, not after the group's items, 4.368 -> 4.314 ms per call at
-# `base`'s last block and 3.592 -> 3.628 at the issue's shape (an H100, call 3): the copy's wait
+# `base`'s last block and 3.592 -> 3.628 at the bench shape (an H100): the copy's wait
 # is already hidden by the SM's other program. Read at the call.
 GA_REGISTERS = True
 # One stream (AttnRes, MHAR) with a bf16 g_A (the value channel hands phase 1 the read's bf16 dh,
 # api.phase1(value_channel=True); a bf16 state's cotangent is bf16 too): (n_slots, group_slots, g_A
 # in registers, block_d) per mode, taken
-# when the caller sets none of them and 64 channels divide a head. At the issue's shape on the H200
-# (BENCHMARKS.md, kernels, session 30, call 3): gdots 0.747 -> 0.684 and dstreams 1.200 -> 0.806 ms
+# when the caller sets none of them and 64 channels divide a head. At the bench shape on the H200:
+# gdots 0.747 -> 0.684 and dstreams 1.200 -> 0.806 ms
 # per call against the defaults above (`base`: 0.843 -> 0.665, 1.159 -> 0.895). With a float32 g_A
-# 64-channel chunks were 1.4-2.5x slower (session 29, call 5).
+# 64-channel chunks were 1.4-2.5x slower.
 SINGLE_STREAM_BF16_GA = {"gdots": (2, 1, False, 64), "dstreams": (2, 1, False, 64)}
 # How both kernels find the (group, source) of the item they fetch next (``mosaic_gpu.ITEM_DECODES``:
 # "divide" decodes its flat index, one integer division by the runtime count of valid sources per
-# item; "carried" steps it through the loops). "carried" by measurement on the H200 (BENCHMARKS.md,
-# kernels, session 33, calls 1-2): gdots 4.0-4.1% and dstreams 4.4-6.2% faster per call at `base`'s
-# last block and the issue's shape, the same bits; the MSAR `base` step's two kernels 63.0 -> 60.7
+# item; "carried" steps it through the loops). "carried" by measurement on the H200:
+# gdots 4.0-4.1% and dstreams 4.4-6.2% faster per call at `base`'s
+# last block and the bench shape, the same bits; the MSAR `base` step's two kernels 63.0 -> 60.7
 # ms. Read when a kernel is traced.
 DEFAULT_ITEM_DECODE = "carried"
 # Where ``dstreams``' items find their source's lag window (``mosaic_gpu.MIX_WINDOW_FETCHES``, as in
@@ -89,9 +89,9 @@ DEFAULT_ITEM_DECODE = "carried"
 # sources fit one program's shared memory with two group buffers; where it does not fit, the
 # default falls back to "per_item" (an explicit "per_chunk" raises). ``gdots`` takes "per_item"
 # only: its sums are per (head, stream) over the chunks, so a chunk-major order would hold m of
-# them. Read when a kernel is traced. "per_item" by measurement on the H200 (BENCHMARKS.md, kernels,
-# session 36, call 2; the same bits): "per_chunk" took 4.615 -> 4.769 ms per call at `base`'s last
-# block (+3.3%) and 4.595 -> 4.563 at the issue's shape (-0.7%), where the mix's gained 5-11%:
+# them. Read when a kernel is traced. "per_item" by measurement on the H200
+# (the same bits): "per_chunk" took 4.615 -> 4.769 ms per call at `base`'s last
+# block (+3.3%) and 4.595 -> 4.563 at the bench shape (-0.7%), where the mix's gained 5-11%:
 # with one program per SM and the group's g_A the larger part of each item's fill, the windows
 # are not what holds it.
 WINDOW_FETCHES = MIX_WINDOW_FETCHES
@@ -99,37 +99,37 @@ DEFAULT_DSTREAMS_WINDOW_FETCH = "per_item"
 # Which programs walk a token tile's streams, per mode. "joint": one program per (batch row, token
 # tile) walks every stream's groups (head, stream, chunk), so it fetches a chunk's lag window of a
 # source once per stream, its streams' groups a whole head of chunks apart; with the targets' g_A
-# streaming through L2 in between, each of those fetches comes from DRAM (session 44's census at the
-# issue's shape, an H100: gdots reads 8.85 GB where the design needs 4.9, dstreams 9.85). "split":
+# streaming through L2 in between, each of those fetches comes from DRAM (Nsight Compute at the
+# bench shape, an H100: gdots reads 8.85 GB where the design needs 4.9, dstreams 9.85). "split":
 # one program per (stream, batch row, token tile), the stream the grid's fastest axis, so the m
 # programs of a tile start side by side, meant to let the later ones find each window in L2 (they
 # do not, measured below). The same work per item and the same bits; m times the
 # programs, each holding one stream's sums. "split" takes each item's own windows
 # (``window_fetch="per_item"``): "per_chunk" shares a chunk's windows across one program's streams.
-# Measured (BENCHMARKS.md, kernels, session 45, calls 2-3, an H100; the same bits): gdots 4.547 ->
-# 4.514 ms per call at `base`'s last block (-0.7%) and 3.891 -> 3.740 at the issue's shape (-3.9%),
+# Measured (an H100; the same bits): gdots 4.547 ->
+# 4.514 ms per call at `base`'s last block (-0.7%) and 3.891 -> 3.740 at the bench shape (-3.9%),
 # dstreams -0.7% / -0.2%. The DRAM reads hardly moved (gdots 8.85 -> 8.72 GB, dstreams 12.25 ->
 # 12.15 under Nsight Compute): the streams' programs drift apart (stream 0 expands nothing, stream 3
 # twelve taps) by more than L2 holds a window. Taken for gdots; for dstreams with its rows once per
-# (head, stream) (``ROWS_FETCHES``, call 4): 5.316 -> 5.209 ms (-2.0%) / 4.987 -> 4.892 (-1.9%),
+# (head, stream) (``ROWS_FETCHES``): 5.316 -> 5.209 ms (-2.0%) / 4.987 -> 4.892 (-1.9%),
 # taken. Read when a kernel is traced.
 STREAM_PROGRAMS = ("joint", "split")
 DEFAULT_STREAM_PROGRAMS = {"gdots": "split", "dstreams": "split"}
 # Where ``dstreams``' items find their per-token rows (``P`` and ``DSR`` of every target and ``W``:
 # ``2 S + 1`` float32 rows of 64 tokens per (source, stream, head), the same for every channel
 # chunk). "per_item": each item copies its source's rows into its pipeline slot, so the rows come
-# once per chunk (64 times at d = 2048: 2.6 GB of copies per call at the issue's shape for 40 MB of
+# once per chunk (64 times at d = 2048: 2.6 GB of copies per call at the bench shape for 40 MB of
 # rows); "per_stream": each valid source's rows come once per (head, stream) into a buffer of their
-# own (``n (2 S + 1) 64`` floats, 39 KB at the issue's shape), refilled as the (head, stream)'s last
+# own (``n (2 S + 1) 64`` floats, 39 KB at the bench shape), refilled as the (head, stream)'s last
 # chunk is done. It takes ``window_fetch="per_item"`` ("per_chunk" runs a chunk's streams together,
 # which would hold every stream's rows); where it does not fit or the windows come per chunk, the
-# default falls back to "per_item" (an explicit "per_stream" raises). Measured (BENCHMARKS.md,
-# kernels, session 45, call 4, an H100; the same bits): 5.426 -> 5.316 ms per call at `base`'s last
-# block (-2.0%) and 5.424 -> 4.987 at the issue's shape (-8.1%) with one program for all streams;
+# default falls back to "per_item" (an explicit "per_stream" raises). Measured (an H100;
+# the same bits): 5.426 -> 5.316 ms per call at `base`'s last
+# block (-2.0%) and 5.424 -> 4.987 at the bench shape (-8.1%) with one program for all streams;
 # with a program per stream (the default) 5.336 -> 5.209 (-2.4%) and 5.461 -> 4.892 (-10.4%).
 # Per number of streams, each timed on its own: one stream (AttnRes, MHAR: the value channel's bf16
-# g_A, 64-channel chunks) gains less (session 46, call 1, an H100: 1.046 -> 1.034 ms per call at
-# `base`, 0.981 -> 0.963 at the issue's shape; AttnRes's bench and `base` step unchanged within
+# g_A, 64-channel chunks) gains less (an H100: 1.046 -> 1.034 ms per call at
+# `base`, 0.981 -> 0.963 at the bench shape; AttnRes's bench and `base` step unchanged within
 # 0.5%), as its 16-32 chunks' row copies were a smaller part of each item. Read when a kernel is
 # traced.
 ROWS_FETCHES = ("per_item", "per_stream")
@@ -660,8 +660,8 @@ TRANSPOSE_AHEAD = 16  # rows past the tile the transposed conv reaches (max_lag 
 # Where ``sources_transpose``' taps come from: "per_tile" with each item's copies (a TMA copy per tile, loaded from
 # shared memory at each use); "per_source" once per source (their own copy, a source ahead), held
 # in registers through the source's tiles (175 -> 224 registers: two programs per SM either way).
-# Bitwise the same outputs. "per_source" by measurement (session 40, call 1, an H100): 3.119 ->
-# 3.032 ms per call at `base`'s last block (-2.8%), 2.922 -> 2.791 at the issue's shape (-4.5%).
+# Bitwise the same outputs. "per_source" by measurement (an H100): 3.119 ->
+# 3.032 ms per call at `base`'s last block (-2.8%), 2.922 -> 2.791 at the bench shape (-4.5%).
 # Read when the kernel is built.
 TRANSPOSE_TAPS_CHOICES = ("per_tile", "per_source")
 TRANSPOSE_TAPS = "per_source"
@@ -670,17 +670,17 @@ TRANSPOSE_TAPS = "per_source"
 # of two widened in place (``mosaic_gpu.widen_bits``, two per pair; compiled kernels only: the
 # interpreter converts). In the H200's compile at `base` the conversions are about 230 of its
 # loop's 566 instructions per tile, beside 192 FFMA; with "bits" the loop holds 492. The same
-# bits on the GPU. Measured (session 41, call 2, an H100): 3.136 -> 3.172 ms per call at `base`'s
-# last block (+1.1%), 2.830 -> 2.770 at the issue's shape (-2.1%): not the default. Read when the
+# bits on the GPU. Measured (an H100): 3.136 -> 3.172 ms per call at `base`'s
+# last block (+1.1%), 2.830 -> 2.770 at the bench shape (-2.1%): not the default. Read when the
 # kernel is built.
 TRANSPOSE_WIDEN_CHOICES = ("extf", "bits")
 TRANSPOSE_WIDEN = "extf"
-# Measured in session 40 and taken out again (commit dfe9301 has them): its bf16 windows widened to
+# Measured and taken out again (commit dfe9301 has them): its bf16 windows widened to
 # float32 once per tile instead of per lag (96 fewer instructions in its 608-instruction loop, 7-19%
 # slower: twice the shared-memory bytes per lag load), and the kernel without Pallas' automatic
-# barriers (0.1% / 1.6% faster at `base` / the issue's shape). Measured in session 43 and taken out
+# barriers (0.1% / 1.6% faster at `base` / the bench shape). Measured and taken out
 # (commit 7037f37 has it): three or four items in flight instead of two (about 7 KB each), 2-7% /
-# 5-17% slower at the issue's shape / `base`'s last block on an H200, the same bits: the copies'
+# 5-17% slower at the bench shape / `base`'s last block on an H200, the same bits: the copies'
 # latency does not hold this kernel.
 
 

@@ -1,9 +1,11 @@
-"""Phase 2's fused forward with the state read once: a cluster of CTAs holds a token tile's state.
+"""Phase 2's fused forward (and its backward's state pass) with the state read once: a cluster of
+CTAs holds a token tile's state. A measured alternative, exact and slower than the one-CTA
+kernels of ``mosaic_gpu``; nothing in the package calls it (docs/kernels.md).
 
 ``mosaic_gpu.phase2_fused_forward`` reads the float32 state twice per call (2.15 of its 2.82 GB
 at `base`): the gate (Eq. 13-14) needs ``sum z^2`` and ``z . W_j`` over all ``m d`` entries of a
 token before any channel of ``h`` can be formed, and a 64-token tile's whole state (``m d``
-float32 per token: 1 MB at `base`, 2 MB at the issue's shape) does not fit in one SM's shared
+float32 per token: 1 MB at `base`, 2 MB at the bench shape) does not fit in one SM's shared
 memory. Here a cluster of ``G`` CTAs shares a tile: CTA ``g`` takes channels ``[g d/G, (g+1)
 d/G)`` (128 of them at ``G = d / 128``), brings its slice of the state into shared memory once
 and keeps it through all three passes:
@@ -28,18 +30,16 @@ rounding.
 
 Bytes per call: the partial's windows and the state once, ``h`` once (the one-CTA kernel: the
 state twice). One CTA per SM (the state's slice is 128 KB); the passes of one tile do not
-overlap each other's copies, only the copies still in flight. Built in session 37 for "What
-remains 3" (BENCHMARKS.md, kernels); ``experiments/mgpu/cluster_probe.py`` tests the exchange
-alone. On the CPU it runs interpreted with ``G = 1`` (no exchange: jax 0.11.2's Mosaic GPU
+overlap each other's copies, only the copies still in flight. Built to remove the state's second
+read; ``experiments/mgpu/cluster_probe.py`` tests the exchange alone. On the CPU it runs interpreted with ``G = 1`` (no exchange: jax 0.11.2's Mosaic GPU
 interpreter has no rule for ``async_store_smem``); ``G > 1`` runs on a GPU only.
 
-**Status (session 38): exact, and slower than the one-CTA kernels; nothing in the package
-calls it.** On an H100 (BENCHMARKS.md, kernels, session 38; ``experiments/results/kernels_h200_s38``)
-the ``"pull"`` exchange is exact: ``cluster_probe.py``'s sums at ``G = 2, 8, 16``, this forward
+**Exact, and slower than the one-CTA kernels; nothing in the package calls it.** On an H100
+(docs/kernels.md) the ``"pull"`` exchange is exact: ``cluster_probe.py``'s sums at ``G = 2, 8, 16``, this forward
 at ``G = 8`` against the one-CTA kernel at 1e-5 (segments, a ragged tile), the backward's state
 pass (``phase2_cluster_backward_state``, below) at ``G = 8`` and 16. The ``st.async`` forms
-(``"all"``, ``"butterfly"``) fault at launch (unspecified launch failure; session 37's "sums off
-by 2" was the probe's own float32 rounding of its test values), so they ask for
+(``"all"``, ``"butterfly"``) fault at launch (unspecified launch failure; sums "off by 2" in the
+probe are its own float32 rounding of its test values), so they ask for
 ``unverified_exchange=True``. Timed at `base`, the cluster forward takes 1.39-1.48 ms against the
 one-CTA kernel's 1.18-1.19 (one warpgroup per CTA; two: 2.32), and the backward's state pass
 1.64-1.71 against 1.58-1.60: with one CTA per SM (its slice of the state is 128 KB) a tile's
@@ -147,7 +147,7 @@ def phase2_cluster_forward(state, partial, bank, query, include_partial, gate_pa
     if cluster > 1 and exchange != "pull" and not unverified_exchange:
         raise NotImplementedError(
             f"cluster={cluster}, exchange={exchange!r}: the st.async exchange's launches fail on an H100 (jax "
-            "0.11.2, sessions 37-38: unspecified launch failure); exchange='pull' works; pass "
+            "0.11.2: unspecified launch failure); exchange='pull' works; pass "
             "unverified_exchange=True to run it anyway")
     if interpret and cluster > 1:
         raise NotImplementedError(f"cluster={cluster}: the Mosaic GPU interpreter (jax 0.11.2) has no rule for "
@@ -674,7 +674,7 @@ def phase2_cluster_backward_state(partial, bank, a, b, dold, acc, dh, gate_param
     (E - z)`` (summed over the CTAs and warpgroups here, in XLA: ``[G W, 3 m, B, T]``, 0.2% of the
     state's bytes at `base`). One head, at most ``BWD_XCH_COLS // 2`` streams, ``d`` a multiple of
     ``cluster * warpgroups * 32``. ``programs`` and ``warpgroups`` as ``phase2_cluster_forward``'s.
-    Exact on an H100 at clusters of 8 and 16 (session 38); slower than the one-CTA kernel there
+    Exact on an H100 at clusters of 8 and 16; slower than the one-CTA kernel there
     (the module docstring)."""
     batch, t_len, d = partial.shape
     m = len(stream_kernels)

@@ -8,15 +8,15 @@ load at an offset.
 * ``"concat"`` (interpret mode, Mosaic TPU): a concatenate with zero tiles and a static slice.
 * ``"dot"`` (Triton, which lowers neither value concatenates nor value slices): a product with
   a 0/1 shift matrix built from iotas, at HIGHEST precision, which lowers to an IEEE float32
-  ``tl.dot``: exact, since each output row selects one input row. Measured alternative
-  (BENCHMARKS.md, kernels, session 5): three bfloat16 tensor-core dots of an exact
+  ``tl.dot``: exact, since each output row selects one input row. Measured alternative:
+  three bfloat16 tensor-core dots of an exact
   ``hi + mid + lo`` split were exact too but slower on the H200 (phase 2 + gate fwd+bwd 9.7
   against 6.8 ms, phase 1 161 against 154 ms), so the single float32 dot stays.
-* ``"buffer"`` (Triton, the default of both reverse-T kernels there since session 7):
+* ``"buffer"`` (Triton, the default of both reverse-T kernels there):
   ``shift_rows_via_buffer`` stores the lag tiles in a small per-program scratch in global
   memory and reads them back at row offsets, as the forward reads its halo, with CTA barriers
   around the stores. The 11 ``[16, 16] @ [16, 16]`` float32 dot pairs per tile were 1.8 of phase
-  2's 3.0 ms input kernel at the bench shape; through the buffer it took 1.92 ms (session 7).
+  2's 3.0 ms input kernel at the bench shape on the H200; through the buffer it took 1.92 ms.
 """
 
 from __future__ import annotations

@@ -1,21 +1,22 @@
-"""Phase 2's fused forward with whole channel rows per program: the state is read once.
+"""Phase 2's fused forward with whole channel rows per program, so the state is read once. A
+measured alternative, exact and slower than ``mosaic_gpu``'s forward; nothing in the package
+calls it (docs/kernels.md).
 
 ``mosaic_gpu.phase2_fused_forward`` gives each program 64 tokens and walks their ``d`` channels
 in chunks three times (the partial's scores, then the merge with the state and the gate's
 statistics, then the merge again and ``h``), so it reads the float32 state twice: 2.15 of the
-2.82 GB a call moves at `base` (BENCHMARKS.md, kernels, What remains 3). Holding a 64-token
-tile's state on chip needs 1 MB at `base`; sessions 37-38 spread it over a cluster of CTAs and
-measured it slower. Here a program takes only ``block_t`` tokens (2 to 8) and all their
+2.82 GB a call moves at `base`. Holding a 64-token tile's state on chip needs 1 MB at `base`;
+``mosaic_gpu_cluster`` spreads it over a cluster of CTAs and is slower. Here a program takes only ``block_t`` tokens (2 to 8) and all their
 channels, so the ``m`` retrieved streams ``z_r`` (``m * block_t * d`` float32, 64 KB at `base`
 with 4 tokens) live in registers from the merge to ``h``: each state element is loaded once,
 the partial's lag rows come from L1/L2, and nothing but ``h`` and the per-token scores is
 written.
 
-Per program (one batch row, tokens ``t0 ... t0 + block_t - 1``; Eq. numbers of seed 000):
+Per program (one batch row, tokens ``t0 ... t0 + block_t - 1``; Eq. numbers of the MSAR paper):
 
 1. ``E_r = sum_delta c_r[delta] mask_delta x[t - delta]`` for every stream at once (Eq. 10): each
    lag row of the partial is loaded once and added into every stream whose kernel reaches it.
-2. ``s_r = (q_r . E_r) / rms(E_r)`` (SPEC 3, Eq. 11), merged with the phase-1 state by the
+2. ``s_r = (q_r . E_r) / rms(E_r)`` (Eq. 11; docs/design.md §3-4), merged with the phase-1 state by the
    online softmax: ``z_r = (keep / denom) acc_r + (p / denom) E_r`` (``reference.merge`` then
    ``finalize``); ``include=False`` (a block's first target) gives ``z_r = acc_r / denom``.
 3. ``g = sigmoid(scale * rms(flatten z) @ W + bias)`` and ``h = sum_r g_r z_r`` (H_pre, Eq.
@@ -29,7 +30,7 @@ what ``mosaic_gpu.phase2_fused_forward`` does, so the backward kernels take its 
 Not wired into the package: exact, and slower than the Mosaic kernel with MSAR's taps and gate
 (1.42x on the H200 at `base`). A program of a few tokens reloads every per-channel constant (24
 taps, 16 gate columns, 4 queries: 176 KB at `base`) for its tokens; without the taps and the gate
-it runs at 92% of its floor (BENCHMARKS.md, kernels, session 39, call 6).
+it runs at 92% of its floor on the H200.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ from pallas_kernels.depth_attention import fused, reference
 F32 = jnp.float32
 FRONT = 16  # interpret mode: zero rows before token 0 (at least the largest lag, max kernel - 1)
 # tokens per program and warps, by the channel row: z holds m * block_t * d float32 values in
-# registers. The fastest of the tiles timed at `base` (d = 1024) and the issue's shape (d = 2048) on
-# the H100 and the H200 (BENCHMARKS.md, kernels, session 39, calls 2-3)
+# registers. The fastest of the tiles timed at `base` (d = 1024) and the bench shape (d = 2048) on
+# the H100 and the H200
 DEFAULT_TILES = {1024: (2, 4), 2048: (2, 4)}
 BLOCK_T_CHOICES = (1, 2, 4, 8, 16)
 NUM_WARPS_CHOICES = (1, 2, 4, 8, 16)

@@ -10,8 +10,8 @@ Two tile sizes matter (see ``fused.py`` for the kernel layout):
   lies inside one head, so its softmax weights are one value per token) and be a power
   of two for Triton. The mix kernel keeps ``S`` accumulators of ``block_t x block_d``
   float32 values live; the scoring kernel keeps up to ``max_kernel`` lag-shifted tiles
-  live across the streams, so wide scoring chunks spill (run 2: 128 -> 32 channels took
-  phase-1 scoring from 11.0 to 6.8 ms at 4 warps).
+  live across the streams, so wide scoring chunks spill (on the H200 at the bench shape,
+  128 -> 32 channels took phase-1 scoring from 11.0 to 6.8 ms at 4 warps).
 """
 
 from __future__ import annotations
@@ -109,35 +109,34 @@ def choose_tiles(*, d: int, heads: int, max_kernel: int, n_targets: int, backend
     dh = d // heads
     halo = max(max_kernel - 1, 1)
     if backend == "triton" and n_streams == 1 and max_kernel <= 1:
-        # A single identity stream (AttnRes, MHAR): run 1's tiles. With them the AttnRes read
+        # A single identity stream (AttnRes, MHAR) takes its own tiles. With them the AttnRes read
         # took 0.308 ms per sublayer forward on the H200 (phase 1 1.566, phase 2 0.112 ms),
-        # against 0.365 (1.702 / 0.152) with the MSAR-tuned tiles below (BENCHMARKS.md, runs
-        # 1 and 2). Phase 1's mixing pass (S > 1 targets) takes 8 x 128 tiles: of 17 tilings
+        # against 0.365 (1.702 / 0.152) with the MSAR-tuned tiles below. Phase 1's mixing pass (S > 1 targets) takes 8 x 128 tiles: of 17 tilings
         # timed alone it was the fastest, 0.945 against 1.038 ms with 16 x 64 at `base`, 0.730
-        # against 0.777 at the issue's shape (session 27, calls 4-5). Phase 2's output pass
+        # against 0.777 at the bench shape. Phase 2's output pass
         # without a gate takes 16 x 128: its forward 0.197 against 0.216 ms at `base`, 0.116
-        # against 0.118 at the issue's shape (session 27, call 7).
+        # against 0.118 at the bench shape.
         wide = _pow2_divisor(dh, 128)
         mix = (("acc", 8, wide),) if n_targets > 1 else (("mean", 16, wide),)
         return Tiles(16, _pow2_divisor(dh, 128), _pow2_divisor(dh, 64), num_warps=4, num_stages=1, mix_tiles=mix)
     if backend == "triton":
-        # Best of 6 tilings timed on the H200 at the issue's shape (BENCHMARKS.md, run 2):
+        # Best of 6 tilings timed on the H200 at the bench shape:
         # phase 1 (S = 8 targets) 16 x 64 scoring chunks, 16 x 128 mixing chunks, 8 warps;
         # phase 2 (one target) 16 x 32 chunks, 4 warps, 2 stages.
-        # Phase 1's reverse-T backward chunk: 64 channels (session 5, H200, fwd + Pallas bwd per
-        # block: 32 / 64 / 128 -> 237 / 144 / 161 ms, timed with the since-reverted bf16x3 row
-        # shift; with the float32 one 128 took 154 ms and 64 is not yet timed).
+        # Phase 1's reverse-T backward chunk: 64 channels (H200, fwd + Pallas bwd per
+        # block: 32 / 64 / 128 -> 237 / 144 / 161 ms, timed with a bf16x3 row shift, since
+        # taken out; with the float32 one 128 took 154 ms, 64 untimed).
         # Phase 2's reverse-T input kernel (the backward): 16 channels. It carries its token
         # sums as whole tiles (44 for kernels (0, 4, 8, 12) with the gate), so narrower chunks
-        # hold fewer registers per thread (session 6, H200, bench shape, that kernel alone:
+        # hold fewer registers per thread (H200, bench shape, that kernel alone:
         # 16 x 16 / 4 warps 3.00 ms, 16 x 32 / 4 warps 3.85, 16 x 32 / 8 warps 3.07).
-        # Phase 1 (session 10): 32-row tiles with 64-channel chunks for the mixing kernel and
+        # Phase 1: 32-row tiles with 64-channel chunks for the mixing kernel and
         # the wide backward's <g_A, E> and stream-cotangent kernels, which write or read each
         # target's state as its own array (``per_target``): at 128 channels those ran up to 71%
         # slower per target than stacked, at 32 x 64 as fast and faster than 16 x 128 stacked
-        # (session 9, call 8, `base` shape). The scoring kernel and the expansion's transpose
+        # (H200, `base` shape). The scoring kernel and the expansion's transpose
         # keep 16 rows: at 32 the transpose's 24 carried bank-gradient tiles spill (31.0 against
-        # 5.8 ms per call at `base`) and scoring went 0.94 -> 1.03 ms (session 10, call 1).
+        # 5.8 ms per call at `base`) and scoring went 0.94 -> 1.03 ms.
         if n_targets > 1:
             return Tiles(32, _pow2_divisor(dh, 64), _pow2_divisor(dh, 64), num_warps=8, num_stages=1,
                          block_d_bwd=_pow2_divisor(dh, 64), block_t_scores=16, block_t_transpose=16)
