@@ -2,7 +2,8 @@
 
 The notebooks stay thin; everything they compute lives here and is tested through them.
 
-**The explainer** (``notebooks/msar_explorer.ipynb``; seed 002's figure). One target read of
+**The explainer** (``notebooks/msar_explorer.ipynb``: a token-by-source grid of one read, the MSAR
+paper's Sec. 3.2, computed by the library's own read). One target read of
 MSAR (Eq. 10-12) at one token, taken apart per source row and per source token::
 
     E_{i,r}(v_i)_t = sum_{delta < kappa_r} c_{i,r,delta} (*) v_{i,t-delta}        (Identity: v_{i,t})
@@ -16,7 +17,7 @@ display of the expansion and ``explain`` checks that they sum to ``expand``'s ou
 ``sum_i alpha_i E_i`` is ``msar_read``'s ``z``.
 
 * ``ReadInputs``: everything one read sees (sources, conv banks, queries, valid mask, gate).
-* ``SyntheticScene``: the seed's toy (16 tokens, 8 source rows = the embedding and 7 layer
+* ``SyntheticScene``: a synthetic toy (16 tokens, 8 source rows = the embedding and 7 layer
   outputs, 6 channels, fixed sine/cosine formulas; layer-level MSAR, Sec. 3.2).
 * ``CapturedScene``: the real reads of a trained Block MSAR checkpoint: ``capture`` runs the
   model sublayer by sublayer through the mechanism's own protocol (``read``/``write``/
@@ -244,7 +245,7 @@ def explain(read: ReadInputs, stream: int, token: int, check: bool = True) -> Ex
 
 
 class SyntheticScene:
-    """Seed 002's toy: layer-level MSAR (Sec. 3.2) with fixed sine/cosine activations.
+    """A synthetic toy: layer-level MSAR (Sec. 3.2) with fixed sine/cosine activations.
 
     Sources ``v_0`` (the embedding) .. ``v_{n-1}`` (sublayer outputs), ``[n, T, d]``; source
     ``i`` has its own depthwise coefficients per stream; each target layer ``l`` has its own
@@ -454,7 +455,7 @@ def token_label(tok: int) -> str:
 
 def plot_grid(expl: Explanation, mode: str = "weights", ax=None, vmax: float | None = None,
               tokens: np.ndarray | None = None, columns: tuple[int, int] | None = None):
-    """The token-by-source grid of one read (seed 002's figure).
+    """The token-by-source grid of one read (``SyntheticScene`` or ``CapturedScene``).
 
     ``mode="weights"``: each available row's token window is outlined and the right-hand column
     shows the row's depth-attention weight (one per source; the column sums to one).
