@@ -22,9 +22,9 @@ import jax  # noqa: E402
 # Synchronous dispatch on the CPU (read when the CPU client is made, so before any test runs).
 # Pallas' GPU interpreter runs each kernel's barriers and copies as Python callbacks that
 # dispatch JAX ops of their own; with asynchronous dispatch the test's thread can queue its next
-# ops while an interpreted kernel is still running, and the slow suite once hung that way: the
+# ops while an interpreted kernel is still running, and the slow suite can hang that way: the
 # kernel's callback (``wait_smem_to_gmem``) and the test's next eager op each waiting in XLA
-# (session 33, ``test_item_decodes_agree``). The tests time nothing, so nothing is lost.
+# (seen in ``test_item_decodes_agree``). The tests time nothing, so nothing is lost.
 jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 import pytest  # noqa: E402

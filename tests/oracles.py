@@ -1,7 +1,8 @@
-"""Independent numpy float64 oracles of every residual mechanism, written from SPEC.md.
+"""Independent numpy float64 oracles of every residual mechanism, written from the papers'
+equations as docs/design.md §2-8 states them.
 
 Nothing here imports the library: these are deliberately slow, explicit loops over
-tokens, sources, streams and heads, transcribing the SPEC sections literally, so a
+tokens, sources, streams and heads, transcribing those sections literally, so a
 vectorisation mistake in the library cannot be reproduced here by construction.
 
 Conventions:
@@ -11,7 +12,7 @@ Conventions:
   * ``params`` is a dict of numpy arrays with the library's names and shapes (see each
     function), but the oracle only ever indexes them per sublayer / per bank.
   * ``segment_ids`` is ``None`` or ``[B, T]`` ints; a conv never reaches back across
-    a change of segment id (SPEC 4 decision: a boundary is treated like a sequence start).
+    a change of segment id (docs/design.md §4.1's decision: a boundary is treated like a sequence start).
 
 Every function returns the final hidden ``[B, T, d]`` (what goes to the final RMSNorm).
 """
@@ -50,7 +51,7 @@ def softmax_list(scores: list[float]) -> list[float]:
 
 
 # --------------------------------------------------------------------------------------
-# Expansion (SPEC 4, Eq. 10): a direct loop over lags.
+# Expansion (Eq. 10; docs/design.md §4.1): a direct loop over lags.
 # --------------------------------------------------------------------------------------
 
 
@@ -100,7 +101,7 @@ def expand_full(x, bank, stream_kernels, segment_ids=None) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------
-# One depth-attention read (SPEC 3, 4, 8): per token, per stream, per head, per source.
+# One depth-attention read (docs/design.md §3, §4, §8): per token, per stream, per head, per source.
 # --------------------------------------------------------------------------------------
 
 
@@ -181,7 +182,7 @@ def _blocks(L, S):
 
 
 def attnres(e, fs, params, *, block_size, heads=1, eps=RMS_EPS, return_reads=False):
-    """Block AttnRes / MHAR (SPEC 2, 3, 8).
+    """Block AttnRes / MHAR (docs/design.md §2, §3, §8).
 
     ``params``: ``queries[L, 1, d]``, ``final_query[d]``.
     """
@@ -212,7 +213,7 @@ def msar(
     e, fs, params, *, block_size, kernel_sizes=(4, 8, 12), streams=None, conv=True, fusion="gate",
     segment_ids=None, eps=RMS_EPS, final_merge="residual", return_reads=False,
 ):
-    """MSAR (SPEC 2, 4): conv-bank assignment of Appendix C, per-stream softmax, H_pre gate.
+    """MSAR (docs/design.md §2, §4): conv-bank assignment of Appendix C, per-stream softmax, H_pre gate.
 
     ``params``: ``queries[L, m, d]``, ``conv_banks[L, sum(kernels), d]`` (if conv),
     ``gate_w[L, m*d, m]``, ``gate_a[L]``, ``gate_b[L, m]`` (if fusion == "gate").
@@ -258,7 +259,7 @@ def msar(
 
 
 def sinkhorn(logits: np.ndarray, iters: int = 20, eps: float = MHC_EPS) -> np.ndarray:
-    """SPEC 6 / DeepSeek reference, one token, explicit loops. ``logits[m, m]``.
+    """Sinkhorn as docs/design.md §6 and DeepSeek's reference implementation run it, one token, explicit loops. ``logits[m, m]``.
 
     Pass 1: max-subtracted row softmax, + eps, then column normalisation; passes
     2..iters: row normalisation then column normalisation; eps in every denominator.
@@ -308,7 +309,7 @@ def mhc_coefficients_token(X, phi, bias, scale, iters=20):
 
 
 class MHCState:
-    """mHC's m-stream state ``X[B, T, m, d]`` (SPEC 6), stepped per token."""
+    """mHC's m-stream state ``X[B, T, m, d]`` (docs/design.md §6), stepped per token."""
 
     def __init__(self, e, m):
         e = np.array(e, np.float64)
@@ -345,7 +346,7 @@ class MHCState:
 
 
 def mhc(e, fs, params, *, streams=4, iters=20, **_):
-    """mHC (SPEC 6). ``params``: ``phi[L, m*d, m^2+2m]``, ``bias[L, m^2+2m]``, ``scale[L, 3]``."""
+    """mHC (docs/design.md §6). ``params``: ``phi[L, m*d, m^2+2m]``, ``bias[L, m^2+2m]``, ``scale[L, 3]``."""
     st = MHCState(e, streams)
     for l in range(1, len(fs) + 1):
         h, coeffs = st.read(params["phi"][l - 1], params["bias"][l - 1], params["scale"][l - 1], iters)
@@ -355,7 +356,7 @@ def mhc(e, fs, params, *, streams=4, iters=20, **_):
 
 
 def attnres_mhc(e, fs, params, *, block_size, streams=4, iters=20, eps=RMS_EPS, **_):
-    """AttnRes + mHC hybrid (SPEC 7): input = AttnRes read + H_pre read; v goes to both;
+    """AttnRes + mHC hybrid (docs/design.md §7): input = AttnRes read + H_pre read; v goes to both;
     final = AttnRes final read + sum_i X_i. ``params = {"attnres": ..., "mhc": ...}``."""
     pa, pm = params["attnres"], params["mhc"]
     L = len(fs)

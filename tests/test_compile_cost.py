@@ -1,6 +1,6 @@
 """experiments/compile_cost.py: the op count of a lowered train step, and a guard on the MSAR
 smoke step's size (the suite is compile-bound; the conv's taps written one by one took it to
-16k StableHLO ops, their CPU loop form to under 9k: BENCHMARKS.md, kernels, session 14)."""
+16k StableHLO ops, their CPU loop form to under 9k)."""
 
 from __future__ import annotations
 

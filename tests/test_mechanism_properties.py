@@ -1,4 +1,4 @@
-"""Properties of the residual mechanisms (SPEC 2-8) and of the Transformer built on them.
+"""Properties of the residual mechanisms (docs/design.md §2-8) and of the Transformer built on them.
 
 Cheap checks run the plain-jnp depth-attention ops eagerly against the float64 oracle
 of ``tests/oracles.py`` (expansion by a direct loop over Eq. 10, reads, fusion,
@@ -188,7 +188,7 @@ def test_depth_read_matches_oracle_and_weights_normalised(kernels, heads):
 @pytest.mark.parametrize("n_valid", [1, 3])
 def test_two_phase_equals_direct(kernels, heads, n_valid):
     """Phase 1 over the completed sources of a block, phase 2 per target with its
-    partial (or none, for the block's first target), equal the direct read (SPEC 5)."""
+    partial (or none, for the block's first target), equal the direct read (docs/design.md §5)."""
     n, b, t, d, S = 4, 2, 6, 8, 3
     sources, banks, queries = _read_inputs(3, n, b, t, d, kernels, S)
     rng = _rng(4)
@@ -276,7 +276,7 @@ def test_mhar_with_one_head_equals_attnres():
 
 
 # ======================================================================================
-# mHC coefficients and Sinkhorn (SPEC 6).
+# mHC coefficients and Sinkhorn (docs/design.md §6).
 # ======================================================================================
 
 
@@ -314,7 +314,7 @@ def test_mhc_coefficients_match_oracle():
 
 
 # ======================================================================================
-# Initialisation and parameter counts (SPEC 3, 4, 6; Appendix C Eq. 19-20).
+# Initialisation and parameter counts (docs/design.md §3, §4, §6; Appendix C Eq. 19-20).
 # ======================================================================================
 
 
@@ -394,7 +394,7 @@ def _model(name, dtype="float32"):
     @functools.partial(jax.jit, compiler_options=oracles.FAST_COMPILE)
     def logits_seg(params, tokens, seg):
         """Logits and the token-averaged depth weights (None for vanilla / mHC). With
-        ``collect_weights`` the reads take the direct path (SPEC 5 says it is equal)."""
+        ``collect_weights`` the reads take the direct path (equal to the two-phase one, docs/design.md §5)."""
         logits, aux = nnx.merge(graphdef, params)(tokens, segment_ids=seg, collect_weights=name in DEPTH_MECHS)
         return logits, aux.get("depth_weights")
 
@@ -433,7 +433,7 @@ def test_causality(name):
 @pytest.mark.parametrize("name", list(MODEL_MECHS))
 def test_packed_segments_are_independent(name):
     """With segment ids, each packed sequence's logits depend only on its own tokens,
-    in both directions (the conv restarts at a segment boundary, SPEC 4)."""
+    in both directions (the conv restarts at a segment boundary, docs/design.md §4.1)."""
     _, params, _, logits_seg = _model(name)
     tokens, _ = _base_logits(name)
     cut = 4
@@ -454,7 +454,7 @@ def test_packed_segments_are_independent(name):
 @pytest.mark.parametrize("name", list(MODEL_MECHS))
 def test_collect_weights_works_for_every_mechanism(name):
     """``Transformer.__call__(collect_weights=True)`` is part of the model's API for any
-    mechanism (SPEC: the transformer never looks at a mechanism's name): depth
+    mechanism (docs/design.md §12: the transformer never looks at a mechanism's name): depth
     mechanisms return ``[L, N+2, m]`` weights, the others none. Traced only (eval_shape)."""
     cfg = _model_cfg(name)
     graphdef, params = nnx.split(Transformer(cfg, nnx.Rngs(0)), nnx.Param)

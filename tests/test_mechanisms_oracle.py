@@ -1,5 +1,5 @@
 """Every residual mechanism, run through ``msar_jax.stack.DepthStack``, against the
-independent numpy float64 oracle of ``tests/oracles.py`` (SPEC 1-8).
+independent numpy float64 oracle of ``tests/oracles.py`` (docs/design.md §1-8).
 
 The sublayers are a toy per-token ``f_l(h) = tanh(h @ W_l)`` so that only the residual
 mechanism is under test. Every mechanism parameter is replaced with random non-zero
@@ -291,7 +291,7 @@ TWO_PHASE_PAIRS = [
 
 @pytest.mark.parametrize("pair", TWO_PHASE_PAIRS, ids=lambda p: p[0])
 def test_two_phase_stack_equals_direct_stack(pair):
-    """SPEC 5: the two-phase path gives the direct path's final hidden to float32
+    """docs/design.md §5: the two-phase path gives the direct path's final hidden to float32
     rounding, with the same parameters (reuses both cases' compiled functions)."""
     by_id = {c.id: c for c in CASES}
     tp, direct = built(by_id[pair[0]]), built(by_id[pair[1]])

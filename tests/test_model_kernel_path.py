@@ -135,7 +135,7 @@ def test_gpu_kernels_option_reaches_the_ops(overrides, want):
 @pytest.mark.parametrize("mechanism, phase2_fused_backward, phase1_backward, other_ops", [
     ("msar", "pallas", "pallas", "xla"),  # Pallas for phase 1 (its wide form) and the fused phase 2 + gate
     ("attnres", "pallas", "pallas", "pallas"),  # a single stream and head: Pallas everywhere
-    ("mhar", "pallas", "pallas", "pallas"),  # heads > 1, one stream: Pallas too (timed in session 9)
+    ("mhar", "pallas", "pallas", "pallas"),  # heads > 1, one stream: Pallas too, as timed on the H200
 ])
 def test_auto_kernel_backward_per_mechanism_and_op(mechanism, phase2_fused_backward, phase1_backward, other_ops):
     from flax import nnx
@@ -159,9 +159,10 @@ def test_auto_kernel_backward_per_mechanism_and_op(mechanism, phase2_fused_backw
 
 # Kernel calls in the lowered gradient of a 4-layer model (block size 2: 2 units of one layer,
 # one scan), per kernel name. Every forward kernel appears twice: the forward pass and the
-# block's re-run in the append-only scan's backward. Before session 7 the reads also ran under
-# a jax.checkpoint, which added a third forward run in the backward of each read: MSAR
-# scores 9, mix_stats 6, mix_gate 6, mix_acc 3 (the same backward kernels).
+# block's re-run in the append-only scan's backward. A jax.checkpoint around the reads would add
+# a third forward run in the backward of each read (MSAR scores 9, mix_stats 6, mix_gate 6,
+# mix_acc 3, the same backward kernels): the reads' custom_vjp saves only inputs, so none is taken
+# (docs/kernels.md).
 # 7 scores: 2 x 2 phase-2 sites, 2 phase 1, and phase 1's Pallas backward's own pass (its
 # "wide" form: then <g_A, E>, the stream cotangents and, with conv streams, their transpose).
 LOWERED_KERNELS = {
@@ -332,8 +333,8 @@ def test_saved_read_outputs_run_only_the_scores_kernel_in_the_rerun():
     (its ``h`` is saved), keeping the scores kernel (the Pallas backward's residual). Loss and
     gradients: as close to a float32 run of the same parameters (the XLA path) as without saving.
     The parameters' noise is 0.1, not the usual 0.3: at 0.3 this model's bf16 gradients are 84%
-    (relative L2) from its float32 ones on the CPU's XLA path too, 79-81% here (session 24, call
-    3), where no comparison means anything; at 0.1, 3.9% on the CPU."""
+    (relative L2) from its float32 ones on the CPU's XLA path too, 79-81% here (on the H200),
+    where no comparison means anything; at 0.1, 3.9% on the CPU."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     counts, results = {}, {}
