@@ -95,7 +95,7 @@ def test_fwd_bwd_rejects_an_unknown_form():
 
 
 def test_design_flops_counts_the_definitions_arithmetic():
-    """The flop floor at the issue's shape (N = 9, B = 8, T = d = 2048, S = 8), counted by hand:
+    """The flop floor at the bench shape (N = 9, B = 8, T = d = 2048, S = 8), counted by hand:
     per source element 24 taps + 4 streams x (1 sum of squares + 8 dots + 8 weighted sums) = 92
     FMAs in phase 1, amortised over 8 targets; per partial element 24 taps + 4 x (4 + 6) = 64
     FMAs in phase 2. AttnRes (one identity stream, no gate): 17 and 1 + 1 + 2 + 1 = 5."""
@@ -112,7 +112,7 @@ def test_design_flops_counts_the_definitions_arithmetic():
 
 
 def test_target_budgets_give_the_floor_over_the_target():
-    """MSAR's forward at the issue's shape moves 1.2845 GB (``design_bytes``: 9 bf16 sources and 8
+    """MSAR's forward at the bench shape moves 1.2845 GB (``design_bytes``: 9 bf16 sources and 8
     float32 states amortised over 8 targets, one state, the partial and h): at 2.92 TB/s (an H100's
     copy) 0.440 ms, 98% of the 0.45 ms target; at 4.27 TB/s 0.301 ms, 67%. A bf16 state: 0.748 GB."""
     from pallas_kernels.depth_attention import bench

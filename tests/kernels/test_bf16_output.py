@@ -4,8 +4,7 @@ the TPU kernels' interpret mode), against ``reference.phase2_fused(...).astype(b
 cotangent is the same bf16 values either way (a bf16 ``h``'s cotangent is bf16), so every float32
 gradient agrees to float32 rounding; only ``h`` itself and the bf16 partial's gradient carry one
 bf16 rounding. The kernels read the bf16 cotangent as it is and write the bf16 partial's gradient
-in bf16 (half the bytes of the float32 copies they took and wrote before; BENCHMARKS.md, kernels,
-session 28)."""
+in bf16 (half the bytes of float32 copies of them)."""
 
 from __future__ import annotations
 

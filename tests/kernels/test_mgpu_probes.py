@@ -1,13 +1,12 @@
-"""The Mosaic GPU probes of session 19 (``experiments/mgpu/expand_sources.py``,
-``experiments/mgpu/tma_rate.py``; BENCHMARKS.md, kernels, session 19) in Pallas' Mosaic GPU
-interpret mode: the expansion from TMA windows, from loads straight from global memory (at row
+"""The Mosaic GPU probes (``experiments/mgpu/expand_sources.py``,
+``experiments/mgpu/tma_rate.py``; docs/kernels.md) in Pallas' Mosaic GPU interpret mode: the expansion from TMA windows, from loads straight from global memory (at row
 offsets that are not multiples of 8) and the fetch-only form each give the plain-jnp sums of
 squares of the streams, and the copy-rate harness runs every variant (each program's marker row
-written), and (session 20) the one-window form, with static and runtime row offsets, and the
+written), the one-window form, with static and runtime row offsets, and the
 shared-memory offset probe of ``offset_loads.py`` (exact when interpreted: the swizzle it
 exposes on the GPU is not emulated). The ``tma_wgmma`` form is not here: the interpret mode cannot run a WGMMA whose left
 operand is in registers (it lowers for sm_90; ``expand_sources.py --wgmma`` runs it on the
-GPU). In the slow suite (CI runs it): probes outside the package, about 40 s. Session 34's
+GPU). In the slow suite (CI runs it): probes outside the package, about 40 s. The
 cluster probe (``cluster_probe.py``) cannot be interpreted; its test compiles it for the H200
 (``-m aot``)."""
 

@@ -257,7 +257,7 @@ def test_dstreams_rows_fetches_agree(valid, programs):
 
 def test_dstreams_rows_fetch_choice_and_its_errors(monkeypatch):
     """``rows_fetch`` given wins; the default's "per_stream" (several streams) is taken with per-item
-    windows where it fits (the issue's 9 sources and 8 targets at 32 channels) and gives way to
+    windows where it fits (the bench shape's 9 sources and 8 targets at 32 channels) and gives way to
     "per_item" with per-chunk windows; one stream takes its own default ("per_item", untimed with
     the rows per stream); an explicit "per_stream" with per-chunk windows, an unknown value and an
     unknown default raise."""
@@ -329,7 +329,7 @@ def _recorded_fetches(monkeypatch):
 
 def test_dstreams_window_fetch_choice_and_its_errors(monkeypatch):
     """The default's ``"per_chunk"`` holds a window per source: taken where one program's shared
-    memory holds them (the issue's 9 sources at 32 channels with a bf16 ``dE``; 8 with the
+    memory holds them (the bench shape's 9 sources at 32 channels with a bf16 ``dE``; 8 with the
     float32 ``dE`` these tests ask for), ``"per_item"`` where it does not (12); asked for
     explicitly where it does not fit, it raises, as an unknown value does. ``gdots`` always takes
     ``"per_item"``. (A program per stream takes ``"per_item"``: ``dstreams``' one program for all
@@ -502,8 +502,8 @@ def test_kernels_lower_for_sm90(mode, t_len, segments, group_slots):
 @pytest.mark.parametrize("t_len, segments, group_slots", [(200, True, 2), pytest.param(64, False, 1,
                                                                                      marks=pytest.mark.slow)])
 def test_dstreams_per_chunk_lowers_for_sm90(t_len, segments, group_slots):
-    """``dstreams`` with its windows per chunk lowers for the H200 (session 35 also compiled it for
-    sm_90a, ptxas included: 255 registers, no spills)."""
+    """``dstreams`` with its windows per chunk lowers for the H200 (compiled for sm_90a, ptxas
+    included, it takes 255 registers, no spills)."""
     args = _inputs(3, 2, t_len, 128, 2, 2, (True, True, False), 30 if segments else None, jnp.bfloat16,
                    jnp.float32, True)
     fn = lambda *a: _dstreams(a, 2, window_fetch="per_chunk", group_slots=group_slots)  # noqa: E731
@@ -514,8 +514,8 @@ def test_dstreams_per_chunk_lowers_for_sm90(t_len, segments, group_slots):
 @pytest.mark.parametrize("mode", mosaic_gpu_bwd1.MODES)
 def test_divided_item_decode_lowers_for_sm90(monkeypatch, mode):
     """The kernels with the next item decoded from its flat index (the option; the default
-    carries it through the loops) lower for the H200 (session 32 compiled both forms for sm_90a,
-    ptxas included: ``experiments/mgpu/sass_stats.py``)."""
+    carries it through the loops) lower for the H200 (``experiments/mgpu/sass_stats.py``
+    compiles both forms for sm_90a, ptxas included)."""
     monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_ITEM_DECODE", "divide")
     args = _inputs(3, 2, 200, 64, 2, 1, (True, True, False), 30, jnp.bfloat16, jnp.float32, True)
     text = _lowered(mode, args, stream_kernels=KERNELS, heads=1)

@@ -3,7 +3,7 @@
 kernel. On the CPU it runs interpreted with a cluster of one (the Mosaic GPU interpreter of jax
 0.11.2 has no rule for the exchange's ``async_store_smem``), and its clusters of 8 and 16 are
 lowered for the H200 to check the shared-memory count; the GPU-marked tests run clusters of 1, 8
-and 16 with the pull exchange (exact on an H100, session 38). The ``st.async`` exchanges, whose
+and 16 with the pull exchange (they pass on an H100). The ``st.async`` exchanges, whose
 launches fail, are refused unless asked for (``unverified_exchange``)."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_interpreted_forward_matches_oracle_and_one_cta_kernel(include, cut, sta
 def test_shared_memory_count_is_the_allocation(monkeypatch, d, cluster, exchange, warpgroups):
     """``smem_bytes`` is what Mosaic GPU allocates for one CTA lowered for the H200 (with segment
     ids and taps: every buffer present; a bf16 ``h``, as the models write it), and under the
-    H200's limit at `base` (d = 1024, a cluster of 8) and the issue's shape (d = 2048, 16, the
+    H200's limit at `base` (d = 1024, a cluster of 8) and the bench shape (d = 2048, 16, the
     butterfly exchange)."""
     seen, real = [], mgpu_core._smem_tree_size
     monkeypatch.setattr(mgpu_core, "_smem_tree_size", lambda tree: seen.append(real(tree)) or seen[-1])
@@ -97,7 +97,7 @@ def test_shared_memory_count_is_the_allocation(monkeypatch, d, cluster, exchange
 
 
 def test_exchange_default_and_refusals():
-    """The ``"all"`` exchange's receive tiles do not fit at the issue's shape; bad clusters,
+    """The ``"all"`` exchange's receive tiles do not fit at the bench shape; bad clusters,
     exchanges and shapes are refused with what was asked (the ``st.async`` exchanges, whose
     launches fail, unless asked for)."""
     kw = dict(stream_kernels=KERNELS, x_dtype=BF16, acc_dtype=jnp.float32, out_dtype=BF16)
@@ -116,7 +116,7 @@ def test_exchange_default_and_refusals():
     assert mosaic_gpu_cluster.persistent_programs(96, 16) == 8 and mosaic_gpu_cluster.persistent_programs(7, 8) == 7
     with pytest.raises(ValueError, match="warpgroups=3"):
         _cluster(args, True, cluster=1, warpgroups=3, interpret=True)
-    for exchange in ("all", "butterfly"):  # sessions 37-38: launch failures on an H100
+    for exchange in ("all", "butterfly"):  # their launches fail on an H100
         with pytest.raises(NotImplementedError, match=f"exchange='{exchange}': the st.async exchange"):
             jax.eval_shape(lambda *a: _cluster(a, True, cluster=2, exchange=exchange), *args)
     jax.eval_shape(lambda *a: _cluster(a, True, cluster=2), *args)  # the pull exchange, the default
@@ -138,7 +138,7 @@ def test_gpu_one_cta_cluster_matches_one_cta_kernel(programs, warpgroups):
     """On a GPU, a cluster of one (every pass but the exchange; 128 channels, the slice a CTA
     of a cluster would hold): ``h`` and the scores against the one-CTA kernel and the oracle
     (float32 state, bf16 partial, segments, a ragged tile; one program per tile, or 4 walking
-    the 8 tiles with two warpgroups). Session 38 ran it on an H100: 2 passed. Clusters of 8 and
+    the 8 tiles with two warpgroups); both cases pass on an H100. Clusters of 8 and
     16: ``test_gpu_pull_cluster_matches_one_cta_kernel``, in a process of its own."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
@@ -159,8 +159,7 @@ def test_gpu_pull_cluster_matches_one_cta_kernel(d, cluster, programs):
     """On a GPU, clusters of 8 and 16 CTAs with the pull exchange (``exchange="pull"``, one
     warpgroup per CTA: two do not fit beside the segments' bits): ``h`` and the scores against
     the one-CTA kernel and the oracle (float32 state, bf16 partial, segments, a ragged tile; one
-    cluster per tile or 4 walking the 8 tiles). Session 38 ran the first case on an H100:
-    passed. Run it in a process of its own (``-k pull_cluster``): a failed cluster launch leaves
+    cluster per tile or 4 walking the 8 tiles); the first case passes on an H100. Run it in a process of its own (``-k pull_cluster``): a failed cluster launch leaves
     the process's GPU unusable for what follows."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
@@ -260,8 +259,8 @@ def test_backward_refusals():
 def test_gpu_backward_state_cluster_matches_one_cta_kernel(d, cluster, programs):
     """On a GPU, the backward's state pass on clusters of 1, 8 and 16 CTAs (pull exchange)
     against the one-CTA kernel (bf16 ``dh``, segments, a ragged tile). Run it in a process of its
-    own (``-k backward_state_cluster``): a failed cluster launch leaves the GPU unusable. Session
-    38 ran it on an H100: 4 passed."""
+    own (``-k backward_state_cluster``): a failed cluster launch leaves the GPU unusable. All
+    four cases pass on an H100."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     args = _bwd_inputs(2, 200, d, 77)

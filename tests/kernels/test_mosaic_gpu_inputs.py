@@ -320,8 +320,8 @@ def test_gpu_inputs_kernel_matches_the_triton_pass(monkeypatch, warpgroups, reus
 def test_inputs_kernel_lowers_for_sm90(t_len, segments, warpgroups, slots):
     """The compiled (not interpreted) kernel lowers for the H200 in Lane semantics for one, two
     and more token tiles, with two to four in flight: its first tile's window starts 16 rows before token 0, a start that
-    must stay traced (TMA fills those rows; a static negative start failed on the GPU with two
-    tiles, session 21, call 5)."""
+    must stay traced (TMA fills those rows; a static negative start fails on the GPU with two
+    tiles)."""
     kernels, heads = (0, 4, 8, 12), 1
     args = _inputs(2, t_len, 64, kernels, heads, True, 30 if segments else None)
     text = jax.jit(lambda *a: mosaic_gpu.phase2_backward_inputs(*a, stream_kernels=kernels, heads=heads,

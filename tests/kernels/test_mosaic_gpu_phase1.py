@@ -213,7 +213,7 @@ def test_mix_window_fetches_agree(valid, slots, n_targets):
 
 
 def test_mix_window_fetch_smem():
-    """``"per_chunk"`` holds a window per source slot and stages half the targets: at the issue's
+    """``"per_chunk"`` holds a window per source slot and stages half the targets: at the bench
     shape (9 sources, 8 targets) two programs still fit on an SM, as with ``"per_item"``."""
     kw = dict(block_d=32, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16, out_dtype=jnp.float32, n_targets=8,
               n_sources=9)
@@ -370,7 +370,7 @@ def test_which_scoring_pass_each_choice_takes(choice, kernels, interpret, want):
         f32 = jax.ShapeDtypeStruct(src.shape, jnp.float32)
         assert not _backend._mosaic_phase1(choice, "triton", static, f32, 8, interpret)
     # the mixing pass: as the scoring pass, for a float32 and a bf16 state (with the padded windows
-    # Mosaic's is the faster for both, session 21)
+    # Mosaic's is the faster for both on the H200)
     assert _backend._mosaic_phase1(choice, "triton", static, src, 8, interpret, kernel="mix") is want
     assert _backend._mosaic_phase1(choice, "triton", static, src, 8, interpret, kernel="mix",
                                    state_dtype=jnp.bfloat16) is want
@@ -406,9 +406,9 @@ def test_gpu_phase1_scores_match_triton():
         (g, g_grads), (w, w_grads) = _op_and_oracle("mosaic", t_len=300, d=256, heads=2)
     _check_tree(g, w, 1e-4)
     # Per leaf (sources, banks, queries). The sources' gradient is bf16: within one bf16 rounding
-    # (session 17, call 4: 3.6e-3, one ulp apart). The banks' is float32 but sums the stream
+    # (3.6e-3 on the H200, one ulp apart). The banks' is float32 but sums the stream
     # cotangents, which the wide backward writes in the sources' dtype (``fused_bwd_phase1``,
-    # "wide"): bf16 inputs, so bf16's tolerance (session 18, call 1: 2.2e-3). The queries' is
+    # "wide"): bf16 inputs, so bf16's tolerance (2.2e-3 on the H200). The queries' is
     # exact (``_query_grads`` splits its operand into bf16 parts).
     for got_leaf, want_leaf, tol in zip(g_grads, w_grads, (1e-2, 1e-2, 1e-4), strict=True):
         _check_grads(got_leaf, want_leaf, tol)

@@ -350,7 +350,7 @@ def test_state_boxes_agree(monkeypatch):
 @pytest.mark.slow  # an option against the default (14 s and more on 2 cores)
 @pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in (CASES[0], CASES[1], CASES[3])])
 def test_gate_statistics_summed_in_the_scoring_pass(case):
-    """``gate_stats="in_scores"`` (the default since session 44: pass A sums A.A, A.E, E.E, A.W_j
+    """``gate_stats="in_scores"`` (the default: pass A sums A.A, A.E, E.E, A.W_j
     and E.W_j per stream and head; the gate's ``sum z^2`` and ``z . W_j`` follow once a and b are
     known, so the forward expands twice, not three times) gives the reference's ``h`` and scores,
     and ``"own_pass"``'s (pass B re-expands the partial for them) to float32 rounding

@@ -32,8 +32,8 @@ def _count_calls(monkeypatch, kernels):
 
 
 @pytest.mark.parametrize("choice, heads, interpret, want", [
-    ("auto", 1, False, {"scores", "gdots", "dstreams"}),  # as timed (session 26, call 1)
-    ("auto", 8, False, {"scores", "gdots", "dstreams"}),  # MHAR's heads (session 26, call 3)
+    ("auto", 1, False, {"scores", "gdots", "dstreams"}),  # as timed on the H200
+    ("auto", 8, False, {"scores", "gdots", "dstreams"}),  # MHAR's heads, as timed
     ("auto", 1, True, set()),  # interpret mode: the Triton kernels (the default suite's path)
     ("mosaic", 1, True, {"scores", "mix", "gdots", "dstreams"}),
     ("triton", 1, False, set()),

@@ -8,9 +8,8 @@ or falls back; Mosaic GPU refuses a program above ``mosaic_gpu.SMEM_BYTES``. Eac
 out the kernel's scratch list as Pallas does (``mosaic_gpu._smem_sum``: every buffer from a
 1 KiB boundary, then the barriers), so with segment ids and conv taps (buffers the counts
 include whether present or not) it is the allocation to the byte; without a conv (one stream:
-no taps, no segment bits) it is 2 KiB above. Session 35 wrote these tests:
-the counts summed the buffers alone then, 1-7 KB short, and the mix's and the scoring pass's
-missed a row per source of their valid-source lists."""
+no taps, no segment bits) it is 2 KiB above. Summing the buffers alone would be 1-7 KB short,
+and a valid-source list one row short per source goes unseen without these tests."""
 
 from __future__ import annotations
 

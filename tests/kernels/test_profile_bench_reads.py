@@ -1,7 +1,7 @@
 """``experiments/mgpu/profile_bench_reads.py`` (the device time per op of the bench's reads) runs
 end to end at its ``--small`` shape in interpret mode: four profiled functions per config, each
 with its busy time, ops and span per call and the ``--inners`` timings. In the slow suite (about
-30 s on two cores); on the H200 it ran in session 29 (BENCHMARKS.md, kernels)."""
+30 s on two cores); on a GPU it runs at the bench shape (docs/performance.md)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 and, on a GPU, the Mosaic kernel. Interpreted on the CPU (the partial gets zero front rows there
 instead of the GPU's masked loads); the GPU-marked test runs the compiled Triton kernel. The
 kernel is not wired into the package: on the H100 and the H200 it is slower than the Mosaic kernel
-(BENCHMARKS.md, kernels, session 39)."""
+(docs/kernels.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``experiments/mgpu/sass_stats.py``: reading Mosaic GPU's ptxas reports and SASS dumps (from a
-deviceless H200 compile, session 32) back into registers, spills, instruction mixes and
+deviceless H200 compile) back into registers, spills, instruction mixes and
 innermost loops. The dumps here are written by hand in nvdisasm's format."""
 
 from __future__ import annotations

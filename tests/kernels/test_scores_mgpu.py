@@ -1,5 +1,5 @@
 """The Mosaic GPU prototype of phase 2's scoring pass (``experiments/mgpu/scores_mgpu.py``,
-timed against the Triton kernel in BENCHMARKS.md, kernels, session 15) in Pallas' Mosaic GPU
+1.55-1.70x faster than the Triton kernel on the H200; docs/kernels.md) in Pallas' Mosaic GPU
 interpret mode, against the package's plain-jnp expansion (``reference.expand``): both ways of
 bringing a lag's rows to the registers, several token tiles and channel chunks (so the
 double-buffered pipeline's slots both turn over), random non-zero taps and queries. The GPU

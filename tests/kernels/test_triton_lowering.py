@@ -312,7 +312,7 @@ def test_single_windows_lower_in_lane_semantics(h200, monkeypatch, one_window):
     """``windows="single"`` (one lag window per chunk, loads at any row offset) lowers each of
     the six Mosaic GPU kernels that take a placement (and phase 1's transpose, which takes none) in
     Lane semantics, whose shared-memory refs carry no inferred
-    swizzle (BENCHMARKS.md, kernels, session 20), with every explicit load unoptimized; the
+    swizzle (docs/kernels.md), with every explicit load unoptimized; the
     other placements keep the default Warpgroup semantics."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
