@@ -5,9 +5,9 @@ Builds each read exactly as ``python -m pallas_kernels.depth_attention.bench`` t
 per phase-1 form of ``bench.P1_FORMS``, and the plain-XLA reference), compiles it for an H200
 without one (``msar_jax.aot``: XLA:GPU's own fusion, scheduling and buffer assignment), and prints
 ``memory_analysis()`` (temporaries, arguments, outputs) and the largest values XLA placed in the
-temporary allocation and in the outputs, with the ops that define them. The H200 run of the
-bench (session 30, call 5) compiled the same temporaries for phase 1 at the issue's shape:
-0.094 GiB stacked and 2.270 GiB per target, which this reproduces (BENCHMARKS, session 32).
+temporary allocation and in the outputs, with the ops that define them. The bench run on an
+H200 compiles the same temporaries for phase 1 at the bench shape: 0.094 GiB stacked and
+2.270 GiB per target, which this reproduces.
 
 Usage (needs JAX's CUDA plugin, ``msar_jax.aot``)::
 
@@ -84,7 +84,7 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--configs", default="msar,attnres,mhar", help=f"rows of {sorted(bench.TABLE_CONFIGS)}")
     ap.add_argument("--p1_forms", default="model,stacked", help=f"phase 1's forms, of {bench.P1_FORMS}")
-    ap.add_argument("--base_shape", action="store_true", help="configs/*.py:size=base's shape, not the issue's")
+    ap.add_argument("--base_shape", action="store_true", help="configs/*.py:size=base's shape, not the bench shape")
     ap.add_argument("--xla", action="store_true", help="also the plain-XLA reference (its phase 1 compiles slowly)")
     ap.add_argument("--top", type=int, default=3, help="values listed per allocation kind")
     ap.add_argument("--target", default="h200", help=f"one of {sorted(aot.GPU_TARGETS)}")

@@ -1,9 +1,9 @@
 """Can a cluster of CTAs share per-token sums on the H200 through Pallas' Mosaic GPU (jax 0.11.2)?
-The question behind BENCHMARKS.md, kernels, "What remains 3": phase 2's forward reads its
+The question behind ``mosaic_gpu_cluster`` (docs/kernels.md): phase 2's forward reads its
 float32 state twice (once for the gate's statistics, once for the output) because a 64-token
 tile's whole state (m = 4 streams x d channels x 4 bytes x 64 tokens: 1 MB at `base`, 2 MB at the
-issue's shape) does not fit in one SM. Split over a cluster of G CTAs along the channels, each
-CTA's slice (d / G channels: 128 KB at G = 8 for `base`, at G = 16 for the issue's shape) fits in
+bench shape) does not fit in one SM. Split over a cluster of G CTAs along the channels, each
+CTA's slice (d / G channels: 128 KB at G = 8 for `base`, at G = 16 for the bench shape) fits in
 shared memory; the CTAs then need only to add up a few row vectors of per-token sums (the scores'
 dots, the gate's statistics) twice per tile.
 
@@ -16,16 +16,15 @@ This script answers, for G in 2, 4, 8, 16 (16 is above CUDA's portable cluster s
   3. how long that exchange takes: the kernel run with ``rounds`` exchanges per tile against the
      same kernel with none (``time``), over (8 batch rows x 32 token tiles) clusters.
 
-Session 37 (an H100, ``experiments/results/kernels_h200_s37/call1b``), after the barrier fix
-below: G = 2 with one round completed but its sums were off by 2 (each value from the column pair
+Result (an H100), with the barrier count below: G = 2 with one round completed but its sums were off by 2 (each value from the column pair
 next to it: ``async_store_smem``'s stores and the receiving WGMMA-layout loads disagree on the
 tile's layout); with no exchange the kernel took 95.1 us per call; with two rounds it faulted
 (unspecified launch failure), which left the GPU unusable for G = 4-16.
 
-Session 37 also added ``--mode pull`` (each CTA's tile read from its peers' shared memory through
-``plgpu.cluster_ref`` after a ``ClusterBarrier``) and ``--cols`` (tiles of 16 or 32 columns), and
-``--only G`` to run one cluster size per process. Session 38 put ``fence.acq_rel.cluster``
-around the pull's barrier (``mosaic_gpu_cluster.cluster_fence``: the barrier alone orders at CTA
+``--mode pull`` reads each CTA's tile from its peers' shared memory through
+``plgpu.cluster_ref`` after a ``ClusterBarrier`` (the exchange ``mosaic_gpu_cluster`` uses, exact
+on an H100); ``--cols`` takes tiles of 16 or 32 columns, and ``--only G`` runs one cluster size per
+process. ``fence.acq_rel.cluster`` sits around the pull's barrier (``mosaic_gpu_cluster.cluster_fence``: the barrier alone orders at CTA
 scope); ``--no-fence`` leaves it out.
 
 Run: ``python experiments/mgpu/cluster_probe.py [--mode push|pull] [--cols 8|16|32] [--only G] [--no-fence]``
@@ -77,8 +76,8 @@ def build(g_size: int, rounds: int, batch: int, tiles: int, interpret: bool, col
     if mode == "push":
         # one arrival per store: each of a sender's 128 threads arrives once per store (Lane
         # semantics), and Pallas multiplies a Lane kernel's num_arrivals by the warpgroup's 128
-        # threads itself (``lowering._get_barrier``). Session 34 wrote 128 * G here, which no store
-        # count reaches: session 36's run hung silently
+        # threads itself (``lowering._get_barrier``). 128 * G here is a count no store
+        # reaches: the kernel then hangs silently
         bar_type = plgpu.Barrier(num_arrivals=g_size, num_barriers=n_rounds)
     else:  # each CTA's warpgroup arrives once at every CTA's barrier of the round
         bar_type = plgpu.ClusterBarrier(collective_axes=("g",), num_arrivals=1, num_barriers=n_rounds)
@@ -89,8 +88,8 @@ def build(g_size: int, rounds: int, batch: int, tiles: int, interpret: bool, col
         layout = plgpu.Layout.WGMMA
         rows = plgpu.broadcasted_iota(jnp.int32, (BT, cols), 0, layout=layout)
         col = plgpu.broadcasted_iota(jnp.int32, (BT, cols), 1, layout=layout)
-        # integers that float32 holds exactly, summed too (under 2^24): session 37's and 38's first runs
-        # tagged tiles with 100000 * tile, whose sums float32 rounds by a few units: not an exchange fault
+        # integers that float32 holds exactly, summed too (under 2^24): tags of
+        # 100000 * tile give sums that float32 rounds by a few units, which looks like an exchange fault
         mine = (rows * cols + col + 1000 * g + 20000 * lax.rem(b * tiles + t, 8)).astype(F32)
         total = None
         for k in range(rounds):

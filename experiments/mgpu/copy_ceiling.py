@@ -1,16 +1,15 @@
 """The device's copy bandwidth, measured several ways: the ceiling every floor in BENCHMARKS.md
 divides by.
 
-``bench.copy_bandwidth`` (XLA's ``a + 1`` on 2 GiB of bf16) read 3.13-3.22 TB/s on the lent
-"NVIDIA H200" in sessions 1-43, where the device notes (GPU_NOTES.md: 4.27 TB/s; the device
-tool's KINDS.md: PyTorch's device-to-device copy about 4.3 TB/s) saw a third more; on an H100 it
-reads 2.86-2.92 against PyTorch's 3.0. If XLA's elementwise kernel is what falls short, the
+``bench.copy_bandwidth`` (XLA's ``a + 1`` on 2 GiB of bf16) reads 3.13-3.22 TB/s on the H200,
+where PyTorch's device-to-device copy reaches 4.27 TB/s, a third more; on an H100 it reads
+2.86-2.92 against PyTorch's 3.0 (BENCHMARKS.md). If XLA's elementwise kernel is what falls short, the
 floors overstate the time the design's bytes need. This probe times, on the same device:
 
 - ``xla_add_2g`` / ``xla_add_8g``: ``bench.copy_bandwidth`` at 2 and 8 GiB;
 - ``xla_copy_2g``: ``jnp.copy`` (a plain copy, no arithmetic);
 - ``torch_copy_2g`` / ``torch_copy_8g``: PyTorch's ``Tensor.copy_`` timed with CUDA events (the
-  device notes' measurement), where PyTorch is importable (the GPU image's ``python3`` has it).
+  4.27 TB/s measurement), where PyTorch is importable (the GPU image's ``python3`` has it).
 
 Each figure counts bytes read plus bytes written, median of 21 timed repetitions after warm-up.
 Prints one line per method and a JSON line for the log. Run: ``python3

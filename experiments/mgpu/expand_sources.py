@@ -3,10 +3,10 @@ memory (what the kernels do: ``mosaic_gpu._Lags``, one window per lag modulo 8),
 from global memory at any row offset (through L1), or one window and a 0/1 shift matrix per lag
 on the tensor cores?
 
-Session 19's ``tma_rate.py`` found TMA copies cost bytes, not copies: the aligned windows
+``tma_rate.py`` shows that TMA copies cost bytes, not copies: the aligned windows
 bring 544 rows into shared memory per 64-row tile and chunk (8.5x the partial, from L2) and that
 traffic, not the count of copies, bounds the kernels. A WGMMA-layout load from shared memory
-is exact only at multiples of 8 rows (session 17, ``offset_loads.py``), so one window of 75
+is exact only at multiples of 8 rows (``offset_loads.py``), so one window of 75
 rows cannot serve all lags. A load from global memory (``plgpu.load(gmem_ref.at[...],
 optimized=False)``) takes any row offset; its overlap would hit L1 instead of L2.
 
@@ -21,8 +21,8 @@ time from the loads' and arithmetic's. ``tma_wgmma``: one window of 96 rows (128
 channels) per chunk, each lag's tile ``S_delta @ window`` with ``S_delta[i, k] = [k == i + 16 -
 delta]`` built in registers (exact: bf16 values, float32 accumulation); the interpret mode
 cannot run it (a WGMMA with its left operand in registers), so ``--interpret`` reports it
-FAILED; ``--wgmma`` runs only the TMA windows and this form, 32 and 64 channels (untimed as of
-session 19). ``--single`` (session 20): one window of 80 rows per chunk, each lag loaded at
+FAILED; ``--wgmma`` runs only the TMA windows and this form, 32 and 64 channels (untimed).
+``--single``: one window of 80 rows per chunk, each lag loaded at
 its own row offset (needs ``--lane``: Lane semantics, no inferred swizzle); ``--single-pad``:
 the same with 64-byte rows against rows padded to 80 bytes (``PAD`` more channels fetched), to
 see whether bank conflicts slow the single window's loads."""
@@ -209,7 +209,7 @@ def build(source, batch, t_len, d, bd=32, interpret=False):
             finish(sqs, ss_s, ss_ref, b, t0)
 
         scratch = [plgpu.SMEM((m, bt), jnp.float32)]
-    lane = {} if interpret or "--lane" not in sys.argv else dict(  # no inferred swizzle (session 20)
+    lane = {} if interpret or "--lane" not in sys.argv else dict(  # no inferred swizzle
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
     kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, batch, t_len), jnp.float32),
                           grid=(batch, t_len // bt), grid_names=("b", "t"), scratch_types=scratch, **lane,

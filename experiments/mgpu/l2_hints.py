@@ -1,9 +1,9 @@
 """L2 eviction hints on the Mosaic GPU kernels' TMA copies, for timing experiments only.
 
-Session 44's census found phase 1's kernels reading 1.4-1.8x the design's bytes from DRAM: data
+Nsight Compute's census (``ncu_census.py``) finds phase 1's kernels reading 1.4-1.8x the design's bytes from DRAM: data
 they fetch more than once (a chunk's lag windows once per stream, the mix's ``p`` rows once per
 chunk) is evicted from L2 between the fetches by the data they stream once (``gdots``' and
-``dstreams``' 4.3 GB of ``g_A`` at the issue's shape, the mix's 4.3 GB of state stores). Hopper's
+``dstreams``' 4.3 GB of ``g_A`` at the bench shape, the mix's 4.3 GB of state stores). Hopper's
 TMA copies take a 64-bit L2 cache policy (PTX ``createpolicy``; ``.L2::cache_hint`` on
 ``cp.async.bulk.tensor``): a copy marked ``evict_first`` leaves its lines as the first to go,
 ``evict_last`` as the last. Mosaic GPU (jax 0.11.2) passes no policy, so ``hinted(rules)`` wraps

@@ -6,8 +6,8 @@ measured clock) and the **DRAM floor** (the bytes read and written over the copy
 A kernel near its issue floor gains only from fewer instructions; one near its DRAM floor only
 from fewer bytes; one far from both waits (latency, barriers, occupancy).
 
-The counters come from ``ncu_phase1.py`` and ``ncu_phase2.py`` (``--issue`` for issue 4's
-shape) run under Nsight Compute with CSV output in base units::
+The counters come from ``ncu_phase1.py`` and ``ncu_phase2.py`` (``--issue`` for the bench
+shape: 9 sources, S = 8, B x T = 8 x 2048, d = 2048) run under Nsight Compute with CSV output in base units::
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:mosaic --csv \\
         --print-units base --metrics $(python3 experiments/mgpu/ncu_census.py --metrics) \\

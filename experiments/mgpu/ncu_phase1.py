@@ -5,18 +5,16 @@ writing a float32 state and then a bf16 one (``mosaic_gpu.phase1_mix``, one outp
 the model calls it), the backward's value dots and stream cotangents
 (``mosaic_gpu_bwd1.phase1_gdots``, ``phase1_dstreams``, float32 ``g_A``) and the expansion's
 transpose (``mosaic_gpu_bwd1.sources_transpose``). Each Mosaic GPU kernel is named after its op
-(``<op>_mosaic_gpu_kernel``, ``mosaic_gpu.named_body``; ``body_mosaic_gpu_kernel`` for all before
-session 32, told apart by launch order). Meant to run under Nsight Compute, as ``ncu_phase2.py`` says::
+(``<op>_mosaic_gpu_kernel``, ``mosaic_gpu.named_body``; in order of launch, too). Meant to run under Nsight Compute, as ``ncu_phase2.py`` says::
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:mosaic_gpu \\
         --section SpeedOfLight --section Occupancy --section LaunchStats \\
         --section WarpStateStats --section SchedulerStats python3 experiments/mgpu/ncu_phase1.py
 
-Session 23's version ran one forward and Pallas backward of ``api.phase1`` under ``jax.grad``
-instead; under ``ncu`` its process segfaulted 24 s in (cause not established), so this one
-calls each kernel alone, with the random inputs of ``time_phase1_bwd.py``.
+It calls each kernel alone rather than one forward and Pallas backward of ``api.phase1`` under
+``jax.grad``: under ``ncu`` that process segfaults 24 s in (cause not established). The inputs are ``time_phase1_bwd.py``'s random ones.
 ``--interpret``: the same calls in Mosaic GPU interpret mode at a tiny shape on the CPU (a
-smoke test of this script). ``--issue``: issue 4's shape instead (9 sources, all valid, S = 8,
+smoke test of this script). ``--issue``: the bench shape instead (9 sources, all valid, S = 8,
 B x T = 8 x 2048, d = 2048; ``ncu_census.py`` reads the counters of both shapes). ``--variants``:
 then the options' forms the census compares with the defaults: ``dstreams`` with each chunk's
 windows once for all streams (``window_fetch="per_chunk"``), the mixing pass with a window per
@@ -24,9 +22,9 @@ item (``"per_item"``) and, timing only (wrong outputs), with only stream 0's ite
 ``p`` rows (``timing_skip=("p",)``: its outputs may hold non-finite values). ``--windows W``:
 every kernel with its lag windows placed as ``W`` (``mosaic_gpu.DEFAULT_WINDOWS``; a kernel whose
 program does not fit then fails). ``--split``: then ``gdots`` and ``dstreams`` with a program per stream
-(``stream_programs="split"``, session 45; under ``ncu -k regex:bwd1_`` only those two kernels are
+(``stream_programs="split"``; under ``ncu -k regex:bwd1_`` only those two kernels are
 profiled). ``--l2-hints SET``: every kernel lowered with ``l2_hints.hinted`` (``SET`` as
-``time_l2_hints.py`` takes it, e.g. ``stores=evict_first,large_f32_loads=evict_first``; session 46)."""
+``time_l2_hints.py`` takes it, e.g. ``stores=evict_first,large_f32_loads=evict_first``)."""
 import sys
 
 import jax

@@ -4,8 +4,7 @@ kernels (0, 4, 8, 12), gate, float32 state), launched once each in this order: t
 (``mosaic_gpu.phase2_backward_state``) and its input kernel
 (``mosaic_gpu.phase2_backward_inputs``). Meant to run under Nsight Compute, which reads the
 hardware counters the timings cannot (occupancy, stall reasons, shared-memory bank conflicts,
-memory throughput); each Mosaic GPU kernel is named after its op (``<op>_mosaic_gpu_kernel``;
-``body_mosaic_gpu_kernel`` for all before session 32, told apart by launch order)::
+memory throughput); each Mosaic GPU kernel is named after its op (``<op>_mosaic_gpu_kernel``)::
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:mosaic_gpu \\
         --section SpeedOfLight --section Occupancy --section LaunchStats \\
@@ -15,7 +14,7 @@ memory throughput); each Mosaic GPU kernel is named after its op (``<op>_mosaic_
 (``XLA_PYTHON_CLIENT_PREALLOCATE=false``: Nsight Compute saves and restores the device memory a
 replayed kernel may touch, so JAX should not hold the whole GPU.) ``--interpret``: the same
 calls in Mosaic GPU interpret mode at a tiny shape on the CPU (a smoke test of this script).
-``--issue``: issue 4's shape (B x T = 8 x 2048, d = 2048) with ``h`` and its cotangent in bf16, as
+``--issue``: the bench shape (B x T = 8 x 2048, d = 2048) with ``h`` and its cotangent in bf16, as
 the bench and a bf16 model run them (``ncu_census.py`` reads the counters of both shapes).
 ``--gate-stats G``: the forward with the gate's statistics summed as ``G``
 (``mosaic_gpu.GATE_STATS``)."""

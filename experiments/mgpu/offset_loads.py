@@ -1,8 +1,7 @@
 """Which shared-memory loads at a row offset give the right values on the GPU: the probe the
-Mosaic GPU port of phase 2's reverse-T input kernel needs (BENCHMARKS.md, kernels, what
-remains). Its transposed conv shifts register tiles by 1..11 rows; the cheap way is to store a
-tile to shared memory and load it back at a row offset, which session 15 found WRONG for bf16
-rows loaded from a TMA-filled window at offsets not a multiple of 8 (exact at 16; interpret
+Mosaic GPU port of phase 2's reverse-T input kernel needs (docs/kernels.md). Its transposed
+conv shifts register tiles by 1..11 rows; the cheap way is to store a tile to shared memory and
+load it back at a row offset, which is WRONG for bf16 rows loaded from a TMA-filled window at offsets not a multiple of 8 (exact at 16; interpret
 mode exact throughout; ``scores_mgpu.py``).
 
 One program, one warpgroup: a ``[128, bd]`` array goes to shared memory two ways, by TMA
@@ -13,11 +12,11 @@ per dtype, source, load mode and offset, whether the tile equals the source rows
 ``[offset, offset + 64)``. Run on the GPU: ``python experiments/mgpu/offset_loads.py``; on
 the CPU ``--interpret`` (Pallas' Mosaic GPU interpret mode).
 
-Result on the H200 (session 17, call 2; jax 0.11.2): exact at offsets 0 and 8 only, WRONG at
+Result on the H200 (jax 0.11.2): exact at offsets 0 and 8 only, WRONG at
 every other offset in 1..15, for float32 and bf16, TMA-filled and register-stored, optimized
 loads or not; interpret mode exact throughout. A WGMMA-layout load from shared memory must
-start at a multiple of 8 rows, so a shift by 1..7 rows cannot go through one window. Tried
-after that run: the same loads in the ``WG_STRIDED`` layout (the tile as one flat run of
+start at a multiple of 8 rows, so a shift by 1..7 rows cannot go through one window. Also
+tried: the same loads in the ``WG_STRIDED`` layout (the tile as one flat run of
 elements) did not finish lowering for sm_90 within 60 s of CPU, even at offset 0, so that
 variant is not here."""
 import sys
@@ -64,7 +63,7 @@ def probe(dtype, bd=32, optimized=True, interpret=False):
 
 
 def probe_runtime_offsets(dtype, bd=32, interpret=False):
-    """Session 20: the same loads from a TMA-filled window at offsets 0..15, each offset a static
+    """The same loads from a TMA-filled window at offsets 0..15, each offset a static
     int (``static``) and the same plus a runtime 0 (``dynamic``, the program index // 4: the row
     offset reaches the address arithmetic as a value, not a constant). Returns per mode the wrong
     offsets and, for the first wrong one, which source row each loaded row equals (-1: none)."""

@@ -1,7 +1,7 @@
 """Device time per op of the bench's reads (``pallas_kernels.depth_attention.bench``), as its main
 table times them: phase 1 of a block and one phase-2 call, forward alone and forward + Pallas
 backward in a form of ``bench.FB_FORMS`` (default: the outputs and the pullback of a cotangent
-in their dtypes), at the issue's shape (``--base_shape``: `base`'s) for AttnRes and MSAR.
+in their dtypes), at the bench shape (``--base_shape``: `base`'s) for AttnRes and MSAR.
 
 Each function runs ``--calls`` times under ``jax.profiler`` after a warm-up; per op, its kind
 from the compiled HLO (``pallas`` for a Triton or Mosaic GPU kernel, ``elementwise``, ``copy``,
