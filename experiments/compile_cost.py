@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from msar_jax.configs import load_config, parse_overrides  # noqa: E402
+from msar_jax.configs import load_config, parse_overrides, run_cli  # noqa: E402
 from msar_jax.train import optim, step, validate  # noqa: E402
 
 _OP = re.compile(r"= ([a-z_]+\.[a-z_]+)")
@@ -87,4 +87,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)  # a config error: one line, exit status 1

@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 
 from msar_jax import accounting
-from msar_jax.configs import load_config, parse_overrides
+from msar_jax.configs import load_config, parse_overrides, run_cli
 from msar_jax.train import train
 
 
@@ -87,4 +87,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)  # a config error: one line, exit status 1

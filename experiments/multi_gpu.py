@@ -62,7 +62,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from msar_jax.configs import load_config, parse_overrides  # noqa: E402
+from msar_jax.configs import load_config, parse_overrides, run_cli  # noqa: E402
 from msar_jax.parallel import layout as layout_lib  # noqa: E402
 from msar_jax.parallel import mesh as mesh_lib  # noqa: E402
 from msar_jax.parallel import pipeline as pl  # noqa: E402
@@ -258,4 +258,4 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)  # a config error: one line, exit status 1

@@ -26,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from msar_jax.configs import load_config  # noqa: E402
+from msar_jax.configs import load_config, run_cli  # noqa: E402
 from msar_jax.model.transformer import Transformer  # noqa: E402
 from msar_jax.parallel import mesh as mesh_lib  # noqa: E402
 from msar_jax.parallel import pipeline as pl  # noqa: E402
@@ -91,4 +91,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)  # a config error: one line, exit status 1

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flax import nnx  # noqa: E402
 
-from msar_jax.configs import load_config, parse_overrides  # noqa: E402
+from msar_jax.configs import load_config, parse_overrides, run_cli  # noqa: E402
 from msar_jax.residuals.base import make_mechanism  # noqa: E402
 
 
@@ -160,4 +160,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)  # a config error: one line, exit status 1

@@ -8,8 +8,10 @@ Usage::
 Library use: ``account(config) -> dict`` and ``format_table(report) -> str`` (``config`` is the
 full config with ``.model`` and ``.seq_len``, or a bare model config). Nothing is allocated:
 parameter counts come from ``nnx.eval_shape`` of ``Transformer``; FLOPs and memory traffic are
-closed-form estimates from the config. ``mfu`` and ``peak_flops`` serve the training loop's MFU
-metric.
+closed-form estimates from the config. The per-mechanism closed forms below are stated by each
+mechanism class (``extra_params``, ``forward_flops``, ``memory_access`` in
+``msar_jax/residuals/<mechanism>.py``); this module holds the conventions, the backbone and the
+report. ``mfu`` and ``peak_flops`` serve the training loop's MFU metric.
 
 Conventions (every number this module prints follows them)
 ============================================================
@@ -249,42 +251,17 @@ def param_counts(model_cfg) -> dict:
     )
 
 
+def _mechanism(model_cfg):
+    """The registered class of ``model_cfg.residual.name`` (it states its own closed forms)."""
+    from msar_jax.residuals import mechanism_class
+
+    return mechanism_class(model_cfg.residual.name)
+
+
 def residual_params_analytic(model_cfg) -> dict:
-    """Closed-form parameter count of the mechanism (Eq. 19-20 and their ablation variants)."""
-    res = model_cfg.residual
-    L, d, m = config_lib.n_sublayers(model_cfg), model_cfg.d_model, res.streams
-    name = res.name
-
-    def attnres():
-        return (L + 1) * d, "(L+1) d  [Eq. 19]"
-
-    def mhc():
-        w = m * m + 2 * m
-        return L * (m * d * w + w + 3), "L [md(m^2+2m) + m^2+2m + 3]  [Eq. 19]"
-
-    if name == "vanilla":
-        return dict(value=0, formula="0")
-    if name in ("attnres", "mhar"):
-        v, f = attnres()
-        return dict(value=v, formula=f)
-    if name == "mhc":
-        v, f = mhc()
-        return dict(value=v, formula=f)
-    if name == "attnres_mhc":
-        (va, fa), (vm, fm) = attnres(), mhc()
-        return dict(value=va + vm, formula=f"{fa} + {fm}")
-    if name == "msar":
-        kap = sum(res.kernel_sizes) if res.conv else 0
-        mixer = (m * m * d + m + 1) if res.fusion == "gate" else 0
-        value = L * (m * d + mixer + kap * d)
-        parts = ["m d"]
-        parts.append("(m^2 d + m + 1)" if res.fusion == "gate" else "0 [mean fusion]")
-        parts.append("d sum(kappa)" if res.conv else "0 [no conv]")
-        formula = "L [" + " + ".join(parts) + "]"
-        if res.conv and res.fusion == "gate":
-            formula += "  = L[(m^2+m+sum kappa) d + m + 1]  [Eq. 20]"
-        return dict(value=value, formula=formula)
-    raise config_lib.ConfigError("model.residual.name", name, "no parameter formula for this mechanism")
+    """Closed-form parameter count of the mechanism (Eq. 19-20 and their ablation variants):
+    ``{"value", "formula"}`` from the mechanism's ``extra_params``."""
+    return _mechanism(model_cfg).extra_params(model_cfg)
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,112 +295,19 @@ def backbone_forward_flops(model_cfg, seq_len: int) -> dict:
     return {k: float(v) for k, v in out.items()}
 
 
+# Per-element costs the mechanisms' ``forward_flops`` use (module docstring, "Mechanism cost").
 SOFTMAX = 5  # FLOPs per logit
 SIGMOID = 4
 
 
-def _blocks(L: int, S: int) -> list[tuple[int, int]]:
-    return [(s, min(s + S - 1, L)) for s in range(1, L + 1, S)]
-
-
-def _depth_attention_flops(
-    L: int, d: int, S: int, *, m: int, conv_kernels: tuple[int, ...], distinct_keys: int, heads: int,
-    fusion: str, two_phase: bool, final: str,
-) -> dict:
-    """Forward FLOPs per token of a block depth-attention residual (AttnRes/MHAR/MSAR)."""
-    expand = 2 * d * sum(conv_kernels)  # per source, all conv streams (identity free)
-    key_rms = distinct_keys * 3 * d  # per source
-    score = m * 2 * d  # per (target, source)
-    aggregate = m * 2 * d
-    softmax = m * heads * SOFTMAX
-    out = dict(expansion=0.0, key_norm=0.0, scoring=0.0, softmax=0.0, aggregation=0.0, merge=0.0,
-               fusion=0.0, accumulation=0.0, final=0.0)
-    for bi, (lo, hi) in enumerate(_blocks(L, S)):
-        c = bi + 1  # completed sources b_0..b_bi
-        n_targets = hi - lo + 1
-        if two_phase:
-            out["expansion"] += c * expand
-            out["key_norm"] += c * key_rms
-        for l in range(lo, hi + 1):
-            partial = l != lo
-            n_src = c + partial
-            if not two_phase:
-                out["expansion"] += c * expand
-                out["key_norm"] += c * key_rms
-            if partial:
-                out["expansion"] += expand
-                out["key_norm"] += key_rms
-                if two_phase:
-                    out["merge"] += m * d  # online-softmax rescale of the phase-1 accumulator
-            out["scoring"] += n_src * score
-            out["softmax"] += n_src * softmax
-            out["aggregation"] += n_src * aggregate + m * d  # + divide by the denominator
-            if m > 1:
-                if fusion == "gate":
-                    out["fusion"] += 3 * m * d + 2 * m * d * m + (2 + SIGMOID) * m + 2 * m * d
-                else:
-                    out["fusion"] += m * d
-        out["accumulation"] += n_targets * d
-    n_blocks = len(_blocks(L, S))
-    if final == "read":  # AttnRes final read over b_0..b_N (direct)
-        n = n_blocks + 1
-        out["final"] = n * (key_rms + score + aggregate + softmax) + d
-    elif final == "residual":
-        out["final"] = d
-    elif final == "sum":
-        out["final"] = n_blocks * d
-    out["total"] = sum(out.values())
-    return out
-
-
-def _mhc_flops(L: int, d: int, m: int, iters: int) -> dict:
-    w = m * m + 2 * m
-    per = dict(
-        norm=3 * m * d,
-        projection=2 * m * d * w,
-        coefficients=2 * w + SIGMOID * 2 * m + m * m + iters * 4 * m * m,  # affine, sigmoids, Sinkhorn
-        apply_pre=2 * m * d,
-        apply_res=2 * m * m * d,
-        apply_post=2 * m * d,
-    )
-    out = {k: float(L * v) for k, v in per.items()}
-    out["final"] = float((m - 1) * d)
-    out["total"] = sum(out.values())
-    return out
-
-
 def mechanism_forward_flops(model_cfg, two_phase: bool | None = None) -> dict:
-    """Forward FLOPs per token of the residual mechanism by component (see module docstring)."""
+    """Forward FLOPs per token of the residual mechanism by component (see module docstring),
+    from the mechanism's ``forward_flops``; the two-phase form applies only at S > 1."""
     res = model_cfg.residual
-    L, d, S = config_lib.n_sublayers(model_cfg), model_cfg.d_model, res.block_size
     if two_phase is None:
         two_phase = bool(res.two_phase)
-    two_phase = two_phase and S > 1
-    name = res.name
-    if name == "vanilla":
-        return dict(total=0.0)
-    attn_kw = dict(m=1, conv_kernels=(), distinct_keys=1, fusion="gate", two_phase=two_phase, final="read")
-    if name in ("attnres", "mhar"):
-        heads = res.heads if name == "mhar" else 1
-        return _depth_attention_flops(L, d, S, heads=heads, **attn_kw)
-    if name == "msar":
-        m = res.streams
-        kernels = tuple(res.kernel_sizes) if res.conv else ()
-        return _depth_attention_flops(
-            L, d, S, m=m, conv_kernels=kernels, distinct_keys=m if res.conv else 1, heads=1,
-            fusion=res.fusion, two_phase=two_phase, final=res.final_merge,
-        )
-    if name == "mhc":
-        return _mhc_flops(L, d, res.streams, res.sinkhorn_iters)
-    if name == "attnres_mhc":
-        a = _depth_attention_flops(L, d, S, heads=1, **attn_kw)
-        h = _mhc_flops(L, d, res.streams, res.sinkhorn_iters)
-        out = {f"attnres.{k}": v for k, v in a.items() if k != "total"}
-        out.update({f"mhc.{k}": v for k, v in h.items() if k != "total"})
-        out["sum_reads"] = float(L * d + d)
-        out["total"] = sum(out.values())
-        return out
-    raise config_lib.ConfigError("model.residual.name", name, "no FLOP estimator for this mechanism")
+    two_phase = two_phase and res.block_size > 1
+    return _mechanism(model_cfg).forward_flops(model_cfg, two_phase)
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,29 +329,15 @@ def table6_coefficients(N: float, S: float, m: int) -> dict:
 
 
 def memory_access(model_cfg) -> dict:
+    """Table 6's forward activation traffic per token per sublayer of the config's mechanism
+    (its ``memory_access``), beside every Table 6 method at the same N, S, m."""
     res = model_cfg.residual
     L = config_lib.n_sublayers(model_cfg)
     S, N, m = res.block_size, config_lib.n_blocks(model_cfg), res.streams
     coef = table6_coefficients(N, S, m)
-    name = res.name
-    if name == "vanilla":
-        symbolic, value, note = "3d", coef["Vanilla"], "Table 6"
-    elif name == "mhc":
-        symbolic, value, note = "(8m + 2)d", coef["mHC"], "Table 6"
-    elif name in ("attnres", "mhar"):
-        symbolic, value = "(N/S + 5)d", coef["Block AttnRes"]
-        note = "Table 6 Block AttnRes" + ("; MHAR: same traffic as AttnRes (heads split channels)" if name == "mhar" else "")
-    elif name == "msar":
-        symbolic, value = "(N/S + 4m + 5)d", coef["Block MSAR"]
-        note = "Table 6 Block MSAR (fused expansion)"
-        if not res.conv or res.fusion != "gate":
-            note += "; ablation costed with the MSAR formula at its m (m streams still written and read)"
-    elif name == "attnres_mhc":
-        symbolic, value = "(N/S + 5)d + (8m + 2)d", coef["Block AttnRes"] + coef["mHC"]
-        note = "hybrid = Block AttnRes + mHC (project decision; Table 6 has no row)"
-    else:
-        raise config_lib.ConfigError("model.residual.name", name, "no memory-access model")
-    if S == 1 and name not in ("vanilla", "mhc"):
+    mechanism = _mechanism(model_cfg)
+    symbolic, value, note = mechanism.memory_access(model_cfg)
+    if S == 1 and mechanism.uses_sources:
         note += f"; Full mode: S = 1, N = L = {L} (no amortisation)"
     typical = table6_coefficients(**TABLE6_TYPICAL)
     return dict(
@@ -574,7 +444,9 @@ def format_table(report: dict) -> str:
     w(f"  Vanilla total (incl. LM head)  {_n(tr['vanilla_total']):>12}")
     w(f"  Vanilla total (excl. LM head)  {_n(tr['vanilla_excl_lm_head']):>12}")
     form = ""
-    if report["mechanism"] in ("attnres", "mhar", "msar", "attnres_mhc"):
+    from msar_jax.residuals import mechanism_class
+
+    if mechanism_class(report["mechanism"]).uses_sources:  # block reads: two-phase or direct
         form = ", two-phase" if f["two_phase"] else ", direct"
     w(f"  mechanism overhead             {_n(tr['overhead']):>12}   ({f['overhead_per_sublayer_d']:.1f} d per sublayer, "
       f"forward{form})")
@@ -601,23 +473,31 @@ def _cli() -> None:
     from absl import app, flags
     from ml_collections import config_flags
 
-    from msar_jax.configs import REPO_ROOT
+    from msar_jax.configs import REPO_ROOT, run_absl_cli
 
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))  # config files import configs.common
     config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/msar.py:size=paper_28b.", lock_config=True)
     flags.DEFINE_bool("json", False, "Print the report as JSON.")
-    flags.DEFINE_integer("seq_len", None, "Sequence length T for causal attention (default: config.seq_len).")
+    flags.DEFINE_integer("seq_len", None, "Sequence length T for causal attention (default: config.seq_len).",
+                         lower_bound=1)
     flags.mark_flags_as_required(["config"])
     FLAGS = flags.FLAGS
 
     def main(argv):
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-        report = account(FLAGS.config, seq_len=FLAGS.seq_len)
+        config = FLAGS.config
+        if "model" in config:  # a full config; a bare model config is accepted too (account)
+            config_lib.validate(config.model)  # --config.model.* overrides come after get_config's check
+            if FLAGS.seq_len is None and not (isinstance(config.get("seq_len"), int) and config.seq_len > 0):
+                raise config_lib.ConfigError("seq_len", config.get("seq_len"), "must be a positive integer")
+        else:
+            config_lib.validate(config)
+        report = account(config, seq_len=FLAGS.seq_len)
         print(json.dumps(report, indent=2) if FLAGS.json else format_table(report))
 
-    app.run(main)
+    run_absl_cli(main)  # config and flag errors: one line, no traceback (msar_jax/configs.py)
 
 
 if __name__ == "__main__":

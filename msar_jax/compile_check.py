@@ -37,20 +37,36 @@ import sys
 import time
 
 from msar_jax import aot
+from msar_jax.configs import exit_with_error, parse_overrides, run_cli  # no jax: XLA_FLAGS are set first
 
 GIB = 1024**3
 
 
-def _parse_kv(text: str | None) -> dict:
+def _parse_kv(text: str | None, flag: str) -> dict:
+    """``"data=2,fsdp=4"`` -> ``{"data": 2, "fsdp": 4}``; a malformed item exits with one line."""
     out: dict = {}
     for item in (text or "").split(","):
         if not item:
             continue
-        if "=" not in item:
-            raise SystemExit(f"expected key=value, got {item!r}")
-        k, v = item.split("=", 1)
-        out[k] = int(v)
+        k, sep, v = item.partition("=")
+        try:
+            out[k] = int(v)
+        except ValueError:
+            sep = ""
+        if not sep or not k:
+            exit_with_error(f"flag {flag!r} = {text!r}: item {item!r} must be name=integer", 2)
     return out
+
+
+def _count(text: str) -> int:
+    """argparse type of the size flags: an integer >= 0 (0 = the default)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 0 (0 = the default)")
+    return value
 
 
 def parse_args(argv):
@@ -58,14 +74,14 @@ def parse_args(argv):
     ap.add_argument("--config", required=True)
     ap.add_argument("--mesh", default="", help="e.g. data=2,fsdp=4 (unnamed axes 1)")
     ap.add_argument("--pipeline", default="", help="e.g. stages=4,microbatches=8,repeats=2,cache=1")
-    ap.add_argument("--batch_size", type=int, default=0)
+    ap.add_argument("--batch_size", type=_count, default=0)
     ap.add_argument("--full_batch", action="store_true", help="use the config's global batch size")
-    ap.add_argument("--seq_len", type=int, default=0)
-    ap.add_argument("--devices", type=int, default=0)
+    ap.add_argument("--seq_len", type=_count, default=0)
+    ap.add_argument("--devices", type=_count, default=0)
     ap.add_argument("--topology", default="",
                     help="AOT target: a TPU topology (needs libtpu), e.g. v5e:2x4, or a GPU: h200 (needs JAX's CUDA "
                          "plugin, see msar_jax.aot)")
-    ap.add_argument("--buffers", type=int, default=0,
+    ap.add_argument("--buffers", type=_count, default=0,
                     help="print the N largest allocations of XLA's buffer assignment and what they hold")
     ap.add_argument("--hlo", default="", help="write the compiled HLO text here")
     ap.add_argument("--json", action="store_true", help="print one JSON line instead of a table")
@@ -73,27 +89,20 @@ def parse_args(argv):
                     help="instead: bytes per pipeline hop per token from compiled HLO (4 and 8 stages, "
                          "GPipe and circular, with and without caching) for the config's stage/block structure")
     args, rest = ap.parse_known_args(argv)
-    overrides = {}
     for item in rest:
         if not item.startswith("--config.") or "=" not in item:
-            raise SystemExit(f"unknown argument {item!r}")
-        key, value = item[len("--config."):].split("=", 1)
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError:
-            pass
-        overrides[key] = value
-    return args, overrides
+            ap.error(f"unrecognized argument {item!r} (config overrides are --config.KEY=VALUE)")
+    return args, parse_overrides(item[len("--config."):] for item in rest)
 
 
 MESH_AXES = ("data", "stage", "fsdp", "tensor")  # = msar_jax.parallel.mesh.MESH_AXES (jax not yet imported)
 
 
 def mesh_dict(text: str) -> dict:
-    given = _parse_kv(text)
+    given = _parse_kv(text, "--mesh")
     unknown = set(given) - set(MESH_AXES)
     if unknown:
-        raise SystemExit(f"--mesh: unknown axes {sorted(unknown)}; axes are {MESH_AXES}")
+        exit_with_error(f"flag '--mesh' = {text!r}: unknown axes {sorted(unknown)}; axes are {MESH_AXES}", 2)
     return {a: given.get(a, 1) for a in MESH_AXES}
 
 
@@ -124,7 +133,11 @@ def main(argv=None) -> dict:
     model_cfg = config.model
     pcfg = mesh_lib.parallel_config()
     pcfg.mesh.update(mesh_cfg)
-    pcfg.pipeline.update(_parse_kv(args.pipeline))
+    pipeline = _parse_kv(args.pipeline, "--pipeline")
+    unknown = sorted(set(pipeline) - set(pcfg.pipeline))
+    if unknown:
+        exit_with_error(f"flag '--pipeline' = {args.pipeline!r}: unknown keys {unknown}; keys are {sorted(pcfg.pipeline)}", 2)
+    pcfg.pipeline.update(pipeline)
 
     if gpu_target:
         devices = aot.gpu_devices(args.topology)
@@ -266,12 +279,13 @@ def hop_table(args, overrides) -> list[dict]:
                 hlo = lowered.compile().as_text()
             hops = pipeline_lib.hlo_hop_bytes(hlo)
             low_ops = pipeline_lib.lowered_hop_bytes(lowered.as_text())
-            analytic = plan.hop_vectors(mech, m) * d * itemsize
+            analytic = plan.hop_vectors() * d * itemsize
             row = dict(mechanism=mech, stages=stages, repeats=repeats, cache=cache and plan.caching,
                        window=plan.window, partial=plan.send_partial,
                        hlo_bytes_per_token=(max(hops) / seq if hops else 0),
                        lowered_bytes_per_token=sum(low_ops) / seq, analytic_bytes_per_token=analytic,
-                       naive_msar_bytes_per_token=(plan.hop_vectors("msar_naive", m) * d * itemsize
+                       # sending MSAR's m expanded streams instead of single-stream sources
+                       naive_msar_bytes_per_token=(m * plan.hop_vectors() * d * itemsize
                                                    if mech == "msar" else None))
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -279,4 +293,4 @@ def hop_table(args, overrides) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)  # a config error: one line, exit status 1

@@ -3,6 +3,13 @@
 ``load_config("configs/msar.py:size=small")`` returns the locked ``ConfigDict``;
 ``overrides={"model.d_model": 128}`` sets fields (an unknown field is an error);
 ``parse_overrides(["model.d_model=128"])`` builds that dict from command-line ``KEY=VALUE``s.
+
+Every error a user can make here is a ``ConfigError`` with a one-line message naming the field,
+the value and the rule; a mistyped key or size names the close ones. The command lines print it
+as ``error: ...`` with exit status 1 and no traceback: ``run_absl_cli`` for the absl ones
+(``msar_jax.train``, ``msar_jax.accounting``: it loads ``--config`` and checks the override names
+itself before ml-collections can wrap an error in its tracebacks), ``run_cli`` for the argparse
+ones, and ``positive_int`` / ``non_negative_int`` / ``shard`` for their numeric flags.
 """
 
 from __future__ import annotations

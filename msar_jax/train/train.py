@@ -419,14 +419,15 @@ def main() -> None:
     from absl import app, flags
     from ml_collections import config_flags
 
-    from msar_jax.configs import REPO_ROOT
+    from msar_jax.configs import REPO_ROOT, run_absl_cli
 
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))  # config files import configs.common
     config_flags.DEFINE_config_file("config", None, "Config file, e.g. configs/msar.py:size=tiny (or :smoke=1).",
                                     lock_config=True)
     flags.DEFINE_string("workdir", None, "Run folder: logs, checkpoints (resumed from if present), plots.")
-    flags.DEFINE_integer("max_steps", None, "Stop after this many steps (the schedule still spans train.steps).")
+    flags.DEFINE_integer("max_steps", None, "Stop after this many steps (the schedule still spans train.steps).",
+                         lower_bound=1)
     flags.mark_flags_as_required(["config", "workdir"])
     FLAGS = flags.FLAGS
 
@@ -444,4 +445,4 @@ def main() -> None:
         summary = {k: v for k, v in result.items() if k != "losses"}
         print(json.dumps(summary, indent=2))
 
-    app.run(run)
+    run_absl_cli(run)  # config and flag errors: one line, no traceback (msar_jax/configs.py)
