@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-slow demo venv clean-venv accounting bench-memory
+.PHONY: test test-slow demo venv clean-venv accounting bench-memory notebooks notebook-archive
 
 venv: $(STAMP)
 
@@ -29,6 +29,19 @@ accounting: $(STAMP)
 
 bench-memory: $(STAMP)
 	$(PY) experiments/bench_memory.py
+
+# Execute the notebooks at tiny size and store their outputs, so a code host shows the figures
+# (about 2 minutes on 2 CPU cores; tools/execute_notebooks.py). Commit the notebooks after it.
+notebooks: $(STAMP)
+	$(PY) tools/execute_notebooks.py --write
+
+# The committed tree (HEAD) as one archive for Colab: upload it next to a notebook and the
+# notebook's first cell unpacks and installs it (the alternative: MSAR_JAX_REPO in that cell).
+NOTEBOOK_ARCHIVE ?= build/msar-jax.tar.gz
+notebook-archive:
+	@mkdir -p $(dir $(NOTEBOOK_ARCHIVE))
+	git archive --format=tar.gz --prefix=msar-jax/ -o $(NOTEBOOK_ARCHIVE) HEAD
+	@echo "wrote $(NOTEBOOK_ARCHIVE) (HEAD, uncommitted changes not included): upload it to Colab's file panel"
 
 clean-venv:
 	rm -rf $(VENV)
