@@ -102,3 +102,53 @@ class Throughput:
         if self.flops_per_token and dt > 0:
             mfu = accounting.mfu(self.flops_per_token, tps, self.peak)
         return {"step_time_s": dt, "tokens_per_s": tps, "mfu": mfu}
+
+
+class ProgressClock:
+    """Steps per second and time remaining for the progress bar, from the first compiled step on.
+
+    The first step a process runs includes tracing and compiling the train step (minutes for a
+    large model, ~10 s for the smoke configs on a CPU), so a rate counted from the start of the
+    run is far too low right after it: 5 hours remaining at step 1 of a 30-minute run. The clock
+    starts when the first step ends and counts only the steps after it; until a second step has
+    ended there is no rate and no estimate (``None``). Other one-off costs (the first
+    evaluation compiles the eval step) are left out between ``pause()`` and ``resume()``;
+    later evaluations and checkpoint saves stay in the rate, since they recur over the rest of
+    the run as well.
+    """
+
+    def __init__(self, end_step: int, clock=time.perf_counter):
+        self.end_step = end_step
+        self.clock = clock
+        self.first: tuple[int, float] | None = None  # (step, time) when the first step ended
+        self.rate: float | None = None
+        self.remaining_s: float | None = None
+        self._paused_at: float | None = None
+
+    def pause(self) -> None:
+        self._paused_at = self.clock()
+
+    def resume(self) -> None:
+        """Leave the time since ``pause()`` out of the rate (the clock's origin moves by it)."""
+        if self._paused_at is not None and self.first is not None:
+            self.first = (self.first[0], self.first[1] + self.clock() - self._paused_at)
+        self._paused_at = None
+
+    def tick(self, step: int) -> tuple[float | None, float | None]:
+        """Record that ``step`` has ended; return ``(steps per second, seconds remaining)``."""
+        now = self.clock()
+        if self.first is None:
+            self.first = (step, now)
+        elif step > self.first[0] and now > self.first[1]:
+            self.rate = (step - self.first[0]) / (now - self.first[1])
+            self.remaining_s = max(self.end_step - step, 0) / self.rate
+        return self.rate, self.remaining_s
+
+    def describe(self) -> str:
+        """``"2.31 step/s, 0:05:12 left"``; ``"compiling"`` / ``"timing"`` before a rate exists."""
+        if self.first is None:
+            return "compiling"
+        if self.rate is None:
+            return "timing"
+        seconds = int(round(self.remaining_s))
+        return f"{self.rate:.3g} step/s, {seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d} left"

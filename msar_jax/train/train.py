@@ -34,21 +34,26 @@ What a run does (config sections: configs/common.py):
 * every step: the jitted, donated train step (``step.py``); the loss, grad/update/param
   norms, learning rate, step time, tokens/s and MFU (training FLOPs per token from
   ``msar_jax.accounting``; ``None`` where the chip's peak is unknown, e.g. CPU) go to
-  ``<workdir>/metrics.jsonl`` (and TensorBoard) and the tqdm bar shows the live loss and tokens/s;
+  ``<workdir>/metrics.jsonl`` (and TensorBoard) and the tqdm bar shows the live loss and tokens/s,
+  and a rate and time remaining that leave out the first step's compile (``ProgressClock``);
 * every ``train.eval_every`` steps and at the end: validation loss over ``train.eval_batches``
   in-order val batches, and bits per byte (``loss / ln 2 / bytes per token``);
 * every ``checkpoint.every`` steps, at the end, at ``max_steps`` and on SIGTERM / SIGINT: an
   orbax checkpoint (train state + data-iterator position), asynchronous, newest
-  ``checkpoint.keep`` kept. A run on a workdir that has checkpoints resumes from the newest
-  (``checkpoint.resume``), bit-for-bit on CPU: same params, optimizer state and batches. The
-  checkpoint holds the state in its canonical layout, so a run may resume under another mesh
-  (other degrees, another device count, with or without the pipeline): orbax loads it straight
-  into the new shardings;
+  ``checkpoint.keep`` kept, each with a SHA-256 manifest of its files (``checkpoint.py``). A
+  run on a workdir that has checkpoints resumes from the newest one that verifies and restores
+  (``checkpoint.resume``; ``--checkpoint=STEP`` names one), bit-for-bit on CPU: same params,
+  optimizer state and batches. A broken checkpoint (missing or truncated file, flipped bytes) is
+  named in a warning and moved to ``<workdir>/checkpoints_broken/`` and the one before it is
+  used. A config whose model shapes differ from the checkpoint's stops the run before it writes
+  anything, naming the fields that differ. The checkpoint holds the state in its canonical
+  layout, so a run may resume under another mesh (other degrees, another device count, with or
+  without the pipeline): orbax loads it straight into the new shardings;
 * SIGTERM / SIGINT: finish the current step, save, return ``stopped="SIGTERM"`` (a second
   SIGINT interrupts at once);
 * a NaN or Inf loss (or gradient / update norm): the step's update is not applied, nothing is
   saved, in-flight saves finish, and ``NonFiniteLossError`` names the step and the last good
-  checkpoint;
+  checkpoint (or says there is none yet);
 * at the end: the learned depth-attention weights on one val batch (``introspection.py``) in
   ``<workdir>/depth_weights.{npz,json}`` (mechanisms with depth attention only).
 
@@ -78,10 +83,10 @@ from msar_jax.parallel import layout as layout_lib
 from msar_jax.parallel import multihost
 from msar_jax.parallel.config import parallel_config
 from msar_jax.train import introspection
-from msar_jax.train.checkpoint import Checkpointer
-from msar_jax.train.metrics import MetricsLogger, Throughput
+from msar_jax.train.checkpoint import CheckpointError, Checkpointer, param_shapes, saved_param_shapes
+from msar_jax.train.metrics import MetricsLogger, ProgressClock, Throughput
 from msar_jax.train.optim import make_optimizer, validate_optim
-from msar_jax.train.step import compiled_steps, init_model, init_state
+from msar_jax.train.step import abstract_state, compiled_steps, init_model, init_state
 
 TOKENIZERS = ("bytes", "bpe")
 
@@ -192,6 +197,62 @@ def evaluate(eval_step, params, data_dir, config, meta, put: Callable = jax.devi
     return {"val_loss": loss, "val_bpb": bpb, "val_tokens": len(losses) * bs * config.seq_len}
 
 
+def _flat(tree, prefix: str) -> dict:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}.{key}").items()}
+    return {prefix: tree}
+
+
+def config_diff(old_model: dict, new_model: dict) -> list[str]:
+    """``["model.d_model: 64 -> 128", ...]``: the fields of two JSON model sections that differ."""
+    old, new = _flat(old_model, "model"), _flat(new_model, "model")
+    return [f"{k}: {old.get(k, '(absent)')} -> {new.get(k, '(absent)')}"
+            for k in sorted(old.keys() | new.keys()) if k not in old or k not in new or old[k] != new[k]]
+
+
+def _saved_model_config(ckpt: Checkpointer, step: int, workdir: Path) -> dict | None:
+    """The model section a checkpoint was written with: its meta (``model``), else the run's
+    ``config.json`` (checkpoints written before the meta held it)."""
+    import orbax.checkpoint as ocp
+
+    try:
+        meta = ckpt.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        if isinstance(meta, dict) and isinstance(meta.get("model"), dict):
+            return meta["model"]
+    except Exception:  # noqa: BLE001 - a missing or unreadable meta: fall back to config.json
+        pass
+    try:
+        return json.loads((workdir / "config.json").read_text(encoding="utf-8"))["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_checkpoint_shapes(ckpt: Checkpointer, step: int, config, target_state: dict, workdir: Path) -> None:
+    """Stop (``CheckpointError``) if checkpoint ``step``'s params have other shapes than
+    ``target_state``'s, naming the model fields that differ (or the params, without a saved config).
+
+    Runs before the run writes anything, so the workdir's ``config.json`` still describes its
+    checkpoints."""
+    try:
+        saved = saved_param_shapes(ckpt.step_dir(step))
+    except Exception:  # noqa: BLE001 - unreadable metadata: the restore names the fault
+        return
+    wanted = param_shapes(target_state)
+    if saved == wanted:
+        return
+    old_model = _saved_model_config(ckpt, step, workdir)
+    diff = config_diff(old_model, json.loads(config.model.to_json_best_effort())) if old_model else []
+    if not diff:  # no saved config, or one that gives these shapes: name the params instead
+        names = sorted(saved.keys() | wanted.keys())
+        diff = [f"params{k}: {saved.get(k, '(absent)')} -> {wanted.get(k, '(absent)')}"
+                for k in names if saved.get(k) != wanted.get(k)]
+        if len(diff) > 6:
+            diff = diff[:6] + [f"... {len(diff) - 6} more"]
+    raise CheckpointError(
+        f"the checkpoints in {ckpt.directory} (step {step}) are of another model shape: {', '.join(diff)}; "
+        "nothing was written; use a new --workdir for this config")
+
+
 class _NoLogger:
     """The metrics logger of a process other than 0 (process 0 writes the run's logs)."""
 
@@ -229,8 +290,8 @@ class _SignalStop:
 def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_steps: int | None = None,
           batch_hook: Callable[[int, np.ndarray], np.ndarray] | None = None,
           step_hook: Callable[[int, dict], None] | None = None,
-          handle_signals: bool = True) -> dict:
-    """Train ``config`` in ``workdir`` (resuming from its newest checkpoint); return a summary.
+          handle_signals: bool = True, checkpoint_step: int | None = None) -> dict:
+    """Train ``config`` in ``workdir`` (resuming from its newest good checkpoint); return a summary.
 
     Args:
       max_steps: stop (and checkpoint) once this many steps are done; the schedule still
@@ -239,6 +300,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
         (tests use it to inject faults); ``step`` is the 1-based step about to run.
       step_hook: ``(step, record)`` called after each completed step with its metrics.
       handle_signals: install the SIGTERM / SIGINT handlers (main thread only).
+      checkpoint_step: resume from this checkpoint step (``--checkpoint``) instead of the
+        newest; ``CheckpointError`` if it does not exist or fails verification.
 
     Returns a dict: ``step`` (steps done), ``stopped`` ("done", "max_steps", "SIGTERM" or
     "SIGINT"), ``losses`` ([step, loss] of the steps run in this call), ``final_loss``,
@@ -258,18 +321,30 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     data_dir, meta = prepare_data(config)  # before config.json, which records the data actually used
+    t = config.train
+    tx, schedule = make_optimizer(config.optim, t.steps)
+    ckpt = Checkpointer(workdir, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+    # Choose the checkpoint (verified; broken ones moved aside) and check its shapes against this
+    # config before anything is written, so a run with another model leaves config.json as it was.
+    target = abstract_state(config.model, tx)
+    resume_step = None
+    try:
+        if checkpoint_step is not None or config.checkpoint.resume:
+            resume_step = ckpt.select(checkpoint_step)
+        if resume_step is not None:
+            check_checkpoint_shapes(ckpt, resume_step, config, target, workdir)
+    except BaseException:
+        ckpt.close()
+        raise
     if primary:
         record = json.loads(config.to_json_best_effort()) | {"data_used": data.provenance(data_dir, meta)}
         (workdir / "config.json").write_text(json.dumps(record, indent=2), encoding="utf-8")
-    t = config.train
     total = t.steps
     end = total if max_steps is None else min(max_steps, total)
 
-    tx, schedule = make_optimizer(config.optim, total)
     # This process's rows of every global batch (all of them on a single process).
     iterator = multihost.train_iterator(data_dir, t.batch_size, config.seq_len, t.seed)
-    ckpt = Checkpointer(workdir, keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
-    resume = config.checkpoint.resume and ckpt.latest_step() is not None
+    resume = resume_step is not None
     if layout.single_device:  # the plain path: arrays on the default device
         model_def, params = init_model(config.model, t.seed)
         # Committed to the device, as a restored state is: with uncommitted arrays the first
@@ -287,8 +362,21 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
 
     resumed_from = None
     if resume:  # into this layout, whatever mesh the checkpoint was written under
-        state, _ = ckpt.restore(state, iterator)
-        resumed_from = int(state["step"])
+        try:
+            restored = ckpt.restore(state, iterator, checkpoint_step,
+                                    check=lambda s: check_checkpoint_shapes(ckpt, s, config, target, workdir))
+        except BaseException:
+            ckpt.close()
+            raise
+        if restored is not None:
+            state, _, _ = restored
+            resumed_from = int(state["step"])
+        else:  # every checkpoint was broken (each one named and moved aside): start afresh
+            print(f"warning: no checkpoint in {ckpt.directory} restores; training from step 0",
+                  file=sys.stderr, flush=True)
+            iterator = multihost.train_iterator(data_dir, t.batch_size, config.seq_len, t.seed)  # unread
+            if not layout.single_device:  # ``state`` is the restore target there, not a state
+                model_def, state, _ = layout.init_state(config.model, tx, t.seed)
     start = int(state["step"])
 
     train_step, eval_step = compiled_steps(config, model_def, tx, schedule, layout)
@@ -306,9 +394,14 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
 
     from tqdm.auto import tqdm
 
+    # tqdm's own rate and remaining time would count the first step's compile time (5 hours
+    # remaining at step 1 of a 30-minute run); ProgressClock starts after that step.
     bar = tqdm(total=end, initial=start, disable=not (t.progress and primary),
                desc=f"train {config.model.residual.name}", unit="step", dynamic_ncols=True, mininterval=0.5,
-               file=sys.stderr)
+               file=sys.stderr, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+    clock = ProgressClock(end)
+    evaluated = False  # the first evaluation of this process compiles the eval step
+    bar.set_postfix_str(clock.describe(), refresh=False)
     losses, speeds = [], []
     last_eval = None
     stopped = "done" if end == total else "max_steps"
@@ -318,9 +411,12 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
     def run_eval():
         return {"step": step, **evaluate(eval_step, state["params"], data_dir, config, meta, put_eval_batch)}
 
+    model_json = json.loads(config.model.to_json_best_effort())  # in each checkpoint's meta: the shape check
+
     def save(reason):
         return ckpt.save(step, state, iterator, {"step": step, "reason": reason, "time": time.time(),
-                                                 "loss": losses[-1][1] if losses else None})
+                                                 "loss": losses[-1][1] if losses else None,
+                                                 "model": model_json})
 
     try:
         throughput.start()
@@ -332,12 +428,14 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
             m = jax.device_get(m)
             speed = throughput.tick()
             if not bool(m["finite"]):
+                good = ckpt.latest_step()
                 failure = NonFiniteLossError(
                     step + 1,
                     f"non-finite training values at step {step + 1} (loss={float(m['loss'])}, "
                     f"grad_norm={float(m['grad_norm'])}, update_norm={float(m['update_norm'])}); the update "
-                    f"was not applied and nothing was saved; last good checkpoint: "
-                    f"{ckpt.latest_step()} in {ckpt.directory}",
+                    f"was not applied and nothing was saved; "
+                    + (f"last good checkpoint: {good} in {ckpt.directory}" if good is not None
+                       else f"no checkpoint saved yet in {ckpt.directory}"),
                 )
                 break
             step += 1
@@ -348,12 +446,20 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
             record = {k: float(v) for k, v in m.items() if k != "finite"} | speed
             if step % t.log_every == 0 or step == end:
                 logger.write("train", step, record)
+            clock.tick(step)
+            bar.set_postfix_str(f"{clock.describe()}, loss={loss:.3f}, tok_s={speed['tokens_per_s']:,.0f}",
+                                refresh=False)
             bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{speed['tokens_per_s']:,.0f}", refresh=False)
+            ckpt.poll()  # hash the manifest of a finished async save in the background
             if step_hook is not None:
                 step_hook(step, record)
             if (t.eval_every and step % t.eval_every == 0) or step == total:
+                if not evaluated:  # this one compiles the eval step: not in the bar's rate
+                    clock.pause()
                 last_eval = run_eval()
+                if not evaluated:
+                    clock.resume()
+                    evaluated = True
                 logger.write("eval", step, {k: v for k, v in last_eval.items() if k != "step"})
                 bar.write(f"step {step}: val loss {last_eval['val_loss']:.4f}"
                           + (f" ({last_eval['val_bpb']:.3f} bits/byte)" if last_eval["val_bpb"] else ""))
@@ -415,7 +521,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
 
 
 def main() -> None:
-    """``python -m msar_jax.train --config=PATH[:ARGS] --workdir=DIR [--config.a.b=V ...] [--max_steps=N]``."""
+    """``python -m msar_jax.train --config=PATH[:ARGS] --workdir=DIR [--config.a.b=V ...] [--max_steps=N]
+    [--checkpoint=STEP]``."""
     from absl import app, flags
     from ml_collections import config_flags
 
@@ -428,6 +535,8 @@ def main() -> None:
     flags.DEFINE_string("workdir", None, "Run folder: logs, checkpoints (resumed from if present), plots.")
     flags.DEFINE_integer("max_steps", None, "Stop after this many steps (the schedule still spans train.steps).",
                          lower_bound=1)
+    flags.DEFINE_integer("checkpoint", None, "Resume from this checkpoint step (default: the newest that verifies).",
+                         lower_bound=0)
     flags.mark_flags_as_required(["config", "workdir"])
     FLAGS = flags.FLAGS
 
@@ -438,7 +547,7 @@ def main() -> None:
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
         try:
-            result = train(FLAGS.config, FLAGS.workdir, max_steps=FLAGS.max_steps)
+            result = train(FLAGS.config, FLAGS.workdir, max_steps=FLAGS.max_steps, checkpoint_step=FLAGS.checkpoint)
         except (ConfigError, NonFiniteLossError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(1)
