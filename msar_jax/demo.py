@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from msar_jax import accounting, data
-from msar_jax.configs import REPO_ROOT, load_config
+from msar_jax.configs import REPO_ROOT, load_config, positive_int, run_cli
 from msar_jax.train import plots, train
 from msar_jax.train.introspection import load as load_weights
 
@@ -32,7 +32,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/msar.py:size=tiny")
-    ap.add_argument("--steps", type=int, default=240, help="optimizer steps (the schedule spans them)")
+    ap.add_argument("--steps", type=positive_int, default=240, help="optimizer steps (the schedule spans them)")
     ap.add_argument("--workdir", default=None, help="default: runs/demo/<time> in the repository")
     args = ap.parse_args(argv)
 
@@ -77,4 +77,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main)  # a config error: one line, exit status 1
