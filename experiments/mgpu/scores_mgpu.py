@@ -1,6 +1,6 @@
 """Phase 2's scoring pass written for Mosaic GPU (``plgpu.kernel``), to time against the
 Triton kernel (``fused.scores_call``): the measurement the choice of GPU backend rests on
-(BENCHMARKS.md, kernels, session 15). Prototype: one head, no segment ids, T a multiple of
+(docs/kernels.md). Prototype: one head, no segment ids, T a multiple of
 ``bt``, ``d`` of ``bd``; not wired into ``pallas_kernels``.
 
 Per program (batch row b, token tile t of ``bt`` rows, one warpgroup), a loop over the
@@ -9,12 +9,12 @@ its conv taps and its queries go to shared memory, the expansions ``E_r`` (Eq. 1
 in registers (``WGMMA`` layout) and reduced over the chunk's channels. Outputs ``dots[m, B, T]``
 (``q_r . E_r``) and ``sumsq[m, B, T]`` (``sum E_r^2``).
 
-Measured on the H200 (session 15, calls 4-5, ``time_scores.py``; exact against XLA): with one
+Measured on the H200 (``time_scores.py``; exact against XLA): with one
 TMA window per lag (``windows="tma"``), 64 x 32 tiles and TMA's zero fill before row 0, 0.339 ms
 per call at `base` (64 x 1024 tokens, d = 1024) against the Triton kernel's 0.526, and 0.182
-against 0.310 at the issue's shape (8 x 2048, d = 2048). Loading each lag from one window at a
+against 0.310 at the bench shape (8 x 2048, d = 2048). Loading each lag from one window at a
 row offset (``windows="offset"``) is exact in interpret mode but gave wrong conv streams on the
-GPU (call 3: the identity stream, loaded at row offset 16, is exact; every stream with lags at
+GPU (the identity stream, loaded at row offset 16, is exact; every stream with lags at
 offsets 15 down to 5 is wrong; not investigated further)."""
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ def scores_mgpu(x, bank, q, *, kernels, bt=64, bd=128, halo=16, windows="offset"
 
     ``windows``: how a lag's rows ``[t0 - delta, t0 - delta + bt)`` reach the registers.
     ``"offset"``: one TMA copy of ``bt + halo`` rows per chunk, each lag loaded from shared
-    memory at row offset ``halo - delta``: exact in interpret mode, WRONG on the H200 (session 15,
-    call 3: the identity stream is exact, the conv streams are not).
+    memory at row offset ``halo - delta``: exact in interpret mode, WRONG on the H200 (the
+    identity stream is exact, the conv streams are not).
     ``"tma"``: one TMA copy per lag into its own ``[bt, bd]`` buffer, loaded at row 0 (the
     rows come from L2 after the first copy; shared memory holds ``max_kernel`` windows).
     ``pad``: the rows before token 0 as zeros padded in front of ``x`` (an XLA copy; Pallas'

@@ -1,7 +1,7 @@
 """Phase 2's forward with the state read once by a cluster of CTAs (``mosaic_gpu_cluster``)
 against the one-CTA kernel (``mosaic_gpu.phase2_fused_forward``, the state read twice), MSAR
 (kernels (0, 4, 8, 12), gate, float32 state, bf16 partial and ``h``) at `base`'s shape (B x T =
-64 x 1024, d = 1024) and the issue's (8 x 2048, d = 2048). Per variant (cluster size, exchange,
+64 x 1024, d = 1024) and the bench shape (8 x 2048, d = 2048). Per variant (cluster size, exchange,
 warpgroups per CTA, one cluster per tile or a cluster per group of SMs walking the tiles):
 the largest difference of ``h`` and of the scores from the one-CTA kernel's, relative to their
 largest magnitude (the one-CTA kernel is the one the tests hold to the oracle; the sums differ
@@ -16,10 +16,9 @@ windows, the state once or twice, ``d_acc`` once, a bf16 ``dh`` once).
 Run on the GPU: ``python experiments/mgpu/time_cluster_forward.py [--backward] [--base-only] [--only TEXT]``; ``--aot``
 compiles every variant for an H200 on a machine without one (JAX's CUDA plugin on
 ``PYTHONPATH``, ``msar_jax.aot``): Mosaic GPU's lowering and ptxas, not the launch. The ``st.async``
-exchanges (``"all"``, ``"butterfly"``) fail at launch and leave the process's GPU unusable (sessions
-37-38), so run them one per process (``--only``). Session 38 on an H100 (``kernels_h200_s38``,
-calls 1-3): the pull forms exact and slower than the one-CTA kernels (BENCHMARKS.md, kernels,
-session 38)."""
+exchanges (``"all"``, ``"butterfly"``) fail at launch on an H100 and leave the process's GPU unusable, so
+run them one per process (``--only``). On an H100 the pull forms are exact and slower than the
+one-CTA kernels (docs/kernels.md)."""
 import sys
 import traceback
 from pathlib import Path

@@ -1,19 +1,18 @@
-"""Two kernels' inner loops with the options that take instructions out of them (sessions 40-41):
+"""Two kernels' inner loops with the options that take instructions out of them:
 phase 2's backward input kernel (``mosaic_gpu.phase2_backward_inputs``) with each place its
 per-channel constants come from (``mosaic_gpu.INPUTS_CONSTANTS_CHOICES``: the taps, queries and
 W's columns loaded at every use, once per token tile, or once per program and held in registers),
-with its bf16 widened in place (``INPUTS_WIDEN``, session 41) and with two tiles in flight
-(``INPUTS_SLOTS``: three since session 42),
+with its bf16 widened in place (``INPUTS_WIDEN``) and with two tiles in flight
+(``INPUTS_SLOTS``: three by default),
 and phase 1's expansion transpose (``mosaic_gpu_bwd1.sources_transpose``) with its taps per tile
-or held per source (``TRANSPOSE_TAPS_CHOICES``) and its bf16 widened in place (``TRANSPOSE_WIDEN``,
-session 41). Session 40's calls also timed options taken out
-since (the transpose's windows widened once per tile, both kernels without Pallas' automatic
-barriers; BENCHMARKS.md, session 40; commit dfe9301 has them). MSAR's kernels (0, 4, 8, 12), bf16 partial / sources and
+or held per source (``TRANSPOSE_TAPS_CHOICES``) and its bf16 widened in place (``TRANSPOSE_WIDEN``).
+Options measured and taken out (the transpose's windows widened once per tile, both kernels
+without Pallas' automatic barriers) are in commit dfe9301. MSAR's kernels (0, 4, 8, 12), bf16 partial / sources and
 cotangents, float32 state, as the model runs them; `base`'s shape (B x T = 64 x 1024, d = 1024;
-the transpose at its last block: 7 sources, 4 valid) and the issue's (8 x 2048, d = 2048; 9
+the transpose at its last block: 7 sources, 4 valid) and the bench shape (8 x 2048, d = 2048; 9
 sources). Per variant: each output's largest difference from the first variant's (relative to
 its largest magnitude: the variants compute the same values, but ptxas may contract and order
-them differently, up to a bf16 rounding of `d_x`: session 40), the median of 21
+them differently, up to a bf16 rounding of `d_x`), the median of 21
 timings of 5 calls, and the floor: the bytes the kernel must move (each input read once, each
 output written once) at the copy bandwidth measured in the same run.
 
@@ -62,11 +61,11 @@ def inputs(batch, t_len, d):
 
 
 def variants(d, n_tiles):
-    """Today's defaults first (the reference for the differences; three tiles in flight since
-    session 42), then bf16 widened in place (``INPUTS_WIDEN``, session 41), two tiles in flight
-    (``INPUTS_SLOTS``, the default to session 41), then session 40's places for the constants
-    (per use, per tile). Session 41's calls also timed two tiles per fetch and the refills by the
-    last warpgroup, taken out since (commit 07655f3 has them and this script's variants for them)."""
+    """The defaults first (the reference for the differences; three tiles in flight), then bf16
+    widened in place (``INPUTS_WIDEN``), two tiles in flight (``INPUTS_SLOTS``), then the other
+    places for the constants (per use, per tile). Two tiles per fetch and the refills by the last
+    warpgroup were measured and taken out (commit 07655f3 has them and this script's variants for
+    them)."""
     run = lambda **kw: lambda *a: mosaic_gpu.phase2_backward_inputs(  # noqa: E731
         *a, stream_kernels=KERNELS, heads=1, dx_dtype=jnp.bfloat16, **kw)
     return ([("defaults", run(widen="extf", slots=3)), ("widen bits", run(widen="bits", slots=3)),
@@ -82,8 +81,8 @@ def floor_bytes(batch, t_len, d) -> int:
 
 
 def transpose_inputs(batch, t_len, d):
-    """The transpose's operands (``sources_transpose``' order): `base`'s last block or the issue's
-    sources, told apart by the shape."""
+    """The transpose's operands (``sources_transpose``' order): `base`'s last block or the bench
+    shape's sources, told apart by the shape."""
     n, n_live = TRANSPOSE_SOURCES["base" if batch == 64 else "issue"]
     ks = jax.random.split(jax.random.key(5), 3)
     d_streams = jax.random.normal(ks[0], (n, len(KERNELS), batch, t_len, d), jnp.bfloat16)
@@ -93,9 +92,9 @@ def transpose_inputs(batch, t_len, d):
 
 
 def transpose_variants(d, n_tiles):
-    """Today's defaults first (taps per source), then each other place the taps come from, then
-    the default's taps with bf16 widened in place (``TRANSPOSE_WIDEN_CHOICES``, session 41).
-    (Three or four items in flight, session 42's ``TRANSPOSE_SLOTS``, were 2-17% slower on an
+    """The defaults first (taps per source), then each other place the taps come from, then
+    the default's taps with bf16 widened in place (``TRANSPOSE_WIDEN_CHOICES``).
+    (Three or four items in flight, ``TRANSPOSE_SLOTS``, were 2-17% slower on an
     H200 and are taken out: commit 7037f37 has them.)"""
     run = lambda **kw: lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS, **kw)  # noqa: E731
     taps = sorted(mosaic_gpu_bwd1.TRANSPOSE_TAPS_CHOICES, key=lambda t: t != "per_source")

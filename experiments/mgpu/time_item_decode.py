@@ -1,14 +1,14 @@
 """Phase 1's Mosaic GPU mixing pass, ``gdots`` and ``dstreams`` with the next pipeline item decoded
 from its flat index (``"divide"``; the mix's default) against carried through the loops (``"carried"``;
-``gdots``' and ``dstreams``' default since session 33;
-``mosaic_gpu.ITEM_DECODES``, session 32).
+``gdots``' and ``dstreams``' default;
+``mosaic_gpu.ITEM_DECODES``).
 
-The deviceless H200 compile of session 32 (``sass_stats.py``) counted the instructions of each
+The deviceless H200 compile (``sass_stats.py``) counts the instructions of each
 kernel's per-item loops: decoding the next item's (chunk, stream, source) costs the mix two
 integer divisions by the runtime count of valid sources per item (about 70 of its 371-930
 instructions per item, by stream), ``gdots`` and ``dstreams`` one (about 24-36). The same items
 in the same order: the outputs must agree to the bit (checked). Shapes: `base`'s last block
-(B x T = 64 x 1024, d = 1024, S = 8, 7 stacked sources of which 4 are valid) and the issue's
+(B x T = 64 x 1024, d = 1024, S = 8, 7 stacked sources of which 4 are valid) and the bench shape
 (8 x 2048, d = 2048, S = 8, all 9 sources); MSAR's kernels (0, 4, 8, 12), one head, bf16 sources,
 float32 state and ``g_A`` (one array per target). Median of 21 timings of 3 calls each after
 warm-up (``bench.timeit``). Run on the GPU: ``python experiments/mgpu/time_item_decode.py

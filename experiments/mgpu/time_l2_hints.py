@@ -5,7 +5,7 @@ Each hint set is a comma-separated list of ``rule=policy`` (``l2_hints.RULES`` a
 ``none`` for no hints). For each set the kernels are built again (the module caches and JAX's
 cleared), checked bitwise against the first set's outputs (hints change no arithmetic), and timed
 (``bench.timeit``: median of 21 timings of 3 calls; ``ncu_phase1.random_inputs``) at `base`'s last block (7 sources of which 4
-valid, B x T = 64 x 1024, d = 1024) and the issue's shape (9 valid, 8 x 2048, d = 2048); S = 8,
+valid, B x T = 64 x 1024, d = 1024) and the bench shape (9 valid, 8 x 2048, d = 2048); S = 8,
 kernels (0, 4, 8, 12), bf16 sources, float32 state and ``g_A``. Run on the GPU::
 
     python experiments/mgpu/time_l2_hints.py none stores=evict_first,large_f32_loads=evict_first none

@@ -5,7 +5,7 @@
 against ``mosaic_gpu_bwd1.sources_transpose`` (bf16 stream cotangents; its floor: the live
 sources' cotangents and rows read, their ``d x`` written, the others' zeros written). Shapes: `base`'s last block (B x T =
 64 x 1024, d = 1024, S = 8 targets, 7 stacked sources of which ``--live`` (default 4) are
-valid) and the issue's (8 x 2048, d = 2048, S = 8, all 9 sources). MSAR's kernels (0, 4, 8,
+valid) and the bench shape (8 x 2048, d = 2048, S = 8, all 9 sources). MSAR's kernels (0, 4, 8,
 12), one head, bf16 sources, a float32 ``g_A`` as ``S`` per-target arrays (as the model's
 phase 1 hands it over), random non-zero ``P``, ``DSR``, ``W``. Median of 21 timings of 3
 calls each after warm-up (``bench.timeit``); the error against Triton's outputs (the valid
@@ -13,20 +13,20 @@ sources' ``dE``), relative to their largest magnitude; the floor: ``g_A`` and th
 read once and, for ``dstreams``, the live sources' ``dE`` (bf16) written once, at the measured
 copy bandwidth. Each Mosaic variant is (items in flight ``n_slots``, groups' ``g_A`` in shared
 memory ``group_slots``, ``regs``: ``GA_REGISTERS``), with its shared memory and how many
-programs fit on an SM: the defaults, or with ``--variants`` session 22's set; ``--bd16``: each
+programs fit on an SM: the defaults, or with ``--variants`` a set around them; ``--bd16``: each
 variant with 32- and 16-channel chunks (``block_d``); ``--store-groups``: gdots with its stores
 per (head, stream) committed once and once each (``mosaic_gpu.STORE_GROUPS``). ``--attnres``: one
 stream without a conv (AttnRes; kernels ``(0,)``, no transpose) with ``ATTNRES_VARIANTS`` at 16-,
-32- and 64-channel chunks (session 29). ``--ga_bf16``: ``g_A`` in bf16, as the value channel hands
-one stream's kernels the read's ``dh`` (session 30). ``--window-fetch``: dstreams with each item
+32- and 64-channel chunks. ``--ga_bf16``: ``g_A`` in bf16, as the value channel hands
+one stream's kernels the read's ``dh``. ``--window-fetch``: dstreams with each item
 bringing its source's lag windows and with a chunk's windows brought once for all streams
-(``mosaic_gpu_bwd1.WINDOW_FETCHES``; session 35); ``--dstreams-only``: leave out gdots and the
+(``mosaic_gpu_bwd1.WINDOW_FETCHES``); ``--dstreams-only``: leave out gdots and the
 transpose. ``--windows P,Q``: gdots and dstreams with each placement of the lag windows
-(``mosaic_gpu.WINDOWS``; session 44: ``"padded"``'s 80-byte rows touch three 32-byte sectors for
+(``mosaic_gpu.WINDOWS``; the question: ``"padded"``'s 80-byte rows touch three 32-byte sectors for
 64 bytes of channels, ``"single"``'s two, where L2 does not hold the neighbours' rows).
-``--stream-programs P,Q``: gdots and dstreams with each ``mosaic_gpu_bwd1.STREAM_PROGRAMS`` (session
-45: "split", a program per stream, its tile's m programs side by side). ``--rows-fetch P,Q``:
-dstreams with each ``mosaic_gpu_bwd1.ROWS_FETCHES`` (session 45: "per_stream", each source's
+``--stream-programs P,Q``: gdots and dstreams with each ``mosaic_gpu_bwd1.STREAM_PROGRAMS``
+("split", a program per stream, its tile's m programs side by side). ``--rows-fetch P,Q``:
+dstreams with each ``mosaic_gpu_bwd1.ROWS_FETCHES`` ("per_stream", each source's
 per-token rows once per (head, stream) instead of once per item). Run on the GPU: ``python
 experiments/mgpu/time_phase1_bwd.py [--base-only] [--variants] [--bd16] [--attnres] [--ga_bf16]
 [--window-fetch] [--dstreams-only] [--windows P,Q] [--stream-programs P,Q] [--rows-fetch P,Q]``."""
@@ -43,7 +43,7 @@ from time_phase2 import set_store_groups  # this folder, on the path when run as
 KERNELS = (0, 4, 8, 12)
 # (n_slots, group_slots, GA_REGISTERS)
 VARIANTS = {"gdots": ((2, 1, True),), "dstreams": ((3, 2, True),)}
-if "--variants" in sys.argv:  # session 22, call 2
+if "--variants" in sys.argv:  # the set SLOTS and GA_REGISTERS were chosen from
     VARIANTS = {"gdots": ((3, 2, False), (2, 1, False), (3, 1, False), (3, 2, True), (2, 1, True)),
                 "dstreams": ((3, 2, False), (2, 1, False), (3, 2, True), (2, 1, True))}
 GA_DTYPE = jnp.bfloat16 if "--ga_bf16" in sys.argv else jnp.float32

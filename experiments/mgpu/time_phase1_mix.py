@@ -6,30 +6,30 @@ variant whose program does not fit in shared memory is reported as such, with ea
 shared memory and how many programs fit on an SM. Both write one output per target
 (``per_target=True``, as the model calls phase 1), float32 and, with ``--bf16``, bf16 states.
 Shapes: `base`'s last block (B x T = 64 x 1024, d = 1024, S = 8 targets, 7 stacked sources of
-which ``--live`` (default 4) are valid) and the issue's (8 x 2048, d = 2048, S = 8, all 9
+which ``--live`` (default 4) are valid) and the bench shape (8 x 2048, d = 2048, S = 8, all 9
 sources). MSAR's kernels (0, 4, 8, 12), one head, bf16 sources, random weights ``p`` (zero on
 the invalid sources). Median of 21 timings of 3 calls each after warm-up (``bench.timeit``);
 the error of the Mosaic states against Triton's, relative to their largest magnitude; the
 floor: the states written once and the live sources read once at the measured copy bandwidth.
 Run on the GPU: ``python experiments/mgpu/time_phase1_mix.py [--bf16] [--base-only] [--narrow]``;
 ``--bf16-aligned``: only the bf16 state and the aligned windows. ``--single``: 3 slots, the
-aligned windows against one window per chunk (``"single"``, Lane semantics; session 20), with
+aligned windows against one window per chunk (``"single"``, Lane semantics), with
 its output tiles swizzled and plain. ``--single-slots``: one window per chunk with 2, 3 and 4 slots.
 ``--chunks``: the padded window with 32-channel chunks (3 slots) and 64 (2 and 3 slots).
-``--bd16``: the padded window with 32-channel chunks (3 slots) and 16 (3 and 4 slots; session 25:
+``--bd16``: the padded window with 32-channel chunks (3 slots) and 16 (3 and 4 slots;
 the 32-channel kernel holds 255 registers, so two programs per SM). ``--store-groups``: the
 default kernel with its 8 stores per chunk and stream committed once (``"grouped"``) and once
 each (``mosaic_gpu.STORE_GROUPS``). ``--attnres``: AttnRes's single stream (kernels ``(0,)``, no bank),
 Triton against the Mosaic default. ``--triton-tiles``: Triton's kernel alone with the tiles
-``choose_tiles`` gives it (first) and nine others (tokens x channels per program, warps, stages;
-session 27); with ``--small-tiles`` seven smaller ones instead. ``--fetch-bound`` (session 34): the
+``choose_tiles`` gives it (first) and nine others (tokens x channels per program, warps, stages);
+with ``--small-tiles`` seven smaller ones instead. ``--fetch-bound``: the
 Mosaic kernel against itself with parts of its traffic left out (``mosaic_gpu.MIX_TIMING_SKIPS``;
 the outputs then wrong, their error printed all the same): how much of the pass each part
-holds. With the windows per chunk (the default since session 36) the ``p`` rows of streams 1-3
-or the state's stores; per item also streams 1-3's lag windows and both. ``--window-fetch``
-(session 34): the default with each item bringing its lag window and with a chunk's windows
-brought once for all streams (``mosaic_gpu.MIX_WINDOW_FETCHES``), 3 and 2 items in flight. (Session 25, call 4 also timed them spread over the next
-chunk and stream's items, at commit a4a473d: 1.3-1.8x slower; that option is gone.)
+holds. With the windows per chunk (the default) the ``p`` rows of streams 1-3
+or the state's stores; per item also streams 1-3's lag windows and both. ``--window-fetch``:
+the default with each item bringing its lag window and with a chunk's windows
+brought once for all streams (``mosaic_gpu.MIX_WINDOW_FETCHES``), 3 and 2 items in flight. (The stores spread over the next
+chunk and stream's items, at commit a4a473d, were 1.3-1.8x slower; that option is gone.)
 """
 import sys
 import traceback
@@ -41,7 +41,7 @@ from pallas_kernels.depth_attention import bench, fused, mosaic_gpu, tiling
 from time_phase2 import PLAIN, set_lane_tile_swizzle, set_store_groups  # this folder, on the path as a script
 
 KERNELS = (0,) if "--attnres" in sys.argv else (0, 4, 8, 12)
-# (block_d, n_slots, windows); 16-channel chunks (slower, session 18 call 3) with --narrow
+# (block_d, n_slots, windows); 16-channel chunks (slower on the H200) with --narrow
 MOSAIC_VARIANTS = ((32, 2, "per_lag"), (32, 3, "per_lag"), (32, 2, "aligned"), (32, 3, "aligned"))
 NARROW_VARIANTS = ((16, 2, "per_lag"), (16, 3, "per_lag"), (16, 4, "per_lag"))
 SM_SMEM = 233472  # the H200's shared memory per SM (228 KiB), 1 KiB of it reserved per program
@@ -60,31 +60,31 @@ def main():
         mosaic_variants = ((32, 3, "single"), (32, 3, "padded"))
     if "--single-slots" in sys.argv:  # one window per chunk with 2-4 slots (2: three programs per SM)
         mosaic_variants = ((32, 2, "single"), (32, 3, "single"), (32, 4, "single"))
-    if "--chunks" in sys.argv:  # the padded window with 32- and 64-channel chunks (session 21)
+    if "--chunks" in sys.argv:  # the padded window with 32- and 64-channel chunks
         mosaic_variants = ((32, 3, "padded"), (64, 2, "padded"), (64, 3, "padded"))
-    if "--bd16" in sys.argv:  # the padded window with 32- and 16-channel chunks (session 25)
+    if "--bd16" in sys.argv:  # the padded window with 32- and 16-channel chunks
         mosaic_variants = ((32, 3, "padded"), (16, 3, "padded"), (16, 4, "padded"))
     if "--attnres" in sys.argv:  # one stream: Triton (what "auto" takes for it) and the Mosaic default
         mosaic_variants = ((32, 3, "padded"),)
     # (timing_skip, window_fetch) per Mosaic variant: the default fetch, nothing left out
     runs = [((), mosaic_gpu.DEFAULT_MIX_WINDOW_FETCH)]
-    if "--window-fetch" in sys.argv:  # a chunk's windows once for all streams (session 34)
+    if "--window-fetch" in sys.argv:  # a chunk's windows once for all streams
         mosaic_variants = ((32, 3, "padded"), (32, 2, "padded"))
         runs = [((), fetch) for fetch in mosaic_gpu.MIX_WINDOW_FETCHES]
-    if "--fetch-bound" in sys.argv:  # parts of the traffic left out (timing only): per chunk (the default
-        # since session 36) its p rows or its stores; per item also streams 1-3's windows
+    if "--fetch-bound" in sys.argv:  # parts of the traffic left out (timing only): per chunk (the default)
+        # its p rows or its stores; per item also streams 1-3's windows
         mosaic_variants = ((32, 3, "padded"),)
         runs = [(k, "per_chunk") for k in ((), ("p",), ("stores",))] + [
             (k, "per_item") for k in ((), ("windows",), ("p",), ("p", "windows"), ("stores",))]
     if "--store-groups" in sys.argv:  # the default, its stores committed once per group and once each
         mosaic_variants = ((32, 3, "padded", "grouped"), (32, 3, "padded", "one by one"))
-    # (block_t, block_d_mix, num_warps, num_stages) of Triton's kernel, the first choose_tiles' (session 27)
+    # (block_t, block_d_mix, num_warps, num_stages) of Triton's kernel, the first choose_tiles'
     triton_tiles = [None]
     if "--triton-tiles" in sys.argv:
         mosaic_variants = ()
         triton_tiles += [(16, 64, 4, 2), (16, 64, 8, 1), (16, 128, 8, 1), (32, 64, 8, 1), (32, 64, 4, 2),
                          (32, 32, 4, 1), (32, 128, 8, 1), (64, 32, 8, 1), (64, 64, 8, 1)]
-        if "--small-tiles" in sys.argv:  # call 4's best was the default, the smallest: smaller ones (call 5)
+        if "--small-tiles" in sys.argv:  # the default was the best of the tiles above and the smallest: smaller ones
             triton_tiles = [None, (16, 32, 4, 1), (16, 32, 2, 1), (16, 64, 2, 1), (16, 128, 4, 1), (8, 64, 4, 1),
                             (8, 128, 4, 1), (8, 64, 2, 1)]
     if "--base-only" in sys.argv:

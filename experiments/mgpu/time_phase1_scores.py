@@ -3,7 +3,7 @@
 with each way of building the streams (``mosaic_gpu.EXPANDS``) and, for the shared one, each
 placement of the lag windows (``mosaic_gpu.WINDOWS``). Shapes: `base`'s last block
 (B x T = 64 x 1024, d = 1024, S = 8 targets, 7 stacked sources of which ``--live`` (default 4)
-are valid, as the model's blocks run it) and the issue's (8 x 2048, d = 2048, S = 8, all 9
+are valid, as the model's blocks run it) and the bench shape (8 x 2048, d = 2048, S = 8, all 9
 sources). MSAR's kernels (0, 4, 8, 12), one head, bf16 sources. Median of 21 timings of 3 calls
 each after warm-up (``bench.timeit``); the error of the Mosaic outputs against Triton's,
 relative to their largest magnitude; the floor: the live sources read once at the measured
@@ -11,12 +11,11 @@ copy bandwidth (the pass is compute-bound well above it). Run on the GPU:
 ``python experiments/mgpu/time_phase1_scores.py [--base-only]``; ``--chunks``: the padded
 windows with 32- and 64-channel chunks; ``--bd16``: with 32- and 16-channel chunks; ``--attnres``:
 AttnRes's single stream (kernels ``(0,)``, no bank), Triton against the Mosaic default and the
-Mosaic kernel with its sums reduced per chunk and deferred (``defer_sums``, session 26);
+Mosaic kernel with its sums reduced per chunk and deferred (``defer_sums``);
 ``--slots``: the Mosaic kernel with 2, 3 and 4 channel chunks in flight (``n_slots``) and
-32-, 64- (and for one stream 128-) channel chunks (session 27); ``--wide`` (with ``--attnres``):
+32-, 64- (and for one stream 128-) channel chunks; ``--wide`` (with ``--attnres``):
 128- against 256-channel chunks; ``--store-groups``: the default with its two stores per source committed once and once each
-(``mosaic_gpu.STORE_GROUPS``). ``--heads H``: H channel heads (MHAR: ``--attnres --heads 8``;
-session 28)."""
+(``mosaic_gpu.STORE_GROUPS``). ``--heads H``: H channel heads (MHAR: ``--attnres --heads 8``)."""
 import sys
 import traceback
 
@@ -61,21 +60,21 @@ def main():
 
         variants = {"triton": triton}
         forms = [(ex, "per_lag") for ex in mosaic_gpu.EXPANDS] + [("shared", "aligned")]
-        if "--single" in sys.argv:  # aligned against one window per chunk (Lane semantics; session 20)
+        if "--single" in sys.argv:  # aligned against one window per chunk (Lane semantics)
             variants, forms = {}, [("shared", "aligned"), ("shared", "single")]  # no tile buffers here
-        if "--padded" in sys.argv:  # the one window with 80-byte rows (session 20, call 8)
+        if "--padded" in sys.argv:  # the one window with 80-byte rows
             variants, forms = {}, [("shared", "aligned"), ("shared", "padded")]
         chunk_sizes = (None,)
-        if "--chunks" in sys.argv:  # the padded window with 32- and 64-channel chunks (session 21)
+        if "--chunks" in sys.argv:  # the padded window with 32- and 64-channel chunks
             variants, forms, chunk_sizes = {}, [("shared", "padded")], (32, 64)
-        if "--bd16" in sys.argv:  # the padded windows with 32- and 16-channel chunks (session 25)
+        if "--bd16" in sys.argv:  # the padded windows with 32- and 16-channel chunks
             variants, forms, chunk_sizes = {}, [("shared", "padded")], (32, 16)
         if "--attnres" in sys.argv:  # one stream: Triton, the Mosaic default, and with its sums deferred
             forms = []  # the default windows ("padded") and expansion ("shared")
             for defer in (False, True):
                 variants[f"mosaic padded defer_sums={defer}"] = (lambda df: lambda x, b, q, v: mosaic_gpu.phase1_scores(
                     x, b, q, None, v, stream_kernels=KERNELS, heads=HEADS, defer_sums=df))(defer)
-        if "--slots" in sys.argv:  # chunks in flight x channel chunk (session 27); Triton first as the baseline
+        if "--slots" in sys.argv:  # chunks in flight x channel chunk; Triton first as the baseline
             forms = []
             chunks = (32, 64, 128) if KERNELS == (0,) else (32, 64)  # 4 streams of 128: 256 registers of E alone
             for bd in chunks:
@@ -83,7 +82,7 @@ def main():
                     variants[f"mosaic slots={slots} bd={bd}"] = (lambda ns, b_d: lambda x, b, q, v: (
                         mosaic_gpu.phase1_scores(x, b, q, None, v, stream_kernels=KERNELS, heads=HEADS, n_slots=ns,
                                                  block_d=b_d)))(slots, bd)
-        if "--wide" in sys.argv:  # one stream: 128- against 256-channel chunks, 2 slots (session 27, call 7)
+        if "--wide" in sys.argv:  # one stream: 128- against 256-channel chunks, 2 slots
             variants, forms = {k: v for k, v in variants.items() if k == "triton"}, []
             for bd in (128, 256):
                 variants[f"mosaic bd={bd}"] = (lambda b_d: lambda x, b, q, v: mosaic_gpu.phase1_scores(

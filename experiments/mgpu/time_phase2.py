@@ -3,7 +3,7 @@ scoring, gate-statistics and gate calls with XLA between them) against the Mosai
 (``mosaic_gpu.phase2_fused_forward``) with each way of building the streams
 (``mosaic_gpu.EXPANDS``) and, for the shared one, each placement of the lag windows
 (``mosaic_gpu.WINDOWS``), at `base`'s shape (B x T = 64 x
-1024, d = 1024) and the issue's (8 x 2048, d = 2048); MSAR (kernels (0, 4, 8, 12), gate, float32
+1024, d = 1024) and the bench shape (8 x 2048, d = 2048); MSAR (kernels (0, 4, 8, 12), gate, float32
 state) and AttnRes (kernels (0,), one stream). Median of 21 timings of 5 calls each after warm-up
 (``bench.timeit``); the error of each output against the plain-jnp reference, relative to its
 largest magnitude; the floor is the bytes the design must move (the partial read three times,
@@ -13,22 +13,21 @@ the state twice, ``h`` written) at the measured copy bandwidth. Run on the GPU:
 the whole Pallas backward with its passes 1-2 in Triton and in Mosaic GPU, with each
 ``mosaic_gpu.EXPANDS`` and ``mosaic_gpu.WINDOWS`` (``time_backward``;
 ``--backward-smoke`` runs that on the CPU in interpret mode at a tiny shape; with ``--rows`` or
-``--inputs`` it can hang on a 2-core machine: session 24 saw one simulated warpgroup of the
-input kernel wait at a barrier forever while the other's jitted step never ran, in the first form
-one time and the fourth another, with the same kernel each time). ``--base-only``:
+``--inputs`` it can hang on a 2-core machine: one simulated warpgroup of the input kernel can wait at a
+barrier forever while the other's jitted step never runs, in any of the forms). ``--base-only``:
 `base`'s shape only; ``--msar-only``: no AttnRes rows. ``--state-boxes``: forward or backward,
 only the Mosaic default (shared, aligned) with each ``mosaic_gpu.STATE_BOXES`` (the state's
 chunk as one TMA copy per stream or one 3D box). ``--gate-stats``: the forward only, the Mosaic
 default with each ``mosaic_gpu.GATE_STATS`` (the gate's statistics in their own pass or summed
-in the scoring pass; the default windows, since session 44: session 19's form, which call 5 of
-session 44 also ran, took "aligned"). ``--single``: forward or backward, the Mosaic default's aligned windows
-against one window per chunk (``"single"``, Lane semantics; session 20), with its tile buffers
+in the scoring pass; with the default windows: ``mosaic_gpu.DEFAULT_GATE_STATS`` says why the
+choice depends on them). ``--single``: forward or backward, the Mosaic default's aligned windows
+against one window per chunk (``"single"``, Lane semantics), with its tile buffers
 swizzled (``LANE_TILE_SWIZZLE``) and plain. ``--wide``: the backward, Mosaic passes 1-2 with
 each ``fused_bwd_phase2.FORMS`` of pass 3 (the reverse-T input kernel, or the stream cotangents
 written and transposed by ``conv_transpose``). ``--chunks``: forward or backward, the padded
-windows with 32- and 64-channel chunks (``block_d``; for one stream also 128, session 27).
+windows with 32- and 64-channel chunks (``block_d``; for one stream also 128).
 ``--triton-tiles`` (with ``--attnres-only``): the forward's Triton form with its tiles and seven others (block_t x
-scoring / mixing chunk, warps, stages; session 27). ``--attnres-only``: no MSAR rows.
+scoring / mixing chunk, warps, stages). ``--attnres-only``: no MSAR rows.
 ``--attnres`` with ``--backward``: AttnRes's one stream (kernels ``(0,)``, mean fusion) instead of MSAR. ``--inputs``: the backward with pass 3 (the
 reverse-T input kernel) in Triton and in Mosaic GPU (``mosaic_gpu.phase2_backward_inputs``, one
 to four warpgroups per program; with ``--reuse`` two and three warpgroups loading each lag and
@@ -158,27 +157,27 @@ def time_backward(shapes=(("base", (64, 1024, 1024)), ("issue", (8, 2048, 2048))
             pass3 = {label: label.rsplit(" ", 1)[1] for label, *_ in forms}
         inputs_kernel = {}  # label -> pass 3's reverse-T input kernel in Mosaic GPU
         reuse_loads = {}  # label -> mosaic_gpu.INPUTS_REUSE_LOADS while it is traced
-        if "--inputs" in sys.argv:  # pass 3 in Triton and in Mosaic GPU with 1-4 warpgroups (sessions 21, 23)
+        if "--inputs" in sys.argv:  # pass 3 in Triton and in Mosaic GPU with 1-4 warpgroups
             kinds = ("triton", "mosaic 1 wg", "mosaic 2 wg", "mosaic 3 wg", "mosaic 4 wg")
-            if "--reuse" in sys.argv:  # each lag and per-token row loaded once per tile (session 23)
+            if "--reuse" in sys.argv:  # each lag and per-token row loaded once per tile
                 kinds = ("mosaic 2 wg", "mosaic 2 wg reuse", "mosaic 3 wg reuse")
             forms = [(f"mosaic passes 1-2, pass 3 {k}", True, "shared", "padded", None) for k in kinds]
             inputs_kernel = {label: int(label.split(" wg")[0].split()[-1]) for label, *_ in forms if " wg" in label}
             reuse_loads = {label: label.endswith("reuse") for label, *_ in forms}
         rows_per_program = {}  # label -> mosaic_gpu.INPUTS_ROWS_PER_PROGRAM while it is traced
-        if "--rows" in sys.argv:  # batch rows per program of the input kernel (session 24)
+        if "--rows" in sys.argv:  # batch rows per program of the input kernel
             forms = [(f"mosaic passes 1-2, pass 3 mosaic 2 wg reuse, {k} rows per program", True, "shared", "padded",
                       None) for k in mosaic_gpu.INPUTS_ROWS_PER_PROGRAM_CHOICES]
             inputs_kernel = {label: 2 for label, *_ in forms}
             reuse_loads = {label: True for label, *_ in forms}
             rows_per_program = {label: int(label.rsplit(" rows", 1)[0].rsplit(" ", 1)[1]) for label, *_ in forms}
         chunks = {}  # label -> mosaic_gpu.BLOCK_D_CHOICES while it is traced
-        if "--chunks" in sys.argv:  # 32- against 64-channel (and for one stream 128-) chunks (sessions 21, 27)
+        if "--chunks" in sys.argv:  # 32- against 64-channel (and for one stream 128-) chunks
             forms = forms[:1] + [(f"mosaic passes 1-2, padded, bd={bd}", True, "shared", "padded", None)
                                  for bd in ((32, 64, 128) if m == 1 else (32, 64))]
             chunks = {label: (int(label.rsplit("=", 1)[1]),) for label, *_ in forms if "bd=" in label}
         sums_in_rows = {}  # label -> mosaic_gpu.STATE_SUMS_IN_ROWS while it is traced
-        if "--state-rows" in sys.argv:  # the state kernel's sums in their own buffer or its rows' (session 22)
+        if "--state-rows" in sys.argv:  # the state kernel's sums in their own buffer or its rows'
             forms = [(f"mosaic passes 1-3, sums in rows {flag}", True, "shared", "padded", None)
                      for flag in (False, True)]
             sums_in_rows = {label: label.endswith("True") for label, *_ in forms}
@@ -259,23 +258,23 @@ def main():
                                             backend="triton", interpret=False, out_dtype=jnp.bfloat16, **kw)
 
             variants = {"triton (3 calls + XLA)": (triton, None)}
-            # 16-channel chunks: slower, and crashed with m = 1 (session 16)
+            # 16-channel chunks: slower, and crashed with m = 1 on the H200 (mosaic_gpu.BLOCK_D_CHOICES)
             forms = [(ex, "per_lag", None, None) for ex in mosaic_gpu.EXPANDS] + [("shared", "aligned", None, None)]
             if "--state-boxes" in sys.argv:
                 variants, forms = {}, [("shared", "aligned", sb, None) for sb in mosaic_gpu.STATE_BOXES]
-            if "--gate-stats" in sys.argv:  # with the default windows ("aligned" until session 44)
+            if "--gate-stats" in sys.argv:  # with the default windows
                 variants, forms = {}, [("shared", None, None, gs) for gs in mosaic_gpu.GATE_STATS]
             if "--single" in sys.argv:
                 variants, forms = {}, [("shared", w, None, None) for w in ("aligned", "single", PLAIN)]
-            if "--padded" in sys.argv:  # the one window with 80-byte rows (session 20, call 8)
+            if "--padded" in sys.argv:  # the one window with 80-byte rows
                 variants, forms = {}, [("shared", w, None, None) for w in ("aligned", "single", "padded")]
-            if "--chunks" in sys.argv:  # 32- against 64-channel (one stream: and 128-) chunks (sessions 21, 27)
+            if "--chunks" in sys.argv:  # 32- against 64-channel (one stream: and 128-) chunks
                 variants, forms = {k: v for k, v in variants.items() if k.startswith("triton")}, []
                 for bd in ((32, 64, 128) if m == 1 else (32, 64)):
                     variants[f"mosaic padded bd={bd}"] = ((lambda bd: lambda st, x, b, q, g: mosaic_gpu.phase2_fused_forward(
                         st, x, b, q, True, g, None, fuse=fuse, out_dtype=jnp.bfloat16, windows="padded", block_d=bd,
                         **kw)[0])(bd), None)
-            if "--triton-tiles" in sys.argv:  # Triton's forward with other tiles (one stream; session 27, call 7)
+            if "--triton-tiles" in sys.argv:  # Triton's forward with other tiles (one stream)
                 variants, forms = {k: v for k, v in variants.items() if k.startswith("triton")}, []
                 for bt, bds, bdm, warps, stages in ((8, 128, 128, 4, 1), (16, 128, 128, 4, 1), (8, 128, 64, 4, 1),
                                                     (16, 128, 64, 4, 2), (32, 128, 64, 8, 1), (16, 128, 32, 4, 2),
@@ -285,7 +284,7 @@ def main():
                         fused.phase2_forward(st, x, b, q, True, g, fuse=fuse, segment_ids=None, tiles=alt,
                                              backend="triton", interpret=False, out_dtype=jnp.bfloat16, **kw)))(alt),
                         None)
-            if "--split" in sys.argv:  # one kernel against the split form, and its scores kernel alone (session 24)
+            if "--split" in sys.argv:  # one kernel against the split form, and its scores kernel alone
                 variants, forms = {}, []
                 for label, split, scores_only in (("mosaic one kernel", False, False), ("mosaic split", True, False),
                                                   ("mosaic split, scores only", True, True)):

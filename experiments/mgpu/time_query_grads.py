@@ -1,9 +1,9 @@
 """Phase 1's query gradient (``fused_bwd_phase1._query_grads``, the wide backward's token-axis
 matrix products) on the GPU: the current form, which splits the float32 ``DSR`` into its three
-bfloat16 parts before taking the lags (one lagged operand, built in bf16), against session 25's
+bfloat16 parts before taking the lags (one lagged operand, built in bf16), against the earlier
 form (``split_after``, below: the lags stacked in float32, then split), which wrote the lagged
 operand twice. Shapes: `base`'s last block (7 stacked sources, ``--live`` (default 4) valid,
-B x T = 64 x 1024, d = 1024, S = 8 targets) and the issue's (9 of 9 sources, 8 x 2048, d = 2048,
+B x T = 64 x 1024, d = 1024, S = 8 targets) and the bench shape (9 of 9 sources, 8 x 2048, d = 2048,
 S = 8); MSAR's kernels (0, 4, 8, 12), one head, bf16 sources, segments. Median of 21 timings of 3
 calls each after warm-up (``bench.timeit``); the largest difference between the two forms
 relative to the largest magnitude (the same products, so float32 rounding apart); the floor:
@@ -24,7 +24,7 @@ F32 = jnp.float32
 
 
 def split_after(x, banks, dsr, seg, valid, *, stream_kernels, heads):
-    """Session 25's ``_query_grads`` for bf16 sources (kept here to time against): the lagged
+    """The earlier ``_query_grads`` for bf16 sources (kept here to time against): the lagged
     operand stacked in float32, then split into bf16 parts."""
     n, batch, t_pad, d = x.shape
     n_targets, dh = dsr.shape[0], d // heads
@@ -73,7 +73,7 @@ def main():
         print(f"## {name}: {n} sources ({n_live} valid), S = {n_targets}, B x T = {batch} x {t_len}, d = {d}; "
               f"floor {floor_ms:.3f} ms ({floor_bytes / 1e9:.2f} GB)", flush=True)
         want = None
-        for label, fn in (("split_after (session 25)", split_after), ("split_first (current)", fb._query_grads)):
+        for label, fn in (("split_after (earlier form)", split_after), ("split_first (current)", fb._query_grads)):
             f = jax.jit(functools.partial(fn, stream_kernels=KERNELS, heads=1))
             got = f(x, banks, dsr, seg, valid)
             err = 0.0 if want is None else float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))

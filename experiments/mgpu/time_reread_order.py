@@ -1,11 +1,11 @@
 """Phase 2's gated Mosaic kernels with the state's second read in the same chunk order as the
-first or in reverse (``mosaic_gpu.REREAD_ORDERS``, session 43): the fused forward
+first or in reverse (``mosaic_gpu.REREAD_ORDERS``): the fused forward
 (``phase2_fused_forward``: pass B reads the state for the gate's statistics, pass C again for
 ``h``) and the backward's state kernel (``phase2_backward_state``: pass 1 for the gate's
 statistics, pass 2 for ``d_acc``). Reversed, the chunks a program read last are the first it
 reads again, while they may still be in L2. MSAR's kernels (0, 4, 8, 12), gate, bf16 partial
 (and ``h`` / ``dh``), float32 state; `base`'s shape (B x T = 64 x 1024, d = 1024) and the
-issue's (8 x 2048, d = 2048).
+bench shape (8 x 2048, d = 2048).
 
 Per kernel and shape the two orders run alternately, ``--rounds`` times (default 3), each a
 median of 21 timings of 5 calls, so that drift between timings falls on both; printed: each

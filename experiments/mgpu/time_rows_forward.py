@@ -1,7 +1,7 @@
 """Phase 2's forward with whole channel rows per program (``rows_forward``, the state read once)
 against the one-CTA Mosaic GPU kernel (``mosaic_gpu.phase2_fused_forward``, the state read twice),
 MSAR (kernels (0, 4, 8, 12), gate, float32 or bf16 state, bf16 partial and ``h``) at `base`'s shape
-(B x T = 64 x 1024, d = 1024) and the issue's (8 x 2048, d = 2048). Per variant (tokens per
+(B x T = 64 x 1024, d = 1024) and the bench shape (8 x 2048, d = 2048). Per variant (tokens per
 program x warps): the largest difference of ``h`` and of the scores from the Mosaic kernel's,
 relative to their largest magnitude (the Mosaic kernel is the one the tests hold to the oracle),
 then the median of 21 timings of 5 calls and the fraction of each design's floor (bytes over the
@@ -71,7 +71,7 @@ def main(argv):
     """``--base-only``: `base`'s shape alone; ``--only TEXT``: the Mosaic kernel and the variants
     whose label holds TEXT; ``--mean``: mean fusion (no gate, so no ``W``);
     ``--kernels 0,0,0,0``: other streams (all identity: no taps, no lag rows). The last two
-    take the per-channel constants out one by one (what holds the rows kernel, session 39)."""
+    take the per-channel constants out one by one (to find what holds the rows kernel back)."""
     global KERNELS, FUSE
     shapes = SHAPES[:1] if "--base-only" in argv else SHAPES
     if "--kernels" in argv:

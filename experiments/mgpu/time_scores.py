@@ -1,7 +1,7 @@
 """Phase 2's scoring pass (MSAR, kernels (0, 4, 8, 12), one head, no segments): the Triton
 kernel (``fused.scores_call``, the phase-2 tiles ``tiling.choose_tiles`` picks) against the
 Mosaic GPU prototype (``scores_mgpu.py``) at several tiles, and plain XLA, at `base`'s shape
-(B x T = 64 x 1024, d = 1024) and the issue's (8 x 2048, d = 2048). Median of 21 timings of 5
+(B x T = 64 x 1024, d = 1024) and the bench shape (8 x 2048, d = 2048). Median of 21 timings of 5
 calls each after warm-up (``bench.timeit``); the largest error against the XLA sums, relative
 to their largest magnitude; the floor is the partial's bytes read once at the measured copy
 bandwidth. Run on the GPU: ``python experiments/mgpu/time_scores.py``."""
@@ -18,9 +18,8 @@ from scores_mgpu import scores_mgpu, scores_reference  # noqa: E402
 from pallas_kernels.depth_attention import bench, fused, tiling  # noqa: E402
 
 KERNELS = (0, 4, 8, 12)
-# (bt, bd, windows); session 15 call 2 timed the "offset" form (wrong on the GPU) at (64, 128),
-# (64, 64) and (128, 64): 1.071, 0.363, 0.895 ms at `base`; (64, 256) did not finish compiling
-# within the call's limit.
+# (bt, bd, windows); the "offset" form (wrong on the GPU) took 1.071, 0.363, 0.895 ms at `base`
+# on the H200 at (64, 128), (64, 64) and (128, 64); (64, 256) did not finish compiling.
 MGPU_TILES = ((64, 32, "tma", True), (64, 32, "tma", False), (64, 16, "tma", False), (64, 64, "tma", False))
 
 
@@ -32,8 +31,8 @@ def main():
         x = jax.random.normal(k[0], (batch, t_len, d), jnp.bfloat16)
         bank = 0.3 * jax.random.normal(k[1], (sum(KERNELS), d), jnp.float32)
         q = jax.random.normal(k[2], (len(KERNELS), d), jnp.float32)
-        # read once; the copy bandwidth counts bytes read + written (bench.py's floor). Session 15's
-        # runs doubled this (a read at half the copy's bytes/s): their percentages are twice these.
+        # read once; the copy bandwidth counts bytes read + written (bench.py's floor). Counting a
+        # read at half the copy's bytes/s would double the floor, and every percentage with it.
         floor_ms = x.size * x.dtype.itemsize / bw * 1e3
         want = jax.jit(lambda x, b, q: scores_reference(x, b, q, kernels=KERNELS))(x, bank, q)
         tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=max(KERNELS), n_targets=1, backend="triton",

@@ -1,14 +1,14 @@
 """Phase 1's Mosaic GPU mixing, scoring and ``gdots`` passes on all ``S`` targets at once against
-the same kernels called once per group of ``S / k`` targets (session 31).
+the same kernels called once per group of ``S / k`` targets.
 
 Each of these kernels holds per-target tiles in registers for every item (the mix: ``S``
 ``[64, 32]`` float32 accumulators, 128 registers a thread for 8 targets; ``gdots``: the group's
 ``S`` tiles of ``g_A``) and runs at 253-255 registers a thread, so two programs (8 warps) per SM,
-waiting more than issuing (Nsight Compute, session 25). Split into ``k`` calls, each program
+waiting more than issuing (Nsight Compute, on the H200). Split into ``k`` calls, each program
 holds ``S / k`` targets' tiles and may fit more programs per SM, at the price of rebuilding every
 source's streams ``k`` times. The per-target sums are the same in either form, so the outputs
 must agree to the bit (checked). Shapes: `base`'s last block (B x T = 64 x 1024, d = 1024, S =
-8, 7 stacked sources of which 4 are valid) and the issue's (8 x 2048, d = 2048, S = 8, all 9
+8, 7 stacked sources of which 4 are valid) and the bench shape (8 x 2048, d = 2048, S = 8, all 9
 sources); MSAR's kernels (0, 4, 8, 12), one head, bf16 sources, float32 state and ``g_A`` (one
 array per target, as the model hands them over). Median of 21 timings of 3 calls each after
 warm-up (``bench.timeit``). Run on the GPU: ``python experiments/mgpu/time_target_split.py

@@ -1,7 +1,8 @@
-"""What a TMA copy costs on the H200: per copy, or per byte / row? The measurement behind
-BENCHMARKS.md, kernels, "What remains 1" (fewer, larger copies).
+"""What a TMA copy costs on the H200: per copy, or per byte / row? The measurement behind the
+lag windows' placement (``mosaic_gpu.KERNEL_WINDOWS``; docs/kernels.md): copies cost bytes, not
+copies.
 
-Sessions 17-18 found the Mosaic GPU kernels bound by their small TMA copies (about 0.17-0.21 us
+The Mosaic GPU kernels with one window per lag are bound by their small TMA copies (about 0.17-0.21 us
 per copy per SM, whatever the copy's size: 16-channel chunks ran no faster per item than 32).
 Whether the cost is per copy (then merging copies pays: the state's ``m`` streams in one 3D box,
 two chunks' windows in one box) or per row / byte (then only fewer rows pay) decides what to
