@@ -6,13 +6,14 @@ One smoke run (checkpoints at steps 5 and 10) is trained once for the module; ea
 a copy of it and resumes for one step, so the train step compiles once for the whole file.
 """
 
-import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from msar_jax.configs import load_config
+from msar_jax.configs import REPO_ROOT, load_config
 from msar_jax.train import NonFiniteLossError, train
 from msar_jax.train.checkpoint import MANIFEST_NAME, CheckpointError, Checkpointer, verify_step_dir
 from msar_jax.train.metrics import ProgressClock
@@ -161,3 +162,16 @@ def test_progress_clock_leaves_out_the_first_step():
     resumed.resume()
     now[0] += 1.0
     assert resumed.tick(17) == (pytest.approx(1.0), pytest.approx(3.0))
+
+
+def test_cli_checkpoint_flag_and_shape_change_print_one_line(run_copy):
+    before = _snapshot(run_copy)
+    cmd = [sys.executable, "-m", "msar_jax.train", "--config=configs/msar.py:smoke=1,block_size=2",
+           f"--workdir={run_copy}", "--checkpoint=5", "--config.model.d_model=64", "--config.model.mlp_dim=128",
+           "--config.train.progress=False"]
+    out = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "(step 5)" in errors[0] and "model.d_model: 32 -> 64" in errors[0]
+    assert "Traceback" not in out.stderr and "Event loop is closed" not in out.stderr
+    assert _snapshot(run_copy) == before

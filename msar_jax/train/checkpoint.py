@@ -254,7 +254,8 @@ class Checkpointer:
             if not self._verified[key] and not self._warned_unverified:
                 self._warned_unverified = True
                 _warn(f"checkpoint {step} in {self.directory} has no {MANIFEST_NAME} (written by an older "
-                      "version): it cannot be verified and is restored as it is")
+                      "version, or the run stopped before writing it): it cannot be verified and is "
+                      "restored as it is")
         return self._verified[key]
 
     def set_aside(self, step: int, reason: str, detail: str, next_step: int | None = None) -> Path | None:
