@@ -14,7 +14,6 @@ import difflib
 
 import ml_collections
 
-MECHANISMS = ("vanilla", "mhc", "attnres", "msar", "mhar", "attnres_mhc")
 FUSIONS = ("gate", "mean")
 DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_layer_inputs")
@@ -60,7 +59,7 @@ def residual_config() -> ml_collections.ConfigDict:
     """Defaults of the residual mechanism (SPEC 1-8)."""
     return ml_collections.ConfigDict(
         dict(
-            name="msar",  # one of MECHANISMS
+            name="msar",  # a registered mechanism (msar_jax.residuals.registered())
             block_size=4,  # S, sublayers per block; 1 = Full mode (every output is a source)
             streams=4,  # m (MSAR streams; mHC residual streams for mhc / attnres_mhc)
             kernel_sizes=(4, 8, 12),  # MSAR conv kernel sizes, length m - 1 (Appendix A)
@@ -163,8 +162,10 @@ def validate(model: ml_collections.ConfigDict, prefix: str = "model") -> ml_coll
 
     res = model.residual
     r = lambda name: f(f"residual.{name}")  # noqa: E731
-    if res.name not in MECHANISMS:
-        raise ConfigError(r("name"), res.name, f"unknown residual mechanism; must be one of {MECHANISMS}")
+    # The registry lives with the mechanisms, which import this module.
+    from msar_jax.residuals.base import mechanism_class
+
+    mechanism = mechanism_class(res.name, field=r("name"))
     _positive(r("block_size"), res.block_size)
     if res.block_size != 1 and res.block_size % 2:
         raise ConfigError(
@@ -173,20 +174,11 @@ def validate(model: ml_collections.ConfigDict, prefix: str = "model") -> ml_coll
         )
     _positive(r("streams"), res.streams)
     kernels = tuple(res.kernel_sizes)
-    if res.name in ("msar",) and res.conv and len(kernels) != res.streams - 1:
-        raise ConfigError(
-            r("kernel_sizes"), kernels,
-            f"must hold streams - 1 = {res.streams - 1} kernel sizes (one per conv stream; stream 0 is the identity)",
-        )
     if any((not isinstance(k, int)) or k <= 0 for k in kernels):
         raise ConfigError(r("kernel_sizes"), kernels, "every kernel size must be a positive integer")
-    if res.name == "msar" and res.conv and kernels and max(kernels) > model.max_seq_len:
-        raise ConfigError(r("kernel_sizes"), kernels, f"a kernel may not exceed max_seq_len = {model.max_seq_len}")
     if res.fusion not in FUSIONS:
         raise ConfigError(r("fusion"), res.fusion, f"must be one of {FUSIONS}")
     _positive(r("heads"), res.heads)
-    if res.name == "mhar" and model.d_model % res.heads:
-        raise ConfigError(r("heads"), res.heads, f"must divide d_model = {model.d_model} (MHAR channel heads)")
     if not res.eps > 0:
         raise ConfigError(r("eps"), res.eps, "must be > 0 (conv streams start at exactly zero)")
     _positive(r("sinkhorn_iters"), res.sinkhorn_iters)
@@ -202,6 +194,7 @@ def validate(model: ml_collections.ConfigDict, prefix: str = "model") -> ml_coll
                           "must be 'auto', 'mosaic', 'triton', 'triton_forward' or 'split_forward'")
     if res.get("state_dtype", "float32") not in ("float32", "bfloat16"):
         raise ConfigError(r("state_dtype"), res.state_dtype, "must be 'float32' or 'bfloat16'")
+    mechanism.validate_config(model, prefix)  # the mechanism's own rules
     return model
 
 

@@ -166,7 +166,7 @@ def test_msar_collective_permutes_carry_no_stream_axis_and_analytic_bytes():
     m, mb = 4, 2
     ops = pl.collective_permutes(hlo)
     assert ops, "no collective-permute in the compiled pipeline"
-    expected_vectors = plan.hop_vectors("msar", streams=m)  # window + partial
+    expected_vectors = plan.hop_vectors()  # window + partial
     assert expected_vectors == plan.window + 1 and plan.send_partial
     shapes = {shape for op in ops for _, shape in op["shapes"]}
     # Per-device operands: the partial [1, mb, T, d] and the summaries [1, W, mb, T, d];
@@ -182,7 +182,7 @@ def test_mhc_hop_carries_its_streams():
     _, _, hlo, plan, _ = _run(DEFAULT_CASES[1])
     shapes = {s for op in pl.collective_permutes(hlo) for _, s in op["shapes"]}
     assert shapes == {(1, 2, T, 4, D)}, shapes
-    assert set(pl.hlo_hop_bytes(hlo)) == {4 * plan.hop_vectors("mhc", 4) * 2 * T * D}
+    assert set(pl.hlo_hop_bytes(hlo)) == {4 * plan.hop_vectors() * 2 * T * D}
 
 
 def test_hop_window_with_and_without_cache():

@@ -22,15 +22,16 @@ write-once buffer of visits until it is needed, since ``M >= stages``). An MoE m
 dense layers run before the pipeline on the whole batch; their depth state enters virtual
 stage 0 (``Plan.first_layer``).
 
-The carry that crosses a stage boundary (a "hop") is a pytree, per mechanism:
-
-* Vanilla: the hidden stream ``h`` (``d`` per token);
-* mHC: its ``m``-stream state ``X`` (``m d`` per token);
-* AttnRes, MHAR, MSAR: the single-stream block summaries produced so far (a window of
-  ``W`` of them) and, only when some stage boundary falls inside a block, the current
-  partial sum. MSAR's ``m`` expanded streams are never formed outside a read, so nothing of
-  size ``m`` crosses a boundary; its ``last`` (``h_L + v_L``, used only by the final merge)
-  stays local. The embedding ``b_0`` never travels: every stage has the embeddings.
+The carry that crosses a stage boundary (a "hop") is a pytree that the mechanism class
+describes (``residuals/base.py``; the pipeline never looks at its name): its carry, less the
+``stage_local_carry`` leaves and, unless some stage boundary falls inside a block, the
+``block_carry`` leaves (every block starts them from zero); with ``uses_sources``, also the
+single-stream block summaries produced so far (a window of ``W`` of them). So Vanilla sends
+``h`` (``d`` per token), mHC its ``m``-stream state ``X`` (``m d``), AttnRes, MHAR and MSAR
+the window and, inside a block, the partial sum: MSAR's ``m`` expanded streams are never
+formed outside a read, so nothing of size ``m`` crosses a boundary, and its ``last``
+(``h_L + v_L``, used only by the final merge) stays local. The embedding ``b_0`` never
+travels: every stage has the embeddings.
 
 Cross-stage caching (seed 000 Sec. 3.4, after AttnRes; circular pipelines): a stage keeps,
 per microbatch, the summaries it already holds from its previous visit, so a later visit
@@ -57,11 +58,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from msar_jax import config as config_lib
 from msar_jax.config import ConfigError
 from msar_jax.model import layers
 from msar_jax.model.layers import SequenceContext
 from msar_jax.model.transformer import cross_entropy, layer_kinds, pure
-from msar_jax.residuals.base import DepthState, ResidualMechanism, position
+from msar_jax.residuals.base import DepthState, ResidualMechanism, mechanism_class, position
 from msar_jax.sharding import constrain
 
 AXIS = "stage"
@@ -79,10 +81,15 @@ class Plan:
     microbatches: int
     n_layers: int
     block_size: int  # S in sublayers (mechanisms without sources: 2, unused)
-    uses_sources: bool
     n_sources: int  # N + 1 buffer entries (0 without sources)
     cache: bool
+    mechanism: type[ResidualMechanism]  # what crosses a stage: its uses_sources, *_carry, carry_vectors
+    residual: Any = dataclasses.field(repr=False, hash=False)  # model.residual, for carry_vectors
     first_layer: int = 0  # leading layers run before the pipeline (an MoE model's dense layers)
+
+    @property
+    def uses_sources(self) -> bool:
+        return self.mechanism.uses_sources
 
     @property
     def virtual_stages(self) -> int:
@@ -117,37 +124,28 @@ class Plan:
 
     @property
     def send_partial(self) -> bool:
-        """True when some stage boundary falls inside a block (the partial is not empty)."""
-        return self.uses_sources and any(
+        """True when some stage boundary falls inside a block (the ``block_carry`` leaves, e.g.
+        the partial, are not empty there)."""
+        return bool(self.mechanism.block_carry) and any(
             (2 * (self.first_layer + self.layers_per_stage * v)) % self.block_size
             for v in range(1, self.virtual_stages)
         )
 
-    def hop_vectors(self, mechanism: str, streams: int = 4) -> int:
-        """Vectors of ``d`` numbers per token in one hop (the analytic count)."""
-        if mechanism == "vanilla":
-            return 1
-        if mechanism == "mhc":
-            return streams
-        block = self.window + int(self.send_partial)
-        if mechanism == "attnres_mhc":
-            return block + streams
-        if mechanism == "msar_naive":  # what sending MSAR's expanded streams would cost
-            return streams * block
-        return block
+    def hop_vectors(self) -> int:
+        """Vectors of ``d`` numbers per token in one hop (the analytic count): the carry that
+        crosses every boundary, the ``block_carry`` leaves when ``send_partial``, the window."""
+        block = len(self.mechanism.block_carry) * int(self.send_partial) + self.window
+        return self.mechanism.carry_vectors(self.residual) + block
 
 
-def make_plan(pcfg, model_cfg, mechanism: ResidualMechanism | None = None) -> Plan:
+def make_plan(pcfg, model_cfg) -> Plan:
     p = pcfg.pipeline
-    from msar_jax import config as config_lib
-
-    name = model_cfg.residual.name
-    uses_sources = name in ("attnres", "msar", "mhar", "attnres_mhc")
-    S = model_cfg.residual.block_size if uses_sources else 2
-    n_sources = config_lib.n_blocks(model_cfg) + 1 if uses_sources else 0
+    mechanism = mechanism_class(model_cfg.residual.name)
+    S = mechanism.sublayers_per_block(model_cfg.residual)
+    n_sources = -(-config_lib.n_sublayers(model_cfg) // S) + 1 if mechanism.uses_sources else 0  # N + 1
     return Plan(stages=p.stages, repeats=p.repeats, microbatches=p.microbatches, n_layers=model_cfg.n_layers,
-                block_size=S, uses_sources=uses_sources, n_sources=n_sources, cache=bool(p.cache),
-                first_layer=leading_layers(model_cfg))
+                block_size=S, n_sources=n_sources, cache=bool(p.cache), mechanism=mechanism,
+                residual=model_cfg.residual, first_layer=leading_layers(model_cfg))
 
 
 def leading_layers(model_cfg) -> int:
@@ -195,9 +193,6 @@ def validate(pcfg, model_cfg, batch_size: int, mesh: jax.sharding.Mesh | None = 
 # Hops: which parts of the depth state cross a stage boundary.
 # --------------------------------------------------------------------------------------
 
-_STAGE_LOCAL_CARRY = ("last",)  # MSAR's h_L + v_L: needed only by the final merge
-
-
 def _carry_key(path) -> str:
     return jax.tree_util.keystr(path)
 
@@ -207,12 +202,12 @@ def _leaf_name(path) -> str | None:
     return getattr(last, "key", None)
 
 
-def hop_carry(carry, send_partial: bool) -> dict:
+def hop_carry(plan: Plan, carry) -> dict:
     """The part of a mechanism's carry that crosses a stage boundary, keyed by tree path."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(carry)[0]:
         name = _leaf_name(path)
-        if name in _STAGE_LOCAL_CARRY or (name == "partial" and not send_partial):
+        if name in plan.mechanism.stage_local_carry or (name in plan.mechanism.block_carry and not plan.send_partial):
             continue
         out[_carry_key(path)] = leaf
     return out
@@ -406,7 +401,7 @@ class _Stage:
         state = DepthState(sources, carry)
         params = _index(stage_params, r)
         state, aux_loss = self.run_layers(g, params, state, plan.first_layer + v * plan.layers_per_stage, ctx)
-        hop_out = {"carry": hop_carry(state.carry, plan.send_partial)}
+        hop_out = {"carry": hop_carry(plan, state.carry)}
         if plan.uses_sources and plan.window:
             hop_out["summaries"] = read_window(state.sources, plan_hi(plan, v + 1), plan.window)
         if cache is not None:
@@ -499,7 +494,7 @@ def run_pipeline(plan: Plan, mech, sublayer_fn, kind, g, stage_params, e_mb, ctx
 
 def stage_hop_template(plan, mech, g, e, ctx):
     start = mech.start(g, e, ctx)
-    hop = {"carry": hop_carry(start.carry, plan.send_partial)}
+    hop = {"carry": hop_carry(plan, start.carry)}
     if plan.uses_sources and plan.window:
         hop["summaries"] = jnp.zeros((plan.window, *e.shape), e.dtype)
     return hop

@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from msar_jax import accounting
+from msar_jax import config as config_lib
 from msar_jax.residuals.base import DepthState, Position, ResidualMechanism, register
 from pallas_kernels.depth_attention import api as depth_api
 from pallas_kernels.depth_attention import reference as depth_ref
@@ -95,16 +97,80 @@ def _recomputed(read_fn, *args, batch_axes, out_batch_axis: int, chunks: int = 1
     return jax.tree.map(merge, out)
 
 
+def depth_attention_flops(
+    L: int, d: int, S: int, *, m: int, conv_kernels: tuple[int, ...], distinct_keys: int, heads: int,
+    fusion: str, two_phase: bool, final: str,
+) -> dict:
+    """Forward FLOPs per token of a block depth-attention residual (AttnRes, MHAR, MSAR) by
+    component, under ``msar_jax.accounting``'s conventions (its module docstring gives every
+    term). ``final``: ``"read"`` (AttnRes's final read over ``b_0..b_N``), ``"residual"``
+    (``h_L + v_L``) or ``"sum"`` (the sum of the N+1 sources)."""
+    expand = 2 * d * sum(conv_kernels)  # per source, all conv streams (identity free)
+    key_rms = distinct_keys * 3 * d  # per source
+    score = m * 2 * d  # per (target, source)
+    aggregate = m * 2 * d
+    softmax = m * heads * accounting.SOFTMAX
+    out = dict(expansion=0.0, key_norm=0.0, scoring=0.0, softmax=0.0, aggregation=0.0, merge=0.0,
+               fusion=0.0, accumulation=0.0, final=0.0)
+    blocks = [(s, min(s + S - 1, L)) for s in range(1, L + 1, S)]
+    for bi, (lo, hi) in enumerate(blocks):
+        c = bi + 1  # completed sources b_0..b_bi
+        n_targets = hi - lo + 1
+        if two_phase:
+            out["expansion"] += c * expand
+            out["key_norm"] += c * key_rms
+        for l in range(lo, hi + 1):
+            partial = l != lo
+            n_src = c + partial
+            if not two_phase:
+                out["expansion"] += c * expand
+                out["key_norm"] += c * key_rms
+            if partial:
+                out["expansion"] += expand
+                out["key_norm"] += key_rms
+                if two_phase:
+                    out["merge"] += m * d  # online-softmax rescale of the phase-1 accumulator
+            out["scoring"] += n_src * score
+            out["softmax"] += n_src * softmax
+            out["aggregation"] += n_src * aggregate + m * d  # + divide by the denominator
+            if m > 1:
+                if fusion == "gate":
+                    out["fusion"] += 3 * m * d + 2 * m * d * m + (2 + accounting.SIGMOID) * m + 2 * m * d
+                else:
+                    out["fusion"] += m * d
+        out["accumulation"] += n_targets * d
+    if final == "read":  # AttnRes final read over b_0..b_N (direct)
+        n = len(blocks) + 1
+        out["final"] = n * (key_rms + score + aggregate + softmax) + d
+    elif final == "residual":
+        out["final"] = d
+    elif final == "sum":
+        out["final"] = len(blocks) * d
+    out["total"] = sum(out.values())
+    return out
+
+
 class BlockDepthAttention(ResidualMechanism):
     """Depth attention over block summaries with a partial of the current block."""
 
     uses_sources = True
+    block_carry = ("partial",)
     n_streams: int = 1
     heads: int = 1
 
-    @property
-    def block_size(self) -> int:
-        return self.res_cfg.block_size
+    @classmethod
+    def sublayers_per_block(cls, res_cfg) -> int:
+        return res_cfg.block_size
+
+    @classmethod
+    def carry_vectors(cls, res_cfg):
+        return 0  # only the summaries and, inside a block, the partial cross a stage
+
+    @classmethod
+    def summary_reads(cls, model_cfg) -> float:
+        """``N/S`` of Table 6: phase 1's read of the completed summaries, averaged over depth
+        and amortised over the S targets of a block."""
+        return config_lib.n_blocks(model_cfg) / model_cfg.residual.block_size
 
     @property
     def stream_kernels(self) -> tuple[int, ...]:
@@ -325,3 +391,18 @@ class AttnRes(BlockDepthAttention):
 
     def finish(self, g, state, ctx):
         return attnres_read(state.sources, g["final_query"], heads=self.heads, eps=self.res_cfg.eps)
+
+    @classmethod
+    def extra_params(cls, model_cfg):
+        L, d = config_lib.n_sublayers(model_cfg), model_cfg.d_model
+        return dict(value=(L + 1) * d, formula="(L+1) d  [Eq. 19]")
+
+    @classmethod
+    def forward_flops(cls, model_cfg, two_phase, heads: int = 1):
+        return depth_attention_flops(
+            config_lib.n_sublayers(model_cfg), model_cfg.d_model, model_cfg.residual.block_size, m=1,
+            conv_kernels=(), distinct_keys=1, heads=heads, fusion="gate", two_phase=two_phase, final="read")
+
+    @classmethod
+    def memory_access(cls, model_cfg):
+        return "(N/S + 5)d", cls.summary_reads(model_cfg) + 5.0, "Table 6 Block AttnRes"

@@ -21,6 +21,18 @@ final RMSNorm and the LM head.
 block summaries ``b_0..b_N`` (``b_0`` the embedding); it is append-only, which is what
 lets the stack keep one copy of it for the backward pass (linear memory in depth).
 Everything else a mechanism carries goes in ``DepthState.carry``.
+
+Besides the forward pass a mechanism states, as class attributes and class methods of its
+config (nothing is allocated), what the rest of the library needs to know about it; no
+module outside ``residuals/<mechanism>.py`` tests a mechanism's name:
+
+* ``validate_config``: its own config rules (``msar_jax.config.validate`` calls it);
+* ``sublayers_per_block``, ``uses_sources``, ``carry_vectors``, ``block_carry`` and
+  ``stage_local_carry``: what crosses a pipeline stage boundary (docs/design.md §13);
+* ``extra_params``, ``forward_flops`` and ``memory_access``: its closed-form parameter count,
+  forward FLOPs and activation traffic per token (``msar_jax.accounting``, Appendix C).
+
+``register(name)`` makes a class available to configs under ``model.residual.name = name``.
 """
 
 from __future__ import annotations
@@ -68,8 +80,17 @@ class ResidualMechanism(nnx.Module):
     implement a mechanism with no block structure.
     """
 
+    name: str = ""  # set by ``register``
     per_sublayer: tuple[str, ...] = ()
+    # Keeps the append-only buffer of block summaries ``DepthState.sources``.
     uses_sources: bool = False
+    # Carry leaves (dict keys) that every block starts from zero, e.g. the partial sum of the
+    # current block: a pipeline hop carries them only when a stage boundary falls inside a
+    # block. Each is one ``[B, T, d]`` array.
+    block_carry: tuple[str, ...] = ()
+    # Carry leaves that never cross a pipeline stage: written before they are read in every
+    # stage, or read only by ``finish`` on the last stage.
+    stage_local_carry: tuple[str, ...] = ()
 
     def __init__(self, model_cfg, rngs: nnx.Rngs):
         self.d = model_cfg.d_model
@@ -80,10 +101,14 @@ class ResidualMechanism(nnx.Module):
         self.save_read_outputs = bool(model_cfg.get("save_read_outputs", False))
 
     # ----- structure -----
-    @property
-    def block_size(self) -> int:
+    @classmethod
+    def sublayers_per_block(cls, res_cfg) -> int:
         """Sublayers per block S; mechanisms without blocks use one transformer layer."""
         return 2
+
+    @property
+    def block_size(self) -> int:
+        return self.sublayers_per_block(self.res_cfg)
 
     @property
     def n_blocks(self) -> int:
@@ -126,6 +151,37 @@ class ResidualMechanism(nnx.Module):
         """Shape of the token-averaged depth weights ``read`` returns with ``want_weights``."""
         return None
 
+    # ----- what the rest of the library asks of a mechanism (from its config) -----
+    @classmethod
+    def validate_config(cls, model_cfg, prefix: str = "model") -> None:
+        """Raise ``config.ConfigError`` naming ``{prefix}.residual.<field>`` if the residual
+        config breaks one of this mechanism's rules. The fields every mechanism shares are
+        checked by ``msar_jax.config.validate``, which calls this after them."""
+
+    @classmethod
+    def carry_vectors(cls, res_cfg) -> int:
+        """``[B, T, d]`` arrays of the carry that cross every pipeline stage boundary (the
+        ``block_carry`` and ``stage_local_carry`` leaves and the summaries not counted)."""
+        raise NotImplementedError(f"{cls.__name__} does not state its pipeline carry (carry_vectors)")
+
+    @classmethod
+    def extra_params(cls, model_cfg) -> dict:
+        """Closed-form parameter count of the mechanism: ``{"value": int, "formula": str}``.
+        ``accounting.account`` checks it against the model's actual parameters."""
+        raise config_lib.ConfigError("model.residual.name", cls.name, "no parameter formula for this mechanism")
+
+    @classmethod
+    def forward_flops(cls, model_cfg, two_phase: bool) -> dict:
+        """Forward FLOPs per token by component, with ``"total"``, under the conventions of
+        ``msar_jax.accounting`` (``two_phase``: the block reads' two-phase form, S > 1)."""
+        raise config_lib.ConfigError("model.residual.name", cls.name, "no FLOP estimator for this mechanism")
+
+    @classmethod
+    def memory_access(cls, model_cfg) -> tuple[str, float, str]:
+        """Forward activation traffic per token per sublayer (Table 6's conventions,
+        ``msar_jax.accounting``): ``(symbolic formula, value in units of d, note)``."""
+        raise config_lib.ConfigError("model.residual.name", cls.name, "no memory-access model")
+
 
 _REGISTRY: dict[str, type[ResidualMechanism]] = {}
 
@@ -141,12 +197,16 @@ def register(name: str):
     return wrap
 
 
+def mechanism_class(name: str, field: str = "model.residual.name") -> type[ResidualMechanism]:
+    """The class registered under ``name``; ``ConfigError`` naming ``field`` if there is none."""
+    if name not in _REGISTRY:
+        raise config_lib.ConfigError(field, name, f"unknown residual mechanism; must be one of {registered()}")
+    return _REGISTRY[name]
+
+
 def make_mechanism(model_cfg, rngs: nnx.Rngs) -> ResidualMechanism:
     """Build the mechanism named by ``model_cfg.residual.name``."""
-    name = model_cfg.residual.name
-    if name not in _REGISTRY:
-        raise config_lib.ConfigError("model.residual.name", name, f"unknown residual mechanism; registered: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](model_cfg, rngs)
+    return mechanism_class(model_cfg.residual.name)(model_cfg, rngs)
 
 
 def registered() -> tuple[str, ...]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from flax import nnx
 
+from msar_jax import config as config_lib
 from msar_jax.residuals.attnres import AttnRes
 from msar_jax.residuals.base import DepthState, ResidualMechanism, register
 from msar_jax.residuals.mhc import MHC
@@ -18,15 +19,16 @@ from msar_jax.residuals.mhc import MHC
 @register("attnres_mhc")
 class AttnResMHC(ResidualMechanism):
     uses_sources = True
+    block_carry = AttnRes.block_carry  # the AttnRes partial; mHC's X crosses every stage
 
     def __init__(self, model_cfg, rngs: nnx.Rngs):
         super().__init__(model_cfg, rngs)
         self.attnres = AttnRes(model_cfg, rngs)
         self.mhc = MHC(model_cfg, rngs)
 
-    @property
-    def block_size(self):
-        return self.attnres.block_size
+    @classmethod
+    def sublayers_per_block(cls, res_cfg):
+        return AttnRes.sublayers_per_block(res_cfg)
 
     def split_params(self, params):
         ga, pa = self.attnres.split_params(params["attnres"])
@@ -68,3 +70,26 @@ class AttnResMHC(ResidualMechanism):
 
     def weights_shape(self):
         return self.attnres.weights_shape()
+
+    @classmethod
+    def carry_vectors(cls, res_cfg):
+        return AttnRes.carry_vectors(res_cfg) + MHC.carry_vectors(res_cfg)
+
+    @classmethod
+    def extra_params(cls, model_cfg):
+        a, m = AttnRes.extra_params(model_cfg), MHC.extra_params(model_cfg)
+        return dict(value=a["value"] + m["value"], formula=f"{a['formula']} + {m['formula']}")
+
+    @classmethod
+    def forward_flops(cls, model_cfg, two_phase):
+        L, d = config_lib.n_sublayers(model_cfg), model_cfg.d_model
+        out = {f"attnres.{k}": v for k, v in AttnRes.forward_flops(model_cfg, two_phase).items() if k != "total"}
+        out.update({f"mhc.{k}": v for k, v in MHC.forward_flops(model_cfg, two_phase).items() if k != "total"})
+        out["sum_reads"] = float(L * d + d)  # adding the two reads per sublayer, and the two finals
+        out["total"] = sum(out.values())
+        return out
+
+    @classmethod
+    def memory_access(cls, model_cfg):
+        (sa, va, _), (sm, vm, _) = AttnRes.memory_access(model_cfg), MHC.memory_access(model_cfg)
+        return f"{sa} + {sm}", va + vm, "hybrid = Block AttnRes + mHC (project decision; Table 6 has no row)"

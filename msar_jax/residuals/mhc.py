@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from msar_jax import accounting
+from msar_jax import config as config_lib
 from msar_jax.residuals.base import DepthState, ResidualMechanism, register
 
 SINKHORN_EPS = 1e-6
@@ -79,6 +81,26 @@ def mhc_write(x_state: jax.Array, v: jax.Array, coeffs) -> jax.Array:
     return new.astype(x_state.dtype)
 
 
+def mhc_flops(L: int, d: int, m: int, iters: int) -> dict:
+    """Forward FLOPs per token of mHC by component (``msar_jax.accounting``'s conventions):
+    per sublayer the ``md`` rms, the projection, the coefficient affines, sigmoids and Sinkhorn
+    passes, and applying ``H_pre``, ``H_res`` and ``H_post`` (``252 d`` plus scalars at m = 4);
+    the final ``sum_i X_i`` adds ``(m-1) d``."""
+    w = m * m + 2 * m
+    per = dict(
+        norm=3 * m * d,
+        projection=2 * m * d * w,
+        coefficients=2 * w + accounting.SIGMOID * 2 * m + m * m + iters * 4 * m * m,  # affine, sigmoids, Sinkhorn
+        apply_pre=2 * m * d,
+        apply_res=2 * m * m * d,
+        apply_post=2 * m * d,
+    )
+    out = {k: float(L * v) for k, v in per.items()}
+    out["final"] = float((m - 1) * d)
+    out["total"] = sum(out.values())
+    return out
+
+
 @register("mhc")
 class MHC(ResidualMechanism):
     per_sublayer = ("phi", "bias", "scale")
@@ -108,3 +130,22 @@ class MHC(ResidualMechanism):
 
     def finish(self, g, state, ctx):
         return jnp.sum(state.carry.astype(jnp.float32), axis=2).astype(state.carry.dtype)
+
+    @classmethod
+    def carry_vectors(cls, res_cfg):
+        return res_cfg.streams  # the m-stream state X
+
+    @classmethod
+    def extra_params(cls, model_cfg):
+        L, d, m = config_lib.n_sublayers(model_cfg), model_cfg.d_model, model_cfg.residual.streams
+        w = m * m + 2 * m
+        return dict(value=L * (m * d * w + w + 3), formula="L [md(m^2+2m) + m^2+2m + 3]  [Eq. 19]")
+
+    @classmethod
+    def forward_flops(cls, model_cfg, two_phase):
+        res = model_cfg.residual
+        return mhc_flops(config_lib.n_sublayers(model_cfg), model_cfg.d_model, res.streams, res.sinkhorn_iters)
+
+    @classmethod
+    def memory_access(cls, model_cfg):
+        return "(8m + 2)d", 8.0 * model_cfg.residual.streams + 2.0, "Table 6"

@@ -27,7 +27,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from msar_jax.residuals.attnres import BlockDepthAttention
+from msar_jax import config as config_lib
+from msar_jax.config import ConfigError
+from msar_jax.residuals.attnres import BlockDepthAttention, depth_attention_flops
 from msar_jax.residuals.base import DepthState, register
 from pallas_kernels.depth_attention import reference as depth_ref
 
@@ -61,6 +63,11 @@ def msar_read(
 
 @register("msar")
 class MSAR(BlockDepthAttention):
+    # ``last`` (h_l + v_l) is written by every sublayer before the final merge reads it, so it
+    # never crosses a stage: the m expanded streams are never formed outside a read either,
+    # and a hop carries only single-stream summaries and the partial.
+    stage_local_carry = ("last",)
+
     def __init__(self, model_cfg, rngs: nnx.Rngs):
         super().__init__(model_cfg, rngs)
         cfg, L, d = self.res_cfg, self.n_sublayers, self.d
@@ -99,3 +106,53 @@ class MSAR(BlockDepthAttention):
         if self.res_cfg.final_merge == "sum":
             return jnp.sum(state.sources.astype(jnp.float32), axis=0).astype(state.sources.dtype)
         return state.carry["last"]
+
+    @classmethod
+    def validate_config(cls, model_cfg, prefix="model"):
+        res, field = model_cfg.residual, f"{prefix}.residual.kernel_sizes"
+        kernels = tuple(res.kernel_sizes)
+        if not res.conv:
+            return
+        if len(kernels) != res.streams - 1:
+            raise ConfigError(
+                field, kernels,
+                f"must hold streams - 1 = {res.streams - 1} kernel sizes (one per conv stream; stream 0 is the identity)",
+            )
+        if kernels and max(kernels) > model_cfg.max_seq_len:
+            raise ConfigError(field, kernels, f"a kernel may not exceed max_seq_len = {model_cfg.max_seq_len}")
+
+    @classmethod
+    def extra_params(cls, model_cfg):
+        """Eq. 20, generalised to the Table 2 ablations: the mixer term is dropped for mean
+        fusion and the conv term without convs."""
+        res, L, d = model_cfg.residual, config_lib.n_sublayers(model_cfg), model_cfg.d_model
+        m = res.streams
+        kap = sum(res.kernel_sizes) if res.conv else 0
+        mixer = (m * m * d + m + 1) if res.fusion == "gate" else 0
+        value = L * (m * d + mixer + kap * d)
+        parts = ["m d"]
+        parts.append("(m^2 d + m + 1)" if res.fusion == "gate" else "0 [mean fusion]")
+        parts.append("d sum(kappa)" if res.conv else "0 [no conv]")
+        formula = "L [" + " + ".join(parts) + "]"
+        if res.conv and res.fusion == "gate":
+            formula += "  = L[(m^2+m+sum kappa) d + m + 1]  [Eq. 20]"
+        return dict(value=value, formula=formula)
+
+    @classmethod
+    def forward_flops(cls, model_cfg, two_phase):
+        res = model_cfg.residual
+        return depth_attention_flops(
+            config_lib.n_sublayers(model_cfg), model_cfg.d_model, res.block_size, m=res.streams,
+            conv_kernels=tuple(res.kernel_sizes) if res.conv else (),
+            # without convs the m streams are copies of one source: one key rms per source
+            distinct_keys=res.streams if res.conv else 1, heads=1,
+            fusion=res.fusion, two_phase=two_phase, final=res.final_merge,
+        )
+
+    @classmethod
+    def memory_access(cls, model_cfg):
+        res = model_cfg.residual
+        note = "Table 6 Block MSAR (fused expansion)"
+        if not res.conv or res.fusion != "gate":
+            note += "; ablation costed with the MSAR formula at its m (m streams still written and read)"
+        return "(N/S + 4m + 5)d", cls.summary_reads(model_cfg) + 4.0 * res.streams + 5.0, note

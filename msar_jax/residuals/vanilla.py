@@ -27,3 +27,21 @@ class Vanilla(ResidualMechanism):
 
     def finish(self, g, state, ctx):
         return state.carry
+
+    @classmethod
+    def carry_vectors(cls, res_cfg):
+        return 1  # the running hidden state
+
+    @classmethod
+    def extra_params(cls, model_cfg):
+        return dict(value=0, formula="0")
+
+    @classmethod
+    def forward_flops(cls, model_cfg, two_phase):
+        # The backbone's residual adds are not counted (Appendix C lists only the projections,
+        # causal attention and the LM head), so Vanilla is the zero of every overhead.
+        return dict(total=0.0)
+
+    @classmethod
+    def memory_access(cls, model_cfg):
+        return "3d", 3.0, "Table 6"
