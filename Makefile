@@ -28,7 +28,7 @@ accounting: $(STAMP)
 	$(PY) -m msar_jax.accounting --config=configs/msar.py:size=paper_28b
 
 bench-memory: $(STAMP)
-	$(PY) experiments/bench_memory.py
+	$(PY) benchmarks/bench_memory.py
 
 # Execute the notebooks at tiny size and store their outputs, so a code host shows the figures
 # (about 2 minutes on 2 CPU cores; tools/execute_notebooks.py). Commit the notebooks after it.

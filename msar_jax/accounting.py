@@ -473,7 +473,9 @@ def _cli() -> None:
     from absl import app, flags
     from ml_collections import config_flags
 
-    from msar_jax.configs import REPO_ROOT, run_absl_cli
+    from msar_jax.config import REPO_ROOT
+
+    from msar_jax.cli import run_absl_cli
 
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))  # config files import configs.common
@@ -497,7 +499,7 @@ def _cli() -> None:
         report = account(config, seq_len=FLAGS.seq_len)
         print(json.dumps(report, indent=2) if FLAGS.json else format_table(report))
 
-    run_absl_cli(main)  # config and flag errors: one line, no traceback (msar_jax/configs.py)
+    run_absl_cli(main)  # config and flag errors: one line, no traceback (msar_jax/cli.py)
 
 
 if __name__ == "__main__":

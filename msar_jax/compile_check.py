@@ -14,7 +14,7 @@ set before jax is imported), so the numbers are the CPU compiler's, a proxy for 
 With ``--topology`` (e.g. ``v5e:2x4``, ``v5p:2x2x2``) it asks
 ``jax.experimental.topologies.get_topology_desc`` for TPU devices, which needs libtpu; the
 error is printed if that is not available. ``--topology=h200`` compiles for one H200 on this
-machine, GPU or not, through JAX's CUDA plugin (``msar_jax.aot`` says how to install it): XLA:GPU's
+machine, GPU or not, through JAX's CUDA plugin (``msar_jax.deviceless_gpu`` says how to install it): XLA:GPU's
 own fusion, scheduling and buffer assignment, so the memory is the H200's. The model is traced for
 the target's platform (``pallas_kernels.depth_attention.platform``): compiled kernels where that
 platform has them, as a run there would pick.
@@ -36,8 +36,9 @@ import os
 import sys
 import time
 
-from msar_jax import aot
-from msar_jax.configs import exit_with_error, parse_overrides, run_cli  # no jax: XLA_FLAGS are set first
+from msar_jax import deviceless_gpu
+from msar_jax.config import parse_overrides  # no jax: XLA_FLAGS are set first
+from msar_jax.cli import exit_with_error, run_cli
 
 GIB = 1024**3
 
@@ -80,7 +81,7 @@ def parse_args(argv):
     ap.add_argument("--devices", type=_count, default=0)
     ap.add_argument("--topology", default="",
                     help="AOT target: a TPU topology (needs libtpu), e.g. v5e:2x4, or a GPU: h200 (needs JAX's CUDA "
-                         "plugin, see msar_jax.aot)")
+                         "plugin, see msar_jax.deviceless_gpu)")
     ap.add_argument("--buffers", type=_count, default=0,
                     help="print the N largest allocations of XLA's buffer assignment and what they hold")
     ap.add_argument("--hlo", default="", help="write the compiled HLO text here")
@@ -112,17 +113,17 @@ def main(argv=None) -> dict:
         return hop_table(args, overrides)
     mesh_cfg = mesh_dict(args.mesh)
     n_dev = args.devices or (math.prod(mesh_cfg.values()) if -1 not in mesh_cfg.values() else 8)
-    gpu_target = aot.is_gpu_target(args.topology)
+    gpu_target = deviceless_gpu.is_gpu_target(args.topology)
     if "jax" not in sys.modules:
         if not args.topology:
             flags = os.environ.get("XLA_FLAGS", "")
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n_dev}".strip()
             os.environ.setdefault("JAX_PLATFORMS", "cpu")
         if gpu_target:
-            aot.prepare_gpu_environment()
+            deviceless_gpu.prepare_gpu_environment()
     import jax
 
-    from msar_jax.configs import load_config
+    from msar_jax.config import load_config
     from msar_jax.parallel import mesh as mesh_lib
     from msar_jax.parallel import pipeline as pipeline_lib
     from msar_jax.train import step as step_lib
@@ -140,7 +141,7 @@ def main(argv=None) -> dict:
     pcfg.pipeline.update(pipeline)
 
     if gpu_target:
-        devices = aot.gpu_devices(args.topology)
+        devices = deviceless_gpu.gpu_devices(args.topology)
     elif args.topology:
         from jax.experimental import topologies
 
@@ -178,7 +179,7 @@ def main(argv=None) -> dict:
     t1 = time.time()
     try:
         if args.buffers:
-            compiled, allocs = aot.compile_with_buffers(lowered)
+            compiled, allocs = deviceless_gpu.compile_with_buffers(lowered)
         else:
             compiled = lowered.compile()
     except Exception as e:  # e.g. RESOURCE_EXHAUSTED from a TPU topology: the answer we came for
@@ -209,7 +210,7 @@ def main(argv=None) -> dict:
             f.write(compiled.as_text())
     buffers = None
     if args.buffers:
-        buffers = aot.format_buffers(allocs, args.buffers, aot.op_names(compiled.as_text()))
+        buffers = deviceless_gpu.format_buffers(allocs, args.buffers, deviceless_gpu.op_names(compiled.as_text()))
         report["largest_allocations"] = [dict(size=a.size, kind=a.kind, values=[v._asdict() for v in a.values[:3]])
                                          for a in allocs[:args.buffers]]
     if args.json:
@@ -248,7 +249,7 @@ def hop_table(args, overrides) -> list[dict]:
     import jax
     import numpy as np
 
-    from msar_jax.configs import load_config
+    from msar_jax.config import load_config
     from msar_jax.parallel import mesh as mesh_lib
     from msar_jax.parallel import pipeline as pipeline_lib
     from msar_jax.train import step as step_lib

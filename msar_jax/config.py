@@ -1,18 +1,27 @@
-"""Model configuration: the defaults, and validation with messages that name the field.
+"""Configs: the model's defaults, their validation, and loading a config file.
 
-Configs are ``ml_collections.ConfigDict`` trees (see ``configs/``). ``model_config()``
-returns the default model tree; ``validate(config)`` checks every rule up front and
-raises ``ConfigError`` naming the field, the value and the rule.
+Configs are ``ml_collections.ConfigDict`` trees built by the files in ``configs/``.
+``model_config()`` returns the default model tree; ``validate(model)`` checks every rule up
+front and raises ``ConfigError`` naming the field, the value and the rule.
+``load_config("configs/msar.py:size=small", overrides)`` loads a file the way
+``--config=path.py:arg`` does, without absl flags; ``parse_overrides(["optim.lr=1e-3"])`` builds
+the overrides from command-line ``KEY=VALUE`` text.
 
-Sizes follow SPEC notation: ``n_layers`` transformer layers, ``L = 2 * n_layers``
+Sizes follow docs/design.md §1: ``n_layers`` transformer layers, ``L = 2 * n_layers``
 residual sublayers, ``block_size`` (S) counts sublayers per block.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib.util
+import json
+import pathlib
+import sys
 
 import ml_collections
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 FUSIONS = ("gate", "mean")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -31,7 +40,7 @@ class ConfigError(ValueError):
     ``ConfigError(message)`` is accepted too, because ml-collections' ``--config`` flag re-raises
     an error from ``get_config`` as ``type(e)(message)`` (and pickling rebuilds an exception from
     ``args``); ``field``, ``value`` and ``rule`` are then ``None``, and the original error is the
-    new one's ``__context__`` (``msar_jax.configs.config_error_line`` finds it).
+    new one's ``__context__`` (``msar_jax.cli.config_error_line`` finds it).
     """
 
     def __init__(self, field, value=_MESSAGE_ONLY, rule: str | None = None, *, subject: str = "config field"):
@@ -207,3 +216,83 @@ def n_blocks(model) -> int:
     """N = ceil(L / S) (SPEC 2); the last block may be shorter."""
     s = model.residual.block_size
     return -(-n_sublayers(model) // s)
+
+
+# Loading config files --------------------------------------------------------------------------
+
+
+def config_file_path(path: str) -> pathlib.Path:
+    """``path`` as given, else under the repository root; ``ConfigError`` naming both places."""
+    file = pathlib.Path(path)
+    if not file.is_absolute() and not file.is_file():
+        file = REPO_ROOT / path
+    if not file.is_file():
+        places = dict.fromkeys([str(pathlib.Path.cwd()), str(REPO_ROOT)])
+        error = ConfigError(f"config file {path!r}: no such file (looked in {' and '.join(places)})")
+        error.field, error.value, error.rule = "config file", path, "no such file"
+        raise error
+    return file
+
+
+def unlocked_config(spec: str) -> ml_collections.ConfigDict:
+    """Run the config file's ``get_config(arg)`` for ``spec = "path.py[:arg]"`` (unlocked)."""
+    path, _, arg = spec.partition(":")
+    file = config_file_path(path)
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))  # config files import configs.common
+    module_spec = importlib.util.spec_from_file_location(f"_msar_config_{file.stem}", file)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not callable(getattr(module, "get_config", None)):
+        raise ConfigError(f"config file {path!r}: defines no get_config(arg) (see configs/common.py)")
+    return module.get_config(arg or None)
+
+
+def check_field(config: ml_collections.ConfigDict, key: str, value=None) -> None:
+    """``ConfigError`` unless the dotted ``key`` names a field of ``config``; the message gives
+    the close names at the first unknown level (``optim.lrr`` -> "did you mean 'optim.lr'?")."""
+    node, done = config, []
+    for part in key.split("."):
+        name = part.split("[", 1)[0]  # ml-collections paths may index a sequence: a.b[0]
+        if not isinstance(node, (ml_collections.ConfigDict, dict)) or name not in node:
+            prefix = "".join(f"{d}." for d in done)
+            known = list(node.keys()) if isinstance(node, (ml_collections.ConfigDict, dict)) else []
+            where = f"{prefix.rstrip('.')} has no field {name!r}" if done else f"no top-level field {name!r}"
+            raise ConfigError(key, value, f"no such config field ({where})"
+                                         + close_names(name, known, prefix))
+        node = node[name]
+        done.append(name)
+
+
+def load_config(spec: str, overrides: dict | None = None) -> ml_collections.ConfigDict:
+    """The locked config of ``spec = "path.py[:arg]"`` with ``overrides`` (``{"a.b": value}``) set
+    and the model section validated; every error is a ``ConfigError`` naming the field."""
+    config = unlocked_config(spec)
+    config.lock()
+    for key, value in (overrides or {}).items():
+        check_field(config, key, value)
+        try:
+            config.update_from_flattened_dict({key: value})
+        except (KeyError, AttributeError) as e:
+            raise ConfigError(key, value, f"no such config field ({e})") from None
+        except TypeError as e:  # ml_collections' type check: a bool field given a string, ...
+            raise ConfigError(key, value, f"has the wrong type ({e})") from None
+    validate(config.model)
+    return config
+
+
+def parse_overrides(items) -> dict:
+    """``["optim.lr=1e-3", "model.residual.implementation=auto"]`` -> ``{key: value}``; values
+    are JSON-parsed where they parse (numbers, booleans, lists), Python's ``True``, ``False``
+    and ``None`` too, else kept as strings."""
+    out = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(item, None, "must be KEY=VALUE (e.g. train.batch_size=8)", subject="override")
+        python_literals = {"True": True, "False": False, "None": None}
+        try:
+            out[key] = python_literals[value] if value in python_literals else json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out

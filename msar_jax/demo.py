@@ -23,7 +23,8 @@ import time
 from pathlib import Path
 
 from msar_jax import accounting, data
-from msar_jax.configs import REPO_ROOT, load_config, positive_int, run_cli
+from msar_jax.config import REPO_ROOT, load_config
+from msar_jax.cli import positive_int, run_cli
 from msar_jax.train import plots, train
 from msar_jax.train.introspection import load as load_weights
 

@@ -614,7 +614,7 @@ def quick_config(mechanism: str, steps: int, batch_size: int = 16, seq_len: int 
                  **overrides):
     """``configs/<mechanism>.py:size=<size>,seq_len=<seq_len>`` for ``steps`` steps, with eval and
     checkpoints spread over the run (about three each) and a warmup of at most a sixth of it."""
-    from msar_jax.configs import load_config
+    from msar_jax.config import load_config
 
     every = max(1, steps // 3)
     base = {"train.steps": steps, "train.batch_size": batch_size, "train.eval_every": every,
@@ -625,7 +625,7 @@ def quick_config(mechanism: str, steps: int, batch_size: int = 16, seq_len: int 
 
 def default_runs_root() -> Path:
     """``<repo>/runs/notebooks`` (ignored by git)."""
-    from msar_jax.configs import REPO_ROOT
+    from msar_jax.config import REPO_ROOT
 
     return REPO_ROOT / "runs" / "notebooks"
 

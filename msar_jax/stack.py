@@ -335,7 +335,7 @@ class DepthStack:
             pos = position(2 * layer + sub + 1, S)
             p = jax.tree.map(lambda a: a[sub], mech_p)
             b = None if bctx is None else bctx[sub]
-            # The named scopes label the profile (experiments/profile_step.py); no numeric effect.
+            # The named scopes label the profile (benchmarks/profile_step.py); no numeric effect.
             with jax.named_scope("depth_read"):
                 if S == 1:
                     b = mech.begin_block(g, jax.tree.map(lambda a: a[None], p), state, pos, ctx)

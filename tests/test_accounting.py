@@ -12,7 +12,7 @@ import jax
 import pytest
 
 from msar_jax import accounting as acc
-from msar_jax.configs import REPO_ROOT, load_config
+from msar_jax.config import REPO_ROOT, load_config
 
 
 def cfg(mechanism: str, arg: str = "size=tiny", **overrides):

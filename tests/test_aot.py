@@ -1,5 +1,5 @@
 """Compiling for a device this machine lacks: the platform the depth-attention ops are traced for
-(``pallas_kernels.depth_attention.platform``), reading XLA's buffer assignment (``msar_jax.aot``)
+(``pallas_kernels.depth_attention.platform``), reading XLA's buffer assignment (``msar_jax.deviceless_gpu``)
 and ``compile_check --buffers``. The deviceless H200 compiles themselves need JAX's CUDA plugin
 (not a dependency): the ``aot``-marked test runs them where it is installed (``-m aot``)."""
 
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from msar_jax import aot
+from msar_jax import deviceless_gpu
 from pallas_kernels.depth_attention import api, platform, reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,14 +44,14 @@ Used values:
 
 
 def test_parse_buffer_assignment():
-    allocs = aot.parse_buffer_assignment(DUMP)
+    allocs = deviceless_gpu.parse_buffer_assignment(DUMP)
     assert [a.index for a in allocs] == [2, 0, 1]  # largest first
     temp, out, param = allocs
     assert temp.is_temp and not temp.is_output and temp.size == 8192
     assert out.is_output and not out.is_parameter and out.kind == "maybe-live-out"
     assert param.is_parameter and param.kind.startswith("parameter 0, shape |f32[16,16]|")
     assert [v.instruction for v in temp.values] == ["custom-call.3", "fusion.7{}"]  # largest value first
-    assert temp.values[0] == aot.Value("custom-call.3", 8000, 0, "bf16[4,1000]{1,0}")
+    assert temp.values[0] == deviceless_gpu.Value("custom-call.3", 8000, 0, "bf16[4,1000]{1,0}")
     assert [v.size for v in out.values] == [4096, 2048]  # nothing after the allocations is read as a value
 
 
@@ -59,19 +59,19 @@ def test_read_buffer_assignment_takes_the_last_module(tmp_path):
     (tmp_path / "module_0001.jit_a.after_optimizations-buffer-assignment.txt").write_text(DUMP)
     (tmp_path / "module_0002.jit_b.after_optimizations-buffer-assignment.txt").write_text(
         "allocation 0: size 8, page 0, preallocated-temp:\n value: <0 x @0> (size=8,offset=0): f32[2]{0}\n")
-    assert aot.read_buffer_assignment(tmp_path)[0].size == 8
-    assert aot.read_buffer_assignment(tmp_path, module="jit_a")[0].size == 8192
+    assert deviceless_gpu.read_buffer_assignment(tmp_path)[0].size == 8
+    assert deviceless_gpu.read_buffer_assignment(tmp_path, module="jit_a")[0].size == 8192
     with pytest.raises(FileNotFoundError, match="jit_c"):
-        aot.read_buffer_assignment(tmp_path, module="jit_c")
+        deviceless_gpu.read_buffer_assignment(tmp_path, module="jit_c")
 
 
 def test_op_names_and_format():
     hlo = ('  %custom-call.3 = bf16[4,1000]{1,0} custom-call(f32[2]{0} %p), custom_call_target="x", '
            'metadata={op_name="jit(f)/depth_attention_mix/pallas_call" source_file="a.py"}\n'
            '  ROOT %add.1 = f32[32,32]{1,0} add(%a, %b), metadata={op_name="jit(f)/add"}\n  %nometa = f32[] constant(0)\n')
-    names = aot.op_names(hlo)
+    names = deviceless_gpu.op_names(hlo)
     assert names == {"custom-call.3": "jit(f)/depth_attention_mix/pallas_call", "add.1": "jit(f)/add"}
-    text = aot.format_buffers(aot.parse_buffer_assignment(DUMP), top=2, names=names)
+    text = deviceless_gpu.format_buffers(deviceless_gpu.parse_buffer_assignment(DUMP), top=2, names=names)
     assert "3 allocations; parameters 0.000 GiB" in text
     lines = text.splitlines()
     assert lines[1].startswith("  allocation 2:") and "preallocated-temp" in lines[1]
@@ -80,10 +80,10 @@ def test_op_names_and_format():
 
 
 def test_gpu_targets_and_errors():
-    assert aot.is_gpu_target("h200") and aot.is_gpu_target("H200") and not aot.is_gpu_target("v5e:2x2")
-    assert "core_count: 132" in aot.GPU_TARGETS["h200"]
+    assert deviceless_gpu.is_gpu_target("h200") and deviceless_gpu.is_gpu_target("H200") and not deviceless_gpu.is_gpu_target("v5e:2x2")
+    assert "core_count: 132" in deviceless_gpu.GPU_TARGETS["h200"]
     with pytest.raises(ValueError, match="'a100'.*h200"):
-        aot.gpu_devices("a100")
+        deviceless_gpu.gpu_devices("a100")
 
 
 def test_platform_target_switches_the_ops_choices():
@@ -150,8 +150,8 @@ def test_compile_check_buffers_on_cpu():
 @pytest.mark.aot
 def test_compile_check_h200_deviceless():
     """The ``smoke`` MSAR step compiled for an H200 on this machine, with the kernels the GPU runs
-    (needs JAX's CUDA plugin on ``PYTHONPATH``, see ``msar_jax.aot``)."""
-    pytest.importorskip("jax_plugins.xla_cuda13", reason="JAX's CUDA plugin (msar_jax.aot) is not installed")
+    (needs JAX's CUDA plugin on ``PYTHONPATH``, see ``msar_jax.deviceless_gpu``)."""
+    pytest.importorskip("jax_plugins.xla_cuda13", reason="JAX's CUDA plugin (msar_jax.deviceless_gpu) is not installed")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("XLA_FLAGS", None)
     env.pop("JAX_PLATFORMS", None)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from msar_jax.configs import REPO_ROOT, load_config
+from msar_jax.config import REPO_ROOT, load_config
 from msar_jax.train import NonFiniteLossError, train
 from msar_jax.train.checkpoint import MANIFEST_NAME, CheckpointError, Checkpointer, verify_step_dir
 from msar_jax.train.metrics import ProgressClock

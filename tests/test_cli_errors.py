@@ -5,7 +5,7 @@ The bad inputs: a ``:key=value`` argument that breaks a model rule (``block_size
 ``streams=0``), an unknown size, a value of the wrong type, a mistyped key (``:sise``), a mistyped
 override (``--config.optim.lrr``) and a missing file. Each is run through a subprocess of one CLI
 (``msar_jax.accounting``, ``msar_jax.train`` or ``msar_jax.compile_check``; each costs a jax
-import, ~3 s), and the shared parsing behind all of them (``msar_jax.configs.check_config_flags``,
+import, ~3 s), and the shared parsing behind all of them (``msar_jax.cli.check_config_flags``,
 ``load_config``) is checked in-process for every input.
 """
 
@@ -18,8 +18,8 @@ import sys
 import pytest
 
 from msar_jax import config as config_lib
-from msar_jax import configs
-from msar_jax.configs import REPO_ROOT
+from msar_jax import cli
+from msar_jax.config import REPO_ROOT
 
 MSAR = "--config=configs/msar.py"
 # (arguments, the start of the one-line message); messages as a user sees them after "error: ".
@@ -93,24 +93,24 @@ def test_shared_config_flag_check_names_every_case(case):
     reach the same messages through ``load_config``."""
     args, message = CASES[case]
     with pytest.raises(config_lib.ConfigError) as err:
-        configs.check_config_flags(["prog", *args])
-    assert configs.config_error_line(err.value).startswith(message)
+        cli.check_config_flags(["prog", *args])
+    assert cli.config_error_line(err.value).startswith(message)
     spec = args[0].split("=", 1)[1]
-    overrides = configs.parse_overrides(a[len("--config."):] for a in args[1:])
+    overrides = config_lib.parse_overrides(a[len("--config."):] for a in args[1:])
     with pytest.raises(config_lib.ConfigError) as err:
-        configs.load_config(spec, overrides)
-    assert configs.config_error_line(err.value).startswith(message.replace("'1e-3'", "0.001"))
+        config_lib.load_config(spec, overrides)
+    assert cli.config_error_line(err.value).startswith(message.replace("'1e-3'", "0.001"))
 
 
 def test_config_flag_forms_and_repository_relative_paths(tmp_path, monkeypatch):
     """``--config X`` and ``--config=X``, boolean overrides, and a path under the repository
     root given from another folder (made absolute for ml-collections, which looks only in .)."""
     monkeypatch.chdir(tmp_path)
-    argv = configs.check_config_flags(["prog", "--config", "configs/msar.py:smoke=1", "--config.train.progress",
+    argv = cli.check_config_flags(["prog", "--config", "configs/msar.py:smoke=1", "--config.train.progress",
                                        "--noconfig.model.residual.conv", "--config.optim.lr", "0.1"])
     assert argv[2] == f"{REPO_ROOT / 'configs/msar.py'}:smoke=1"
     with pytest.raises(config_lib.ConfigError, match=r"'train\.progres' = None: .*did you mean 'train\.progress'"):
-        configs.check_config_flags(["prog", "--config=configs/msar.py", "--config.train.progres"])
+        cli.check_config_flags(["prog", "--config=configs/msar.py", "--config.train.progres"])
 
 
 def test_an_error_inside_ml_collections_flag_parsing_is_found():
@@ -125,7 +125,7 @@ def test_an_error_inside_ml_collections_flag_parsing_is_found():
     with pytest.raises(flags.Error) as err:
         flag_values(["prog", f"{MSAR}:smoke=1,block_size=3"])
     assert "Traceback" in str(err.value)  # what absl alone would print
-    assert configs.config_error_line(err.value).startswith(CASES["block_size=3"][1])
+    assert cli.config_error_line(err.value).startswith(CASES["block_size=3"][1])
 
 
 def test_argparse_clis_print_one_line(tmp_path, capsys):
@@ -139,7 +139,7 @@ def test_argparse_clis_print_one_line(tmp_path, capsys):
     ]
     for main, argv, message in bad_runs:
         with pytest.raises(SystemExit) as exit_:
-            configs.run_cli(main, argv)
+            cli.run_cli(main, argv)
         assert exit_.value.code == 1
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: " + message.replace("'1e-3'", "0.001")), lines

@@ -1,4 +1,4 @@
-"""experiments/compile_cost.py: the op count of a lowered train step, and a guard on the MSAR
+"""benchmarks/compile_cost.py: the op count of a lowered train step, and a guard on the MSAR
 smoke step's size (the suite is compile-bound; the conv's taps written one by one took it to
 16k StableHLO ops, their CPU loop form to under 9k)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "compile_cost.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_cost.py"
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 import pytest
 
 from msar_jax import config as config_lib
-from msar_jax.configs import load_config, parse_overrides
+from msar_jax.config import load_config, parse_overrides
 
 
 def _model(**changes):

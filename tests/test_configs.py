@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from msar_jax import accounting
-from msar_jax.configs import REPO_ROOT, load_config
+from msar_jax.config import REPO_ROOT, load_config
 from msar_jax.train import optim, step, validate
 
 CONFIG_FILES = sorted(
@@ -107,7 +107,7 @@ def test_scaling_ladder_matches_budgets_across_mechanisms():
 
 
 def test_parse_overrides():
-    from msar_jax.configs import parse_overrides
+    from msar_jax.config import parse_overrides
 
     got = parse_overrides(["train.batch_size=8", "optim.lr=1e-3", "model.residual.implementation=auto",
                            "model.residual.kernel_sizes=[4, 8]", "train.progress=false",
@@ -120,7 +120,7 @@ def test_parse_overrides():
             parse_overrides([bad])
     # a value of the wrong type is a ConfigError naming the field, not ml_collections' TypeError
     from msar_jax.config import ConfigError
-    from msar_jax.configs import load_config
+    from msar_jax.config import load_config
 
     with pytest.raises(ConfigError, match="wrong type") as err:
         load_config("configs/msar.py:smoke=1", {"model.save_read_outputs": "yes"})

@@ -118,7 +118,7 @@ def test_named_folder_made_from_something_else_stops_naming_both(tmp_path):
 
 
 def test_train_prepare_data_names_the_config_field(tmp_path):
-    from msar_jax.configs import load_config
+    from msar_jax.config import load_config
     from msar_jax.train.train import prepare_data
 
     a = _write(tmp_path / "a" / "corpus", _docs("alpha"))
@@ -140,7 +140,7 @@ def test_train_prepare_data_names_the_config_field(tmp_path):
 
 
 def _run_config(src: Path):
-    from msar_jax.configs import load_config
+    from msar_jax.config import load_config
 
     return load_config("configs/msar.py:smoke=1,block_size=2", {
         "data.source": str(src), "train.steps": 20, "train.eval_every": 0, "train.eval_batches": 1,

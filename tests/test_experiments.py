@@ -168,7 +168,7 @@ def test_ablation_report_from_the_compact_table(tmp_path):
     import pathlib
     import shutil
 
-    stored = pathlib.Path(__file__).parents[1] / "experiments/results/ablation_small_300/results.json"
+    stored = pathlib.Path(__file__).parents[1] / "results/ablation_small_300/results.json"
     shutil.copy(stored, tmp_path / "results.json")
     assert ablation.main([f"--workdir={tmp_path}", "--size=small", "--seeds=3", "--steps=300", "--report_only",
                           "--no_figure5", "--set", "checkpoint.every=0"]) == 0

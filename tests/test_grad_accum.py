@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from msar_jax.config import ConfigError
-from msar_jax.configs import load_config
+from msar_jax.config import load_config
 from msar_jax.train import step, train
 
 pytestmark = pytest.mark.usefixtures("fast_train_compile")

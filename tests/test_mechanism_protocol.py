@@ -23,7 +23,7 @@ from flax import nnx
 from msar_jax import accounting
 from msar_jax import config as config_lib
 from msar_jax.config import ConfigError
-from msar_jax.configs import REPO_ROOT, load_config
+from msar_jax.config import REPO_ROOT, load_config
 from msar_jax.model.transformer import lm_loss
 from msar_jax.parallel import mesh as mesh_lib
 from msar_jax.parallel import pipeline as pl

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from msar_jax.configs import load_config
+from msar_jax.config import load_config
 from msar_jax.model.transformer import lm_loss
 from msar_jax.train import step
 

@@ -1,4 +1,4 @@
-"""experiments/multi_gpu.py (issue 6) runs at smoke size on fake CPU devices: the layouts give
+"""benchmarks/multi_gpu.py (issue 6) runs at smoke size on fake CPU devices: the layouts give
 the single-device loss, pipeline rows carry HLO hop bytes and the bubble, the table prints."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "multi_gpu.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "multi_gpu.py"
 
 
 @pytest.fixture(scope="module")

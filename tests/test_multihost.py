@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from msar_jax import data
-from msar_jax.configs import REPO_ROOT, load_config
+from msar_jax.config import REPO_ROOT, load_config
 from msar_jax.train import optim, step
 from msar_jax.train.checkpoint import restore_params
 from msar_jax.train.metrics import JSONL_NAME, read_jsonl

@@ -162,7 +162,7 @@ def test_capture_reproduces_the_model(arg):
     import numpy as np
 
     from msar_jax import explorer
-    from msar_jax.configs import load_config
+    from msar_jax.config import load_config
     from msar_jax.train.step import init_model
 
     cfg = load_config(f"configs/msar.py:{arg}")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from msar_jax.config import ConfigError
-from msar_jax.configs import load_config
+from msar_jax.config import load_config
 from msar_jax.model.transformer import lm_loss
 from msar_jax.parallel import mesh as mesh_lib
 from msar_jax.parallel import pipeline as pl

@@ -1,4 +1,4 @@
-"""experiments/profile_step.py: op attribution rules, and a traced CPU step attributed to the
+"""benchmarks/profile_step.py: op attribution rules, and a traced CPU step attributed to the
 model's named scopes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "profile_step.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "profile_step.py"
 
 
 @pytest.fixture(scope="module")

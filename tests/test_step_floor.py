@@ -1,4 +1,4 @@
-"""experiments/step_floor.py: the bytes of a step's depth reads against a hand count, and its
+"""benchmarks/step_floor.py: the bytes of a step's depth reads against a hand count, and its
 errors."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from msar_jax.configs import load_config
+from msar_jax.config import load_config
 
-SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "step_floor.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_floor.py"
 
 
 @pytest.fixture(scope="module")

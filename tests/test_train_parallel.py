@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from msar_jax.config import ConfigError
-from msar_jax.configs import REPO_ROOT, load_config
+from msar_jax.config import REPO_ROOT, load_config
 from msar_jax.parallel import pipeline as pl
 from msar_jax.train import optim, step, train
 from msar_jax.train.checkpoint import Checkpointer, restore_params

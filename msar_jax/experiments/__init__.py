@@ -9,5 +9,5 @@
 * ``python -m msar_jax.experiments.plots`` - Figure 5 (structured depth-mixing matrices, L=4, S=2)
   and the training-curve / Figure 4 plots of an existing ablation workdir.
 
-Results and the exact commands: ``experiments/RESULTS.md``.
+Results and the exact commands: ``results/RESULTS.md``.
 """

@@ -29,7 +29,7 @@ What it does
   heatmaps of each depth-attention row, seed 0) and ``mixing_matrices.png`` (Figure 5, see
   ``plots.py``). ``results.json`` alone is enough to rebuild the table: ``--report_only`` reads
   its ``runs`` records for any run folder that is absent (the compact results under
-  ``experiments/results/`` keep only it and the figures); the curves and Figure 4 need the run
+  ``results/`` keep only it and the figures); the curves and Figure 4 need the run
   folders and are left as they are without them.
 
 Statistics: the loss of a run is its final validation loss (``train.eval_batches`` in-order val
@@ -58,7 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
-from msar_jax.configs import non_negative_int, positive_int, run_cli, shard
+from msar_jax.cli import non_negative_int, positive_int, run_cli, shard
 
 FINAL_NAME = "final.json"
 
@@ -88,19 +88,19 @@ REFERENCES = ("vanilla", "attnres", "msar")
 
 
 def parse_overrides(items) -> dict:
-    """``--set KEY=VALUE`` items -> overrides (``msar_jax.configs.parse_overrides``); a malformed
+    """``--set KEY=VALUE`` items -> overrides (``msar_jax.config.parse_overrides``); a malformed
     item ends the command with its message."""
-    from msar_jax import configs
+    from msar_jax import config as config_lib
 
     try:
-        return configs.parse_overrides(items)
+        return config_lib.parse_overrides(items)
     except ValueError as e:
         raise SystemExit(f"--set: {e}") from None
 
 
 def build_config(spec: str, seed: int, steps: int | None = None, overrides: dict | None = None, quiet: bool = True):
     """``load_config(spec)`` with ``train.seed`` and optionally ``train.steps`` set (warmup clipped)."""
-    from msar_jax.configs import load_config
+    from msar_jax.config import load_config
 
     over = {"train.seed": int(seed)}
     if quiet:
@@ -267,7 +267,7 @@ RUN_FIELDS = ("val_loss", "final_train_loss", "tokens_per_s", "steps", "wall_tim
 
 def stored_runs(workdir) -> dict[str, dict[str, dict]]:
     """``{row: {seed: run record}}`` from a previous ``results.json`` in ``workdir``: the compact table
-    a results folder keeps once its per-run folders are gone (``experiments/results/``)."""
+    a results folder keeps once its per-run folders are gone (``results/``)."""
     path = Path(workdir) / "results.json"
     if not path.is_file():
         return {}

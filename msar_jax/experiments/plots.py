@@ -143,7 +143,7 @@ def plot_run_depth_weights(row_dir, seeds, out) -> str | None:
 
 def fig5_config(mechanism: str, n_layers: int = 2, block_size: int = 2, overrides: dict | None = None):
     """A small float32 model (L = 2 n_layers sublayers) for the mixing matrices (smoke backbone)."""
-    from msar_jax.configs import load_config
+    from msar_jax.config import load_config
 
     spec = {"vanilla": "configs/vanilla.py", "mhc": "configs/mhc.py", "attnres": "configs/attnres.py",
             "msar": "configs/msar.py"}[mechanism]

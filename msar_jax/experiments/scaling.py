@@ -59,7 +59,7 @@ from pathlib import Path
 
 import numpy as np
 
-from msar_jax.configs import non_negative_int, positive_int, run_cli, shard
+from msar_jax.cli import non_negative_int, positive_int, run_cli, shard
 
 METHODS: dict[str, tuple[str, str]] = {
     "vanilla": ("configs/scaling/vanilla.py", "Vanilla"),

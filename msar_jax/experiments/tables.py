@@ -81,7 +81,7 @@ DIFFERENCES = {
 
 def compute() -> dict:
     from msar_jax import accounting
-    from msar_jax.configs import load_config
+    from msar_jax.config import load_config
 
     out = {"table5": {}, "table6": {}, "differences": DIFFERENCES}
     for scale in SCALES:

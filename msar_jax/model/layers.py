@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from msar_jax.sharding import constrain
+from msar_jax.parallel.logical_axes import constrain
 
 ACT = ("batch", "length", "embed")
 

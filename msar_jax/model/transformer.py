@@ -19,7 +19,7 @@ from msar_jax import config as config_lib
 from msar_jax.model import layers
 from msar_jax.model.layers import SequenceContext
 from msar_jax.residuals import make_mechanism
-from msar_jax.sharding import constrain
+from msar_jax.parallel.logical_axes import constrain
 from msar_jax.stack import DepthStack
 
 
@@ -83,7 +83,7 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         ctx = SequenceContext(positions=positions, segment_ids=segment_ids)
-        with jax.named_scope("embed"):  # scopes label profiles (experiments/profile_step.py)
+        with jax.named_scope("embed"):  # scopes label profiles (benchmarks/profile_step.py)
             e = constrain(jnp.take(self.embedding[...], tokens, axis=0).astype(dtype), layers.ACT)
         layer_params = {"attn": pure(self.attn)}
         if self.dense is not None:

@@ -1,2 +1,2 @@
 """Scale-out: the device mesh and logical sharding rules (``mesh``), the SPMD pipeline
-(``pipeline``) and multi-host start-up (``multihost``). See docs/scaling.md."""
+(``pipeline``) and multi-host start-up (``multihost``). See docs/parallelism.md."""

@@ -1,7 +1,7 @@
 """A run's parallel layout: the mesh of its ``parallel`` config, checked against the model, the
 batch and the devices, and the sharded state, batches and jitted steps built on it.
 
-Shared by the training loop (``msar_jax.train``), ``experiments/multi_gpu.py`` and tests::
+Shared by the training loop (``msar_jax.train``), ``benchmarks/multi_gpu.py`` and tests::
 
     layout = make_layout(config.parallel, config.model, batch_size=16)   # ConfigError if invalid
     model_def, state, ssh = layout.init_state(config.model, tx, seed=0)  # created sharded

@@ -11,11 +11,11 @@ The mesh has four named axes (MaxText style), each with a degree from the config
 * ``tensor``: Megatron tensor parallel (attention heads, MLP hidden, vocabulary).
 
 Every parameter carries ``logical_axes`` metadata (``msar_jax.model.layers``) and every
-activation is tagged with ``msar_jax.sharding.constrain(x, names)``. ``RULES`` is the single
+activation is tagged with ``msar_jax.parallel.logical_axes.constrain(x, names)``. ``RULES`` is the single
 table mapping those logical names to mesh axes; ``spec_for`` turns names into a
 ``PartitionSpec`` for one array (an axis that does not divide the dimension, or that an
 earlier dimension already uses, is dropped so every spec is valid). ``use_mesh`` installs
-the mesh (``jax.set_mesh``) and the rules (``msar_jax.sharding.axis_rules``) together.
+the mesh (``jax.set_mesh``) and the rules (``msar_jax.parallel.logical_axes.axis_rules``) together.
 
 Parameters are created sharded: ``init_sharded_state`` runs the initialiser under
 ``jax.jit(out_shardings=...)`` so no device ever holds the whole model.
@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from msar_jax import sharding as sharding_lib
+from msar_jax.parallel import logical_axes as sharding_lib
 from msar_jax.config import ConfigError
 from msar_jax.parallel.config import MESH_AXES, check_degrees, parallel_config  # noqa: F401 (re-exported)
 

@@ -5,7 +5,7 @@ Every process runs the same program (SPMD). Process ``i`` of ``P`` reads rows
 ``[i B/P, (i+1) B/P)`` of every global batch (``msar_jax.data.make_train_iterator`` with
 ``process_index/process_count``) and ``global_batch`` assembles the ``[B, T+1]`` array whose
 rows are sharded over the mesh's batch axes (``jax.make_array_from_process_local_data``).
-Launch recipes (TPU pod slice, multi-node GPU with SLURM or by hand): docs/scaling.md.
+Launch recipes (TPU pod slice, multi-node GPU with SLURM or by hand): docs/parallelism.md.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ Inside a stage the sublayers run one at a time through the residual mechanism's 
 (direct depth reads; block ends applied where a block ends, which may be in the middle of a
 stage) in a scan over the stage's layers, so the stage program is the same for every stage
 (a ``buffered_scan`` too: the backward keeps one summary buffer per stage and one carry per
-layer). Limits: docs/scaling.md.
+layer). Limits: docs/parallelism.md.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from msar_jax.model import layers
 from msar_jax.model.layers import SequenceContext
 from msar_jax.model.transformer import cross_entropy, layer_kinds, pure
 from msar_jax.residuals.base import DepthState, ResidualMechanism, mechanism_class, position
-from msar_jax.sharding import constrain
+from msar_jax.parallel.logical_axes import constrain
 
 AXIS = "stage"
 

@@ -117,7 +117,7 @@ def make_train_step(model_def: ModelDef, tx: optax.GradientTransformation,
             (loss, parts), grads = grad_fn(state["params"], batch)
         else:
             (loss, parts), grads = accumulated_grad(state["params"], batch)
-        with jax.named_scope("optimizer"):  # labels profiles (experiments/profile_step.py)
+        with jax.named_scope("optimizer"):  # labels profiles (benchmarks/profile_step.py)
             updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
             params = optax.apply_updates(state["params"], updates)
         grad_norm = optax.global_norm(grads)

@@ -10,7 +10,7 @@
 
 From a notebook::
 
-    from msar_jax.configs import load_config
+    from msar_jax.config import load_config
     from msar_jax.train import train
     result = train(load_config("configs/msar.py:size=tiny"), "runs/msar_tiny")
 
@@ -526,7 +526,9 @@ def main() -> None:
     from absl import app, flags
     from ml_collections import config_flags
 
-    from msar_jax.configs import REPO_ROOT, run_absl_cli
+    from msar_jax.config import REPO_ROOT
+
+    from msar_jax.cli import run_absl_cli
 
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))  # config files import configs.common
@@ -554,4 +556,4 @@ def main() -> None:
         summary = {k: v for k, v in result.items() if k != "losses"}
         print(json.dumps(summary, indent=2))
 
-    run_absl_cli(run)  # config and flag errors: one line, no traceback (msar_jax/configs.py)
+    run_absl_cli(run)  # config and flag errors: one line, no traceback (msar_jax/cli.py)

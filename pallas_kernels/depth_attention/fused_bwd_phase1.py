@@ -89,7 +89,7 @@ Tiles: pass 2 uses ``tiles.block_d_mix`` as its chunk, pass 4 ``tiles.block_d_gr
 ``max_kernel`` ``H_delta`` tiles and up to ``max_kernel`` lag-shifted source tiles live, so on
 Triton it takes narrower chunks than the forward mix.
 
-TPU (Mosaic): the kernels lower and compile for a TPU v5p (``experiments/tpu_kernels_aot.py``;
+TPU (Mosaic): the kernels lower and compile for a TPU v5p (``benchmarks/tpu_kernels_aot.py``;
 nothing has run on a TPU). As in ``fused.py``, every per-token array has the tokens on the
 sublane (second-to-last) axis and a whole trailing dim, to meet Mosaic's block-shape rule
 (last two block dims whole or 8 x 128-aligned): the segment ids as ``[B, Tp, 1]``, pass 2's

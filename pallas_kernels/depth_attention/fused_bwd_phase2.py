@@ -72,7 +72,7 @@ and ``dh`` (``(m + 1) d``) by passes 1-3 (3 times with the gate, 2 without), and
 ``m d`` per token is written besides ``d_acc``; the XLA closed form holds several
 ``[m, B, T, d]`` float32 arrays (``E``, keys, ``z``, ``dz``, ``d_E``) at once.
 
-TPU (Mosaic): the kernels lower and compile for a TPU v5p (``experiments/tpu_kernels_aot.py``;
+TPU (Mosaic): the kernels lower and compile for a TPU v5p (``benchmarks/tpu_kernels_aot.py``;
 nothing has run on a TPU). Mosaic wants a block's last two dims whole or 8 x 128-aligned and
 no load at a dynamic lane index, so, as in ``fused.py``: the segment ids are passed as
 ``[B, Tp, 1]`` and the gate's ``coef`` and the key-norm ``v`` as ``[..., Tp, 1]`` (tokens on

@@ -21,13 +21,13 @@ windows, the conv taps, the queries; the state's chunk and the gate's ``W`` in B
 conv lag's rows ``[t0 - delta, t0 - delta + 64)`` loaded from one window at a row offset that
 is not a multiple of 8 came out wrong on the H200 in Pallas' default Warpgroup semantics, whose
 layout inference swizzles every shared-memory ref (docs/kernels.md;
-``experiments/mgpu/offset_loads.py`` shows it). Placements of the lags that
+``benchmarks/mgpu/offset_loads.py`` shows it). Placements of the lags that
 work (``_Lags``, ``WINDOWS``): ``"aligned"``, one window per lag class modulo 8, 72 rows tall where it serves two lags,
 each lag at a multiple of 8 rows in it (8 TMA copies for kernels up to 12; 544 rows into shared
 memory per 64-row tile and chunk, 8.5x the partial's), and ``"single"``, one window of 80 rows
 per chunk with each lag loaded at its own offset, the kernel lowered in Lane semantics (no
 inferred swizzle; half the shared memory). Those bytes, not the number of copies, bound the
-kernels (``experiments/mgpu/tma_rate.py`` measures it), yet with 64-byte rows the single
+kernels (``benchmarks/mgpu/tma_rate.py`` measures it), yet with 64-byte rows the single
 window's loads meet 4-way bank conflicts (rows ``r`` and ``r + 2`` on the same banks) and cost
 more than they save; ``"padded"`` widens its rows to 80 bytes (``WINDOW_PAD`` channels fetched
 and never read) and is the fastest placement in every kernel (``KERNEL_WINDOWS`` has the figures). Each
@@ -203,7 +203,7 @@ class _Lags(NamedTuple):
     one window per lag modulo 8 (``min(8, max_lag)`` copies instead of ``max_lag``), ``64 + 8
     extra`` rows tall, lag ``w + 8 q`` at row ``8 (extra - q)`` of window ``w``: every load at a
     row offset that is a multiple of 8, the only offsets a WGMMA-layout load gets right on the
-    H200 (``experiments/mgpu/offset_loads.py`` probes it). ``"single"``: one window
+    H200 (``benchmarks/mgpu/offset_loads.py`` probes it). ``"single"``: one window
     of ``64 + 8 extra`` rows, lag ``delta`` at row ``8 extra - delta``: one copy of about the
     tile's bytes, loads at row offsets that are not multiples of 8 (exact in Lane semantics;
     ``zero``: a runtime 0 added to the offset). ``"padded"``: the same with ``WINDOW_PAD`` more
@@ -624,7 +624,7 @@ class _LanePlgpu:
     Warpgroup semantics infers a swizzle for every shared-memory ref (64 bytes for a window of
     32 bf16 channels), and a WGMMA-layout load that starts at a row offset that is not a
     multiple of the swizzle's 8 rows unswizzles it relative to its own start, so it returns the
-    right rows with their 16-byte column groups permuted (``experiments/mgpu/
+    right rows with their 16-byte column groups permuted (``benchmarks/mgpu/
     offset_loads.py --map`` shows the permutation). Lane semantics leaves unannotated refs unswizzled; their loads
     must then be unoptimized (no bank-conflict-free plan exists for them), so ``load`` passes
     ``optimized=False``. Everything else is ``plgpu``'s."""
@@ -1527,7 +1527,7 @@ MIX_BLOCK_D_CHOICES = (32,)
 # (``resolve_window_fetch``).
 MIX_WINDOW_FETCHES = ("per_item", "per_chunk")
 DEFAULT_MIX_WINDOW_FETCH = "per_chunk"
-# Timing only (``phase1_mix(timing_skip=...)``, ``experiments/mgpu/time_phase1_mix.py
+# Timing only (``phase1_mix(timing_skip=...)``, ``benchmarks/mgpu/time_phase1_mix.py
 # --fetch-bound``): parts of the mix's traffic left out, to see what bounds it. "windows": only
 # stream 0's items bring their lag windows (streams 1-3 expand what the slot holds); "p": only
 # stream 0's items bring their ``p`` rows; "stores": the states are not written. The outputs

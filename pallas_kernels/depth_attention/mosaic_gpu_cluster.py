@@ -31,7 +31,7 @@ rounding.
 Bytes per call: the partial's windows and the state once, ``h`` once (the one-CTA kernel: the
 state twice). One CTA per SM (the state's slice is 128 KB); the passes of one tile do not
 overlap each other's copies, only the copies still in flight. Built to remove the state's second
-read; ``experiments/mgpu/cluster_probe.py`` tests the exchange alone. On the CPU it runs interpreted with ``G = 1`` (no exchange: jax 0.11.2's Mosaic GPU
+read; ``benchmarks/mgpu/cluster_probe.py`` tests the exchange alone. On the CPU it runs interpreted with ``G = 1`` (no exchange: jax 0.11.2's Mosaic GPU
 interpreter has no rule for ``async_store_smem``); ``G > 1`` runs on a GPU only.
 
 **Exact, and slower than the one-CTA kernels; nothing in the package calls it.** On an H100

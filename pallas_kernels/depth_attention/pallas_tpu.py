@@ -2,7 +2,7 @@
 ``pltpu.CompilerParams(dimension_semantics=...)`` (kernels in ``fused.py``).
 
 Run here in interpret mode (no TPU). The forward kernels also **compile for a TPU v5p with
-libtpu's ahead-of-time compiler on a CPU machine** (``experiments/tpu_kernels_aot.py``; the
+libtpu's ahead-of-time compiler on a CPU machine** (``benchmarks/tpu_kernels_aot.py``; the
 command and the result are in BENCHMARKS.md): MSAR with segments and the gate, AttnRes, MHAR, no-conv; phase 1 and phase 2,
 forward and with the default XLA backward. What that took (fused.py): token-tile starts
 marked ``pl.multiple_of`` (Mosaic proves aligned loads), the segment ids and the gate

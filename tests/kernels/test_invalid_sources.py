@@ -6,7 +6,7 @@ source filled with NaN shows the skip: a computed-and-masked source would turn e
 gradient into NaN (``0 * NaN``); a skipped one is never read. Checked for the XLA path
 (``xla_streaming``: forward fold and closed-form backward under ``lax.cond``) and the Pallas
 kernels in interpret mode with each backward (Triton and Mosaic TPU skip the same way, the TPU
-reading the mask from scalar memory: ``experiments/tpu_kernels_aot.py`` compiles that path).
+reading the mask from scalar memory: ``benchmarks/tpu_kernels_aot.py`` compiles that path).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``experiments/mgpu/l2_hints.py``: L2 eviction hints added to the Mosaic GPU kernels' TMA copies
+"""``benchmarks/mgpu/l2_hints.py``: L2 eviction hints added to the Mosaic GPU kernels' TMA copies
 while they are lowered (checked in the lowered module's text, which carries the kernel's code),
 only to the copies a rule names, and nothing left patched afterwards; ``time_l2_hints.py``'s
 interpret-mode smoke run gives the same bits with and without hints."""
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "mgpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "mgpu"))
 import l2_hints  # noqa: E402
 import time_l2_hints  # noqa: E402
 from jax.experimental.mosaic.gpu import launch_context  # noqa: E402

@@ -1,5 +1,5 @@
-"""The Mosaic GPU probes (``experiments/mgpu/expand_sources.py``,
-``experiments/mgpu/tma_rate.py``; docs/kernels.md) in Pallas' Mosaic GPU interpret mode: the expansion from TMA windows, from loads straight from global memory (at row
+"""The Mosaic GPU probes (``benchmarks/mgpu/expand_sources.py``,
+``benchmarks/mgpu/tma_rate.py``; docs/kernels.md) in Pallas' Mosaic GPU interpret mode: the expansion from TMA windows, from loads straight from global memory (at row
 offsets that are not multiples of 8) and the fetch-only form each give the plain-jnp sums of
 squares of the streams, and the copy-rate harness runs every variant (each program's marker row
 written), the one-window form, with static and runtime row offsets, and the
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "experiments" / "mgpu"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "mgpu"))
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 
@@ -76,16 +76,16 @@ def test_interpreted_shared_memory_offset_probe():
 
 @pytest.mark.aot
 def test_cluster_probe_compiles_for_the_h200():
-    """``experiments/mgpu/cluster_probe.py --aot``: clusters of 2-16 CTAs exchanging per-token sums
+    """``benchmarks/mgpu/cluster_probe.py --aot``: clusters of 2-16 CTAs exchanging per-token sums
     (pushed with ``async_store_smem`` or pulled through ``cluster_ref``; tiles of 8, 16 and 32
     columns; 0-2 rounds) lower and compile for an H200 on this machine, all 72 but the one whose
-    receive buffers exceed a CTA's shared memory (needs JAX's CUDA plugin, ``msar_jax.aot``; the
+    receive buffers exceed a CTA's shared memory (needs JAX's CUDA plugin, ``msar_jax.deviceless_gpu``; the
     interpreter cannot run the exchange, the GPU run tests it)."""
-    pytest.importorskip("jax_plugins.xla_cuda13", reason="JAX's CUDA plugin (msar_jax.aot) is not installed")
+    pytest.importorskip("jax_plugins.xla_cuda13", reason="JAX's CUDA plugin (msar_jax.deviceless_gpu) is not installed")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     env.pop("XLA_FLAGS", None)
     env.pop("JAX_PLATFORMS", None)
-    out = subprocess.run([sys.executable, "experiments/mgpu/cluster_probe.py", "--aot"], cwd=ROOT, env=env,
+    out = subprocess.run([sys.executable, "benchmarks/mgpu/cluster_probe.py", "--aot"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     assert out.stdout.count("compiled for the H200") == 71, out.stdout

@@ -514,7 +514,7 @@ def test_dstreams_per_chunk_lowers_for_sm90(t_len, segments, group_slots):
 @pytest.mark.parametrize("mode", mosaic_gpu_bwd1.MODES)
 def test_divided_item_decode_lowers_for_sm90(monkeypatch, mode):
     """The kernels with the next item decoded from its flat index (the option; the default
-    carries it through the loops) lower for the H200 (``experiments/mgpu/sass_stats.py``
+    carries it through the loops) lower for the H200 (``benchmarks/mgpu/sass_stats.py``
     compiles both forms for sm_90a, ptxas included)."""
     monkeypatch.setattr(mosaic_gpu_bwd1, "DEFAULT_ITEM_DECODE", "divide")
     args = _inputs(3, 2, 200, 64, 2, 1, (True, True, False), 30, jnp.bfloat16, jnp.float32, True)

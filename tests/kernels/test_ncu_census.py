@@ -1,4 +1,4 @@
-"""``experiments/mgpu/ncu_census.py``: Nsight Compute's CSV read into per-kernel floors (the
+"""``benchmarks/mgpu/ncu_census.py``: Nsight Compute's CSV read into per-kernel floors (the
 issue floor from the instructions per scheduler and the clock, the DRAM floor from the bytes and
 the copy bandwidth), on a hand-made CSV whose answers are worked out here."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "mgpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "mgpu"))
 import ncu_census  # noqa: E402
 
 HEADER = '"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",' \

@@ -1,4 +1,4 @@
-"""The Nsight Compute drivers of ``experiments/mgpu`` (``ncu_phase1.py``: phase 1's six Mosaic GPU
+"""The Nsight Compute drivers of ``benchmarks/mgpu`` (``ncu_phase1.py``: phase 1's six Mosaic GPU
 kernels, each called alone; ``ncu_phase2.py``: phase 2's three) run end to end in Mosaic GPU
 interpret mode at their tiny ``--interpret`` shapes, every output finite. On the H200 they run
 under ``ncu`` (docs/performance.md, "Hardware counters"); this keeps them from rotting between
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "mgpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "mgpu"))
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 

@@ -1,4 +1,4 @@
-"""``experiments/mgpu/profile_bench_reads.py`` (the device time per op of the bench's reads) runs
+"""``benchmarks/mgpu/profile_bench_reads.py`` (the device time per op of the bench's reads) runs
 end to end at its ``--small`` shape in interpret mode: four profiled functions per config, each
 with its busy time, ops and span per call and the ``--inners`` timings. In the slow suite (about
 30 s on two cores); on a GPU it runs at the bench shape (docs/performance.md)."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "mgpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "mgpu"))
 
 
 @pytest.mark.slow

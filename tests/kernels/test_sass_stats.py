@@ -1,4 +1,4 @@
-"""``experiments/mgpu/sass_stats.py``: reading Mosaic GPU's ptxas reports and SASS dumps (from a
+"""``benchmarks/mgpu/sass_stats.py``: reading Mosaic GPU's ptxas reports and SASS dumps (from a
 deviceless H200 compile) back into registers, spills, instruction mixes and
 innermost loops. The dumps here are written by hand in nvdisasm's format."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "mgpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "mgpu"))
 import sass_stats as ss  # noqa: E402
 
 PTXAS = """ptxas info    : Compiling entry function 'mix_mosaic_gpu_kernel' for 'sm_90a'

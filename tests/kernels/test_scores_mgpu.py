@@ -1,10 +1,10 @@
-"""The Mosaic GPU prototype of phase 2's scoring pass (``experiments/mgpu/scores_mgpu.py``,
+"""The Mosaic GPU prototype of phase 2's scoring pass (``benchmarks/mgpu/scores_mgpu.py``,
 1.55-1.70x faster than the Triton kernel on the H200; docs/kernels.md) in Pallas' Mosaic GPU
 interpret mode, against the package's plain-jnp expansion (``reference.expand``): both ways of
 bringing a lag's rows to the registers, several token tiles and channel chunks (so the
 double-buffered pipeline's slots both turn over), random non-zero taps and queries. The GPU
 path (TMA's zero fill instead of the padded rows; the ``"offset"`` form is wrong there) was
-checked on the H200 by ``experiments/mgpu/time_scores.py``'s error column. In the slow suite
+checked on the H200 by ``benchmarks/mgpu/time_scores.py``'s error column. In the slow suite
 (CI runs it): a prototype outside the package, about 10 s."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 
 from pallas_kernels.depth_attention import reference
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "experiments" / "mgpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "mgpu"))
 plgpu = pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 

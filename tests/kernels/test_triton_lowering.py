@@ -161,7 +161,7 @@ def test_tpu_kernels_lower_for_mosaic(kernels, heads, segments, backward):
     and with ``backward="pallas"`` also the Pallas backward kernels (phase 1: scores, ``<g_A, E>``,
     the stream cotangents of the ``wide`` form, or the ``reverse_t`` form's gradient pass; phase 2
     + gate: scores, gate statistics, ``d_state``, the reverse-T input pass). The full Mosaic compile needs libtpu:
-    ``experiments/tpu_kernels_aot.py`` (BENCHMARKS.md gives the command and its result)."""
+    ``benchmarks/tpu_kernels_aot.py`` (BENCHMARKS.md gives the command and its result)."""
     from jax._src.mesh import AbstractDevice, AbstractMesh
 
     mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(device_kind="TPU v5p", num_cores=1,
