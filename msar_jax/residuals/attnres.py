@@ -1,15 +1,15 @@
-"""Block attention residuals: AttnRes (Kimi Team 2026; seed 000 Eq. 6-8; SPEC 2-3, 5).
+"""Block attention residuals: AttnRes (Kimi Team 2026; the MSAR paper, Eq. 6-8; docs/design.md §2, §3, §5).
 
 ``BlockDepthAttention`` is the shared machinery of every depth-attention residual
 (AttnRes, MHAR, MSAR and the AttnRes half of the hybrid): the preallocated buffer
 of block summaries ``b_0..b_N``, the current block's partial sum, the direct read
-and the two-phase read (SPEC 5) through ``pallas_kernels.depth_attention`` (the
+and the two-phase read (docs/design.md §5) through ``pallas_kernels.depth_attention`` (the
 seam where the Pallas kernels plug in). Subclasses choose the streams
 (``stream_kernels``), the channel heads and the stream fusion.
 
 AttnRes: one zero-initialised pseudo-query per sublayer, ``score_i = w_l . rms(k_i)``
 (no 1/sqrt(d)), softmax over sources, ``h_l = sum_i alpha_i source_i``; a final
-read with query ``w_{L+1}`` over ``[b_0..b_N]`` gives the final hidden (SPEC 3).
+read with query ``w_{L+1}`` over ``[b_0..b_N]`` gives the final hidden (docs/design.md §3).
 Parameters: ``(L+1) d`` (Appendix C Eq. 19).
 """
 
@@ -45,7 +45,7 @@ def _recomputed(read_fn, *args, batch_axes, out_batch_axis: int, chunks: int = 1
                 lean_vjp: bool = False):
     """Run a depth read so the backward pass recomputes it instead of storing its
     expanded streams and normalised keys (m times the sources): the XLA path's
-    counterpart of the kernels' recomputing backward (seed 000 Sec. 3.4).
+    counterpart of the kernels' recomputing backward (§3.4 of the MSAR paper).
 
     ``lean_vjp``: ``read_fn``'s own ``custom_vjp`` already keeps only its inputs (and a few
     floats per token; ``depth_api.keeps_only_inputs``), so with one chunk it runs as is: a
@@ -186,18 +186,17 @@ class BlockDepthAttention(ResidualMechanism):
 
     def _kernel_backward(self, op) -> str:
         """Which backward ``op``'s Pallas kernels use. ``"auto"`` takes the one measured faster on
-        the H200 (BENCHMARKS.md, kernels):
+        the H200 (docs/kernels.md):
 
         * the Pallas backward for the fused phase 2 + stream fusion with several streams
-          (MSAR: 7.1 against 10.4 ms per sublayer, 14x less temporary memory; session 4);
+          (MSAR: 7.1 against 10.4 ms per sublayer, 14x less temporary memory);
         * the Pallas backward for every op of a single-stream read: AttnRes's `base` step 1110.0
-          against 1173.9 ms with the XLA backward (session 6, after the reverse-T kernels
-          stopped reducing over rows per tile); MHAR's (4 heads) 1080.6 against 1112.9 ms
-          (session 9);
+          against 1173.9 ms with the XLA backward (with reverse-T kernels that do not reduce over
+          rows per tile); MHAR's (4 heads) 1080.6 against 1112.9 ms;
         * the Pallas backward for phase 1 with several streams (MSAR), in its ``wide`` form:
           phase 1 fwd + bwd 35.8 ms per block at the bench shape against 57.7 for the closed-form
           XLA backward and 58.3 for ``"hybrid"``; `base` step 1994.7 ms against 2155.2
-          (``"hybrid"``) and 2212.4 (XLA) (session 8);
+          (``"hybrid"``) and 2212.4 (XLA);
         * the closed-form XLA backward for MSAR's other ops (the unfused phase 2, the direct read).
         """
         choice = self.res_cfg.get("kernel_backward", "xla")
@@ -211,17 +210,17 @@ class BlockDepthAttention(ResidualMechanism):
         """The ops' ``gpu_kernels``: the config's, except that ``"auto"`` becomes
         ``"split_forward"`` (phase 2's Mosaic forward as two kernels, the scores and then the
         rest) under ``model.save_read_outputs``. There the backward's re-run of a read keeps only
-        its scores (the output ``h`` is saved), so XLA drops the second kernel. Until session 24
-        this was ``"triton_forward"`` (Triton's scoring pass alone in the re-run), which at `base`
-        cost 118.8 ms per step against 103.6 for the one-kernel Mosaic forward run twice
-        (BENCHMARKS.md, kernels, session 24, call 1)."""
+        its scores (the output ``h`` is saved), so XLA drops the second kernel. The alternative,
+        ``"triton_forward"`` (Triton's scoring pass alone in the re-run), cost 118.8 ms per `base`
+        step on the H200 against 103.6 for the one-kernel Mosaic forward run twice
+        (docs/kernels.md)."""
         choice = self.res_cfg.get("gpu_kernels", "auto")
         return "split_forward" if choice == "auto" and self.save_read_outputs else choice
 
     def _lean_vjp(self, op) -> bool:
         """Run ``op`` without a checkpoint: it runs a Pallas kernel whose backward keeps only its
-        inputs. That removed a third run of each read's forward kernels per step on the H200
-        (BENCHMARKS.md, kernels, session 7). The XLA path keeps its checkpoint: its ops keep
+        inputs. That removes a third run of each read's forward kernels per step on the GPU
+        (docs/kernels.md). The XLA path keeps its checkpoint: its ops keep
         only their inputs too, but without the checkpoint the CPU suite's model tests ran about
         20% slower (``test_grad_accum``'s MSAR case 65 -> 79 s), and it is untimed on the GPU."""
         return depth_api.runs_a_kernel(self.implementation) and depth_api.keeps_only_inputs(
@@ -233,8 +232,8 @@ class BlockDepthAttention(ResidualMechanism):
         hands phase 1 the read's bf16 ``dh`` and one scale per token and head instead of the
         ``[B, T, d]`` float32 ``d acc`` (written once, read twice). Only where it pays: a kernel
         with the Pallas backward for both phases, each read run as is (one chunk, no checkpoint
-        around it, so the channel's cotangent stays symbolic where no read uses it).
-        BENCHMARKS.md, kernels, session 30."""
+        around it, so the channel's cotangent stays symbolic where no read uses it); figures in
+        docs/kernels.md."""
         return (self.n_streams == 1 and self.res_cfg.read_chunks == 1 and self._lean_vjp(depth_api.phase1)
                 and self._lean_vjp(depth_api.phase2_fused) and self._kernel_backward(depth_api.phase1) == "pallas"
                 and self._kernel_backward(depth_api.phase2_fused) == "pallas")
@@ -287,9 +286,9 @@ class BlockDepthAttention(ResidualMechanism):
         # and take each target's ``[m, B, T, d]`` state as its own array. A stacked
         # ``[S, m, B, T, d]`` state made XLA copy each target's slice out before its phase-2 read
         # and stack the cotangents back: on the H200, `base` step, MSAR 2175.1 ms stacked against
-        # 2093.9 per target (same tiles), AttnRes 1075.1 against 1051.7 (BENCHMARKS.md, kernels,
-        # sessions 9 and 10; the per-target mixing and stream-cotangent kernels need the
-        # 64-channel chunks of ``tiling.choose_tiles``: at 128 they ran up to 71% slower).
+        # 2093.9 per target (same tiles), AttnRes 1075.1 against 1051.7 (docs/kernels.md; the
+        # per-target mixing and stream-cotangent kernels need the 64-channel chunks of
+        # ``tiling.choose_tiles``: at 128 they ran up to 71% slower).
         # ``state_dtype="bfloat16"`` stores the weighted sums in half the bytes (``api.phase1``).
         return _recomputed(
             functools.partial(self._op(depth_api.phase1), per_target=True, value_channel=self._value_channel(),

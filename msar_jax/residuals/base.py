@@ -55,7 +55,7 @@ class DepthState(NamedTuple):
 
 
 class Position(NamedTuple):
-    """Where sublayer ``l`` sits in the block partition (SPEC 2). Values may be traced."""
+    """Where sublayer ``l`` sits in the block partition (docs/design.md §2). Values may be traced."""
 
     sublayer: jax.Array  # l, 1-based
     block: jax.Array  # n, 0-based index of the block B_{n+1} containing l

@@ -1,9 +1,9 @@
-"""AttnRes + mHC hybrid (Table 2 row 4; SPEC 7).
+"""AttnRes + mHC hybrid (Table 2 row 4; docs/design.md §7).
 
 Keeps both states: the AttnRes block summaries (with its own block size) and the
 mHC ``m``-stream state. Layer input = AttnRes read + mHC ``H_pre`` read; after the
 sublayer, ``v_l`` is added to the AttnRes partial and written into the mHC state.
-Final hidden = AttnRes final read + ``sum_i X_i`` (SPEC 7 decision).
+Final hidden = AttnRes final read + ``sum_i X_i`` (docs/design.md §7, a decision the papers leave open).
 """
 
 from __future__ import annotations

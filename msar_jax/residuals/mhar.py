@@ -1,4 +1,4 @@
-"""Multi-Head Attention Residuals (MHAR, seed 004; SPEC 8).
+"""Multi-Head Attention Residuals (MHAR, from the MHAR paper; docs/design.md §8).
 
 AttnRes with the query and the sources split into ``H`` contiguous channel heads of
 width ``d/H``: the key is the rms over the full ``d`` (no learnable weight, for

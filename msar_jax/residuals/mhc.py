@@ -1,4 +1,4 @@
-"""Manifold-constrained Hyper-Connections (mHC; Xie et al. 2025; seed 000 Eq. 3-5; SPEC 6).
+"""Manifold-constrained Hyper-Connections (mHC; Xie et al. 2025; the MSAR paper, Eq. 3-5; docs/design.md §6).
 
 State ``X[B, T, m, d]`` per token starts as m copies of the embedding. Per sublayer::
 
@@ -7,7 +7,7 @@ State ``X[B, T, m, d]`` per token starts as m copies of the embedding. Per subla
     C = SinkhornKnopp(a_res mix[2m:] + b[2m:]) (20 passes);  H_res = C^T
     h = sum_i H_pre_i X_i;  X' = H_res X + H_post v^T
 
-Final hidden = sum_i X_i (SPEC 6 decision). Parameters per sublayer:
+Final hidden = sum_i X_i (docs/design.md §6, a decision the papers leave open). Parameters per sublayer:
 ``md(m^2+2m) + m^2+2m + 3`` (Appendix C Eq. 19). All coefficient maths in float32.
 """
 
@@ -25,7 +25,7 @@ SINKHORN_EPS = 1e-6
 
 
 def sinkhorn(logits: jax.Array, iters: int, eps: float = SINKHORN_EPS) -> jax.Array:
-    """Sinkhorn-Knopp as in DeepSeek's reference (SPEC 6); ``logits[..., m, m]``.
+    """Sinkhorn-Knopp as in DeepSeek's reference (docs/design.md §6); ``logits[..., m, m]``.
 
     Pass 1: a max-subtracted row softmax (+eps), then a column normalisation; passes
     2..iters: row then column normalisation, ``eps`` in every denominator. The

@@ -1,4 +1,4 @@
-"""Multi-Stream Attention Residuals (MSAR; seed 000 Sec. 3.2-3.4, Eq. 9-17; Appendix C).
+"""Multi-Stream Attention Residuals (MSAR; the MSAR paper, §3.2-3.4, Eq. 9-17, Appendix C; docs/design.md §4).
 
 Every single-stream source (embedding, completed block summaries, the current
 block's partial) is expanded on demand into ``m`` streams by causal depthwise
@@ -12,7 +12,7 @@ zero-initialised query and softmax over sources (Eq. 11-12, 17); an mHC-style
 Conv banks (Appendix C): the embedding uses bank 0, completed summary ``b_j`` bank
 ``e_j = max(B_j) = j*S``, the partial ``p_l`` bank ``l-1``; banks are global
 parameters ``[L, sum(kappa), d]``, zero-initialised, no bias. The last output is
-merged without expansion: final hidden = ``h_L + v_L`` (SPEC 4).
+merged without expansion: final hidden = ``h_L + v_L`` (docs/design.md §4.4).
 
 Parameters (Eq. 20): ``L[(m^2 + m + sum kappa) d + m + 1]``; ``L(44 d + 5)`` at the default.
 

@@ -1,4 +1,4 @@
-"""Standard residual: h_{l+1} = h_l + v_l, h_1 = e (seed 000 Eq. 1-2, SPEC 1)."""
+"""Standard residual: h_{l+1} = h_l + v_l, h_1 = e (the MSAR paper, Eq. 1-2; docs/design.md §1)."""
 
 from __future__ import annotations
 
