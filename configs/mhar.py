@@ -1,4 +1,4 @@
-"""MHAR: AttnRes with H = 8 channel heads (seed 004).
+"""MHAR: AttnRes with H = 8 channel heads (the MHAR paper; docs/design.md §8).
 
 Usage: `--config=configs/mhar.py:size=tiny` (sizes and argument keys: configs/common.py).
 """

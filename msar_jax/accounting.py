@@ -1,4 +1,5 @@
-"""Parameter, training-FLOP and memory-access accounting (seed 000 Appendix C, Tables 3, 5, 6; SPEC 4-6, 11).
+"""Parameter, training-FLOP and memory-access accounting (the MSAR paper, Appendix C, Tables 3, 5, 6;
+docs/design.md §4-6, §11).
 
 Usage::
 
@@ -60,7 +61,7 @@ Training FLOPs (Appendix C "Training FLOPs"; §4.3)
   exp, sum, divide); a sigmoid 4 FLOPs. Scalar-only terms (softmax, Sinkhorn, gate biases) are
   included but are O(1) per token per sublayer, i.e. negligible against the ``d`` terms.
 
-  - Depth attention (AttnRes, MHAR, MSAR; SPEC 2-5) per target l in block n with ``c = n+1``
+  - Depth attention (AttnRes, MHAR, MSAR; docs/design.md §2-5) per target l in block n with ``c = n+1``
     completed sources ``b_0..b_n`` and the partial p_l if l is not first in its block: per
     (target, source, stream) scoring ``2d`` and value aggregation ``2d``; per (target, stream)
     the normalisation ``d`` (divide by the softmax denominator) and, in two-phase form, the
@@ -68,7 +69,7 @@ Training FLOPs (Appendix C "Training FLOPs"; §4.3)
     distinct stream the key rms ``3d`` (no-conv: the m streams are identical copies so one rms
     per source); per source the conv expansion ``2 d sum(kappa)`` (MSAR only; the identity
     stream is free). Block accumulation ``p += v``: ``d`` per sublayer (Appendix C lists it).
-  - **Two-phase form** (seed 000 §3.4, SPEC 5): completed sources are expanded and key-normalised
+  - **Two-phase form** (§3.4 of the MSAR paper; docs/design.md §5): completed sources are expanded and key-normalised
     **once per block** (phase 1 shares them between the block's S targets: "queries for all
     target layers in the block are batched against the completed sources"), so their cost is
     ``sum over blocks of c x (expansion + key rms)``, i.e. amortised over S targets; the partial
@@ -81,10 +82,10 @@ Training FLOPs (Appendix C "Training FLOPs"; §4.3)
     ``2 md m``, the per-stream affine + sigmoid (``6m``) and the weighted sum ``2md``; mean fusion
     ``md``. Final hidden: residual merge ``h_L + v_L`` = ``d`` (or the sum of the N+1 sources
     with ``final_merge='sum'``).
-  - AttnRes / MHAR final read (SPEC 3): one more direct read over ``b_0..b_N`` (N+1 sources).
+  - AttnRes / MHAR final read (docs/design.md §3): one more direct read over ``b_0..b_N`` (N+1 sources).
     MHAR's H heads split the dot products (same ``2d`` per source in total) and multiply the
     softmax scalars by H.
-  - mHC per sublayer (SPEC 6): ``rms`` of the ``md`` state ``3md``; the projection
+  - mHC per sublayer (docs/design.md §6): ``rms`` of the ``md`` state ``3md``; the projection
     ``2 md (m^2+2m)``; the coefficient affines ``2 (m^2+2m)``, sigmoids ``4 x 2m``; Sinkhorn: exp
     ``m^2`` then ``iters`` (row, column) passes of ``4 m^2``; apply ``H_pre`` ``2md``, ``H_res``
     ``2 m^2 d``, ``H_post`` (scale and add) ``2md``. Final ``sum_i X_i``: ``(m-1) d``. At m = 4 this
@@ -109,8 +110,8 @@ source), no amortisation: 0.098% at both scales), so the paper probably did not 
 AttnRes's key norm over a block. The ordering mHC > MSAR > AttnRes > 0, and MSAR ~ 0.5%, hold under
 every convention here.
 
-Memory access (Table 6; SPEC 5)
--------------------------------
+Memory access (Table 6; docs/design.md §5)
+------------------------------------------
 Forward activation I/O per token per residual sublayer, leading terms in units of d, parameter
 traffic and f_l's internal I/O excluded, phase 1 averaged over depth and amortised over S:
 Vanilla ``3``; mHC ``8m + 2``; Block AttnRes ``N/S + 5``; Block MSAR ``N/S + 4m + 5`` (expansion fused

@@ -65,7 +65,7 @@ def close_names(name: str, candidates, prefix: str = "") -> str:
 
 
 def residual_config() -> ml_collections.ConfigDict:
-    """Defaults of the residual mechanism (SPEC 1-8)."""
+    """Defaults of the residual mechanism (docs/design.md §1-8)."""
     return ml_collections.ConfigDict(
         dict(
             name="msar",  # a registered mechanism (msar_jax.residuals.registered())
@@ -78,19 +78,19 @@ def residual_config() -> ml_collections.ConfigDict:
             eps=1e-6,  # weightless rms eps of every mechanism norm (> 0)
             gate_scale_init=0.01,  # alpha^pre / mHC a_* init (Appendix A)
             sinkhorn_iters=20,  # mHC Sinkhorn-Knopp iterations
-            two_phase=True,  # block reads through phase 1 + phase 2 (SPEC 5); False = direct
+            two_phase=True,  # block reads through phase 1 + phase 2 (docs/design.md §5); False = direct
             final_merge="residual",  # MSAR final: "residual" (h_L + v_L) or "sum" (all sources)
             implementation="xla",  # depth-attention kernels: "xla", "pallas_tpu", "pallas_gpu", "auto"
             kernel_backward="auto",  # backward of the Pallas kernels: "xla" (closed form), "pallas", "hybrid" (phase 1's closed form with the conv-transpose kernel), or "auto" (per op, the faster on the H200)
             gpu_kernels="auto",  # GPU lowering of the Pallas kernels that have two: "mosaic" (Mosaic GPU: phase 1's scoring and mixing passes, phase 2's fused forward and its backward's statistics/d_acc and input passes), "triton", "triton_forward" (phase 2's forward in Triton, the rest as "auto"), "split_forward" (as "auto", phase 2's Mosaic forward as two kernels: scores, then the rest), or "auto" (per kernel, the faster on the H200; "split_forward" with model.save_read_outputs)
             read_chunks=1,  # XLA path: run each depth read over this many batch slices (bounds its memory)
-            state_dtype="float32",  # dtype of the phase-1 state's weighted sum: "float32" (SPEC 5) or "bfloat16" (half the bytes)
+            state_dtype="float32",  # dtype of the phase-1 state's weighted sum: "float32" (docs/design.md §5) or "bfloat16" (half the bytes)
         )
     )
 
 
 def moe_config() -> ml_collections.ConfigDict:
-    """DeepSeekMoE-style MLPs (SPEC 9, Table 3). Off by default."""
+    """DeepSeekMoE-style MLPs (docs/design.md §9, Table 3). Off by default."""
     return ml_collections.ConfigDict(
         dict(
             enabled=False,
@@ -106,7 +106,7 @@ def moe_config() -> ml_collections.ConfigDict:
 
 
 def model_config() -> ml_collections.ConfigDict:
-    """Defaults of the backbone (SPEC 9) with its residual mechanism."""
+    """Defaults of the backbone (docs/design.md §9) with its residual mechanism."""
     return ml_collections.ConfigDict(
         dict(
             vocab_size=256,
@@ -213,7 +213,7 @@ def n_sublayers(model) -> int:
 
 
 def n_blocks(model) -> int:
-    """N = ceil(L / S) (SPEC 2); the last block may be shorter."""
+    """N = ceil(L / S) (docs/design.md §2); the last block may be shorter."""
     s = model.residual.block_size
     return -(-n_sublayers(model) // s)
 

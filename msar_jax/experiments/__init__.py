@@ -1,4 +1,4 @@
-"""Experiments of the MSAR paper (seed 000), one command each.
+"""Experiments of the MSAR paper, one command each.
 
 * ``python -m msar_jax.experiments.ablation --size=small --seeds=3 --workdir=W`` - Table 2: every
   ablation row, paired by seed, skip-finished / resume, ``results.json`` + ``table.md`` + PNGs.

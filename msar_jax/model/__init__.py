@@ -1,1 +1,1 @@
-"""The pre-norm decoder backbone (SPEC 9)."""
+"""The pre-norm decoder backbone (docs/design.md §9)."""

@@ -1,6 +1,6 @@
-"""Backbone sublayers as pure functions of stacked parameters (SPEC 9).
+"""Backbone sublayers as pure functions of stacked parameters (docs/design.md §9).
 
-Each ``f_l(h) = out_proj(op(RMSNorm_l(h)))`` includes its own pre-norm (SPEC notation).
+Each ``f_l(h) = out_proj(op(RMSNorm_l(h)))`` includes its own pre-norm (notation of docs/design.md §1).
 Parameters live in ``nnx.Param``s stacked over layers (leading ``layers`` axis,
 see ``Backbone``); the stack code slices one layer's pure arrays and calls
 ``attention``, ``dense_mlp`` or ``moe_mlp`` on them. Intermediates are tagged with
@@ -83,10 +83,10 @@ def moe_mlp(p: dict, h: jax.Array, cfg) -> tuple[jax.Array, jax.Array]:
     """DeepSeekMoE-style sublayer: shared experts plus top-k routed experts.
 
     Softmax router over all experts; the top-k probabilities (not renormalised) weight
-    the routed experts (SPEC 9 decision). Routed tokens are grouped by expert and run
-    through ``jax.lax.ragged_dot``, so each token costs only its k experts. Returns the
-    output and the load-balance loss ``E * sum_e f_e * P_e`` (f_e: fraction of routed
-    assignments to expert e, P_e: mean router probability of e).
+    the routed experts (docs/design.md §9, a decision the papers leave open). Routed tokens
+    are grouped by expert and run through ``jax.lax.ragged_dot``, so each token costs only
+    its k experts. Returns the output and the load-balance loss ``E * sum_e f_e * P_e``
+    (f_e: fraction of routed assignments to expert e, P_e: mean router probability of e).
     """
     moe = cfg.moe
     dtype = h.dtype

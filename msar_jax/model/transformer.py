@@ -1,4 +1,4 @@
-"""The pre-norm decoder with a pluggable residual mechanism (SPEC 1, 9).
+"""The pre-norm decoder with a pluggable residual mechanism (docs/design.md §1, §9).
 
 ``Transformer`` is an ``nnx.Module`` that owns every parameter (float32, each with
 ``logical_axes`` metadata) and whose ``__call__`` is a pure function of them: the
@@ -29,7 +29,7 @@ def pure(module: nnx.Module) -> dict:
 
 
 def layer_kinds(cfg) -> tuple[str, ...]:
-    """MLP kind of every transformer layer: leading dense layers, then MoE (SPEC 9)."""
+    """MLP kind of every transformer layer: leading dense layers, then MoE (docs/design.md §9)."""
     if not cfg.moe.enabled:
         return ("dense",) * cfg.n_layers
     k = cfg.moe.n_dense_layers

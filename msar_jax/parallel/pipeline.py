@@ -33,7 +33,7 @@ formed outside a read, so nothing of size ``m`` crosses a boundary, and its ``la
 (``h_L + v_L``, used only by the final merge) stays local. The embedding ``b_0`` never
 travels: every stage has the embeddings.
 
-Cross-stage caching (seed 000 Sec. 3.4, after AttnRes; circular pipelines): a stage keeps,
+Cross-stage caching (§3.4 of the MSAR paper, after AttnRes; circular pipelines): a stage keeps,
 per microbatch, the summaries it already holds from its previous visit, so a later visit
 receives only those produced since, by the previous ``stages - 1`` virtual stages. Without
 caching a hop carries every summary the receiving stage needs (``W = N_before(V - 1)``).
