@@ -1,14 +1,14 @@
 """The memory-bandwidth floor of a train step's depth reads, as this codebase runs them.
 
-Issue 4 asks for a `base` MSAR step within 1.10x of Vanilla's and AttnRes within 1.05x. This
-counts the fewest DRAM bytes the two-phase block reads (SPEC 5) move in one step of a config,
+The targets are a `base` MSAR step within 1.10x of Vanilla's and AttnRes within 1.05x. This
+counts the fewest DRAM bytes the two-phase block reads (docs/design.md §5) move in one step of a config,
 with each kernel reading its inputs once and writing its outputs once, and turns them into
 milliseconds at given bandwidths. If that floor alone exceeds a target's budget, no kernel can
 meet it without changing the design.
 
 What is counted, per unit (one block of ``s`` target sublayers, ``v`` valid completed sources:
 the embedding and the block summaries written so far), in elements of ``E = B T d``, with
-``a`` the activation bytes (2 for bf16) and ``f`` the phase-1 state bytes (4: SPEC 5 keeps the
+``a`` the activation bytes (2 for bf16) and ``f`` the phase-1 state bytes (4: docs/design.md §5 keeps the
 state, ``max``, ``sum of exp`` and the weighted sum, in float32)::
 
     phase 1 forward      v a  (sources)      + s m f  (the s targets' states)
@@ -32,9 +32,9 @@ Usage::
 
 ``--vanilla_ms``: a measured Vanilla step, to print ``(vanilla + floor) / vanilla``;
 ``--state_bytes 2`` shows the floor of a bf16 state (``model.residual.state_dtype="bfloat16"``,
-which the config's value sets by default; SPEC 5's default is float32); ``--set
+which the config's value sets by default; the library's default is float32); ``--set
 model.save_read_outputs=true`` the floor with the reads' outputs saved. ``--factored_cotangent``:
-the floor of a design not built (BENCHMARKS.md, kernels, What remains 16): phase 2's backward
+the floor of a design not built (docs/kernels.md): phase 2's backward
 hands phase 1 its state cotangent as per-token scalars (it is affine in the state, ``dh`` and
 the partial's expansion) instead of writing ``d_state``, and phase 1's backward rebuilds it from
 the states, each target's ``dh`` and its partial: phase 2 backward ``s (3 a + m f)``, phase 1

@@ -39,7 +39,8 @@ from typing import NamedTuple
 # 132 SMs at 1.98 GHz, 232448 bytes of opt-in shared memory per block, 64K registers per SM, a
 # 50 MB L2, the datasheet's 4.8 TB/s; memory 140 GiB (the lent H200 offers about 139 GiB). The
 # CUDA and cuDNN versions are the device image's majors (13 and 9). The phase-1 reads' compiled
-# temporaries at the issue's shape come out as the H200 measured them (BENCHMARKS, session 32).
+# temporaries at the bench shape (``benchmarks/mgpu/aot_reads.py``) come out as the H200 measured
+# them (docs/performance.md).
 H200_TARGET_CONFIG = """
 gpu_device_info {
   threads_per_block_limit: 1024

@@ -1,6 +1,6 @@
 """The depth stack: an outer scan over blocks and an unrolled loop over each block's layers.
 
-Structure (issue 2): the block summaries live in one preallocated ``[N+1, B, T, d]``
+Structure: the block summaries live in one preallocated ``[N+1, B, T, d]``
 buffer written with dynamic updates. The outer ``lax.scan`` runs over *units*: a
 unit is one block of ``S/2`` transformer layers for an even block size ``S`` (the
 completed summaries are fixed for the whole unit, so phase 1 of the two-phase read
@@ -299,7 +299,7 @@ class DepthStack:
             # stacks every layer's residuals (the attention probabilities, [B, H, T, T]) into
             # [P, ...] buffers with a dynamic-update-slice, a transposed copy and a zeroed
             # cotangent per layer. On the H200 that bookkeeping was ~0.5 s of the `base` step
-            # (BENCHMARKS.md, kernels, session 5); unrolled, each layer's residuals stay where
+            # (docs/kernels.md); unrolled, each layer's residuals stay where
             # its forward wrote them. Each layer takes the whole stacked inputs and picks its row
             # inside (``row``), so a rematerialised layer keeps a reference to the shared
             # arrays, not a sliced copy of its own; the block context comes per target
