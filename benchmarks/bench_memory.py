@@ -1,4 +1,4 @@
-"""Peak temporary memory of one training step versus depth (issue 2 benchmark).
+"""Peak temporary memory of one training step versus depth (BENCHMARKS.md, memory against depth).
 
 Compiles ``value_and_grad`` of the LM loss on CPU for Vanilla, Block AttnRes, Block
 MSAR and Full MSAR at d = 256, T = 256 and L in {8, 16, 32, 64} sublayers, and reads

@@ -1,6 +1,6 @@
 """Train a config for a fixed number of steps and report throughput and memory (GPU baselines).
 
-Used for the issue 3 baselines on the H200 (XLA depth-attention path)::
+The GPU baselines of BENCHMARKS.md's train-step table (XLA depth-attention path)::
 
     python benchmarks/gpu_train_baseline.py --steps 120 \
         configs/vanilla.py:size=small configs/attnres.py:size=small configs/msar.py:size=small

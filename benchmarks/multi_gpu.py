@@ -1,4 +1,4 @@
-"""Multi-GPU layouts of one config: data parallel, FSDP and the N-stage pipeline (issue 6).
+"""Multi-GPU layouts of one config: data parallel, FSDP and the N-stage pipeline (BENCHMARKS.md, multi-GPU layouts).
 
 Trains the same model from the same init on the same batches under each layout and reports
 the median step time, tokens/s, the scaling efficiency against one device, the loss after N

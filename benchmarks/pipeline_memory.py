@@ -1,4 +1,4 @@
-"""Temporary memory of the pipelined training gradient versus depth and microbatches (issue 5).
+"""Temporary memory of the pipelined training gradient versus depth and microbatches (BENCHMARKS.md, pipeline memory).
 
 Compiles ``value_and_grad`` of the pipelined LM loss (``msar_jax.parallel.pipeline``) on fake
 CPU devices from abstract parameters (nothing is executed) and prints

@@ -1,7 +1,7 @@
 """Where a train step's device time goes: a profiler trace of N steps, grouped by model part.
 
-Issue 4 asks why the ``base`` step of Block AttnRes and Block MSAR is 2-5x Vanilla's while
-their depth reads cost milliseconds. This runs each config's real train step (the training
+It answers where a ``base`` step of Block AttnRes or Block MSAR spends the time beyond Vanilla's
+when its depth reads cost milliseconds. This runs each config's real train step (the training
 loop's single-device layout), traces ``--steps`` steps after ``--warmup`` with
 ``jax.profiler``, reads the trace back with ``jax.profiler.ProfileData`` (no TensorBoard
 needed) and attributes every device op to

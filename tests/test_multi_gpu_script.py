@@ -1,4 +1,4 @@
-"""benchmarks/multi_gpu.py (issue 6) runs at smoke size on fake CPU devices: the layouts give
+"""benchmarks/multi_gpu.py runs at smoke size on fake CPU devices: the layouts give
 the single-device loss, pipeline rows carry HLO hop bytes and the bubble, the table prints."""
 
 from __future__ import annotations
