@@ -39,8 +39,8 @@ T, D = 8, 16
 class ScalarGate(ResidualMechanism):
     """``h_{l+1} = h_l + g_l v_l``; the carry is the running hidden state."""
 
-    # A parameter's name decides its weight decay (msar_jax.train.optim: "scale" is not decayed).
     per_sublayer = ("scale",)
+    undecayed_params = frozenset({"scale"})  # a gate scale: decay would pull it towards shutting the branch
 
     def __init__(self, model_cfg, rngs: nnx.Rngs):
         super().__init__(model_cfg, rngs)

@@ -78,11 +78,12 @@ def test_weight_decay_groups(spec):
     config = load_config(spec)
     _, params = step.abstract_model(config.model)
     mask = optim.decay_mask(params)
+    decayed, undecayed = optim.decay_groups()
     flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_leaves_with_path(mask)}
     for path, decays in flat.items():
         name = path.rsplit("[", 1)[-1].strip("]'")
-        assert decays == (name in optim.DECAY), path
-        assert decays != (name in optim.NO_DECAY), path
+        assert decays == (name in decayed), path
+        assert decays != (name in undecayed), path
     # The documented groups, by example.
     assert flat["['attn']['wq']"] and flat["['embedding']"] and flat["['lm_head']"]
     assert not flat["['attn']['norm']"] and not flat["['final_norm']"]
@@ -257,3 +258,12 @@ def test_depth_weight_introspection_and_plots(tmp_path):
     for png in (loss_png, depth_png):
         assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "depth_weights.json").exists()
+
+
+def test_a_parameter_without_a_weight_decay_decision_is_an_error():
+    # Every mechanism declares its parameters' groups; a name nobody declared must not default.
+    params = {"residual": {"mystery": jnp.zeros((2,))}, "embedding": jnp.zeros((4, 2))}
+    with pytest.raises(ValueError, match="mystery.*decayed_params or undecayed_params"):
+        optim.decay_mask(params)
+    decayed, undecayed = optim.decay_groups()
+    assert {"gate_w", "conv_banks", "phi"} <= decayed and {"queries", "gate_a", "bias"} <= undecayed

@@ -381,6 +381,7 @@ class AttnRes(BlockDepthAttention):
     """Block AttnRes (S = block_size; S = 1 is Full AttnRes)."""
 
     per_sublayer = ("queries",)
+    undecayed_params = frozenset({"queries", "final_query"})
 
     def __init__(self, model_cfg, rngs: nnx.Rngs):
         super().__init__(model_cfg, rngs)

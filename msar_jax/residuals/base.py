@@ -91,6 +91,10 @@ class ResidualMechanism(nnx.Module):
     # Carry leaves that never cross a pipeline stage: written before they are read in every
     # stage, or read only by ``finish`` on the last stage.
     stage_local_carry: tuple[str, ...] = ()
+    # Which of the mechanism's parameter names take weight decay (msar_jax.train.optim says why
+    # matrices do and queries, scales and biases do not); every parameter must be in one.
+    decayed_params: frozenset[str] = frozenset()
+    undecayed_params: frozenset[str] = frozenset()
 
     def __init__(self, model_cfg, rngs: nnx.Rngs):
         self.d = model_cfg.d_model

@@ -20,6 +20,8 @@ from msar_jax.residuals.mhc import MHC
 class AttnResMHC(ResidualMechanism):
     uses_sources = True
     block_carry = AttnRes.block_carry  # the AttnRes partial; mHC's X crosses every stage
+    decayed_params = AttnRes.decayed_params | MHC.decayed_params
+    undecayed_params = AttnRes.undecayed_params | MHC.undecayed_params
 
     def __init__(self, model_cfg, rngs: nnx.Rngs):
         super().__init__(model_cfg, rngs)

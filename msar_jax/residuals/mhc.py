@@ -104,6 +104,8 @@ def mhc_flops(L: int, d: int, m: int, iters: int) -> dict:
 @register("mhc")
 class MHC(ResidualMechanism):
     per_sublayer = ("phi", "bias", "scale")
+    decayed_params = frozenset({"phi"})
+    undecayed_params = frozenset({"bias", "scale"})
 
     def __init__(self, model_cfg, rngs: nnx.Rngs):
         super().__init__(model_cfg, rngs)

@@ -17,17 +17,20 @@ Schedules (``schedule_fn``), with ``s`` the 0-based step and peak ``lr``:
 * ``"constant"``: the peak after warmup.
 
 Weight-decay groups (``decay_mask``), by parameter name. Decayed: the matrices that map
-activations (attention and MLP projections, MoE router and experts, the embedding and LM head,
-MSAR's gate projection ``gate_w`` and causal conv taps ``conv_banks``, mHC's ``phi``). Not
-decayed (``NO_DECAY``): norm weights, biases (``gate_b``, mHC ``bias``), gate scales
-(``gate_a``, mHC ``scale``) and the depth-attention pseudo-queries (``queries``,
-``final_query``). Why: these are per-channel or per-sublayer scales, offsets and directions whose
-zero (or one) is not a "simpler" function. Decay would pull norm weights and gate scales towards
-0 (shutting off a sublayer's input or the gate) and pull the zero-initialised queries back to
-uniform depth averaging, a prior the paper does not ask for; they are also a negligible share of
-the parameters, so excluding them is the usual choice (GPT-2/nanoGPT, the HC note in
-shared/notes/research-mhc.md: "static part gets no weight decay; its dynamic part does").
-A parameter whose name is in neither set is an error, so a new parameter forces a decision.
+activations (attention and MLP projections, MoE router and experts, the embedding and LM head;
+of the mechanisms, MSAR's gate projection ``gate_w`` and causal conv taps ``conv_banks``, mHC's
+``phi``). Not decayed: norm weights, biases (``gate_b``, mHC ``bias``), gate scales (``gate_a``,
+mHC ``scale``) and the depth-attention pseudo-queries (``queries``, ``final_query``). Why: these
+are per-channel or per-sublayer scales, offsets and directions whose zero (or one) is not a
+"simpler" function. Decay would pull norm weights and gate scales towards 0 (shutting off a
+sublayer's input or the gate) and pull the zero-initialised queries back to uniform depth
+averaging, a prior the paper does not ask for; they are also a negligible share of the
+parameters, so excluding them is the usual choice (GPT-2/nanoGPT; Hyper-Connections decays the
+dynamic part of its mixing and not its static part). The backbone's names are listed here
+(``BACKBONE_DECAY``, ``BACKBONE_NO_DECAY``); each residual mechanism declares its own
+(``ResidualMechanism.decayed_params`` / ``undecayed_params``), so ``decay_groups()`` is their
+union over the registered mechanisms. A parameter in neither group is an error, so a new
+parameter forces a decision.
 """
 
 from __future__ import annotations
@@ -42,12 +45,12 @@ from msar_jax.config import ConfigError
 
 SCHEDULES = ("wsd", "cosine", "constant")
 
-# Leaf names of the parameter tree (nnx.to_pure_dict of Transformer's nnx.Param state).
-NO_DECAY = frozenset({"norm", "final_norm", "gate_a", "gate_b", "bias", "scale", "queries", "final_query"})
-DECAY = frozenset({
+# Leaf names of the backbone's parameters (nnx.to_pure_dict of Transformer's nnx.Param state).
+BACKBONE_NO_DECAY = frozenset({"norm", "final_norm"})
+BACKBONE_DECAY = frozenset({
     "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down",
     "router", "experts_gate", "experts_up", "experts_down", "shared_gate", "shared_up", "shared_down",
-    "embedding", "lm_head", "gate_w", "conv_banks", "phi",
+    "embedding", "lm_head",
 })
 
 
@@ -121,18 +124,36 @@ def _leaf_name(path) -> str:
     return str(getattr(key, "key", getattr(key, "name", key)))
 
 
+def decay_groups() -> tuple[frozenset, frozenset]:
+    """``(decayed, not decayed)`` parameter names: the backbone's and every registered
+    mechanism's declarations. A name two groups claim is an error."""
+    from msar_jax import residuals
+
+    decayed, undecayed = set(BACKBONE_DECAY), set(BACKBONE_NO_DECAY)
+    for name in residuals.registered():
+        cls = residuals.mechanism_class(name)
+        decayed |= cls.decayed_params
+        undecayed |= cls.undecayed_params
+    both = decayed & undecayed
+    if both:
+        raise ValueError(f"parameter names {sorted(both)} are declared both decayed and not decayed "
+                         "(ResidualMechanism.decayed_params / undecayed_params)")
+    return frozenset(decayed), frozenset(undecayed)
+
+
 def decay_mask(params):
     """Pytree of bools, True where weight decay applies (see the module docstring)."""
+    decayed, undecayed = decay_groups()
 
     def decide(path, _):
         name = _leaf_name(path)
-        if name in NO_DECAY:
+        if name in undecayed:
             return False
-        if name in DECAY:
+        if name in decayed:
             return True
         raise ValueError(
-            f"parameter {jax.tree_util.keystr(path)} ({name!r}) is in neither optim.DECAY nor "
-            "optim.NO_DECAY: decide whether it takes weight decay and add it to one of them"
+            f"parameter {jax.tree_util.keystr(path)} ({name!r}) takes no side on weight decay: declare it "
+            "in its mechanism's decayed_params or undecayed_params (or optim.BACKBONE_* for the backbone)"
         )
 
     return jax.tree_util.tree_map_with_path(decide, params)
