@@ -1,127 +1,16 @@
-"""Parameter, training-FLOP and memory-access accounting (the MSAR paper, Appendix C, Tables 3, 5, 6;
-docs/design.md §4-6, §11).
+"""Parameter, training-FLOP and memory-access accounting (the MSAR paper, Appendix C, Tables 3, 5, 6).
 
 Usage::
 
     python -m msar_jax.accounting --config=configs/msar.py:size=paper_28b [--json] [--seq_len=N]
     python -m msar_jax.accounting --config=configs/mhc.py:size=paper_18b --config.model.residual.streams=4
 
-Library use: ``account(config) -> dict`` and ``format_table(report) -> str`` (``config`` is the
-full config with ``.model`` and ``.seq_len``, or a bare model config). Nothing is allocated:
-parameter counts come from ``nnx.eval_shape`` of ``Transformer``; FLOPs and memory traffic are
-closed-form estimates from the config. The per-mechanism closed forms below are stated by each
-mechanism class (``extra_params``, ``forward_flops``, ``memory_access`` in
-``msar_jax/residuals/<mechanism>.py``); this module holds the conventions, the backbone and the
-report. ``mfu`` and ``peak_flops`` serve the training loop's MFU metric.
-
-Conventions (every number this module prints follows them)
-============================================================
-
-Parameters
-----------
-* Counted from the abstract ``nnx.Param`` state of ``Transformer`` (float32 masters; count, not
-  bytes). The mechanism's overhead is the parameter count of ``model.residual``; it is checked
-  against the closed form below and ``account`` raises ``AssertionError`` if they differ.
-* Closed forms (Appendix C Eq. 19-20, generalised to the Table 2 ablations):
-  Vanilla 0; AttnRes and MHAR ``(L+1) d`` (MHAR's heads split the query, they add nothing);
-  mHC ``L [md(m^2+2m) + m^2+2m + 3]``; MSAR ``L [m d + (m^2 d + m + 1) + d sum(kappa)]`` where the
-  mixer term ``m^2 d + m + 1`` is dropped for ``fusion='mean'`` and the conv term for ``conv=False``
-  (Eq. 20 is the default case: ``L (44 d + 5)`` at m = 4, kappa = (4, 8, 12)); the AttnRes+mHC
-  hybrid is the sum of its two parts. L counts residual sublayers (2 x transformer layers).
-* Activated parameters (Table 3 / Table 4 footnote "exclude input embeddings"): every parameter
-  except that routed experts count ``top_k / n_routed_experts`` of their total (shared experts,
-  router, attention, norms, LM head and the residual mechanism count fully). We report it
-  without the input embedding (the paper's convention; the LM head *is* counted, which is what
-  reproduces Table 4's 1.77B / 0.34B etc.) and with the whole embedding matrix added. With tied
-  embeddings the one matrix is counted once, as the LM head. Table 5's ``Delta P / P_act`` uses
-  the rounded 1.7B / 2.7B; we divide by the exact Vanilla activated count (1.766B / 2.722B), so
-  our percentages are a little lower (e.g. mHC 18B 0.64% vs 0.67%).
-
-Training FLOPs (Appendix C "Training FLOPs"; §4.3)
---------------------------------------------------
-* A multiply-add is 2 FLOPs; training = 3 x forward; activation recomputation, the optimizer, the
-  MoE auxiliary loss and the cross-entropy are excluded (Appendix C).
-* Backbone forward per token: attention projections ``2 d (n_heads + 2 n_kv_heads) head_dim +
-  2 n_heads head_dim d``; causal attention ``QK^T`` and ``AV``: ``2 x 2 n_heads head_dim T_eff``
-  with **T_eff = T/2**: under a causal mask token t sees t+1 keys, mean (T+1)/2 ~ T/2, and
-  flash-style kernels skip the masked half, so it is the work actually needed (the paper says
-  "causal attention"; with full T every Table 5 percentage would come out ~15% lower, e.g. mHC
-  28B 0.51% instead of 0.60%, so T/2 is also the convention consistent with the paper); dense
-  SwiGLU ``6 d f``; MoE: router ``2 d E``, the top-k routed experts ``6 d f_e k`` and the shared
-  experts ``6 d f_s``; LM head ``2 d V``. Norms, RoPE, SwiGLU activations, softmax of sequence
-  attention and the residual adds of the backbone are not counted (Appendix C lists only the
-  projections, causal attention and the LM head). Hence Vanilla's mechanism cost is 0 by
-  convention (its ``L d`` adds are reported as a reference only).
-* Overhead percentages are relative to Vanilla's training FLOPs on the same backbone: (a)
-  including the LM head (Table 5's convention) and (b) excluding it (the scaling-law compute of
-  §4.3: "excludes the LM head and includes method-specific residual overhead").
-* Mechanism cost, counted literally as the equations are written (no algebraic shortcuts):
-  elementwise op 1 FLOP per element; a weightless ``rms`` of an n-vector ``3n`` (square, sum,
-  scale); a dot product / weighted-sum term ``2n``; a softmax 5 FLOPs per logit (max, subtract,
-  exp, sum, divide); a sigmoid 4 FLOPs. Scalar-only terms (softmax, Sinkhorn, gate biases) are
-  included but are O(1) per token per sublayer, i.e. negligible against the ``d`` terms.
-
-  - Depth attention (AttnRes, MHAR, MSAR; docs/design.md §2-5) per target l in block n with ``c = n+1``
-    completed sources ``b_0..b_n`` and the partial p_l if l is not first in its block: per
-    (target, source, stream) scoring ``2d`` and value aggregation ``2d``; per (target, stream)
-    the normalisation ``d`` (divide by the softmax denominator) and, in two-phase form, the
-    online-softmax rescale ``d`` when a partial is merged into the phase-1 state; per source and
-    distinct stream the key rms ``3d`` (no-conv: the m streams are identical copies so one rms
-    per source); per source the conv expansion ``2 d sum(kappa)`` (MSAR only; the identity
-    stream is free). Block accumulation ``p += v``: ``d`` per sublayer (Appendix C lists it).
-  - **Two-phase form** (§3.4 of the MSAR paper; docs/design.md §5): completed sources are expanded and key-normalised
-    **once per block** (phase 1 shares them between the block's S targets: "queries for all
-    target layers in the block are batched against the completed sources"), so their cost is
-    ``sum over blocks of c x (expansion + key rms)``, i.e. amortised over S targets; the partial
-    is expanded (bank l-1) and normalised once per target (phase 2). Scoring and aggregation are
-    per (target, source) in both forms. If ``residual.two_phase`` is False the direct form is
-    costed (every target re-expands and re-normalises every source it reads); we also always
-    report the direct-form overhead as ``overhead_direct`` for comparison. Full mode (S = 1) is
-    the same formula with one target per block (no amortisation).
-  - MSAR stream fusion (Eq. 13-14): ``rms`` over ``md`` (``3md``), the gate projection
-    ``2 md m``, the per-stream affine + sigmoid (``6m``) and the weighted sum ``2md``; mean fusion
-    ``md``. Final hidden: residual merge ``h_L + v_L`` = ``d`` (or the sum of the N+1 sources
-    with ``final_merge='sum'``).
-  - AttnRes / MHAR final read (docs/design.md §3): one more direct read over ``b_0..b_N`` (N+1 sources).
-    MHAR's H heads split the dot products (same ``2d`` per source in total) and multiply the
-    softmax scalars by H.
-  - mHC per sublayer (docs/design.md §6): ``rms`` of the ``md`` state ``3md``; the projection
-    ``2 md (m^2+2m)``; the coefficient affines ``2 (m^2+2m)``, sigmoids ``4 x 2m``; Sinkhorn: exp
-    ``m^2`` then ``iters`` (row, column) passes of ``4 m^2``; apply ``H_pre`` ``2md``, ``H_res``
-    ``2 m^2 d``, ``H_post`` (scale and add) ``2md``. Final ``sum_i X_i``: ``(m-1) d``. At m = 4 this
-    is ``252 d`` per sublayer. Appendix C says the paper used "the training implementation's
-    estimator" for mHC, which is not published; ours is the count above, and it lands within
-    0.01 percentage points of Table 5 (see below).
-  - AttnRes + mHC hybrid: the sum of both, plus ``d`` per sublayer to add the two reads and ``d``
-    for the final sum.
-
-Results against Table 5 (seq_len 8192; ``Delta F / F_Vanilla`` incl. LM head), this estimator
-(forward overhead per sublayer in units of d in brackets):
-  18B: MSAR 0.585% [221 d] (paper 0.51%), AttnRes 0.073% [27.5 d] (0.10%), mHC 0.668% [253 d] (0.66%).
-  28B: MSAR 0.562% [233 d] (paper 0.48%), AttnRes 0.072% [29.7 d] (0.10%), mHC 0.610% [253 d] (0.60%).
-mHC matches to 0.01 points; MSAR is ~0.08 points above and AttnRes ~0.03 below the paper. We did
-not tune the counting to close the gap: the paper's MSAR/AttnRes estimators are not published.
-Back-solving Table 5 with our Vanilla denominators gives ~200 d (MSAR) and ~41 d (AttnRes) per
-sublayer. Plausible sources: MSAR - the paper may fold the rms normalisations into the scores /
-gate logits (``2n`` rather than ``3n``) and omit the explicit normalise/rescale terms; our
-breakdown at 28B is expansion 69 d, key rms 17 d, scoring 43 d, aggregation 47 d, merge 3.5 d,
-fusion 52 d. AttnRes - the paper's 0.10% is what our *direct* form gives (key norms per (target,
-source), no amortisation: 0.098% at both scales), so the paper probably did not amortise
-AttnRes's key norm over a block. The ordering mHC > MSAR > AttnRes > 0, and MSAR ~ 0.5%, hold under
-every convention here.
-
-Memory access (Table 6; docs/design.md §5)
-------------------------------------------
-Forward activation I/O per token per residual sublayer, leading terms in units of d, parameter
-traffic and f_l's internal I/O excluded, phase 1 averaged over depth and amortised over S:
-Vanilla ``3``; mHC ``8m + 2``; Block AttnRes ``N/S + 5``; Block MSAR ``N/S + 4m + 5`` (expansion fused
-with scoring, only the m retrieved streams written). Typical (N = 8, S = 16, m = 4): 3, 34, 5.5,
-21.5. Our choices where Table 6 is silent: Full mode (S = 1) uses the same formulas with S = 1,
-N = L (every target its own block, no amortisation: ``(L+5) d`` and ``(L+4m+5) d``); MHAR = Block
-AttnRes (heads split channels, same traffic); MSAR ablations (no conv, mean fusion, other m) use
-the MSAR formula with their m (the m retrieved streams are still written and read); the
-AttnRes+mHC hybrid = AttnRes + mHC, ``(N/S + 8m + 7) d`` (both states are kept and read).
-``N`` is ``ceil(L/S)`` of the config (the last block may be shorter).
+Library use: ``account(config) -> dict`` and ``format_table(report) -> str`` (``config`` is the full
+config with ``.model`` and ``.seq_len``, or a bare model config); ``mfu`` and ``peak_flops`` serve the
+training loop's MFU metric. Nothing is allocated: parameters come from ``nnx.eval_shape``, FLOPs and
+memory traffic are closed forms, each mechanism's stated by its class (``extra_params``,
+``forward_flops``, ``memory_access``). The conventions and the comparison with Table 5 are in
+docs/design.md §15.
 """
 
 from __future__ import annotations

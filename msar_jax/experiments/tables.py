@@ -2,41 +2,12 @@
 
     python -m msar_jax.experiments.tables [--json] [--out=tables.md]
 
-Table 5: residual-module parameter and training-FLOP overheads of mHC, AttnRes and MSAR relative
-to Vanilla at the 18B and 28B backbones (Table 3: d = 2112 / 2560, 28 / 32 layers, T = 8192):
-``Delta P / P_act`` (P_act = Vanilla's activated parameters without the input embedding) and
-``Delta F / F_Vanilla`` (training FLOPs, the LM head included), plus the absolute parameter
-increments of Appendix C (Eq. 19-20) and, for the scaling-law convention of §4.3, the FLOP
-overhead excluding the LM head. The FLOP columns are an estimate under the accounting module's
-counting conventions; they do not match the paper's for AttnRes and MSAR (``DIFFERENCES``).
-
-Table 6: memory access per token per residual sublayer (forward, leading terms in units of d).
-This is **the paper's Table 6 formulas evaluated** at the Typical column (N = 8, S = 16, m = 4)
-and at the 18B / 28B block configurations (S = 8, N = 7 / 8): ``accounting.table6_coefficients``
-transcribes them, and the code has no memory-traffic model of its own, so agreement in the
-Typical column checks the transcription only, not the formulas.
-
-Where and why the FLOP numbers differ from the paper (``DIFFERENCES``; the per-sublayer
-breakdown comes from ``accounting.mechanism_forward_flops``):
-
-* Parameters: the increments are exact (Eq. 19-20, checked against ``eval_shape``). The
-  percentages divide by the exact Vanilla activated count, the paper by the rounded 1.7B / 2.7B,
-  so ours are a little lower (mHC 18B 0.64% vs 0.67%).
-* One d of forward mechanism work per sublayer is 0.00264% (18B) / 0.00241% (28B) of Vanilla's
-  training FLOPs, so the paper's 0.51% / 0.48% for MSAR is 193 d / 199 d per sublayer and its
-  0.10% for AttnRes 38 d / 41 d; the module counts 221 d / 233 d and 27.5 d / 29.7 d.
-* MSAR (+0.075 / +0.082 points): the module counts every normalisation as written. Its key rms
-  (3d per source and stream, 16.5 d / 17.3 d per sublayer) and the rms of the H_pre fusion over
-  the m d state (12 d) together are 28.5 d / 29.3 d, the size of the gap (28 d / 34 d). Leaving
-  them out would match 18B to 0.2 d and 28B to 5 d; the paper's estimator is not published, so
-  this is a consistent explanation, not a confirmed one.
-* AttnRes (-0.027 / -0.028 points): the module costs the two-phase read (§3.4), where the key
-  rms of a completed block is computed once per block and shared by its S targets. Costing it
-  per (target, source), the direct form, gives 0.098% at both scales, the paper's 0.10%. The two
-  explanations are not one convention: costed in the direct form MSAR would be 1.13% / 1.12%.
-* mHC matches to 0.01 points at both scales.
-* The denominators (Vanilla's training FLOPs) count causal attention at T/2; with full T every
-  percentage would be ~15% lower. mHC's match is the evidence for this convention.
+Table 5: residual parameter and training-FLOP overheads of mHC, AttnRes and MSAR against Vanilla at
+the 18B and 28B backbones (Table 3, T = 8192), with Eq. 19-20's absolute increments and the FLOP
+overhead without the LM head (§4.3). Table 6: the paper's memory-access formulas evaluated at the
+Typical column and at the 18B / 28B blocks; the code has no traffic model of its own, so agreement
+checks the transcription only. ``DIFFERENCES`` says where and why the FLOP figures differ from the
+paper's (docs/design.md §15).
 """
 
 from __future__ import annotations
