@@ -1,31 +1,10 @@
 """grain input pipeline: ``[B, T+1]`` int32 token windows from a prepared folder.
 
-A prepared folder (see ``msar_jax.data.prepare``) holds ``train.bin`` /
-``val.bin`` (flat token ids) and ``meta.json`` (their dtype). A *window* is
-``T+1`` consecutive tokens; a model reads ``window[:, :-1]`` and predicts
-``window[:, 1:]``. Window ``i`` starts at token ``i * stride``.
-
-Training (``make_train_iterator``)::
-
-    MapDataset.range(num_windows)        # window indices
-      .shuffle(seed)                     # a fresh permutation every epoch
-      .repeat(num_epochs)                # None = forever
-      .batch(B, drop_remainder=True)     # the GLOBAL batch of window indices
-      .map(take rows [p*B/P, (p+1)*B/P) and gather their tokens)
-
-Every process builds the same global index stream and keeps only its own
-contiguous slice of each global batch, so P processes see disjoint rows that
-together are exactly the global batch; ``make_global_batch`` assembles them
-into one ``jax.Array``. The iterator is a grain ``DatasetIterator``: its
-``get_state()`` / ``set_state()`` give an exact continuation, and it can be
-saved in an orbax checkpoint via ``checkpoint_save_args`` / ``checkpoint_restore_args``.
-
-Default strides: training uses non-overlapping windows (stride ``T+1``);
-evaluation uses stride ``T`` so that consecutive windows share one token and
-every val token after the first is a prediction target exactly once.
-
-All argument and file problems raise at construction time with a clear
-message (no worker processes are used, so nothing can hang).
+``make_train_iterator`` shuffles non-overlapping windows every epoch and gives each process its
+contiguous slice of the global batch (``make_global_batch`` assembles them); its state is saved in
+a checkpoint (``checkpoint_save_args`` / ``checkpoint_restore_args``) for an exact continuation.
+Evaluation windows overlap by one token so every val token is a target once. Windows, strides and
+the multi-process split: docs/training.md §6.
 """
 
 from __future__ import annotations

