@@ -1,50 +1,12 @@
 """SPMD pipeline parallelism over the ``stage`` mesh axis (GPipe and circular), MaxText style.
 
-Layout. The transformer layers are split into ``V = stages x repeats`` *virtual stages* of
-``Lps = n_layers / V`` consecutive layers; virtual stage ``v = r * stages + s`` runs on stage
-``s`` in repeat ``r`` (circular pipeline; ``repeats = 1`` is GPipe). Parameters stay in the
-model's canonical ``[n_layers, ...]`` layout (so a checkpoint loads under any stage count);
-inside the step they are viewed as ``[repeats, stages, Lps, ...]`` and the ``stages`` dim
-is sharded on the ``stage`` mesh axis. The embedding, the final norm and the LM head run
-outside the pipeline (replicated over ``stage``).
-
-Schedule. One scan over ``microbatches x repeats + stages - 1`` iterations, each
-rematerialised in the backward (``buffered_scan``: only the hop is saved per iteration; the
-per-microbatch buffers below are append-only / write-once and are rebuilt from their final
-values, so backward memory is linear in depth and in microbatches). In
-iteration ``i`` stage ``s`` works on visit ``k = i - s`` (microbatch ``k % M``, repeat
-``k // M``); the stage function is ``jax.vmap``-ed over the stages a device holds, and the
-stage outputs move one stage on with ``lax.ppermute`` on the ``stage`` axis inside
-``jax.shard_map`` that is manual over ``stage`` only (``axis_names={"stage"}``): FSDP and
-tensor parallelism on the other axes keep working inside. Stage 0 takes a fresh microbatch
-in repeat 0 and, in later repeats, the output the last stage sent round the ring (kept in a
-write-once buffer of visits until it is needed, since ``M >= stages``). An MoE model's leading
-dense layers run before the pipeline on the whole batch; their depth state enters virtual
-stage 0 (``Plan.first_layer``).
-
-The carry that crosses a stage boundary (a "hop") is a pytree that the mechanism class
-describes (``residuals/base.py``; the pipeline never looks at its name): its carry, less the
-``stage_local_carry`` leaves and, unless some stage boundary falls inside a block, the
-``block_carry`` leaves (every block starts them from zero); with ``uses_sources``, also the
-single-stream block summaries produced so far (a window of ``W`` of them). So Vanilla sends
-``h`` (``d`` per token), mHC its ``m``-stream state ``X`` (``m d``), AttnRes, MHAR and MSAR
-the window and, inside a block, the partial sum: MSAR's ``m`` expanded streams are never
-formed outside a read, so nothing of size ``m`` crosses a boundary, and its ``last``
-(``h_L + v_L``, used only by the final merge) stays local. The embedding ``b_0`` never
-travels: every stage has the embeddings.
-
-Cross-stage caching (§3.4 of the MSAR paper, after AttnRes; circular pipelines): a stage keeps,
-per microbatch, the summaries it already holds from its previous visit, so a later visit
-receives only those produced since, by the previous ``stages - 1`` virtual stages. Without
-caching a hop carries every summary the receiving stage needs (``W = N_before(V - 1)``).
-``Plan.hop_vectors`` gives the analytic count; ``tests/test_pipeline.py`` checks it against
-the operands of the compiled HLO's collective-permutes.
-
-Inside a stage the sublayers run one at a time through the residual mechanism's protocol
-(direct depth reads; block ends applied where a block ends, which may be in the middle of a
-stage) in a scan over the stage's layers, so the stage program is the same for every stage
-(a ``buffered_scan`` too: the backward keeps one summary buffer per stage and one carry per
-layer). Limits: docs/parallelism.md.
+``pipelined_lm_loss`` splits the layers into ``stages x repeats`` virtual stages, views the
+canonical ``[n_layers, ...]`` parameters as ``[repeats, stages, Lps, ...]`` sharded on ``stage``,
+and runs one rematerialised scan (``buffered_scan``) whose iterations pass each stage's hop on with
+``lax.ppermute`` inside a ``jax.shard_map`` manual over ``stage`` only. The hop is described by the
+mechanism class, never by its name; ``Plan`` holds the schedule and the analytic hop sizes, with
+optional cross-stage caching of block summaries. Design, memory and limits: docs/parallelism.md
+sections 2 and 5, docs/design.md §13.
 """
 
 from __future__ import annotations
