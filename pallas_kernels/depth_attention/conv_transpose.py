@@ -1,33 +1,10 @@
-"""The expansion's transpose as a Pallas kernel: source and bank gradients from the streams'
-cotangents (the vjp of ``reference.expand``, Eq. 10).
-
-Used by phase 1's Pallas backward in its ``wide`` form (``fused_bwd_phase1``: all sources in
-one call, ``sources_transpose``) and by the ``backward="hybrid"`` option (``vjp.py``): there the
-closed-form XLA backward (``xla_streaming.phase1_backward``) forms each source's stream
-cotangents ``dE`` (``[m, B, T, d]`` float32, one source at a time) and hands them here instead
-of to the autodiff of the expansion. Alone, one source at the bench shape: 0.90 ms against
-2.31 for XLA's autodiff on the H200.
-
-Math (one source, stream ``r`` with taps ``c_r[delta]``, ``mask_delta[t]``: token ``t - delta``
-exists and shares ``t``'s segment)::
-
-    d x[t]          = sum_{r: kernel_r = 0} dE_r[t]
-                      + sum_r sum_{delta < kernel_r} c_r[delta] mask_delta[t + delta] dE_r[t + delta]
-    d c_r[delta]    = sum_{b, t} mask_delta[t] dE_r[t] x[t - delta]
-
-``mask_delta[t + delta]`` is "token ``t + delta`` exists and shares ``t``'s segment". Every
-program owns its ``d x`` rows: it reads ``dE`` ``delta`` rows AHEAD of its tile
-(``fused._Window.ahead``: masked loads on Triton, the next tile concatenated elsewhere) and
-``x`` ``delta`` rows behind, so no row shift of values and no carried spill (unlike the
-reverse-T kernels of the Pallas backwards). Grid ``(B, T / rows, d / bd)``: a program walks
-``rows / bt`` token tiles and carries the bank gradient as ``K`` whole ``[bt, bd]`` tiles,
-reduced over rows once at the end (a cross-row sum per tap and tile cost most of a
-reverse-T kernel's time on the H200) and written as
-``[B, T / rows, K, d]`` partials that XLA sums.
-
-Bytes: ``dE`` and ``x`` read once (their halos hit L1), ``d x`` written once, the partials
-``K d`` floats per program.
-"""
+"""The expansion's transpose as a Pallas kernel: the source and bank gradients from the streams'
+cotangents ``dE`` (the vjp of ``reference.expand``, Eq. 10). Used by phase 1's ``wide`` Pallas
+backward (``sources_transpose``, all sources in one call) and by the ``backward="hybrid"`` option
+of ``vjp.py`` (one source's ``dE`` from the closed-form XLA backward). Each program owns its
+``d x`` rows, reading ``dE`` ahead of its tile and ``x`` behind, so nothing is carried between
+programs; the bank gradient is reduced over rows once per program. The formulas and figures:
+docs/kernels.md §4, "Phase 1 backward"."""
 
 from __future__ import annotations
 

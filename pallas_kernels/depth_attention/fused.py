@@ -1,37 +1,11 @@
-"""Fused expansion + scoring + mixing kernels shared by the TPU and GPU back ends.
-
-Expansion (Eq. 10) is fused into both kernels, so no expanded stream ``E_r[x]`` is
-ever written to memory; it exists only as a ``block_t x block_d`` tile in registers
-or VMEM. Each read is split into two Pallas calls with a tiny XLA step between them:
-
-1. ``scores`` (grid ``(B, T/block_t)``): per token tile, loop over sources and channel
-   chunks, expand each chunk for every stream, and accumulate the raw dot products
-   with all ``S*m`` queries (per head) and the stream's sum of squares. Writes
-   ``dots[S, n, m, B, T, H]`` and ``sumsq[n, m, B, T]`` (``S*n*m*H + n*m`` floats per
-   token, against ``n*d`` read).
-2. XLA: ``score = dot * rsqrt(sumsq/d + eps)``, the softmax over sources (phase 1) or
-   the online-softmax merge with the phase-1 state (phase 2). Only per-(stream,
-   token, head) scalars.
-3. ``mix`` (grid ``(B, T/block_t, d/block_d)``): re-expand each source chunk and sum
-   ``p * E`` into the ``S`` targets' accumulators (phase 1) or into ``a * acc +
-   b * E`` (phase 2), optionally folding the stream fusion (gate or mean) in so the
-   ``m`` retrieved streams are never written (``h[B, T, d]``). The gate needs the rms
-   and ``Z @ W`` over all ``m*d`` entries first: a ``stats`` pass of the same kernel
-   writes per-chunk partial sums, XLA finishes the gate, then the ``gate`` pass.
-
-The sources are read twice from HBM per read (scores, mix): they are the small term
-of the byte count (``N/S`` per sublayer against ``m`` state streams).
-
-The causal conv needs ``max_kernel - 1`` earlier tokens. Two ways to get them:
-
-* ``backend="triton"``: one masked load per lag at ``t0 - delta`` (rows before the
-  sequence start are masked; the overlapping rows hit L1).
-* otherwise (Mosaic TPU, and every interpret mode): load the current and the previous
-  token tile, concatenate, and slice statically; needs ``block_t >= max_kernel - 1``.
-  (Interpret mode mis-reads a slice that starts before row 0, so it uses this path.)
-
-T is padded to a multiple of ``block_t`` by the wrapper when it is ragged.
-"""
+"""Fused expansion + scoring + mixing kernels of the Triton and Mosaic TPU back ends: ``scores``
+(per token tile, every source expanded for every stream and dotted with all ``S*m`` queries, with
+each stream's sum of squares) and ``mix`` (each source re-expanded and summed into phase 1's
+accumulators, or merged with phase 2's state, optionally with the stream fusion folded in through
+a ``stats`` and a ``gate`` pass), with a small XLA step between them; no expanded stream is
+written to memory. The causal conv's halo comes from masked loads on Triton and from the previous
+token tile elsewhere (``_Window``). The design: docs/kernels.md §4, "Phase 1 forward" and "Phase 2
+forward"."""
 
 from __future__ import annotations
 

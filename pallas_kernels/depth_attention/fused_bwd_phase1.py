@@ -1,103 +1,14 @@
-"""Pallas backward kernels of phase 1 (the gradients of ``xla_streaming.phase1_backward``).
+"""Pallas backward of phase 1 (Triton and Mosaic TPU): the gradients of
+``xla_streaming.phase1_backward`` for the sources, conv banks and queries, from the state
+cotangent ``(g_D, g_A)``.
 
-Math (per source ``i``, stream ``r``, token, head ``h``; see ``xla_streaming``'s docstring).
-The expansion ``E = E_r[x_i]`` (Eq. 10: the identity for ``kernel = 0``, otherwise the
-causal depthwise conv ``E[t] = sum_delta c_r[delta] mask_delta[t] x_i[t - delta]``), the
-inverse rms ``rho = rsqrt(mean_d(E^2) + eps)`` over the full width, the key ``k = rho E``,
-the score ``s_{s,h} = <k_h, q_{s,r,h}>``, ``p = exp(s - M)`` (``M``: the forward's running
-max, a shift without gradient; ``p = 0`` for an invalid source). With the state cotangent
-``(g_D, g_A)``::
-
-    ds_{s,h}  = p_{s,h} (g_D{s,h} + <g_A{s,r,h}, E_h>)
-    dE        = sum_s p_{s,h} g_A{s,r}                     (value path, dv = p g_A)
-              + rho (dk - k mean_d(k dk)),  dk_h = sum_s ds_{s,h} q_{s,r,h}   (key path)
-
-Every per-channel quantity of the key path reduces to per-token scalars:
-``mean_d(k dk) = (1/d) sum_{s,h} ds_{s,h} s_{s,h}`` (the dots are the scores), so::
-
-    dE[c]  = sum_s P_s g_A{s,r}[c] + sum_s DSR_s q_{s,r}[c] - W E[c]
-    P = p,  DSR = ds rho,  W = rho^2 (1/d) sum_{s,h} ds s
-    dq_{s,r}[c] = sum_{i, b, t} DSR_s E[c]
-
-and the expansion's transpose gives the source and bank gradients::
-
-    d x_i[t]       = sum_r [kernel_r = 0] dE_r[t] + sum_delta H_delta[t + delta]
-    H_delta[u]     = sum_{r: kernel_r > delta} c_r[delta] mask_delta[u] dE_r[u]
-    d c_r[delta]   = sum_{b, t} mask_delta[t] dE_r[t] x_i[t - delta]
-
-(the identity streams add into ``H_0``). Nothing of size ``m*d`` per token is ever written:
-``E`` is recomputed from ``x`` and the bank inside each kernel, three times in all.
-
-Two forms share passes 1-3 (``phase1_backward(form=...)``):
-
-* ``"wide"`` (the default): pass 4 is ``dstreams_call``, a grid over (batch row, token tile,
-  channel chunk) in which each program loads its ``g_A`` tiles once and writes every source's
-  stream cotangents ``dE`` (in the sources' dtype); ``conv_transpose.sources_transpose`` then
-  gives the source and bank gradients and ``_query_grads`` the query gradient as matrix products
-  over the tokens. No program walks the tokens; ``g_A`` is read about twice per block. On the
-  H200 (bench shape, fwd + bwd of one block): 35.8 ms against 89.9 for the reverse-T form and
-  57.7 for the closed-form XLA backward (docs/kernels.md). It writes the
-  ``[n, m, B, T, d]`` stream cotangents once.
-* ``"reverse_t"``: pass 4 is ``grads_call`` below, one program per (batch row, chunk, source)
-  walking the token tiles in reverse; nothing of ``m d`` per token is written.
-
-Passes of the reverse-T form (all float32 inside):
-
-1. ``fused.scores_call`` (grid ``(B, T/bt)``): raw per-head dots with all ``S*m`` queries and
-   each stream's sum of squares. Writes ``(S*n*m*H + n*m)`` floats per token. Needed for
-   ``rho`` (over the full ``d``) and ``s``, hence ``p``.
-2. ``gdots`` (grid ``(B, T/bt, d/bd)``, like ``fused``'s mix kernel: streams outside, sources
-   inside): the value-path term ``<g_A{s,r}, E_{i,r}>`` per channel chunk, ``g_A`` loaded once
-   per program. Writes ``S*n*m*(d/bd)`` floats per token (chunk partials; XLA sums them into
-   heads). It is a separate pass because ``ds`` needs the full head width before any ``dE``
-   channel can be formed.
-3. XLA: ``p``, ``ds``, ``P``, ``DSR``, ``W`` (per-token scalars only).
-4. ``grads`` (grid ``(B, d/bd, n)``: one source, one batch row and one channel chunk per
-   program): walks the token tiles IN REVERSE, recomputes ``E`` per tile, forms ``dE`` per
-   stream, folds it into ``H_delta`` and applies the transposed conv. ``H_delta[u]`` lands on
-   row ``u - delta``, i.e. in this tile or, for its first ``delta`` rows, the previous one: that
-   part (the "spill", one ``bt x bd`` tile) rides in the loop carry to the next iteration, so
-   each ``d x`` tile is stored exactly once. The bank gradient (``K`` whole tiles, summed over
-   rows after the loop) and the query gradient (on Triton ``m`` ``[S_pad, bd]`` products
-   ``DSR^T E`` over each tile's tokens, ``S_pad = max(S, 16)``; elsewhere ``S*m`` chunk
-   vectors) accumulate in the carry, not as per-tile cross-row sums, which cost most of the
-   time on the H200, and are written once per program
-   (``[n, B, K, d]`` and ``[n, B, S, m, d]`` partials, summed in XLA). Writes
-   ``n*d`` values per token (``d x``, in the sources' dtype) plus those per-program partials.
-   Sources are the innermost grid axis so the ``n`` programs that read the same ``g_A``
-   chunk run together and share it through L2 (``g_A`` comes from HBM about once).
-
-Bytes per token written to HBM (float32 scalars, ``nc = d / bd``):
-``4 (S n m H + n m)`` (1) ``+ 4 S n m nc`` (2) ``+ 4 (2 S n m H + n m)`` (3) ``+ n d sizeof(x)``
-(4, plus ``4 n B (K + S m) d`` per call). Reads: ``x`` three times (``n d``), ``g_A`` twice
-(``S m d``: passes 2 and 4), the scalars once.
-
-Row shifts (the halo of ``E`` and the transposed conv): ``E`` uses ``fused._Window`` (masked
-loads at ``t0 - delta`` on Triton, previous-tile concatenate elsewhere). The transposed conv
-shifts VALUES (``H_delta`` of this tile, already in registers) by ``delta`` rows
-(``row_shift.shift_rows``): on Triton, which has no value-level slicing or general
-concatenate, as a product with a 0/1 shift matrix (``[bt, bt] @ [bt, bd]``, IEEE float32, so
-exact); elsewhere with concatenate + static slice. ``shift="buffer"`` (``grads_call``) takes
-phase 2's Triton default instead, the rows through a per-program scratch
-(``row_shift.shift_rows_via_buffer``), but here it was slower (H200, bench shape, this kernel
-alone: 75-81 against 72 ms; the shift is 5% of this kernel,
-its carried token sums 29%). Both need ``block_t >= max_kernel - 1`` (the spill reaches one
-tile back only); Triton's dot also needs ``block_t, block_d >= 16``.
-
-Tiles: pass 2 uses ``tiles.block_d_mix`` as its chunk, pass 4 ``tiles.block_d_grads``
-(``block_d_bwd``, else ``block_d_mix``; both must divide the head width). Pass 4 keeps
-``max_kernel`` ``H_delta`` tiles and up to ``max_kernel`` lag-shifted source tiles live, so on
-Triton it takes narrower chunks than the forward mix.
-
-TPU (Mosaic): the kernels lower and compile for a TPU v5p (``benchmarks/tpu_kernels_aot.py``;
-nothing has run on a TPU). As in ``fused.py``, every per-token array has the tokens on the
-sublane (second-to-last) axis and a whole trailing dim, to meet Mosaic's block-shape rule
-(last two block dims whole or 8 x 128-aligned): the segment ids as ``[B, Tp, 1]``, pass 2's
-output as ``[S, n, m, B, nc, Tp, 1]`` (transposed back to ``[..., Tp, nc]`` in XLA), pass 4's
-``p``, ``DSR`` as ``[S, n, m, B, H, Tp, 1]`` (the chunk's head chosen by the index map) and
-``W`` as ``[n, m, B, Tp, 1]``. Token-tile starts are ``pl.multiple_of(.., block_t)`` (aligned
-loads). Pass 4 maps whole-T blocks per program (VMEM on Mosaic; see ``fused_bwd_phase2``).
-"""
+``phase1_backward(form=...)`` runs the scoring pass again, ``gdots_call`` (``<g_A, E>`` per head),
+the per-token scalars ``P, DSR, W`` in XLA, then either the ``"wide"`` form (the default:
+``dstreams_call`` writes every source's stream cotangents, ``conv_transpose`` and matrix products
+give the gradients) or the ``"reverse_t"`` form (``grads_call``: one program per batch row, chunk
+and source walks the token tiles in reverse, carrying the transposed conv's spill, the bank and
+query gradients). The derivation, the passes and their bytes: docs/kernels.md §4, "Phase 1
+backward"; the Mosaic TPU layouts: "Techniques the kernels share"."""
 
 from __future__ import annotations
 

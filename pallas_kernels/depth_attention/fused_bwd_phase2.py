@@ -1,90 +1,13 @@
-"""Pallas backward of the fused phase-2 depth read with stream fusion (``phase2_fused``).
+"""Pallas backward of the fused phase-2 read with stream fusion (``phase2_fused``), Triton and Mosaic
+TPU: exactly the gradients of ``xla_streaming._phase2_fused_bwd``, without writing any
+``[m, B, T, d]`` temporary besides the state's cotangent ``d_acc``.
 
-Computes exactly the gradients of ``xla_streaming._phase2_fused_bwd`` (the closed forms are
-in that module's docstring and in the block comment above ``_gate_forward``), but without
-ever writing an ``[m, B, T, d]`` float32 temporary to HBM other than the unavoidable output
-``d_state.acc``. Everything of width ``m*d`` per token -- the expansions ``E_r = conv_r(x)``
-(Eq. 10), the keys ``k_r = rms(E_r)``, the merged streams ``z_r = a A_r + b E_r`` and their
-cotangents ``dz_r`` -- is recomputed inside the kernels, one ``block_t x block_d`` tile at a
-time, from the inputs (partial ``x``, conv bank, query, phase-1 state, gate, ``dh``). Only
-per-token scalars travel between the passes.
-
-Notation (per stream ``r``, token ``t``, head ``h``; ``A, D, M`` the phase-1 state):
-``s = q_r . k_r`` (per head), ``M' = max(M, s)``, ``c = exp(M - M')``, ``p = exp(s - M')``
-(0 when the partial is excluded), ``D' = c D + p``, ``a = c / D'``, ``b = p / D'``,
-``z_r = a A_r + b E_r`` (Eq. 11 merged online), ``h = sum_r g_r z_r`` with the H_pre gate
-``g = sigmoid(scale * rz * y + bias)``, ``rz = rms_{m d}(Z)^-1``, ``y = flatten(Z) @ W``
-(Eq. 13-14), or ``g_r = 1/m`` (mean fusion).
-
-The passes (``tiles`` as in ``fused.py``; ``nc = d / block_d`` channel chunks):
-
-0. ``fused.scores_call`` (grid ``B x T/bt``): the raw per-head dots ``q_r . E_r`` and
-   ``sum E_r^2`` (the key norm is over the full ``d``, so it must be a separate reduction
-   before anything else). Skipped when the forward kept its own (``scores``: the custom_vjp
-   of ``vjp.py`` saves them as residuals for this backward). XLA redoes the forward's online-softmax merge on these
-   ``[m, B, T, H]`` scalars: ``c, p, D', a, b`` and the key's inverse rms ``rk``.
-   Writes ``m (H + 1)`` floats per token.
-1. ``_stats_kernel`` (gate only; grid ``B x T/bt x nc``): recomputes ``z_r`` per chunk and
-   writes per-chunk partials of the gate's forward statistics ``sum z^2`` and
-   ``y_j = sum z_r W[r, :, j]`` together with the backward's ``dg_r = <dh, z_r>``: all three
-   only need ``z`` and ``dh``, so one recompute serves the forward gate statistics and the
-   first backward reduction. Writes ``nc (1 + 2m)`` floats per token.
-   XLA finishes the gate backward on ``[B, T, m]`` scalars: ``dlogit = dg g (1 - g)``,
-   ``d_bias``, ``d_scale``, ``dy = scale rz dlogit``, ``coef = -scale (dlogit . y) rz^3 / (m d)``.
-2. ``_dstate_kernel`` (grid ``B x T/bt x nc``): recomputes ``z_r`` and
-   ``dz_r = g_r dh + sum_j W[r, :, j] dy_j + coef z_r`` (``dh / m`` for mean fusion), writes
-   ``d_acc = a dz`` (the state's value cotangent, unavoidable: ``m d`` floats per token) and
-   per-chunk partials of the three per-head reductions the scalar cotangents need:
-   ``S1 = sum dz z``, ``Sm = sum dz (A - E D)``, ``Ss = sum dz (E - z)``
-   (``3 m nc`` floats per token). XLA (step "5"): ``d_denom = -c S1 / D'``,
-   ``d_max = c p Sm / D'^2`` (exactly 0 for an excluded partial, no cancellation),
-   ``ds = b Ss`` and the key-norm coefficients ``u = rk ds`` (per head) and
-   ``v = -rk^3 / d sum_h ds_h (q_r . E_r)_h`` (the rms is over all ``d`` channels, so its
-   term is one scalar per token): ``d_E_r = b dz_r + u q_r + v E_r``.
-3. ``_dinput_kernel`` (grid ``B x nc``; each program loops over the T tiles IN REVERSE):
-   recomputes ``E_r``, ``z_r``, ``dz_r`` and ``d_E_r`` per tile and applies the transpose
-   of the causal depthwise conv (Eq. 10),
-   ``d_x[t] = sum_r sum_delta c_r[delta] mask_delta[t + delta] d_E_r[t + delta]``,
-   whose rows ``t + delta`` reach into the NEXT tile: since the loop runs backwards, the
-   part of the current tile's contribution that lands in the previous tile (at most
-   ``max_kernel - 1 <= block_t`` rows) is kept in the loop carry. The same loop
-   accumulates ``d_bank[delta] = sum_t mask_delta d_E_r[t] x[t - delta]``,
-   ``d_query_r = sum_t u E_r`` and ``d_W[r, :, j] = sum_t z_r dy_j`` as whole
-   ``block_t x block_d`` tiles in the carry (summed over rows once, after the loop: per-tile
-   cross-row reductions were 60% of this kernel on the H200), written once per program as
-   ``[B, ...]`` partials that XLA sums. Writes ``d`` floats per token.
-
-The row shift of the transposed conv (``row_shift``): on the interpret / TPU path a
-concatenate and static slices (as ``fused._Window`` builds its halo). On the Triton path, where
-value-level concatenates and slices do not lower, the lag tiles go through a per-program
-scratch in global memory with CTA barriers and come back at row offsets
-(``row_shift.shift_rows_via_buffer``, ``Tiles.shift_slots`` slots): at the bench shape on the
-H200 the input kernel took 1.92 ms so, against 2.97 as a product with a
-0/1 shift matrix per lag (``shift="dot"``, kept as an option; docs/kernels.md). Every other lag is a ref load (``fused._Window``).
-
-HBM traffic per token, in float32 words (banks, queries and ``W`` are per-program constants
-and not counted; ``nc = d / block_d``): the partial ``x`` is read by every pass (4 times
-with the gate, 3 with mean fusion; plus the conv halo, which hits cache), the state ``A``
-and ``dh`` (``(m + 1) d``) by passes 1-3 (3 times with the gate, 2 without), and
-``O(m H)`` per-token scalars. Writes: ``m d`` (``d_acc``, an output) ``+ d``
-(``d_partial``, an output) ``+ m (H + 1)`` (pass 0) ``+ 3 m nc`` (pass 2) ``+ nc (1 + 2 m)``
-(pass 1, gate only), plus the XLA steps' ``O(m H)`` per-token scalars. Nothing of size
-``m d`` per token is written besides ``d_acc``; the XLA closed form holds several
-``[m, B, T, d]`` float32 arrays (``E``, keys, ``z``, ``dz``, ``d_E``) at once.
-
-TPU (Mosaic): the kernels lower and compile for a TPU v5p (``benchmarks/tpu_kernels_aot.py``;
-nothing has run on a TPU). Mosaic wants a block's last two dims whole or 8 x 128-aligned and
-no load at a dynamic lane index, so, as in ``fused.py``: the segment ids are passed as
-``[B, Tp, 1]`` and the gate's ``coef`` and the key-norm ``v`` as ``[..., Tp, 1]`` (tokens on
-sublanes, a whole trailing dim); the per-chunk partials of passes 1 and 2 are written as
-``[B, nc, Tp, 1 or m]`` / ``[m, B, nc, Tp, 1]`` and transposed back in XLA; the per-head
-scalars (``a``, ``b``, ``D``, ``u``; ``[..., T, H]``) are read as a row of heads and the
-chunk's head picked by a one-hot sum (``_head_col``; Triton keeps the direct dynamic index).
-The row starts of the reverse loop are ``pl.multiple_of(.., block_t)`` (aligned loads).
-Pass 3 maps whole-T blocks (``[T, block_d]`` of ``x``, ``dh`` and ``m`` of ``A``) per
-program, which is free on the Triton path (refs are pointers) but sits in VMEM on Mosaic;
-a long-sequence TPU version would page the T tiles with a sequential grid axis.
-"""
+Starting from the forward's per-token scores (or the scoring pass again), ``_stats_kernel`` (gate
+only) forms the gate's statistics and ``<dh, z_r>``, ``_dstate_kernel`` writes ``d_acc`` and the
+per-head sums the scalar cotangents need, and ``_dinput_kernel`` walks each channel chunk's token
+tiles in reverse for the partial's, bank's, query's and ``W``'s gradients; XLA finishes the
+per-token scalars between them. The formulas, bytes and row shifts: docs/kernels.md §4, "Phase 2
+backward"; the Mosaic TPU layouts: "Techniques the kernels share"."""
 
 from __future__ import annotations
 

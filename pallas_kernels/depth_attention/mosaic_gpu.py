@@ -1,54 +1,13 @@
-"""The depth read's Mosaic GPU kernels (``plgpu.kernel``): phase 2's fused forward (merge + stream
-fusion), phase 2's backward state and input kernels, and phase 1's scoring and mixing passes.
-Phase 1's backward passes are in ``mosaic_gpu_bwd1``, which uses this module's helpers.
-
-Phase 2's forward has the same contract as ``fused.phase2_forward(fuse="gate" | "mean")``; the Triton form runs it as
-three Pallas calls (``scores``, ``mix_stats``, ``mix_gate``) with XLA between them. Here one
-program per (batch row, 64-token tile), one warpgroup, runs the three passes over the channel
-chunks in turn and keeps every per-token scalar between them in registers:
-
-A. scores: expand the partial's chunk for every stream (Eq. 10) and accumulate the per-head
-   dots ``q_r . E_r`` and ``sum E_r^2``. Then, per stream and head, the score
-   ``s = dot * rsqrt(sumsq / d + eps)`` and the online-softmax merge with the phase-1 state
-   (``M' = max(M, s)``, ``c = exp(M - M')``, ``p = exp(s - M')``, ``D' = c D + p``): the
-   coefficients ``a = c / D'``, ``b = p / D'`` of ``z_r = a A_r + b E_r`` (Eq. 11, merged).
-B. gate statistics (gate only): ``sum_r sum z_r^2`` and ``y_j = sum_r z_r . W[r, :, j]``, then
-   ``g = sigmoid(scale * y / rms_{m d}(Z) + bias)`` (Eq. 13-14).
-C. fusion: ``h = sum_r g_r z_r`` (``1 / m`` each for mean fusion), written chunk by chunk.
-
-Each pass streams the chunks through a double-buffered TMA pipeline (the partial's lag
-windows, the conv taps, the queries; the state's chunk and the gate's ``W`` in B and C). A
-conv lag's rows ``[t0 - delta, t0 - delta + 64)`` loaded from one window at a row offset that
-is not a multiple of 8 came out wrong on the H200 in Pallas' default Warpgroup semantics, whose
-layout inference swizzles every shared-memory ref (docs/kernels.md;
-``benchmarks/mgpu/offset_loads.py`` shows it). Placements of the lags that
-work (``_Lags``, ``WINDOWS``): ``"aligned"``, one window per lag class modulo 8, 72 rows tall where it serves two lags,
-each lag at a multiple of 8 rows in it (8 TMA copies for kernels up to 12; 544 rows into shared
-memory per 64-row tile and chunk, 8.5x the partial's), and ``"single"``, one window of 80 rows
-per chunk with each lag loaded at its own offset, the kernel lowered in Lane semantics (no
-inferred swizzle; half the shared memory). Those bytes, not the number of copies, bound the
-kernels (``benchmarks/mgpu/tma_rate.py`` measures it), yet with 64-byte rows the single
-window's loads meet 4-way bank conflicts (rows ``r`` and ``r + 2`` on the same banks) and cost
-more than they save; ``"padded"`` widens its rows to 80 bytes (``WINDOW_PAD`` channels fetched
-and never read) and is the fastest placement in every kernel (``KERNEL_WINDOWS`` has the figures). Each
-kernel takes the placement measured best for it (``KERNEL_WINDOWS``: ``"padded"`` in all four;
-``"per_lag"``, one window per lag, stays for comparison).
-Rows before token 0 come from TMA's zero fill on the GPU; Pallas' Mosaic GPU interpret mode
-does not emulate it, so interpreted calls get the rows padded in front by XLA. Segment
-boundaries (the conv restarts at a segment start) are one ``int32`` of lag bits per token,
-built by XLA from the ids with the reference's rule (``reference._lag_masks``).
-
-The forward's per-token scores (``dots[m, B, T, H]``, ``sumsq[m, B, T]``) are outputs too: the
-Pallas backward (``fused_bwd_phase2``) starts from them.
-
-Why Mosaic GPU for this op: the scoring pass alone is 1.55-1.70x faster than the Triton
-kernel on the H200; this module's whole forward against the Triton three-call form is in
-docs/kernels.md and BENCHMARKS.md.
-
-Phase 2's backward: ``phase2_backward_state`` (the gate's statistics and ``d_acc``) and
-``phase2_backward_inputs`` (the reverse-T input pass, in 8-channel chunks). Phase 1:
-``phase1_scores`` and ``phase1_mix``.
-"""
+"""The depth read's Mosaic GPU kernels (``plgpu.kernel``): phase 2's fused forward
+(``phase2_fused_forward``: score and merge the partial, the gate, ``h``; the contract of
+``fused.phase2_forward``), phase 2's backward state and input kernels (``phase2_backward_state``,
+``phase2_backward_inputs``), and phase 1's scoring and mixing passes (``phase1_scores``,
+``phase1_mix``). Phase 1's backward passes are in ``mosaic_gpu_bwd1``, which uses this module's
+helpers. Each kernel streams channel chunks through a TMA pipeline of lag windows in shared memory
+(``_Lags``: where each conv lag's rows go, ``KERNEL_WINDOWS``); rows before token 0 come from TMA's
+zero fill, which interpret mode lacks, so there XLA pads the partial in front. What each kernel
+fuses, why the windows are padded and lowered in Lane semantics, and the figures:
+docs/kernels.md §4."""
 
 from __future__ import annotations
 

@@ -1,34 +1,10 @@
-"""Phase 1's backward passes 2 and 4 (wide form) as Mosaic GPU kernels.
-
-The math is ``fused_bwd_phase1``'s (its module docstring): with the state cotangent's
-weighted-sum part ``g_A`` (``[S, m, B, T, d]``, one ``[64, bd]`` tile per target, stream, token
-tile and channel chunk) and the stream ``E = E_r[x_i]`` (Eq. 10) rebuilt in registers,
-
-* ``phase1_gdots`` (pass 2): ``gd[s, i, r, t, h] = <g_A{s,r}[t], E_{i,r}[t]>`` over head ``h``'s
-  channels, the value-path term of ``ds`` (the Triton form is ``fused_bwd_phase1.gdots_call``,
-  which writes per-chunk partials for XLA to sum);
-* ``phase1_dstreams`` (pass 4 of the wide form): ``dE[i, r] = sum_s (P g_A{s,r} + DSR
-  q_{s,r}) - W E_{i,r}``, the stream cotangents (Triton: ``fused_bwd_phase1.dstreams_call``).
-
-``g_A`` is most of both passes' bytes (``S m d`` float32 per token against ``n d`` bf16 of
-sources), so both kernels are built around reading it once: one program per (stream, batch row,
-64-token tile) walks its stream's work in groups (head, channel chunk) (``STREAM_PROGRAMS``'
-"split", the default; "joint": one program per (batch row, tile) for every stream's groups). Each group's ``S`` tiles of
-``g_A`` (and, for ``dstreams``, the stream's query chunks) come in one TMA copy set into
-one of ``GROUP_SLOTS`` buffers, the group that reuses a buffer issued once a group is done;
-inside a group the valid sources are the items of ``phase1_mix``'s pipeline (their lag windows,
-taps and per-token rows, ``n_slots`` deep; ``dstreams`` with ``window_fetch="per_chunk"`` runs
-its groups (head, chunk, stream) and brings each source's window once per chunk:
-``DEFAULT_DSTREAMS_WINDOW_FETCH``). ``gdots`` sums each item's ``S`` row dots into a
-shared-memory accumulator per (source, target) and stores it when the (head, stream) is done;
-``dstreams`` stores each item's ``dE`` tile as it is formed, with each valid source's per-token
-rows brought once per (head, stream) (``ROWS_FETCHES``' "per_stream", the default where it
-fits).
-
-Lane semantics and ``"padded"`` lag windows as in ``mosaic_gpu`` (whose helpers these kernels
-use); the ``g_A`` buffer is tiled and swizzled (``mosaic_gpu._tile_smem``) so its row loads
-are free of bank conflicts.
-"""
+"""Phase 1's backward passes 2 and 4 (wide form) as Mosaic GPU kernels, on ``mosaic_gpu``'s helpers:
+``phase1_gdots``, the value-path dots ``<g_A{s,r}, E_{i,r}>`` per head, and ``phase1_dstreams``,
+every source's stream cotangents ``dE = sum_s (P g_A{s,r} + DSR q_{s,r}) - W E`` (the math is in
+docs/kernels.md §4, "Phase 1 backward"; the Triton forms are ``fused_bwd_phase1.gdots_call`` and
+``dstreams_call``). Both are built around reading ``g_A`` once: one program per stream, batch row
+and 64-token tile walks its (head, channel chunk) groups, each group's ``S`` tiles of ``g_A`` in
+one swizzled TMA copy set, with the valid sources pipelined behind it."""
 
 from __future__ import annotations
 
