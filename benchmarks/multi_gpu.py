@@ -1,9 +1,9 @@
 """Multi-GPU layouts of one config: data parallel, FSDP and the N-stage pipeline (BENCHMARKS.md, multi-GPU layouts).
 
-Trains the same model from the same init on the same batches under each layout and reports
-the median step time, tokens/s, the scaling efficiency against one device, the loss after N
-steps, and for pipeline layouts the bytes per hop read from the compiled HLO and a bubble
-estimate::
+Trains the same model from the same init on the same batches under each layout (``single``,
+``accum``, ``dp<N>``, ``fsdp<N>``, ``pp<N>_gpipe``, ``pp<N>_circular``, ``pp<N>_circular_cache``) and
+reports the median step time, tokens/s, scaling efficiency, the loss after N steps and, for
+pipelines, the bytes per hop and a bubble estimate::
 
     python benchmarks/multi_gpu.py --config=configs/msar.py:size=small --steps=30 \
         --layouts=single,dp2,fsdp2,pp2_gpipe,pp2_circular,pp2_circular_cache --json=out.json
@@ -14,37 +14,7 @@ CPU smoke run (2 fake devices)::
     python benchmarks/multi_gpu.py --config=configs/msar.py:smoke=1 --override=model.n_layers=4 \
         --batch_size=4 --microbatches=2 --steps=2 --skip=1 --fast_compile
 
-Layouts (the global batch is the same in all of them; N is the number of devices, the first N
-of ``jax.devices()``; the default list is the 2-device one, e.g. add ``pp4_gpipe`` on 4 GPUs):
-
-* ``single``: one device (``jax.devices()[:1]``), every mesh degree 1;
-* ``accum``: one device, the batch run as ``--microbatches`` microbatches with gradient
-  accumulation (``train.grad_accum``): the pipeline's microbatch size without the pipeline, so
-  ``1 - (t_accum / S) / t_pipe`` separates the pipeline's own overhead from small-microbatch
-  inefficiency;
-* ``dp<N>``: ``data=N`` (rows split, parameters replicated, gradients all-reduced);
-* ``fsdp<N>``: ``fsdp=N`` (rows and every parameter's ``embed`` dim split, ZeRO-3);
-* ``pp<N>_gpipe``: ``stage=N``, ``stages=N, repeats=1``, ``--microbatches`` M;
-* ``pp<N>_circular``: ``stages=N, repeats=--repeats`` (R virtual stages per device), no cache;
-* ``pp<N>_circular_cache``: the same with cross-stage caching of block summaries.
-
-Method:
-
-* data: synthetic uniform random tokens ``[B, T+1]`` (numpy, ``--data_seed``), one fresh batch
-  per step, identical across layouts; parameters from ``init_sharded_state(seed=--seed)``;
-* timing: each step is ``jax.block_until_ready``-ed; the median over steps after ``--skip``
-  (compile is done ahead with ``lower().compile()`` and reported separately);
-* scaling efficiency: ``t_single / (n_devices * t_layout)`` at the same global batch;
-* hop bytes: ``pipeline.hlo_hop_bytes`` of the compiled HLO (bytes per device of each
-  ``ppermute`` of the hop pytree; forward and backward are separate entries; the table shows
-  the largest) and ``pipeline.lowered_hop_bytes`` of the lowered StableHLO (program dtypes);
-* depth read: ``--read=default`` (the api's streaming XLA read, as in training) or
-  ``--read=reference`` (the vectorised XLA reference, ``use_reference_read``); the streaming read
-  traces inside the pipeline since its scan carry takes the data's varying type;
-* bubble: theory ``(S-1)/(R*M+S-1)``; "measured" is ``1 - (t_single / S) / t_pipe``, i.e. the
-  step time lost against a perfect S-way split of the one-device step. It is an upper bound on
-  the bubble: it also holds the hop transfers, the per-iteration rematerialisation and loop
-  overhead of the pipeline, and the final merge every stage evaluates (docs/parallelism.md, limits).
+Layouts and method: docs/methods.md §6.
 """
 
 from __future__ import annotations

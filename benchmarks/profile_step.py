@@ -1,24 +1,8 @@
 """Where a train step's device time goes: a profiler trace of N steps, grouped by model part.
 
-It answers where a ``base`` step of Block AttnRes or Block MSAR spends the time beyond Vanilla's
-when its depth reads cost milliseconds. This runs each config's real train step (the training
-loop's single-device layout), traces ``--steps`` steps after ``--warmup`` with
-``jax.profiler``, reads the trace back with ``jax.profiler.ProfileData`` (no TensorBoard
-needed) and attributes every device op to
-
-* a **part** of the model, the innermost named scope on the op's ``op_name``: ``embed``,
-  ``depth_begin_block`` (phase 1), ``depth_read`` (phase 2 / the mechanism's read),
-  ``sublayer_attn`` / ``sublayer_dense`` / ``sublayer_moe``, ``depth_write``,
-  ``depth_end_block``, ``lm_head``, ``cross_entropy``, ``optimizer``; else ``other``;
-* a **pass**: ``forward``; ``recompute`` (forward ops re-run by a custom backward that calls
-  ``jax.vjp``, i.e. the depth stack's memory-lean scan; ``jax.checkpoint``'s own
-  rematerialisation, as in Vanilla's scan, is named like the backward and counts there);
-  ``backward``; read off the ``jvp(`` / ``transpose(``
-  wrappers JAX writes into ``op_name`` (the innermost wins; a ``jvp`` under a ``transpose`` is
-  a recomputation); ``other`` for ops outside autodiff (the optimizer update, metrics);
-* a **kind** of kernel from the compiled HLO: ``matmul`` (a dot or convolution, or a fusion
-  holding one, or a cuBLAS call), ``pallas`` (a Pallas / Triton custom call), ``collective``,
-  ``copy`` (copy, transpose, dynamic-update-slice), ``elementwise`` (other fusions), ``other``.
+Runs each config's real train step, traces ``--steps`` steps after ``--warmup`` and attributes every
+device op to a model part (named scope), a pass (forward, recompute, backward) and a kernel kind,
+then prints the step time, a part x pass table, the Pallas kernels by name and the top ops.
 
 Usage (GPU)::
 
@@ -30,22 +14,8 @@ CPU smoke (the test suite runs this)::
     python benchmarks/profile_step.py configs/attnres.py:size=tiny --steps 2 --warmup 1
 
 ``--kernel-option MODULE.NAME=VALUE`` (repeatable) sets a default of a
-``pallas_kernels.depth_attention`` module before the step is built, to time a kernel option in
-the whole step (e.g. ``--kernel-option mosaic_gpu.REREAD_ORDER=reverse``).
-
-Prints per config: the median wall time per step (timed separately, outside the trace),
-device busy time per step, a part x pass table (ms per step and share of busy time), the
-kernel kinds, each Pallas kernel by name (time per step, calls per step, time per call; a call
-is one traced event: one launch on a GPU, one emulating op in interpret mode), and the ``--top``
-ops by time. Busy time sums kernel durations, so kernels that
-overlap on separate streams count twice; it is a breakdown, not a wall clock.
-
-On a GPU, XLA's command buffers (CUDA graphs) are switched off before JAX starts
-(``--xla_gpu_enable_command_buffer=`` appended to ``XLA_FLAGS`` unless it names that flag
-already): inside a graph the trace shows one ``command_buffer_N`` op instead of its kernels, and
-the first H200 profile attributed 100% of Vanilla's time to "other" that way. The step timed
-outside the trace changes by under 1.4% (``base`` on the H200, without against with: Vanilla
-927.0 / 925.8 ms, AttnRes 1830 / 1856 ms, MSAR 3809 / 3836 ms).
+``pallas_kernels.depth_attention`` module first (e.g. ``mosaic_gpu.REREAD_ORDER=reverse``). On a GPU,
+command buffers are switched off so the trace shows kernels. Method: docs/methods.md §4.
 """
 
 from __future__ import annotations

@@ -1,45 +1,16 @@
 """The memory-bandwidth floor of a train step's depth reads, as this codebase runs them.
 
-The targets are a `base` MSAR step within 1.10x of Vanilla's and AttnRes within 1.05x. This
-counts the fewest DRAM bytes the two-phase block reads (docs/design.md §5) move in one step of a config,
-with each kernel reading its inputs once and writing its outputs once, and turns them into
-milliseconds at given bandwidths. If that floor alone exceeds a target's budget, no kernel can
-meet it without changing the design.
-
-What is counted, per unit (one block of ``s`` target sublayers, ``v`` valid completed sources:
-the embedding and the block summaries written so far), in elements of ``E = B T d``, with
-``a`` the activation bytes (2 for bf16) and ``f`` the phase-1 state bytes (4: docs/design.md §5 keeps the
-state, ``max``, ``sum of exp`` and the weighted sum, in float32)::
-
-    phase 1 forward      v a  (sources)      + s m f  (the s targets' states)
-    phase 2 forward      s (m f + a + a)     (a state, the partial; h written)
-    phase 2 backward     s (a + a + m f + m f + a)   (dh, partial, state; d_state, d_partial)
-    phase 1 backward     v a + s m f + v a   (sources, d_states; d_sources)
-
-The forward counts twice: the depth stack's append-only scan re-runs every unit in its
-backward (``msar_jax/stack.py``; that is what keeps memory linear in depth). With
-``model.save_read_outputs`` the re-run takes each ``h`` from the forward pass and phase 2's
-re-run shrinks to its scoring pass, the scores the Pallas backward keeps: ``s a`` (the
-partial) instead of ``s (m f + 2 a)``. Left out as
-smaller than ``E``: the softmax statistics (``m`` or ``m H`` values per token), parameters,
-and the partial's running sum, which Vanilla's residual add pays the same. Compute (the conv
-expansions, re-done in every pass) is not counted, so the floor is a lower bound.
+Counts the fewest DRAM bytes the two-phase block reads (docs/design.md §5) move in one step of a
+config, each kernel reading its inputs once and writing its outputs once, and turns them into
+milliseconds at given bandwidths: if the floor alone exceeds a target, no kernel can meet it.
 
 Usage::
 
     python benchmarks/step_floor.py configs/msar.py:size=base configs/attnres.py:size=base \\
-        --vanilla_ms 935.3 --bandwidth 3.16,4.8 [--state_bytes 2]
+        --vanilla_ms 935.3 --bandwidth 3.16,4.8 [--state_bytes 2] [--factored_cotangent]
 
-``--vanilla_ms``: a measured Vanilla step, to print ``(vanilla + floor) / vanilla``;
-``--state_bytes 2`` shows the floor of a bf16 state (``model.residual.state_dtype="bfloat16"``,
-which the config's value sets by default; the library's default is float32); ``--set
-model.save_read_outputs=true`` the floor with the reads' outputs saved. ``--factored_cotangent``:
-the floor of a design not built (docs/kernels.md): phase 2's backward
-hands phase 1 its state cotangent as per-token scalars (it is affine in the state, ``dh`` and
-the partial's expansion) instead of writing ``d_state``, and phase 1's backward rebuilds it from
-the states, each target's ``dh`` and its partial: phase 2 backward ``s (3 a + m f)``, phase 1
-backward ``2 v a + s m f + 2 s a`` (``s m f`` fewer bytes per unit with ``f = 4``, ``m = 4``,
-``a = 2``: ``12 s``).
+``--vanilla_ms`` prints ``(vanilla + floor) / vanilla``; ``--set model.save_read_outputs=true`` the
+floor with the reads' outputs saved. The byte counts per phase: docs/methods.md §5.
 """
 
 from __future__ import annotations

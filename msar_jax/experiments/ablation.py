@@ -5,44 +5,9 @@
     python -m msar_jax.experiments.ablation --size=tiny --seeds=2 --rows=vanilla,msar --steps=3 --workdir=/tmp/abl
     python -m msar_jax.experiments.ablation --workdir=W --report_only      # aggregate what is there
 
-What it does
-------------
-* Rows (``ROWS``, Table 2 order): ``vanilla mhc attnres attnres_mhc msar no_conv mean_fusion m2 m8
-  full s2 s8``, each a config file of ``configs/`` at ``size=--size``.
-* Seeds ``0..seeds-1``. ``train.seed`` sets both the parameter init and the data order
-  (``msar_jax.train``), so every row sees **the same batches in the same order** for a given
-  seed; differences between rows are paired by seed.
-* Each (row, seed) trains in ``W/<row>/seed<k>/`` with ``msar_jax.train.train``. A run is
-  **finished** when ``W/<row>/seed<k>/final.json`` says ``"finished": true`` for the requested
-  step count (written only after ``train`` returns ``stopped="done"``); finished runs are skipped.
-  Any other run is (re)started by the training loop, which resumes from the newest checkpoint in
-  its folder (a crashed or SIGTERM-stopped run continues where it left off). A run that raises
-  (e.g. a non-finite loss) writes ``error.txt``, is reported as failed and the others still run;
-  the command then exits with status 1.
-* ``--shard=i/n`` runs only every n-th (row, seed) pair starting at i (one process per GPU);
-  ``--report_only`` trains nothing and aggregates the finished runs (runs whose step count
-  differs from the requested one are left out); ``--dry_run`` prints the plan and exits.
-* Outputs in ``W``: ``results.json`` (per row: per-seed losses and run records, mean/std, paired
-  differences to Vanilla, AttnRes and the default MSAR with t intervals, accounting overheads,
-  tokens/s, the paper's value), ``table.md`` (the markdown table), ``curves.png`` (validation
-  and training loss of every row, mean over seeds), ``depth_weights_<row>.png`` (Figure 4
-  heatmaps of each depth-attention row, seed 0) and ``mixing_matrices.png`` (Figure 5, see
-  ``plots.py``). ``results.json`` alone is enough to rebuild the table: ``--report_only`` reads
-  its ``runs`` records for any run folder that is absent (the compact results under
-  ``results/`` keep only it and the figures); the curves and Figure 4 need the run
-  folders and are left as they are without them.
-
-Statistics: the loss of a run is its final validation loss (``train.eval_batches`` in-order val
-batches after the last step; the bundled corpus is repeated many times at ``size=small``, so
-the training loss would measure memorisation). Mean and sample standard deviation (ddof = 1)
-over seeds. Every comparison is paired by seed: the difference ``row - ref`` per common seed,
-its mean, standard error ``std(ddof=1) / sqrt(n)``, paired t statistic and 95% interval
-``mean +- t_{0.975, n-1} se`` (3 seeds: df = 2, t = 4.303; ``null`` with one seed). The intervals
-are per comparison, with no correction for the ~30 comparisons a table makes: they describe
-the spread, they are not significance tests. Overheads from ``msar_jax.accounting`` at the
-run's config: residual parameters (and % of Vanilla's activated parameters) and training FLOPs
-overhead in % of Vanilla (including and excluding the LM head). tokens/s: median over the logged
-steps after the first (so compilation is excluded), mean over seeds.
+Each (row, seed) trains in ``W/<row>/seed<k>/`` (finished runs skipped, others resumed; ``--shard=i/n``
+splits the work), and the final validation losses are compared paired by seed with t intervals in
+``results.json``, ``table.md`` and the figures. Procedure and statistics: docs/methods.md §1.
 """
 
 from __future__ import annotations

@@ -3,36 +3,10 @@
     python -m msar_jax.experiments.plots --figure5=mixing.png [--train_steps=200]
     python -m msar_jax.experiments.plots --ablation_dir=W          # curves.png + depth_weights_*.png
 
-``plot_training_curves(workdir, rows, seeds, out)``: validation loss (left) and training loss
-(right, 2% moving mean) against step, mean over the finished seeds of each row, one line per row.
-
-``plot_run_depth_weights(row_dir, seeds, out)``: Figure 4 (the MSAR paper, Appendix D) for one row: the
-token-averaged pre-fusion depth-attention weights the training loop wrote at the end of the run
-(``<run>/depth_weights.npz``, ``msar_jax.train.introspection``), pre-attention reads on top, pre-MLP
-reads below, one column per stream; drawn by ``msar_jax.train.plots.plot_depth_weights``.
-
-``mixing_matrices(mechanism, ...)`` / ``plot_mixing_matrices(out)``: Figure 5 (the MSAR paper, Appendix
-E.2) - depth mixing as structured matrices for L = 4 sublayers and S = 2: rows are the targets
-``h_1..h_4``, columns the sources ``v_0..v_3``.
-
-* Vanilla: unit weight for every preceding source (``h_l = sum_{i<l} v_i``).
-* mHC: the unrolled coefficients of Eq. 21, ``M_{i->l} = beta_i^T A_{i+1->l} alpha_l`` with
-  ``alpha_l = H_pre_l``, ``beta_i = H_post_i`` (``beta_0 = 1_m``) and the transitions
-  ``H_res_{i+1} ... H_res_{l-1}`` in increasing depth (``H_res = C^T``, docs/design.md §6), so that
-  ``h_l = sum_i M_{i->l} v_i`` exactly, token by token (checked in the tests); shown averaged
-  over tokens.
-* Block AttnRes: the unnormalised scores ``phi = exp(w_l . rms(k))`` of each available source
-  (embedding, completed block summaries, the current partial), token-averaged. A completed block
-  ``b_1 = v_1 + v_2`` is one source: its score spans its columns as one grouped cell; the evolving
-  partial is drawn with a dashed border.
-* Block MSAR: the same, one score matrix per stream ``r`` with ``w_l^{(r)}`` and ``E_r[b]``
-  (expanded with the source's conv bank, Appendix C).
-
-Parameters: the depth-attention queries and conv banks are zero at initialisation (every
-``phi = 1``), so by default the four L = 4 models are built at their initialisation with the
-mechanism's zero-initialised parameters replaced by seeded normal draws (std 1/sqrt(d); labelled
-"illustrative" in the figure), or trained for ``train_steps`` steps on the bundled corpus (CPU,
-seconds) when asked. The token averages use one val batch.
+``plot_training_curves(workdir, rows, seeds, out)``, ``plot_run_depth_weights(row_dir, seeds, out)``
+(Figure 4, Appendix D) and ``mixing_matrices(mechanism, ...)`` / ``plot_mixing_matrices(out)``
+(Figure 5, Appendix E.2, with mHC's unrolled coefficients of Eq. 21). What each figure shows and how
+its parameters are chosen: docs/methods.md §3.
 """
 
 from __future__ import annotations

@@ -6,47 +6,9 @@
     python -m msar_jax.experiments.scaling --workdir=W --E=0.72                # a fixed E instead of the rule
     python -m msar_jax.experiments.scaling --workdir=W --train --token_scale=0.2  # 1/5 of every budget
 
-Runs: ``METHODS`` (Vanilla, mHC, AttnRes, MSAR; ``configs/scaling/<method>.py``) x ``RUNGS``
-(``ladder_1..ladder_4``: Table 4's depths and layers per block at ~8x smaller width,
-configs/common.py), each in ``W/<method>/<rung>/`` with the same skip-finished / resume rule as
-the ablation command (``final.json``); every method gets the same backbone and token budget
-(``train.steps x batch_size x seq_len``) at a rung (Appendix B "matched training-token budgets").
-
-Compute (§4.3): ``C = tokens x training FLOPs per token`` from ``msar_jax.accounting`` **excluding
-the LM head and including the mechanism's overhead** (``flops.train.model_excl_lm_head``),
-normalised by Vanilla's value at the largest rung (the same reference for every method).
-
-Loss: the final validation loss of each run (``--loss=val``, default). The paper fits the final
-*training* loss; its runs see every token once, ours repeat the small bundled corpus many times,
-where training loss measures memorisation. ``--loss=train`` (mean of the last 10 logged training
-losses) is available.
-
-Fit (Appendix B, exactly): ``L(C) = A C^-beta + E`` per method with E shared and fixed; ordinary
-least squares of ``log2(L - E)`` on ``log10(C)``; ``beta = -slope / log2(10)``,
-``A = 2^intercept``. Iso-loss compute speedup of method M over Vanilla at rung k:
-``C_V(L_{M,k}) / C_{M,k}`` with ``C_V(L) = ((L - E) / A_V)^(-1/beta_V)``, averaged
-(arithmetic mean) over the rungs.
-
-Choosing E for this corpus. The paper's E = 0.72 is an estimate of the irreducible loss of its
-data (nats per Qwen2 token on its corpus); it means nothing for byte-level loss on the bundled
-corpus. Rule used here (``--E=profile``, default): E is **one value shared by all methods**,
-chosen by profile likelihood in linear loss space (``profile_E``): for every E on a grid over
-``[0, (1 - 1e-3) min L)``, each method's ``A, beta`` minimise ``sum (L - E - A C^-beta)^2``
-(A in closed form, beta on a grid), and the E with the least total wins, refined between its grid
-neighbours. Under Gaussian noise of one variance on the losses this is the maximum-likelihood E.
-The interval is a seeded residual bootstrap (400 replicates, 95%). Comparing ``log2(L - E)``
-residuals across E, as an earlier rule did, is not a likelihood: the log stretches the residuals
-as E nears the smallest loss, which biased E low (true E = 0.72 with noise 0.01: median 0.57,
-E = 0 in 22% of draws; the linear profile gives a median within 0.03, tests). That E is then
-held fixed and A, beta are fitted by the paper's log-space OLS above. An optimum on the edge of
-the grid (E = 0 or E -> min L) means the data do not determine E; the report says so, and a fixed
-``--E=<float>`` can be given. With fewer than three rungs per method every E fits exactly, so the
-rule refuses and asks for a fixed E.
-
-Outputs (``--out``, default the workdir): ``scaling_results.json`` (points with tokens/s, E and
-how it was chosen with its bootstrap interval, per-method A, beta, slope, intercept, residuals, per-rung speedups and their mean, the
-paper's speedups), ``scaling.md`` and ``scaling.png`` (loss against normalised compute on log
-axes, points and fitted curves).
+Trains Vanilla, mHC, AttnRes and MSAR at each rung with matched token budgets, fits
+``L(C) = A C^-beta + E`` with E shared (by default chosen by profile likelihood, ``profile_E``) and
+reports the iso-loss compute speedups over Vanilla. Compute, loss, fit and outputs: docs/methods.md §2.
 """
 
 from __future__ import annotations
