@@ -1,26 +1,11 @@
 """The depth stack: an outer scan over blocks and an unrolled loop over each block's layers.
 
-Structure: the block summaries live in one preallocated ``[N+1, B, T, d]``
-buffer written with dynamic updates. The outer ``lax.scan`` runs over *units*: a
-unit is one block of ``S/2`` transformer layers for an even block size ``S`` (the
-completed summaries are fixed for the whole unit, so phase 1 of the two-phase read
-runs once at its start), or one transformer layer holding two one-sublayer blocks
-in Full mode (``S = 1``). Inside a unit its ``S/2`` layers run in an unrolled Python loop
-(state: the mechanism's partial sum and read state; see ``DepthStack._unit`` for why not a scan).
-
-Memory (linear in depth): a plain scan would save its carry, the whole summary
-buffer, once per unit for the backward pass, which is quadratic in depth. The
-buffer is append-only, so ``_append_only_scan`` keeps a single copy (the final
-buffer) plus the small per-unit carries; its backward walks the units in reverse,
-rematerialises each unit from the final buffer masked to the entries that existed
-when the unit ran, and pulls the cotangents through. Mechanisms without a buffer
-(Vanilla, mHC) use a plain per-unit rematerialised scan. With ``save_read_outputs`` the
-forward also keeps each sublayer's input (the read's output) and the re-run takes it from
-there (``_reuse_saved``), so the reads' forward kernels do not run a second time.
-
-Units whose layers are not all of one MLP kind (a dense leading layer inside an
-MoE stack) and a shorter last block are run as their own scan groups, so every
-scan is homogeneous.
+``DepthStack`` runs the L sublayers under any residual mechanism through its protocol
+(``msar_jax.residuals.base``). The outer ``lax.scan`` runs over units (one block of ``S/2`` layers,
+or one layer in Full mode), whose layers are unrolled; ``_append_only_scan`` keeps one copy of the
+append-only summary buffer for the backward, so memory is linear in depth, and
+``save_read_outputs`` lets the backward's re-run reuse each read's output (``_reuse_saved``).
+Design and reasons: docs/design.md §12.
 """
 
 from __future__ import annotations

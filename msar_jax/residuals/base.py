@@ -1,12 +1,7 @@
-"""The residual-mechanism protocol shared by every mechanism of the MSAR paper.
+"""The residual-mechanism protocol shared by every mechanism of the MSAR paper (docs/design.md §12).
 
-A mechanism decides what each sublayer reads (``h_l``) and how each sublayer output
-``v_l`` is recorded. The stack (``msar_jax.stack``) drives it; the transformer never
-looks at a mechanism's name. All protocol methods are pure functions of explicit
-arrays: ``g`` the mechanism's global parameters, ``p`` one sublayer's parameters
-(sliced from arrays stacked over the L sublayers), ``state`` a ``DepthState``.
-
-Per sublayer l (1-based) the stack calls::
+A mechanism decides what each sublayer reads (``h_l``) and how its output ``v_l`` is recorded; the
+stack (``msar_jax.stack``) drives it through pure functions of explicit arrays, per sublayer::
 
     bctx = begin_block(g, p_block, state, pos)   # at the first sublayer of each block
     h, aux = read(g, p, state, bctx[j], pos, ctx)  # the block's j-th target
@@ -14,25 +9,13 @@ Per sublayer l (1-based) the stack calls::
     state = write(g, p, state, v, aux, pos, ctx)
     state = end_block(g, state, pos)              # after the last sublayer of each block
 
-and at the end ``finish(g, state, ctx)`` gives the final hidden state that goes to the
-final RMSNorm and the LM head.
-
-``DepthState.sources`` is the preallocated ``[N+1, B, T, d]`` buffer of single-stream
-block summaries ``b_0..b_N`` (``b_0`` the embedding); it is append-only, which is what
-lets the stack keep one copy of it for the backward pass (linear memory in depth).
-Everything else a mechanism carries goes in ``DepthState.carry``.
-
-Besides the forward pass a mechanism states, as class attributes and class methods of its
-config (nothing is allocated), what the rest of the library needs to know about it; no
-module outside ``residuals/<mechanism>.py`` tests a mechanism's name:
-
-* ``validate_config``: its own config rules (``msar_jax.config.validate`` calls it);
-* ``sublayers_per_block``, ``uses_sources``, ``carry_vectors``, ``block_carry`` and
-  ``stage_local_carry``: what crosses a pipeline stage boundary (docs/design.md §13);
-* ``extra_params``, ``forward_flops`` and ``memory_access``: its closed-form parameter count,
-  forward FLOPs and activation traffic per token (``msar_jax.accounting``, Appendix C).
-
-``register(name)`` makes a class available to configs under ``model.residual.name = name``.
+then ``finish(g, state, ctx)`` gives the final hidden state. ``DepthState`` holds the append-only
+``[N+1, B, T, d]`` summary buffer ``sources`` and the mechanism's ``carry``. A class also states, with
+nothing allocated, its config rules (``validate_config``), what crosses a pipeline stage
+(``sublayers_per_block``, ``uses_sources``, ``carry_vectors``, ``block_carry``, ``stage_local_carry``;
+docs/design.md §13), its closed-form costs (``extra_params``, ``forward_flops``, ``memory_access``;
+docs/design.md §15) and its weight-decay groups; no module outside ``residuals/<mechanism>.py`` tests
+its name. ``register(name)`` makes a class available as ``model.residual.name = name``.
 """
 
 from __future__ import annotations
