@@ -1,21 +1,11 @@
-"""Timing harness of the depth-attention reads: fused kernels against the XLA reference.
+"""Timing harness of the depth-attention reads: the fused kernels against the XLA reference.
 
-Usage (on the GPU machine): ``python3 -m pallas_kernels.depth_attention.bench``
-(``--small`` for a CPU smoke run of the harness itself, interpret mode).
-
-Per-sublayer amortised time = (phase 1 of a block + S phase-2 calls) / S, forward and
-forward+backward (each op timed separately: its outputs and the pullback of a cotangent of
-ones in the outputs' dtypes, as the model calls it; ``--fb_forms`` adds the older loss form).
-Each figure is the median of >= 20 timed repetitions after warm-up; a repetition dispatches
-``inner`` calls back to back and blocks once, so host dispatch overlaps device work (20 per
-repetition: what a repetition pays before its first call and after its last, 0.1-0.25 ms on the
-H200, is then a twentieth of a call's figure; with 2 calls it was up to 20% of phase 2's
-forward + backward). Also measured in the same process:
-the device copy bandwidth (bytes read + written), from which the bandwidth floor of
-this design's byte count is computed (the arithmetic's floor, ``design_flops`` over the
-H200's float32 peak, is printed beside it); and the compiled peak temporary memory of the
-forward+backward (``memory_analysis``).
-"""
+Usage (on the GPU machine): ``python3 -m pallas_kernels.depth_attention.bench`` (``--small`` for a
+CPU smoke run of the harness itself, interpret mode). It prints the per-sublayer amortised time,
+``(phase 1 of a block + S phase-2 calls) / S``, forward and forward + backward; the device's copy
+bandwidth measured in the same process with the bytes and arithmetic floors (``design_bytes``,
+``design_flops``); and the compiled peak temporary memory. How a call is timed:
+docs/performance.md; the floors: docs/kernels.md §5."""
 
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
 """Pallas backward of phase 1 (Triton and Mosaic TPU): the gradients of
 ``xla_streaming.phase1_backward`` for the sources, conv banks and queries, from the state
-cotangent ``(g_D, g_A)``.
-
-``phase1_backward(form=...)`` runs the scoring pass again, ``gdots_call`` (``<g_A, E>`` per head),
-the per-token scalars ``P, DSR, W`` in XLA, then either the ``"wide"`` form (the default:
-``dstreams_call`` writes every source's stream cotangents, ``conv_transpose`` and matrix products
-give the gradients) or the ``"reverse_t"`` form (``grads_call``: one program per batch row, chunk
-and source walks the token tiles in reverse, carrying the transposed conv's spill, the bank and
-query gradients). The derivation, the passes and their bytes: docs/kernels.md §4, "Phase 1
-backward"; the Mosaic TPU layouts: "Techniques the kernels share"."""
+cotangent ``(g_D, g_A)``. ``phase1_backward(form=...)`` runs the scoring pass again,
+``gdots_call`` (``<g_A, E>`` per head), the per-token scalars ``P, DSR, W`` in XLA, then either
+the ``"wide"`` form (the default: ``dstreams_call`` writes every source's stream cotangents,
+``conv_transpose`` and matrix products give the gradients) or the ``"reverse_t"`` form
+(``grads_call``: one program per batch row, chunk and source walks the token tiles in reverse,
+carrying the transposed conv's spill, the bank and query gradients). The derivation, the passes
+and their bytes: docs/kernels.md §4, "Phase 1 backward"; the Mosaic TPU layouts: "Techniques the
+kernels share"."""
 
 from __future__ import annotations
 

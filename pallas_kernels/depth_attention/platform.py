@@ -1,16 +1,11 @@
-"""The platform the depth-attention ops are built for.
-
-Three choices follow the platform: which implementation ``implementation=None`` picks
-(``api``), whether a Pallas kernel runs compiled or in interpret mode (``_backend``), and how
-the reference writes the conv's taps (``reference._conv_form``). By default the platform is
-``jax.default_backend()``. An ahead-of-time compile for a device this machine lacks (an H200
-compiled on a CPU machine, ``msar_jax.compile_check --topology=h200``) traces under
-``target("gpu")``, so that it builds what that device would run, not what the CPU would.
-
-``target`` is read when a function is traced. A jitted function traced before, with the same
-arguments, comes from JAX's cache as it was traced then: trace for a target in a fresh process
-(or after ``jax.clear_caches()``).
-"""
+"""The platform the depth-attention ops are built for, ``jax.default_backend()`` unless ``target``
+says otherwise. It decides which implementation ``implementation=None`` picks (``api``), whether
+a Pallas kernel runs compiled or in interpret mode (``_backend``), and how the reference writes
+the conv's taps (``reference._conv_form``). An ahead-of-time compile for a device this machine
+lacks (an H200 on a CPU machine, ``msar_jax.compile_check --topology=h200``) traces under
+``target("gpu")`` to build what that device would run. ``target`` is read at trace time, and a
+jitted function traced before with the same arguments comes from JAX's cache as it was: trace
+for a target in a fresh process or after ``jax.clear_caches()``."""
 
 from __future__ import annotations
 

@@ -1,29 +1,13 @@
-"""Plain-jnp multi-stream depth attention: the oracle of every kernel and the XLA path.
+"""Plain-jnp multi-stream depth attention: the oracle of every kernel and of the XLA path, in
+float32 whatever the input dtype (docs/design.md §1, precision).
 
-One op family serves every depth-attention residual of the MSAR paper:
-
-* **Expansion** (Eq. 9-10): a single-stream source ``x[B, T, d]`` becomes ``m``
-  streams. Stream ``r`` has a kernel size ``stream_kernels[r]``; ``0`` means the
-  identity stream, ``k > 0`` a causal depthwise convolution along tokens with
-  ``k`` taps ``c[delta] in R^d`` indexed by lag ``delta`` (``y_t = sum_delta
-  c[delta] * x[t - delta]``, zero before the sequence start and, with segment
-  ids, before a segment start). A source's conv bank stores the taps of all its
-  conv streams concatenated: ``bank[sum(stream_kernels), d]``.
-* **Per-stream depth attention** (Eq. 11-12, 17): stream ``r`` has its own query
-  ``w^{(r)} in R^d``. The key is the weightless RMS norm of the expanded source
-  over the full width ``d``; with ``heads = H`` the key and query are split into
-  ``H`` contiguous channel slices that each get their own softmax over sources
-  (MHAR; docs/design.md §8). Values are the expanded sources, not normalised.
-* **Two-phase computation** (the MSAR paper, Sec. 3.4; docs/design.md §5): ``phase1`` scores all completed
-  sources of a block against the queries of all the block's targets once and
-  keeps an online-softmax state per (target, stream, token, head); ``phase2``
-  merges one target's partial source into that state.
-
-AttnRes is ``stream_kernels=(0,)``, ``heads=1``; MHAR is ``stream_kernels=(0,)``,
-``heads=H``; MSAR is e.g. ``(0, 4, 8, 12)``; the no-conv ablation ``(0, 0, 0, 0)``.
-
-Everything is computed in float32 whatever the input dtype (docs/design.md §1, precision).
-"""
+One op family serves every depth-attention residual of the MSAR paper: the expansion of a source
+into ``m`` streams, the identity or a causal depthwise conv along tokens (Eq. 9-10, ``expand``);
+per-stream depth attention with the weightless RMS norm of each expanded source as the key, per
+channel head for MHAR (Eq. 11-12, 17; docs/design.md §8); and the two-phase computation
+(``phase1``, ``phase2``, ``merge``; the MSAR paper's Sec. 3.4, docs/design.md §5). AttnRes is
+``stream_kernels=(0,)``, ``heads=1``; MHAR ``(0,)`` with ``heads=H``; MSAR e.g. ``(0, 4, 8, 12)``;
+the no-conv ablation ``(0, 0, 0, 0)``. docs/kernels.md §1-2 has the read and its phases."""
 
 from __future__ import annotations
 

@@ -1,23 +1,11 @@
-"""Row shifts of a register tile, for the transposed causal conv of the backward kernels.
-
-The transpose of the depthwise conv (Eq. 10) sends ``H_delta[u]`` to row ``u - delta``: inside a
-``block_t`` tile, or, for its first ``delta`` rows, into the previous tile (the "spill" the
-reverse-T loops carry). The tile is a value in registers, not a ref, so the shift cannot be a
-load at an offset.
-
-* ``"concat"`` (interpret mode, Mosaic TPU): a concatenate with zero tiles and a static slice.
-* ``"dot"`` (Triton, which lowers neither value concatenates nor value slices): a product with
-  a 0/1 shift matrix built from iotas, at HIGHEST precision, which lowers to an IEEE float32
-  ``tl.dot``: exact, since each output row selects one input row. Measured alternative:
-  three bfloat16 tensor-core dots of an exact
-  ``hi + mid + lo`` split were exact too but slower on the H200 (phase 2 + gate fwd+bwd 9.7
-  against 6.8 ms, phase 1 161 against 154 ms), so the single float32 dot stays.
-* ``"buffer"`` (Triton, the default of both reverse-T kernels there):
-  ``shift_rows_via_buffer`` stores the lag tiles in a small per-program scratch in global
-  memory and reads them back at row offsets, as the forward reads its halo, with CTA barriers
-  around the stores. The 11 ``[16, 16] @ [16, 16]`` float32 dot pairs per tile were 1.8 of phase
-  2's 3.0 ms input kernel at the bench shape on the H200; through the buffer it took 1.92 ms.
-"""
+"""Row shifts of a register tile, for the transposed causal conv of the backward kernels: the
+transpose (Eq. 10) sends ``H_delta[u]`` to row ``u - delta``, inside a ``block_t`` tile or, for its
+first ``delta`` rows, into the previous one (the spill the reverse-T loops carry). ``"concat"``
+(interpret mode, Mosaic TPU): a concatenate with zero tiles and a static slice. ``"dot"`` (Triton,
+which lowers neither value concatenates nor value slices; phase 1's reverse-T default there): an
+exact float32 product with a 0/1 shift matrix. ``"buffer"`` (phase 2's Triton default,
+``shift_rows_via_buffer``): the tiles through a per-program scratch with CTA barriers, read back
+at row offsets. Figures: docs/kernels.md §4, "Techniques the kernels share", and §7."""
 
 from __future__ import annotations
 

@@ -1,18 +1,8 @@
-"""Block-size heuristics of the fused depth-attention kernels.
-
-Two tile sizes matter (see ``fused.py`` for the kernel layout):
-
-* ``block_t``: tokens per program. The causal conv of a token tile reads a halo of
-  ``max_kernel - 1`` earlier tokens; the TPU/interpret path builds that halo from the
-  previous tile, so it needs ``block_t >= max_kernel - 1``. The Triton path loads each
-  lag with its own masked load (the rows overlap and hit L1), so any power of two works.
-* ``block_d``: channels per chunk. It must divide the head width ``d / heads`` (a chunk
-  lies inside one head, so its softmax weights are one value per token) and be a power
-  of two for Triton. The mix kernel keeps ``S`` accumulators of ``block_t x block_d``
-  float32 values live; the scoring kernel keeps up to ``max_kernel`` lag-shifted tiles
-  live across the streams, so wide scoring chunks spill (on the H200 at the bench shape,
-  128 -> 32 channels took phase-1 scoring from 11.0 to 6.8 ms at 4 warps).
-"""
+"""Block-size heuristics of the fused depth-attention kernels (``fused.py``): ``block_t``, tokens per
+program (the TPU / interpret halo comes from the previous tile, so ``block_t >= max_kernel - 1``
+there), and ``block_d``, channels per chunk (it divides the head width, a power of two on Triton;
+wide scoring chunks spill). The reasons and figures: docs/kernels.md §4, "Techniques the kernels
+share"."""
 
 from __future__ import annotations
 

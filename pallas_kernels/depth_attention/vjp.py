@@ -1,29 +1,10 @@
-"""``jax.custom_vjp`` wrappers of the fused reads.
-
-The forward runs a fused kernel (``fused.py``); the residuals are only the inputs
-(sources, banks, queries, state, gate parameters: nothing of size ``m*d`` per source
-is saved), phase 1's running max and, for phase 2's Pallas backward, the forward's
-per-token scores (``m (H + 1)`` floats per token). The backward RECOMPUTES the expansions, key norms
-and softmax weights from those inputs in XLA, in closed form and one source at a time
-(``xla_streaming``: phase 1's streaming backward, phase 2 + gate's fused backward).
-
-Backward implementations, chosen per call by the ``backward`` option (default ``"xla"``):
-
-* ``"xla"``: XLA recomputation in closed form (``xla_streaming``); exact (tested against
-  autodiff of the reference); inside the backward XLA holds one source's ``m`` expanded
-  streams at a time.
-* ``"pallas"``: the Pallas backward kernels of the back end (``fused_bwd_phase1`` for phase
-  1, ``fused_bwd_phase2`` for the fused phase 2), which recompute expansions,
-  norms and the merged streams inside the kernels and write no ``m*d``-per-token temporary.
-  Tested against the XLA backward in interpret mode and on the H200; which one is faster
-  depends on the op (BENCHMARKS.md; configs' ``kernel_backward="auto"`` picks per op).
-* ``"hybrid"``: phase 1's closed-form XLA backward with the expansion's transpose (the source
-  and bank gradients from each source's stream cotangents) as a Pallas kernel
-  (``conv_transpose``) instead of XLA's autodiff of the conv; for phase 2 the same as
-  ``"xla"``.
-
-The unfused ``phase2`` (streams out) differentiates the reference in both cases.
-"""
+"""``jax.custom_vjp`` wrappers of the fused reads. The residuals are the inputs only (sources, banks,
+queries, state, gate parameters), phase 1's running max and, for phase 2's Pallas backward, the
+forward's per-token scores; the backward recomputes expansions, key norms and softmax weights.
+The ``backward`` option picks it: ``"xla"`` (the default here; ``xla_streaming``'s closed form),
+``"pallas"`` (``fused_bwd_phase1``, ``fused_bwd_phase2``) or ``"hybrid"`` (phase 1's closed form
+with ``conv_transpose``). The unfused ``phase2`` differentiates the reference. Which is faster per
+op, and the configs' ``kernel_backward="auto"``: docs/kernels.md §2-3."""
 
 from __future__ import annotations
 

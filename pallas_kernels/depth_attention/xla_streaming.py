@@ -1,25 +1,10 @@
-"""The XLA path of phase 1 and of the direct read, streaming over sources.
-
-``reference.phase1`` expands all ``n`` sources at once (``[n, m, B, T, d]`` float32) and
-autodiff stores the expansions and normalised keys for the backward pass: ``O(n m)``
-times one source of transient memory per read. This module computes the same function
-with one source in flight at a time:
-
-* forward: a ``lax.scan`` over sources folds each expanded source into the online-softmax
-  state (``reference.merge``), so only ``m`` streams of one source exist at once;
-* backward (``jax.custom_vjp``): a second scan over sources recomputes each source's
-  expansion and key norm (nothing but the inputs and the ``[S, m, B, T, H]`` running max
-  is kept) and forms its gradients in closed form.
-
-Backward of the state ``(M, D, A)`` with ``M = max_i s_i``, ``p_i = exp(s_i - M)``,
-``D = sum_i p_i``, ``A = sum_i p_i v_i`` (per head): ``M`` is a stabilising shift and
-carries no gradient (``reference.phase1`` stops it, as flash attention does; every
-consumer, ``finalize`` / ``merge`` / phase 2, is invariant to the shift, so their
-gradients are the exact ones), which leaves ``ds_i = p_i (g_D + g_A . v_i)`` and
-``dv_i = p_i g_A``. The key is ``k = rms(E) =
-E r``; ``dE = r (dk - k mean(k dk))`` plus the value path; the expansion's own vjp gives
-the source and bank gradients.
-"""
+"""The XLA path of phase 1 and of the direct read, streaming over sources: the same function as
+``reference.phase1`` with one source in flight. The forward is a ``lax.scan`` over sources that
+folds each expanded source into the online-softmax state (``reference.merge``); the backward
+(``jax.custom_vjp``) recomputes each source's expansion and key norm in a second scan, keeping
+only the inputs and the running max, and forms its gradients in closed form. ``phase2_fused``
+is phase 2 and the gate as one op whose backward keeps only its inputs. The formulas and the
+memory it saves: docs/kernels.md §4, "The XLA path" and "Phase 1 backward"."""
 
 from __future__ import annotations
 
