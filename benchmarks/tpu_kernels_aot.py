@@ -5,15 +5,8 @@ Needs libtpu (not a project dependency)::
     pip install --target /tmp/libtpu libtpu==0.0.48.1
     PYTHONPATH=/tmp/libtpu python benchmarks/tpu_kernels_aot.py
 
-For each mechanism case it lowers and compiles, with Mosaic, phase 1 and phase 2 (+ gate or
-mean fusion), forward, forward+backward with the default XLA backward, and forward+backward
-with the Pallas backward kernels (``backward="pallas"``: ``fused_bwd_phase1`` in both forms /
-``fused_bwd_phase2``, both forms each) and phase 1's ``backward="hybrid"`` (``conv_transpose``),
-and a block read (phase 1 then phase 2) with a bf16 state (``state_dtype="bfloat16"``), and
-prints ``ok`` or the compiler's error for each (11 compiles per case; the exit
-status is 1 if any fails; 5 cases, 55 in all, the first and third with a source mask). ``tests/kernels/test_triton_lowering.py``
-checks the Mosaic lowering of the same variants (without libtpu) on every test run; this also
-runs Mosaic's compiler.
+Prints ``ok`` or the compiler's error for each of 55 compiles (5 mechanism cases x 11 forward and
+backward variants) and exits 1 if any fails. The variants: docs/parallelism.md section 7.
 """
 
 import sys

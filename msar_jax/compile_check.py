@@ -1,30 +1,12 @@
 """Compile-only check of a config on a mesh: lower and compile the train step, print memory.
 
     python -m msar_jax.compile_check --config=configs/msar.py:size=paper_28b --mesh=data=2,fsdp=4
-    python -m msar_jax.compile_check --config=configs/msar.py:size=paper_28b --mesh=fsdp=8 \\
-        --pipeline=stages=4,microbatches=8 --mesh=stage=4,fsdp=2 --batch_size=16 --seq_len=8192
     python -m msar_jax.compile_check --config=configs/msar.py:size=paper_28b --topology=v5e:4x4 --mesh=fsdp=16
 
-Nothing is allocated: the train state and the batch are ``ShapeDtypeStruct``s carrying their
-shardings (the rules table of ``msar_jax.parallel.mesh``), the step is
-``jax.jit(...).lower(...).compile()`` and ``compiled.memory_analysis()`` gives the bytes per
-device (arguments = params + optimizer state + batch, outputs, temporaries). Without
-``--topology`` the devices are fake CPU devices (``--xla_force_host_platform_device_count``,
-set before jax is imported), so the numbers are the CPU compiler's, a proxy for an accelerator's.
-With ``--topology`` (e.g. ``v5e:2x4``, ``v5p:2x2x2``) it asks
-``jax.experimental.topologies.get_topology_desc`` for TPU devices, which needs libtpu; the
-error is printed if that is not available. ``--topology=h200`` compiles for one H200 on this
-machine, GPU or not, through JAX's CUDA plugin (``msar_jax.deviceless_gpu`` says how to install it): XLA:GPU's
-own fusion, scheduling and buffer assignment, so the memory is the H200's. The model is traced for
-the target's platform (``pallas_kernels.depth_attention.platform``): compiled kernels where that
-platform has them, as a run there would pick.
-
-Flags: ``--config=path.py:arg`` (as training), ``--config.a.b=v`` overrides, ``--mesh=axis=deg,...``
-(unnamed axes are 1; at most one ``-1``), ``--pipeline=stages=S,repeats=R,microbatches=M,cache=0|1``,
-``--batch_size`` (default: the config's, capped to the smallest valid batch unless ``--full_batch``),
-``--seq_len``, ``--devices`` (number of fake CPU devices; default the mesh size), ``--hlo=path``
-(write the optimised HLO text), ``--buffers=N`` (the N largest allocations of XLA's buffer
-assignment, each with its largest values and the ops that made them: what the memory holds).
+Nothing is allocated or run: the state and batch are sharded ``ShapeDtypeStruct``s and the bytes
+per device come from ``compiled.memory_analysis()``, on fake CPU devices, a TPU topology (needs
+libtpu) or one H200 (``--topology=h200``, JAX's CUDA plugin; ``msar_jax.deviceless_gpu``).
+Flags, targets and what the 28B config needs: docs/parallelism.md section 3.
 """
 
 from __future__ import annotations

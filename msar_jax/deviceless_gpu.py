@@ -1,29 +1,11 @@
 """Compile for an NVIDIA GPU this machine does not have, and read what XLA holds in memory.
 
-XLA compiles for a GPU without one ("deviceless" compilation) when JAX's CUDA plugin is installed
-and the topology names the device: ``gpu_devices("h200")`` returns a device of an H200 topology
-built from ``GPU_TARGETS["h200"]`` (XLA's ``GpuTargetConfig`` text: the device's properties, which
-XLA reads in place of asking a driver). ``jax.jit(f).lower(ShapeDtypeStructs on that device)
-.compile()`` then runs XLA:GPU's whole pipeline on the CPU: fusion, scheduling, buffer assignment
-(so ``memory_analysis()`` is the device's), the Triton kernels compiled to sm_90a, and each
-Mosaic GPU kernel compiled too (XLA instantiates its custom call for the target's compute
-capability: Mosaic GPU's pipeline and ptxas run, and ``MOSAIC_GPU_DUMP_*`` dumps work; see
-``benchmarks/mgpu/sass_stats.py``). Nothing runs. The plugin is not a project dependency (about
-4 GB with its CUDA libraries; the device image's jax uses CUDA 13)::
-
-    python -m pip install --target .aot_site 'jax-cuda13-plugin[with-cuda]==0.11.2'
-    PYTHONPATH=.aot_site python -m msar_jax.compile_check --config=configs/msar.py:size=base \\
-        --topology=h200 --full_batch --buffers=12
-
-Trace under ``pallas_kernels.depth_attention.platform.target("gpu")`` so the depth-attention ops
-build what the GPU runs (compiled kernels, not interpret mode; ``compile_check`` does).
-
-XLA's ``xla_dump_to`` option makes it write a compiled module's buffer assignment: every
-allocation (parameters, outputs, the one temporary allocation) and the values placed in it, each
-at an offset (values whose lifetimes do not overlap share bytes). ``compile_with_buffers``
-compiles with it for one compile; ``read_buffer_assignment`` parses the dump; ``format_buffers``
-prints the largest allocations with their largest values and the ops that made them. This module
-imports jax only inside its functions: ``compile_check`` sets flags before jax starts.
+``gpu_devices("h200")`` gives a device of an H200 topology (``GPU_TARGETS``), on which
+``jax.jit(f).lower(...).compile()`` runs XLA:GPU's whole pipeline and the kernels' compilers on
+the CPU; nothing runs. ``compile_with_buffers``, ``read_buffer_assignment`` and ``format_buffers``
+show the largest allocations of the compiled buffer assignment. Needs JAX's CUDA plugin (not a
+dependency). Imports jax only inside its functions, as ``compile_check`` sets flags first.
+Why it works, the install and a command: docs/parallelism.md section 6.
 """
 
 from __future__ import annotations

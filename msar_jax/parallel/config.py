@@ -2,17 +2,8 @@
 
 Kept free of jax so that config files (``configs/common.py``) can build the section without
 importing jax (``msar_jax.compile_check`` sets ``XLA_FLAGS`` before jax is first imported).
-
-Fields (``config.parallel``):
-
-* ``mesh.{data, stage, fsdp, tensor}``: mesh degrees (``msar_jax.parallel.mesh``). Default all 1
-  (one device). At most one axis may be ``-1``: all the devices the others leave. Degrees whose
-  product is smaller than the device count use the first devices (single process only);
-* ``pipeline.{stages, repeats, microbatches, cache}``: ``stages > 1`` turns the pipeline on
-  (``msar_jax.parallel.pipeline``); ``mesh.stage`` must divide ``stages``. With ``stages = 1``
-  a ``stage`` mesh axis is one more data-parallel axis (``mesh.RULES``);
-* ``distributed.initialize``: ``"auto"`` / ``"always"`` / ``"never"``
-  (``msar_jax.parallel.multihost.maybe_initialize``).
+The fields ``mesh``, ``pipeline`` and ``distributed`` and their rules: docs/parallelism.md
+section 1, "The ``parallel`` config section".
 """
 
 from __future__ import annotations

@@ -4,22 +4,9 @@ batch and the devices, and the sharded state, batches and jitted steps built on 
 Shared by the training loop (``msar_jax.train``), ``benchmarks/multi_gpu.py`` and tests::
 
     layout = make_layout(config.parallel, config.model, batch_size=16)   # ConfigError if invalid
-    model_def, state, ssh = layout.init_state(config.model, tx, seed=0)  # created sharded
-    step = layout.train_step(model_def, tx, schedule, config.model, ssh)  # jit with in/out shardings
-    with layout.context():                                                # mesh + rules table
-        state, metrics = step(state, layout.global_batch(local_rows))
 
-Train step: ``msar_jax.train.step``'s step (AdamW, non-finite guard), its loss the pipelined
-one (``pipeline.pipelined_lm_loss``) when ``parallel.pipeline.stages > 1``, jitted with the state
-shardings in and out, the batch rows sharded over the rules table's batch axes and the state
-donated; the metrics come back replicated (readable on every process).
-
-Eval step: always the sequential forward (``Transformer.__call__``), also under a pipeline, with
-the default rules, so the eval batch is split over ``data x stage x fsdp``. It is the same
-function of the same parameters as the pipelined forward (``tests/test_pipeline.py`` checks the
-pipelined loss against it), the parameters have the same sharding under both rules tables (only
-the ``batch`` rule differs), and a forward-only pass has no pipeline bubble and keeps no
-activations for a backward pass, so there is nothing to gain from pipelining it.
+The train step (pipelined when ``parallel.pipeline.stages > 1``), the always-sequential eval step
+and why the eval is not pipelined: docs/parallelism.md section 1, "A run's layout".
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """Device mesh, the one logical-axis rules table, and sharded parameters and train state.
 
-The mesh has four named axes (MaxText style), each with a degree from the config's
-``parallel.mesh`` (``msar_jax.parallel.config``; ``-1`` = whatever is left of the device count;
-``select_devices`` picks the devices a run uses):
-
-* ``data``: data parallel (batch rows; parameters replicated);
-* ``stage``: pipeline stages (``msar_jax.parallel.pipeline``); data parallel elsewhere;
-* ``fsdp``: batch rows *and* the ``embed`` dimension of every parameter (ZeRO-3 style:
-  parameters, gradients and optimizer state are split; XLA all-gathers them per use);
-* ``tensor``: Megatron tensor parallel (attention heads, MLP hidden, vocabulary).
-
-Every parameter carries ``logical_axes`` metadata (``msar_jax.model.layers``) and every
-activation is tagged with ``msar_jax.parallel.logical_axes.constrain(x, names)``. ``RULES`` is the single
-table mapping those logical names to mesh axes; ``spec_for`` turns names into a
-``PartitionSpec`` for one array (an axis that does not divide the dimension, or that an
-earlier dimension already uses, is dropped so every spec is valid). ``use_mesh`` installs
-the mesh (``jax.set_mesh``) and the rules (``msar_jax.parallel.logical_axes.axis_rules``) together.
-
-Parameters are created sharded: ``init_sharded_state`` runs the initialiser under
-``jax.jit(out_shardings=...)`` so no device ever holds the whole model.
+The mesh has four named axes, ``data``, ``stage``, ``fsdp`` and ``tensor``, with degrees from the
+config's ``parallel.mesh``. ``RULES`` maps the logical axis names that parameters and activations
+carry to mesh axes, ``spec_for`` turns one array's names into a ``PartitionSpec``, ``use_mesh``
+installs the mesh and the rules together, and ``init_sharded_state`` creates the train state
+already sharded. What each axis means and the rules table: docs/parallelism.md section 1.
 """
 
 from __future__ import annotations
