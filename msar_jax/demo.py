@@ -1,19 +1,12 @@
 """``make demo``: train the default tiny Block MSAR on the bundled corpus on CPU, then report.
 
-Prepares the bundled public-domain corpus (byte level) if needed, trains
-``configs/msar.py:size=tiny`` (4 layers, d = 64, S = 4, m = 4, kernels (4, 8, 12)) for
-``--steps`` steps with the full training stack (``msar_jax.train``: progress bar, JSONL /
-TensorBoard logs, checkpoints) in a fresh ``runs/demo/<time>/``, and prints the validation
-loss beside the unigram-entropy baseline of the same data (the model must beat it clearly).
-It writes two PNGs, the loss curve and the learned depth-attention weights per stream
-(Figure 4 style: sublayer x source heatmaps, pre-attention and pre-MLP reads separately),
-prints their paths, and ends with the exact accounting table of the config.
+Trains ``configs/msar.py:size=tiny`` with the full training stack in a fresh ``runs/demo/<time>/``,
+prints the validation loss beside the unigram-entropy baseline of the same data, writes the loss
+curve and the per-stream depth-attention heatmaps (PNGs) and ends with the config's accounting
+table. About 3 minutes on 2 idle cores; what it does and measured figures: docs/training.md
+section 1, "The demo".
 
     python -m msar_jax.demo [--config=configs/msar.py:size=tiny] [--steps=240] [--workdir=DIR]
-
-Measured on the 2-core dev machine while other jobs ran (load average ~8, the demo got 56% of
-one core): 5 min 5 s wall, 171 CPU-seconds (compiles included); val loss 1.868 vs the unigram
-entropy 3.060. On 2 idle cores that is about 3 minutes.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Data for the training stack: bundled corpus, ``prepare``, tokenizers, grain pipeline.
 
-Quick start::
-
     from msar_jax import data
     meta = data.ensure_prepared()                 # bundled byte-level data in data_cache/
-    # reused while meta.json["source_key"] (resolved source + content fingerprint) still matches
-    it = data.make_train_iterator(data.default_cache_dir(), "train", batch_size=8, seq_len=128, seed=0)
-    batch = next(it)                              # np.int32 [8, 129]
 
-The pipeline names (which import grain and jax) are loaded on first use, so
-``python -m msar_jax.data.prepare`` stays light. Note that the attribute
-``msar_jax.data.prepare`` is the *function*; the module is
-``importlib.import_module("msar_jax.data.prepare")``.
+The pipeline names (which import grain and jax) load on first use, so ``python -m
+msar_jax.data.prepare`` stays light; the attribute ``data.prepare`` is the function, not the
+module. Sources, cache key, split, files and batches: docs/training.md section 6.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """Tokenizers for the prepared token files: raw UTF-8 bytes, or byte-level BPE.
 
-Both share one small interface::
-
-    tok.kind          "bytes" | "bpe"
-    tok.vocab_size    int
-    tok.eot_id        int | None   (id of "<|endoftext|>", None for bytes)
-    tok.encode(text)  -> list[int]
-    tok.decode(ids)   -> str
-
-``load_tokenizer(data_dir)`` rebuilds the tokenizer a folder was prepared with
-(from its ``meta.json``, plus ``tokenizer.json`` for BPE).
-
-The BPE tokenizer uses the Hugging Face ``tokenizers`` package, which is an
-optional dependency: it is imported only when a BPE tokenizer is trained or
-loaded, and a clear ``ImportError`` says how to install it when it is missing.
+Both have ``kind``, ``vocab_size``, ``eot_id``, ``encode(text)`` and ``decode(ids)``;
+``load_tokenizer(data_dir)`` rebuilds the one a folder was prepared with. BPE needs the optional
+Hugging Face ``tokenizers`` package, imported only when used. Details: docs/training.md
+section 6, "Tokenizers".
 """
 
 from __future__ import annotations

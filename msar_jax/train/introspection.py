@@ -1,16 +1,8 @@
 """Learned depth-attention weights, averaged over tokens (the data of the paper's Figure 4).
 
-``depth_weights(model_def, params, batch) -> float32 [L, N+2, m] | None``: for every residual
-sublayer read ``l`` (0-based; even = pre-attention, odd = pre-MLP), every source ``j`` and every
-stream ``r``, the softmax weight the read gives that source, averaged over the batch's tokens
-(pre-fusion, per stream, as in Figure 4). Sources: ``0`` the embedding, ``1..N`` the completed
-block summaries ``b_1..b_N`` (S = 1: every sublayer output), ``N+1`` the current block's partial
-sum; a source a read cannot see has weight 0. Mechanisms without depth attention (vanilla, mHC)
-give ``None``.
-
-``from_checkpoint(workdir, batch)`` computes them from a run's newest checkpoint;
-``save(weights, prefix, config, step)`` writes ``prefix.npz`` (array ``weights`` + labels) and
-``prefix.json`` (the same as nested lists with the labels); ``load(prefix)`` reads the npz.
+``depth_weights(model_def, params, batch)`` gives a float32 ``[L, N+2, m]`` array (read, source,
+stream), or ``None`` for mechanisms without depth attention; ``from_checkpoint``, ``save`` and
+``load`` read and write it. Layout and files: docs/training.md section 8.
 
     python -m msar_jax.train.introspection --workdir=runs/msar_tiny [--out=PREFIX] [--png=PATH]
 """

@@ -1,21 +1,10 @@
 """The train state, the jitted train step and the eval step.
 
-The state is a plain dict ``{"step": int32[], "params": pure dict, "opt_state": optax state}``
-(pure dicts checkpoint cleanly with orbax and load without the model code). The model is
-rebuilt inside the jitted functions from the static ``graphdef`` and the params
-(``nnx.split`` outside, ``nnx.merge`` inside), so the step is a pure function of arrays.
-
-``train_step(state, batch) -> (state, metrics)`` is jitted with the state donated. It guards
-against non-finite values: if the loss, the gradient norm or the update norm is NaN or Inf the
-*old* state is returned unchanged (with ``metrics["finite"] = False``), so the bad update never
-reaches the params and the loop can stop with the last good state in hand.
-
-Gradient accumulation (``train.grad_accum = M``): the ``[B, T+1]`` batch is split into M
-microbatches of ``B/M`` rows, taken with stride M (microbatch k holds rows ``k, k+M, ...``, so
-a batch sharded over data-parallel devices stays evenly sharded in every microbatch), and a
-``lax.scan`` sums their float32 gradients; the loss, its parts and the gradient are the means
-over microbatches, which equals the full-batch mean cross entropy. Activation memory is that
-of ``B/M`` rows; the optimizer runs once per step.
+The state is a plain dict of arrays (``step``, ``params``, ``opt_state``); the model is rebuilt
+inside the jitted functions from its static ``graphdef``, so each step is a pure function of
+arrays. ``train_step(state, batch) -> (state, metrics)`` is jitted with the state donated, keeps
+the old state when the loss or an update is not finite, and accumulates gradients over
+``train.grad_accum`` microbatches. Details: docs/training.md sections 2 and 5.
 """
 
 from __future__ import annotations
