@@ -1,24 +1,11 @@
 """Multi-Stream Attention Residuals (MSAR; the MSAR paper, §3.2-3.4, Eq. 9-17, Appendix C; docs/design.md §4).
 
-Every single-stream source (embedding, completed block summaries, the current
-block's partial) is expanded on demand into ``m`` streams by causal depthwise
-convolutions along tokens (Eq. 9-10): stream 0 is the identity, stream ``r >= 1``
-has kernel size ``kappa_r`` (default 4, 8, 12). Each stream has its own
-zero-initialised query and softmax over sources (Eq. 11-12, 17); an mHC-style
-``H_pre`` gate fuses the ``m`` retrieved streams (Eq. 13-14)::
-
-    g = sigmoid(a_l * (rms(flatten(Z_l)) @ W_l) + b_l),   h_l = sum_r g_r z_l^{(r)}
-
-Conv banks (Appendix C): the embedding uses bank 0, completed summary ``b_j`` bank
-``e_j = max(B_j) = j*S``, the partial ``p_l`` bank ``l-1``; banks are global
-parameters ``[L, sum(kappa), d]``, zero-initialised, no bias. The last output is
-merged without expansion: final hidden = ``h_L + v_L`` (docs/design.md §4.4).
-
-Parameters (Eq. 20): ``L[(m^2 + m + sum kappa) d + m + 1]``; ``L(44 d + 5)`` at the default.
-
-Ablations by config (Table 2): ``conv=False`` (every stream the identity, m queries
-kept), ``fusion="mean"`` (no W, a, b), any ``streams`` with its ``kernel_sizes``, any
-``block_size`` (1 = Full MSAR).
+Every single-stream source (embedding, completed block summaries, the current block's partial) is
+expanded on demand into ``m`` streams by causal depthwise convolutions along tokens (Eq. 9-10);
+each stream has its own zero-initialised query and softmax over sources (Eq. 11-12, 17), and an
+mHC-style ``H_pre`` gate fuses the retrieved streams (Eq. 13-14). Conv banks, the final merge
+``h_L + v_L``, the parameter count (Eq. 20) and the Table 2 ablations by config: docs/design.md
+§4.1-§4.6.
 """
 
 from __future__ import annotations
