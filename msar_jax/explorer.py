@@ -1,41 +1,11 @@
 """The logic behind ``notebooks/``: the MSAR read explainer, activation capture, depth patterns.
 
 The notebooks stay thin; everything they compute lives here and is tested through them.
-
-**The explainer** (``notebooks/msar_explorer.ipynb``: a token-by-source grid of one read, the MSAR
-paper's Sec. 3.2, computed by the library's own read). One target read of
-MSAR (Eq. 10-12) at one token, taken apart per source row and per source token::
-
-    E_{i,r}(v_i)_t = sum_{delta < kappa_r} c_{i,r,delta} (*) v_{i,t-delta}        (Identity: v_{i,t})
-    alpha_i = softmax_i(w_l^{(r)} . rms(E_{i,r}(v_i)_t)),   z = sum_i alpha_i E_{i,r}(v_i)_t
-    M_{i,t-delta} = || alpha_i * (c_{i,r,delta} (*) v_{i,t-delta}) ||_2
-
-The weights ``alpha`` and the retrieved ``z`` come from the library's own functional read
-(``msar_jax.residuals.msar.msar_read``) and the expanded sources from
-``pallas_kernels.depth_attention.reference.expand``; the per-cell terms ``c (*) v`` are only a
-display of the expansion and ``explain`` checks that they sum to ``expand``'s output and that
-``sum_i alpha_i E_i`` is ``msar_read``'s ``z``.
-
-* ``ReadInputs``: everything one read sees (sources, conv banks, queries, valid mask, gate).
-* ``SyntheticScene``: a synthetic toy (16 tokens, 8 source rows = the embedding and 7 layer
-  outputs, 6 channels, fixed sine/cosine formulas; layer-level MSAR, Sec. 3.2).
-* ``CapturedScene``: the real reads of a trained Block MSAR checkpoint: ``capture`` runs the
-  model sublayer by sublayer through the mechanism's own protocol (``read``/``write``/
-  ``end_block``) and records every read's sources (embedding, completed block summaries, the
-  current block's partial), banks, queries and gate, and the model's ``h``.
-* ``explain(read, stream, token)``, ``plot_grid``, ``plot_streams``, ``show``, ``summary``,
-  ``magnitude_limit`` (one colour limit over a scene), ``interactive`` (ipywidgets when
-  installed, else ``None``).
-
-**Training and checkpoints** (``quickstart.ipynb``, ``depth_patterns.ipynb``): ``quick_config``,
-``new_run_folder``, ``plot_losses``, ``restore`` / ``evaluate_params`` / ``evaluate_restored``
-(val loss from a checkpoint's params), ``find_checkpoint`` / ``ensure_checkpoint``,
-``fast_compile`` (the test suite's XLA options, for tiny CI runs).
-
-**Depth patterns** (``depth_patterns.ipynb``): ``plot_depth_heatmaps`` (Figure 4: per stream,
-pre-attention and pre-MLP reads), ``gate_values`` (the H_pre stream-gate values ``g`` per read,
-token-averaged), ``stream_divergence`` (Jensen-Shannon divergence between the streams' depth
-distributions per read), ``capture_depth_weights`` (cross-check of the introspection weights).
+``explain`` takes one MSAR read (Eq. 10-12) apart per source row and token, with the library's
+own ``msar_read`` and ``expand``, on a ``SyntheticScene`` or a ``CapturedScene`` (the real reads of
+a trained Block MSAR); the rest trains tiny runs, restores checkpoints and plots depth patterns
+(Figure 4). The formulas and every helper by notebook: notebooks/README.md, "The logic behind
+them".
 """
 
 from __future__ import annotations
