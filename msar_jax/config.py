@@ -82,7 +82,7 @@ def residual_config() -> ml_collections.ConfigDict:
             final_merge="residual",  # MSAR final: "residual" (h_L + v_L) or "sum" (all sources)
             implementation="xla",  # depth-attention kernels: "xla", "pallas_tpu", "pallas_gpu", "auto"
             kernel_backward="auto",  # backward of the Pallas kernels: "xla" (closed form), "pallas", "hybrid" (phase 1's closed form with the conv-transpose kernel), or "auto" (per op, the faster on the H200)
-            gpu_kernels="auto",  # GPU lowering of the Pallas kernels that have two: "mosaic" (Mosaic GPU: phase 1's scoring and mixing passes, phase 2's fused forward and its backward's statistics/d_acc and input passes), "triton", "triton_forward" (phase 2's forward in Triton, the rest as "auto"), "split_forward" (as "auto", phase 2's Mosaic forward as two kernels: scores, then the rest), or "auto" (per kernel, the faster on the H200; "split_forward" with model.save_read_outputs)
+            gpu_kernels="auto",  # GPU lowering of the Pallas kernels that have two: "mosaic" (Mosaic GPU: phase 1's scoring and mixing passes, phase 2's fused forward and its backward's statistics/d_acc and input passes), "triton", "split_forward" (as "auto", phase 2's Mosaic forward as two kernels: scores, then the rest), or "auto" (per kernel, the faster on the H200; "split_forward" with model.save_read_outputs)
             read_chunks=1,  # XLA path: run each depth read over this many batch slices (bounds its memory)
             state_dtype="float32",  # dtype of the phase-1 state's weighted sum: "float32" (docs/design.md §5) or "bfloat16" (half the bytes)
         )
@@ -198,9 +198,9 @@ def validate(model: ml_collections.ConfigDict, prefix: str = "model") -> ml_coll
         raise ConfigError(r("implementation"), res.implementation, "must be one of 'xla', 'pallas_tpu', 'pallas_gpu', 'auto'")
     if res.get("kernel_backward", "auto") not in ("xla", "pallas", "hybrid", "auto"):
         raise ConfigError(r("kernel_backward"), res.kernel_backward, "must be 'xla', 'pallas', 'hybrid' or 'auto'")
-    if res.get("gpu_kernels", "auto") not in ("auto", "mosaic", "triton", "triton_forward", "split_forward"):
+    if res.get("gpu_kernels", "auto") not in ("auto", "mosaic", "triton", "split_forward"):
         raise ConfigError(r("gpu_kernels"), res.gpu_kernels,
-                          "must be 'auto', 'mosaic', 'triton', 'triton_forward' or 'split_forward'")
+                          "must be 'auto', 'mosaic', 'triton' or 'split_forward'")
     if res.get("state_dtype", "float32") not in ("float32", "bfloat16"):
         raise ConfigError(r("state_dtype"), res.state_dtype, "must be 'float32' or 'bfloat16'")
     mechanism.validate_config(model, prefix)  # the mechanism's own rules

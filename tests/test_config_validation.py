@@ -37,7 +37,7 @@ CASES = [
     ({"residual.read_chunks": 0}, "model.residual.read_chunks", "positive integer"),
     ({"residual.kernel_backward": "triton"}, "model.residual.kernel_backward", "must be 'xla', 'pallas', 'hybrid' or 'auto'"),
     ({"residual.state_dtype": "float16"}, "model.residual.state_dtype", "must be 'float32' or 'bfloat16'"),
-    ({"residual.gpu_kernels": "cuda"}, "model.residual.gpu_kernels", "must be 'auto', 'mosaic', 'triton', 'triton_forward' or 'split_forward'"),
+    ({"residual.gpu_kernels": "cuda"}, "model.residual.gpu_kernels", "must be 'auto', 'mosaic', 'triton' or 'split_forward'"),
     ({"save_read_outputs": None}, "model.save_read_outputs", "must be True or False"),
 ]
 

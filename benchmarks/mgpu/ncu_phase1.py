@@ -12,19 +12,11 @@ transpose (``mosaic_gpu_bwd1.sources_transpose``). Each Mosaic GPU kernel is nam
         --section WarpStateStats --section SchedulerStats python3 benchmarks/mgpu/ncu_phase1.py
 
 It calls each kernel alone rather than one forward and Pallas backward of ``api.phase1`` under
-``jax.grad``: under ``ncu`` that process segfaults 24 s in (cause not established). The inputs are ``time_phase1_bwd.py``'s random ones.
+``jax.grad``: under ``ncu`` that process segfaults 24 s in (cause not established).
 ``--interpret``: the same calls in Mosaic GPU interpret mode at a tiny shape on the CPU (a
 smoke test of this script). ``--issue``: the bench shape instead (9 sources, all valid, S = 8,
-B x T = 8 x 2048, d = 2048; ``ncu_census.py`` reads the counters of both shapes). ``--variants``:
-then the options' forms the census compares with the defaults: ``dstreams`` with each chunk's
-windows once for all streams (``window_fetch="per_chunk"``), the mixing pass with a window per
-item (``"per_item"``) and, timing only (wrong outputs), with only stream 0's items bringing their
-``p`` rows (``timing_skip=("p",)``: its outputs may hold non-finite values). ``--windows W``:
-every kernel with its lag windows placed as ``W`` (``mosaic_gpu.DEFAULT_WINDOWS``; a kernel whose
-program does not fit then fails). ``--split``: then ``gdots`` and ``dstreams`` with a program per stream
-(``stream_programs="split"``; under ``ncu -k regex:bwd1_`` only those two kernels are
-profiled). ``--l2-hints SET``: every kernel lowered with ``l2_hints.hinted`` (``SET`` as
-``time_l2_hints.py`` takes it, e.g. ``stores=evict_first,large_f32_loads=evict_first``)."""
+B x T = 8 x 2048, d = 2048; ``ncu_census.py`` reads the counters of both shapes). Every kernel
+runs with its defaults, as the model calls it."""
 import sys
 
 import jax
@@ -55,11 +47,6 @@ def random_inputs(n, n_live, batch, t_len, d, n_targets, heads=1):
 
 def main():
     interpret = "--interpret" in sys.argv
-    if "--windows" in sys.argv:
-        windows = sys.argv[sys.argv.index("--windows") + 1]
-        if windows not in mosaic_gpu.WINDOWS:
-            sys.exit(f"--windows {windows}: must be one of {mosaic_gpu.WINDOWS}")
-        mosaic_gpu.DEFAULT_WINDOWS = windows
     if interpret:
         n, n_live, batch, t_len, d, n_targets = 3, 2, 1, 70, 64, 2
     elif "--issue" in sys.argv:
@@ -91,27 +78,7 @@ def main():
     d_streams = jax.random.normal(inputs["key"], (n, m, batch, t_len, d), jnp.bfloat16)
     run("6 transpose", lambda de, x, b, v: mosaic_gpu_bwd1.sources_transpose(
         de, x, b, None, v, stream_kernels=KERNELS, interpret=interpret), d_streams, sources, banks, valid)
-    if "--variants" in sys.argv:
-        run("7 dstreams (per_chunk windows)", lambda x, b, q, ga, pp, ds, ww, v: mosaic_gpu_bwd1.phase1_dstreams(
-            x, b, q, ga, pp, ds, ww, None, v, out_dtype=jnp.bfloat16, window_fetch="per_chunk", **kw),
-            sources, banks, queries, g_acc, p, dsr, w, valid)
-        for i, options in ((8, dict(window_fetch="per_item")), (9, dict(timing_skip=("p",)))):
-            run(f"{i} mix ({options})", lambda x, b, pp, v, options=options: mosaic_gpu.phase1_mix(
-                x, b, pp, None, v, out_dtype=jnp.float32, per_target=True, **options, **kw), sources, banks, p, valid)
-    if "--split" in sys.argv:
-        run("10 gdots (split)", lambda x, b, ga, v: mosaic_gpu_bwd1.phase1_gdots(
-            x, b, ga, None, v, stream_programs="split", **kw), sources, banks, g_acc, valid)
-        run("11 dstreams (split)", lambda x, b, q, ga, pp, ds, ww, v: mosaic_gpu_bwd1.phase1_dstreams(
-            x, b, q, ga, pp, ds, ww, None, v, out_dtype=jnp.bfloat16, stream_programs="split", **kw),
-            sources, banks, queries, g_acc, p, dsr, w, valid)
 
 
 if __name__ == "__main__":
-    if "--l2-hints" in sys.argv:
-        import l2_hints  # this folder, on the path when run as a script
-        from time_l2_hints import parse_set
-
-        with l2_hints.hinted(parse_set(sys.argv[sys.argv.index("--l2-hints") + 1])):
-            main()
-    else:
-        main()
+    main()

@@ -15,18 +15,28 @@ memory throughput); each Mosaic GPU kernel is named after its op (``<op>_mosaic_
 replayed kernel may touch, so JAX should not hold the whole GPU.) ``--interpret``: the same
 calls in Mosaic GPU interpret mode at a tiny shape on the CPU (a smoke test of this script).
 ``--issue``: the bench shape (B x T = 8 x 2048, d = 2048) with ``h`` and its cotangent in bf16, as
-the bench and a bf16 model run them (``ncu_census.py`` reads the counters of both shapes).
-``--gate-stats G``: the forward with the gate's statistics summed as ``G``
-(``mosaic_gpu.GATE_STATS``)."""
+the bench and a bf16 model run them (``ncu_census.py`` reads the counters of both shapes)."""
 import sys
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.depth_attention import fused_bwd_phase2, tiling
+from pallas_kernels.depth_attention import fused_bwd_phase2, reference, tiling
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from time_phase2 import inputs  # noqa: E402
+
+def inputs(batch, t_len, d, kernels, key=0):
+    """Phase 2's inputs: a random float32 state (positive denominators), bf16 partial, float32
+    bank, queries and gate (``(W, scale, bias)``, Eq. 13-14)."""
+    m = len(kernels)
+    k = jax.random.split(jax.random.key(key), 8)
+    x = jax.random.normal(k[0], (batch, t_len, d), jnp.bfloat16)
+    bank = 0.3 * jax.random.normal(k[1], (max(1, sum(kernels)), d), jnp.float32) if any(kernels) else None
+    q = jax.random.normal(k[2], (m, d), jnp.float32)
+    state = reference.SoftmaxState(jax.random.normal(k[3], (m, batch, t_len, 1)),
+                                   jnp.exp(jax.random.normal(k[4], (m, batch, t_len, 1))),
+                                   jax.random.normal(k[5], (m, batch, t_len, d)))
+    gate = (jax.random.normal(k[6], (m * d, m)) / (m * d) ** 0.5, jnp.float32(0.7), jax.random.normal(k[7], (m,)))
+    return state, x, bank, q, gate
 
 
 def main():
@@ -34,11 +44,6 @@ def main():
     issue = "--issue" in sys.argv
     from pallas_kernels.depth_attention import mosaic_gpu
 
-    if "--gate-stats" in sys.argv:
-        gate_stats = sys.argv[sys.argv.index("--gate-stats") + 1]
-        if gate_stats not in mosaic_gpu.GATE_STATS:
-            sys.exit(f"--gate-stats {gate_stats}: must be one of {mosaic_gpu.GATE_STATS}")
-        mosaic_gpu.DEFAULT_GATE_STATS = gate_stats
     batch, t_len, d = (1, 70, 64) if interpret else (8, 2048, 2048) if issue else (64, 1024, 1024)
     out_dtype = jnp.bfloat16 if issue else jnp.float32  # h and its cotangent
     kernels = (0, 4, 8, 12)

@@ -210,10 +210,9 @@ class BlockDepthAttention(ResidualMechanism):
         """The ops' ``gpu_kernels``: the config's, except that ``"auto"`` becomes
         ``"split_forward"`` (phase 2's Mosaic forward as two kernels, the scores and then the
         rest) under ``model.save_read_outputs``. There the backward's re-run of a read keeps only
-        its scores (the output ``h`` is saved), so XLA drops the second kernel. The alternative,
-        ``"triton_forward"`` (Triton's scoring pass alone in the re-run), cost 118.8 ms per `base`
-        step on the H200 against 103.6 for the one-kernel Mosaic forward run twice
-        (docs/kernels.md)."""
+        its scores (the output ``h`` is saved), so XLA drops the second kernel. Triton's scoring
+        pass alone in the re-run cost 118.8 ms per `base` step on the H200 against 103.6 for the
+        one-kernel Mosaic forward run twice (docs/kernels.md §7)."""
         choice = self.res_cfg.get("gpu_kernels", "auto")
         return "split_forward" if choice == "auto" and self.save_read_outputs else choice
 

@@ -10,7 +10,7 @@ from pallas_kernels.depth_attention import (conv_transpose, fused, fused_bwd_pha
                                             mosaic_gpu_bwd1, platform, tiling, vjp)
 
 
-GPU_KERNELS = ("auto", "mosaic", "triton", "triton_forward", "split_forward")
+GPU_KERNELS = ("auto", "mosaic", "triton", "split_forward")
 # whether "auto" takes phase 2's backward input kernel in Mosaic GPU (``mosaic_gpu.phase2_backward_inputs``):
 # 1.63 against Triton's 3.10 ms per call in the `base` step on the H200 (two warpgroups per program), the
 # step 1530.1 -> 1445.1 ms
@@ -46,14 +46,10 @@ def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype,
     Pallas backward 5.40 against 6.19 ms per call with the backward's kernel. A single stream
     (AttnRes) ran the forward 0.235 against 0.209 ms, so it keeps Triton. ``"mosaic"``: always
     (interpreted off the GPU, as the tests run it; an error for a shape it does not take);
-    ``"triton"``: never; ``"triton_forward"``: the forward in Triton, the backward's kernel as
-    ``"auto"`` (its backward re-runs only the forward's scoring pass, which Triton has as a call
-    of its own); ``"split_forward"``: as ``"auto"``, with a Mosaic forward split in two kernels,
+    ``"triton"``: never; ``"split_forward"``: as ``"auto"``, with a Mosaic forward split in two kernels,
     the scores and then the rest (``mosaic_gpu.phase2_fused_forward(split=True)``: what a model
     saving its reads' outputs wants, whose re-run then runs the first alone). The unfused
     ``phase2`` (``fuse=None``) has the Triton kernels only."""
-    if choice == "triton_forward":
-        choice = "triton" if kernel == "forward" else "auto"
     if choice == "split_forward":
         choice = "auto"
     if choice == "triton" or backend != "triton" or static.fuse is None:
@@ -95,7 +91,7 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
     ``"transpose"`` (the wide form's transpose, ``mosaic_gpu_bwd1.sources_transpose``, against
     ``conv_transpose.sources_transpose``; ``AUTO_TRANSPOSE``).
 
-    ``"auto"`` (and ``"triton_forward"`` and ``"split_forward"``, which concern phase 2's forward): on a GPU (not in
+    ``"auto"`` (and ``"split_forward"``, which concerns phase 2's forward): on a GPU (not in
     interpret mode), with several streams and 16-bit sources (as timed; float32 sources double
     the kernels' shared memory), whenever the kernel takes the shape. Measured on the H200 (docs/kernels.md): the scoring
     pass 3.18 against 4.82 ms per call at `base`'s shape (4 of 7 sources valid, 8 targets), 3.95
@@ -106,7 +102,7 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
     against 4.42 ms at `base` (float32 state: 4.04 against 6.79). One stream (AttnRes): the
     kernels of ``SINGLE_STREAM_MOSAIC_PHASE1`` only. ``"mosaic"``: always (an error for a shape
     it does not take); ``"triton"``: never."""
-    if choice in ("triton_forward", "split_forward"):
+    if choice == "split_forward":
         choice = "auto"
     if choice == "triton" or backend != "triton":
         return False
@@ -171,7 +167,7 @@ def build(backend: str, native_platform: str):
         gpu_kernels = opts.pop("gpu_kernels", "auto")
         if gpu_kernels not in GPU_KERNELS:
             raise ValueError(f"gpu_kernels={gpu_kernels!r}: must be one of {GPU_KERNELS}")
-        if gpu_kernels == "mosaic" and backend != "triton":  # "triton_forward" is "auto" for the backward
+        if gpu_kernels == "mosaic" and backend != "triton":
             raise ValueError(f"gpu_kernels='mosaic' asks for Mosaic GPU kernels; this is the {backend} back end")
         interpret = opts.pop("interpret", platform.current() != native_platform)
         tiles = opts.pop("tiles", None) or tiling.choose_tiles(

@@ -263,17 +263,17 @@ def test_inputs_kernel_refuses_shapes_it_does_not_take():
                                           warpgroups=5, interpret=True)
 
 
-@pytest.mark.parametrize("choice", ["auto", "mosaic", "triton", "triton_forward"])
+@pytest.mark.parametrize("choice", ["auto", "mosaic", "triton", "split_forward"])
 @pytest.mark.parametrize("auto_inputs", [False, True])
 def test_which_choice_takes_the_inputs_kernel(monkeypatch, choice, auto_inputs):
     """``_backend._mosaic_phase2(kernel="inputs")`` for a compiled GPU call at `base`'s shape:
-    ``"auto"`` (and ``"triton_forward"``) as ``_backend.AUTO_INPUTS`` says, ``"mosaic"`` always
+    ``"auto"`` (and ``"split_forward"``) as ``_backend.AUTO_INPUTS`` says, ``"mosaic"`` always
     (an error for a shape the kernel does not take), never on the TPU back end or interpreted."""
     monkeypatch.setattr(_backend, "AUTO_INPUTS", auto_inputs)
     static = types.SimpleNamespace(fuse="gate", stream_kernels=(0, 4, 8, 12), heads=1)
     partial = jax.ShapeDtypeStruct((64, 1024, 1024), jnp.bfloat16)
     state = reference.SoftmaxState(None, None, jax.ShapeDtypeStruct((4, 64, 1024, 1024), jnp.float32))
-    want = choice == "mosaic" or (choice in ("auto", "triton_forward") and auto_inputs)
+    want = choice == "mosaic" or (choice in ("auto", "split_forward") and auto_inputs)
     assert _backend._mosaic_phase2(choice, "triton", static, partial, state, jnp.float32, False, kernel="inputs") is want
     assert not _backend._mosaic_phase2(choice, "tpu", static, partial, state, jnp.float32, False, kernel="inputs")
     assert not _backend._mosaic_phase2("auto", "triton", static, partial, state, jnp.float32, True, kernel="inputs")

@@ -351,7 +351,7 @@ def test_phase1_op_with_mosaic_kernels_matches_reference(monkeypatch):
 @pytest.mark.parametrize("choice, kernels, interpret, want", [
     ("auto", KERNELS, False, True),
     ("auto", KERNELS, True, False),  # interpret mode: the Triton kernels (the default suite's path)
-    ("triton_forward", KERNELS, False, True),  # concerns phase 2's forward only
+    ("split_forward", KERNELS, False, True),  # concerns phase 2's forward only
     ("triton", KERNELS, False, False),
     ("mosaic", (0,), True, True),
 ])

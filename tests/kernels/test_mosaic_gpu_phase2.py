@@ -173,7 +173,6 @@ def test_option_errors_and_auto_off_the_gpu(monkeypatch):
     ("auto", (0,), False, False),  # one stream (AttnRes) keeps Triton
     ("mosaic", (0,), True, True),
     ("triton", (0, 4, 8, 12), False, False),
-    ("triton_forward", (0, 4, 8, 12), False, True),
     ("split_forward", (0, 4, 8, 12), True, True),  # model.save_read_outputs: the forward as two kernels
     ("split_forward", (0,), False, False),
 ])
