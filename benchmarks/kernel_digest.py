@@ -4,7 +4,7 @@ Proves without a GPU that a refactor of ``pallas_kernels`` changes no kernel: ea
 lowered for CUDA on the CPU (no plugin needed: lowering stops before XLA compiles) and every
 Triton and Mosaic GPU custom call is recorded with its kernel (the serialized module re-printed
 without source locations, so moving code does not change it), its launch parameters and its
-operand and result types. The cases: the bench's reads (``pallas_kernels.depth_attention.bench``'s main table:
+operand and result types. The cases: the bench's reads (``benchmarks/reads.py``'s table:
 phase 1 and phase 2 with the gate, forward + backward, at the bench shape) and the `base` train
 step of MSAR, AttnRes and MHAR with ``model.residual.implementation=auto``.
 
@@ -103,9 +103,9 @@ def bench_cases():
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.depth_attention import bench
+    from benchmarks import reads as bench
 
-    shape = bench.ISSUE_SHAPE
+    shape = bench.BENCH_SHAPE
     for read in READS:
         _, kernels, heads = bench.TABLE_CONFIGS[read]
         sources, banks, queries, partial, bank, query, gate = jax.eval_shape(

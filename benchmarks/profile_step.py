@@ -14,8 +14,10 @@ CPU smoke (the test suite runs this)::
     python benchmarks/profile_step.py configs/attnres.py:size=tiny --steps 2 --warmup 1
 
 ``--kernel-option MODULE.NAME=VALUE`` (repeatable) sets a default of a
-``pallas_kernels.depth_attention`` module first (e.g. ``mosaic_gpu.REREAD_ORDER=reverse``). On a GPU,
-command buffers are switched off so the trace shows kernels. Method: docs/methods.md §4.
+``pallas_kernels.depth_attention`` module first (e.g. ``_backend.AUTO_INPUTS=False``). With
+``configs/vanilla.py`` among the configs it ends with each config's step over Vanilla's, timed in
+the same process (BENCHMARKS.md's step ratios). On a GPU, command buffers are switched off so the
+trace shows kernels. Method: docs/methods.md §4.
 """
 
 from __future__ import annotations
@@ -47,7 +49,6 @@ from msar_jax.cli import run_cli
 from msar_jax.parallel import layout as layout_lib  # noqa: E402
 from msar_jax.parallel import mesh as mesh_lib  # noqa: E402
 from msar_jax.train.optim import make_optimizer  # noqa: E402
-from pallas_kernels.depth_attention.bench import set_kernel_options  # noqa: E402, F401 (tests use it here)
 
 PARTS = ("embed", "depth_begin_block", "depth_read", "sublayer_attn", "sublayer_dense", "sublayer_moe",
          "depth_write", "depth_end_block", "lm_head", "cross_entropy", "optimizer")
@@ -286,6 +287,58 @@ def profile_config(spec: str, steps: int, warmup: int, trace_root: Path, overrid
     return row
 
 
+def set_kernel_options(options: list[str]) -> dict:
+    """``MODULE.NAME=VALUE`` items: sets ``pallas_kernels.depth_attention.MODULE.NAME`` (a module
+    default the kernels read when they are built, e.g. ``_backend.AUTO_INPUTS=False``) to
+    VALUE, a Python literal or else the string. Raises ``ValueError`` (naming the item) for a
+    malformed item, an unknown module or a name the module does not have (so a typo cannot time
+    the defaults under another label). Returns ``{item's name: value}``."""
+    import ast
+    import importlib
+
+    done = {}
+    for item in options:
+        name, sep, text = item.partition("=")
+        module_name, dot, attr = name.strip().rpartition(".")
+        if not sep or not dot or not attr:
+            raise ValueError(f"--kernel-option {item!r}: must be MODULE.NAME=VALUE (e.g. _backend.AUTO_INPUTS=False)")
+        try:
+            module = importlib.import_module(f"pallas_kernels.depth_attention.{module_name}")
+        except ImportError as e:
+            raise ValueError(f"--kernel-option {item!r}: no module pallas_kernels.depth_attention.{module_name}") from e
+        if not hasattr(module, attr):
+            raise ValueError(f"--kernel-option {item!r}: {module_name} has no {attr}")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            value = text
+        setattr(module, attr, value)
+        done[name.strip()] = value
+    return done
+
+
+def is_vanilla(spec: str) -> bool:
+    """Whether a config spec (``configs/vanilla.py:size=base``) is the Vanilla baseline."""
+    return Path(spec.split(":", 1)[0]).stem == "vanilla"
+
+
+def step_ratios(rows: list[dict]) -> str:
+    """The step table of BENCHMARKS.md's "Train steps at `base`": each config's median wall step
+    and peak memory, and its step over Vanilla's timed in the same process (the first Vanilla
+    row; clocks and contention move absolute figures between machines). Empty without a
+    Vanilla row."""
+    vanilla = next((r for r in rows if is_vanilla(r["config"])), None)
+    if vanilla is None:
+        return ""
+    out = [f"step against Vanilla ({vanilla['config']}, {vanilla['median_step_ms']:.1f} ms) on {vanilla['device']}:",
+           "", "| config | step (ms) | / Vanilla | peak (GiB) |", "|---|---|---|---|"]
+    for r in rows:
+        peak = "n/a" if r.get("peak_gib") is None else f"{r['peak_gib']:.2f}"
+        out.append(f"| {r['config']} | {r['median_step_ms']:.1f} | {r['median_step_ms'] / vanilla['median_step_ms']:.3f} "
+                   f"| {peak} |")
+    return "\n".join(out)
+
+
 def _gib(x) -> str:
     return "n/a" if x is None else f"{x:.2f} GiB"
 
@@ -326,7 +379,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
     ap.add_argument("--kernel-option", action="append", default=[],
                     help="MODULE.NAME=VALUE: a pallas_kernels.depth_attention module default set before "
-                         "the step is built (repeatable), e.g. mosaic_gpu.REREAD_ORDER=reverse")
+                         "the step is built (repeatable), e.g. _backend.AUTO_INPUTS=False")
     ap.add_argument("--json", default=None)
     ap.add_argument("--hlo_dir", default=None,
                     help="also write each config's compiled HLO here (<config>.hlo.txt.gz): the report's op names")
@@ -353,6 +406,8 @@ def main(argv=None) -> list[dict]:
         print(report(rows[-1], args.top), flush=True)
         if args.json:  # after every config: a later failure or timeout keeps the earlier rows
             Path(args.json).write_text(json.dumps(rows, indent=1))
+    if len(rows) > 1 and (table := step_ratios(rows)):
+        print("\n" + table, flush=True)
     return rows
 
 

@@ -99,16 +99,27 @@ def test_profile_names_pallas_kernels(prof, tmp_path):
 def test_kernel_options_set_module_defaults(prof, monkeypatch):
     """``--kernel-option MODULE.NAME=VALUE`` sets a kernel module's default (a literal or a
     string), and refuses a malformed item, an unknown module or a name the module lacks."""
-    from pallas_kernels.depth_attention import mosaic_gpu
+    from pallas_kernels.depth_attention import _backend, fused_bwd_phase1
 
-    monkeypatch.setattr(mosaic_gpu, "REREAD_ORDER", mosaic_gpu.REREAD_ORDER)
-    monkeypatch.setattr(mosaic_gpu, "INPUTS_SLOTS", mosaic_gpu.INPUTS_SLOTS)
-    got = prof.set_kernel_options(["mosaic_gpu.REREAD_ORDER=reverse", "mosaic_gpu.INPUTS_SLOTS=4"])
-    assert got == {"mosaic_gpu.REREAD_ORDER": "reverse", "mosaic_gpu.INPUTS_SLOTS": 4}
-    assert (mosaic_gpu.REREAD_ORDER, mosaic_gpu.INPUTS_SLOTS) == ("reverse", 4)
-    for bad, match in (("REREAD_ORDER=reverse", "must be MODULE.NAME=VALUE"),
-                       ("mosaic_gpu.REREAD_ORDER", "must be MODULE.NAME=VALUE"),
+    monkeypatch.setattr(fused_bwd_phase1, "DEFAULT_QUERY_GRADS_HEADS", fused_bwd_phase1.DEFAULT_QUERY_GRADS_HEADS)
+    monkeypatch.setattr(_backend, "AUTO_INPUTS", _backend.AUTO_INPUTS)
+    got = prof.set_kernel_options(["fused_bwd_phase1.DEFAULT_QUERY_GRADS_HEADS=all_heads", "_backend.AUTO_INPUTS=False"])
+    assert got == {"fused_bwd_phase1.DEFAULT_QUERY_GRADS_HEADS": "all_heads", "_backend.AUTO_INPUTS": False}
+    assert (fused_bwd_phase1.DEFAULT_QUERY_GRADS_HEADS, _backend.AUTO_INPUTS) == ("all_heads", False)
+    for bad, match in (("AUTO_INPUTS=False", "must be MODULE.NAME=VALUE"),
+                       ("_backend.AUTO_INPUTS", "must be MODULE.NAME=VALUE"),
                        ("no_such_module.X=1", "no module"),
-                       ("mosaic_gpu.REREAD_ORDR=reverse", "mosaic_gpu has no REREAD_ORDR")):
+                       ("_backend.AUTO_INPUT=False", "_backend has no AUTO_INPUT")):
         with pytest.raises(ValueError, match=match):
             prof.set_kernel_options([bad])
+
+
+def test_step_ratios_divide_by_the_vanilla_of_the_same_run(prof):
+    """The closing table: each config's step over the Vanilla timed in the same process; none
+    without a Vanilla config."""
+    rows = [{"config": "configs/vanilla.py:size=base", "device": "H100", "median_step_ms": 1000.0, "peak_gib": 22.9},
+            {"config": "configs/msar.py:size=base", "device": "H100", "median_step_ms": 1389.0, "peak_gib": None}]
+    table = prof.step_ratios(rows)
+    assert "| configs/msar.py:size=base | 1389.0 | 1.389 | n/a |" in table
+    assert "| configs/vanilla.py:size=base | 1000.0 | 1.000 | 22.90 |" in table
+    assert prof.step_ratios(rows[1:]) == ""

@@ -1,8 +1,8 @@
-"""The bench's depth reads compiled for an H200 on this machine, GPU or not: what each holds in memory.
+"""The benchmark's depth reads compiled for an H200 on this machine, GPU or not: what each holds in memory.
 
-Builds each read exactly as ``python -m pallas_kernels.depth_attention.bench`` times it
-(``bench.run_config``: phase 1 and phase 2 + stream fusion, forward + backward in the vjp form,
-per phase-1 form of ``bench.P1_FORMS``, and the plain-XLA reference), compiles it for an H200
+Builds each read exactly as ``benchmarks/reads.py`` times it (``reads.run_config``: phase 1
+and phase 2 + stream fusion, forward + backward in the vjp form, per phase-1 form of
+``reads.P1_FORMS``, and the plain-XLA reference), compiles it for an H200
 without one (``msar_jax.deviceless_gpu``: XLA:GPU's own fusion, scheduling and buffer assignment), and prints
 ``memory_analysis()`` (temporaries, arguments, outputs) and the largest values XLA placed in the
 temporary allocation and in the outputs, with the ops that define them. The bench run on an
@@ -13,7 +13,7 @@ Usage (needs JAX's CUDA plugin, ``msar_jax.deviceless_gpu``)::
 
     PYTHONPATH=.aot_site python benchmarks/mgpu/aot_reads.py [--configs msar,attnres,mhar]
         [--p1_forms per_target,stacked] [--base_shape] [--xla] [--top 3] [--query_grads_heads all_heads]
-        [--set mosaic_gpu.DEFAULT_MIX_ITEM_DECODE=carried]
+        [--set MODULE.CONSTANT=VALUE]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: benchmarks, msar_jax, pallas_kernels
 
 from msar_jax import deviceless_gpu  # noqa: E402  (imports no jax)
 
@@ -36,7 +36,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from pallas_kernels.depth_attention import bench, fused_bwd_phase1, platform, reference  # noqa: E402
+from benchmarks import reads as bench  # noqa: E402
+from pallas_kernels.depth_attention import fused_bwd_phase1, platform, reference  # noqa: E402
 
 
 def compile_report(name: str, fn, args, top: int) -> dict:
@@ -108,7 +109,7 @@ def main(argv=None) -> list[dict]:
     device = mesh.devices.flat[0]
     on = lambda tree: jax.tree.map(  # noqa: E731
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, P())), tree)
-    shapes = bench.BASE_SHAPE if args.base_shape else bench.ISSUE_SHAPE
+    shapes = bench.BASE_SHAPE if args.base_shape else bench.BENCH_SHAPE
     print(f"{device.device_kind} (deviceless), shapes {shapes}", flush=True)
     rows = []
     # everything traced for the GPU, the shape-only traces too: a jitted read traced once for the CPU

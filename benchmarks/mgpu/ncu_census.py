@@ -14,19 +14,20 @@ shape: 9 sources, S = 8, B x T = 8 x 2048, d = 2048) run under Nsight Compute wi
         python3 benchmarks/mgpu/ncu_phase1.py --issue > p1.csv
 
 then ``python3 benchmarks/mgpu/ncu_census.py p1.csv p2.csv --copy-tbps 3.2`` (or
-``--measure-copy`` on the GPU: ``bench.copy_bandwidth``) prints the table. ``--per-sublayer S``
+``--measure-copy`` on the GPU: ``reads.copy_bandwidth``) prints the table. ``--per-sublayer S``
 also sums the kernels per sublayer: phase 1's (the scoring, mixing, ``gdots``, ``dstreams`` and
 transpose kernels) divided by ``S``, phase 2's as they are. ``--plot FILE.png`` draws both: each
 kernel's time against its two floors, and (with ``--per-sublayer``) the forward and the forward +
 backward per sublayer stacked by kernel beside the sums of their larger floors, with ``--targets
 FWD,FB`` and ``--design-floors FWD,FB`` (ms: the design's bytes over the copy bandwidth,
-``bench.design_bytes``) as lines."""
+``benchmarks/reads.py``'s ``design_bytes``) as lines."""
 
 from __future__ import annotations
 
 import argparse
 import csv
 import sys
+from pathlib import Path
 
 METRICS = ("gpu__time_duration.sum", "smsp__inst_executed.avg", "smsp__cycles_elapsed.avg.per_second",
            "dram__bytes_read.sum", "dram__bytes_write.sum", "smsp__issue_active.avg.pct_of_peak_sustained_active")
@@ -197,7 +198,7 @@ def main(argv=None):
     ap.add_argument("files", nargs="*", help="Nsight Compute --csv --print-units base outputs")
     ap.add_argument("--metrics", action="store_true", help="print the --metrics list for ncu and exit")
     ap.add_argument("--copy-tbps", type=float, help="copy bandwidth, TB/s (bytes read + written)")
-    ap.add_argument("--measure-copy", action="store_true", help="measure it here (bench.copy_bandwidth, a GPU)")
+    ap.add_argument("--measure-copy", action="store_true", help="measure it here (benchmarks/reads.py copy_bandwidth, a GPU)")
     ap.add_argument("--per-sublayer", type=int, metavar="S", help="also sum per sublayer, phase 1's kernels / S")
     ap.add_argument("--skip", default="", help="comma-separated kernels (short names) to leave out, e.g. mix#2")
     ap.add_argument("--plot", metavar="FILE.png", help="also draw the census (and the per-sublayer sums) here")
@@ -231,9 +232,10 @@ def main(argv=None):
             ap.error(f"{flag}={text!r}: must be two positive ms values, FWD,FB (e.g. 0.45,2.0)")
         lines[flag] = values
     if args.measure_copy:
-        from pallas_kernels.depth_attention import bench
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from benchmarks import reads
 
-        copy = bench.copy_bandwidth()
+        copy = reads.copy_bandwidth()
     else:
         copy = args.copy_tbps * 1e12
     skip = {s for s in args.skip.split(",") if s}
