@@ -4,7 +4,7 @@
 ``phase2_backward_inputs``), and phase 1's scoring and mixing passes (``phase1_scores``,
 ``phase1_mix``). Phase 1's backward passes are in ``mosaic_gpu_bwd1``, which uses this module's
 helpers. Each kernel streams channel chunks through a TMA pipeline of lag windows in shared memory
-(``_Lags``: where each conv lag's rows go, ``KERNEL_WINDOWS``); rows before token 0 come from TMA's
+(``_Lags``: where each conv lag's rows go); rows before token 0 come from TMA's
 zero fill, which interpret mode lacks, so there XLA pads the partial in front. What each kernel
 fuses, why the windows are padded and lowered in Lane semantics, and the figures:
 docs/kernels.md §4."""
@@ -56,45 +56,31 @@ BLOCK_D_CHOICES = (32,)
 
 
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, out_dtype,
-               gate: bool = True, windows: str | None = None) -> int:
+               gate: bool = True) -> int:
     """Shared memory of one program of ``phase2_fused_forward`` (its scratch list, ``_smem_sum``;
     the taps and segment bits counted whether present or not)."""
     bt, bd, m, mh = BLOCK_T, block_d, len(stream_kernels), len(stream_kernels) * heads
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
     n_taps = max(1, sum(stream_kernels))
     n_consts = 1 + (1 + m if gate else 0)  # include, then the gate's scale and biases
-    return _smem_sum(2 * _window_elems(stream_kernels, windows or default_windows("forward"), bd) * size(x_dtype),
+    return _smem_sum(2 * _window_elems(stream_kernels, bd) * size(x_dtype),
                      2 * n_taps * bd * 4, 2 * m * bd * 4, 2 * m * bt * bd * size(acc_dtype),
                      2 * m * m * bd * 4 if gate else 0, 2 * mh * bt * 4, bt * 4, n_consts * bt * 4, mh * bt * 4,
                      m * bt * 4, 2 * bt * bd * size(out_dtype), barriers=5, reduces=True)
 
 
-# Whether ``phase2_backward_state`` stores its per-head sums through the buffer its per-token
-# coefficients came in (read into registers at the start): 3 KB less per program at `base`, which
-# then fits two programs per SM. Measured on the H200 (the whole Pallas backward of phase 2)
-# 3.352 against 3.231 ms at `base` (slower), 1.557 against 1.676 at the bench shape, so off
-# (read at the call; ``time_phase2.py --backward --state-rows`` times both). Counted exactly
-# (``state_smem_bytes``) the 3 KB decide two programs per SM only with a float32
-# ``dh`` (120,856 / 117,784 bytes: one either way); with the bf16 ``dh`` of a bf16 model
-# (``_dh_operand``) two fit either way (112,664 / 109,592).
-STATE_SUMS_IN_ROWS = False
-
-
 def state_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype,
-                     out_dtype=F32, gate: bool = True, windows: str | None = None,
-                     sums_in_rows: bool | None = None, dh_dtype=F32) -> int:
+                     out_dtype=F32, gate: bool = True, dh_dtype=F32) -> int:
     """Shared memory of one program of ``phase2_backward_state`` (its scratch list, ``_smem_sum``;
-    ``sums_in_rows``: None is ``STATE_SUMS_IN_ROWS``; ``dh_dtype``: the output cotangent's, float32
-    when not known)."""
-    sums_in_rows = STATE_SUMS_IN_ROWS if sums_in_rows is None else sums_in_rows
+    ``dh_dtype``: the output cotangent's, float32 when not known)."""
     bt, bd, m, mh = BLOCK_T, block_d, len(stream_kernels), len(stream_kernels) * heads
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
     n_taps = max(1, sum(stream_kernels))
     return _smem_sum(
-        2 * _window_elems(stream_kernels, windows or default_windows("backward_state"), bd) * size(x_dtype),
+        2 * _window_elems(stream_kernels, bd) * size(x_dtype),
         2 * n_taps * bd * 4, 2 * m * bt * bd * size(acc_dtype), 2 * bt * bd * size(dh_dtype),
         2 * m * m * bd * 4 if gate else 0,
-        3 * mh * bt * 4, (1 + m) * bt * 4 if gate else 0, bt * 4, 0 if sums_in_rows else 3 * mh * bt * 4,
+        3 * mh * bt * 4, (1 + m) * bt * 4 if gate else 0, bt * 4, 3 * mh * bt * 4,
         (3 * m + 2) * bt * 4 if gate else 0, barriers=3, reduces=True)
 
 
@@ -131,93 +117,47 @@ def _cols(v, bt, bd):
     return lax.broadcast_in_dim(v, (bt, bd), [1])
 
 
-WINDOWS = ("per_lag", "aligned", "single", "padded")
-ONE_WINDOW = ("single", "padded")  # one window per chunk, lowered in Lane semantics
-# channels past the chunk in each row of a "padded" window: 80-byte rows for 32 bf16 channels, so
-# that the 8 rows of a warp's load start on different banks (64-byte rows put rows r and r + 2 on
-# the same banks; on the H200 the expansion alone 0.594 -> 0.364 ms); fetched, never read
+# channels past the chunk in each window row: 80-byte rows for 32 bf16 channels, so that the 8
+# rows of a warp's load start on different banks (64-byte rows put rows r and r + 2 on the same
+# banks; on the H200 the expansion alone 0.594 -> 0.364 ms); fetched, never read. Every kernel's
+# lag window is one such padded window per chunk (docs/kernels.md has the other placements'
+# figures: the step 1571.2 -> 1530.1 ms against an unpadded window).
 WINDOW_PAD = 8
-# What each kernel takes when called with windows=None (the ops do), by measurement on the H200 at
-# `base` (docs/kernels.md). "aligned" took the step from 1648.4 to
-# 1595.2 ms against "per_lag"; "single" halves each program's shared memory but its loads meet
-# bank conflicts (the forward 1.20 -> 1.26 ms, the scoring pass 1.88 -> 2.16); "padded" avoids
-# them and is the fastest in all four kernels (the forward 1.245 -> 0.964 ms, the scoring pass
-# 2.00 -> 1.79, the mixing pass 4.37 -> 4.09 against "single", the backward's kernel as "single"):
-# the step 1571.2 -> 1530.1 ms. A dict, so that a later kernel or device can differ.
-# Phase 1's backward passes 2 and 4 (``mosaic_gpu_bwd1``) were written and timed with "padded".
-KERNEL_WINDOWS = {"forward": "padded", "backward_state": "padded", "scores": "padded", "mix": "padded",
-                  "gdots": "padded", "dstreams": "padded"}
-# one placement for every kernel (timing scripts and tests set it); None: ``KERNEL_WINDOWS``
-DEFAULT_WINDOWS: str | None = None
-
-
-def default_windows(kernel: str) -> str:
-    """The lag windows ``kernel`` (a key of ``KERNEL_WINDOWS``) takes when called with None."""
-    return DEFAULT_WINDOWS or KERNEL_WINDOWS[kernel]
 
 
 class _Lags(NamedTuple):
-    """Where a tile's conv lags sit in shared memory (``windows``). ``"per_lag"``: lag ``delta``
-    in window ``delta`` (``[64, bd]``, rows ``t0 - delta ...``, one TMA copy each). ``"aligned"``:
-    one window per lag modulo 8 (``min(8, max_lag)`` copies instead of ``max_lag``), ``64 + 8
-    extra`` rows tall, lag ``w + 8 q`` at row ``8 (extra - q)`` of window ``w``: every load at a
-    row offset that is a multiple of 8, the only offsets a WGMMA-layout load gets right on the
-    H200 (``benchmarks/mgpu/offset_loads.py`` probes it). ``"single"``: one window
-    of ``64 + 8 extra`` rows, lag ``delta`` at row ``8 extra - delta``: one copy of about the
-    tile's bytes, loads at row offsets that are not multiples of 8 (exact in Lane semantics;
-    ``zero``: a runtime 0 added to the offset). ``"padded"``: the same with ``WINDOW_PAD`` more
-    channels in each row (``pad``), against shared-memory bank conflicts."""
+    """Where a tile's conv lags sit in shared memory: one window of ``64 + 8 extra`` rows per
+    chunk, lag ``delta`` at row ``8 extra - delta``: one TMA copy of about the tile's bytes, loads
+    at row offsets that are not multiples of 8 (exact in Lane semantics, ``_LanePlgpu``), with
+    ``pad`` (``WINDOW_PAD``) more channels in each row against shared-memory bank conflicts."""
 
-    kind: str
-    count: int  # windows, each one TMA copy when every lag is fetched
-    rows: int  # rows of each window
+    rows: int  # rows of the window
     extra: int  # 8-row groups above the 64 rows
-    zero: object = 0  # "single": added to the row offset of each load (a traced 0 makes it dynamic)
-    pad: int = 0  # channels past the chunk in each window row ("padded": ``WINDOW_PAD``)
+    pad: int = WINDOW_PAD  # channels past the chunk in each window row
+    count = 1  # windows per slot
 
     @staticmethod
-    def of(max_lag: int, windows: str | None) -> "_Lags":
-        if windows not in WINDOWS:
-            raise ValueError(f"windows={windows!r}: must be one of {WINDOWS}")
-        if windows == "per_lag":
-            return _Lags(windows, max_lag, BLOCK_T, 0)
-        one = windows in ONE_WINDOW
-        extra = -(-(max_lag - 1) // 8) if one else (max_lag - 1) // 8
-        return _Lags(windows, 1 if one else min(8, max_lag), BLOCK_T + 8 * extra, extra,
-                     pad=WINDOW_PAD if windows == "padded" else 0)
+    def of(max_lag: int, pad: int = WINDOW_PAD) -> "_Lags":
+        extra = -(-(max_lag - 1) // 8)
+        return _Lags(BLOCK_T + 8 * extra, extra, pad)
 
     def copies(self, n_lags: int):
         """``(window, first row in it, rows, lag of its first row)`` of the TMA copies that bring
-        lags ``0 .. n_lags - 1``."""
-        n_lags = max(1, n_lags)
-        if self.kind == "per_lag":
-            return [(delta, 0, BLOCK_T, delta) for delta in range(n_lags)]
-        if self.kind in ONE_WINDOW:
-            # the whole window: a TMA copy into shared memory must start 128-byte aligned (a
-            # window starting at row 8 extra - (n_lags - 1) failed with a misaligned address)
-            return [(0, 0, self.rows, 8 * self.extra)]
-        out = []
-        for w in range(min(8, n_lags)):
-            q = (n_lags - 1 - w) // 8  # the deepest 8-row group of this window's lags
-            out.append((w, 8 * (self.extra - q), BLOCK_T + 8 * q, w + 8 * q))
-        return out
+        lags ``0 .. n_lags - 1``: the whole window (a TMA copy into shared memory must start
+        128-byte aligned; a window starting at row 8 extra - (n_lags - 1) failed with a misaligned
+        address)."""
+        return [(0, 0, self.rows, 8 * self.extra)]
 
     def fetch(self, plgpu, src_rows, xs, slot, bar, n_lags: int):
         """The copies of ``copies(n_lags)`` into ``xs[slot]`` on ``bar``; ``src_rows(lag, rows)``
         is the global-memory ref of the rows starting ``lag`` rows before the tile."""
         for w, first, rows, lag in self.copies(n_lags):
-            dst = xs.at[slot, w] if self.kind == "per_lag" else xs.at[slot, w, pl.ds(first, rows)]
-            plgpu.copy_gmem_to_smem(src_rows(lag, rows), dst, bar)
+            plgpu.copy_gmem_to_smem(src_rows(lag, rows), xs.at[slot, w, pl.ds(first, rows)], bar)
 
     def load(self, plgpu, xs, slot, delta: int):
         """Lag ``delta``'s ``[64, bd]`` tile (WGMMA layout, the window's dtype)."""
-        tile = plgpu.Layout.WGMMA
-        if self.kind == "per_lag":
-            return plgpu.load(xs, (slot, delta), layout=tile)
-        if self.kind in ONE_WINDOW:
-            return plgpu.load(xs.at[slot, 0, pl.ds(self.zero + 8 * self.extra - delta, BLOCK_T),
-                                    pl.ds(0, xs.shape[-1] - self.pad)], (), layout=tile, optimized=False)
-        return plgpu.load(xs.at[slot, delta % 8, pl.ds(8 * (self.extra - delta // 8), BLOCK_T)], (), layout=tile)
+        return plgpu.load(xs.at[slot, 0, pl.ds(8 * self.extra - delta, BLOCK_T), pl.ds(0, xs.shape[-1] - self.pad)],
+                          (), layout=plgpu.Layout.WGMMA, optimized=False)
 
     def smem_rows(self) -> int:
         return self.count * self.rows
@@ -235,9 +175,9 @@ class _Lags(NamedTuple):
         return pl.ds(c * bd, self.width(bd))
 
 
-def _window_elems(stream_kernels, windows, bd: int) -> int:
-    """Elements of one slot's lag windows (``_Lags``), for the shared-memory counts."""
-    lags = _Lags.of(max([1, *stream_kernels]), windows)
+def _window_elems(stream_kernels, bd: int) -> int:
+    """Elements of one slot's lag window (``_Lags``), for the shared-memory counts."""
+    lags = _Lags.of(max([1, *stream_kernels]))
     return lags.smem_rows() * lags.width(bd)
 
 
@@ -251,54 +191,6 @@ def _fetch_partial(plgpu, x_ref, bank_ref, xs, bs, b, t0, front, c, bd, slot, ba
         plgpu.copy_gmem_to_smem(bank_ref.at[:, cs], bs.at[slot], bar.at[slot])
 
 
-STATE_BOXES = ("per_stream", "one")
-# how phase 2's kernels move a chunk of the state (``[m, 64, bd]``, in and, for ``d_acc``, out):
-# one TMA copy per stream, or one 3D box for all streams
-DEFAULT_STATE_BOXES = "one"
-
-
-def _checked_default(name: str, value: str, choices: tuple) -> str:
-    """A module default, ``value`` of ``mosaic_gpu.<name>``, if it is one of ``choices``."""
-    if value not in choices:
-        raise ValueError(f"mosaic_gpu.{name}={value!r}: must be one of {choices}")
-    return value
-
-
-def _state_boxes() -> str:
-    return _checked_default("DEFAULT_STATE_BOXES", DEFAULT_STATE_BOXES, STATE_BOXES)
-
-
-REREAD_ORDERS = ("same", "reverse")
-# The order in which phase 2's gated kernels (the forward, the backward's state kernel) walk the
-# channel chunks the second time they read a tile's state: the gate's statistics need the whole
-# tile (every stream and channel, 1 MB at `base`, 2 MB at the bench shape) before the output
-# pass, so each state element is read twice. In the same order the second read of a chunk comes
-# a whole tile's bytes after its first, which with some 260 programs in flight is about 260 MB
-# of other traffic, far more than L2 (50 MiB on the H100, as the driver reports it),
-# so it comes from DRAM again (Nsight Compute: the forward moves both reads' bytes at its DRAM
-# bound; docs/kernels.md). In reverse the last chunks the first pass read are
-# the first the second reads, while they may still be in L2. The same bits for ``h``, the scores
-# and ``d_acc`` (chunks are independent there); the state kernel's per-token sums add their
-# chunks in the other order (3e-7 apart). Measured (an H100, three
-# alternating rounds): the forward 1.8% / 0.5% faster at `base` / the bench shape, the state
-# kernel 1.3% / 1.7%; each of the three reversed rounds at `base` faster than each in the same
-# order. Read when a kernel is built (part of its configuration).
-REREAD_ORDER = "reverse"
-
-
-def _reread_order(order: str | None) -> str:
-    """``order`` (a kernel's argument) or, for None, ``REREAD_ORDER``, checked."""
-    if order is None:
-        return _checked_default("REREAD_ORDER", REREAD_ORDER, REREAD_ORDERS)
-    if order not in REREAD_ORDERS:
-        raise ValueError(f"reread_order={order!r}: must be one of {REREAD_ORDERS}")
-    return order
-
-
-def _state_copies(m: int, state_boxes: str) -> int:
-    return 1 if state_boxes == "one" else m
-
-
 def _state_rows(state, t_pad: int):
     """``[m, B, T, d]`` -> ``[m, B * Tp, d]`` (T padded): a tile's rows of every stream are then
     one 3D box (``[m, 64, bd]``), which TMA takes in one copy. (With the batch row as a fourth,
@@ -308,30 +200,20 @@ def _state_rows(state, t_pad: int):
     return _pad_t(state, 2, t_pad).reshape(m, batch * t_pad, d)
 
 
-def _copy_state(plgpu, acc_ref, accs, rows, cs, slot, bar, state_boxes: str):
-    """TMA copies of the state's chunk ``acc[:, rows, cs]`` (``[m, 64, bd]``; ``acc`` as
-    ``_state_rows`` lays it out) into ``accs[slot]`` (``STATE_BOXES``)."""
-    if state_boxes == "one":
-        plgpu.copy_gmem_to_smem(acc_ref.at[:, rows, cs], accs.at[slot], bar)
-    else:
-        for r in range(accs.shape[1]):
-            plgpu.copy_gmem_to_smem(acc_ref.at[r, rows, cs], accs.at[slot, r], bar)
-
-
-# whether a kernel's run of TMA stores that is awaited as a whole (``_store_group``) is committed
-# once, after its last store, rather than once per store: Nsight Compute put 5% of the mixing
-# pass's warp samples on the commits of its 8 stores per chunk and stream.
-# Read when a kernel is built.
-STORE_GROUPS = True
+def _copy_state(plgpu, acc_ref, accs, rows, cs, slot, bar):
+    """The TMA copy of the state's chunk ``acc[:, rows, cs]`` (``[m, 64, bd]``, one 3D box;
+    ``acc`` as ``_state_rows`` lays it out) into ``accs[slot]``."""
+    plgpu.copy_gmem_to_smem(acc_ref.at[:, rows, cs], accs.at[slot], bar)
 
 
 def _store_group(plgpu, pairs):
     """TMA stores ``(src, dst)`` from shared to global memory, committed as one bulk-copy group
-    (``STORE_GROUPS``; else one group each); only for stores that are awaited together
-    (``wait_smem_to_gmem(0)``), since the groups are what a wait counts."""
+    after the last (Nsight Compute put 5% of the mixing pass's warp samples on the commits of its
+    8 stores per chunk and stream when each was its own group); only for stores that are awaited
+    together (``wait_smem_to_gmem(0)``), since the groups are what a wait counts."""
     pairs = list(pairs)
     for k, (src, dst) in enumerate(pairs):
-        plgpu.copy_smem_to_gmem(src, dst, commit_group=not STORE_GROUPS or k == len(pairs) - 1)
+        plgpu.copy_smem_to_gmem(src, dst, commit_group=k == len(pairs) - 1)
 
 
 def _pipelined(plgpu, fetch, bar, nc, heads, per_chunk, carry, before_refill=None, n_slots=2, head_end=None,
@@ -342,7 +224,17 @@ def _pipelined(plgpu, fetch, bar, nc, heads, per_chunk, carry, before_refill=Non
     chunk walked in slot ``k mod n_slots``. ``before_refill()`` runs before a slot is refilled
     (to wait for stores still reading it). ``head_end(head, carry) -> carry`` runs after each
     head's chunks (outside the loop: what only one head needs need not ride through the others'
-    loops). ``reverse``: the chunks (and heads) last to first (``REREAD_ORDER``)."""
+    loops). ``reverse``: the chunks (and heads) last to first.
+
+    The gated kernels (the forward, the backward's state kernel) read each state element twice:
+    the gate's statistics need the whole tile (every stream and channel, 1 MB at `base`, 2 MB at
+    the bench shape) before the output pass. In the same order the second read of a chunk comes a
+    whole tile's bytes after its first, about 260 MB of other traffic with some 260 programs in
+    flight, far more than L2 (50 MiB on the H100), so it comes from DRAM again; in reverse the
+    last chunks read are the first read again, while they may still be in L2. Measured (an H100,
+    three alternating rounds): the forward 1.8% / 0.5% faster at `base` / the bench shape, the
+    state kernel 1.3% / 1.7%. The same bits for ``h``, the scores and ``d_acc``; the state
+    kernel's per-token sums add their chunks in the other order (3e-7 apart)."""
     nch = nc // heads
     chunk = (lambda k: nc - 1 - k) if reverse else (lambda k: k)  # noqa: E731
     for k in range(min(n_slots, nc)):
@@ -380,32 +272,10 @@ def _lag_masks_of(plgpu, bits_s, max_lag, bt, bd):
     return [None] + [_rows(((bits >> delta) & 1).astype(F32), bt, bd) for delta in range(1, max_lag)]
 
 
-def _expand(plgpu, xs, bs, slot, kernel, off, masks, bt, bd, lags: _Lags):
-    """``E_r`` of the chunk in ``slot`` (``[bt, bd]`` float32, Eq. 10) from its lag windows."""
-    col = plgpu.Layout.WGMMA.reduce(0)
-    if kernel == 0:
-        return lags.load(plgpu, xs, slot, 0).astype(F32)
-    e = None
-    for delta in range(kernel):
-        xl = lags.load(plgpu, xs, slot, delta).astype(F32)
-        term = _cols(plgpu.load(bs, (slot, off + delta), layout=col), bt, bd) * xl
-        if masks[delta] is not None:
-            term = term * masks[delta]
-        e = term if e is None else e + term
-    return e
-
-
-EXPANDS = ("shared", "per_stream")
-DEFAULT_EXPAND = "shared"  # what the kernels take when called with expand=None (the ops do)
-
-
-def _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags: _Lags, expand="shared"):
-    """``[E_r for every stream]`` of the chunk in ``slot`` (Eq. 10). ``"shared"``: each lag
-    window is loaded (and masked) once and feeds every stream whose kernel reaches it (12 window
-    loads for kernels (0, 4, 8, 12)); ``"per_stream"``: ``_expand`` per stream (25 loads).
-    The same sums in the same order either way: identical values."""
-    if expand == "per_stream":
-        return [_expand(plgpu, xs, bs, slot, kernel, off, masks, bt, bd, lags) for kernel, off in layout]
+def _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags: _Lags):
+    """``[E_r for every stream]`` of the chunk in ``slot`` (Eq. 10): each lag window is loaded
+    (and masked) once and feeds every stream whose kernel reaches it (12 window loads for kernels
+    (0, 4, 8, 12), not 25)."""
     col = plgpu.Layout.WGMMA.reduce(0)
     es = [None] * len(layout)
     for delta in range(max([1, *(kernel for kernel, _ in layout)])):
@@ -489,54 +359,29 @@ def _shape(name, partial, segment_ids, *, stream_kernels, heads, block_d, interp
     return _Shape(batch, t_len, d, bd, max_lag, any(stream_kernels), has_seg, t_pad, front, x, bits)
 
 
-GATE_STATS = ("own_pass", "in_scores")
-# ``"own_pass"``: the forward's pass B re-expands the partial to sum ``sum z^2`` and ``z . W_j``;
-# ``"in_scores"``: pass A sums ``A.A``, ``A.E``, ``E.E``, ``A.W_j``, ``E.W_j`` per stream and head
-# and the statistics follow from them once a and b are known, so the forward expands twice and
-# reads the partial twice. With "aligned" windows that was slower on the H200 (1.385
-# against 1.234 ms per call at `base`); with
-# "padded" windows it is faster (an H100: 1.1644 -> 1.0265 ms per call at
-# `base`, 0.6202 -> 0.5605 at the bench shape; the bench's forward per sublayer 1.196 -> 1.109
-# ms; Nsight Compute: 6% fewer instructions and DRAM bytes), so it is the default. The split form
-# (``split=True``) has no scoring pass that could sum them: it takes "own_pass".
-DEFAULT_GATE_STATS = "in_scores"
-
-
 def phase2_fused_forward(state, partial, bank, query, include_partial, gate_params, segment_ids, *, fuse: str,
                          stream_kernels: Sequence[int], heads: int, eps: float, gate_eps: float, out_dtype=F32,
-                         block_d: int | None = None, expand: str | None = None, windows: str | None = None,
-                         gate_stats: str | None = None, split: bool = False, reread_order: str | None = None,
-                         interpret: bool = False):
+                         block_d: int | None = None, split: bool = False, interpret: bool = False):
     """``h[B, T, d]`` and the scores ``(dots[m, B, T, H], sumsq[m, B, T])``.
 
     ``state``: ``reference.SoftmaxState`` (``[m, B, T, H]`` max and denom, ``[m, B, T, d]`` acc,
     float32 or bf16); ``partial[B, T, d]``; ``bank[K, d]`` or None; ``query[m, d]``;
     ``include_partial`` a (traced) bool; ``gate_params = (w[m d, m], scale, bias[m])`` for
     ``fuse="gate"``. ``block_d``: the channel chunk (None: ``choose_block_d``; it raises
-    ``NotImplementedError`` when no chunk fits). ``expand``: how the streams are built from the
-    lag windows (``EXPANDS``, ``_expand_all``; None: ``DEFAULT_EXPAND``). ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
-    ``default_windows``). ``gate_stats``: where the gate's statistics are summed (``GATE_STATS``;
-    None: ``DEFAULT_GATE_STATS``, or ``"own_pass"`` with ``split``). ``split``: two kernels (``FORWARD_PASSES``), the scores and
-    then the merge with the state, the gate and ``h``, the same values to the last bit as one
-    kernel with ``gate_stats="own_pass"`` (with the default, ``h`` to float32 rounding); where
-    ``h`` is not used (the backward's re-run of a read whose output a model saved) XLA drops the
-    second, so the re-run reads the partial once and the state not at all. ``reread_order``: the
-    chunks' order in the output pass, the state's second read with the gate (``REREAD_ORDERS``;
-    None: ``REREAD_ORDER``). ``interpret``: run in Pallas' Mosaic GPU interpret mode (CPU tests)."""
-    expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows or default_windows("forward")).kind
-    if expand not in EXPANDS:
-        raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
-    gate_stats = gate_stats or ("own_pass" if split else DEFAULT_GATE_STATS)
-    if gate_stats not in GATE_STATS:
-        raise ValueError(f"gate_stats={gate_stats!r}: must be one of {GATE_STATS}")
-    if split and gate_stats == "in_scores":
-        raise ValueError("split=True: the scores kernel does not sum the gate's statistics (gate_stats='in_scores')")
+    ``NotImplementedError`` when no chunk fits). ``split``: two kernels (``FORWARD_PASSES``), the
+    scores and then the merge with the state, the gate and ``h`` (``h`` to float32 rounding of
+    one kernel's: see ``GATE_STATS``); where ``h`` is not used (the backward's re-run of a read
+    whose output a model saved) XLA drops the second, so the re-run reads the partial once and the
+    state not at all. ``interpret``: run in Pallas' Mosaic GPU interpret mode (CPU tests)."""
+    # where the gate's statistics are summed (``GATE_STATS``): the split form has no scoring pass
+    # in the kernel that merges, so its merge sums them in a pass of their own
+    gate_stats = "own_pass" if split else "in_scores"
     if fuse not in ("gate", "mean"):
         raise ValueError(f"fuse={fuse!r}: the Mosaic GPU phase 2 fuses the streams ('gate' or 'mean')")
     m, bt = len(stream_kernels), BLOCK_T
     gate = fuse == "gate"
     sh = _shape("phase2_fused_forward", partial, segment_ids, stream_kernels=stream_kernels, heads=heads,
-                block_d=block_d, interpret=interpret, smem=functools.partial(smem_bytes, windows=windows),
+                block_d=block_d, interpret=interpret, smem=smem_bytes,
                 x_dtype=partial.dtype, acc_dtype=state.acc.dtype, out_dtype=out_dtype, gate=gate)
     batch, t_len, d, bd, t_pad, x = sh.batch, sh.t_len, sh.d, sh.block_d, sh.t_pad, sh.x
     front, has_bank, has_seg, mh = sh.front, sh.has_bank, sh.has_seg, m * heads
@@ -566,9 +411,8 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     cfg = _Config(batch=batch, t_pad=t_pad, d=d, stream_kernels=tuple(stream_kernels), heads=heads,
                   block_d=bd, gate=gate, has_seg=has_seg, front=front, eps=float(eps),
                   gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
-                  out_dtype=jnp.dtype(out_dtype), n_consts=consts.shape[0], expand=expand, windows=windows,
-                  state_boxes=_state_boxes(), gate_stats=gate_stats, passes="all", interpret=bool(interpret),
-                  reread_order=_reread_order(reread_order))
+                  out_dtype=jnp.dtype(out_dtype), n_consts=consts.shape[0], gate_stats=gate_stats, passes="all",
+                  interpret=bool(interpret))
     if split:
         dots, sumsq = _kernel(cfg._replace(passes="scores"))(*inputs)
         (h,) = _kernel(cfg._replace(passes="merge"))(*inputs, dots, sumsq)
@@ -579,7 +423,7 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
 
 
 class _LanePlgpu:
-    """``plgpu`` for a kernel lowered in Lane semantics (``windows="single"``): the default
+    """``plgpu`` for a kernel lowered in Lane semantics (every kernel here): the default
     Warpgroup semantics infers a swizzle for every shared-memory ref (64 bytes for a window of
     32 bf16 channels), and a WGMMA-layout load that starts at a row offset that is not a
     multiple of the swizzle's 8 rows unswizzles it relative to its own start, so it returns the
@@ -587,8 +431,6 @@ class _LanePlgpu:
     offset_loads.py --map`` shows the permutation). Lane semantics leaves unannotated refs unswizzled; their loads
     must then be unoptimized (no bank-conflict-free plan exists for them), so ``load`` passes
     ``optimized=False``. Everything else is ``plgpu``'s."""
-
-    lane = True
 
     def __init__(self, plgpu):
         self._plgpu = plgpu
@@ -601,30 +443,24 @@ class _LanePlgpu:
         return self._plgpu.load(src, *idx, layout=layout, optimized=False)
 
 
-# Lane semantics only (``windows="single"``): give the buffers of whole [64, bd] tiles (the state's
-# chunk, dh, the outputs' staging) the (8, bd) tiling and the swizzle that Warpgroup semantics
-# would infer, so that their loads and stores stay free of bank conflicts; the lag window stays
-# unswizzled (its loads start at any row). False: every buffer plain.
-LANE_TILE_SWIZZLE = True
-
-
 def _tile_smem(plgpu, shape, dtype):
-    """``plgpu.SMEM(shape, dtype)`` for a buffer of ``[.., 64, bd]`` tiles, swizzled in Lane
-    semantics (``LANE_TILE_SWIZZLE``) when its rows are 32, 64 or 128 bytes."""
+    """``plgpu.SMEM(shape, dtype)`` for a buffer of ``[.., 64, bd]`` tiles (the state's chunk,
+    dh, the outputs' staging): where its rows are 32, 64 or 128 bytes, with the (8, bd) tiling and
+    the swizzle that Warpgroup semantics would infer, so that its loads and stores stay free of
+    bank conflicts in Lane semantics (the lag window stays unswizzled: its loads start at any row)."""
     row_bytes = shape[-1] * jnp.dtype(dtype).itemsize
-    if getattr(plgpu, "lane", False) and LANE_TILE_SWIZZLE and row_bytes in (32, 64, 128):
+    if row_bytes in (32, 64, 128):
         return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, shape[-1])),
                                                     plgpu.SwizzleTransform(row_bytes)))
     return plgpu.SMEM(shape, dtype)
 
 
-def _plgpu_for(windows: str, interpret: bool):
-    """The ``plgpu`` module a kernel body uses: the Lane-semantics wrapper for ``"single"``
-    windows (``_LanePlgpu``; interpreted too, so that the CPU tests run its buffers' transforms
-    and unoptimized loads), else the module."""
+def _lane_plgpu():
+    """The ``plgpu`` a kernel body uses: the Lane-semantics wrapper (``_LanePlgpu``; interpreted
+    too, so that the CPU tests run its buffers' transforms and unoptimized loads)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    return _LanePlgpu(plgpu) if windows in ONE_WINDOW else plgpu
+    return _LanePlgpu(plgpu)
 
 
 def named_body(body, name: str):
@@ -637,12 +473,10 @@ def named_body(body, name: str):
 
 def _jitted_kernel(plgpu, body, out_type, scratch_types, *, name, batch, t_pad, interpret, streams=None):
     """``body`` as a ``plgpu.kernel`` over (batch row, 64-token tile), one warpgroup each, jitted
-    under the named scope ``name`` (the kernel's name in profiles); in Lane semantics when
-    ``plgpu`` is ``_LanePlgpu``. ``streams``: a leading grid axis ``"r"`` of that many programs
-    per (batch row, tile), the fastest in launch order (the grid's first axis is CUDA's x)."""
-    params = {}
-    if getattr(plgpu, "lane", False):
-        params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
+    under the named scope ``name`` (the kernel's name in profiles), in Lane semantics.
+    ``streams``: a leading grid axis ``"r"`` of that many programs per (batch row, tile), the
+    fastest in launch order (the grid's first axis is CUDA's x)."""
+    params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
     grid, names = (batch, t_pad // BLOCK_T), ("b", "t")
     if streams is not None:
         grid, names = (streams, *grid), ("r", *names)
@@ -676,15 +510,19 @@ class _Config(NamedTuple):
     acc_dtype: jnp.dtype
     out_dtype: jnp.dtype
     n_consts: int
-    expand: str
-    windows: str
-    state_boxes: str
-    gate_stats: str
+    gate_stats: str  # GATE_STATS
     passes: str  # FORWARD_PASSES
     interpret: bool
-    reread_order: str  # REREAD_ORDERS
 
 
+# Where the forward sums the gate's statistics. ``"in_scores"`` (one kernel): pass A sums
+# ``A.A``, ``A.E``, ``E.E``, ``A.W_j``, ``E.W_j`` per stream and head and the statistics follow
+# from them once a and b are known, so the forward expands twice and reads the partial twice (an
+# H100: 1.1644 -> 1.0265 ms per call at `base`, 0.6202 -> 0.5605 at the bench shape against
+# ``"own_pass"``; Nsight Compute: 6% fewer instructions and DRAM bytes). ``"own_pass"`` (the
+# split form, whose merge kernel has no scoring pass): pass B re-expands the partial to sum
+# ``sum z^2`` and ``z . W_j``.
+GATE_STATS = ("own_pass", "in_scores")
 # What one kernel of ``phase2_fused_forward`` runs: ``"all"`` (passes A-C, one kernel), or the
 # split form's two kernels, ``"scores"`` (pass A: the partial's scores alone, written out) and
 # ``"merge"`` (passes B-C from those scores: the merge with the state, the gate and ``h``)
@@ -697,7 +535,7 @@ def _kernel(cfg: _Config):
     jitted once per configuration, so that every call site of a model traces the same function:
     JAX then lowers it once per program instead of once per call (the Mosaic GPU lowering of this
     kernel takes about 15 s on the CPU; a `base` step has 56 call sites of one configuration)."""
-    plgpu = _plgpu_for(cfg.windows, cfg.interpret)
+    plgpu = _lane_plgpu()
 
     batch, t_pad, d, heads, bd, gate, has_seg, front = (cfg.batch, cfg.t_pad, cfg.d, cfg.heads, cfg.block_d,
                                                         cfg.gate, cfg.has_seg, cfg.front)
@@ -712,15 +550,15 @@ def _kernel(cfg: _Config):
     row = plgpu.Layout.WGMMA.reduce(1)  # one value per token row
     col = plgpu.Layout.WGMMA.reduce(0)  # one value per channel
     tile = plgpu.Layout.WGMMA
-    lags = _Lags.of(max_lag, cfg.windows)
+    lags = _Lags.of(max_lag)
     scores_pass, merge_pass = cfg.passes in ("all", "scores"), cfg.passes in ("all", "merge")
 
     # max, denom, constants and the scores for the merge; the lag bits
     n_in = (3 + 2 * (not scores_pass) if merge_pass else 0) + (1 if has_seg else 0)
     # the gate's statistics summed in pass A (``GATE_STATS``): pass A then also brings the state and W
     fused_stats = gate and cfg.gate_stats == "in_scores"
-    arrivals_a = lags.count + has_bank + 1 + (_state_copies(m, cfg.state_boxes) + 1 if fused_stats else 0)
-    arrivals_bc = lags.count + has_bank + _state_copies(m, cfg.state_boxes) + gate
+    arrivals_a = lags.count + has_bank + 1 + (1 + 1 if fused_stats else 0)
+    arrivals_bc = lags.count + has_bank + 1 + gate
     scratch = dict(
         xs=plgpu.SMEM((2, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
         bs=plgpu.SMEM((2, n_taps, bd), F32) if has_bank else None,
@@ -773,8 +611,7 @@ def _kernel(cfg: _Config):
                                bar, lags, max_lag)
                 cs = pl.ds(c * bd, bd)
                 if with_state:
-                    _copy_state(plgpu, acc_ref, accs, pl.ds(b * t_pad + t0, bt), cs, slot, bar.at[slot],
-                                cfg.state_boxes)
+                    _copy_state(plgpu, acc_ref, accs, pl.ds(b * t_pad + t0, bt), cs, slot, bar.at[slot])
                     if gate:
                         plgpu.copy_gmem_to_smem(w_ref.at[:, cs], ws.at[slot], bar.at[slot])
                 if with_query:
@@ -791,7 +628,7 @@ def _kernel(cfg: _Config):
         masks = _lag_masks_of(plgpu, bits_s, max_lag, bt, bd)
 
         def expand(slot):
-            return _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags, cfg.expand)
+            return _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags)
 
         def w_col(slot, r, j):
             return _cols(plgpu.load(ws, (slot, r * m + j), layout=col), bt, bd)
@@ -920,8 +757,8 @@ def _kernel(cfg: _Config):
             return carry
 
         # with the gate, the state's second read (pass B, or with ``fused_stats`` pass A, read it
-        # first; ``REREAD_ORDER``)
-        pipelined(bar_bc, True, fuse_chunk, 0, reverse=gate and cfg.reread_order == "reverse")
+        # first), in reverse (``_pipelined`` says why)
+        pipelined(bar_bc, True, fuse_chunk, 0, reverse=gate)
         plgpu.wait_smem_to_gmem(0)
 
     out_type = ([jax.ShapeDtypeStruct((batch, t_pad, d), cfg.out_dtype)] if merge_pass else []) + (
@@ -945,8 +782,7 @@ def _dh_operand(dh):
 
 
 def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segment_ids, *, stream_kernels,
-                          heads: int, gate_eps: float, block_d: int | None = None, expand: str | None = None,
-                          windows: str | None = None, reread_order: str | None = None, interpret: bool = False):
+                          heads: int, gate_eps: float, block_d: int | None = None, interpret: bool = False):
     """Passes 1 and 2 of ``fused_bwd_phase2`` (the gate's statistics and backward, then
     ``d_acc``) as one Mosaic GPU kernel: per (batch row, 64-token tile), (1) recompute ``z_r =
     a A_r + b E_r`` chunk by chunk and sum ``sum z^2``, ``y_j = z . W[:, j]`` and ``dg_r = <dh,
@@ -961,18 +797,13 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     (w, scale, bias)`` or None. Returns ``d_acc`` (``acc``'s dtype), ``(S1, Sm, Ss)`` each ``[m, B, T, H]``, and for the gate
     ``(g, dy, coef, d_scale, d_bias)`` (``[B, T, m]``, ``[B, T, m]``, ``[B, T]``, the scale's
     and bias's gradients) or None. On the H200 at `base` the whole Pallas backward ran 5.40 ms
-    per call with it against 6.19 with the two Triton passes (docs/kernels.md), so ``gpu_kernels="auto"`` takes it wherever it takes the forward. ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
-    ``default_windows``). ``reread_order``: the chunks' order in pass 2, the state's second read
-    with the gate (``REREAD_ORDERS``; None: ``REREAD_ORDER``)."""
-    expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows or default_windows("backward_state")).kind
-    if expand not in EXPANDS:
-        raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
+    per call with it against 6.19 with the two Triton passes (docs/kernels.md), so ``gpu_kernels="auto"`` takes it wherever it takes the forward. With the gate, pass 2 reads
+    the chunks in reverse (``_pipelined`` says why)."""
     m, bt = len(stream_kernels), BLOCK_T
     gate = gate_params is not None
     sh = _shape("phase2_backward_state", partial, segment_ids, stream_kernels=stream_kernels, heads=heads,
                 block_d=block_d, interpret=interpret,
-                smem=functools.partial(state_smem_bytes, windows=windows, sums_in_rows=STATE_SUMS_IN_ROWS,
-                                       dh_dtype=dh.dtype),
+                smem=functools.partial(state_smem_bytes, dh_dtype=dh.dtype),
                 x_dtype=partial.dtype, acc_dtype=acc.dtype, out_dtype=F32, gate=gate)
     batch, t_len, d, bd, t_pad, x = sh.batch, sh.t_len, sh.d, sh.block_d, sh.t_pad, sh.x
     front, has_bank, has_seg, mh = sh.front, sh.has_bank, sh.has_seg, m * heads
@@ -996,10 +827,8 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     call = _state_kernel(_StateConfig(batch=batch, t_pad=t_pad, t_len=t_len, d=d, stream_kernels=tuple(stream_kernels),
                                       heads=heads, block_d=bd, gate=gate, has_seg=has_seg, front=front,
                                       gate_eps=float(gate_eps), x_dtype=jnp.dtype(x.dtype),
-                                      acc_dtype=jnp.dtype(acc.dtype), dh_dtype=jnp.dtype(dh.dtype), expand=expand,
-                                      windows=windows,
-                                      state_boxes=_state_boxes(), sums_in_rows=bool(STATE_SUMS_IN_ROWS),
-                                      interpret=bool(interpret), reread_order=_reread_order(reread_order)))
+                                      acc_dtype=jnp.dtype(acc.dtype), dh_dtype=jnp.dtype(dh.dtype),
+                                      interpret=bool(interpret)))
     d_acc, sums, gate_rows_out = call(*inputs)
     per_head = lambda v: jnp.moveaxis(v.reshape(m, heads, batch, t_pad), 1, -1)[:, :, :t_len]  # noqa: E731
     s1, sm, ss = (per_head(sums[i * mh:(i + 1) * mh]) for i in range(3))
@@ -1056,18 +885,13 @@ class _StateConfig(NamedTuple):
     x_dtype: jnp.dtype
     acc_dtype: jnp.dtype
     dh_dtype: jnp.dtype
-    expand: str
-    windows: str
-    state_boxes: str
-    sums_in_rows: bool
     interpret: bool
-    reread_order: str  # REREAD_ORDERS
 
 
 @functools.lru_cache(maxsize=None)
 def _state_kernel(cfg: _StateConfig):
     """``phase2_backward_state``'s kernel for ``cfg``, built and jitted once (``_kernel`` says why)."""
-    plgpu = _plgpu_for(cfg.windows, cfg.interpret)
+    plgpu = _lane_plgpu()
 
     batch, t_pad, d, heads, bd, gate, has_seg, front = (cfg.batch, cfg.t_pad, cfg.d, cfg.heads, cfg.block_d,
                                                         cfg.gate, cfg.has_seg, cfg.front)
@@ -1075,7 +899,7 @@ def _state_kernel(cfg: _StateConfig):
     m, bt = len(stream_kernels), BLOCK_T
     layout = _stream_layout(stream_kernels)
     max_lag = max([1, *stream_kernels])
-    lags = _Lags.of(max_lag, cfg.windows)
+    lags = _Lags.of(max_lag)
     has_bank = any(stream_kernels)
     nc, mh = d // bd, m * heads
     n_taps = max(1, sum(stream_kernels))
@@ -1087,13 +911,12 @@ def _state_kernel(cfg: _StateConfig):
         accs=_tile_smem(plgpu, (2, m, bt, bd), cfg.acc_dtype),  # the state's chunk; d_acc's, stored in place
         dhs=_tile_smem(plgpu, (2, bt, bd), cfg.dh_dtype),
         ws=plgpu.SMEM((2, m * m, bd), F32) if gate else None,
-        rows_s=plgpu.SMEM((3 * mh, bt), F32),  # a, b, dold; the sums at the end with ``sums_in_rows``
+        rows_s=plgpu.SMEM((3 * mh, bt), F32),  # a, b, dold
         scal_s=plgpu.SMEM((1 + m, bt), F32) if gate else None,
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
-        sums_s=None if cfg.sums_in_rows else plgpu.SMEM((3 * mh, bt), F32),
+        sums_s=plgpu.SMEM((3 * mh, bt), F32),
         gate_s=plgpu.SMEM((n_gate_rows, bt), F32) if gate else None,
-        bar=plgpu.Barrier(num_arrivals=lags.count + has_bank + _state_copies(m, cfg.state_boxes) + 1 + gate,
-                          num_barriers=2),
+        bar=plgpu.Barrier(num_arrivals=lags.count + has_bank + 1 + 1 + gate, num_barriers=2),
         bar_in=plgpu.Barrier(num_arrivals=3 + gate + has_seg, num_barriers=1),
     )
     names = [k for k, v in scratch.items() if v is not None]
@@ -1112,7 +935,6 @@ def _state_kernel(cfg: _StateConfig):
         bi, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
         rows = pl.ds(t0, bt)
         state_rows = pl.ds(bi * t_pad + t0, bt)  # the tile's rows in the state's [m, B * Tp, d] layout
-        sums_s = rows_s if cfg.sums_in_rows else sums_s  # the rows are in registers before the sums are stored
         for i, ref in enumerate((a_ref, b_ref, dold_ref)):
             plgpu.copy_gmem_to_smem(ref.at[:, bi, rows], rows_s.at[pl.ds(i * mh, mh)], bar_in.at[0])
         if gate:
@@ -1124,7 +946,7 @@ def _state_kernel(cfg: _StateConfig):
             _fetch_partial(plgpu, x_ref, bank_ref if has_bank else None, xs, bs, bi, t0, front, c, bd, slot, bar,
                            lags, max_lag)
             cs = pl.ds(c * bd, bd)
-            _copy_state(plgpu, acc_ref, accs, state_rows, cs, slot, bar.at[slot], cfg.state_boxes)
+            _copy_state(plgpu, acc_ref, accs, state_rows, cs, slot, bar.at[slot])
             plgpu.copy_gmem_to_smem(dh_ref.at[bi, rows, cs], dhs.at[slot], bar.at[slot])
             if gate:
                 plgpu.copy_gmem_to_smem(w_ref.at[:, cs], ws.at[slot], bar.at[slot])
@@ -1135,7 +957,7 @@ def _state_kernel(cfg: _StateConfig):
                                  for r in range(m)] for i in range(3))
 
         def expand(slot):
-            return _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags, cfg.expand)
+            return _expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags)
 
         def chunk_values(slot, r, head, e):
             """``A_r`` and ``z_r = a A_r + b E_r`` of the chunk in ``slot``."""
@@ -1187,19 +1009,15 @@ def _state_kernel(cfg: _StateConfig):
                 accs[slot, r] = (_rows(coef_a[r][head], bt, bd) * dz).astype(accs.dtype)
             plgpu.commit_smem()
             cs = pl.ds(c * bd, bd)
-            if cfg.state_boxes == "one":
-                plgpu.copy_smem_to_gmem(accs.at[slot], dacc_ref.at[:, state_rows, cs])
-            else:
-                for r in range(m):
-                    plgpu.copy_smem_to_gmem(accs.at[slot, r], dacc_ref.at[r, state_rows, cs])
+            plgpu.copy_smem_to_gmem(accs.at[slot], dacc_ref.at[:, state_rows, cs])
             return s1, sm, ss
 
         def stores_done():  # d_acc's stores from this slot have read it before the slot is refilled
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        # with the gate, the state's second read (pass 1 read it first; ``REREAD_ORDER``)
+        # with the gate, the state's second read (pass 1 read it first), in reverse (``_pipelined``)
         s1, sm, ss = _pipelined(plgpu, fetch, bar, nc, heads, state_chunk, ([zero] * mh,) * 3,
-                                before_refill=stores_done, reverse=gate and cfg.reread_order == "reverse")
+                                before_refill=stores_done, reverse=gate)
         for i, sums in enumerate((s1, sm, ss)):
             for k in range(mh):
                 sums_s[i * mh + k] = sums[k]
@@ -1223,12 +1041,12 @@ def _state_kernel(cfg: _StateConfig):
 
 
 def scores_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, n_targets: int,
-                      n_sources: int, windows: str | None = None, n_slots: int | None = None, **_unused) -> int:
+                      n_sources: int, n_slots: int | None = None, **_unused) -> int:
     """Shared memory of one program of ``phase1_scores`` (its scratch list, ``_smem_sum``)."""
     bt, bd, m = BLOCK_T, block_d, len(stream_kernels)
     n_taps, slots = max(1, sum(stream_kernels)), n_slots or SCORES_SLOTS
     return _smem_sum(
-        slots * _window_elems(stream_kernels, windows or default_windows("scores"), bd) * jnp.dtype(x_dtype).itemsize,
+        slots * _window_elems(stream_kernels, bd) * jnp.dtype(x_dtype).itemsize,
         slots * n_taps * bd * 4, slots * n_targets * m * bd * 4, n_sources * 64 * 4, bt * 4,
         n_targets * m * heads * bt * 4, m * bt * 4, barriers=slots + 1, reduces=True)
 
@@ -1244,38 +1062,13 @@ SCORES_SLOTS = 2
 SCORES_BLOCK_D_CHOICES = {"one_stream": (128, 64, 32), "several": (64, 32)}
 
 
-def scores_block_d_choices(n_streams: int, defer_sums: bool = False) -> tuple:
-    """The channel chunks ``phase1_scores`` tries, first choice first (deferred sums keep nine
-    ``[64, bd]`` accumulators: 32 channels only)."""
-    if defer_sums:
-        return (32,)
+def scores_block_d_choices(n_streams: int) -> tuple:
+    """The channel chunks ``phase1_scores`` tries, first choice first."""
     return SCORES_BLOCK_D_CHOICES["one_stream" if n_streams == 1 else "several"]
 
 
-# Phase 1's scoring pass with its sums kept per lane across the channel chunks and reduced once per
-# source (``defer_sums``), where the accumulators fit in registers: one head and at most this many
-# ``[64, bd]`` accumulators (S m dots and m sums of squares: AttnRes's one stream and 8 targets is 9,
-# 16 registers each at 32 channels; MSAR's 4 streams would need 36).
-DEFERRED_SUMS_MAX = 9
-# What ``defer_sums=None`` takes where it applies. Off: for one stream on the H200
-# deferring was 10% slower at `base` (d = 1024: 0.391 against 0.355 ms), which the model runs, and 10%
-# faster at the bench shape (d = 2048: 0.440 against 0.487 ms).
-SCORES_DEFER_SUMS = False
-
-
-def scores_defer_sums(defer_sums: bool | None, *, n_targets: int, m: int, heads: int) -> bool:
-    """Whether ``phase1_scores`` defers its reductions (``defer_sums``: True, False or None, the
-    default ``SCORES_DEFER_SUMS`` where it applies); ``True`` where it does not apply is an error."""
-    fits = heads == 1 and n_targets * m + m <= DEFERRED_SUMS_MAX
-    if defer_sums and not fits:
-        raise ValueError(f"defer_sums=True: {n_targets} targets x {m} streams + {m} sums of squares with {heads} "
-                         f"heads do not fit; needs one head and at most {DEFERRED_SUMS_MAX} accumulators")
-    return fits and (SCORES_DEFER_SUMS if defer_sums is None else bool(defer_sums))
-
-
 def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels, heads: int,
-                  block_d: int | None = None, expand: str | None = None, windows: str | None = None,
-                  defer_sums: bool | None = None, n_slots: int | None = None, interpret: bool = False):
+                  block_d: int | None = None, n_slots: int | None = None, interpret: bool = False):
     """Phase 1's scoring pass (``fused.scores_call``'s sums) as one Mosaic GPU kernel: per
     (batch row, 64-token tile), for each valid source, the chunks of its lag windows stream
     through a double-buffered TMA pipeline, its streams are built in registers (Eq. 10) and
@@ -1284,30 +1077,19 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
     ``sources[n, B, T, d]``, ``banks[n, K, d]`` or None, ``queries[S, m, d]``, ``segment_ids
     [B, T]`` or None, ``valid[n]`` (bool, may be traced) or None. Returns float32 ``dots[S, n,
     m, B, T, H]`` (``q_{s,r} . E_{i,r}`` per head) and ``sumsq[n, m, B, T]`` (``sum E_{i,r}^2``
-    over all ``d``), zeros for a source ``valid`` rules out (not computed). ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
-    ``default_windows``). ``defer_sums`` (``scores_defer_sums``): keep each dot and sum of
-    squares as a ``[64, bd]`` per-lane sum across the chunks and reduce it over the channels once
-    per source, not once per chunk (the same sums in another order: float32 rounding apart).
-    ``n_slots``: channel chunks in flight (None: ``SCORES_SLOTS``; at least 2)."""
+    over all ``d``), zeros for a source ``valid`` rules out (not computed). ``n_slots``: channel chunks in flight (None: ``SCORES_SLOTS``; at least 2)."""
     n, batch, t_len, d = sources.shape
     n_targets, m = queries.shape[:2]
     n_slots = SCORES_SLOTS if n_slots is None else n_slots
     if n_slots < 2:
         raise ValueError(f"mosaic_gpu.phase1_scores: n_slots={n_slots}: must be at least 2 (one chunk reduced "
                          "while the next is copied)")
-    expand, windows = expand or DEFAULT_EXPAND, _Lags.of(1, windows or default_windows("scores")).kind
-    if expand not in EXPANDS:
-        raise ValueError(f"expand={expand!r}: must be one of {EXPANDS}")
     if queries.shape[-1] != d or m != len(stream_kernels):
         raise ValueError(f"queries {queries.shape}: want [S, {len(stream_kernels)}, {d}]")
-    defer_sums = scores_defer_sums(defer_sums, n_targets=n_targets, m=m, heads=heads)
-    if defer_sums and block_d not in (None, 32):
-        raise ValueError(f"mosaic_gpu.phase1_scores: defer_sums with block_d={block_d}: its accumulators fit "
-                         "in registers with 32-channel chunks only")
-    smem = functools.partial(scores_smem_bytes, n_targets=n_targets, n_sources=n, windows=windows, n_slots=n_slots)
+    smem = functools.partial(scores_smem_bytes, n_targets=n_targets, n_sources=n, n_slots=n_slots)
     sh = _shape("phase1_scores", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, x_dtype=sources.dtype, acc_dtype=F32,
-                out_dtype=F32, choices=scores_block_d_choices(m, defer_sums))
+                out_dtype=F32, choices=scores_block_d_choices(m))
     has_bank = sh.has_bank and banks is not None
     live = jnp.ones((n,), jnp.int32) if valid is None else jnp.asarray(valid, jnp.int32).reshape(n)
     inputs = [sh.x, jnp.asarray(banks, F32) if has_bank else jnp.zeros((n, 1, d), F32),
@@ -1317,8 +1099,7 @@ def phase1_scores(sources, banks, queries, segment_ids, valid, *, stream_kernels
     call = _scores_kernel(_ScoresConfig(n=n, batch=batch, t_pad=sh.t_pad, d=d, stream_kernels=tuple(stream_kernels),
                                         heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
                                         has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
-                                        expand=expand, windows=windows, interpret=bool(interpret),
-                                        defer_sums=defer_sums, n_slots=n_slots))
+                                        interpret=bool(interpret), n_slots=n_slots))
     dots, sumsq = call(*inputs)  # [n, S m H, B, Tp], [n, m, B, Tp]
     dots = dots.reshape(n, n_targets, m, heads, batch, sh.t_pad).transpose(1, 0, 2, 4, 5, 3)
     return dots[:, :, :, :, :t_len], sumsq[..., :t_len]
@@ -1339,24 +1120,21 @@ class _ScoresConfig(NamedTuple):
     has_seg: bool
     front: int
     x_dtype: jnp.dtype
-    expand: str
-    windows: str
     interpret: bool
-    defer_sums: bool = False
     n_slots: int = 2
 
 
 @functools.lru_cache(maxsize=None)
 def _scores_kernel(cfg: _ScoresConfig):
     """``phase1_scores``'s kernel for ``cfg``, built and jitted once (``_kernel`` says why)."""
-    plgpu = _plgpu_for(cfg.windows, cfg.interpret)
+    plgpu = _lane_plgpu()
 
     n, batch, d, heads, bd, n_targets = cfg.n, cfg.batch, cfg.d, cfg.heads, cfg.block_d, cfg.n_targets
     stream_kernels, has_bank, has_seg, front = cfg.stream_kernels, cfg.has_bank, cfg.has_seg, cfg.front
     m, bt = len(stream_kernels), BLOCK_T
     layout = _stream_layout(stream_kernels)
     max_lag = max([1, *stream_kernels])
-    lags, n_taps = _Lags.of(max_lag, cfg.windows), max(1, sum(stream_kernels))
+    lags, n_taps = _Lags.of(max_lag), max(1, sum(stream_kernels))
     nc, smh = d // bd, n_targets * m * heads
     row, col = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     slots = cfg.n_slots
@@ -1389,9 +1167,6 @@ def _scores_kernel(cfg: _ScoresConfig):
         plgpu.barrier_wait(bar_in.at[0])
         masks = _lag_masks_of(plgpu, bits_s, max_lag, bt, bd)
         zero = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
-        # deferred: [bt, bd] per-lane sums across the chunks, reduced over the channels once per source
-        reduce = (lambda a: a) if cfg.defer_sums else (lambda a: jnp.sum(a, axis=1))
-        zero_acc = plgpu.layout_cast(jnp.zeros((bt, bd), F32), plgpu.Layout.WGMMA) if cfg.defer_sums else zero
 
         def staging_free():  # the last source's stores have read the staging buffers
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -1419,26 +1194,24 @@ def _scores_kernel(cfg: _ScoresConfig):
             # ms at `base` with this (AttnRes's one head: 0.281).
             def chunk(c, slot, head, carry):
                 dots, sqs = list(carry[0]), list(carry[1])
-                for r, e in enumerate(_expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags, cfg.expand)):
-                    sqs[r] = sqs[r] + reduce(e * e)
+                for r, e in enumerate(_expand_all(plgpu, xs, bs, slot, layout, masks, bt, bd, lags)):
+                    sqs[r] = sqs[r] + jnp.sum(e * e, axis=1)
                     for s in range(n_targets):
                         q = _cols(plgpu.load(qs, (slot, s * m + r), layout=col), bt, bd)
-                        dots[s * m + r] = dots[s * m + r] + reduce(e * q)
+                        dots[s * m + r] = dots[s * m + r] + jnp.sum(e * q, axis=1)
                 return dots, sqs
 
             def head_end(head, carry):
                 dots, sqs = carry
                 if head == 0:
                     staging_free()
-                stage_head(head, [jnp.sum(a, axis=1) for a in dots] if cfg.defer_sums else dots)
-                return ([zero_acc] * (n_targets * m) if head + 1 < heads else dots), sqs
+                stage_head(head, dots)
+                return ([zero] * (n_targets * m) if head + 1 < heads else dots), sqs
 
             @pl.when(live_s[i, 0] != 0)
             def _():
-                _, sqs = _pipelined(plgpu, fetch, bar, nc, heads, chunk, ([zero_acc] * (n_targets * m), [zero_acc] * m),
+                _, sqs = _pipelined(plgpu, fetch, bar, nc, heads, chunk, ([zero] * (n_targets * m), [zero] * m),
                                     n_slots=slots, head_end=head_end)
-                if cfg.defer_sums:
-                    sqs = [jnp.sum(a, axis=1) for a in sqs]
                 store(i, sqs)
 
             @pl.when(live_s[i, 0] == 0)
@@ -1461,16 +1234,9 @@ def _scores_kernel(cfg: _ScoresConfig):
 
 # --------------------------------------------------------------------------- phase 1's mixing pass
 
-# Items in flight in ``phase1_mix``'s TMA pipeline (``mix_smem_bytes`` counts them). 3 fits a
-# float32 state with the aligned windows (194 KB) and ran 5.18 against 5.60 ms with 2 at `base`;
-# with ``windows="per_lag"`` a float32 state needs ``n_slots=2``.
+# Items in flight in ``phase1_mix``'s TMA pipeline (``mix_smem_bytes`` counts them): 5.18 against
+# 5.60 ms with 2 at `base`.
 MIX_SLOTS = 3
-# How the mixing pass finds the (chunk, stream, source) of the item it fetches next: "divide"
-# decodes the item's flat index (two integer divisions by the runtime count of valid sources,
-# about 80 SASS instructions per item, in the H200 compile read back on a CPU machine); "carried" carries the next item's (chunk, stream, source) through the loops and steps it
-# by one per item (a few compares and selects). The items, their order and the sums are the same.
-ITEM_DECODES = ("divide", "carried")
-DEFAULT_MIX_ITEM_DECODE = "divide"
 # ``phase1_mix``'s channel chunks, first choice first (``choose_block_d``)
 MIX_BLOCK_D_CHOICES = (32,)
 # Where the mixing pass's items find their source's lag window. "per_item": each item (chunk,
@@ -1482,31 +1248,18 @@ MIX_BLOCK_D_CHOICES = (32,)
 # "per_chunk" by measurement on the H200 (docs/kernels.md; the same bits):
 # 4.175 -> 3.962 ms per call at `base`'s last block (-5.1%), 3.216 -> 2.851 at the bench shape
 # (-11.3%); the MSAR `base` step's mixing passes 56.0 -> 52.5 ms. Where a window per
-# source does not fit (more than 31 sources at 2 targets), the default falls back to "per_item"
+# source does not fit (more than 31 sources at 2 targets), ``phase1_mix`` takes "per_item"
 # (``resolve_window_fetch``).
 MIX_WINDOW_FETCHES = ("per_item", "per_chunk")
-DEFAULT_MIX_WINDOW_FETCH = "per_chunk"
-# Timing only (``phase1_mix(timing_skip=...)``, ``benchmarks/mgpu/time_phase1_mix.py
-# --fetch-bound``): parts of the mix's traffic left out, to see what bounds it. "windows": only
-# stream 0's items bring their lag windows (streams 1-3 expand what the slot holds); "p": only
-# stream 0's items bring their ``p`` rows; "stores": the states are not written. The outputs
-# are then WRONG; nothing in the package passes these.
-MIX_TIMING_SKIPS = ("windows", "p", "stores")
-
-
-def resolve_window_fetch(name: str, window_fetch: str | None, default: str, default_name: str, fits) -> str:
-    """A kernel's window fetch (``MIX_WINDOW_FETCHES``): ``window_fetch`` if given, else the
-    module default ``default`` (named ``default_name`` in errors), whose ``"per_chunk"`` (a
-    window per source) is taken only where ``fits("per_chunk")`` says one program's shared
-    memory holds it, ``"per_item"`` otherwise, so that a default can change without failing the
-    shapes with many sources."""
+def resolve_window_fetch(window_fetch: str | None, fits) -> str:
+    """``phase1_mix``'s window fetch (``MIX_WINDOW_FETCHES``): ``window_fetch`` if given, else
+    ``"per_chunk"`` (a window per source) where ``fits("per_chunk")`` says one program's shared
+    memory holds it, ``"per_item"`` otherwise."""
     if window_fetch is not None:
         if window_fetch not in MIX_WINDOW_FETCHES:
-            raise ValueError(f"{name}: window_fetch={window_fetch!r}: must be one of {MIX_WINDOW_FETCHES}")
+            raise ValueError(f"phase1_mix: window_fetch={window_fetch!r}: must be one of {MIX_WINDOW_FETCHES}")
         return window_fetch
-    if default not in MIX_WINDOW_FETCHES:
-        raise ValueError(f"{default_name}={default!r}: must be one of {MIX_WINDOW_FETCHES}")
-    return "per_item" if default == "per_chunk" and not fits(default) else default
+    return "per_chunk" if fits("per_chunk") else "per_item"
 
 
 def _staged_targets(n_targets: int, window_fetch: str) -> int:
@@ -1515,22 +1268,19 @@ def _staged_targets(n_targets: int, window_fetch: str) -> int:
 
 
 def mix_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, out_dtype, n_targets: int,
-                   n_sources: int, n_slots: int | None = None, windows: str | None = None,
-                   window_fetch: str | None = None, **_unused) -> int:
+                   n_sources: int, n_slots: int | None = None, window_fetch: str | None = None, **_unused) -> int:
     """Shared memory of one program of ``phase1_mix`` (its scratch list, ``_smem_sum``; ``n_slots``:
     None is ``MIX_SLOTS``; ``window_fetch``: None is what ``phase1_mix`` takes by default,
-    ``DEFAULT_MIX_WINDOW_FETCH`` where it fits (``resolve_window_fetch``); the ``"per_chunk"`` form
-    holds one window per source slot: ``n_sources`` of them)."""
+    ``"per_chunk"`` where it fits (``resolve_window_fetch``); the ``"per_chunk"`` form holds one
+    window per source slot: ``n_sources`` of them)."""
     if window_fetch is None:
         kw = dict(block_d=block_d, stream_kernels=stream_kernels, heads=heads, x_dtype=x_dtype, out_dtype=out_dtype,
-                  n_targets=n_targets, n_sources=n_sources, n_slots=n_slots, windows=windows)
-        window_fetch = resolve_window_fetch("mix_smem_bytes", None, DEFAULT_MIX_WINDOW_FETCH,
-                                            "mosaic_gpu.DEFAULT_MIX_WINDOW_FETCH",
-                                            lambda fetch: mix_smem_bytes(**kw, window_fetch=fetch) <= SMEM_BYTES)
+                  n_targets=n_targets, n_sources=n_sources, n_slots=n_slots)
+        window_fetch = resolve_window_fetch(None, lambda fetch: mix_smem_bytes(**kw, window_fetch=fetch) <= SMEM_BYTES)
     bt, bd, m, n_slots = BLOCK_T, block_d, len(stream_kernels), n_slots or MIX_SLOTS
     per_chunk = window_fetch == "per_chunk"
     n_windows = n_sources if per_chunk else n_slots
-    window = _window_elems(stream_kernels, windows or default_windows("mix"), bd) * jnp.dtype(x_dtype).itemsize
+    window = _window_elems(stream_kernels, bd) * jnp.dtype(x_dtype).itemsize
     return _smem_sum(n_windows * window, *(n_slots * kernel * bd * 4 for kernel in stream_kernels),
                      n_slots * n_targets * heads * bt * 4,
                      _staged_targets(n_targets, window_fetch) * bt * bd * jnp.dtype(out_dtype).itemsize,
@@ -1539,8 +1289,7 @@ def mix_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x
 
 def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: int, out_dtype=F32,
                per_target: bool = False, block_d: int | None = None, n_slots: int | None = None,
-               windows: str | None = None, item_decode: str | None = None, interpret: bool = False,
-               window_fetch: str | None = None, timing_skip: tuple = ()):
+               interpret: bool = False, window_fetch: str | None = None):
     """Phase 1's mixing pass (``fused.mix_call(mode="acc")``) as one Mosaic GPU kernel:
     ``acc[s, r] = sum_i p[s, i, r] E_r[x_i]`` (Eq. 11's weighted sum over the completed sources,
     before the merge with the partial), each source's stream ``E_r`` built in registers (Eq. 10)
@@ -1558,40 +1307,25 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
     ``block_d``: the channel chunk (None: the first of ``MIX_BLOCK_D_CHOICES`` that fits);
     ``n_slots``: None is ``MIX_SLOTS``. Returns ``acc[S, m, B, T, d]`` in ``out_dtype`` or, with
     ``per_target``, a list of ``S`` arrays ``[m, B, T, d]`` (each its own output of the kernel).
-    ``windows``: where the lags sit in shared memory (``WINDOWS``, ``_Lags``; None:
-    ``default_windows``). ``item_decode``: ``ITEM_DECODES`` (None: ``DEFAULT_MIX_ITEM_DECODE``).
-    ``window_fetch``: ``MIX_WINDOW_FETCHES`` (None: ``DEFAULT_MIX_WINDOW_FETCH``, or
-    ``"per_item"`` where its ``"per_chunk"`` does not fit; ``resolve_window_fetch``); the sums are
-    the same in either. ``timing_skip``: timing experiments only, the outputs are wrong
-    (``MIX_TIMING_SKIPS``)."""
+    ``window_fetch``: ``MIX_WINDOW_FETCHES`` (None: ``"per_chunk"``, or ``"per_item"`` where
+    ``"per_chunk"`` does not fit; ``resolve_window_fetch``); the sums are the same in either."""
     n, batch, t_len, d = sources.shape
 
     def fits(fetch):  # one program's shared memory holds it (interpret mode: no limit)
         return interpret or any(
             mix_smem_bytes(block_d=bd, stream_kernels=stream_kernels, heads=heads, x_dtype=sources.dtype,
-                           out_dtype=out_dtype, n_targets=p.shape[0], n_slots=n_slots, windows=windows,
-                           window_fetch=fetch, n_sources=n) <= SMEM_BYTES
+                           out_dtype=out_dtype, n_targets=p.shape[0], n_slots=n_slots, window_fetch=fetch, n_sources=n) <= SMEM_BYTES
             for bd in ((block_d,) if block_d else MIX_BLOCK_D_CHOICES))
 
-    window_fetch = resolve_window_fetch("phase1_mix", window_fetch, DEFAULT_MIX_WINDOW_FETCH,
-                                        "mosaic_gpu.DEFAULT_MIX_WINDOW_FETCH", fits)
-    timing_skip = tuple(sorted(set(timing_skip)))
-    if any(k not in MIX_TIMING_SKIPS for k in timing_skip):
-        raise ValueError(f"timing_skip={timing_skip!r}: each must be one of {MIX_TIMING_SKIPS}")
-    if "windows" in timing_skip and window_fetch != "per_item":
-        raise ValueError(f"timing_skip={timing_skip!r}: 'windows' leaves out the items' own windows, which only "
-                         f"window_fetch='per_item' has (got {window_fetch!r})")
-    n_slots, windows = n_slots or MIX_SLOTS, _Lags.of(1, windows or default_windows("mix")).kind
-    item_decode = item_decode or DEFAULT_MIX_ITEM_DECODE
-    if item_decode not in ITEM_DECODES:
-        raise ValueError(f"item_decode={item_decode!r}: must be one of {ITEM_DECODES}")
+    window_fetch = resolve_window_fetch(window_fetch, fits)
+    n_slots = n_slots or MIX_SLOTS
     n_targets, m = p.shape[0], p.shape[2]
     if p.shape[1] != n or p.shape[3] != batch or p.shape[4] < t_len or m != len(stream_kernels):
         raise ValueError(f"p {p.shape}: want [S, {n}, {len(stream_kernels)}, {batch}, >= {t_len}, H]")
     if p.shape[5] != heads:
         raise ValueError(f"p {p.shape}: its last axis is the {heads} heads")
-    smem = functools.partial(mix_smem_bytes, n_targets=n_targets, n_slots=n_slots, windows=windows,
-                             window_fetch=window_fetch, n_sources=n)
+    smem = functools.partial(mix_smem_bytes, n_targets=n_targets, n_slots=n_slots, window_fetch=window_fetch,
+                             n_sources=n)
     sh = _shape("phase1_mix", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, choices=MIX_BLOCK_D_CHOICES,
                 x_dtype=sources.dtype, acc_dtype=F32, out_dtype=out_dtype)
@@ -1607,8 +1341,7 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
                                   heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
                                   has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                                   out_dtype=jnp.dtype(out_dtype), per_target=bool(per_target), n_slots=n_slots,
-                                  windows=windows, item_decode=item_decode, interpret=bool(interpret),
-                                  window_fetch=window_fetch, timing_skip=timing_skip))
+                                  interpret=bool(interpret), window_fetch=window_fetch))
     out = call(*inputs)
     cut = lambda a: a[..., :t_len, :]  # noqa: E731
     return [cut(a) for a in out] if per_target else cut(out)
@@ -1632,17 +1365,14 @@ class _MixConfig(NamedTuple):
     out_dtype: jnp.dtype
     per_target: bool
     n_slots: int
-    windows: str
-    item_decode: str
     interpret: bool
     window_fetch: str = "per_item"
-    timing_skip: tuple = ()
 
 
 @functools.lru_cache(maxsize=None)
 def _mix_kernel(cfg: _MixConfig):
     """``phase1_mix``'s kernel for ``cfg``, built and jitted once (``_kernel`` says why)."""
-    plgpu = _plgpu_for(cfg.windows, cfg.interpret)
+    plgpu = _lane_plgpu()
 
     n, batch, d, heads, bd, n_targets = cfg.n, cfg.batch, cfg.d, cfg.heads, cfg.block_d, cfg.n_targets
     stream_kernels, has_bank, has_seg, front, n_slots = (cfg.stream_kernels, cfg.has_bank, cfg.has_seg, cfg.front,
@@ -1652,18 +1382,13 @@ def _mix_kernel(cfg: _MixConfig):
     max_lag = max([1, *stream_kernels])
     nc, nch = d // bd, d // bd // heads
     row, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA
-    lags = _Lags.of(max_lag, cfg.windows)
-    copies = [len(lags.copies(kernel)) for kernel in stream_kernels]  # lag-window copies of a stream's item
+    lags = _Lags.of(max_lag)
     taps = [has_bank and kernel > 0 for kernel in stream_kernels]
-    # timing only (``MIX_TIMING_SKIPS``): which streams' items bring their windows and p rows
-    with_windows = [r == 0 or "windows" not in cfg.timing_skip for r in range(m)]
-    with_p = [r == 0 or "p" not in cfg.timing_skip for r in range(m)]
     # "per_chunk" (``MIX_WINDOW_FETCHES``): a window buffer and a barrier per source slot, apart
     # from the items' ring, which then brings only the taps and the p rows
     per_chunk_windows = cfg.window_fetch == "per_chunk"
-    if per_chunk_windows:
-        with_windows = [False] * m
-    copies = [c if w else 0 for c, w in zip(copies, with_windows)]
+    # lag-window copies of a stream's item
+    copies = [0 if per_chunk_windows else len(lags.copies(kernel)) for kernel in stream_kernels]
     staged = _staged_targets(n_targets, cfg.window_fetch)  # targets staged for the stores at once
     scratch = dict(
         xs=plgpu.SMEM((n if per_chunk_windows else n_slots, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
@@ -1673,8 +1398,7 @@ def _mix_kernel(cfg: _MixConfig):
         bar_win=plgpu.Barrier(num_arrivals=len(lags.copies(max_lag)), num_barriers=n) if per_chunk_windows else None,
         meta_s=plgpu.SMEM((n + 1, 64), jnp.int32),
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
-        **{f"bar{r}": plgpu.Barrier(num_arrivals=copies[r] + taps[r] + with_p[r], num_barriers=n_slots)
-           for r in range(m)},
+        **{f"bar{r}": plgpu.Barrier(num_arrivals=copies[r] + taps[r] + 1, num_barriers=n_slots) for r in range(m)},
         bar_in=plgpu.Barrier(num_arrivals=1 + has_seg, num_barriers=1),
     )
     names = [k for k, v in scratch.items() if v is not None]
@@ -1703,14 +1427,13 @@ def _mix_kernel(cfg: _MixConfig):
         def fetch_stream(r, c, i, slot):
             """Item (chunk ``c``, stream ``r``, source ``i``)'s copies into ``slot``."""
             cs, xcs = pl.ds(c * bd, bd), lags.columns(c, bd)
-            if with_windows[r]:
+            if not per_chunk_windows:
                 lags.fetch(plgpu, lambda lag, n_rows: x_ref.at[i * batch + b, pl.ds(t0 + front - lag, n_rows), xcs],
                            xs, slot, bars[r].at[slot], stream_kernels[r])
             if taps[r]:
                 kernel, off = layout[r]
                 plgpu.copy_gmem_to_smem(bank_ref.at[i, pl.ds(off, kernel), cs], bss[r].at[slot], bars[r].at[slot])
-            if with_p[r]:
-                plgpu.copy_gmem_to_smem(p_ref.at[i, r, :, b, rows], ps.at[slot], bars[r].at[slot])
+            plgpu.copy_gmem_to_smem(p_ref.at[i, r, :, b, rows], ps.at[slot], bars[r].at[slot])
 
         def fetch_window(c, j):
             """"per_chunk": chunk ``c``'s window of valid source ``j`` (all the lags any stream
@@ -1725,21 +1448,11 @@ def _mix_kernel(cfg: _MixConfig):
             live = jnp.maximum(n_live, 1)
             return f // (m * live), lax.rem(f // live, m), lax.rem(f, live)
 
-        def step(item):
-            """The item after ``item = (c, r, j)`` in the flat order."""
-            c, r, j = item
-            j = j + 1
-            next_r = j == n_live
-            j, r = jnp.where(next_r, 0, j), jnp.where(next_r, r + 1, r)
-            next_c = r == m
-            return jnp.where(next_c, c + 1, c), jnp.where(next_c, 0, r), j
-
-        def fetch(f, item=None):
-            """Item ``f`` of the flat order, if there is one (``item``: its ``(c, r, j)``, else
-            decoded from ``f``)."""
+        def fetch(f):
+            """Item ``f`` of the flat order, if there is one."""
             @pl.when(f < total)
             def _():
-                c, r, j = decode(f) if item is None else item
+                c, r, j = decode(f)
                 i, slot = meta_s[j, 0], lax.rem(f, n_slots)
                 for rr in range(m):
                     pl.when(r == rr)(functools.partial(fetch_stream, rr, c, i, slot))
@@ -1755,17 +1468,17 @@ def _mix_kernel(cfg: _MixConfig):
                 pl.when(j < n_live)(functools.partial(fetch_window, 0, j))
         for k in range(n_slots):
             fetch(k)
-        carried = cfg.item_decode == "carried"
-        # the next item to fetch, carried through the loops ("carried"; a dummy 0 otherwise)
-        upcoming = decode(jnp.int32(n_slots)) if carried else 0
+        # the loops carry an unused 0 (the timed kernel's loops have it; ``phase1_backward``
+        # carries its next item there)
+        unused = 0
         zero = plgpu.layout_cast(jnp.zeros((bt, bd), F32), tile)
         for head in range(heads):
 
-            def chunk_body(c, upcoming, head=head):
+            def chunk_body(c, unused, head=head):
                 for r in range(m):
 
                     def source_body(j, carry, r=r):
-                        accs, upcoming = carry
+                        accs, unused = carry
                         f = c * per_chunk + r * n_live + j
                         slot = lax.rem(f, n_slots)
                         if per_chunk_windows and r == 0:  # the first stream waits for the chunk's window
@@ -1776,14 +1489,10 @@ def _mix_kernel(cfg: _MixConfig):
                                 for s in range(n_targets)]
                         if per_chunk_windows and r == m - 1:  # the last stream is done with it: the next chunk's
                             pl.when(c + 1 < nc)(functools.partial(fetch_window, c + 1, j))
-                        if carried:
-                            fetch(f + n_slots, upcoming)
-                            upcoming = step(upcoming)
-                        else:
-                            fetch(f + n_slots)
-                        return accs, upcoming
+                        fetch(f + n_slots)
+                        return accs, unused
 
-                    accs, upcoming = lax.fori_loop(0, n_live, source_body, ([zero] * n_targets, upcoming))
+                    accs, unused = lax.fori_loop(0, n_live, source_body, ([zero] * n_targets, unused))
                     cs = pl.ds(c * bd, bd)
                     for s0 in range(0, n_targets, staged):  # "per_chunk": the targets in two halves
                         group = range(s0, min(s0 + staged, n_targets))
@@ -1793,12 +1502,11 @@ def _mix_kernel(cfg: _MixConfig):
                         plgpu.commit_smem()
                         # issued all at once: spread over the next chunk and stream's items (a few per
                         # item) they made the pass 1.3-1.8x slower
-                        if "stores" not in cfg.timing_skip:
-                            _store_group(plgpu, ((out_s.at[s - s0], outs[s].at[r, b, rows, cs] if cfg.per_target
-                                                  else outs[0].at[s, r, b, rows, cs]) for s in group))
-                return upcoming
+                        _store_group(plgpu, ((out_s.at[s - s0], outs[s].at[r, b, rows, cs] if cfg.per_target
+                                              else outs[0].at[s, r, b, rows, cs]) for s in group))
+                return unused
 
-            upcoming = lax.fori_loop(head * nch, (head + 1) * nch, chunk_body, upcoming)
+            unused = lax.fori_loop(head * nch, (head + 1) * nch, chunk_body, unused)
         plgpu.wait_smem_to_gmem(0)
 
     if cfg.per_target:
@@ -1820,96 +1528,29 @@ INPUTS_NEXT_ROWS = 16  # rows of the next token tile the transposed conv reaches
 # Lane semantics copies only whole multiples of 128 bytes: the lag bits come as 96-row windows
 # (the tile's 64 and the 16 it reaches, padded), the small per-chunk rows padded to 4 (4 x 32 bytes)
 INPUTS_BITS_ROWS = 96
-# warpgroups per program of ``phase2_backward_inputs`` (``INPUTS_WARPGROUPS_CHOICES``; ``_inputs_kernel``
-# says why 2): with two, no spills and 1.63 against 2.61 ms per call in the `base` step
-# with one. Nsight Compute found two warps per scheduler issuing every 2.6 cycles, but more
-# warpgroups did not pay: phase 2's whole backward at `base` 3.217 ms with two,
-# 3.426 with three (168 registers, no spills), 3.721 with four (128, spills)
+# warpgroups per program of ``phase2_backward_inputs`` (``_inputs_kernel`` says why 2): with two,
+# no spills and 1.63 against 2.61 ms per call in the `base` step with one. Nsight Compute found
+# two warps per scheduler issuing every 2.6 cycles, but more warpgroups did not pay: phase 2's
+# whole backward at `base` 3.217 ms with two, 3.426 with three (168 registers, no spills), 3.721
+# with four (128, spills). Each lag of the partial's window and each per-token row is loaded
+# once per tile and reused (once per use: 49 loads where 12 lags exist, 3.297 against 3.220 ms).
 INPUTS_WARPGROUPS = 2
-INPUTS_WARPGROUPS_CHOICES = (1, 2, 3, 4)
-# whether ``phase2_backward_inputs`` loads each lag of the partial's window and each per-token row
-# once per tile and reuses the values (False: once per use; a stream's expansion and its bank
-# gradient each load the lags, 49 loads where 12 lags exist). Bitwise the same gradients, no
-# spills; phase 2's whole backward at `base` 3.220 against 3.297 ms, timed side by side. Read when the kernel is built.
-INPUTS_REUSE_LOADS = True
-# where ``phase2_backward_inputs`` takes its per-channel constants (the taps, the queries and W's
-# columns: the same in every token tile of a program): "per_use" loads each from shared memory at
-# every use (a tap twice per tile: the expansion and the transposed conv); "per_tile" once per tile
-# (as ``INPUTS_REUSE_LOADS`` does for the lags and the per-token rows); "per_program" once per
-# program, before the token loop, so they stay in registers (each warpgroup only its streams').
-# The same values loaded: bitwise the same gradients interpreted; compiled, ptxas schedules the
-# arithmetic around them differently (`d_x` within one bf16 rounding of the others, `d_bank` 2e-7
-# relative). "per_program" by measurement (an H100; the loops 608 / 494 ->
-# 574 / 460 instructions per tile, 254 registers, no spills): 1.375 -> 1.229 ms per call at
-# `base` (-10.7%), 0.695 -> 0.635 at the bench shape (-8.7%); "per_tile" -4.9% / -5.7%; on an
-# H200 -9.1% / -8.7%. A program of one warpgroup takes "per_use" for it
-# (``_default_inputs_constants``). Read when the kernel is built.
-INPUTS_CONSTANTS = "per_program"
-INPUTS_CONSTANTS_CHOICES = ("per_use", "per_tile", "per_program")
-# Measured and taken out again (commit dfe9301 has it): the input kernel without
-# Pallas' automatic barriers (13 / 12 ``bar.sync`` per tile in its two warpgroups' loops; its own
-# before a tile's ``d_E`` moves to the next rows and after the wait for the ``d_x`` staging
-# buffer): exact on the GPU, 3.2% / 0.4% faster at `base` / the bench shape on an H200: too little
-# for hand-placed barriers.
+# The per-channel constants (the taps, the queries and W's columns: the same in every token tile
+# of a program) are loaded once per program, before the token loop, and stay in registers (each
+# warpgroup only its streams'): an H100, 1.375 -> 1.229 ms per call at `base` (-10.7%), 0.695 ->
+# 0.635 at the bench shape (-8.7%) against a load at every use (once per tile: -4.9% / -5.7%). A
+# program of one warpgroup loads them at every use (``_inputs_constants``).
+INPUTS_CONSTANTS_CHOICES = ("per_use", "per_program")
 # batch rows each program of ``phase2_backward_inputs`` walks, one after the other (the largest
 # divisor of the batch up to this): its carried token sums are reduced over the 64 rows, and its
-# first copies waited for, once per program rather than once per row. Read when the kernel is built.
+# first copies waited for, once per program rather than once per row
 INPUTS_ROWS_PER_PROGRAM = 4
-INPUTS_ROWS_PER_PROGRAM_CHOICES = (1, 2, 4, 8)
-# how ``phase2_backward_inputs`` widens its bf16 tiles (the partial's lags, a bf16 ``dh``) to
-# float32: "extf", Mosaic GPU's conversion, which ptxas makes three instructions per pair of bf16
-# (a PRMT moves the high half down, then a shift up for each); "bits", each 32-bit register of two
-# bf16 widened in place (``widen_bits``: two per pair; the loops 574 / 460 -> 548 / 442
-# instructions per tile in the H200's compile at `base`). The same values; compiled, `d_x` within
-# a bf16 rounding of "extf"'s (ptxas orders the sums differently). "bits" is inline Mosaic GPU
-# code, which Pallas' interpreter does not run: interpreted kernels take "extf". Measured (an H100):
-# 1.2072 -> 1.1997 ms per call at `base` (-0.6%), 0.6004 -> 0.5923 at the
-# bench shape (-1.3%): under 1 ms per `base` step, so "extf" stays the default.
-# Measured and taken out again (commit 07655f3 has them): two token tiles per TMA
-# fetch (the first warpgroup's loop 574 -> 539 instructions per tile) +4.8% / +5.1% slower, and
-# the refills issued by the last warpgroup (the longer loop 489 with two tiles per fetch) +6.2% to
-# +7.6% slower: fewer instructions in the longer loop, later data.
-INPUTS_WIDEN = "extf"
-INPUTS_WIDEN_CHOICES = ("extf", "bits")
 # the token tiles ``phase2_backward_inputs`` has in flight: its buffers, the fetch barriers and the
 # handoff of ``d_x``'s parts per slot; the fetch for tile ``i + INPUTS_SLOTS`` issued once tile ``i``
-# is done. The kernel is held by when its copies arrive, not by the first
-# warpgroup's instructions (the two alternatives above: fewer instructions, later data). 3 slots
-# (about 85 KB of shared memory per program, not 59; the same bits): on the H200 (two rounds each)
-# 1.2460 / 1.2504 -> 1.2597 / 1.2191 ms at `base` (+1.1% / -2.5%) and 0.6491 / 0.6454 -> 0.6207 /
-# 0.6279 at the bench shape (-4.4% / -2.7%): taken. 4 slots (about 111 KB) are built, untimed. Read when the kernel is built.
+# is done. 3 slots (about 85 KB of shared memory per program, not 59; the same bits) against 2 on
+# the H200 (two rounds each): 1.2460 / 1.2504 -> 1.2597 / 1.2191 ms at `base` (+1.1% / -2.5%) and
+# 0.6491 / 0.6454 -> 0.6207 / 0.6279 at the bench shape (-4.4% / -2.7%).
 INPUTS_SLOTS = 3
-INPUTS_SLOTS_CHOICES = (2, 3, 4)
-
-
-def widen_bits(plgpu, x):
-    """``x`` (a bf16 register tile, WGMMA layout) as float32, widened in place: a bf16's float32
-    has its bits shifted up 16, so of each 32-bit register holding two bf16 the low half is
-    shifted up and the high half masked (two instructions per pair; ``INPUTS_WIDEN``). Inline
-    Mosaic GPU code (``plgpu.inline_mgpu``): compiled kernels only."""
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, vector
-    from jax.experimental import mosaic
-
-    mgpu = mosaic.gpu
-    layout = plgpu.Layout.WGMMA
-
-    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(x.shape, F32, layout=layout))
-    def widen(ctx, tile):
-        del ctx
-        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
-        regs = tile.registers.copy()
-        for idx, reg in np.ndenumerate(tile.registers):
-            [n] = ir.VectorType(reg.type).shape
-            words = vector.bitcast(ir.VectorType.get((n // 2,), i32), reg)
-            splat = lambda v: vector.broadcast(ir.VectorType.get((n // 2,), i32), mgpu.utils.c(v, i32))  # noqa: E731
-            as_f32 = lambda v: vector.bitcast(ir.VectorType.get((n // 2,), f32), v)  # noqa: E731
-            low = as_f32(arith.shli(words, splat(16)))  # element 2k: the word's low half
-            high = as_f32(arith.andi(words, splat(-65536)))  # element 2k + 1: its high half
-            regs[idx] = vector.shuffle(low, high, [k // 2 + (n // 2) * (k % 2) for k in range(n)])
-        return mgpu.FragmentedArray(_registers=regs, _layout=tile.layout, _is_signed=None)
-
-    return widen(x)
 
 
 def _rows4(n: int) -> int:
@@ -1932,22 +1573,17 @@ def check_inputs_shape(*, d: int, heads: int, stream_kernels: Sequence[int]) -> 
                                   f"(got {tuple(stream_kernels)})")
 
 
-def inputs_rows_per_program(batch: int, rows: int | None = None) -> int:
+def inputs_rows_per_program(batch: int) -> int:
     """The batch rows one program of ``phase2_backward_inputs`` walks: the largest divisor of
-    ``batch`` up to ``rows`` (None: ``INPUTS_ROWS_PER_PROGRAM``)."""
-    rows = INPUTS_ROWS_PER_PROGRAM if rows is None else rows
-    if rows not in INPUTS_ROWS_PER_PROGRAM_CHOICES:
-        raise ValueError(f"rows_per_program={rows!r}: must be one of {INPUTS_ROWS_PER_PROGRAM_CHOICES}")
-    return max(k for k in range(1, rows + 1) if batch % k == 0)
+    ``batch`` up to ``INPUTS_ROWS_PER_PROGRAM``."""
+    return max(k for k in range(1, INPUTS_ROWS_PER_PROGRAM + 1) if batch % k == 0)
 
 
 def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, segment_ids, *, stream_kernels,
-                           heads: int, warpgroups: int | None = None, rows_per_program: int | None = None,
-                           dx_dtype=F32, constants: str | None = None, widen: str | None = None,
-                           slots: int | None = None, interpret: bool = False):
+                           heads: int, dx_dtype=F32, interpret: bool = False):
     """Pass 3 of ``fused_bwd_phase2`` (its reverse-T input kernel, ``_dinput_kernel``) as one
     Mosaic GPU kernel: per (group of batch rows, 8-channel chunk), each row's 64-token tiles in
-    reverse (``rows_per_program``: the carried sums are reduced once per group); per
+    reverse (``inputs_rows_per_program``: the carried sums are reduced once per group); per
     tile and stream ``r`` it recomputes ``E_r`` (Eq. 10), ``z_r = a A_r + b E_r`` (Eq. 11),
     ``dz_r = g_r dh + sum_j W[r, :, j] dy_j + coef z_r`` (the H_pre gate's backward, Eq. 13-14;
     ``dh / m`` for mean fusion) and ``d_E_r = b dz_r + u q_r + v E_r``, and applies the
@@ -1965,29 +1601,11 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     does, except that the token sums come per program, not per batch row: ``d_x[B, T, d]``
     in ``dx_dtype`` (float32 or bf16: each element is written once, so bf16 is the float32 value
     rounded once, as a cast after the kernel would give) and the partials ``d_query[P, m, d]``, ``d_bank[P, K, d]`` (None without a bank) and
-    ``d_W[P, m, d, m]`` (None without the gate), ``P = B / inputs_rows_per_program(B, rows_per_program)``;
-    their sum over the first axis is the gradient. ``warpgroups``: per program, one of
-    ``INPUTS_WARPGROUPS_CHOICES`` (None: ``INPUTS_WARPGROUPS``; ``_inputs_kernel``);
-    ``rows_per_program``: one of ``INPUTS_ROWS_PER_PROGRAM_CHOICES`` (None:
-    ``INPUTS_ROWS_PER_PROGRAM``); ``constants``: where the per-channel constants come from, one of
-    ``INPUTS_CONSTANTS_CHOICES`` (None: ``INPUTS_CONSTANTS``); ``widen``: how bf16 tiles become
-    float32, one of ``INPUTS_WIDEN_CHOICES`` (None: ``INPUTS_WIDEN``; interpreted: "extf");
-    ``slots``: the tiles in flight, one of ``INPUTS_SLOTS_CHOICES`` (None: ``INPUTS_SLOTS``)."""
-    slots = INPUTS_SLOTS if slots is None else slots
-    if slots not in INPUTS_SLOTS_CHOICES:
-        raise ValueError(f"phase2_backward_inputs: slots={slots!r} (or INPUTS_SLOTS): must be one of "
-                         f"{INPUTS_SLOTS_CHOICES}")
-    if widen is not None and widen not in INPUTS_WIDEN_CHOICES:
-        raise ValueError(f"phase2_backward_inputs: widen={widen!r}: must be one of {INPUTS_WIDEN_CHOICES}")
-    widen = widen or _checked_default("INPUTS_WIDEN", INPUTS_WIDEN, INPUTS_WIDEN_CHOICES)
-    widen = "extf" if interpret else widen  # the interpreter does not run inline Mosaic GPU code
-    if constants is not None and constants not in INPUTS_CONSTANTS_CHOICES:
-        raise ValueError(f"phase2_backward_inputs: constants={constants!r}: must be one of {INPUTS_CONSTANTS_CHOICES}")
-    if warpgroups is not None and warpgroups not in INPUTS_WARPGROUPS_CHOICES:
-        raise ValueError(f"warpgroups={warpgroups!r}: must be one of {INPUTS_WARPGROUPS_CHOICES}")
+    ``d_W[P, m, d, m]`` (None without the gate), ``P = B / inputs_rows_per_program(B)``;
+    their sum over the first axis is the gradient."""
     stream_kernels = tuple(stream_kernels)
     batch, t_len, d = partial.shape
-    rows_per_program = inputs_rows_per_program(batch, rows_per_program)
+    rows_per_program = inputs_rows_per_program(batch)
     m, bt = len(stream_kernels), BLOCK_T
     check_inputs_shape(d=d, heads=heads, stream_kernels=stream_kernels)
     max_lag = max([1, *stream_kernels])
@@ -1995,7 +1613,7 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     has_bank = any(stream_kernels) and bank is not None
     has_seg = segment_ids is not None and max_lag > 1
     t_pad = -(-t_len // bt) * bt
-    lags = _Lags.of(max_lag, "single")
+    lags = _Lags.of(max_lag, pad=0)
     front = 8 * lags.extra if interpret else 0
     x = _pad_t(partial, 1, t_pad)
     if interpret:  # the rows before token 0: zeros, as TMA fills them on the GPU
@@ -2022,11 +1640,8 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
                                         gate=gate, has_bank=has_bank, has_seg=has_seg, front=front,
                                         x_dtype=jnp.dtype(x.dtype), acc_dtype=jnp.dtype(acc.dtype),
                                         dh_dtype=jnp.dtype(_dh_operand(dh).dtype), dx_dtype=jnp.dtype(dx_dtype),
-                                        warpgroups=warpgroups or INPUTS_WARPGROUPS,
-                                        reuse_loads=bool(INPUTS_REUSE_LOADS), rows_per_program=rows_per_program,
-                                        widen=widen, slots=slots,
-                                        constants=constants or _default_inputs_constants(
-                                            stream_kernels, gate, warpgroups or INPUTS_WARPGROUPS),
+                                        rows_per_program=rows_per_program,
+                                        constants=_inputs_constants(stream_kernels, gate),
                                         interpret=bool(interpret)))
     dx, sums = call(*inputs)
     n_taps = sum(stream_kernels) if has_bank else 0
@@ -2036,15 +1651,15 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     return dx[:, :t_len], dq, dbank, dw
 
 
-def _default_inputs_constants(stream_kernels, gate: bool, warpgroups: int) -> str:
-    """``INPUTS_CONSTANTS``, except that a program of one warpgroup (``warpgroups=1``, or one
-    stream) takes ``"per_use"`` for ``"per_program"``: holding all four streams' constants in one
-    warpgroup's registers took its spills from 404 to 1060 bytes and its loop from 1080 to 1180
-    instructions (the H200's compile at `base`); a one-stream program holds one row."""
-    constants = _checked_default("INPUTS_CONSTANTS", INPUTS_CONSTANTS, INPUTS_CONSTANTS_CHOICES)
-    if constants == "per_program" and len(_stream_groups(_stream_layout(stream_kernels), gate, warpgroups)) == 1:
+def _inputs_constants(stream_kernels, gate: bool) -> str:
+    """Where ``phase2_backward_inputs`` loads its per-channel constants (``INPUTS_CONSTANTS_CHOICES``):
+    once per program, except in a program of one warpgroup (one stream), which loads them at every
+    use (with one warpgroup for all four streams, holding their constants in registers took its
+    spills from 404 to 1060 bytes and its loop from 1080 to 1180 instructions, the H200's compile at
+    `base`)."""
+    if len(_stream_groups(_stream_layout(stream_kernels), gate, INPUTS_WARPGROUPS)) == 1:
         return "per_use"
-    return constants
+    return "per_program"
 
 
 class _InputsConfig(NamedTuple):
@@ -2063,12 +1678,8 @@ class _InputsConfig(NamedTuple):
     acc_dtype: jnp.dtype
     dh_dtype: jnp.dtype
     dx_dtype: jnp.dtype
-    warpgroups: int
-    reuse_loads: bool
     rows_per_program: int
-    widen: str
-    slots: int
-    constants: str
+    constants: str  # INPUTS_CONSTANTS_CHOICES
     interpret: bool
 
 
@@ -2090,7 +1701,7 @@ def _stream_groups(layout, gate: bool, n_groups: int):
 def _inputs_kernel(cfg: _InputsConfig):
     """``phase2_backward_inputs``' kernel for ``cfg``, built and jitted once (``_kernel`` says why).
 
-    With ``cfg.warpgroups > 1`` each program runs that many warpgroups, each with its own streams
+    With ``INPUTS_WARPGROUPS > 1`` each program runs that many warpgroups, each with its own streams
     (``_stream_groups``) and so its share of the carried token sums: with one warpgroup the 44
     sums of kernels (0, 4, 8, 12) with the gate take 176 registers per thread and ptxas spills;
     more warpgroups also give each scheduler more warps to issue from (Nsight Compute: the
@@ -2107,20 +1718,20 @@ def _inputs_kernel(cfg: _InputsConfig):
     m, bt, bd = len(stream_kernels), BLOCK_T, INPUTS_BLOCK_D
     layout = _stream_layout(stream_kernels)
     max_lag = max([1, *stream_kernels])
-    lags = _Lags.of(max_lag, "single")
+    lags = _Lags.of(max_lag, pad=0)
     has_bank = cfg.has_bank
     n_taps = sum(stream_kernels)
     nc, n_tiles = d // bd, t_pad // bt
     rows_per_program = cfg.rows_per_program
     n_steps = rows_per_program * n_tiles  # the program's tiles: each of its batch rows' in reverse
-    n_slots = cfg.slots  # fetches in flight (``INPUTS_SLOTS``)
+    n_slots = INPUTS_SLOTS  # fetches in flight
 
-    def to_f32(v):  # a register tile as float32 (``INPUTS_WIDEN``)
-        return widen_bits(plgpu, v) if cfg.widen == "bits" and v.dtype == jnp.bfloat16 else v.astype(F32)
+    def to_f32(v):  # a register tile as float32
+        return v.astype(F32)
     n_rows = 4 * m + (2 * m + 1 if gate else 0)
     convs = [r for r, (kernel, _) in enumerate(layout) if kernel > 0]  # streams with a transposed conv
     n_sums = m + (n_taps if has_bank else 0) + (m * m if gate else 0)
-    groups = _stream_groups(layout, gate, cfg.warpgroups)
+    groups = _stream_groups(layout, gate, INPUTS_WARPGROUPS)
     n_wg = len(groups)
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
     scratch = dict(
@@ -2209,11 +1820,9 @@ def _inputs_kernel(cfg: _InputsConfig):
                     bits = plgpu.load(bits_s.at[slot, pl.ds(0, bt)], (), layout=row)
                     masks = [None] + [_rows(((bits >> delta) & 1).astype(F32), bt, bd) for delta in range(1, max_lag)]
 
-                loaded = {}  # with ``reuse_loads``: this tile's values, loaded at their first use
+                loaded = {}  # this tile's values, loaded at their first use
 
                 def once(key, load):
-                    if not cfg.reuse_loads:
-                        return load()
                     if key not in loaded:
                         loaded[key] = load()
                     return loaded[key]
@@ -2227,11 +1836,7 @@ def _inputs_kernel(cfg: _InputsConfig):
                 def const(k):  # row ``k`` of ``consts`` (a tap, a query, a column of W), per ``cfg.constants``
                     if k in held:
                         return _cols(held[k], bt, bd)
-                    if cfg.constants == "per_use":
-                        return _cols(plgpu.load(consts, k, layout=col), bt, bd)
-                    if ("const", k) not in loaded:
-                        loaded["const", k] = _cols(plgpu.load(consts, k, layout=col), bt, bd)
-                    return loaded["const", k]
+                    return _cols(plgpu.load(consts, k, layout=col), bt, bd)
 
                 def tap(k):
                     return const(taps_at + k)

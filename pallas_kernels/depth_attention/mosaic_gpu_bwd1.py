@@ -18,9 +18,9 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu import (
-    BLOCK_T, F32, ITEM_DECODES, MAX_LAG_BITS, MIX_WINDOW_FETCHES, SMEM_BYTES, _cols, _expand_item, _jitted_kernel,
-    _Lags, _lag_masks_of, _LanePlgpu, _pad_rows4, _plgpu_for, _rows, _rows4, _shape, _smem_sum, _store_group,
-    _tile_smem, _valid_first, _window_elems, default_windows, lag_bits, named_body, resolve_window_fetch, widen_bits,
+    BLOCK_T, F32, MAX_LAG_BITS, SMEM_BYTES, _cols, _expand_item, _jitted_kernel, _Lags, _lag_masks_of, _lane_plgpu,
+    _LanePlgpu, _pad_rows4, _rows, _rows4, _shape, _smem_sum, _store_group, _tile_smem, _valid_first, _window_elems,
+    lag_bits, named_body,
 )
 
 MODES = ("gdots", "dstreams")
@@ -33,14 +33,9 @@ MODES = ("gdots", "dstreams")
 SLOTS = {"gdots": 2, "dstreams": 3}
 GROUP_SLOTS = {"gdots": 1, "dstreams": 2}
 BLOCK_D_CHOICES = (32,)
-# whether a group's g_A tiles are loaded into registers once for all its items (128 registers per
-# thread for 8 float32 targets; no spills) rather than read from shared memory by each item:
-# gdots 7.27 -> 5.16 ms, dstreams 6.29 -> 4.81 on the H200. Measured and
-# taken out (commit 7baf063 has it): gdots refilling its one g_A buffer as soon as every thread
-# holds the group's tiles in registers, not after the group's items, 4.368 -> 4.314 ms per call at
-# `base`'s last block and 3.592 -> 3.628 at the bench shape (an H100): the copy's wait
-# is already hidden by the SM's other program. Read at the call.
-GA_REGISTERS = True
+# A group's g_A tiles are loaded into registers once for all its items (128 registers per thread
+# for 8 float32 targets; no spills) rather than read from shared memory by each item: gdots 7.27
+# -> 5.16 ms, dstreams 6.29 -> 4.81 on the H200 (except ``SINGLE_STREAM_BF16_GA``).
 # One stream (AttnRes, MHAR) with a bf16 g_A (the value channel hands phase 1 the read's bf16 dh,
 # api.phase1(value_channel=True); a bf16 state's cotangent is bf16 too): (n_slots, group_slots, g_A
 # in registers, block_d) per mode, taken
@@ -49,85 +44,42 @@ GA_REGISTERS = True
 # per call against the defaults above (`base`: 0.843 -> 0.665, 1.159 -> 0.895). With a float32 g_A
 # 64-channel chunks were 1.4-2.5x slower.
 SINGLE_STREAM_BF16_GA = {"gdots": (2, 1, False, 64), "dstreams": (2, 1, False, 64)}
-# How both kernels find the (group, source) of the item they fetch next (``mosaic_gpu.ITEM_DECODES``:
-# "divide" decodes its flat index, one integer division by the runtime count of valid sources per
-# item; "carried" steps it through the loops). "carried" by measurement on the H200:
-# gdots 4.0-4.1% and dstreams 4.4-6.2% faster per call at `base`'s
-# last block and the bench shape, the same bits; the MSAR `base` step's two kernels 63.0 -> 60.7
-# ms. Read when a kernel is traced.
-DEFAULT_ITEM_DECODE = "carried"
-# Where ``dstreams``' items find their source's lag window (``mosaic_gpu.MIX_WINDOW_FETCHES``, as in
-# ``phase1_mix``). "per_item": each item brings it into its pipeline slot, so a (source, chunk)
-# window comes once per stream (4 times for MSAR); "per_chunk": the groups run (head, chunk,
-# stream), a chunk's window of each valid source comes once into a buffer of its own that the
-# chunk's m groups read, and is refilled for the next chunk as the last stream's group is done
-# with it. It holds ``n`` windows (6.4 KB each at 32 channels) instead of ``SLOTS`` ones: up to 9
-# sources fit one program's shared memory with two group buffers; where it does not fit, the
-# default falls back to "per_item" (an explicit "per_chunk" raises). ``gdots`` takes "per_item"
-# only: its sums are per (head, stream) over the chunks, so a chunk-major order would hold m of
-# them. Read when a kernel is traced. "per_item" by measurement on the H200
-# (the same bits): "per_chunk" took 4.615 -> 4.769 ms per call at `base`'s last
-# block (+3.3%) and 4.595 -> 4.563 at the bench shape (-0.7%), where the mix's gained 5-11%:
-# with one program per SM and the group's g_A the larger part of each item's fill, the windows
-# are not what holds it.
-WINDOW_FETCHES = MIX_WINDOW_FETCHES
-DEFAULT_DSTREAMS_WINDOW_FETCH = "per_item"
-# Which programs walk a token tile's streams, per mode. "joint": one program per (batch row, token
-# tile) walks every stream's groups (head, stream, chunk), so it fetches a chunk's lag window of a
-# source once per stream, its streams' groups a whole head of chunks apart; with the targets' g_A
-# streaming through L2 in between, each of those fetches comes from DRAM (Nsight Compute at the
-# bench shape, an H100: gdots reads 8.85 GB where the design needs 4.9, dstreams 9.85). "split":
-# one program per (stream, batch row, token tile), the stream the grid's fastest axis, so the m
-# programs of a tile start side by side, meant to let the later ones find each window in L2 (they
-# do not, measured below). The same work per item and the same bits; m times the
-# programs, each holding one stream's sums. "split" takes each item's own windows
-# (``window_fetch="per_item"``): "per_chunk" shares a chunk's windows across one program's streams.
-# Measured (an H100; the same bits): gdots 4.547 ->
-# 4.514 ms per call at `base`'s last block (-0.7%) and 3.891 -> 3.740 at the bench shape (-3.9%),
-# dstreams -0.7% / -0.2%. The DRAM reads hardly moved (gdots 8.85 -> 8.72 GB, dstreams 12.25 ->
-# 12.15 under Nsight Compute): the streams' programs drift apart (stream 0 expands nothing, stream 3
-# twelve taps) by more than L2 holds a window. Taken for gdots; for dstreams with its rows once per
-# (head, stream) (``ROWS_FETCHES``): 5.316 -> 5.209 ms (-2.0%) / 4.987 -> 4.892 (-1.9%),
-# taken. Read when a kernel is traced.
-STREAM_PROGRAMS = ("joint", "split")
-DEFAULT_STREAM_PROGRAMS = {"gdots": "split", "dstreams": "split"}
+# Both kernels carry the (group, source) of the item they fetch next through the loops and step it
+# (a few compares and selects) rather than decode its flat index (an integer division by the
+# runtime count of valid sources per item): on the H200 gdots 4.0-4.1% and dstreams 4.4-6.2%
+# faster per call at `base`'s last block and the bench shape, the same bits.
+# One program per (stream, batch row, token tile), the stream the grid's fastest axis, each item
+# bringing its own lag window: against one program per (batch row, token tile) walking every
+# stream's groups (an H100; the same bits) gdots 4.547 -> 4.514 ms per call at `base`'s last block
+# and 3.891 -> 3.740 at the bench shape, dstreams 5.316 -> 5.209 / 4.987 -> 4.892; against such a
+# program sharing a chunk's window of each source across its streams, dstreams 4.615 -> 4.769 ms
+# at `base` (+3.3%), 4.595 -> 4.563 at the bench shape.
 # Where ``dstreams``' items find their per-token rows (``P`` and ``DSR`` of every target and ``W``:
 # ``2 S + 1`` float32 rows of 64 tokens per (source, stream, head), the same for every channel
 # chunk). "per_item": each item copies its source's rows into its pipeline slot, so the rows come
 # once per chunk (64 times at d = 2048: 2.6 GB of copies per call at the bench shape for 40 MB of
 # rows); "per_stream": each valid source's rows come once per (head, stream) into a buffer of their
 # own (``n (2 S + 1) 64`` floats, 39 KB at the bench shape), refilled as the (head, stream)'s last
-# chunk is done. It takes ``window_fetch="per_item"`` ("per_chunk" runs a chunk's streams together,
-# which would hold every stream's rows); where it does not fit or the windows come per chunk, the
-# default falls back to "per_item" (an explicit "per_stream" raises). Measured (an H100;
-# the same bits): 5.426 -> 5.316 ms per call at `base`'s last
-# block (-2.0%) and 5.424 -> 4.987 at the bench shape (-8.1%) with one program for all streams;
-# with a program per stream (the default) 5.336 -> 5.209 (-2.4%) and 5.461 -> 4.892 (-10.4%).
-# Per number of streams, each timed on its own: one stream (AttnRes, MHAR: the value channel's bf16
-# g_A, 64-channel chunks) gains less (an H100: 1.046 -> 1.034 ms per call at
-# `base`, 0.981 -> 0.963 at the bench shape; AttnRes's bench and `base` step unchanged within
-# 0.5%), as its 16-32 chunks' row copies were a smaller part of each item. Read when a kernel is
-# traced.
+# chunk is done; taken where it fits, else "per_item" (``_rows_fetch``). Measured (an H100; the
+# same bits): 5.336 -> 5.209 ms per call at `base`'s last block (-2.4%) and 5.461 -> 4.892 at the
+# bench shape (-10.4%); one stream (AttnRes, MHAR) 1.046 -> 1.034 at `base`, 0.981 -> 0.963 at the
+# bench shape.
 ROWS_FETCHES = ("per_item", "per_stream")
-DEFAULT_DSTREAMS_ROWS_FETCH = {"one_stream": "per_stream", "several": "per_stream"}
 
 
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, n_targets: int,
                n_sources: int, mode: str, out_dtype=jnp.bfloat16, n_slots: int | None = None,
-               group_slots: int | None = None, windows: str | None = None, window_fetch: str = "per_item",
-               rows_fetch: str = "per_item", **_unused) -> int:
+               group_slots: int | None = None, rows_fetch: str = "per_item", **_unused) -> int:
     """Shared memory of one program of ``mode``'s kernel (its scratch list, ``mosaic_gpu._smem_sum``;
-    ``acc_dtype``: ``g_A``'s; ``window_fetch`` (``WINDOW_FETCHES``): "per_chunk" holds a window
-    per source; ``rows_fetch`` (``ROWS_FETCHES``, "dstreams"): "per_stream" holds the rows per
-    source instead of per item in flight)."""
+    ``acc_dtype``: ``g_A``'s; ``rows_fetch`` (``ROWS_FETCHES``, "dstreams"): "per_stream" holds the
+    rows per source instead of per item in flight)."""
     bt, bd, n_slots, n_groups = BLOCK_T, block_d, n_slots or SLOTS[mode], group_slots or GROUP_SLOTS[mode]
     m, n = len(stream_kernels), n_sources
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
-    per_chunk = window_fetch == "per_chunk"
-    window = _window_elems(stream_kernels, windows or default_windows(mode), bd) * size(x_dtype)
-    common = ((n if per_chunk else n_slots) * window, *(n_slots * kernel * bd * 4 for kernel in stream_kernels),
+    window = _window_elems(stream_kernels, bd) * size(x_dtype)
+    common = (n_slots * window, *(n_slots * kernel * bd * 4 for kernel in stream_kernels),
               n_groups * n_targets * bt * bd * size(acc_dtype), (n + 1) * 64 * 4, bt * 4)
-    barriers = (n if per_chunk else 0) + m * n_slots + n_groups + 1
+    barriers = m * n_slots + n_groups + 1
     if mode == "gdots":
         return _smem_sum(*common, n * n_targets * bt * 4, barriers=barriers, reduces=True)  # its row dots
     per_stream = rows_fetch == "per_stream"
@@ -160,26 +112,21 @@ def _check(name, sources, g_acc, stream_kernels):
 
 def phase1_gdots(sources, banks, g_acc, segment_ids, valid, *, stream_kernels, heads: int,
                  block_d: int | None = None, n_slots: int | None = None, group_slots: int | None = None,
-                 windows: str | None = None, interpret: bool = False, stream_programs: str | None = None):
+                 interpret: bool = False):
     """``gd[S, n, m, B, T, H]`` float32: ``<g_A{s,r}, E_r[x_i]>`` per head (the value-path dots of
     ``fused_bwd_phase1``'s pass 2; zeros for a source ``valid`` rules out, not computed).
 
     ``sources[n, B, T, d]``, ``banks[n, K, d]`` or None, ``g_acc`` one ``[S, m, B, T', d]`` array
     or ``S`` arrays ``[m, B, T', d]`` (``T' >= T``; float32 or bf16), ``segment_ids[B, T]`` or
     None, ``valid[n]`` or None. ``n_slots``: items in flight (None: ``SLOTS``); ``group_slots``:
-    groups' ``g_A`` in shared memory (None: ``GROUP_SLOTS``); both per mode. ``stream_programs``:
-    one of ``STREAM_PROGRAMS`` (None: ``DEFAULT_STREAM_PROGRAMS``); the outputs are the same in
-    either."""
+    groups' ``g_A`` in shared memory (None: ``GROUP_SLOTS``); both per mode."""
     return _call("gdots", sources, banks, g_acc, segment_ids, valid, stream_kernels=stream_kernels, heads=heads,
-                 block_d=block_d, n_slots=n_slots, group_slots=group_slots, windows=windows, interpret=interpret,
-                 stream_programs=stream_programs)
+                 block_d=block_d, n_slots=n_slots, group_slots=group_slots, interpret=interpret)
 
 
 def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, valid, *, stream_kernels, heads: int,
                     out_dtype, block_d: int | None = None, n_slots: int | None = None,
-                    group_slots: int | None = None, windows: str | None = None, interpret: bool = False,
-                    window_fetch: str | None = None, stream_programs: str | None = None,
-                    rows_fetch: str | None = None):
+                    group_slots: int | None = None, interpret: bool = False, rows_fetch: str | None = None):
     """The stream cotangents ``dE[n, m, B, T, d]`` (``out_dtype``) of the wide form's pass 4:
     ``dE[i, r] = sum_s (P_{s,i,r} g_A{s,r} + DSR_{s,i,r} q_{s,r}) - W_{i,r} E_r[x_i]`` (per head
     for ``P`` and ``DSR``). A source ``valid`` rules out is not written (its rows hold whatever
@@ -187,12 +134,9 @@ def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, vali
     (``conv_transpose.sources_transpose`` skips or masks those sources).
 
     ``queries[S, m, d]``, ``p``/``dsr`` ``[S, n, m, B, T', H]`` and ``w[n, m, B, T']`` float32
-    (``T' >= T``); ``window_fetch``: ``WINDOW_FETCHES`` (None: ``DEFAULT_DSTREAMS_WINDOW_FETCH``,
-    or "per_item" where "per_chunk" does not fit, or where ``stream_programs`` is "split"); the
-    outputs are the same in either. ``stream_programs``: as ``phase1_gdots``'s (None: the default,
-    or "joint" with ``window_fetch="per_chunk"``). ``rows_fetch``: one of ``ROWS_FETCHES`` (None:
-    ``DEFAULT_DSTREAMS_ROWS_FETCH`` for one stream or several, or "per_item" where "per_stream" does
-    not fit or the windows come per chunk); the outputs are the same in either. The rest as ``phase1_gdots``."""
+    (``T' >= T``); ``rows_fetch``: one of ``ROWS_FETCHES`` (None: "per_stream", or "per_item"
+    where "per_stream" does not fit); the outputs are the same in either. The rest as
+    ``phase1_gdots``."""
     n, batch, t_len, d = sources.shape
     m = len(stream_kernels)
     n_targets = _check("phase1_dstreams", sources, g_acc, stream_kernels)
@@ -205,94 +149,43 @@ def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, vali
     if w.shape[:3] != (n, m, batch) or w.shape[3] < t_len:
         raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: w {w.shape}: want [{n}, {m}, {batch}, >= {t_len}]")
     return _call("dstreams", sources, banks, g_acc, segment_ids, valid, stream_kernels=stream_kernels, heads=heads,
-                 block_d=block_d, n_slots=n_slots, group_slots=group_slots, windows=windows, interpret=interpret,
-                 queries=queries, p=p, dsr=dsr, w=w, out_dtype=out_dtype, window_fetch=window_fetch,
-                 stream_programs=stream_programs, rows_fetch=rows_fetch)
+                 block_d=block_d, n_slots=n_slots, group_slots=group_slots, interpret=interpret,
+                 queries=queries, p=p, dsr=dsr, w=w, out_dtype=out_dtype, rows_fetch=rows_fetch)
 
 
-def _stream_programs(mode: str, stream_programs: str | None, window_fetch: str | None) -> str:
-    """``stream_programs`` if given, else "joint" for an explicit "per_chunk" window fetch, else
-    ``DEFAULT_STREAM_PROGRAMS[mode]``; an explicit "split" with an explicit "per_chunk" raises."""
-    name = f"mosaic_gpu_bwd1.phase1_{mode}"
-    if stream_programs is None:
-        if window_fetch == "per_chunk":
-            return "joint"
-        stream_programs = DEFAULT_STREAM_PROGRAMS.get(mode)
-        if stream_programs not in STREAM_PROGRAMS:
-            raise ValueError(f"mosaic_gpu_bwd1.DEFAULT_STREAM_PROGRAMS[{mode!r}]={stream_programs!r}: must be one "
-                             f"of {STREAM_PROGRAMS}")
-        return stream_programs
-    if stream_programs not in STREAM_PROGRAMS:
-        raise ValueError(f"{name}: stream_programs={stream_programs!r}: must be one of {STREAM_PROGRAMS}")
-    if stream_programs == "split" and window_fetch == "per_chunk":
-        raise ValueError(f"{name}: stream_programs='split' takes window_fetch='per_item' (a program walks one "
-                         f"stream; 'per_chunk' shares a chunk's windows across one program's streams)")
-    return stream_programs
-
-
-def _rows_fetch(rows_fetch: str | None, window_fetch: str, streams: str, fits) -> str:
-    """``dstreams``' rows fetch (``ROWS_FETCHES``): ``rows_fetch`` if given (an explicit
-    "per_stream" with "per_chunk" windows raises; one that does not fit fails in ``_shape``), else
-    ``DEFAULT_DSTREAMS_ROWS_FETCH[streams]`` ("one_stream" or "several"), whose "per_stream" is
-    taken only with "per_item" windows and where ``fits("per_stream")``."""
-    name = "mosaic_gpu_bwd1.phase1_dstreams"
+def _rows_fetch(rows_fetch: str | None, fits) -> str:
+    """``dstreams``' rows fetch (``ROWS_FETCHES``): ``rows_fetch`` if given (one that does not fit
+    fails in ``_shape``), else "per_stream" where ``fits("per_stream")``, else "per_item"."""
     if rows_fetch is not None:
         if rows_fetch not in ROWS_FETCHES:
-            raise ValueError(f"{name}: rows_fetch={rows_fetch!r}: must be one of {ROWS_FETCHES}")
-        if rows_fetch == "per_stream" and window_fetch == "per_chunk":
-            raise ValueError(f"{name}: rows_fetch='per_stream' takes window_fetch='per_item' ('per_chunk' runs a "
-                             f"chunk's streams together)")
+            raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: rows_fetch={rows_fetch!r}: must be one of "
+                             f"{ROWS_FETCHES}")
         return rows_fetch
-    default = DEFAULT_DSTREAMS_ROWS_FETCH.get(streams)
-    if default not in ROWS_FETCHES:
-        raise ValueError(f"mosaic_gpu_bwd1.DEFAULT_DSTREAMS_ROWS_FETCH[{streams!r}]={default!r}: must be one of "
-                         f"{ROWS_FETCHES}")
-    if default == "per_stream" and (window_fetch == "per_chunk" or not fits("per_stream")):
-        return "per_item"
-    return default
+    return "per_stream" if fits("per_stream") else "per_item"
 
 
 def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, heads, block_d, n_slots, group_slots,
-          windows, interpret, queries=None, p=None, dsr=None, w=None, out_dtype=jnp.bfloat16, window_fetch=None,
-          stream_programs=None, rows_fetch=None):
+          interpret, queries=None, p=None, dsr=None, w=None, out_dtype=jnp.bfloat16, rows_fetch=None):
     n, batch, t_len, d = sources.shape
     m = len(stream_kernels)
     n_targets = _check(f"phase1_{mode}", sources, g_acc, stream_kernels)
     acc_dtype = (g_acc[0] if isinstance(g_acc, (list, tuple)) else g_acc).dtype
-    ga_registers = bool(GA_REGISTERS)
+    ga_registers = True
     single = SINGLE_STREAM_BF16_GA.get(mode)
     if (single and m == 1 and acc_dtype == jnp.bfloat16 and n_slots is None and group_slots is None
             and block_d is None and d % heads == 0 and (d // heads) % single[3] == 0):
         n_slots, group_slots, ga_registers, block_d = single
-    n_slots, windows = n_slots or SLOTS[mode], _Lags.of(1, windows or default_windows(mode)).kind
+    n_slots = n_slots or SLOTS[mode]
     group_slots = group_slots or GROUP_SLOTS[mode]
-    if DEFAULT_ITEM_DECODE not in ITEM_DECODES:
-        raise ValueError(f"mosaic_gpu_bwd1.DEFAULT_ITEM_DECODE={DEFAULT_ITEM_DECODE!r}: must be one of {ITEM_DECODES}")
     if group_slots not in (1, 2) or n_slots < 1:
         raise ValueError(f"mosaic_gpu_bwd1.phase1_{mode}: group_slots={group_slots} must be 1 or 2, "
                          f"n_slots={n_slots} at least 1")
     smem = functools.partial(smem_bytes, n_targets=n_targets, n_sources=n, mode=mode, n_slots=n_slots,
-                             group_slots=group_slots, windows=windows, out_dtype=out_dtype)
-    stream_programs = _stream_programs(mode, stream_programs, window_fetch)
-    if mode == "gdots":
-        window_fetch = "per_item"
-    else:
-        def fits(fetch):  # one program's shared memory holds it (interpret mode: no limit)
-            if stream_programs == "split":  # a program walks one stream: nothing to share
-                return False
-            return interpret or any(smem(block_d=bd, window_fetch=fetch, stream_kernels=stream_kernels, heads=heads,
-                                         x_dtype=sources.dtype, acc_dtype=acc_dtype) <= SMEM_BYTES
-                                    for bd in ((block_d,) if block_d else BLOCK_D_CHOICES))
-
-        window_fetch = resolve_window_fetch("mosaic_gpu_bwd1.phase1_dstreams", window_fetch,
-                                            DEFAULT_DSTREAMS_WINDOW_FETCH,
-                                            "mosaic_gpu_bwd1.DEFAULT_DSTREAMS_WINDOW_FETCH", fits)
-    rows_fetch = "per_item" if mode == "gdots" else _rows_fetch(
-        rows_fetch, window_fetch, "one_stream" if m == 1 else "several", lambda fetch: interpret or any(
-            smem(block_d=bd, window_fetch=window_fetch, rows_fetch=fetch, stream_kernels=stream_kernels, heads=heads,
-                 x_dtype=sources.dtype, acc_dtype=acc_dtype) <= SMEM_BYTES
-            for bd in ((block_d,) if block_d else BLOCK_D_CHOICES)))
-    smem = functools.partial(smem, window_fetch=window_fetch, rows_fetch=rows_fetch)
+                             group_slots=group_slots, out_dtype=out_dtype)
+    rows_fetch = "per_item" if mode == "gdots" else _rows_fetch(rows_fetch, lambda fetch: interpret or any(
+        smem(block_d=bd, rows_fetch=fetch, stream_kernels=stream_kernels, heads=heads, x_dtype=sources.dtype,
+             acc_dtype=acc_dtype) <= SMEM_BYTES for bd in ((block_d,) if block_d else BLOCK_D_CHOICES)))
+    smem = functools.partial(smem, rows_fetch=rows_fetch)
     sh = _shape(f"phase1_{mode}", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
                 heads=heads, block_d=block_d, interpret=interpret, smem=smem, choices=BLOCK_D_CHOICES,
                 x_dtype=sources.dtype, acc_dtype=acc_dtype, out_dtype=out_dtype)
@@ -313,9 +206,7 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
                            heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
                            has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
                            acc_dtype=jnp.dtype(acc_dtype), out_dtype=jnp.dtype(out_dtype), n_slots=n_slots,
-                           group_slots=group_slots, ga_registers=ga_registers, windows=windows,
-                           item_decode=DEFAULT_ITEM_DECODE, interpret=bool(interpret),
-                           window_fetch=window_fetch, stream_split=stream_programs == "split",
+                           group_slots=group_slots, ga_registers=ga_registers, interpret=bool(interpret),
                            rows_fetch=rows_fetch))
     out = call(*inputs)
     if mode == "gdots":  # [n, m H S, B, Tp] -> [S, n, m, B, T, H]
@@ -345,18 +236,15 @@ class _Config(NamedTuple):
     n_slots: int
     group_slots: int
     ga_registers: bool
-    windows: str
-    item_decode: str
     interpret: bool
-    window_fetch: str = "per_item"
-    stream_split: bool = False  # STREAM_PROGRAMS' "split": a program per (stream, batch row, token tile)
     rows_fetch: str = "per_item"  # ROWS_FETCHES ("dstreams")
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(cfg: _Config):
-    """``cfg.mode``'s kernel for ``cfg``, built and jitted once."""
-    plgpu = _plgpu_for(cfg.windows, cfg.interpret)
+    """``cfg.mode``'s kernel for ``cfg``, built and jitted once: one program per (stream, batch
+    row, token tile) walks its stream's (head, chunk) groups."""
+    plgpu = _lane_plgpu()
     mode, n, batch, d, heads, bd, n_targets = cfg.mode, cfg.n, cfg.batch, cfg.d, cfg.heads, cfg.block_d, cfg.n_targets
     stream_kernels, has_bank, has_seg, front, n_slots = (cfg.stream_kernels, cfg.has_bank, cfg.has_seg, cfg.front,
                                                          cfg.n_slots)
@@ -366,26 +254,17 @@ def _kernel(cfg: _Config):
     layout = _stream_layout(stream_kernels)
     max_lag = max([1, *stream_kernels])
     nch = d // bd // heads  # chunks per head
-    # (head, stream, chunk) groups in this order; "per_chunk" windows: (head, chunk, stream); a
-    # program of "split" streams: its stream's (head, chunk) groups
-    per_chunk_windows, split = cfg.window_fetch == "per_chunk", cfg.stream_split
-    if per_chunk_windows and (gdots or split):
-        raise ValueError("mosaic_gpu_bwd1: gdots and split stream programs take window_fetch='per_item' only")
-    n_groups = heads * nch if split else heads * m * nch
+    n_groups = heads * nch  # the program's stream's (head, chunk) groups
     n_rows = 2 * n_targets + 1  # "dstreams": an item's per-token rows
     # "dstreams" with ROWS_FETCHES' "per_stream": each valid source's rows once per (head, stream)
     rows_cached = not gdots and cfg.rows_fetch == "per_stream"
-    if rows_cached and per_chunk_windows:
-        raise ValueError("mosaic_gpu_bwd1: rows_fetch='per_stream' takes window_fetch='per_item' only")
     rows_per_item = not gdots and not rows_cached
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
-    lags = _Lags.of(max_lag, cfg.windows)
-    # lag-window copies of a stream's item ("per_chunk": none, the windows come per source)
-    copies = [0 if per_chunk_windows else len(lags.copies(kernel)) for kernel in stream_kernels]
+    lags = _Lags.of(max_lag)
+    copies = [len(lags.copies(kernel)) for kernel in stream_kernels]  # lag-window copies of a stream's item
     taps = [has_bank and kernel > 0 for kernel in stream_kernels]
     scratch = dict(
-        xs=plgpu.SMEM((n if per_chunk_windows else n_slots, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
-        bar_win=plgpu.Barrier(num_arrivals=len(lags.copies(max_lag)), num_barriers=n) if per_chunk_windows else None,
+        xs=plgpu.SMEM((n_slots, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
         **{f"bs{r}": plgpu.SMEM((n_slots, kernel, bd), F32) for r, kernel in enumerate(stream_kernels) if taps[r]},
         gas=_tile_smem(plgpu, (n_gslots, n_targets, bt, bd), cfg.acc_dtype),
         qs=None if gdots else plgpu.SMEM((n_gslots, n_targets, bd), F32),
@@ -414,9 +293,9 @@ def _kernel(cfg: _Config):
             sc.get(k) for k in ("xs", "gas", "qs", "rs", "out_s", "dots_s", "meta_s", "bits_s"))
         bss = [sc.get(f"bs{r}") for r in range(m)]
         bars = [sc[f"bar{r}"] for r in range(m)]
-        gbar, bar_in, bar_win, bar_rows = sc["gbar"], sc["bar_in"], sc.get("bar_win"), sc.get("bar_rows")
+        gbar, bar_in, bar_rows = sc["gbar"], sc["bar_in"], sc.get("bar_rows")
         b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
-        program_stream = lax.axis_index("r") if split else None
+        program_stream = lax.axis_index("r")
         rows = pl.ds(t0, bt)
         plgpu.copy_gmem_to_smem(meta_ref, meta_s, bar_in.at[0])
         if has_seg:
@@ -427,14 +306,9 @@ def _kernel(cfg: _Config):
         total = n_groups * n_live
 
         def group_of(g):
-            """(head, stream, chunk) of group ``g``."""
-            if split:  # (head, chunk) of the program's stream; a static g past the groups (the first
-                # fetches' guard is traced) stays inside d
-                return lax.rem(g // nch, heads), program_stream, lax.rem(g, heads * nch)
-            head = g // (m * nch)
-            if per_chunk_windows:  # (head, chunk, stream)
-                return head, lax.rem(g, m), head * nch + lax.rem(g // m, nch)
-            return head, lax.rem(g // nch, m), head * nch + lax.rem(g, nch)
+            """(head, stream, chunk) of group ``g``: (head, chunk) of the program's stream; a static
+            g past the groups (the first fetches' guard is traced) stays inside d."""
+            return lax.rem(g // nch, heads), program_stream, lax.rem(g, heads * nch)
 
         def fetch_group(g):
             """Group ``g``'s ``g_A`` tiles (and query chunks) into its slot, if it has items."""
@@ -451,9 +325,8 @@ def _kernel(cfg: _Config):
         def fetch_item(r, head, c, i, slot):
             """Item (stream ``r``, chunk ``c``, source ``i``)'s copies into ``slot``."""
             cs, xcs = pl.ds(c * bd, bd), lags.columns(c, bd)
-            if not per_chunk_windows:
-                lags.fetch(plgpu, lambda lag, n_rows: x_ref.at[i * batch + b, pl.ds(t0 + front - lag, n_rows), xcs],
-                           xs, slot, bars[r].at[slot], stream_kernels[r])
+            lags.fetch(plgpu, lambda lag, n_rows: x_ref.at[i * batch + b, pl.ds(t0 + front - lag, n_rows), xcs],
+                       xs, slot, bars[r].at[slot], stream_kernels[r])
             if taps[r]:
                 kernel, off = layout[r]
                 plgpu.copy_gmem_to_smem(bank_ref.at[i, pl.ds(off, kernel), cs], bss[r].at[slot], bars[r].at[slot])
@@ -473,13 +346,6 @@ def _kernel(cfg: _Config):
             for j in range(n):
                 pl.when(j < n_live)(functools.partial(plgpu.barrier_wait, bar_rows.at[j]))
 
-        def fetch_window(c, j):
-            """"per_chunk": chunk ``c``'s window of valid source ``j`` (every lag a stream reaches)
-            into its own buffer ``xs[j]``."""
-            i = meta_s[j, 0]
-            lags.fetch(plgpu, lambda lag, n_rows: x_ref.at[i * batch + b, pl.ds(t0 + front - lag, n_rows),
-                                                             lags.columns(c, bd)], xs, j, bar_win.at[j], max_lag)
-
         def step(item):
             """The item after ``item = (g, j)`` in the flat order (group, valid source)."""
             g, j = item
@@ -498,23 +364,16 @@ def _kernel(cfg: _Config):
                 for rr in range(m):
                     pl.when(r == rr)(functools.partial(fetch_item, rr, head, c, i, slot))
 
-        def expand(r, slot, j):
-            # "per_chunk": the window from the source's buffer, the taps from the item's slot
-            return _expand_item(plgpu, lags, xs, bss[r] if taps[r] else None, slot, stream_kernels[r], masks, bt, bd,
-                                window=j if per_chunk_windows else None)
+        def expand(r, slot):
+            return _expand_item(plgpu, lags, xs, bss[r] if taps[r] else None, slot, stream_kernels[r], masks, bt, bd)
 
-        if per_chunk_windows:
-            for j in range(n):
-                pl.when(j < n_live)(functools.partial(fetch_window, 0, j))
         for k in range(n_slots):
             fetch(k)
         for g in range(n_gslots):
             fetch_group(g)
-        carried = cfg.item_decode == "carried"
-        # the next item to fetch, carried through the loops ("carried"; a dummy 0 otherwise)
-        # (with no valid source nothing is fetched; the divisor is kept non-zero all the same)
-        upcoming = (jnp.int32(n_slots) // jnp.maximum(n_live, 1), lax.rem(jnp.int32(n_slots), jnp.maximum(n_live, 1))
-                    ) if carried else 0
+        # the next item to fetch, carried through the loops (with no valid source nothing is
+        # fetched; the divisor is kept non-zero all the same)
+        upcoming = (jnp.int32(n_slots) // jnp.maximum(n_live, 1), lax.rem(jnp.int32(n_slots), jnp.maximum(n_live, 1)))
         zero_row = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
 
         def group_body(g, c, r: int, upcoming):
@@ -535,10 +394,8 @@ def _kernel(cfg: _Config):
             def source_body(j, upcoming):
                 f = g * n_live + j
                 slot = lax.rem(f, n_slots)
-                if per_chunk_windows and r == 0:  # the chunk's first stream waits for the source's window
-                    plgpu.barrier_wait(bar_win.at[j])
                 plgpu.barrier_wait(bars[r].at[slot])
-                e = expand(r, slot, j)
+                e = expand(r, slot)
                 i = meta_s[j, 0]
                 if gdots:
                     for s in range(n_targets):
@@ -558,14 +415,8 @@ def _kernel(cfg: _Config):
                     out_s[oslot] = de.astype(out_s.dtype)
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(out_s.at[oslot], out_ref.at[i, r, b, rows, cs])
-                if per_chunk_windows and r == m - 1:  # the last stream is done with it: the next chunk's
-                    pl.when(c + 1 < heads * nch)(functools.partial(fetch_window, c + 1, j))
-                if carried:
-                    fetch(f + n_slots, upcoming)
-                    upcoming = step(upcoming)
-                else:
-                    fetch(f + n_slots)
-                return upcoming
+                fetch(f + n_slots, upcoming)
+                return step(upcoming)
 
             upcoming = lax.fori_loop(0, n_live, source_body, upcoming)
             # every thread is done with this group's g_A slot (and, for gdots, its sums)
@@ -573,48 +424,34 @@ def _kernel(cfg: _Config):
             fetch_group(g + n_gslots)
             return upcoming
 
-        def walk(streams, upcoming):
-            """The program's groups: every head's ``streams``, in the order ``group_of`` numbers them."""
-            runs = [(head, r) for head in range(heads) for r in streams]  # "per_stream" rows: one fill each
-            if rows_cached:
-                fetch_rows(*runs[0])
+        def walk(r: int, upcoming):
+            """The program's groups (its stream ``r``): every head's chunks, in the order ``group_of``
+            numbers them."""
+            if rows_cached:  # "per_stream" rows: one fill per head
+                fetch_rows(0, r)
             for head in range(heads):
-                if per_chunk_windows:  # (head, chunk, stream): a chunk's windows serve its m groups
+                if rows_cached:
+                    wait_rows()
+                if gdots:  # this (head, stream)'s sums start at zero, once the last one's stores have read them
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for i in range(n):
+                        for s in range(n_targets):
+                            dots_s[i, s] = zero_row
+                    plgpu.commit_smem()
+                first = head * nch  # the (head, stream)'s first group
+                upcoming = lax.fori_loop(
+                    0, nch, lambda cc, upcoming, head=head, first=first: group_body(
+                        first + cc, head * nch + cc, r, upcoming), upcoming)
+                if gdots:
+                    _store_group(plgpu, ((dots_s.at[i], out_ref.at[i, pl.ds((r * heads + head) * n_targets,
+                                                                            n_targets), b, rows])
+                                         for i in range(n)))
+                if rows_cached and head + 1 < heads:  # every thread is done with these rows: the next head's
+                    plgpu.commit_smem()
+                    fetch_rows(head + 1, r)
 
-                    def chunk_body(cc, upcoming, head=head):
-                        for r in range(m):
-                            upcoming = group_body((head * nch + cc) * m + r, head * nch + cc, r, upcoming)
-                        return upcoming
-
-                    upcoming = lax.fori_loop(0, nch, chunk_body, upcoming)
-                    continue
-                for r in streams:
-                    if rows_cached:
-                        wait_rows()
-                    if gdots:  # this (head, stream)'s sums start at zero, once the last one's stores have read them
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        for i in range(n):
-                            for s in range(n_targets):
-                                dots_s[i, s] = zero_row
-                        plgpu.commit_smem()
-                    first = head * nch if split else (head * m + r) * nch  # the (head, stream)'s first group
-                    upcoming = lax.fori_loop(
-                        0, nch, lambda cc, upcoming, head=head, r=r, first=first: group_body(
-                            first + cc, head * nch + cc, r, upcoming), upcoming)
-                    if gdots:
-                        _store_group(plgpu, ((dots_s.at[i], out_ref.at[i, pl.ds((r * heads + head) * n_targets,
-                                                                                n_targets), b, rows])
-                                             for i in range(n)))
-                    run = runs.index((head, r))
-                    if rows_cached and run + 1 < len(runs):  # every thread is done with these rows: the next run's
-                        plgpu.commit_smem()
-                        fetch_rows(*runs[run + 1])
-
-        if split:  # the stream's code, static per stream, under the program's stream
-            for r in range(m):
-                pl.when(program_stream == r)(functools.partial(walk, (r,), upcoming))
-        else:
-            walk(range(m), upcoming)
+        for r in range(m):  # the stream's code, static per stream, under the program's stream
+            pl.when(program_stream == r)(functools.partial(walk, r, upcoming))
         plgpu.wait_smem_to_gmem(0)
 
     if gdots:
@@ -623,7 +460,7 @@ def _kernel(cfg: _Config):
         out_type = jax.ShapeDtypeStruct((n, m, batch, t_pad, d), cfg.out_dtype)
     return _jitted_kernel(plgpu, body, out_type, [scratch[k] for k in names],
                           name=f"depth_attention_bwd1_{mode}_mosaic", batch=batch, t_pad=t_pad,
-                          interpret=cfg.interpret, streams=m if split else None)
+                          interpret=cfg.interpret, streams=m)
 
 
 # --------------------------------------------------------------------------- the expansion's transpose
@@ -633,24 +470,10 @@ def _kernel(cfg: _Config):
 # in ``mosaic_gpu.phase2_backward_inputs``
 TRANSPOSE_BLOCK_D = 8
 TRANSPOSE_AHEAD = 16  # rows past the tile the transposed conv reaches (max_lag - 1, in 8s)
-# Where ``sources_transpose``' taps come from: "per_tile" with each item's copies (a TMA copy per tile, loaded from
-# shared memory at each use); "per_source" once per source (their own copy, a source ahead), held
-# in registers through the source's tiles (175 -> 224 registers: two programs per SM either way).
-# Bitwise the same outputs. "per_source" by measurement (an H100): 3.119 ->
-# 3.032 ms per call at `base`'s last block (-2.8%), 2.922 -> 2.791 at the bench shape (-4.5%).
-# Read when the kernel is built.
-TRANSPOSE_TAPS_CHOICES = ("per_tile", "per_source")
-TRANSPOSE_TAPS = "per_source"
-# how ``sources_transpose`` widens its bf16 lag rows (``dE``'s and the source's) to float32:
-# "extf", Mosaic GPU's conversion (three instructions per pair of bf16), or "bits", each register
-# of two widened in place (``mosaic_gpu.widen_bits``, two per pair; compiled kernels only: the
-# interpreter converts). In the H200's compile at `base` the conversions are about 230 of its
-# loop's 566 instructions per tile, beside 192 FFMA; with "bits" the loop holds 492. The same
-# bits on the GPU. Measured (an H100): 3.136 -> 3.172 ms per call at `base`'s
-# last block (+1.1%), 2.830 -> 2.770 at the bench shape (-2.1%): not the default. Read when the
-# kernel is built.
-TRANSPOSE_WIDEN_CHOICES = ("extf", "bits")
-TRANSPOSE_WIDEN = "extf"
+# ``sources_transpose``' taps come once per source (their own copy, a source ahead), held in
+# registers through the source's tiles (175 -> 224 registers: two programs per SM either way),
+# rather than with each tile's copies: an H100, 3.119 -> 3.032 ms per call at `base`'s last block
+# (-2.8%), 2.922 -> 2.791 at the bench shape (-4.5%), the same bits.
 # Measured and taken out again (commit dfe9301 has them): its bf16 windows widened to
 # float32 once per tile instead of per lag (96 fewer instructions in its 608-instruction loop, 7-19%
 # slower: twice the shared-memory bytes per lag load), and the kernel without Pallas' automatic
@@ -674,7 +497,7 @@ def check_transpose_shape(*, d: int, stream_kernels: Sequence[int]) -> None:
 
 
 def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels, out_dtype=None,
-                      taps: str | None = None, widen: str | None = None, interpret: bool = False):
+                      interpret: bool = False):
     """``conv_transpose.sources_transpose`` (the vjp of the expansion, Eq. 10, for ``n`` sources)
     as one Mosaic GPU kernel: ``d x[t] = sum_{r: kernel_r = 0} dE_r[t] + sum_r sum_delta
     c_r[delta] mask_delta[t + delta] dE_r[t + delta]`` and ``d c_r[delta] = sum_{b, t}
@@ -690,12 +513,7 @@ def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels
 
     ``d_streams[n, m, B, T, d]`` (rows past ``T`` are taken as zeros), ``x[n, B, T, d]``,
     ``banks[n, K, d]``, ``segment_ids[B, T]`` or None, ``valid[n]`` or None. Returns ``(d x[n, B,
-    T, d]`` in ``out_dtype`` (None: ``x``'s), ``d banks[n, K, d]`` float32). ``taps``: one of
-    ``TRANSPOSE_TAPS_CHOICES`` (None: ``TRANSPOSE_TAPS``); ``widen``: one of
-    ``TRANSPOSE_WIDEN_CHOICES`` (None: ``TRANSPOSE_WIDEN``; interpreted: "extf")."""
-    taps = _option("taps", taps, "TRANSPOSE_TAPS", TRANSPOSE_TAPS, TRANSPOSE_TAPS_CHOICES)
-    widen = _option("widen", widen, "TRANSPOSE_WIDEN", TRANSPOSE_WIDEN, TRANSPOSE_WIDEN_CHOICES)
-    widen = "extf" if interpret else widen  # the interpreter does not run inline Mosaic GPU code
+    T, d]`` in ``out_dtype`` (None: ``x``'s), ``d banks[n, K, d]`` float32)."""
     stream_kernels = tuple(stream_kernels)
     n, m, batch, t_len, d = d_streams.shape
     if m != len(stream_kernels) or x.shape != (n, batch, t_len, d):
@@ -722,25 +540,12 @@ def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels
     call = _transpose_kernel(_TransposeConfig(
         n=n, batch=batch, t_pad=t_pad, d=d, stream_kernels=stream_kernels, has_seg=has_seg,
         x_dtype=jnp.dtype(x.dtype), de_dtype=jnp.dtype(d_streams.dtype),
-        out_dtype=jnp.dtype(out_dtype or x.dtype), n_tap_rows=_rows4(n_taps), taps=taps, widen=widen,
-        interpret=bool(interpret)))
+        out_dtype=jnp.dtype(out_dtype or x.dtype), n_tap_rows=_rows4(n_taps), interpret=bool(interpret)))
     dx, dbank = call(*inputs)  # [n, B, Tp, d], [n, B, K4, d]
     return dx[:, :, :t_len], jnp.sum(dbank[:, :, :n_taps], axis=1)
 
 
 _BITS_ROWS = 96  # a tile's lag bits and the 16 rows after it, padded to 384 bytes (Lane copies: 128-byte multiples)
-
-
-def _option(arg: str, value, default_name: str, default: str, choices: tuple) -> str:
-    """``value`` if given, else the module default ``default`` (named ``default_name``); either
-    must be one of ``choices``."""
-    if value is None:
-        if default not in choices:
-            raise ValueError(f"mosaic_gpu_bwd1.{default_name}={default!r}: must be one of {choices}")
-        return default
-    if value not in choices:
-        raise ValueError(f"mosaic_gpu_bwd1.sources_transpose: {arg}={value!r}: must be one of {choices}")
-    return value
 
 
 class _TransposeConfig(NamedTuple):
@@ -754,8 +559,6 @@ class _TransposeConfig(NamedTuple):
     de_dtype: jnp.dtype
     out_dtype: jnp.dtype
     n_tap_rows: int
-    taps: str
-    widen: str
     interpret: bool
 
 
@@ -772,23 +575,22 @@ def _transpose_kernel(cfg: _TransposeConfig):
     n_taps, n_tiles = sum(stream_kernels), t_pad // bt
     rows_in = bt + ahead
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
-    per_source = cfg.taps == "per_source"
 
-    def to_f32(v):  # a register tile as float32 (``TRANSPOSE_WIDEN``)
-        return widen_bits(plgpu, v) if cfg.widen == "bits" and v.dtype == jnp.bfloat16 else v.astype(F32)
+    def to_f32(v):  # a register tile as float32
+        return v.astype(F32)
 
     scratch = dict(
         des=plgpu.SMEM((2, m, rows_in, bd), cfg.de_dtype),  # the tile's rows of dE and the 16 after
         xs=plgpu.SMEM((2, rows_in, bd), cfg.x_dtype),  # the 16 rows before the tile and its own
-        taps=plgpu.SMEM((2, cfg.n_tap_rows, bd), F32),  # per item, or per source ("per_source")
+        taps=plgpu.SMEM((2, cfg.n_tap_rows, bd), F32),  # per source, one ahead
         bits_s=plgpu.SMEM((2, _BITS_ROWS), jnp.int32) if has_seg else None,
         dxs=plgpu.SMEM((2, bt, bd), cfg.out_dtype),
         zero_s=plgpu.SMEM((bt, bd), cfg.out_dtype),
         sums_s=plgpu.SMEM((2, cfg.n_tap_rows, bd), F32),
         meta_s=plgpu.SMEM((n + 1, 64), jnp.int32),
-        bar=plgpu.Barrier(num_arrivals=3 + has_seg - per_source, num_barriers=2),
+        bar=plgpu.Barrier(num_arrivals=2 + has_seg, num_barriers=2),
         bar_in=plgpu.Barrier(num_arrivals=1, num_barriers=1),
-        bar_taps=plgpu.Barrier(num_arrivals=1, num_barriers=2) if per_source else None,
+        bar_taps=plgpu.Barrier(num_arrivals=1, num_barriers=2),
     )
     names = [k for k, v in scratch.items() if v is not None]
 
@@ -800,7 +602,7 @@ def _transpose_kernel(cfg: _TransposeConfig):
         sc = dict(zip(names, it))
         des, xs, taps, bits_s, dxs, zero_s, sums_s, meta_s = (
             sc.get(k) for k in ("des", "xs", "taps", "bits_s", "dxs", "zero_s", "sums_s", "meta_s"))
-        bar, bar_in, bar_taps = sc["bar"], sc["bar_in"], sc.get("bar_taps")
+        bar, bar_in, bar_taps = sc["bar"], sc["bar_in"], sc["bar_taps"]
         b, c = lax.axis_index("b"), lax.axis_index("c")
         cs = pl.ds(c * bd, bd)
         plgpu.copy_gmem_to_smem(meta_ref, meta_s, bar_in.at[0])
@@ -822,28 +624,25 @@ def _transpose_kernel(cfg: _TransposeConfig):
                                         bar.at[slot])
                 plgpu.copy_gmem_to_smem(x_ref.at[i * batch + b, pl.ds(t0 + front - ahead, rows_in), cs],
                                         xs.at[slot], bar.at[slot])
-                if not per_source:
-                    plgpu.copy_gmem_to_smem(bank_ref.at[:, pl.ds(i * d + c * bd, bd)], taps.at[slot], bar.at[slot])
                 if has_seg:
                     plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t0, _BITS_ROWS)], bits_s.at[slot], bar.at[slot])
 
         def fetch_taps(j):
-            """``"per_source"``: valid source ``j``'s taps, if there is one, into ``taps[j % 2]``."""
+            """Valid source ``j``'s taps, if there is one, into ``taps[j % 2]``."""
             @pl.when(j < n_live)
             def _():
                 sslot = lax.rem(j, 2)
                 plgpu.copy_gmem_to_smem(bank_ref.at[:, pl.ds(meta_s[j, 0] * d + c * bd, bd)], taps.at[sslot],
                                         bar_taps.at[sslot])
 
-        def tile_step(f, dbank, held=None):
+        def tile_step(f, dbank, held):
             """Tile ``f % n_tiles`` of valid source ``f // n_tiles``: ``d x`` stored, the bank sums
-            carried; ``held``: the source's taps in registers (``"per_source"``)."""
+            carried; ``held``: the source's taps in registers."""
             slot = lax.rem(f, 2)
             plgpu.barrier_wait(bar.at[slot])
-            if held is None:
-                tap_of = lambda k: _cols(plgpu.load(taps, (slot, k), layout=col), bt, bd)  # noqa: E731
-            else:
-                tap_of = lambda k: _cols(held[k], bt, bd)  # noqa: E731
+
+            def tap_of(k):
+                return _cols(held[k], bt, bd)
 
             def de_rows(r, off):  # rows [off, off + 64) of stream r's dE in this tile's window, widened
                 return to_f32(plgpu.load(des.at[slot, r, pl.ds(off, bt)], (), layout=tile))
@@ -889,14 +688,11 @@ def _transpose_kernel(cfg: _TransposeConfig):
 
         def source_body(j, carry):
             sslot = lax.rem(j, 2)
-            step, held = tile_step, None
-            if per_source:
-                plgpu.barrier_wait(bar_taps.at[sslot])
-                held = [plgpu.load(taps, (sslot, k), layout=col) for k in range(n_taps)]
-                step = lambda f, dbank: tile_step(f, dbank, held)  # noqa: E731
-            dbank = lax.fori_loop(j * n_tiles, (j + 1) * n_tiles, step, [zero] * n_taps)
-            if per_source:  # every thread loaded this source's taps before the loop's commits
-                fetch_taps(j + 2)
+            plgpu.barrier_wait(bar_taps.at[sslot])
+            held = [plgpu.load(taps, (sslot, k), layout=col) for k in range(n_taps)]
+            dbank = lax.fori_loop(j * n_tiles, (j + 1) * n_tiles, lambda f, dbank: tile_step(f, dbank, held),
+                                  [zero] * n_taps)
+            fetch_taps(j + 2)  # every thread loaded this source's taps before the loop's commits
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
             for t in range(n_taps):
                 sums_s[sslot, t] = jnp.sum(dbank[t], axis=0)
@@ -904,9 +700,8 @@ def _transpose_kernel(cfg: _TransposeConfig):
             plgpu.copy_smem_to_gmem(sums_s.at[sslot], dbank_ref.at[meta_s[j, 0], b, :, cs])
             return carry
 
-        if per_source:
-            fetch_taps(0)
-            fetch_taps(1)
+        fetch_taps(0)
+        fetch_taps(1)
         fetch(0)
         fetch(1)
         lax.fori_loop(0, n_live, source_body, 0)

@@ -79,9 +79,8 @@ def _summed(out, t_len):
         None if dw is None else jnp.sum(dw, 0))
 
 
-def _mosaic(args, kernels, heads, interpret=True, warpgroups=None, rows_per_program=None):
-    return _summed(mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=heads, warpgroups=warpgroups,
-                                                     rows_per_program=rows_per_program, interpret=interpret),
+def _mosaic(args, kernels, heads, interpret=True):
+    return _summed(mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=heads, interpret=interpret),
                    args[0].shape[1])
 
 
@@ -95,152 +94,50 @@ def _check(got, want, tol):
             assert err < tol, (name, err)
 
 
-def _case_params():
-    """Every case with two warpgroups (the default) in the default suite; with one, three and four
-    (options) in the slow one (the suite's time on 2 cores)."""
-    fast = {1: None, 3: None, 4: None}
-    slow = lambda c, wg: wg != 2 and c[0] != fast[wg]  # noqa: E731
-    return [pytest.param(c, wg, id=f"{c[0]}-{wg}wg", marks=(pytest.mark.slow,) if slow(c, wg) else ())
-            for wg in (2, 1, 3, 4) for c in CASES]
-
-
-@pytest.mark.parametrize("case, warpgroups", _case_params())
-def test_interpreted_inputs_kernel_matches_the_pallas_pass(case, warpgroups):
-    """One warpgroup per program, or two to four with the streams split between them (for one
-    stream, one: ``_stream_groups`` drops the empty groups); with three or four the other
-    warpgroups' parts of ``d_x`` and their token sums meet in the first."""
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0])
+def test_interpreted_inputs_kernel_matches_the_pallas_pass(case):
+    """Two warpgroups per program with the streams split between them (for one stream, one:
+    ``_stream_groups`` drops the empty groups), their parts of ``d_x`` and their token sums
+    meeting in the first."""
     _, batch, t_len, d, kernels, heads, gate, cut = case
     args = _inputs(batch, t_len, d, kernels, heads, gate, cut)
-    got = _mosaic(args, kernels, heads, warpgroups=warpgroups)
+    got = _mosaic(args, kernels, heads)
     _check(got, _pass3(args, kernels, heads, "interpret"), 1e-5)
     if cut is not None:  # the segment boundaries reach the kernel: without them d_x differs
-        no_seg = _mosaic(args[:-1] + (None,), kernels, heads, warpgroups=warpgroups)
+        no_seg = _mosaic(args[:-1] + (None,), kernels, heads)
         assert float(jnp.max(jnp.abs(no_seg[0] - got[0]))) > 1e-3
 
 
-@pytest.mark.slow  # an option against the default
-@pytest.mark.parametrize("case", [CASES[1], CASES[0]], ids=lambda c: c[0])
-def test_interpreted_inputs_kernel_loading_at_every_use_matches(monkeypatch, case):
-    """``INPUTS_REUSE_LOADS`` off: each lag and per-token row loaded at every use (the other
-    tests run the default, once per tile) gives the same gradients."""
-    monkeypatch.setattr(mosaic_gpu, "INPUTS_REUSE_LOADS", False)
-    _, batch, t_len, d, kernels, heads, gate, cut = case
-    args = _inputs(batch, t_len, d, kernels, heads, gate, cut)
-    _check(_mosaic(args, kernels, heads), _pass3(args, kernels, heads, "interpret"), 1e-5)
-
-
-# the default's place (per program) in the default suite, the option (per tile) in the slow one
-@pytest.mark.parametrize("constants", [pytest.param("per_tile", marks=pytest.mark.slow), "per_program"])
-@pytest.mark.parametrize("warpgroups", [2, *(pytest.param(wg, marks=pytest.mark.slow) for wg in (1, 3))])
-def test_interpreted_inputs_kernel_constants_held_give_the_same_bits(constants, warpgroups):
-    """``INPUTS_CONSTANTS``: the taps, queries and W's columns loaded once per tile, or once per
-    program and held in registers, give the same bits as loading them at every use (the values
-    loaded are the same; only where they come from changes), for each warpgroup's share of them."""
-    kernels, heads = (0, 4, 8, 12), 1
-    args = _inputs(2, 200, 16, kernels, heads, True, 77)
-    run = lambda c: _summed(mosaic_gpu.phase2_backward_inputs(  # noqa: E731
-        *args, stream_kernels=kernels, heads=heads, warpgroups=warpgroups, constants=c, interpret=True), 200)
-    want, got = run("per_use"), run(constants)
-    for g, w in zip(got, want):
-        assert (g is None) == (w is None)
-        if g is not None:
-            assert bool(jnp.all(g == w)), constants
-    _check(got, _pass3(args, kernels, heads, "interpret"), 1e-5)
-
-
 def test_one_warpgroup_programs_load_their_constants_per_use(monkeypatch):
-    """The default ``"per_program"`` holds each warpgroup's constants in registers; a program of
-    one warpgroup (all four streams: it spills more) or of one stream takes ``"per_use"``."""
+    """Each warpgroup's constants are held in registers (``"per_program"``); a program of one
+    warpgroup (one stream) loads them at every use (``"per_use"``)."""
     seen = []
     real = mosaic_gpu._inputs_kernel
-    monkeypatch.setattr(mosaic_gpu, "_inputs_kernel", lambda cfg: seen.append((cfg.warpgroups, cfg.constants))
-                        or real(cfg))
-    monkeypatch.setattr(mosaic_gpu, "INPUTS_CONSTANTS", "per_program")
-    for kernels, warpgroups in (((0, 4, 8, 12), 2), ((0, 4, 8, 12), 1), ((0,), 2)):
+    monkeypatch.setattr(mosaic_gpu, "_inputs_kernel", lambda cfg: seen.append(cfg.constants) or real(cfg))
+    for kernels in ((0, 4, 8, 12), (0,)):
         args = _inputs(1, 64, 8, kernels, 1, len(kernels) > 1, None)
-        mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=1, warpgroups=warpgroups,
-                                          interpret=True)
-    mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=(0,), heads=1, constants="per_program", interpret=True)
-    assert seen == [(2, "per_program"), (1, "per_use"), (2, "per_use"), (2, "per_program")], seen
+        mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=1, interpret=True)
+    assert seen == ["per_program", "per_use"], seen
 
 
-def test_inputs_kernel_refuses_an_unknown_constants_option(monkeypatch):
-    kernels, heads = (0, 4), 1
-    args = _inputs(1, 64, 8, kernels, heads, False, None)
-    with pytest.raises(ValueError, match="constants='per_block': must be one of .*per_use"):
-        mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=heads, constants="per_block",
-                                          interpret=True)
-    monkeypatch.setattr(mosaic_gpu, "INPUTS_CONSTANTS", "per_block")
-    with pytest.raises(ValueError, match="INPUTS_CONSTANTS='per_block'.*per_use"):
-        _mosaic(args, kernels, heads)
-
-
-@pytest.mark.slow  # an option against the default (case 0's two rows already share a program there)
-@pytest.mark.parametrize("rows_per_program", [1, 2, 4])
-def test_interpreted_inputs_kernel_with_rows_per_program_matches(rows_per_program):
-    """Four batch rows in programs of one, two or four rows: each row's transposed conv starts
-    from zeros past its end (not the previous row's first tile), and the token sums of all the
-    rows add up."""
+@pytest.mark.slow  # case 0's two rows already share a program in the default suite
+@pytest.mark.parametrize("batch", [4, 3])
+def test_interpreted_inputs_kernel_with_rows_per_program_matches(batch):
+    """Four (three) batch rows in one program: each row's transposed conv starts from zeros past
+    its end (not the previous row's first tile), and the token sums of all the rows add up."""
     kernels, heads = (0, 4, 8, 12), 1
-    args = _inputs(4, 128, 16, kernels, heads, True, None)  # whole tiles: the last rows reach past the end
-    got = mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=heads,
-                                            rows_per_program=rows_per_program, interpret=True)
-    assert got[1].shape[0] == 4 // rows_per_program  # per-program partial sums
+    args = _inputs(batch, 128, 16, kernels, heads, True, None)  # whole tiles: the last rows reach past the end
+    got = mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=heads, interpret=True)
+    assert got[1].shape[0] == 1  # per-program partial sums
     _check(_summed(got, 128), _pass3(args, kernels, heads, "interpret"), 1e-5)
 
 
-@pytest.mark.parametrize("warpgroups, slots", [(2, 3), pytest.param(3, 3, marks=pytest.mark.slow),
-                                               pytest.param(2, 4, marks=pytest.mark.slow)])
-def test_interpreted_inputs_kernel_with_more_slots_gives_the_same_bits(warpgroups, slots):
-    """``INPUTS_SLOTS`` 3 or 4: more tiles in flight (buffers, fetch barriers and the handoff of
-    ``d_x``'s parts per slot; the other warpgroups may run ``slots - 1`` tiles ahead) change when
-    the copies come, not the values: the same bits as two, over two rows of four tiles per program."""
-    kernels, heads = (0, 4, 8, 12), 1
-    args = _inputs(2, 200, 16, kernels, heads, True, 77)
-    run = lambda slots: _summed(mosaic_gpu.phase2_backward_inputs(  # noqa: E731
-        *args, stream_kernels=kernels, heads=heads, warpgroups=warpgroups, slots=slots, interpret=True), 200)
-    want, got = run(2), run(slots)
-    for g, w in zip(got, want):
-        assert bool(jnp.all(g == w))
-    with pytest.raises(ValueError, match="slots=5 .*must be one of"):
-        run(5)
-
-
-def test_widen_bits_lowers_and_the_interpreter_converts(monkeypatch):
-    """``INPUTS_WIDEN="bits"``: the compiled kernel widens its bf16 lags and ``dh`` with
-    ``widen_bits`` (inline Mosaic GPU code, lowered for the H200 here; its values are checked
-    on the GPU: ``test_gpu_inputs_kernel_matches_the_triton_pass``), an interpreted one converts
-    (the interpreter does not run inline code); a bad value names the field and the choices."""
-    kernels, heads = (0, 4, 8, 12), 1
-    args = _inputs(2, 128, 64, kernels, heads, True, 30)
-    args = args[:8] + (args[8].astype(jnp.bfloat16),) + args[9:]
-    seen, configs = [], []
-    real_widen, real_kernel = mosaic_gpu.widen_bits, mosaic_gpu._inputs_kernel
-    monkeypatch.setattr(mosaic_gpu, "widen_bits", lambda plgpu, x: seen.append(x.dtype) or real_widen(plgpu, x))
-    monkeypatch.setattr(mosaic_gpu, "_inputs_kernel", lambda cfg: configs.append(cfg.widen) or real_kernel(cfg))
-    lower = lambda widen: jax.jit(lambda *a: mosaic_gpu.phase2_backward_inputs(  # noqa: E731
-        *a, stream_kernels=kernels, heads=heads, widen=widen)).trace(*args).lower(lowering_platforms=("cuda",))
-    assert lower("extf").as_text().count("custom_call @mosaic_gpu_v2") == 1 and not seen
-    assert lower("bits").as_text().count("custom_call @mosaic_gpu_v2") == 1
-    # per warpgroup: the lags its streams reach (0-11 and 0-7) and dh, all bf16
-    assert len(seen) == 12 + 8 + 2 and set(seen) == {jnp.dtype(jnp.bfloat16)}, seen
-    mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=heads, widen="bits", interpret=True)
-    assert configs == ["extf", "bits", "extf"]
-    with pytest.raises(ValueError, match="widen='fast': must be one of .*extf"):
-        mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=heads, widen="fast", interpret=True)
-    monkeypatch.setattr(mosaic_gpu, "INPUTS_WIDEN", "fast")
-    with pytest.raises(ValueError, match="INPUTS_WIDEN='fast'.*extf"):
-        mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=heads, interpret=True)
-
-
 def test_rows_per_program_is_the_largest_divisor_of_the_batch():
-    assert mosaic_gpu.inputs_rows_per_program(64, 4) == 4
-    assert mosaic_gpu.inputs_rows_per_program(6, 4) == 3
-    assert mosaic_gpu.inputs_rows_per_program(7, 8) == 7
-    assert mosaic_gpu.inputs_rows_per_program(5, 4) == 1
-    assert mosaic_gpu.inputs_rows_per_program(2) == min(2, mosaic_gpu.INPUTS_ROWS_PER_PROGRAM)
-    with pytest.raises(ValueError, match="rows_per_program=3: must be one of"):
-        mosaic_gpu.inputs_rows_per_program(6, 3)
+    assert mosaic_gpu.INPUTS_ROWS_PER_PROGRAM == 4
+    assert mosaic_gpu.inputs_rows_per_program(64) == 4
+    assert mosaic_gpu.inputs_rows_per_program(6) == 3
+    assert mosaic_gpu.inputs_rows_per_program(5) == 1
+    assert mosaic_gpu.inputs_rows_per_program(2) == 2
 
 
 def test_stream_groups_balance_the_carried_sums():
@@ -258,9 +155,6 @@ def test_inputs_kernel_refuses_shapes_it_does_not_take():
         mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=(0, 4), heads=1, interpret=True)
     with pytest.raises(NotImplementedError, match="kernels up to 17 taps"):
         mosaic_gpu.check_inputs_shape(d=64, heads=1, stream_kernels=(0, 20))
-    with pytest.raises(ValueError, match="warpgroups=5"):
-        mosaic_gpu.phase2_backward_inputs(*_inputs(1, 70, 16, (0, 4), 1, True, None), stream_kernels=(0, 4), heads=1,
-                                          warpgroups=5, interpret=True)
 
 
 @pytest.mark.parametrize("choice", ["auto", "mosaic", "triton", "split_forward"])
@@ -286,45 +180,31 @@ def test_which_choice_takes_the_inputs_kernel(monkeypatch, choice, auto_inputs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "warpgroups, reuse_loads, rows_per_program, t_len, constants, widen",
-    [(2, False, 4, 300, "per_use", "extf"), (3, False, 4, 300, "per_use", "extf"), (4, False, 4, 300, "per_use", "extf"),
-     (2, True, 4, 300, "per_use", "extf"), (2, True, 4, 320, "per_use", "extf"), (2, True, 1, 320, "per_use", "extf"),
-     (3, True, 2, 320, "per_use", "extf"), (2, True, 4, -320, "per_use", "extf"), (2, True, 4, 300, "per_tile", "extf"),
-     (2, True, 4, 300, "per_program", "extf"), (3, True, 2, -320, "per_program", "extf"),
-     (1, True, 4, 320, "per_program", "extf"), (2, True, 4, 300, "per_program", "bits")])
-def test_gpu_inputs_kernel_matches_the_triton_pass(monkeypatch, warpgroups, reuse_loads, rows_per_program, t_len,
-                                                   constants, widen):
+@pytest.mark.parametrize("batch, t_len", [(4, 300), (4, 320), (3, 320), (4, -320), (2, -320)])
+def test_gpu_inputs_kernel_matches_the_triton_pass(batch, t_len):
     """On a GPU: the compiled kernel (TMA's zero fill before token 0 and past the last tile, at
     each row of a program) against Triton's reverse-T pass (bf16 partial, segments, two heads,
-    the gate; four batch rows; ragged T, and whole tiles, whose last rows reach past the end;
-    ``-t_len``: without segments, whose masks would hide a row's reach into the next one; bf16
-    widened by Mosaic GPU's conversion or in place)."""
+    the gate; four, three and two batch rows in a program; ragged T, and whole tiles, whose last
+    rows reach past the end; ``-t_len``: without segments, whose masks would hide a row's reach
+    into the next one)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    monkeypatch.setattr(mosaic_gpu, "INPUTS_REUSE_LOADS", reuse_loads)
-    monkeypatch.setattr(mosaic_gpu, "INPUTS_CONSTANTS", constants)
-    monkeypatch.setattr(mosaic_gpu, "INPUTS_WIDEN", widen)
     kernels, heads = (0, 4, 8, 12), 2
-    args = _inputs(4, abs(t_len), 256, kernels, heads, True, 77 if t_len > 0 else None)
-    got = jax.jit(lambda *a: _mosaic(a, kernels, heads, interpret=False, warpgroups=warpgroups,
-                                     rows_per_program=rows_per_program))(*args)
+    args = _inputs(batch, abs(t_len), 256, kernels, heads, True, 77 if t_len > 0 else None)
+    got = jax.jit(lambda *a: _mosaic(a, kernels, heads, interpret=False))(*args)
     want = jax.jit(lambda *a: _pass3(a, kernels, heads, "triton"))(*args)
     _check(got, want, 1e-5)
 
 
-@pytest.mark.parametrize("warpgroups", [2, *(pytest.param(wg, marks=pytest.mark.slow) for wg in (1, 3))])
 @pytest.mark.parametrize("t_len", [64, 128, 200])
 @pytest.mark.parametrize("segments", [False, True], ids=["no_segments", "segments"])
-@pytest.mark.parametrize("slots", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
-def test_inputs_kernel_lowers_for_sm90(t_len, segments, warpgroups, slots):
+def test_inputs_kernel_lowers_for_sm90(t_len, segments):
     """The compiled (not interpreted) kernel lowers for the H200 in Lane semantics for one, two
-    and more token tiles, with two to four in flight: its first tile's window starts 16 rows before token 0, a start that
+    and more token tiles: its first tile's window starts 16 rows before token 0, a start that
     must stay traced (TMA fills those rows; a static negative start fails on the GPU with two
     tiles)."""
     kernels, heads = (0, 4, 8, 12), 1
     args = _inputs(2, t_len, 64, kernels, heads, True, 30 if segments else None)
-    text = jax.jit(lambda *a: mosaic_gpu.phase2_backward_inputs(*a, stream_kernels=kernels, heads=heads,
-                                                                warpgroups=warpgroups, slots=slots)).trace(
+    text = jax.jit(lambda *a: mosaic_gpu.phase2_backward_inputs(*a, stream_kernels=kernels, heads=heads)).trace(
         *args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1

@@ -67,21 +67,8 @@ def test_interpreted_scores_match_triton(n, batch, t_len, d, n_targets, heads, v
         assert not np.any(np.asarray(got[0][:, 1])) and not np.any(np.asarray(got[1][1]))
 
 
-def test_shared_and_per_stream_windows_agree():
-    """``expand="shared"`` (each lag window loaded once) and ``"per_stream"``: the same sums in
-    the same order, so the same values to the last bit."""
-    sources, banks, queries = _phase1_inputs(2, 1, 70, 32, 2, KERNELS, dtype=jnp.bfloat16)
-    run = lambda expand: mosaic_gpu.phase1_scores(sources, banks, queries, None, None,  # noqa: E731
-                                                  stream_kernels=KERNELS, heads=1, expand=expand, interpret=True)
-    for a, b in zip(run("shared"), run("per_stream")):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
 def test_option_errors():
     sources, banks, queries = _phase1_inputs(2, 1, 8, 32, 1, KERNELS)
-    with pytest.raises(ValueError, match="expand='wide'"):
-        mosaic_gpu.phase1_scores(sources, banks, queries, None, None, stream_kernels=KERNELS, heads=1,
-                                 expand="wide", interpret=True)
     with pytest.raises(ValueError, match="n_slots=1: must be at least 2"):
         mosaic_gpu.phase1_scores(sources, banks, queries, None, None, stream_kernels=KERNELS, heads=1, n_slots=1,
                                  interpret=True)
@@ -135,30 +122,6 @@ def test_interpreted_mix_matches_direct_sum(n, batch, t_len, d, n_targets, heads
         _check_tree(got.astype(jnp.float32), want, 1e-2 if out_dtype == jnp.bfloat16 else F32_TOL)
 
 
-@pytest.mark.parametrize("valid", [(True, False, True), (False, False, False)])
-def test_mix_store_groups_agree(monkeypatch, valid):
-    """The output stores committed one by one rather than as one group per chunk and stream
-    (``STORE_GROUPS``) write bitwise the same states, also when no source is valid."""
-    n, batch, t_len, d, n_targets, heads = 3, 1, 70, 64, 3, 2
-    sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
-    p = jax.random.uniform(jax.random.key(7), (n_targets, n, len(KERNELS), batch, t_len, heads), minval=0.1)
-    p = p * jnp.asarray(valid)[None, :, None, None, None, None]
-
-    def run(groups):
-        monkeypatch.setattr(mosaic_gpu, "STORE_GROUPS", groups)
-        mosaic_gpu._mix_kernel.cache_clear()  # STORE_GROUPS is read when a kernel is built
-        return np.asarray(mosaic_gpu.phase1_mix(sources, banks, p, _segments(batch, t_len, 37), jnp.asarray(valid),
-                                                stream_kernels=KERNELS, heads=heads, interpret=True))
-
-    want = run(True)
-    np.testing.assert_array_equal(run(False), want)
-    mosaic_gpu._mix_kernel.cache_clear()
-    if any(valid):
-        assert np.any(want)
-    else:
-        assert not np.any(want)
-
-
 def _interpreted_mix(valid, slots, *, n_targets, batch, seed, cut, t_len=70, d=128, heads=2):
     """``run(**options)``: the interpreted mixing pass on fixed random inputs (bf16 sources,
     segments cut every ``cut`` tokens, non-zero weights on the ``valid`` sources), as numpy."""
@@ -173,23 +136,6 @@ def _interpreted_mix(valid, slots, *, n_targets, batch, seed, cut, t_len=70, d=1
                                                 **options))
 
     return run
-
-
-@pytest.mark.parametrize("valid, slots", [((True, False, False), 3), ((True, False, True), 2),
-                                          pytest.param((True, True, True), 3, marks=pytest.mark.slow),
-                                          pytest.param((False, False, False), 3, marks=pytest.mark.slow)],
-                         ids=["one_valid_3_slots", "two_valid_2_slots", "all_valid", "none_valid"])
-def test_mix_item_decodes_agree(valid, slots):
-    """The next item found by carrying its (chunk, stream, source) through the loops writes bitwise
-    the states of decoding it from its flat index (``ITEM_DECODES``): one valid source (each slot
-    refill steps over a whole stream), several channel chunks and two heads, a ragged end."""
-    mix = _interpreted_mix(valid, slots, n_targets=3, batch=1, seed=7, cut=37)
-    run = lambda decode: mix(item_decode=decode)  # noqa: E731
-    want = run("divide")
-    np.testing.assert_array_equal(run("carried"), want)
-    assert np.any(want) == any(valid)
-    with pytest.raises(ValueError, match="item_decode='guess': must be one of"):
-        run("guess")
 
 
 @pytest.mark.parametrize("valid, slots, n_targets", [
@@ -219,8 +165,7 @@ def test_mix_window_fetch_smem():
               n_sources=9)
     per_item = mosaic_gpu.mix_smem_bytes(**kw, window_fetch="per_item")
     per_chunk = mosaic_gpu.mix_smem_bytes(**kw, window_fetch="per_chunk")
-    assert mosaic_gpu.mix_smem_bytes(**kw) == {"per_item": per_item, "per_chunk": per_chunk}[
-        mosaic_gpu.DEFAULT_MIX_WINDOW_FETCH]  # the default's count, where it fits
+    assert mosaic_gpu.mix_smem_bytes(**kw) == per_chunk  # the default's count, where it fits
     window = 80 * 40 * 2  # 64 + 16 rows of 32 + 8 bf16 channels
     align = lambda b: -(-b // 1024) * 1024  # noqa: E731  (each buffer from a 1 KiB boundary)
     # 9 windows instead of 3, 4 staged targets fewer, a barrier per source
@@ -230,12 +175,11 @@ def test_mix_window_fetch_smem():
 
 
 def test_mix_default_window_fetch_falls_back_where_it_does_not_fit(monkeypatch):
-    """With ``"per_chunk"`` as the default, a block with more sources than one program's shared
-    memory holds windows for (at 32 channels and 2 targets: 32) takes ``"per_item"``; asked for
-    explicitly there, ``"per_chunk"`` raises, as an unknown default does."""
+    """By default (``"per_chunk"``) a block with more sources than one program's shared memory
+    holds windows for (at 32 channels and 2 targets: 32) takes ``"per_item"``; asked for
+    explicitly there, ``"per_chunk"`` raises."""
     seen, real = [], mosaic_gpu._mix_kernel
     monkeypatch.setattr(mosaic_gpu, "_mix_kernel", lambda cfg: seen.append(cfg.window_fetch) or real(cfg))
-    monkeypatch.setattr(mosaic_gpu, "DEFAULT_MIX_WINDOW_FETCH", "per_chunk")
     kw = dict(block_d=32, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16, out_dtype=jnp.float32, n_targets=2,
               window_fetch="per_chunk")
     most = max(n for n in range(1, 64) if mosaic_gpu.mix_smem_bytes(**kw, n_sources=n) <= mosaic_gpu.SMEM_BYTES)
@@ -257,52 +201,18 @@ def test_mix_default_window_fetch_falls_back_where_it_does_not_fit(monkeypatch):
         **kw, n_sources=most + 1, window_fetch="per_item")
     with pytest.raises(NotImplementedError, match="phase1_mix: no channel chunk"):
         lower(most + 1, window_fetch="per_chunk")
-    monkeypatch.setattr(mosaic_gpu, "DEFAULT_MIX_WINDOW_FETCH", "often")
-    with pytest.raises(ValueError, match="DEFAULT_MIX_WINDOW_FETCH='often': must be one of"):
-        lower(2)
 
 
-@pytest.mark.parametrize("decode, window_fetch", [(d, "per_item") for d in mosaic_gpu.ITEM_DECODES]
-                         + [("divide", "per_chunk")])
-def test_mix_lowers_for_sm90(decode, window_fetch):
-    """The compiled mixing pass lowers for the H200 with either item decode and window fetch."""
+@pytest.mark.parametrize("window_fetch", mosaic_gpu.MIX_WINDOW_FETCHES)
+def test_mix_lowers_for_sm90(window_fetch):
+    """The compiled mixing pass lowers for the H200 with either window fetch."""
     sources, banks, _ = _phase1_inputs(3, 2, 200, 64, 2, KERNELS, dtype=jnp.bfloat16)
     p = jnp.ones((2, 3, len(KERNELS), 2, 200, 1))
     fn = lambda x, b, w, v: mosaic_gpu.phase1_mix(x, b, w, _segments(2, 200, 30), v, stream_kernels=KERNELS,  # noqa: E731
-                                                  heads=1, per_target=True, item_decode=decode,
-                                                  window_fetch=window_fetch)
+                                                  heads=1, per_target=True, window_fetch=window_fetch)
     text = jax.jit(fn).trace(sources, banks, p, jnp.asarray([True, False, True])).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1
-
-
-@pytest.mark.slow
-def test_mix_timing_skips_run_and_leave_their_traffic_out():
-    """``timing_skip`` (timing only, ``MIX_TIMING_SKIPS``) keeps every barrier's arrivals matched
-    to its copies (a mismatch would hang the interpreter) and does leave the traffic out: with
-    5 valid sources in 3 slots a stream's item finds another source's window or ``p`` rows in its
-    slot, and without stores the states are never written."""
-    n, batch, t_len, d, n_targets = 5, 1, 64, 64, 2
-    sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
-    p = jax.random.uniform(jax.random.key(3), (n_targets, n, len(KERNELS), batch, t_len, 1), minval=0.1)
-
-    def run(skip):
-        return np.asarray(mosaic_gpu.phase1_mix(sources, banks, p, None, None, stream_kernels=KERNELS, heads=1,
-                                                n_slots=3, interpret=True, timing_skip=skip, window_fetch=fetch))
-
-    fetch = "per_item"  # what the skips are defined against
-
-    want = run(())
-    for skip in (("windows",), ("p",)):
-        got = run(skip)
-        np.testing.assert_array_equal(got[:, 0], want[:, 0])  # stream 0 brings its own
-        assert not np.allclose(got[:, 1:], want[:, 1:]), skip
-    assert not np.allclose(run(("stores",)), want)
-    with pytest.raises(ValueError, match="timing_skip=\\('state',\\): each must be one of"):
-        run(("state",))
-    fetch = "per_chunk"
-    with pytest.raises(ValueError, match="only window_fetch='per_item' has"):
-        run(("windows",))
 
 
 def test_mix_errors():

@@ -98,50 +98,26 @@ def test_lag_bits_follow_the_reference_masks():
 def test_block_d_choice_and_shared_memory():
     kw = dict(stream_kernels=(0, 4, 8, 12), x_dtype=jnp.bfloat16, acc_dtype=jnp.float32, out_dtype=jnp.bfloat16)
     assert mosaic_gpu.choose_block_d(d=1024, heads=1, **kw) == 32
-    # a float32 partial doubles the aligned lag windows past the shared memory; one padded window
-    # per chunk fits (``"auto"`` still runs a float32 partial on Triton: untimed in Mosaic)
-    aligned = functools.partial(mosaic_gpu.smem_bytes, windows="aligned")
-    assert mosaic_gpu.choose_block_d(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32), smem=aligned) is None
+    # a float32 partial fits one padded window per chunk (``"auto"`` still runs a float32 partial
+    # on Triton: untimed in Mosaic)
     assert mosaic_gpu.choose_block_d(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32)) == 32
     assert mosaic_gpu.choose_block_d(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32, stream_kernels=(0,))) == 32
     assert mosaic_gpu.choose_block_d(d=48, heads=1, **kw) is None  # no chunk divides the head
     # MSAR at `base` with a float32 state fits both kernels (the H200's 227 KiB per block; the
     # backward's with the model's bf16 output cotangent)
-    for smem, kernel in ((mosaic_gpu.smem_bytes, "forward"),
-                         (functools.partial(mosaic_gpu.state_smem_bytes, dh_dtype=jnp.bfloat16), "backward_state")):
-        by_windows = {w: smem(block_d=32, **dict(kw, heads=1), windows=w) for w in mosaic_gpu.WINDOWS}
-        assert 150_000 < by_windows["aligned"] <= mosaic_gpu.SMEM_BYTES
-        # windows=None counts the kernel's own placement
-        assert smem(block_d=32, **dict(kw, heads=1)) == by_windows[mosaic_gpu.KERNEL_WINDOWS[kernel]]
-        # the windows' buffer (two slots, bf16), from a 1 KiB boundary as Pallas places every buffer
-        windows = lambda rows, width=32: -(-2 * rows * width * 2 // 1024) * 1024  # noqa: E731
-        # one window per lag modulo 8: 8 windows of 72 rows instead of 12 of 64
-        assert by_windows["per_lag"] - by_windows["aligned"] == windows(12 * 64) - windows(8 * 72)
-        # one window of 64 + 16 rows per chunk: two programs fit an SM (228 KiB) where one did
-        assert by_windows["aligned"] - by_windows["single"] == windows(8 * 72) - windows(80)
-        assert 2 * (by_windows["single"] + 1024) <= 233472 < 2 * (by_windows["aligned"] + 1024)
-        assert by_windows["padded"] - by_windows["single"] == windows(80, 32 + mosaic_gpu.WINDOW_PAD) - windows(80)
+    for smem in (mosaic_gpu.smem_bytes, functools.partial(mosaic_gpu.state_smem_bytes, dh_dtype=jnp.bfloat16)):
+        assert 90_000 < smem(block_d=32, **dict(kw, heads=1)) <= mosaic_gpu.SMEM_BYTES
 
 
-@pytest.mark.parametrize("max_lag, n_lags, want", [
-    # (window, first row in it, rows, lag of its first row) per copy; lag w + 8 q at row 8 (extra - q)
-    (12, 12, [(0, 0, 72, 8), (1, 0, 72, 9), (2, 0, 72, 10), (3, 0, 72, 11), (4, 8, 64, 4), (5, 8, 64, 5),
-              (6, 8, 64, 6), (7, 8, 64, 7)]),
-    (12, 4, [(0, 8, 64, 0), (1, 8, 64, 1), (2, 8, 64, 2), (3, 8, 64, 3)]),  # a short stream of the same tile
-    (12, 0, [(0, 8, 64, 0)]),  # the identity stream: lag 0
-    (4, 4, [(0, 0, 64, 0), (1, 0, 64, 1), (2, 0, 64, 2), (3, 0, 64, 3)]),
-    (20, 20, [(w, 0, 80, w + 16) for w in range(4)] + [(w, 8, 72, w + 8) for w in range(4, 8)]),
-])
-def test_aligned_lag_windows(max_lag, n_lags, want):
-    lags = mosaic_gpu._Lags.of(max_lag, "aligned")
-    assert lags.copies(n_lags) == want
-    assert lags.rows == 64 + 8 * ((max_lag - 1) // 8) and lags.count == min(8, max_lag)
-    for w, first, rows, lag in want:  # every lag lands at a multiple of 8, inside its window
-        for delta in range(lag % 8, lag + 1, 8):
-            row = 8 * (lags.extra - delta // 8)
-            assert row % 8 == 0 and first <= row and row + 64 <= first + rows and delta % 8 == w
-    per_lag = mosaic_gpu._Lags.of(max_lag, "per_lag")
-    assert per_lag.copies(n_lags) == [(k, 0, 64, k) for k in range(max(1, n_lags))]
+@pytest.mark.parametrize("max_lag, extra", [(12, 2), (9, 1), (8, 1), (1, 0), (17, 2), (18, 3)])
+def test_lag_window_geometry(max_lag, extra):
+    """One window per chunk: ``64 + 8 extra`` rows (the lags above the tile, in whole 8s), brought
+    by one TMA copy whatever the stream's kernel, ``WINDOW_PAD`` channels wider than the chunk."""
+    lags = mosaic_gpu._Lags.of(max_lag)
+    assert (lags.rows, lags.extra, lags.count) == (64 + 8 * extra, extra, 1)
+    for n_lags in (0, 1, max_lag):
+        assert lags.copies(n_lags) == [(0, 0, 64 + 8 * extra, 8 * extra)]
+    assert lags.width(32) == 32 + mosaic_gpu.WINDOW_PAD and mosaic_gpu._Lags.of(max_lag, pad=0).width(8) == 8
 
 
 def test_option_errors_and_auto_off_the_gpu(monkeypatch):
@@ -202,22 +178,19 @@ def test_which_kernels_each_choice_takes_on_a_gpu(choice, kernels, forward, back
 
 
 GPU_CASES = [  # each configuration's two Mosaic GPU lowerings take 15-35 s of CPU each
-    (("msar", 2, 300, 256, (0, 4, 8, 12), 2, True, 77, "gate"), jnp.float32, "same"),
-    (("msar_reread_reverse", 2, 300, 256, (0, 4, 8, 12), 2, True, 77, "gate"), jnp.float32, "reverse"),
-    (("msar_mean_excluded", 3, 128, 512, (0, 4, 8, 12), 1, False, 40, "mean"), jnp.bfloat16, "same"),
+    (("msar", 2, 300, 256, (0, 4, 8, 12), 2, True, 77, "gate"), jnp.float32),
+    (("msar_mean_excluded", 3, 128, 512, (0, 4, 8, 12), 1, False, 40, "mean"), jnp.bfloat16),
 ]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case, state_dtype, reread_order", GPU_CASES, ids=[c[0][0] for c in GPU_CASES])
-def test_gpu_mosaic_matches_reference(monkeypatch, case, state_dtype, reread_order):
+@pytest.mark.parametrize("case, state_dtype", GPU_CASES, ids=[c[0][0] for c in GPU_CASES])
+def test_gpu_mosaic_matches_reference(monkeypatch, case, state_dtype):
     """On a GPU: the compiled forward and the backward's kernel, both taken by
     ``gpu_kernels="auto"``, against the oracle (bf16 partial; a float32 and a bf16 state;
-    segments, two heads, ragged T, an excluded partial, mean fusion; the state's second read in
-    each ``REREAD_ORDERS``)."""
+    segments, two heads, ragged T, an excluded partial, mean fusion)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    monkeypatch.setattr(mosaic_gpu, "REREAD_ORDER", reread_order)
     calls = []
     for name in ("phase2_fused_forward", "phase2_backward_state", "phase2_backward_inputs"):
         real = getattr(mosaic_gpu, name)
@@ -243,23 +216,22 @@ def _forward(case, split, **opts):
 @pytest.mark.parametrize("case", [pytest.param(CASES[0], id=CASES[0][0]),
                                   pytest.param(CASES[1], id=CASES[1][0], marks=pytest.mark.slow)])
 def test_split_forward_gives_the_same_values(case):
-    """``split=True`` (the scores kernel, then the merge kernel from the scores it wrote) gives
-    ``h`` and the scores of the one-kernel forward with the gate's statistics in their own pass
-    to the last bit, and those of the default one-kernel forward (``DEFAULT_GATE_STATS``,
-    "in_scores": the scoring pass sums them) with the same scores and ``h`` to float32 rounding
-    (interpreted; segments and a ragged tile; two heads with the partial excluded). Asked for
-    "in_scores", the split form refuses (its scores kernel does not sum them)."""
-    split = _forward(case, True, interpret=True)
-    own, default = _forward(case, False, gate_stats="own_pass", interpret=True), _forward(case, False, interpret=True)
-    for got, want in zip(jax.tree.leaves(split), jax.tree.leaves(own), strict=True):
-        assert np.any(np.asarray(want))
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    (h, scores), (h_default, scores_default) = split, default
+    """``split=True`` (the scores kernel, then the merge kernel from the scores it wrote, which
+    sums the gate's statistics in a pass of its own) gives the scores of the one-kernel forward
+    (whose scoring pass sums them) to the last bit and its ``h`` to float32 rounding, both the
+    reference's (interpreted; segments and a ragged tile; two heads with the partial excluded)."""
+    _, batch, t_len, d, kernels, heads, include, cut, fuse = case
+    (h, scores), (h_default, scores_default) = _forward(case, True, interpret=True), _forward(case, False,
+                                                                                            interpret=True)
     assert _rel(h_default, h) < F32_TOL
     for got, want in zip(scores_default, scores, strict=True):
+        assert np.any(np.asarray(want))
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    with pytest.raises(ValueError, match="split=True"):
-        _forward(case, True, gate_stats="in_scores", interpret=True)
+    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
+    seg = None if cut is None else _segments(batch, t_len, cut)
+    want = reference.phase2_fused(state, partial.astype(jnp.bfloat16), bank, query, include, gate, segment_ids=seg,
+                                  eps=1e-6, gate_eps=1e-6, stream_kernels=kernels, heads=heads)
+    assert _rel(h, want) < F32_TOL
 
 
 @pytest.mark.slow  # two Mosaic GPU lowerings (about 30 s of CPU)
@@ -269,172 +241,6 @@ def test_split_forward_lowers_for_sm90():
     case = ("msar", 2, 128, 64, (0, 4, 8, 12), 1, True, 30, "gate")
     text = jax.jit(lambda: _forward(case, True)).trace().lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 2
-
-
-@pytest.mark.slow  # options against the default (98 s on 2 cores); the default's oracle checks stay in the default suite
-def test_window_placements_agree_in_every_kernel():
-    """``windows="aligned"`` (one lag window per lag modulo 8, loads at multiples of 8 rows),
-    ``"single"`` (one window, loads at any row offset), ``"padded"`` (the same with wider rows,
-    their pad past d on the last chunk) and ``"per_lag"`` put the same rows in
-    the same sums: the four Mosaic GPU kernels give the same values to the last bit
-    (interpreted; segments, a ragged second tile, bf16 inputs)."""
-    from tests.kernels.test_depth_attention_fused import _phase1_inputs
-
-    kernels, batch, t_len, d, heads = (0, 4, 8, 12), 2, 100, 64, 2
-    seg = _segments(batch, t_len, 37)
-    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
-    partial = partial.astype(jnp.bfloat16)
-    m = len(kernels)
-    coef = [jax.random.uniform(jax.random.key(k), (m, batch, t_len, heads), minval=0.1) for k in range(3)]
-    dh = _rnd(5, (batch, t_len, d))
-    sources, banks, queries = _phase1_inputs(3, batch, t_len, d, 2, kernels, dtype=jnp.bfloat16)
-    valid = jnp.asarray([True, False, True])
-    p = jax.random.uniform(jax.random.key(9), (2, 3, m, batch, t_len, heads), minval=0.1)
-    runs = {
-        "forward": lambda w: mosaic_gpu.phase2_fused_forward(
-            state, partial, bank, query, True, gate, seg, fuse="gate", stream_kernels=kernels, heads=heads, eps=1e-6,
-            gate_eps=1e-6, windows=w, interpret=True),
-        "backward_state": lambda w: mosaic_gpu.phase2_backward_state(
-            partial, bank, *coef, state.acc, dh, gate, seg, stream_kernels=kernels, heads=heads, gate_eps=1e-6,
-            windows=w, interpret=True),
-        "scores": lambda w: mosaic_gpu.phase1_scores(sources, banks, queries, seg, valid, stream_kernels=kernels,
-                                                     heads=heads, windows=w, interpret=True),
-        "mix": lambda w: mosaic_gpu.phase1_mix(sources, banks, p * valid[None, :, None, None, None, None], seg, valid,
-                                               stream_kernels=kernels, heads=heads, windows=w, interpret=True),
-    }
-    for name, run in runs.items():
-        want = jax.tree.leaves(run("per_lag"))
-        assert any(np.any(np.asarray(w)) for w in want), name
-        for windows in ("aligned", "single", "padded"):
-            got = jax.tree.leaves(run(windows))
-            assert len(got) == len(want), (name, windows)
-            for g, w in zip(got, want):
-                np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"{name}, {windows}")
-    with pytest.raises(ValueError, match="windows='tall'"):
-        runs["scores"]("tall")
-
-
-def _state_kernel_inputs():
-    """Inputs of phase 2's kernels for the option checks: segments, a ragged second tile, two heads."""
-    kernels, batch, t_len, d, heads = (0, 4, 8, 12), 2, 100, 64, 2
-    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
-    coef = [jax.random.uniform(jax.random.key(k), (len(kernels), batch, t_len, heads), minval=0.1) for k in range(3)]
-    return kernels, heads, _segments(batch, t_len, 37), state, partial, bank, query, gate, coef, _rnd(5, (batch, t_len, d))
-
-
-@pytest.mark.slow  # an option against the default (33 s on 2 cores)
-def test_state_boxes_agree(monkeypatch):
-    """Phase 2's kernels move the state's chunk (and ``d_acc``'s) as one 3D TMA box
-    (``STATE_BOXES = "one"``, the default) or one copy per stream: the same values to the last
-    bit (interpreted; segments, a ragged second tile, two heads); an unknown choice is refused."""
-    kernels, heads, seg, state, partial, bank, query, gate, coef, dh = _state_kernel_inputs()
-
-    def run(boxes):
-        monkeypatch.setattr(mosaic_gpu, "DEFAULT_STATE_BOXES", boxes)
-        fwd = mosaic_gpu.phase2_fused_forward(state, partial, bank, query, True, gate, seg, fuse="gate",
-                                              stream_kernels=kernels, heads=heads, eps=1e-6, gate_eps=1e-6,
-                                              interpret=True)
-        bwd = mosaic_gpu.phase2_backward_state(partial, bank, *coef, state.acc, dh, gate, seg, stream_kernels=kernels,
-                                               heads=heads, gate_eps=1e-6, interpret=True)
-        return jax.tree.leaves((fwd, bwd))
-
-    got, want = run("one"), run("per_stream")
-    assert len(got) == len(want) and all(np.any(np.asarray(w)) for w in want)
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    with pytest.raises(ValueError, match="DEFAULT_STATE_BOXES='two'"):
-        run("two")
-
-
-@pytest.mark.slow  # an option against the default (14 s and more on 2 cores)
-@pytest.mark.parametrize("case", [pytest.param(c, id=c[0]) for c in (CASES[0], CASES[1], CASES[3])])
-def test_gate_statistics_summed_in_the_scoring_pass(case):
-    """``gate_stats="in_scores"`` (the default: pass A sums A.A, A.E, E.E, A.W_j
-    and E.W_j per stream and head; the gate's ``sum z^2`` and ``z . W_j`` follow once a and b are
-    known, so the forward expands twice, not three times) gives the reference's ``h`` and scores,
-    and ``"own_pass"``'s (pass B re-expands the partial for them) to float32 rounding
-    (interpreted; segments and a ragged tile, two heads with the partial excluded, AttnRes's one
-    stream); an unknown choice is refused."""
-    _, batch, t_len, d, kernels, heads, include, cut, _ = case
-    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
-    seg = None if cut is None else _segments(batch, t_len, cut)
-    kw = dict(stream_kernels=kernels, heads=heads)
-
-    def run(gate_stats):
-        return mosaic_gpu.phase2_fused_forward(state, partial, bank, query, include, gate, seg, fuse="gate", eps=1e-6,
-                                               gate_eps=1e-6, gate_stats=gate_stats, interpret=True, **kw)
-
-    (h, scores), (h_own, scores_own) = run("in_scores"), run("own_pass")
-    want = reference.phase2_fused(state, partial, bank, query, include, gate, segment_ids=seg, eps=1e-6,
-                                  gate_eps=1e-6, **kw)
-    assert _rel(h, want) < F32_TOL and _rel(h, h_own) < F32_TOL
-    for got, own in zip(scores, scores_own):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(own))  # pass A's own sums are unchanged
-    with pytest.raises(ValueError, match="gate_stats='both'"):
-        run("both")
-
-
-@pytest.mark.slow
-def test_state_sums_through_the_rows_buffer_agree(monkeypatch):
-    """``STATE_SUMS_IN_ROWS``: the backward's state kernel stores its per-head sums through the
-    buffer its per-token coefficients came in, or through their own: the same values to the last
-    bit (interpreted; segments, a ragged second tile, two heads), and 3 * m * heads rows of 64
-    floats less shared memory."""
-    kernels, heads, seg, state, partial, bank, query, gate, coef, dh = _state_kernel_inputs()
-    m = len(kernels)
-
-    def run(flag):
-        monkeypatch.setattr(mosaic_gpu, "STATE_SUMS_IN_ROWS", flag)
-        return jax.tree.leaves(mosaic_gpu.phase2_backward_state(partial, bank, *coef, state.acc, dh, gate, seg,
-                                                                stream_kernels=kernels, heads=heads, gate_eps=1e-6,
-                                                                interpret=True))
-
-    got, want = run(True), run(False)
-    assert len(got) == len(want) and all(np.any(np.asarray(w)) for w in want)
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    smem = {flag: mosaic_gpu.state_smem_bytes(block_d=32, stream_kernels=kernels, heads=heads, x_dtype=jnp.bfloat16,
-                                              acc_dtype=jnp.float32, sums_in_rows=flag) for flag in (True, False)}
-    assert smem[False] - smem[True] == 3 * m * heads * 64 * 4
-
-
-@pytest.mark.slow  # an option against the default (about 60 s on 2 cores)
-def test_state_reread_in_reverse_agrees(monkeypatch):
-    """``REREAD_ORDER = "reverse"``: the forward's output pass and the backward state kernel's
-    ``d_acc`` pass walk the channel chunks (and heads) last to first, so that the chunks their
-    first pass read last may still be in L2. Interpreted, with two heads of two chunks each (so
-    both the heads' and the chunks' order turn), segments and a ragged second tile, the gate's
-    statistics in their own pass and in the scoring pass (``GATE_STATS``): ``h``, the
-    scores, ``d_acc`` and the gate's rows are the same bits as in the same order, the per-head
-    sums (added in the other order) agree to float32 rounding; an unknown order is refused."""
-    kernels, batch, t_len, d, heads = (0, 4, 8, 12), 2, 100, 128, 2
-    state, partial, bank, query, gate = _phase2_inputs(batch, t_len, d, kernels, heads)
-    coef = [jax.random.uniform(jax.random.key(k), (len(kernels), batch, t_len, heads), minval=0.1) for k in range(3)]
-    seg, dh = _segments(batch, t_len, 37), _rnd(5, (batch, t_len, d))
-    assert d // mosaic_gpu.choose_block_d(d=d, heads=heads, stream_kernels=kernels, x_dtype=partial.dtype,
-                                          acc_dtype=jnp.float32, out_dtype=jnp.float32, gate=True) == 2 * heads
-
-    def run(order):
-        monkeypatch.setattr(mosaic_gpu, "REREAD_ORDER", order)
-        fwd = [mosaic_gpu.phase2_fused_forward(state, partial, bank, query, True, gate, seg, fuse="gate",
-                                               stream_kernels=kernels, heads=heads, eps=1e-6, gate_eps=1e-6,
-                                               gate_stats=stats, interpret=True) for stats in mosaic_gpu.GATE_STATS]
-        d_acc, sums, gate_rows = mosaic_gpu.phase2_backward_state(
-            partial, bank, *coef, state.acc, dh, gate, seg, stream_kernels=kernels, heads=heads, gate_eps=1e-6,
-            interpret=True)
-        return jax.tree.leaves((fwd, d_acc, gate_rows)), sums
-
-    (got, got_sums), (want, want_sums) = run("reverse"), run("same")
-    assert len(got) == len(want) and all(np.any(np.asarray(w)) for w in want)
-    for g, w in zip(got, want):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    for g, w in zip(got_sums, want_sums):
-        assert _rel(g, w) < F32_TOL
-    with pytest.raises(ValueError, match="REREAD_ORDER='backwards'"):
-        run("backwards")
-    with pytest.raises(ValueError, match="reread_order='up'"):
-        mosaic_gpu.phase2_backward_state(partial, bank, *coef, state.acc, dh, gate, seg, stream_kernels=kernels,
-                                         heads=heads, gate_eps=1e-6, reread_order="up", interpret=True)
 
 
 @pytest.mark.parametrize("reverse", [False, True])

@@ -54,20 +54,16 @@ def test_which_phase1_kernels_each_choice_takes_for_one_stream(choice, heads, in
     assert _backend.SINGLE_STREAM_MOSAIC_PHASE1 <= {"scores", "mix", "gdots", "dstreams"}
 
 
-# per chunk: the path every MSAR test takes, and the single-stream op test below; slow here
-@pytest.mark.parametrize("defer_sums, block_d", [pytest.param(False, 32, marks=pytest.mark.slow), (True, 32),
-                                                 (False, None)])
-def test_interpreted_scoring_pass_matches_direct_sums(defer_sums, block_d):
-    """``mosaic_gpu.phase1_scores`` for one stream (``E = x``), its sums reduced per chunk or
-    deferred to once per source (``defer_sums``), against the direct dots and sums of squares:
-    8 targets, eight 32-channel chunks or the default's two of 128, a source ruled out (zeros),
-    segments, ragged T."""
+@pytest.mark.parametrize("block_d", [pytest.param(32, marks=pytest.mark.slow), None])
+def test_interpreted_scoring_pass_matches_direct_sums(block_d):
+    """``mosaic_gpu.phase1_scores`` for one stream (``E = x``) against the direct dots and sums of
+    squares: 8 targets, eight 32-channel chunks or the default's two of 128, a source ruled out
+    (zeros), segments, ragged T."""
     n, batch, t_len, d, n_targets = 3, 2, 70, 256, 8
     sources, _, queries = _phase1_inputs(n, batch, t_len, d, n_targets, ONE_STREAM)
     valid = jnp.asarray([True, False, True])
     dots, sumsq = mosaic_gpu.phase1_scores(sources, None, queries, _segments(batch, t_len, 23), valid,
-                                           stream_kernels=ONE_STREAM, heads=1, block_d=block_d,
-                                           defer_sums=defer_sums, interpret=True)
+                                           stream_kernels=ONE_STREAM, heads=1, block_d=block_d, interpret=True)
     with jax.default_matmul_precision("highest"):
         want_dots = jnp.einsum("sd,nbtd->snbt", queries[:, 0], sources)[:, :, None, :, :, None]
     want_sumsq = jnp.sum(sources * sources, axis=-1)[:, None]
@@ -76,17 +72,16 @@ def test_interpreted_scoring_pass_matches_direct_sums(defer_sums, block_d):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("defer_sums", [False, True])
-def test_gpu_scoring_pass_matches_direct_sums(defer_sums):
-    """On a GPU, compiled: as the interpreted test, with bf16 sources and 2048 channels (64
-    chunks), so that a deferred sum runs over many chunks."""
+def test_gpu_scoring_pass_matches_direct_sums():
+    """On a GPU, compiled: as the interpreted test, with bf16 sources and 2048 channels (16
+    chunks of 128)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     n, batch, t_len, d, n_targets = 3, 2, 300, 2048, 8
     sources, _, queries = _phase1_inputs(n, batch, t_len, d, n_targets, ONE_STREAM, dtype=jnp.bfloat16)
     valid = jnp.asarray([True, False, True])
     dots, sumsq = jax.jit(lambda x, q, s, v: mosaic_gpu.phase1_scores(
-        x, None, q, s, v, stream_kernels=ONE_STREAM, heads=1, defer_sums=defer_sums))(
+        x, None, q, s, v, stream_kernels=ONE_STREAM, heads=1))(
         sources, queries, _segments(batch, t_len, 77), valid)
     x = sources.astype(jnp.float32)
     with jax.default_matmul_precision("highest"):
@@ -96,24 +91,9 @@ def test_gpu_scoring_pass_matches_direct_sums(defer_sums):
     _check_tree((dots, sumsq), (want_dots * live[None, ..., None], want_sumsq * live), 1e-5)
 
 
-def test_deferred_sums_only_where_they_fit(monkeypatch):
-    """``defer_sums=None`` follows ``SCORES_DEFER_SUMS`` for one head and at most
-    ``DEFERRED_SUMS_MAX`` accumulators; asking for it beyond that is an error."""
-    for default in (False, True):
-        monkeypatch.setattr(mosaic_gpu, "SCORES_DEFER_SUMS", default)
-        assert mosaic_gpu.scores_defer_sums(None, n_targets=8, m=1, heads=1) is default
-        assert mosaic_gpu.scores_defer_sums(None, n_targets=8, m=4, heads=1) is False
-        assert mosaic_gpu.scores_defer_sums(None, n_targets=2, m=1, heads=2) is False
-    assert mosaic_gpu.scores_defer_sums(False, n_targets=8, m=1, heads=1) is False
-    with pytest.raises(ValueError, match="defer_sums=True: 8 targets x 4 streams"):
-        mosaic_gpu.scores_defer_sums(True, n_targets=8, m=4, heads=1)
-    # deferred sums keep 32-channel chunks (nine [64, bd] accumulators in registers)
-    assert mosaic_gpu.scores_block_d_choices(1, defer_sums=True) == (32,)
+def test_scoring_pass_channel_chunks():
+    """One stream tries 128 channels first, several streams 64 (their registers)."""
     assert mosaic_gpu.scores_block_d_choices(1)[0] == 128 and mosaic_gpu.scores_block_d_choices(4)[0] == 64
-    sources, _, queries = _phase1_inputs(1, 1, 8, 128, 8, ONE_STREAM)
-    with pytest.raises(ValueError, match="defer_sums with block_d=64"):
-        mosaic_gpu.phase1_scores(sources, None, queries, None, None, stream_kernels=ONE_STREAM, heads=1, block_d=64,
-                                 defer_sums=True, interpret=True)
 
 
 def _phase1(gpu_kernels, *, n, batch, t_len, d, n_targets, dtype, valid, cut, heads=1):

@@ -3,8 +3,8 @@ them for the H200.
 
 The counts (``mosaic_gpu.smem_bytes``, ``state_smem_bytes``, ``scores_smem_bytes``,
 ``mix_smem_bytes``, ``mosaic_gpu_bwd1.smem_bytes``) decide before any compile which channel chunk
-a kernel takes and whether a form with a window per source (``window_fetch="per_chunk"``) fits
-or falls back; Mosaic GPU refuses a program above ``mosaic_gpu.SMEM_BYTES``. Each count lays
+a kernel takes and whether a form with a window or rows per source (``phase1_mix``'s
+``window_fetch="per_chunk"``, ``phase1_dstreams``' ``rows_fetch="per_stream"``) fits or falls back; Mosaic GPU refuses a program above ``mosaic_gpu.SMEM_BYTES``. Each count lays
 out the kernel's scratch list as Pallas does (``mosaic_gpu._smem_sum``: every buffer from a
 1 KiB boundary, then the barriers), so with segment ids and conv taps (buffers the counts
 include whether present or not) it is the allocation to the byte; without a conv (one stream:
@@ -60,22 +60,20 @@ def test_mix_count(allocated, n, n_targets, window_fetch):
 
 
 @pytest.mark.parametrize("n, n_targets", CASES[:2])
-@pytest.mark.parametrize("mode, window_fetch, rows_fetch", [
-    ("gdots", "per_item", "per_item"), ("dstreams", "per_item", "per_item"), ("dstreams", "per_item", "per_stream"),
-    ("dstreams", "per_chunk", "per_item")])
-def test_phase1_backward_counts(allocated, n, n_targets, mode, window_fetch, rows_fetch):
+@pytest.mark.parametrize("mode, rows_fetch", [("gdots", "per_item"), ("dstreams", "per_item"),
+                                              ("dstreams", "per_stream")])
+def test_phase1_backward_counts(allocated, n, n_targets, mode, rows_fetch):
     sources, banks, queries, g_acc, p, dsr, w, seg, _ = _inputs(n, 1, 64, 64, n_targets, 1, None, 30, BF16,
                                                                 jnp.float32, True)
     kw = dict(stream_kernels=KERNELS, heads=1)
     if mode == "gdots":
         _lower(lambda x, b, ga, sg: mosaic_gpu_bwd1.phase1_gdots(x, b, ga, sg, None, **kw), sources, banks, g_acc, seg)
     else:
-        _lower(lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, None, out_dtype=BF16, window_fetch=window_fetch,
-                                                          rows_fetch=rows_fetch, **kw),
+        _lower(lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, None, out_dtype=BF16, rows_fetch=rows_fetch, **kw),
                sources, banks, queries, g_acc, p, dsr, w, seg)
     assert allocated == [mosaic_gpu_bwd1.smem_bytes(block_d=32, stream_kernels=KERNELS, heads=1, x_dtype=BF16,
                                                     acc_dtype=jnp.float32, n_targets=n_targets, n_sources=n,
-                                                    mode=mode, window_fetch=window_fetch, rows_fetch=rows_fetch)]
+                                                    mode=mode, rows_fetch=rows_fetch)]
 
 
 @pytest.mark.parametrize("kernels, heads, n", [(KERNELS, 1, 9), pytest.param((0,), 1, 3, marks=pytest.mark.slow),

@@ -307,13 +307,10 @@ def test_phase2_wide_form_lowers(h200):
     assert "depth_attention_phase2_bwd_dstreams" in text and "depth_attention_expansion_transpose" in text
 
 
-@pytest.mark.parametrize("one_window", [pytest.param("single", marks=pytest.mark.slow), "padded"])  # padded: the default
-def test_single_windows_lower_in_lane_semantics(h200, monkeypatch, one_window):
-    """``windows="single"`` (one lag window per chunk, loads at any row offset) lowers each of
-    the six Mosaic GPU kernels that take a placement (and phase 1's transpose, which takes none) in
-    Lane semantics, whose shared-memory refs carry no inferred
-    swizzle (docs/kernels.md), with every explicit load unoptimized; the
-    other placements keep the default Warpgroup semantics."""
+def test_mosaic_gpu_kernels_lower_in_lane_semantics(h200, monkeypatch):
+    """The seven Mosaic GPU kernels of the reads (their lag windows: one per chunk, loads at any
+    row offset) lower in Lane semantics, whose shared-memory refs carry no inferred swizzle
+    (docs/kernels.md), with every explicit load unoptimized."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from pallas_kernels.depth_attention import _backend, mosaic_gpu, mosaic_gpu_bwd1
@@ -352,8 +349,7 @@ def test_single_windows_lower_in_lane_semantics(h200, monkeypatch, one_window):
                         gpu_kernels="mosaic")
         return jnp.sum(st.acc) + jnp.sum(st.denom)
 
-    # the backward's input kernel is always Lane semantics, whatever the windows (its own test
-    # lowers it: test_mosaic_gpu_inputs.py); here the six kernels that take a placement
+    # the backward's input kernel (its own test lowers it: test_mosaic_gpu_inputs.py) left out
     monkeypatch.setattr(_backend, "AUTO_INPUTS", False)
 
     def lower_all():
@@ -367,19 +363,6 @@ def test_single_windows_lower_in_lane_semantics(h200, monkeypatch, one_window):
         # its transpose (always Lane semantics, no placement)
         assert text.count(MOSAIC_GPU_CALL) == 7
 
-    monkeypatch.setattr(mosaic_gpu, "DEFAULT_WINDOWS", one_window)
     lower_all()
     assert semantics == [plgpu.LoweringSemantics.Lane] * 7, semantics
     assert loads and not any(loads)
-    # with no override each kernel takes its own placement (built in this order: phase 2's forward
-    # and backward kernels, phase 1's scoring and mixing passes, its backward's passes 2 and 4)
-    monkeypatch.setattr(mosaic_gpu, "DEFAULT_WINDOWS", None)
-    lower_all()
-    lane = dict.fromkeys(mosaic_gpu.ONE_WINDOW, plgpu.LoweringSemantics.Lane)
-    assert semantics == [lane.get(mosaic_gpu.KERNEL_WINDOWS[k])
-                         for k in ("forward", "backward_state", "scores", "mix", "gdots", "dstreams")] + [
-                             plgpu.LoweringSemantics.Lane]
-    assert set(mosaic_gpu.KERNEL_WINDOWS.values()) <= set(mosaic_gpu.WINDOWS)
-    # the other placements (lowered by the tests above) take the module itself: Warpgroup semantics
-    assert all(mosaic_gpu._plgpu_for(w, False) is plgpu for w in ("aligned", "per_lag"))
-    assert isinstance(mosaic_gpu._plgpu_for("single", True), mosaic_gpu._LanePlgpu)  # interpreted too
