@@ -3,8 +3,8 @@ B x T = 64 x 1024, d = 1024, bf16 sources; MSAR kernels (0, 4, 8, 12), one head)
 once, directly, in this order: the scoring pass (``mosaic_gpu.phase1_scores``), the mixing pass
 writing a float32 state and then a bf16 one (``mosaic_gpu.phase1_mix``, one output per target as
 the model calls it), the backward's value dots and stream cotangents
-(``mosaic_gpu_bwd1.phase1_gdots``, ``phase1_dstreams``, float32 ``g_A``) and the expansion's
-transpose (``mosaic_gpu_bwd1.sources_transpose``). Each Mosaic GPU kernel is named after its op
+(``mosaic_gpu.phase1_gdots``, ``phase1_dstreams``, float32 ``g_A``) and the expansion's
+transpose (``mosaic_gpu.sources_transpose``). Each Mosaic GPU kernel is named after its op
 (``<op>_mosaic_gpu_kernel``, ``mosaic_gpu.named_body``; in order of launch, too). Meant to run under Nsight Compute, as ``ncu_phase2.py`` says::
 
     XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:mosaic_gpu \\
@@ -22,7 +22,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.depth_attention import mosaic_gpu, mosaic_gpu_bwd1
+from pallas_kernels.depth_attention import mosaic_gpu
 
 KERNELS = (0, 4, 8, 12)
 
@@ -71,12 +71,12 @@ def main():
         run(f"{i} mix ({jnp.dtype(dtype).name} state)",
             lambda x, b, pp, v, dtype=dtype: mosaic_gpu.phase1_mix(x, b, pp, None, v, out_dtype=dtype, per_target=True,
                                                                    **kw), sources, banks, p, valid)
-    run("4 gdots", lambda x, b, ga, v: mosaic_gpu_bwd1.phase1_gdots(x, b, ga, None, v, **kw), sources, banks, g_acc,
+    run("4 gdots", lambda x, b, ga, v: mosaic_gpu.phase1_gdots(x, b, ga, None, v, **kw), sources, banks, g_acc,
         valid)
-    run("5 dstreams", lambda x, b, q, ga, pp, ds, ww, v: mosaic_gpu_bwd1.phase1_dstreams(
+    run("5 dstreams", lambda x, b, q, ga, pp, ds, ww, v: mosaic_gpu.phase1_dstreams(
         x, b, q, ga, pp, ds, ww, None, v, out_dtype=jnp.bfloat16, **kw), sources, banks, queries, g_acc, p, dsr, w, valid)
     d_streams = jax.random.normal(inputs["key"], (n, m, batch, t_len, d), jnp.bfloat16)
-    run("6 transpose", lambda de, x, b, v: mosaic_gpu_bwd1.sources_transpose(
+    run("6 transpose", lambda de, x, b, v: mosaic_gpu.sources_transpose(
         de, x, b, None, v, stream_kernels=KERNELS, interpret=interpret), d_streams, sources, banks, valid)
 
 

@@ -7,7 +7,8 @@ import functools
 import jax.numpy as jnp
 
 from pallas_kernels.depth_attention import (conv_transpose, fused, fused_bwd_phase1, fused_bwd_phase2, mosaic_gpu,
-                                            mosaic_gpu_bwd1, platform, tiling, vjp)
+                                            platform, tiling, vjp)
+from pallas_kernels.depth_attention.mosaic_gpu import phase1_backward
 
 
 GPU_KERNELS = ("auto", "mosaic", "triton", "split_forward")
@@ -15,10 +16,10 @@ GPU_KERNELS = ("auto", "mosaic", "triton", "split_forward")
 # 1.63 against Triton's 3.10 ms per call in the `base` step on the H200 (two warpgroups per program), the
 # step 1530.1 -> 1445.1 ms
 AUTO_INPUTS = True
-# whether "auto" takes phase 1's backward passes 2 and 4 (wide form) in Mosaic GPU (``mosaic_gpu_bwd1``):
+# whether "auto" takes phase 1's backward passes 2 and 4 (wide form) in Mosaic GPU (``mosaic_gpu.phase1_backward``):
 # 4.25 and 4.81 against Triton's 7.72 and 7.94 ms per call at `base` on the H200, the step 1445.1 -> 1415.3 ms
 AUTO_PHASE1_BWD = True
-# whether "auto" takes the wide form's transpose in Mosaic GPU (``mosaic_gpu_bwd1.sources_transpose``):
+# whether "auto" takes the wide form's transpose in Mosaic GPU (``mosaic_gpu.sources_transpose``):
 # 3.20 against Triton's 6.30 ms per call at `base` on the H200, 2.98 in the step, which went 1415.3 -> 1384.9 ms;
 # its GPU test against Triton's passes
 AUTO_TRANSPOSE = True
@@ -35,7 +36,7 @@ SINGLE_STREAM_MOSAIC_PHASE1 = frozenset({"scores", "gdots", "dstreams"})
 
 def _mosaic_phase2(choice: str, backend: str, static, partial, state, out_dtype, interpret: bool,
                    kernel: str = "forward") -> bool:
-    """Whether phase 2's fused ``kernel`` runs in Mosaic GPU (``mosaic_gpu.py``) rather than in
+    """Whether phase 2's fused ``kernel`` runs in Mosaic GPU (``mosaic_gpu``) rather than in
     Triton: ``"forward"`` (``mosaic_gpu.phase2_fused_forward`` against the three Triton calls of
     ``fused.phase2_forward``) or ``"backward_state"`` (the backward's statistics and ``d_acc``
     passes, ``mosaic_gpu.phase2_backward_state``, against two Triton calls with XLA between).
@@ -86,9 +87,9 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
     ``fused.scores_call``) or ``"mix"`` (the forward's mixing pass, ``mosaic_gpu.phase1_mix``,
     against ``fused.mix_call(mode="acc")``; ``state_dtype`` is what it writes), ``"gdots"`` or
     ``"dstreams"`` (the Pallas backward's pass 2 and the wide form's pass 4,
-    ``mosaic_gpu_bwd1``, against ``fused_bwd_phase1.gdots_call`` and ``dstreams_call``;
+    ``mosaic_gpu.phase1_backward``, against ``fused_bwd_phase1.gdots_call`` and ``dstreams_call``;
     ``state_dtype`` is the state cotangent's, which they read; ``AUTO_PHASE1_BWD``) or
-    ``"transpose"`` (the wide form's transpose, ``mosaic_gpu_bwd1.sources_transpose``, against
+    ``"transpose"`` (the wide form's transpose, ``mosaic_gpu.sources_transpose``, against
     ``conv_transpose.sources_transpose``; ``AUTO_TRANSPOSE``).
 
     ``"auto"`` (and ``"split_forward"``, which concerns phase 2's forward): on a GPU (not in
@@ -110,22 +111,22 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
         return False
     if choice == "auto" and len(static.stream_kernels) == 1 and kernel not in SINGLE_STREAM_MOSAIC_PHASE1:
         return False
-    if choice == "auto" and kernel in mosaic_gpu_bwd1.MODES and not AUTO_PHASE1_BWD:
+    if choice == "auto" and kernel in phase1_backward.MODES and not AUTO_PHASE1_BWD:
         return False
     if kernel == "transpose":
         if (choice == "auto" and not AUTO_TRANSPOSE) or not any(static.stream_kernels):
             return False  # no conv: the transpose is a sum over the streams (conv_transpose does it in XLA)
         try:
-            mosaic_gpu_bwd1.check_transpose_shape(d=sources.shape[-1], stream_kernels=static.stream_kernels)
+            mosaic_gpu.check_transpose_shape(d=sources.shape[-1], stream_kernels=static.stream_kernels)
         except NotImplementedError as e:
             if choice == "mosaic":
                 raise ValueError(f"gpu_kernels='mosaic': {e}") from None
             return False
         return True
     acc_dtype, out_dtype = jnp.float32, state_dtype
-    if kernel in mosaic_gpu_bwd1.MODES:  # they read the state's cotangent and write dE in the sources' dtype
+    if kernel in phase1_backward.MODES:  # they read the state's cotangent and write dE in the sources' dtype
         acc_dtype, out_dtype = state_dtype, jnp.promote_types(sources.dtype, jnp.bfloat16)
-        smem = functools.partial(mosaic_gpu_bwd1.smem_bytes, mode=kernel, n_sources=sources.shape[0])
+        smem = functools.partial(phase1_backward.smem_bytes, mode=kernel, n_sources=sources.shape[0])
     else:
         smem = functools.partial({"scores": mosaic_gpu.scores_smem_bytes, "mix": mosaic_gpu.mix_smem_bytes}[kernel],
                                  n_sources=sources.shape[0])
@@ -135,7 +136,7 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
                                    smem=functools.partial(smem, n_targets=n_targets),
                                    choices={"scores": mosaic_gpu.scores_block_d_choices(len(static.stream_kernels)),
                                             "mix": mosaic_gpu.MIX_BLOCK_D_CHOICES}.get(
-                                                kernel, mosaic_gpu_bwd1.BLOCK_D_CHOICES))
+                                                kernel, phase1_backward.BLOCK_D_CHOICES))
     if choice == "mosaic" and bd is None:
         what = {"scores": "scoring", "mix": "mixing", "gdots": "backward's value-dot",
                 "dstreams": "backward's stream-cotangent"}[kernel]

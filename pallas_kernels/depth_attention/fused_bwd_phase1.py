@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention import conv_transpose, fused, mosaic_gpu_bwd1, reference
+from pallas_kernels.depth_attention import conv_transpose, fused, mosaic_gpu, reference
 from pallas_kernels.depth_attention.fused import (
     F32, _call_kwargs, _expand_chunk, _head_col, _if_live, _lag_masks, _next_target_ref, _pad_t, _stream_layout,
     _target_input, _token_inputs, _Window,
@@ -499,8 +499,8 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     ``conv_transpose.sources_transpose`` for the source and bank gradients and token-axis
     matrix products for the query gradient, ``_query_grads``). ``mosaic_scores``: pass 1 as the
     Mosaic GPU kernel (``fused.phase1_scores``); ``mosaic_gdots`` / ``mosaic_dstreams``: pass 2 /
-    the wide form's pass 4 as the Mosaic GPU kernels of ``mosaic_gpu_bwd1``; ``mosaic_transpose``:
-    the wide form's transpose as ``mosaic_gpu_bwd1.sources_transpose``.
+    the wide form's pass 4 as the Mosaic GPU kernels of ``mosaic_gpu.phase1_backward``; ``mosaic_transpose``:
+    the wide form's transpose as ``mosaic_gpu.sources_transpose``.
 
     ``value_scale[S, m, B, T, H]``: ``g.acc`` is factored (``reference.ValueChannel``): the true
     ``g_A{s,r}`` is ``value_scale[s, r]`` (per head) times the given ``g.acc[s, r]``. Both terms that
@@ -535,8 +535,8 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     else:
         g_acc = _pad_t(g.acc, 3, t_pad)
     if mosaic_gdots:
-        gd = mosaic_gpu_bwd1.phase1_gdots(sources, conv_banks, g_acc, segment_ids, valid, stream_kernels=stream_kernels,
-                                          heads=heads, interpret=interpret)  # [S, n, m, B, T, H]
+        gd = mosaic_gpu.phase1_gdots(sources, conv_banks, g_acc, segment_ids, valid, stream_kernels=stream_kernels,
+                                     heads=heads, interpret=interpret)  # [S, n, m, B, T, H]
         gd = _pad_t(gd, 4, t_pad)
     else:
         gd = gdots_call(x, conv_banks, g_acc, seg, valid=valid, **kw)  # [S, n, m, B, Tp, nc]
@@ -554,7 +554,7 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     if form == "wide":
         streams_dtype = jnp.promote_types(sources.dtype, jnp.bfloat16)
         if mosaic_dstreams:  # the valid sources' dE only: sources_transpose skips or masks the others
-            d_streams = mosaic_gpu_bwd1.phase1_dstreams(
+            d_streams = mosaic_gpu.phase1_dstreams(
                 sources, conv_banks, queries, g_acc, p_value, dsr, w, segment_ids, valid, stream_kernels=stream_kernels,
                 heads=heads, out_dtype=streams_dtype, interpret=interpret)
             d_streams = d_streams if mosaic_transpose else _pad_t(d_streams, 3, t_pad)
@@ -562,7 +562,7 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
             d_streams = dstreams_call(x, conv_banks, queries, g_acc, p_value, dsr, w[..., None], seg, heads=heads,
                                       out_dtype=streams_dtype, valid=valid, **kw)
         if mosaic_transpose:
-            dx, dbank = mosaic_gpu_bwd1.sources_transpose(
+            dx, dbank = mosaic_gpu.sources_transpose(
                 d_streams[:, :, :, :t_len], sources, conv_banks, segment_ids, valid, stream_kernels=stream_kernels,
                 out_dtype=sources.dtype, interpret=interpret)
         else:

@@ -1,5 +1,5 @@
 """GPU implementation: Pallas' Triton lowering (kernels in ``fused.py``, ``fused_bwd_phase*.py``,
-``conv_transpose.py``) and Mosaic GPU (``mosaic_gpu.py``, ``mosaic_gpu_bwd1.py``), chosen per
+``conv_transpose.py``) and Mosaic GPU (the ``mosaic_gpu`` package), chosen per
 kernel by ``gpu_kernels`` (``_backend.GPU_KERNELS``; for one stream
 ``_backend.SINGLE_STREAM_MOSAIC_PHASE1``). Why Triton first, and where Mosaic GPU is faster:
 docs/kernels.md §3."""

@@ -1,5 +1,5 @@
-"""Phase 1's backward passes 2 and 4 in Mosaic GPU (``mosaic_gpu_bwd1.phase1_gdots`` and
-``phase1_dstreams``) and its transpose (``mosaic_gpu_bwd1.sources_transpose``) against the Pallas
+"""Phase 1's backward passes 2 and 4 in Mosaic GPU (``mosaic_gpu.phase1_gdots`` and
+``phase1_dstreams``) and its transpose (``mosaic_gpu.sources_transpose``) against the Pallas
 kernels they replace (``fused_bwd_phase1.gdots_call``, ``dstreams_call`` and
 ``conv_transpose.sources_transpose``, themselves checked against the XLA closed form through the
 whole backward) on random non-zero inputs: interpreted on the CPU, compiled in the GPU-marked test. The model-level
@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.depth_attention import (
-    _backend, conv_transpose, fused, fused_bwd_phase1, mosaic_gpu, mosaic_gpu_bwd1, tiling,
-)
+from pallas_kernels.depth_attention import _backend, conv_transpose, fused, fused_bwd_phase1, mosaic_gpu, tiling
+from pallas_kernels.depth_attention.mosaic_gpu import phase1_backward
 from tests.kernels.test_depth_attention_fused import F32_TOL, _check_tree, _phase1_inputs
 from tests.kernels.test_mosaic_gpu_phase1 import _segments
 
@@ -81,26 +80,26 @@ def _triton_form(args, heads, backend="interpret"):
 def _mosaic(args, heads, interpret=True, slots=(None, None)):
     sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
     kw = dict(stream_kernels=KERNELS, heads=heads, interpret=interpret, n_slots=slots[0], group_slots=slots[1])
-    gd = mosaic_gpu_bwd1.phase1_gdots(sources, banks, g_acc, seg, valid, **kw)
-    de = mosaic_gpu_bwd1.phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, seg, valid,
+    gd = mosaic_gpu.phase1_gdots(sources, banks, g_acc, seg, valid, **kw)
+    de = mosaic_gpu.phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, seg, valid,
                                          out_dtype=jnp.float32, **kw)
     return gd, de
 
 
 def _dstreams(args, heads, **kw):
     sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
-    return mosaic_gpu_bwd1.phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, seg, valid,
+    return mosaic_gpu.phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, seg, valid,
                                            stream_kernels=KERNELS, heads=heads, out_dtype=jnp.float32, **kw)
 
 
 def _lowered(mode, args, **kw):
-    """``mode``'s kernel (``mosaic_gpu_bwd1.MODES``) on ``_inputs``' ``args`` with the keywords
+    """``mode``'s kernel (``phase1_backward.MODES``) on ``_inputs``' ``args`` with the keywords
     ``kw``, lowered for the H200: the StableHLO text."""
     sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
     if mode == "gdots":
-        fn, inputs = (lambda *a: mosaic_gpu_bwd1.phase1_gdots(*a, **kw)), (sources, banks, g_acc, seg, valid)
+        fn, inputs = (lambda *a: mosaic_gpu.phase1_gdots(*a, **kw)), (sources, banks, g_acc, seg, valid)
     else:
-        fn = lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, out_dtype=jnp.bfloat16, **kw)  # noqa: E731
+        fn = lambda *a: mosaic_gpu.phase1_dstreams(*a, out_dtype=jnp.bfloat16, **kw)  # noqa: E731
         inputs = (sources, banks, queries, g_acc, p, dsr, w, seg, valid)
     return jax.jit(fn).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
 
@@ -132,7 +131,7 @@ def test_dstreams_rows_fetches_agree(valid):
     what it writes with each item bringing its own: two heads of two channel chunks each,
     segments, a source ruled out, one valid source, none."""
     args = _inputs(3, 1, 70, 128, 2, 2, valid, 30, jnp.bfloat16, jnp.float32, True)
-    want, got = (np.asarray(_dstreams(args, 2, interpret=True, rows_fetch=rf)) for rf in mosaic_gpu_bwd1.ROWS_FETCHES)
+    want, got = (np.asarray(_dstreams(args, 2, interpret=True, rows_fetch=rf)) for rf in phase1_backward.ROWS_FETCHES)
     live = _live(args[-1], 3)
     np.testing.assert_array_equal(got[live], want[live])
     assert np.all(np.isfinite(want[live])) and (np.abs(want[live]).max() > 1 if live.any() else True)
@@ -142,9 +141,9 @@ def test_dstreams_rows_fetch_choice_and_its_errors(monkeypatch):
     """``rows_fetch`` given wins; by default "per_stream" is taken where it fits (the bench shape's
     9 sources and 8 targets at 32 channels; one stream too) and "per_item" where it does not (50
     sources); an unknown value raises."""
-    seen, real = [], mosaic_gpu_bwd1._kernel
-    monkeypatch.setattr(mosaic_gpu_bwd1, "_kernel", lambda cfg: seen.append(cfg.rows_fetch) or real(cfg))
-    smem = functools.partial(mosaic_gpu_bwd1.smem_bytes, block_d=32, stream_kernels=KERNELS, heads=1,
+    seen, real = [], phase1_backward._kernel
+    monkeypatch.setattr(phase1_backward, "_kernel", lambda cfg: seen.append(cfg.rows_fetch) or real(cfg))
+    smem = functools.partial(phase1_backward.smem_bytes, block_d=32, stream_kernels=KERNELS, heads=1,
                              x_dtype=jnp.bfloat16, acc_dtype=jnp.float32, n_targets=8, mode="dstreams")
     align = lambda b: -(-b // 1024) * 1024  # noqa: E731  (each buffer from a 1 KiB boundary)
     assert smem(n_sources=9, rows_fetch="per_stream") <= mosaic_gpu.SMEM_BYTES
@@ -195,17 +194,17 @@ def test_kernels_refuse_bad_inputs():
     sources, banks, queries, g_acc, p, dsr, w, seg, valid = args
     kw = dict(stream_kernels=KERNELS, heads=1, interpret=True)
     with pytest.raises(ValueError, match=r"g_acc per target \(3, 1, 8, 32\): want \[4, 1, >= 8, 32\]"):
-        mosaic_gpu_bwd1.phase1_gdots(sources, banks, g_acc[:, :3], seg, valid, **kw)
+        mosaic_gpu.phase1_gdots(sources, banks, g_acc[:, :3], seg, valid, **kw)
     with pytest.raises(ValueError, match=r"dsr \(2, 2, 4, 1, 8, 2\): want \[2, 2, 4, 1, >= 8, 1\]"):
-        mosaic_gpu_bwd1.phase1_dstreams(sources, banks, queries, g_acc, p, jnp.concatenate([dsr, dsr], -1), w, seg,
+        mosaic_gpu.phase1_dstreams(sources, banks, queries, g_acc, p, jnp.concatenate([dsr, dsr], -1), w, seg,
                                         valid, out_dtype=jnp.float32, **kw)
     with pytest.raises(ValueError, match=r"queries \(1, 4, 32\): want \[2, 4, 32\]"):
-        mosaic_gpu_bwd1.phase1_dstreams(sources, banks, queries[:1], g_acc, p, dsr, w, seg, valid,
+        mosaic_gpu.phase1_dstreams(sources, banks, queries[:1], g_acc, p, dsr, w, seg, valid,
                                         out_dtype=jnp.float32, **kw)
     with pytest.raises(ValueError, match="group_slots=3 must be 1 or 2"):
-        mosaic_gpu_bwd1.phase1_gdots(sources, banks, g_acc, seg, valid, group_slots=3, **kw)
+        mosaic_gpu.phase1_gdots(sources, banks, g_acc, seg, valid, group_slots=3, **kw)
     with pytest.raises(NotImplementedError, match="no channel chunk"):
-        mosaic_gpu_bwd1.phase1_gdots(sources[..., :24], banks[..., :24], g_acc[..., :24], seg, valid, **kw)
+        mosaic_gpu.phase1_gdots(sources[..., :24], banks[..., :24], g_acc[..., :24], seg, valid, **kw)
 
 
 TRANSPOSE_CASES = [
@@ -231,7 +230,7 @@ def test_interpreted_transpose_matches_the_pallas_kernel(case):
     """``d x`` (zeros for a ruled-out source) and the bank gradient against the Pallas kernel."""
     _, n, batch, t_len, d, valid, cut = case
     args = _transpose_inputs(n, batch, t_len, d, valid, cut)
-    got = mosaic_gpu_bwd1.sources_transpose(*args, stream_kernels=KERNELS, out_dtype=jnp.float32, interpret=True)
+    got = mosaic_gpu.sources_transpose(*args, stream_kernels=KERNELS, out_dtype=jnp.float32, interpret=True)
     tiles = tiling.choose_tiles(d=d, heads=1, max_kernel=max(KERNELS), n_targets=1, backend="tpu",
                                 n_streams=len(KERNELS)).with_min_block_t(16)
     want = conv_transpose.sources_transpose(*args, stream_kernels=KERNELS, tiles=tiles, backend="interpret",
@@ -246,13 +245,13 @@ def test_transpose_refuses_bad_inputs():
     d_streams, x, banks, seg, valid = _transpose_inputs(2, 1, 8, 8, None, None)
     kw = dict(stream_kernels=KERNELS, interpret=True)
     with pytest.raises(ValueError, match="do not match 4 streams"):
-        mosaic_gpu_bwd1.sources_transpose(d_streams[:, :3], x, banks, seg, valid, **kw)
+        mosaic_gpu.sources_transpose(d_streams[:, :3], x, banks, seg, valid, **kw)
     with pytest.raises(ValueError, match=r"banks \(2, 23, 8\): want \(2, 24, 8\)"):
-        mosaic_gpu_bwd1.sources_transpose(d_streams, x, banks[:, 1:], seg, valid, **kw)
+        mosaic_gpu.sources_transpose(d_streams, x, banks[:, 1:], seg, valid, **kw)
     with pytest.raises(NotImplementedError, match="multiple of 8"):
-        mosaic_gpu_bwd1.sources_transpose(d_streams[..., :4], x[..., :4], banks[..., :4], seg, valid, **kw)
+        mosaic_gpu.sources_transpose(d_streams[..., :4], x[..., :4], banks[..., :4], seg, valid, **kw)
     with pytest.raises(NotImplementedError, match="kernels up to 17 taps"):
-        mosaic_gpu_bwd1.check_transpose_shape(d=8, stream_kernels=(0, 20))
+        mosaic_gpu.check_transpose_shape(d=8, stream_kernels=(0, 20))
 
 
 @pytest.mark.parametrize("choice, auto_bwd, interpret, want", [
@@ -269,7 +268,7 @@ def test_which_choice_takes_the_kernels(monkeypatch, choice, auto_bwd, interpret
     monkeypatch.setattr(_backend, "AUTO_TRANSPOSE", auto_bwd)
     static = types.SimpleNamespace(stream_kernels=KERNELS, heads=1)
     src = jax.ShapeDtypeStruct((7, 64, 1024, 1024), jnp.bfloat16)
-    for kernel in (*mosaic_gpu_bwd1.MODES, "transpose"):
+    for kernel in (*phase1_backward.MODES, "transpose"):
         for state_dtype in (jnp.float32, jnp.bfloat16):
             assert _backend._mosaic_phase1(choice, "triton", static, src, 8, interpret, kernel=kernel,
                                            state_dtype=state_dtype) is want
@@ -283,7 +282,7 @@ def test_which_choice_takes_the_kernels(monkeypatch, choice, auto_bwd, interpret
     assert not _backend._mosaic_phase1(choice, "triton", no_conv, src, 8, interpret, kernel="transpose")
 
 
-@pytest.mark.parametrize("mode", mosaic_gpu_bwd1.MODES)
+@pytest.mark.parametrize("mode", phase1_backward.MODES)
 @pytest.mark.parametrize("t_len, segments, group_slots", [pytest.param(64, False, 2, marks=pytest.mark.slow),
                                                           (200, True, 2), (200, True, 1)])
 def test_kernels_lower_for_sm90(mode, t_len, segments, group_slots):
@@ -299,8 +298,8 @@ def _single_stream_bf16_configs(monkeypatch):
     """Set one stream (``KERNELS``), record each kernel's ``_Config``: ``[(mode, block_d, n_slots,
     group_slots, ga_registers)]``."""
     monkeypatch.setattr(sys.modules[__name__], "KERNELS", (0,))
-    seen, real = [], mosaic_gpu_bwd1._kernel
-    monkeypatch.setattr(mosaic_gpu_bwd1, "_kernel", lambda cfg: seen.append(
+    seen, real = [], phase1_backward._kernel
+    monkeypatch.setattr(phase1_backward, "_kernel", lambda cfg: seen.append(
         (cfg.mode, cfg.block_d, cfg.n_slots, cfg.group_slots, cfg.ga_registers)) or real(cfg))
     return seen
 
@@ -313,7 +312,7 @@ def test_single_stream_bf16_ga_takes_its_config_and_matches_the_pallas_passes(mo
     seen = _single_stream_bf16_configs(monkeypatch)
     args = _inputs(3, 2, 100, 128, 2, heads, (True, False, True), 37, jnp.bfloat16, jnp.bfloat16, True)
     got_gd, got_de = _mosaic(args, heads)
-    assert seen == [(mode, *cfg[3:], *cfg[:3]) for mode, cfg in mosaic_gpu_bwd1.SINGLE_STREAM_BF16_GA.items()], seen
+    assert seen == [(mode, *cfg[3:], *cfg[:3]) for mode, cfg in phase1_backward.SINGLE_STREAM_BF16_GA.items()], seen
     want_gd, want_de = _triton_form(args, heads)
     _check_tree(got_gd, want_gd, F32_TOL)
     live = _live(args[-1], 3)
@@ -323,7 +322,7 @@ def test_single_stream_bf16_ga_takes_its_config_and_matches_the_pallas_passes(mo
     assert [c[1:] for c in seen] == [(32, 2, 1, True), (32, 3, 2, True)], seen
 
 
-@pytest.mark.parametrize("mode", mosaic_gpu_bwd1.MODES)
+@pytest.mark.parametrize("mode", phase1_backward.MODES)
 def test_single_stream_bf16_ga_lowers_for_sm90(monkeypatch, mode):
     """The compiled kernels of ``SINGLE_STREAM_BF16_GA`` lower for the H200."""
     seen = _single_stream_bf16_configs(monkeypatch)
@@ -338,7 +337,7 @@ def test_transpose_lowers_for_sm90(t_len, segments):
     """The compiled transpose lowers for the H200 (one and several tiles: its x window starts 16
     rows before token 0, its cotangents' window reaches 16 rows past the tile)."""
     inputs = _transpose_inputs(3, 2, t_len, 64, (True, True, False), 30 if segments else None)
-    text = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS)).trace(
+    text = jax.jit(lambda *a: mosaic_gpu.sources_transpose(*a, stream_kernels=KERNELS)).trace(
         *inputs).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @mosaic_gpu_v2") == 1
 
@@ -356,12 +355,12 @@ def test_gpu_kernels_match_the_triton_passes():
     live = _live(args[-1], 4)
     _check_tree(got[0], want[0], 1e-5)
     _check_tree(got[1][live], want[1][live], 1e-5)
-    for rows in mosaic_gpu_bwd1.ROWS_FETCHES:  # dstreams' rows per item and per (head, stream)
+    for rows in phase1_backward.ROWS_FETCHES:  # dstreams' rows per item and per (head, stream)
         got_de = jax.jit(lambda *a: _dstreams(a, heads, rows_fetch=rows))(*args)  # noqa: B023
         _check_tree(got_de[live], want[1][live], 1e-5)
     # the transpose (bf16 cotangents and sources, float32 outputs)
     t_args = _transpose_inputs(4, 3, 300, 256, (True, True, False, True), 77)
-    got = jax.jit(lambda *a: mosaic_gpu_bwd1.sources_transpose(*a, stream_kernels=KERNELS,
+    got = jax.jit(lambda *a: mosaic_gpu.sources_transpose(*a, stream_kernels=KERNELS,
                                                                out_dtype=jnp.float32))(*t_args)
     tiles = tiling.choose_tiles(d=256, heads=1, max_kernel=max(KERNELS), n_targets=1, backend="triton",
                                 n_streams=len(KERNELS))

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.depth_attention import _backend, fused, fused_bwd_phase2, mosaic_gpu, reference, tiling
+from pallas_kernels.depth_attention.mosaic_gpu import phase2_inputs
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
@@ -112,8 +113,8 @@ def test_one_warpgroup_programs_load_their_constants_per_use(monkeypatch):
     """Each warpgroup's constants are held in registers (``"per_program"``); a program of one
     warpgroup (one stream) loads them at every use (``"per_use"``)."""
     seen = []
-    real = mosaic_gpu._inputs_kernel
-    monkeypatch.setattr(mosaic_gpu, "_inputs_kernel", lambda cfg: seen.append(cfg.constants) or real(cfg))
+    real = phase2_inputs._inputs_kernel
+    monkeypatch.setattr(phase2_inputs, "_inputs_kernel", lambda cfg: seen.append(cfg.constants) or real(cfg))
     for kernels in ((0, 4, 8, 12), (0,)):
         args = _inputs(1, 64, 8, kernels, 1, len(kernels) > 1, None)
         mosaic_gpu.phase2_backward_inputs(*args, stream_kernels=kernels, heads=1, interpret=True)
@@ -133,20 +134,20 @@ def test_interpreted_inputs_kernel_with_rows_per_program_matches(batch):
 
 
 def test_rows_per_program_is_the_largest_divisor_of_the_batch():
-    assert mosaic_gpu.INPUTS_ROWS_PER_PROGRAM == 4
-    assert mosaic_gpu.inputs_rows_per_program(64) == 4
-    assert mosaic_gpu.inputs_rows_per_program(6) == 3
-    assert mosaic_gpu.inputs_rows_per_program(5) == 1
-    assert mosaic_gpu.inputs_rows_per_program(2) == 2
+    assert phase2_inputs.INPUTS_ROWS_PER_PROGRAM == 4
+    assert phase2_inputs.inputs_rows_per_program(64) == 4
+    assert phase2_inputs.inputs_rows_per_program(6) == 3
+    assert phase2_inputs.inputs_rows_per_program(5) == 1
+    assert phase2_inputs.inputs_rows_per_program(2) == 2
 
 
 def test_stream_groups_balance_the_carried_sums():
     layout = fused._stream_layout((0, 4, 8, 12))
-    assert mosaic_gpu._stream_groups(layout, True, 2) == ((0, 3), (1, 2))  # 22 carried sums each
-    assert mosaic_gpu._stream_groups(layout, True, 1) == ((0, 1, 2, 3),)
-    assert mosaic_gpu._stream_groups(layout, True, 3) == ((3,), (2,), (0, 1))  # 17, 13 and 14
-    assert mosaic_gpu._stream_groups(layout, True, 4) == ((3,), (2,), (1,), (0,))
-    assert mosaic_gpu._stream_groups(fused._stream_layout((0,)), True, 2) == ((0,),)
+    assert phase2_inputs._stream_groups(layout, True, 2) == ((0, 3), (1, 2))  # 22 carried sums each
+    assert phase2_inputs._stream_groups(layout, True, 1) == ((0, 1, 2, 3),)
+    assert phase2_inputs._stream_groups(layout, True, 3) == ((3,), (2,), (0, 1))  # 17, 13 and 14
+    assert phase2_inputs._stream_groups(layout, True, 4) == ((3,), (2,), (1,), (0,))
+    assert phase2_inputs._stream_groups(fused._stream_layout((0,)), True, 2) == ((0,),)
 
 
 def test_inputs_kernel_refuses_shapes_it_does_not_take():

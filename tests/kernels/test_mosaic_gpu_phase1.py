@@ -2,7 +2,7 @@
 (``fused.scores_call``, interpreted), its mixing pass (``mosaic_gpu.phase1_mix``) against the
 direct sum of Eq. 11 over the reference's streams, and, through the op with
 ``gpu_kernels="mosaic"`` (its forward scores and mixes, its Pallas backward scores and runs
-passes 2 and 4 and the transpose in ``mosaic_gpu_bwd1``), phase 1's
+passes 2 and 4 and the transpose in ``mosaic_gpu.phase1_backward`` and ``mosaic_gpu.transpose``), phase 1's
 forward and gradients against the oracle (``"auto"`` takes both on a GPU for several streams,
 the mixing pass for a float32 state). On the CPU the kernel runs in
 Pallas' Mosaic GPU interpret mode; the GPU-marked test
@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.depth_attention import api, fused, mosaic_gpu, mosaic_gpu_bwd1, reference, tiling
+from pallas_kernels.depth_attention import api, fused, mosaic_gpu, reference, tiling
+from pallas_kernels.depth_attention.mosaic_gpu import phase1_mixing
 from tests.kernels.test_depth_attention_fused import F32_TOL, _check_tree, _phase1_inputs, _phase1_vjp
 from tests.kernels.test_mosaic_gpu_phase2 import _check_grads
 
@@ -98,7 +99,7 @@ def _direct_mix(sources, banks, p, seg, heads):
     # every source ruled out (a block's first read of an empty stack): zeros
     (2, 1, 70, 32, 2, 1, (False, False), None, jnp.bfloat16, jnp.float32, False, 2, None),
 ])
-@pytest.mark.parametrize("window_fetch", mosaic_gpu.MIX_WINDOW_FETCHES)
+@pytest.mark.parametrize("window_fetch", phase1_mixing.MIX_WINDOW_FETCHES)
 def test_interpreted_mix_matches_direct_sum(n, batch, t_len, d, n_targets, heads, valid, cut, dtype, out_dtype,
                                             per_target, slots, bd, window_fetch):
     sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=dtype)
@@ -178,8 +179,8 @@ def test_mix_default_window_fetch_falls_back_where_it_does_not_fit(monkeypatch):
     """By default (``"per_chunk"``) a block with more sources than one program's shared memory
     holds windows for (at 32 channels and 2 targets: 32) takes ``"per_item"``; asked for
     explicitly there, ``"per_chunk"`` raises."""
-    seen, real = [], mosaic_gpu._mix_kernel
-    monkeypatch.setattr(mosaic_gpu, "_mix_kernel", lambda cfg: seen.append(cfg.window_fetch) or real(cfg))
+    seen, real = [], phase1_mixing._mix_kernel
+    monkeypatch.setattr(phase1_mixing, "_mix_kernel", lambda cfg: seen.append(cfg.window_fetch) or real(cfg))
     kw = dict(block_d=32, stream_kernels=KERNELS, heads=1, x_dtype=jnp.bfloat16, out_dtype=jnp.float32, n_targets=2,
               window_fetch="per_chunk")
     most = max(n for n in range(1, 64) if mosaic_gpu.mix_smem_bytes(**kw, n_sources=n) <= mosaic_gpu.SMEM_BYTES)
@@ -203,7 +204,7 @@ def test_mix_default_window_fetch_falls_back_where_it_does_not_fit(monkeypatch):
         lower(most + 1, window_fetch="per_chunk")
 
 
-@pytest.mark.parametrize("window_fetch", mosaic_gpu.MIX_WINDOW_FETCHES)
+@pytest.mark.parametrize("window_fetch", phase1_mixing.MIX_WINDOW_FETCHES)
 def test_mix_lowers_for_sm90(window_fetch):
     """The compiled mixing pass lowers for the H200 with either window fetch."""
     sources, banks, _ = _phase1_inputs(3, 2, 200, 64, 2, KERNELS, dtype=jnp.bfloat16)
@@ -245,17 +246,17 @@ def test_phase1_op_with_mosaic_kernels_matches_reference(monkeypatch):
     (interpreted here); state and every gradient (sources, banks, queries) match."""
     calls = {"phase1_scores": 0, "phase1_mix": 0, "phase1_gdots": 0, "phase1_dstreams": 0, "sources_transpose": 0}
     for name in calls:
-        module = mosaic_gpu_bwd1 if name in ("phase1_gdots", "phase1_dstreams", "sources_transpose") else mosaic_gpu
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.__setitem__(
+        real = getattr(mosaic_gpu, name)
+        monkeypatch.setattr(mosaic_gpu, name, lambda *a, _real=real, _name=name, **k: calls.__setitem__(
             _name, calls[_name] + 1) or _real(*a, **k))
     (got, got_grads), (want, want_grads) = _op_and_oracle("mosaic", dtype=jnp.float32)
     _check_tree(got, want, F32_TOL)
     _check_tree(got_grads, want_grads, F32_TOL)
     assert calls["phase1_scores"] >= 2, "the forward and the backward should both take the Mosaic GPU scoring pass"
     assert calls["phase1_mix"] >= 1, "the forward should take the Mosaic GPU mixing pass"
-    assert calls["phase1_gdots"] >= 1 and calls["phase1_dstreams"] >= 1 and calls["sources_transpose"] >= 1, \
-        "the Pallas backward should take the Mosaic GPU passes 2 and 4 and the transpose (mosaic_gpu_bwd1)"
+    assert calls["phase1_gdots"] >= 1 and calls["phase1_dstreams"] >= 1 and calls["sources_transpose"] >= 1, (
+        "the Pallas backward should take the Mosaic GPU passes 2 and 4 and the transpose (mosaic_gpu.phase1_backward, "
+        "mosaic_gpu.transpose)")
 
 
 @pytest.mark.parametrize("choice, kernels, interpret, want", [

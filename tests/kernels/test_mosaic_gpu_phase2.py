@@ -1,4 +1,4 @@
-"""Phase 2 in Mosaic GPU (``pallas_kernels/depth_attention/mosaic_gpu.py``) against the oracle:
+"""Phase 2 in Mosaic GPU (``pallas_kernels/depth_attention/mosaic_gpu/``) against the oracle:
 the fused forward (``phase2_fused_forward``), the backward's gate-statistics and ``d_acc``
 passes (``phase2_backward_state``) and its input pass (``phase2_backward_inputs``; its own
 tests are in ``test_mosaic_gpu_inputs.py``). On the CPU they run in Pallas' Mosaic GPU interpret
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.depth_attention import api, mosaic_gpu, reference
+from pallas_kernels.depth_attention.mosaic_gpu import common
 from tests.kernels.test_depth_attention_fused import F32_TOL, _check_tree, _phase2_inputs, _rel, _rnd, jit_vjp
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
@@ -97,12 +98,13 @@ def test_lag_bits_follow_the_reference_masks():
 
 def test_block_d_choice_and_shared_memory():
     kw = dict(stream_kernels=(0, 4, 8, 12), x_dtype=jnp.bfloat16, acc_dtype=jnp.float32, out_dtype=jnp.bfloat16)
-    assert mosaic_gpu.choose_block_d(d=1024, heads=1, **kw) == 32
+    choose = functools.partial(mosaic_gpu.choose_block_d, smem=mosaic_gpu.smem_bytes)
+    assert choose(d=1024, heads=1, **kw) == 32
     # a float32 partial fits one padded window per chunk (``"auto"`` still runs a float32 partial
     # on Triton: untimed in Mosaic)
-    assert mosaic_gpu.choose_block_d(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32)) == 32
-    assert mosaic_gpu.choose_block_d(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32, stream_kernels=(0,))) == 32
-    assert mosaic_gpu.choose_block_d(d=48, heads=1, **kw) is None  # no chunk divides the head
+    assert choose(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32)) == 32
+    assert choose(d=1024, heads=1, **dict(kw, x_dtype=jnp.float32, stream_kernels=(0,))) == 32
+    assert choose(d=48, heads=1, **kw) is None  # no chunk divides the head
     # MSAR at `base` with a float32 state fits both kernels (the H200's 227 KiB per block; the
     # backward's with the model's bf16 output cotangent)
     for smem in (mosaic_gpu.smem_bytes, functools.partial(mosaic_gpu.state_smem_bytes, dh_dtype=jnp.bfloat16)):
@@ -113,11 +115,11 @@ def test_block_d_choice_and_shared_memory():
 def test_lag_window_geometry(max_lag, extra):
     """One window per chunk: ``64 + 8 extra`` rows (the lags above the tile, in whole 8s), brought
     by one TMA copy whatever the stream's kernel, ``WINDOW_PAD`` channels wider than the chunk."""
-    lags = mosaic_gpu._Lags.of(max_lag)
+    lags = common.LagWindow.of(max_lag)
     assert (lags.rows, lags.extra, lags.count) == (64 + 8 * extra, extra, 1)
     for n_lags in (0, 1, max_lag):
         assert lags.copies(n_lags) == [(0, 0, 64 + 8 * extra, 8 * extra)]
-    assert lags.width(32) == 32 + mosaic_gpu.WINDOW_PAD and mosaic_gpu._Lags.of(max_lag, pad=0).width(8) == 8
+    assert lags.width(32) == 32 + mosaic_gpu.WINDOW_PAD and common.LagWindow.of(max_lag, pad=0).width(8) == 8
 
 
 def test_option_errors_and_auto_off_the_gpu(monkeypatch):
@@ -245,7 +247,7 @@ def test_split_forward_lowers_for_sm90():
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_pipelined_walks_chunks_and_heads_in_order(reverse):
-    """``_pipelined`` (outside a kernel, its barrier waits and copies stubbed): every chunk once,
+    """``common.pipeline_chunks`` (outside a kernel, its barrier waits and copies stubbed): every chunk once,
     each with its own head, first to last or (``reverse``) last to first, and the first copies
     issued for the first chunks walked, slot by slot."""
     nc, heads, n_slots = 6, 2, 2
@@ -270,7 +272,7 @@ def test_pipelined_walks_chunks_and_heads_in_order(reverse):
         walked, k = carry
         return walked.at[k].set(c * 10 + head), k + 1
 
-    walked, k = mosaic_gpu._pipelined(Stub, fetch, Bar(), nc, heads, per_chunk,
+    walked, k = common.pipeline_chunks(Stub, fetch, Bar(), nc, heads, per_chunk,
                                       (jnp.full((nc,), -1, jnp.int32), 0), n_slots=n_slots, reverse=reverse)
     chunks = list(range(nc))[::-1] if reverse else list(range(nc))
     assert int(k) == nc

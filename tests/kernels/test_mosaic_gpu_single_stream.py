@@ -1,6 +1,6 @@
 """AttnRes's reads (one stream, no conv: ``stream_kernels=(0,)``) through every Mosaic GPU
 kernel that takes them (``gpu_kernels="mosaic"``): phase 1's scoring and mixing passes and its
-Pallas backward's passes 2 and 4 (``mosaic_gpu_bwd1``; no transpose without a conv), phase 2's
+Pallas backward's passes 2 and 4 (``mosaic_gpu.phase1_backward``; no transpose without a conv), phase 2's
 fused forward and its backward's state and input kernels. Forward and every gradient against
 the oracle (``reference.py``), interpreted on the CPU and compiled in the GPU-marked test."""
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.depth_attention import api, mosaic_gpu, mosaic_gpu_bwd1, reference
+from pallas_kernels.depth_attention import api, mosaic_gpu, reference
 from tests.kernels.test_depth_attention_fused import F32_TOL, _check_tree, _phase1_inputs, _phase1_vjp
 from tests.kernels.test_mosaic_gpu_phase1 import _segments
 from tests.kernels.test_mosaic_gpu_phase2 import _check_grads, _run
@@ -18,8 +18,8 @@ from tests.kernels.test_mosaic_gpu_phase2 import _check_grads, _run
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
 
 ONE_STREAM = (0,)
-PHASE1_KERNELS = ((mosaic_gpu, "phase1_scores"), (mosaic_gpu, "phase1_mix"), (mosaic_gpu_bwd1, "phase1_gdots"),
-                  (mosaic_gpu_bwd1, "phase1_dstreams"))
+PHASE1_KERNELS = ((mosaic_gpu, "phase1_scores"), (mosaic_gpu, "phase1_mix"), (mosaic_gpu, "phase1_gdots"),
+                  (mosaic_gpu, "phase1_dstreams"))
 
 
 def _count_calls(monkeypatch, kernels):

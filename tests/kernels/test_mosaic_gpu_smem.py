@@ -2,10 +2,10 @@
 them for the H200.
 
 The counts (``mosaic_gpu.smem_bytes``, ``state_smem_bytes``, ``scores_smem_bytes``,
-``mix_smem_bytes``, ``mosaic_gpu_bwd1.smem_bytes``) decide before any compile which channel chunk
+``mix_smem_bytes``, ``phase1_backward.smem_bytes``) decide before any compile which channel chunk
 a kernel takes and whether a form with a window or rows per source (``phase1_mix``'s
-``window_fetch="per_chunk"``, ``phase1_dstreams``' ``rows_fetch="per_stream"``) fits or falls back; Mosaic GPU refuses a program above ``mosaic_gpu.SMEM_BYTES``. Each count lays
-out the kernel's scratch list as Pallas does (``mosaic_gpu._smem_sum``: every buffer from a
+``window_fetch="per_chunk"``, ``phase1_dstreams``' ``rows_fetch="per_stream"``) fits or falls
+back; Mosaic GPU refuses a program above ``mosaic_gpu.SMEM_BYTES``. Each count lays out the kernel's scratch list as Pallas does (``common.smem_sum``: every buffer from a
 1 KiB boundary, then the barriers), so with segment ids and conv taps (buffers the counts
 include whether present or not) it is the allocation to the byte; without a conv (one stream:
 no taps, no segment bits) it is 2 KiB above. Summing the buffers alone would be 1-7 KB short,
@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.mosaic.gpu import core as mgpu_core
 
-from pallas_kernels.depth_attention import mosaic_gpu, mosaic_gpu_bwd1
+from pallas_kernels.depth_attention import mosaic_gpu
+from pallas_kernels.depth_attention.mosaic_gpu import common, phase1_backward, phase1_mixing
 from tests.kernels.test_depth_attention_fused import _phase1_inputs, _phase2_inputs
 from tests.kernels.test_mosaic_gpu_bwd1 import _inputs
 from tests.kernels.test_mosaic_gpu_phase1 import _segments
@@ -29,7 +30,7 @@ BF16 = jnp.bfloat16
 
 def _absent(kernels) -> int:
     """Bytes a count holds for buffers a kernel without a conv leaves out (its taps, its bits)."""
-    return 0 if any(kernels) else 2 * mosaic_gpu.SMEM_ALIGNMENT
+    return 0 if any(kernels) else 2 * common.SMEM_ALIGNMENT
 
 
 @pytest.fixture
@@ -48,7 +49,7 @@ CASES = [(9, 8), pytest.param(3, 2, marks=pytest.mark.slow), pytest.param(20, 2,
 
 
 @pytest.mark.parametrize("n, n_targets", CASES)
-@pytest.mark.parametrize("window_fetch", mosaic_gpu.MIX_WINDOW_FETCHES)
+@pytest.mark.parametrize("window_fetch", phase1_mixing.MIX_WINDOW_FETCHES)
 def test_mix_count(allocated, n, n_targets, window_fetch):
     sources, banks, _ = _phase1_inputs(n, 1, 64, 64, n_targets, KERNELS, dtype=BF16)
     p = jnp.ones((n_targets, n, len(KERNELS), 1, 64, 1))
@@ -67,11 +68,11 @@ def test_phase1_backward_counts(allocated, n, n_targets, mode, rows_fetch):
                                                                 jnp.float32, True)
     kw = dict(stream_kernels=KERNELS, heads=1)
     if mode == "gdots":
-        _lower(lambda x, b, ga, sg: mosaic_gpu_bwd1.phase1_gdots(x, b, ga, sg, None, **kw), sources, banks, g_acc, seg)
+        _lower(lambda x, b, ga, sg: mosaic_gpu.phase1_gdots(x, b, ga, sg, None, **kw), sources, banks, g_acc, seg)
     else:
-        _lower(lambda *a: mosaic_gpu_bwd1.phase1_dstreams(*a, None, out_dtype=BF16, rows_fetch=rows_fetch, **kw),
+        _lower(lambda *a: mosaic_gpu.phase1_dstreams(*a, None, out_dtype=BF16, rows_fetch=rows_fetch, **kw),
                sources, banks, queries, g_acc, p, dsr, w, seg)
-    assert allocated == [mosaic_gpu_bwd1.smem_bytes(block_d=32, stream_kernels=KERNELS, heads=1, x_dtype=BF16,
+    assert allocated == [phase1_backward.smem_bytes(block_d=32, stream_kernels=KERNELS, heads=1, x_dtype=BF16,
                                                     acc_dtype=jnp.float32, n_targets=n_targets, n_sources=n,
                                                     mode=mode, rows_fetch=rows_fetch)]
 

@@ -103,7 +103,7 @@ def test_phase1_mosaic_gpu_scores_lower(h200, gpu_kernels, mosaic, mosaic_mix, m
     """Phase 1 with the Pallas backward for an H200: ``"auto"`` and ``"mosaic"`` take the Mosaic
     GPU scoring pass in the forward and in the backward (the segment bits, a source ruled out,
     two heads), its mixing pass in the forward (a float32 state) and the backward's passes 2
-    and 4 (``mosaic_gpu_bwd1``), and its transpose where ``_backend.AUTO_TRANSPOSE`` (always for
+    and 4 (``mosaic_gpu.phase1_backward``), and its transpose where ``_backend.AUTO_TRANSPOSE`` (always for
     ``"mosaic"``); ``"triton"`` keeps Triton's."""
     kernels, n, batch, t_len, d, n_targets, m = (0, 4, 8, 12), 3, 2, 100, 64, 2, 4
     keys = jax.random.split(jax.random.key(0), 3)
@@ -313,7 +313,10 @@ def test_mosaic_gpu_kernels_lower_in_lane_semantics(h200, monkeypatch):
     (docs/kernels.md), with every explicit load unoptimized."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.depth_attention import _backend, mosaic_gpu, mosaic_gpu_bwd1
+    from pallas_kernels.depth_attention import _backend
+    from pallas_kernels.depth_attention.mosaic_gpu import (
+        phase1_backward, phase1_mixing, phase1_scoring, phase2_forward, phase2_state, transpose,
+    )
 
     semantics, loads = [], []
     kernel, load = plgpu.kernel, plgpu.load
@@ -353,8 +356,8 @@ def test_mosaic_gpu_kernels_lower_in_lane_semantics(h200, monkeypatch):
     monkeypatch.setattr(_backend, "AUTO_INPUTS", False)
 
     def lower_all():
-        for cached in (mosaic_gpu._kernel, mosaic_gpu._state_kernel, mosaic_gpu._scores_kernel, mosaic_gpu._mix_kernel,
-                       mosaic_gpu_bwd1._kernel, mosaic_gpu_bwd1._transpose_kernel):
+        for cached in (phase2_forward._kernel, phase2_state._state_kernel, phase1_scoring._scores_kernel,
+                       phase1_mixing._mix_kernel, phase1_backward._kernel, transpose._transpose_kernel):
             cached.cache_clear()  # each kernel built anew, so that the spies see all seven
         semantics.clear(), loads.clear()
         text = _lower(jax.grad(loss2, argnums=(0, 1, 2, 3, 4)), state, partial, banks[0], jnp.ones((m, d)), gate)

@@ -1,15 +1,16 @@
-"""Phase 1's backward passes 2 and 4 (wide form) as Mosaic GPU kernels, on ``mosaic_gpu``'s helpers:
-``phase1_gdots``, the value-path dots ``<g_A{s,r}, E_{i,r}>`` per head, and ``phase1_dstreams``,
-every source's stream cotangents ``dE = sum_s (P g_A{s,r} + DSR q_{s,r}) - W E`` (the math is in
-docs/kernels.md §4, "Phase 1 backward"; the Triton forms are ``fused_bwd_phase1.gdots_call`` and
-``dstreams_call``). Both are built around reading ``g_A`` once: one program per stream, batch row
-and 64-token tile walks its (head, channel chunk) groups, each group's ``S`` tiles of ``g_A`` in
-one swizzled TMA copy set, with the valid sources pipelined behind it."""
+"""Phase 1's backward passes 2 and 4 (wide form) in Mosaic GPU: ``phase1_gdots``, the value-path
+dots ``<g_A{s,r}, E_{i,r}>`` per head, and ``phase1_dstreams``, every source's stream cotangents
+``dE = sum_s (P g_A{s,r} + DSR q_{s,r}) - W E`` (the Triton forms are
+``fused_bwd_phase1.gdots_call`` and ``dstreams_call``). One program per (stream, batch row,
+64-token tile) walks its (head, channel chunk) groups, each group's ``S`` tiles of ``g_A`` in
+one TMA copy set, the valid sources pipelined behind it. docs/kernels.md §4, "Phase 1
+backward"."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,10 +18,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
-from pallas_kernels.depth_attention.mosaic_gpu import (
-    BLOCK_T, F32, MAX_LAG_BITS, SMEM_BYTES, _cols, _expand_item, _jitted_kernel, _Lags, _lag_masks_of, _lane_plgpu,
-    _LanePlgpu, _pad_rows4, _rows, _rows4, _shape, _smem_sum, _store_group, _tile_smem, _valid_first, _window_elems,
-    lag_bits, named_body,
+from pallas_kernels.depth_attention.mosaic_gpu.common import (
+    BLOCK_D_CHOICES, BLOCK_T, F32, KernelConfig, LagWindow, SMEM_BYTES, expand_item, jitted_kernel, lag_masks,
+    lane_plgpu, per_col, per_row, smem_sum, store_group, tile_partial, tile_smem, valid_first, window_elems,
 )
 
 MODES = ("gdots", "dstreams")
@@ -70,27 +70,28 @@ ROWS_FETCHES = ("per_item", "per_stream")
 def smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, acc_dtype, n_targets: int,
                n_sources: int, mode: str, out_dtype=jnp.bfloat16, n_slots: int | None = None,
                group_slots: int | None = None, rows_fetch: str = "per_item", **_unused) -> int:
-    """Shared memory of one program of ``mode``'s kernel (its scratch list, ``mosaic_gpu._smem_sum``;
+    """Shared memory of one program of ``mode``'s kernel (its scratch list, ``common.smem_sum``;
     ``acc_dtype``: ``g_A``'s; ``rows_fetch`` (``ROWS_FETCHES``, "dstreams"): "per_stream" holds the
     rows per source instead of per item in flight)."""
     bt, bd, n_slots, n_groups = BLOCK_T, block_d, n_slots or SLOTS[mode], group_slots or GROUP_SLOTS[mode]
     m, n = len(stream_kernels), n_sources
     size = lambda dtype: jnp.dtype(dtype).itemsize  # noqa: E731
-    window = _window_elems(stream_kernels, bd) * size(x_dtype)
+    window = window_elems(stream_kernels, bd) * size(x_dtype)
     common = (n_slots * window, *(n_slots * kernel * bd * 4 for kernel in stream_kernels),
               n_groups * n_targets * bt * bd * size(acc_dtype), (n + 1) * 64 * 4, bt * 4)
     barriers = m * n_slots + n_groups + 1
     if mode == "gdots":
-        return _smem_sum(*common, n * n_targets * bt * 4, barriers=barriers, reduces=True)  # its row dots
+        return smem_sum(*common, n * n_targets * bt * 4, barriers=barriers, reduces=True)  # its row dots
     per_stream = rows_fetch == "per_stream"
-    return _smem_sum(*common, n_groups * n_targets * bd * 4, (n if per_stream else n_slots) * (2 * n_targets + 1) * bt * 4,
-                     2 * bt * bd * size(out_dtype), barriers=barriers + (n if per_stream else 0))
+    rows = (n if per_stream else n_slots) * (2 * n_targets + 1) * bt * 4
+    return smem_sum(*common, n_groups * n_targets * bd * 4, rows,
+                    2 * bt * bd * size(out_dtype), barriers=barriers + (n if per_stream else 0))
 
 
 def _acc_rows(g_acc, t_len: int, t_pad: int):
     """``g_A`` as ``S`` arrays ``[m, B * Tp, d]`` (``T`` cut or padded to ``Tp``; free reshapes
     when it is already ``Tp`` long): each group copies one 2D box per target, the copy
-    ``mosaic_gpu._copy_state`` makes per stream."""
+    ``common.copy_state`` makes per stream."""
     parts = list(g_acc) if isinstance(g_acc, (list, tuple)) else [g_acc[s] for s in range(g_acc.shape[0])]
     out = []
     for a in parts:
@@ -106,7 +107,7 @@ def _check(name, sources, g_acc, stream_kernels):
     shapes = [a.shape for a in g_acc] if isinstance(g_acc, (list, tuple)) else [g_acc.shape[1:]] * g_acc.shape[0]
     for shape in shapes:
         if len(shape) != 4 or shape[0] != m or shape[1] != batch or shape[2] < t_len or shape[3] != d:
-            raise ValueError(f"mosaic_gpu_bwd1.{name}: g_acc per target {shape}: want [{m}, {batch}, >= {t_len}, {d}]")
+            raise ValueError(f"mosaic_gpu.{name}: g_acc per target {shape}: want [{m}, {batch}, >= {t_len}, {d}]")
     return len(shapes)
 
 
@@ -141,13 +142,13 @@ def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, vali
     m = len(stream_kernels)
     n_targets = _check("phase1_dstreams", sources, g_acc, stream_kernels)
     if queries.shape != (n_targets, m, d):
-        raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: queries {queries.shape}: want [{n_targets}, {m}, {d}]")
+        raise ValueError(f"mosaic_gpu.phase1_dstreams: queries {queries.shape}: want [{n_targets}, {m}, {d}]")
     for name, a in (("p", p), ("dsr", dsr)):
         if a.shape[:4] != (n_targets, n, m, batch) or a.shape[4] < t_len or a.shape[5] != heads:
-            raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: {name} {a.shape}: want [{n_targets}, {n}, {m}, "
+            raise ValueError(f"mosaic_gpu.phase1_dstreams: {name} {a.shape}: want [{n_targets}, {n}, {m}, "
                              f"{batch}, >= {t_len}, {heads}]")
     if w.shape[:3] != (n, m, batch) or w.shape[3] < t_len:
-        raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: w {w.shape}: want [{n}, {m}, {batch}, >= {t_len}]")
+        raise ValueError(f"mosaic_gpu.phase1_dstreams: w {w.shape}: want [{n}, {m}, {batch}, >= {t_len}]")
     return _call("dstreams", sources, banks, g_acc, segment_ids, valid, stream_kernels=stream_kernels, heads=heads,
                  block_d=block_d, n_slots=n_slots, group_slots=group_slots, interpret=interpret,
                  queries=queries, p=p, dsr=dsr, w=w, out_dtype=out_dtype, rows_fetch=rows_fetch)
@@ -155,10 +156,10 @@ def phase1_dstreams(sources, banks, queries, g_acc, p, dsr, w, segment_ids, vali
 
 def _rows_fetch(rows_fetch: str | None, fits) -> str:
     """``dstreams``' rows fetch (``ROWS_FETCHES``): ``rows_fetch`` if given (one that does not fit
-    fails in ``_shape``), else "per_stream" where ``fits("per_stream")``, else "per_item"."""
+    fails in ``tile_partial``), else "per_stream" where ``fits("per_stream")``, else "per_item"."""
     if rows_fetch is not None:
         if rows_fetch not in ROWS_FETCHES:
-            raise ValueError(f"mosaic_gpu_bwd1.phase1_dstreams: rows_fetch={rows_fetch!r}: must be one of "
+            raise ValueError(f"mosaic_gpu.phase1_dstreams: rows_fetch={rows_fetch!r}: must be one of "
                              f"{ROWS_FETCHES}")
         return rows_fetch
     return "per_stream" if fits("per_stream") else "per_item"
@@ -178,7 +179,7 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
     n_slots = n_slots or SLOTS[mode]
     group_slots = group_slots or GROUP_SLOTS[mode]
     if group_slots not in (1, 2) or n_slots < 1:
-        raise ValueError(f"mosaic_gpu_bwd1.phase1_{mode}: group_slots={group_slots} must be 1 or 2, "
+        raise ValueError(f"mosaic_gpu.phase1_{mode}: group_slots={group_slots} must be 1 or 2, "
                          f"n_slots={n_slots} at least 1")
     smem = functools.partial(smem_bytes, n_targets=n_targets, n_sources=n, mode=mode, n_slots=n_slots,
                              group_slots=group_slots, out_dtype=out_dtype)
@@ -186,12 +187,12 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
         smem(block_d=bd, rows_fetch=fetch, stream_kernels=stream_kernels, heads=heads, x_dtype=sources.dtype,
              acc_dtype=acc_dtype) <= SMEM_BYTES for bd in ((block_d,) if block_d else BLOCK_D_CHOICES)))
     smem = functools.partial(smem, rows_fetch=rows_fetch)
-    sh = _shape(f"phase1_{mode}", sources.reshape(n * batch, t_len, d), segment_ids, stream_kernels=stream_kernels,
-                heads=heads, block_d=block_d, interpret=interpret, smem=smem, choices=BLOCK_D_CHOICES,
-                x_dtype=sources.dtype, acc_dtype=acc_dtype, out_dtype=out_dtype)
+    sh = tile_partial(f"phase1_{mode}", sources.reshape(n * batch, t_len, d), segment_ids,
+                      stream_kernels=stream_kernels, heads=heads, block_d=block_d, interpret=interpret, smem=smem,
+                      choices=BLOCK_D_CHOICES, x_dtype=sources.dtype, acc_dtype=acc_dtype, out_dtype=out_dtype)
     has_bank = sh.has_bank and banks is not None
     t_pad = sh.t_pad
-    inputs = [sh.x, jnp.asarray(banks, F32) if has_bank else jnp.zeros((n, 1, d), F32), _valid_first(valid, n),
+    inputs = [sh.x, jnp.asarray(banks, F32) if has_bank else jnp.zeros((n, 1, d), F32), valid_first(valid, n),
               *_acc_rows(g_acc, t_len, t_pad)]
     if mode == "dstreams":
         # per (source, stream, head): the rows [P_s (S) | DSR_s (S) | W], one TMA copy per item
@@ -202,12 +203,12 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
         inputs += [jnp.asarray(queries, F32), rows.reshape(n, m, heads * (2 * n_targets + 1), batch, t_pad)]
     if sh.has_seg:
         inputs.append(sh.bits)
-    call = _kernel(_Config(mode=mode, n=n, batch=batch, t_pad=t_pad, d=d, stream_kernels=tuple(stream_kernels),
-                           heads=heads, n_targets=n_targets, block_d=sh.block_d, has_bank=has_bank,
-                           has_seg=sh.has_seg, front=sh.front, x_dtype=jnp.dtype(sh.x.dtype),
-                           acc_dtype=jnp.dtype(acc_dtype), out_dtype=jnp.dtype(out_dtype), n_slots=n_slots,
-                           group_slots=group_slots, ga_registers=ga_registers, interpret=bool(interpret),
-                           rows_fetch=rows_fetch))
+    call = _kernel(Phase1BackwardConfig(mode=mode, n=n, batch=batch, t_pad=t_pad, d=d,
+                                        stream_kernels=tuple(stream_kernels), heads=heads, n_targets=n_targets,
+                                        block_d=sh.block_d, has_bank=has_bank, has_seg=sh.has_seg, front=sh.front,
+                                        x_dtype=jnp.dtype(sh.x.dtype), acc_dtype=jnp.dtype(acc_dtype),
+                                        out_dtype=jnp.dtype(out_dtype), n_slots=n_slots, group_slots=group_slots,
+                                        ga_registers=ga_registers, interpret=bool(interpret), rows_fetch=rows_fetch))
     out = call(*inputs)
     if mode == "gdots":  # [n, m H S, B, Tp] -> [S, n, m, B, T, H]
         out = out.reshape(n, m, heads, n_targets, batch, t_pad).transpose(3, 0, 1, 4, 5, 2)
@@ -215,36 +216,27 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
     return out[:, :, :, :t_len]
 
 
-class _Config(NamedTuple):
-    """Everything the kernels' code depends on (see ``mosaic_gpu._Config``)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Phase1BackwardConfig(KernelConfig):
+    """What the kernels' code depends on besides ``KernelConfig``."""
 
-    mode: str
-    n: int
-    batch: int
-    t_pad: int
-    d: int
-    stream_kernels: tuple
-    heads: int
+    mode: str  # MODES
+    n: int  # sources
     n_targets: int
-    block_d: int
     has_bank: bool
-    has_seg: bool
-    front: int
-    x_dtype: jnp.dtype
-    acc_dtype: jnp.dtype
+    acc_dtype: jnp.dtype  # g_A's
     out_dtype: jnp.dtype
     n_slots: int
     group_slots: int
     ga_registers: bool
-    interpret: bool
-    rows_fetch: str = "per_item"  # ROWS_FETCHES ("dstreams")
+    rows_fetch: str  # ROWS_FETCHES ("dstreams")
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(cfg: _Config):
+def _kernel(cfg: Phase1BackwardConfig):
     """``cfg.mode``'s kernel for ``cfg``, built and jitted once: one program per (stream, batch
     row, token tile) walks its stream's (head, chunk) groups."""
-    plgpu = _lane_plgpu()
+    plgpu = lane_plgpu()
     mode, n, batch, d, heads, bd, n_targets = cfg.mode, cfg.n, cfg.batch, cfg.d, cfg.heads, cfg.block_d, cfg.n_targets
     stream_kernels, has_bank, has_seg, front, n_slots = (cfg.stream_kernels, cfg.has_bank, cfg.has_seg, cfg.front,
                                                          cfg.n_slots)
@@ -260,17 +252,17 @@ def _kernel(cfg: _Config):
     rows_cached = not gdots and cfg.rows_fetch == "per_stream"
     rows_per_item = not gdots and not rows_cached
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
-    lags = _Lags.of(max_lag)
+    lags = LagWindow.of(max_lag)
     copies = [len(lags.copies(kernel)) for kernel in stream_kernels]  # lag-window copies of a stream's item
     taps = [has_bank and kernel > 0 for kernel in stream_kernels]
     scratch = dict(
         xs=plgpu.SMEM((n_slots, lags.count, lags.rows, lags.width(bd)), cfg.x_dtype),
         **{f"bs{r}": plgpu.SMEM((n_slots, kernel, bd), F32) for r, kernel in enumerate(stream_kernels) if taps[r]},
-        gas=_tile_smem(plgpu, (n_gslots, n_targets, bt, bd), cfg.acc_dtype),
+        gas=tile_smem(plgpu, (n_gslots, n_targets, bt, bd), cfg.acc_dtype),
         qs=None if gdots else plgpu.SMEM((n_gslots, n_targets, bd), F32),
         rs=plgpu.SMEM((n if rows_cached else n_slots, n_rows, bt), F32) if not gdots else None,
         bar_rows=plgpu.Barrier(num_arrivals=1, num_barriers=n) if rows_cached else None,
-        out_s=None if gdots else _tile_smem(plgpu, (2, bt, bd), cfg.out_dtype),
+        out_s=None if gdots else tile_smem(plgpu, (2, bt, bd), cfg.out_dtype),
         dots_s=plgpu.SMEM((n, n_targets, bt), F32) if gdots else None,
         meta_s=plgpu.SMEM((n + 1, 64), jnp.int32),
         bits_s=plgpu.SMEM((bt,), jnp.int32) if has_seg else None,
@@ -301,7 +293,7 @@ def _kernel(cfg: _Config):
         if has_seg:
             plgpu.copy_gmem_to_smem(bits_ref.at[b, rows], bits_s, bar_in.at[0])
         plgpu.barrier_wait(bar_in.at[0])
-        masks = _lag_masks_of(plgpu, bits_s, max_lag, bt, bd)
+        masks = lag_masks(plgpu, bits_s, max_lag, bt, bd)
         n_live = meta_s[n, 0]
         total = n_groups * n_live
 
@@ -365,7 +357,7 @@ def _kernel(cfg: _Config):
                     pl.when(r == rr)(functools.partial(fetch_item, rr, head, c, i, slot))
 
         def expand(r, slot):
-            return _expand_item(plgpu, lags, xs, bss[r] if taps[r] else None, slot, stream_kernels[r], masks, bt, bd)
+            return expand_item(plgpu, lags, xs, bss[r] if taps[r] else None, slot, stream_kernels[r], masks, bt, bd)
 
         for k in range(n_slots):
             fetch(k)
@@ -403,12 +395,12 @@ def _kernel(cfg: _Config):
                         dots_s[i, s] = plgpu.load(dots_s, (i, s), layout=row) + jnp.sum(ga * e, axis=1)
                 else:
                     def row_of(k):
-                        return _rows(plgpu.load(rs, (j if rows_cached else slot, k), layout=row), bt, bd)
+                        return per_row(plgpu.load(rs, (j if rows_cached else slot, k), layout=row), bt, bd)
 
                     de = -row_of(2 * n_targets) * e
                     for s in range(n_targets):
                         ga = ga_tile(s)
-                        q = _cols(plgpu.load(qs, (gslot, s), layout=col), bt, bd)
+                        q = per_col(plgpu.load(qs, (gslot, s), layout=col), bt, bd)
                         de = de + row_of(s) * ga + row_of(n_targets + s) * q
                     oslot = lax.rem(f, 2)
                     plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot is read
@@ -443,8 +435,8 @@ def _kernel(cfg: _Config):
                     0, nch, lambda cc, upcoming, head=head, first=first: group_body(
                         first + cc, head * nch + cc, r, upcoming), upcoming)
                 if gdots:
-                    _store_group(plgpu, ((dots_s.at[i], out_ref.at[i, pl.ds((r * heads + head) * n_targets,
-                                                                            n_targets), b, rows])
+                    store_group(plgpu, ((dots_s.at[i], out_ref.at[i, pl.ds((r * heads + head) * n_targets,
+                                                                           n_targets), b, rows])
                                          for i in range(n)))
                 if rows_cached and head + 1 < heads:  # every thread is done with these rows: the next head's
                     plgpu.commit_smem()
@@ -458,282 +450,6 @@ def _kernel(cfg: _Config):
         out_type = jax.ShapeDtypeStruct((n, m * heads * n_targets, batch, t_pad), F32)
     else:
         out_type = jax.ShapeDtypeStruct((n, m, batch, t_pad, d), cfg.out_dtype)
-    return _jitted_kernel(plgpu, body, out_type, [scratch[k] for k in names],
-                          name=f"depth_attention_bwd1_{mode}_mosaic", batch=batch, t_pad=t_pad,
-                          interpret=cfg.interpret, streams=m)
-
-
-# --------------------------------------------------------------------------- the expansion's transpose
-
-# ``sources_transpose``' channel chunk: the bank gradient's token sums ride in the loop carry as
-# whole ``[64, 8]`` float32 tiles (4 registers per thread each, 96 for kernels (0, 4, 8, 12)), as
-# in ``mosaic_gpu.phase2_backward_inputs``
-TRANSPOSE_BLOCK_D = 8
-TRANSPOSE_AHEAD = 16  # rows past the tile the transposed conv reaches (max_lag - 1, in 8s)
-# ``sources_transpose``' taps come once per source (their own copy, a source ahead), held in
-# registers through the source's tiles (175 -> 224 registers: two programs per SM either way),
-# rather than with each tile's copies: an H100, 3.119 -> 3.032 ms per call at `base`'s last block
-# (-2.8%), 2.922 -> 2.791 at the bench shape (-4.5%), the same bits.
-# Measured and taken out again (commit dfe9301 has them): its bf16 windows widened to
-# float32 once per tile instead of per lag (96 fewer instructions in its 608-instruction loop, 7-19%
-# slower: twice the shared-memory bytes per lag load), and the kernel without Pallas' automatic
-# barriers (0.1% / 1.6% faster at `base` / the bench shape). Measured and taken out
-# (commit 7037f37 has it): three or four items in flight instead of two (about 7 KB each), 2-7% /
-# 5-17% slower at the bench shape / `base`'s last block on an H200, the same bits: the copies'
-# latency does not hold this kernel.
-
-
-def check_transpose_shape(*, d: int, stream_kernels: Sequence[int]) -> None:
-    """Raises ``NotImplementedError`` (saying why) unless ``sources_transpose`` takes the shape."""
-    if d % TRANSPOSE_BLOCK_D:
-        raise NotImplementedError(f"mosaic_gpu_bwd1.sources_transpose: d = {d} must be a multiple of "
-                                  f"{TRANSPOSE_BLOCK_D}")
-    max_lag = max([1, *stream_kernels])
-    if max_lag - 1 > TRANSPOSE_AHEAD or max_lag > MAX_LAG_BITS:
-        raise NotImplementedError(f"mosaic_gpu_bwd1.sources_transpose: kernels up to {TRANSPOSE_AHEAD + 1} taps "
-                                  f"(got {tuple(stream_kernels)})")
-    if not any(stream_kernels):
-        raise NotImplementedError("mosaic_gpu_bwd1.sources_transpose: no conv (identity streams need no kernel)")
-
-
-def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels, out_dtype=None,
-                      interpret: bool = False):
-    """``conv_transpose.sources_transpose`` (the vjp of the expansion, Eq. 10, for ``n`` sources)
-    as one Mosaic GPU kernel: ``d x[t] = sum_{r: kernel_r = 0} dE_r[t] + sum_r sum_delta
-    c_r[delta] mask_delta[t + delta] dE_r[t + delta]`` and ``d c_r[delta] = sum_{b, t}
-    mask_delta[t] dE_r[t] x[t - delta]``.
-
-    One program per (batch row, 8-channel chunk) walks the valid sources and, for each, its
-    64-token tiles, with the next item's copies in flight: the streams' cotangents ``[m, 80, 8]``
-    (the tile's rows and the 16 after it, which the transposed conv reaches; loaded back at each
-    lag's row offset, Lane semantics), the source's ``[80, 8]`` rows (the 16 before the tile, for
-    the bank gradient), its taps and lag bits. The bank gradient's token sums ride in the loop
-    carry as whole tiles, reduced over rows once per source. The sources ``valid`` rules out get
-    zeros (their cotangents are not read).
-
-    ``d_streams[n, m, B, T, d]`` (rows past ``T`` are taken as zeros), ``x[n, B, T, d]``,
-    ``banks[n, K, d]``, ``segment_ids[B, T]`` or None, ``valid[n]`` or None. Returns ``(d x[n, B,
-    T, d]`` in ``out_dtype`` (None: ``x``'s), ``d banks[n, K, d]`` float32)."""
-    stream_kernels = tuple(stream_kernels)
-    n, m, batch, t_len, d = d_streams.shape
-    if m != len(stream_kernels) or x.shape != (n, batch, t_len, d):
-        raise ValueError(f"mosaic_gpu_bwd1.sources_transpose: d_streams {d_streams.shape} and x {x.shape} do not "
-                         f"match {len(stream_kernels)} streams")
-    check_transpose_shape(d=d, stream_kernels=stream_kernels)
-    n_taps = sum(stream_kernels)
-    if banks is None or banks.shape != (n, n_taps, d):
-        raise ValueError(f"mosaic_gpu_bwd1.sources_transpose: banks {None if banks is None else banks.shape}: "
-                         f"want ({n}, {n_taps}, {d})")
-    bt, ahead = BLOCK_T, TRANSPOSE_AHEAD
-    max_lag = max(stream_kernels)
-    has_seg = segment_ids is not None and max_lag > 1
-    t_pad = -(-t_len // bt) * bt
-    # rows before token 0 and past the last tile: zeros, as TMA fills them on the GPU (interpret
-    # mode pads them; on the GPU only T is padded to whole tiles)
-    front, back = (ahead, ahead) if interpret else (0, 0)
-    de = jnp.pad(d_streams, ((0, 0),) * 3 + ((0, t_pad - t_len + back), (0, 0))).reshape(n * m, batch, -1, d)
-    xp = jnp.pad(x, ((0, 0), (0, 0), (front, t_pad - t_len), (0, 0))).reshape(n * batch, -1, d)
-    inputs = [de, xp, _pad_rows4(jnp.asarray(banks, F32).transpose(1, 0, 2).reshape(n_taps, n * d)), _valid_first(valid, n)]
-    if has_seg:  # each tile's window: its rows and the next tile's first ones (zeros past the end)
-        bits = _pad_t(lag_bits(segment_ids, t_len, max_lag), 1, t_pad)
-        inputs.append(jnp.pad(bits, ((0, 0), (0, _BITS_ROWS - bt))))
-    call = _transpose_kernel(_TransposeConfig(
-        n=n, batch=batch, t_pad=t_pad, d=d, stream_kernels=stream_kernels, has_seg=has_seg,
-        x_dtype=jnp.dtype(x.dtype), de_dtype=jnp.dtype(d_streams.dtype),
-        out_dtype=jnp.dtype(out_dtype or x.dtype), n_tap_rows=_rows4(n_taps), interpret=bool(interpret)))
-    dx, dbank = call(*inputs)  # [n, B, Tp, d], [n, B, K4, d]
-    return dx[:, :, :t_len], jnp.sum(dbank[:, :, :n_taps], axis=1)
-
-
-_BITS_ROWS = 96  # a tile's lag bits and the 16 rows after it, padded to 384 bytes (Lane copies: 128-byte multiples)
-
-
-class _TransposeConfig(NamedTuple):
-    n: int
-    batch: int
-    t_pad: int
-    d: int
-    stream_kernels: tuple
-    has_seg: bool
-    x_dtype: jnp.dtype
-    de_dtype: jnp.dtype
-    out_dtype: jnp.dtype
-    n_tap_rows: int
-    interpret: bool
-
-
-@functools.lru_cache(maxsize=None)
-def _transpose_kernel(cfg: _TransposeConfig):
-    """``sources_transpose``' kernel for ``cfg``, built and jitted once."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu_module
-
-    plgpu = _LanePlgpu(plgpu_module)
-    n, batch, t_pad, d, has_seg = cfg.n, cfg.batch, cfg.t_pad, cfg.d, cfg.has_seg
-    stream_kernels = cfg.stream_kernels
-    m, bt, bd, ahead = len(stream_kernels), BLOCK_T, TRANSPOSE_BLOCK_D, TRANSPOSE_AHEAD
-    layout = _stream_layout(stream_kernels)
-    n_taps, n_tiles = sum(stream_kernels), t_pad // bt
-    rows_in = bt + ahead
-    row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
-
-    def to_f32(v):  # a register tile as float32
-        return v.astype(F32)
-
-    scratch = dict(
-        des=plgpu.SMEM((2, m, rows_in, bd), cfg.de_dtype),  # the tile's rows of dE and the 16 after
-        xs=plgpu.SMEM((2, rows_in, bd), cfg.x_dtype),  # the 16 rows before the tile and its own
-        taps=plgpu.SMEM((2, cfg.n_tap_rows, bd), F32),  # per source, one ahead
-        bits_s=plgpu.SMEM((2, _BITS_ROWS), jnp.int32) if has_seg else None,
-        dxs=plgpu.SMEM((2, bt, bd), cfg.out_dtype),
-        zero_s=plgpu.SMEM((bt, bd), cfg.out_dtype),
-        sums_s=plgpu.SMEM((2, cfg.n_tap_rows, bd), F32),
-        meta_s=plgpu.SMEM((n + 1, 64), jnp.int32),
-        bar=plgpu.Barrier(num_arrivals=2 + has_seg, num_barriers=2),
-        bar_in=plgpu.Barrier(num_arrivals=1, num_barriers=1),
-        bar_taps=plgpu.Barrier(num_arrivals=1, num_barriers=2),
-    )
-    names = [k for k, v in scratch.items() if v is not None]
-
-    def body(*refs):
-        it = iter(refs)
-        de_ref, x_ref, bank_ref, meta_ref = (next(it) for _ in range(4))
-        bits_ref = next(it) if has_seg else None
-        dx_ref, dbank_ref = next(it), next(it)
-        sc = dict(zip(names, it))
-        des, xs, taps, bits_s, dxs, zero_s, sums_s, meta_s = (
-            sc.get(k) for k in ("des", "xs", "taps", "bits_s", "dxs", "zero_s", "sums_s", "meta_s"))
-        bar, bar_in, bar_taps = sc["bar"], sc["bar_in"], sc["bar_taps"]
-        b, c = lax.axis_index("b"), lax.axis_index("c")
-        cs = pl.ds(c * bd, bd)
-        plgpu.copy_gmem_to_smem(meta_ref, meta_s, bar_in.at[0])
-        zero = plgpu.layout_cast(jnp.zeros((bt, bd), F32), tile)
-        zero_s[...] = zero.astype(zero_s.dtype)
-        plgpu.commit_smem()
-        plgpu.barrier_wait(bar_in.at[0])
-        n_live = meta_s[n, 0]
-        total = n_live * n_tiles
-        front = ahead if cfg.interpret else 0  # the rows the interpreted x carries before token 0
-
-        def fetch(f):
-            """Item ``f`` (valid source ``f // n_tiles``, tile ``f % n_tiles``), if there is one."""
-            @pl.when(f < total)
-            def _():
-                i, k, slot = meta_s[f // n_tiles, 0], lax.rem(f, n_tiles), lax.rem(f, 2)
-                t0 = k * bt + b * 0  # traced: the x window starts before row 0 (TMA fills zeros)
-                plgpu.copy_gmem_to_smem(de_ref.at[pl.ds(i * m, m), b, pl.ds(t0, rows_in), cs], des.at[slot],
-                                        bar.at[slot])
-                plgpu.copy_gmem_to_smem(x_ref.at[i * batch + b, pl.ds(t0 + front - ahead, rows_in), cs],
-                                        xs.at[slot], bar.at[slot])
-                if has_seg:
-                    plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t0, _BITS_ROWS)], bits_s.at[slot], bar.at[slot])
-
-        def fetch_taps(j):
-            """Valid source ``j``'s taps, if there is one, into ``taps[j % 2]``."""
-            @pl.when(j < n_live)
-            def _():
-                sslot = lax.rem(j, 2)
-                plgpu.copy_gmem_to_smem(bank_ref.at[:, pl.ds(meta_s[j, 0] * d + c * bd, bd)], taps.at[sslot],
-                                        bar_taps.at[sslot])
-
-        def tile_step(f, dbank, held):
-            """Tile ``f % n_tiles`` of valid source ``f // n_tiles``: ``d x`` stored, the bank sums
-            carried; ``held``: the source's taps in registers."""
-            slot = lax.rem(f, 2)
-            plgpu.barrier_wait(bar.at[slot])
-
-            def tap_of(k):
-                return _cols(held[k], bt, bd)
-
-            def de_rows(r, off):  # rows [off, off + 64) of stream r's dE in this tile's window, widened
-                return to_f32(plgpu.load(des.at[slot, r, pl.ds(off, bt)], (), layout=tile))
-
-            def x_rows(off):
-                return to_f32(plgpu.load(xs.at[slot, pl.ds(off, bt)], (), layout=tile))
-
-            behind, lead = [None] * max(1, max(stream_kernels)), [None] * max(1, max(stream_kernels))
-            if has_seg:
-                bits = plgpu.load(bits_s.at[slot, pl.ds(0, bt)], (), layout=row)
-                for delta in range(1, len(behind)):
-                    behind[delta] = _rows(((bits >> delta) & 1).astype(F32), bt, bd)
-                    nbits = plgpu.load(bits_s.at[slot, pl.ds(delta, bt)], (), layout=row)
-                    lead[delta] = _rows(((nbits >> delta) & 1).astype(F32), bt, bd)
-            dbank = list(dbank)
-            dx = None
-            for r, (kernel, off) in enumerate(layout):
-                if kernel == 0:
-                    de0 = to_f32(plgpu.load(des.at[slot, r, pl.ds(0, bt)], (), layout=tile))
-                    dx = de0 if dx is None else dx + de0
-                    continue
-                de0 = de_rows(r, 0)
-                for delta in range(kernel):
-                    tap = tap_of(off + delta)
-                    de_lead = de0 if delta == 0 else de_rows(r, delta)
-                    if lead[delta] is not None:
-                        de_lead = de_lead * lead[delta]
-                    term = tap * de_lead
-                    dx = term if dx is None else dx + term
-                    xl = x_rows(ahead - delta)
-                    g = de0 * xl
-                    if behind[delta] is not None:
-                        g = g * behind[delta]
-                    dbank[off + delta] = dbank[off + delta] + g
-            j, k = f // n_tiles, lax.rem(f, n_tiles)
-            i = meta_s[j, 0]
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store from this slot two tiles ago is read
-            dxs[slot] = dx.astype(dxs.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(dxs.at[slot], dx_ref.at[i, b, pl.ds(k * bt, bt), cs])
-            fetch(f + 2)  # every thread is done with this slot (the commit above)
-            return dbank
-
-        def source_body(j, carry):
-            sslot = lax.rem(j, 2)
-            plgpu.barrier_wait(bar_taps.at[sslot])
-            held = [plgpu.load(taps, (sslot, k), layout=col) for k in range(n_taps)]
-            dbank = lax.fori_loop(j * n_tiles, (j + 1) * n_tiles, lambda f, dbank: tile_step(f, dbank, held),
-                                  [zero] * n_taps)
-            fetch_taps(j + 2)  # every thread loaded this source's taps before the loop's commits
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            for t in range(n_taps):
-                sums_s[sslot, t] = jnp.sum(dbank[t], axis=0)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(sums_s.at[sslot], dbank_ref.at[meta_s[j, 0], b, :, cs])
-            return carry
-
-        fetch_taps(0)
-        fetch_taps(1)
-        fetch(0)
-        fetch(1)
-        lax.fori_loop(0, n_live, source_body, 0)
-
-        # the ruled-out sources: zeros for d x and the bank partial (sums_s[0] zeroed once its
-        # last store has read it)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        for t in range(cfg.n_tap_rows):
-            sums_s[0, t] = plgpu.layout_cast(jnp.zeros((bd,), F32), col)
-        plgpu.commit_smem()
-
-        def zero_source(j, carry):
-            i = meta_s[j, 0]
-            for k in range(n_tiles):
-                plgpu.copy_smem_to_gmem(zero_s, dx_ref.at[i, b, pl.ds(k * bt, bt), cs])
-            plgpu.copy_smem_to_gmem(sums_s.at[0], dbank_ref.at[i, b, :, cs])
-            return carry
-
-        lax.fori_loop(n_live, n, zero_source, 0)
-        plgpu.wait_smem_to_gmem(0)
-
-    out_type = (jax.ShapeDtypeStruct((n, batch, t_pad, d), cfg.out_dtype),
-                jax.ShapeDtypeStruct((n, batch, cfg.n_tap_rows, d), F32))
-    params = dict(compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
-    kernel = plgpu.kernel(named_body(body, "depth_attention_expansion_transpose_mosaic"),
-                          out_type=out_type, scratch_types=[scratch[k] for k in names],
-                          grid=(batch, d // bd), grid_names=("b", "c"),
-                          interpret=plgpu.InterpretGPUParams() if cfg.interpret else False, **params)
-
-    @jax.jit
-    def run_kernel(*inputs):
-        with jax.named_scope("depth_attention_expansion_transpose_mosaic"):
-            return kernel(*inputs)
-
-    return run_kernel
+    return jitted_kernel(plgpu, body, out_type, [scratch[k] for k in names],
+                         name=f"depth_attention_bwd1_{mode}_mosaic", batch=batch, t_pad=t_pad,
+                         interpret=cfg.interpret, streams=m)
