@@ -93,7 +93,7 @@ def main(argv=None) -> list[dict]:
                     help="as the bench's flag: how phase 1's backward runs the query gradient's products")
     ap.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                     help="set a module constant of pallas_kernels.depth_attention before tracing, e.g. "
-                         "mosaic_gpu.DEFAULT_MIX_ITEM_DECODE=carried (repeatable; VALUE a Python literal or a string)")
+                         "mosaic_gpu.phase2_inputs.INPUTS_SLOTS=2 (repeatable; VALUE a Python literal or a string)")
     args = ap.parse_args(argv)
     if args.query_grads_heads:  # read when the backward is traced
         fused_bwd_phase1.DEFAULT_QUERY_GRADS_HEADS = args.query_grads_heads

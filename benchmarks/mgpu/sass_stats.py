@@ -18,7 +18,7 @@ Usage (needs JAX's CUDA plugin, ``msar_jax.deviceless_gpu``, and nvdisasm)::
     PYTHONPATH=.aot_site python benchmarks/mgpu/sass_stats.py --compile "--configs msar --p1_forms per_target"
     python benchmarks/mgpu/sass_stats.py --dump DIR          # a dump written before
     PYTHONPATH=.aot_site python benchmarks/mgpu/sass_stats.py --compile "--configs msar" \\
-        --against "--configs msar --set mosaic_gpu.DEFAULT_MIX_ITEM_DECODE=carried"   # two variants, side by side
+        --against "--configs msar --set mosaic_gpu.phase2_inputs.INPUTS_SLOTS=2"   # two variants, side by side
 """
 
 from __future__ import annotations
