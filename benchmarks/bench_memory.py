@@ -34,7 +34,7 @@ def model_cfg(variant: str, n_sublayers: int, d: int, seq_len: int, remat: str, 
     cfg.update(dict(d_model=d, n_layers=n_sublayers // 2, n_heads=4, n_kv_heads=2, head_dim=d // 4,
                     mlp_dim=4 * d, vocab_size=256, max_seq_len=seq_len, remat_policy=remat))
     cfg.residual.update(VARIANTS[variant])
-    cfg.residual.read_chunks = read_chunks
+    cfg.residual.kernel_overrides.read_chunks = read_chunks
     return cfg
 
 
@@ -64,7 +64,7 @@ def main():
     ap.add_argument("--seq_len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--remat", default="none", help="remat policy inside a block (model.remat_policy)")
-    ap.add_argument("--read_chunks", type=int, default=1, help="model.residual.read_chunks (XLA depth reads)")
+    ap.add_argument("--read_chunks", type=int, default=1, help="model.residual.kernel_overrides.read_chunks (XLA depth reads)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

@@ -78,13 +78,28 @@ def residual_config() -> ml_collections.ConfigDict:
             eps=1e-6,  # weightless rms eps of every mechanism norm (> 0)
             gate_scale_init=0.01,  # alpha^pre / mHC a_* init (Appendix A)
             sinkhorn_iters=20,  # mHC Sinkhorn-Knopp iterations
-            two_phase=True,  # block reads through phase 1 + phase 2 (docs/design.md §5); False = direct
+            # block reads through phase 1 + phase 2 (docs/design.md §5); False reads every target
+            # directly over all its sources (the reference form, the same values)
+            two_phase=True,
             final_merge="residual",  # MSAR final: "residual" (h_L + v_L) or "sum" (all sources)
-            implementation="xla",  # depth-attention kernels: "xla", "pallas_tpu", "pallas_gpu", "auto"
-            kernel_backward="auto",  # backward of the Pallas kernels: "xla" (closed form), "pallas", "hybrid" (phase 1's closed form with the conv-transpose kernel), or "auto" (per op, the faster on the H200)
-            gpu_kernels="auto",  # GPU lowering of the Pallas kernels that have two: "mosaic" (Mosaic GPU: phase 1's scoring and mixing passes, phase 2's fused forward and its backward's statistics/d_acc and input passes), "triton", "split_forward" (as "auto", phase 2's Mosaic forward as two kernels: scores, then the rest), or "auto" (per kernel, the faster on the H200; "split_forward" with model.save_read_outputs)
-            read_chunks=1,  # XLA path: run each depth read over this many batch slices (bounds its memory)
-            state_dtype="float32",  # dtype of the phase-1 state's weighted sum: "float32" (docs/design.md §5) or "bfloat16" (half the bytes)
+            # which code runs the depth reads: "xla" (plain jnp, any platform, the default: the
+            # paper's runs and every CPU test), "pallas_gpu" / "pallas_tpu" (the Pallas kernels: MSAR's
+            # `base` step on the H200 1332.5 ms against 4494.0 on the XLA path, BENCHMARKS.md; off
+            # their platform they run in interpret mode, for tests only) or "auto" (the platform's
+            # kernels where there are some, else XLA; the ops' implementation=None)
+            implementation="xla",
+            # dtype of the phase-1 state's weighted sums: "float32" (exact to float32 rounding,
+            # docs/design.md §5) or "bfloat16" (rounded once when stored, relative error about 2^-9;
+            # half the bytes of a block read's largest arrays: MSAR 0.985 / 3.401 ms per sublayer
+            # forward / backward against 1.046 / 3.543, AttnRes's `base` step 1003.0 against 1011.6
+            # ms on the H200)
+            state_dtype="float32",
+            # Experiments only: fields of the kernels' per-op config that pallas_kernels'
+            # heuristics otherwise choose (pallas_kernels/depth_attention/heuristics.py,
+            # docs/kernels.md §3): None = the heuristics' choice
+            kernel_overrides=ml_collections.ConfigDict(
+                dict(backward=None, gpu_kernels=None, phase1_backward_form=None, phase2_backward_form=None,
+                     read_chunks=None)),
         )
     )
 
@@ -123,8 +138,10 @@ def model_config() -> ml_collections.ConfigDict:
             init_std=0.02,
             remat_policy="none",  # inside a block; blocks themselves are always rematerialised
             # True: the blocks' rematerialisation reuses each sublayer's input (the depth read's
-            # output) from the forward pass instead of running the read's forward again; costs
-            # one [B, T, d] activation per sublayer (DepthStack.save_read_outputs)
+            # output) from the forward pass instead of running the read's forward again (the
+            # kernels' re-run then runs only phase 2's scores); costs one [B, T, d] activation per
+            # sublayer (DepthStack.save_read_outputs; MSAR's `base` step on the H200 with a bf16
+            # state 1289.5 ms and 58.44 GiB against 1332.5 ms and 56.32 GiB with neither)
             save_read_outputs=False,
             max_seq_len=256,
             moe=moe_config(),
@@ -191,16 +208,15 @@ def validate(model: ml_collections.ConfigDict, prefix: str = "model") -> ml_coll
     if not res.eps > 0:
         raise ConfigError(r("eps"), res.eps, "must be > 0 (conv streams start at exactly zero)")
     _positive(r("sinkhorn_iters"), res.sinkhorn_iters)
-    _positive(r("read_chunks"), res.read_chunks)
     if res.final_merge not in ("residual", "sum"):
         raise ConfigError(r("final_merge"), res.final_merge, "must be 'residual' or 'sum'")
     if res.implementation not in ("xla", "pallas_tpu", "pallas_gpu", "auto"):
         raise ConfigError(r("implementation"), res.implementation, "must be one of 'xla', 'pallas_tpu', 'pallas_gpu', 'auto'")
-    if res.get("kernel_backward", "auto") not in ("xla", "pallas", "hybrid", "auto"):
-        raise ConfigError(r("kernel_backward"), res.kernel_backward, "must be 'xla', 'pallas', 'hybrid' or 'auto'")
-    if res.get("gpu_kernels", "auto") not in ("auto", "mosaic", "triton", "split_forward"):
-        raise ConfigError(r("gpu_kernels"), res.gpu_kernels,
-                          "must be 'auto', 'mosaic', 'triton' or 'split_forward'")
+    from pallas_kernels.depth_attention import heuristics
+
+    for key, value in (res.get("kernel_overrides") or {}).items():
+        if (why := heuristics.override_error(key, value)) is not None:
+            raise ConfigError(r(f"kernel_overrides.{key}"), value, why)
     if res.get("state_dtype", "float32") not in ("float32", "bfloat16"):
         raise ConfigError(r("state_dtype"), res.state_dtype, "must be 'float32' or 'bfloat16'")
     mechanism.validate_config(model, prefix)  # the mechanism's own rules

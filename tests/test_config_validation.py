@@ -34,10 +34,16 @@ CASES = [
     ({"residual.eps": 0.0}, "model.residual.eps", "> 0"),
     ({"residual.fusion": "max"}, "model.residual.fusion", "one of"),
     ({"dtype": "int8"}, "model.dtype", "one of"),
-    ({"residual.read_chunks": 0}, "model.residual.read_chunks", "positive integer"),
-    ({"residual.kernel_backward": "triton"}, "model.residual.kernel_backward", "must be 'xla', 'pallas', 'hybrid' or 'auto'"),
     ({"residual.state_dtype": "float16"}, "model.residual.state_dtype", "must be 'float32' or 'bfloat16'"),
-    ({"residual.gpu_kernels": "cuda"}, "model.residual.gpu_kernels", "must be 'auto', 'mosaic', 'triton' or 'split_forward'"),
+    ({"residual.kernel_overrides.read_chunks": 0}, "model.residual.kernel_overrides.read_chunks",
+     "must be None (choose) or a positive integer"),
+    ({"residual.kernel_overrides.backward": "triton"}, "model.residual.kernel_overrides.backward",
+     "must be None (choose) or one of ('xla', 'pallas', 'hybrid')"),
+    ({"residual.kernel_overrides.gpu_kernels": "cuda"}, "model.residual.kernel_overrides.gpu_kernels",
+     "one of ('auto', 'mosaic', 'triton', 'split_forward')"),
+    ({"residual.kernel_overrides.backwards": "pallas"}, "model.residual.kernel_overrides.backwards",
+     "no such kernel override (keys: backward, gpu_kernels, phase1_backward_form, phase2_backward_form, "
+     "read_chunks); did you mean 'backward'?"),
     ({"save_read_outputs": None}, "model.save_read_outputs", "must be True or False"),
 ]
 

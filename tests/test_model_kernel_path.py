@@ -1,6 +1,6 @@
 """Model level: the Pallas kernel path of the depth reads (interpret mode on CPU) gives the
 XLA path's loss and gradients for a whole Block MSAR / Block AttnRes model, float32, with the
-kernels' XLA backward and with their Pallas backward (``kernel_backward="pallas"``)."""
+kernels' XLA backward and with their Pallas backward (``kernel_overrides.backward="pallas"``)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def loss_and_grads_fn(cfg, scale=0.3):
     return jax.jit(jax.value_and_grad(lambda p: lm_loss(model_def.merge(p), batch)[0])), params
 
 
-def loss_and_grads(mechanism, implementation, kernel_backward="xla", **overrides):
+def loss_and_grads(mechanism, implementation, backward="xla", **overrides):
     """Loss and gradients of a 2-layer smoke model in two blocks of two sublayers (float32 unless
     ``overrides`` say otherwise): phase 1 reads the embedding and a completed block, phase 2 reads
     with and without the partial. (One block of four sublayers compiled 40% longer in interpret
@@ -38,19 +38,19 @@ def loss_and_grads(mechanism, implementation, kernel_backward="xla", **overrides
     cfg = load_config(f"configs/{mechanism}.py:smoke=1,seq_len=12,block_size=2",
                       {"model.dtype": "float32", "model.n_layers": 2,
                        "model.residual.implementation": implementation,
-                       "model.residual.kernel_backward": kernel_backward, **overrides})
+                       "model.residual.kernel_overrides.backward": backward, **overrides})
     fn, params = loss_and_grads_fn(cfg)
     return fn(params)
 
 
-@pytest.mark.parametrize("mechanism, implementation, kernel_backward", [
+@pytest.mark.parametrize("mechanism, implementation, backward", [
     pytest.param("msar", "pallas_tpu", "xla", marks=pytest.mark.slow),  # the kernels' XLA backward
     ("msar", "pallas_gpu", "pallas"),
     ("attnres", "pallas_tpu", "pallas"),
-    pytest.param("msar", "pallas_gpu", "auto", marks=pytest.mark.slow),  # the Pallas backward for phase 1 and phase 2 + gate
+    pytest.param("msar", "pallas_gpu", None, marks=pytest.mark.slow),  # the Pallas backward for phase 1 and phase 2 + gate
     pytest.param("msar", "pallas_gpu", "hybrid", marks=pytest.mark.slow),  # phase 1 with the conv_transpose kernel
 ])
-def test_kernel_path_matches_xla_path(monkeypatch, mechanism, implementation, kernel_backward):
+def test_kernel_path_matches_xla_path(monkeypatch, mechanism, implementation, backward):
     from pallas_kernels.depth_attention import fused_bwd_phase1
 
     factored = []  # per phase-1 Pallas backward: whether its value cotangent came factored
@@ -58,8 +58,8 @@ def test_kernel_path_matches_xla_path(monkeypatch, mechanism, implementation, ke
     monkeypatch.setattr(fused_bwd_phase1, "phase1_backward",
                         lambda *a, **k: factored.append(k.get("value_scale") is not None) or real(*a, **k))
     want_loss, want = loss_and_grads(mechanism, "xla")
-    got_loss, got = loss_and_grads(mechanism, implementation, kernel_backward)
-    if kernel_backward == "pallas":  # one stream passes the value channel (its Pallas TPU kernels here)
+    got_loss, got = loss_and_grads(mechanism, implementation, backward)
+    if backward == "pallas":  # one stream passes the value channel (its Pallas TPU kernels here)
         assert factored and all(f == (mechanism == "attnres") for f in factored), factored
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     flat_got, flat_want = jax.tree.leaves(got), jax.tree.leaves(want)
@@ -69,7 +69,7 @@ def test_kernel_path_matches_xla_path(monkeypatch, mechanism, implementation, ke
 
 
 def test_mosaic_gpu_kernels_in_the_model(monkeypatch):
-    """``gpu_kernels="mosaic"``: phase 1's scoring and mixing passes, phase 2's fused forward and
+    """``kernel_overrides.gpu_kernels="mosaic"``: phase 1's scoring and mixing passes, phase 2's fused forward and
     its backward's statistics and ``d_acc`` passes as Mosaic GPU kernels (interpreted; the
     forward's scores feeding the Pallas backward) give the XLA path's loss and gradients."""
     from pallas_kernels.depth_attention import mosaic_gpu
@@ -79,7 +79,7 @@ def test_mosaic_gpu_kernels_in_the_model(monkeypatch):
         real = getattr(mosaic_gpu, name)
         monkeypatch.setattr(mosaic_gpu, name, lambda *a, real=real, name=name, **k: calls.add(name) or real(*a, **k))
     want_loss, want = loss_and_grads("msar", "xla")
-    got_loss, got = loss_and_grads("msar", "pallas_gpu", "pallas", **{"model.residual.gpu_kernels": "mosaic"})
+    got_loss, got = loss_and_grads("msar", "pallas_gpu", "pallas", **{"model.residual.kernel_overrides.gpu_kernels": "mosaic"})
     assert calls == {"phase1_scores", "phase1_mix", "phase2_fused_forward", "phase2_backward_state"}, calls
     np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
     flat_got, flat_want = jax.tree.leaves(got), jax.tree.leaves(want)
@@ -91,7 +91,7 @@ def test_mosaic_gpu_kernels_in_the_model(monkeypatch):
 @pytest.mark.parametrize("mechanism, overrides, factored", [
     pytest.param("attnres", {}, True, marks=pytest.mark.slow),  # the default suite: test_kernel_path_matches_xla_path
     pytest.param("mhar", {"model.save_read_outputs": True}, True, marks=pytest.mark.slow),  # the re-run's reads
-    pytest.param("attnres", {"model.residual.read_chunks": 2}, False, marks=pytest.mark.slow),  # no channel
+    pytest.param("attnres", {"model.residual.kernel_overrides.read_chunks": 2}, False, marks=pytest.mark.slow),  # no channel
 ])
 def test_single_stream_reads_take_the_value_cotangent_through_the_channel(monkeypatch, mechanism, overrides,
                                                                           factored):
@@ -118,8 +118,8 @@ def test_single_stream_reads_take_the_value_cotangent_through_the_channel(monkey
 @pytest.mark.parametrize("overrides, want", [
     ({}, None),  # "auto": the kernels choose (Mosaic GPU for phase 2's forward on a GPU)
     ({"model.save_read_outputs": True}, "split_forward"),  # the re-run runs only the scores kernel
-    ({"model.save_read_outputs": True, "model.residual.gpu_kernels": "mosaic"}, "mosaic"),
-    ({"model.residual.gpu_kernels": "triton"}, "triton"),
+    ({"model.save_read_outputs": True, "model.residual.kernel_overrides.gpu_kernels": "mosaic"}, "mosaic"),
+    ({"model.residual.kernel_overrides.gpu_kernels": "triton"}, "triton"),
 ])
 def test_gpu_kernels_option_reaches_the_ops(overrides, want):
     from flax import nnx
@@ -129,7 +129,7 @@ def test_gpu_kernels_option_reaches_the_ops(overrides, want):
 
     cfg = load_config("configs/msar.py:smoke=1", {"model.residual.implementation": "pallas_gpu", **overrides})
     op = make_mechanism(cfg.model, nnx.Rngs(0))._op(depth_api.phase2_fused)
-    assert op.keywords.get("gpu_kernels") == want
+    assert op.keywords.get("gpu_kernels") == want  # "auto" (the kernels' per-kernel choice) is no option
 
 
 @pytest.mark.parametrize("mechanism, phase2_fused_backward, phase1_backward, other_ops", [
@@ -137,24 +137,33 @@ def test_gpu_kernels_option_reaches_the_ops(overrides, want):
     ("attnres", "pallas", "pallas", "pallas"),  # a single stream and head: Pallas everywhere
     ("mhar", "pallas", "pallas", "pallas"),  # heads > 1, one stream: Pallas too, as timed on the H200
 ])
-def test_auto_kernel_backward_per_mechanism_and_op(mechanism, phase2_fused_backward, phase1_backward, other_ops):
+def test_heuristics_choose_the_backward_per_mechanism_and_op(mechanism, phase2_fused_backward, phase1_backward,
+                                                             other_ops):
+    """The model's ops take ``heuristics.choose``'s config (the model passes no kernel policy),
+    and ``model.residual.kernel_overrides.backward`` replaces its choice for every op."""
     from flax import nnx
 
     from msar_jax.residuals import make_mechanism
     from pallas_kernels.depth_attention import api as depth_api
 
     cfg = load_config(f"configs/{mechanism}.py:smoke=1", {"model.residual.implementation": "pallas_gpu"})
-    assert cfg.model.residual.kernel_backward == "auto"  # the default
+    assert cfg.model.residual.kernel_overrides.backward is None  # the default: the heuristics choose
     mech = make_mechanism(cfg.model, nnx.Rngs(0))
-    assert mech._kernel_backward(depth_api.phase2_fused) == phase2_fused_backward
-    assert mech._kernel_backward(depth_api.phase1) == phase1_backward
-    for op in (depth_api.phase2, depth_api.depth_read):
-        assert mech._kernel_backward(op) == other_ops
-    assert mech._op(depth_api.phase2_fused).keywords["backward"] == phase2_fused_backward
+    want = {depth_api.phase2_fused: phase2_fused_backward, depth_api.phase1: phase1_backward,
+            depth_api.phase2: other_ops, depth_api.depth_read: other_ops}
+    for op, backward in want.items():
+        assert mech._op(op).keywords["backward"] == backward, op.__name__
+    assert mech._value_channel() is (mechanism != "msar")  # one stream, the Pallas backward for both phases
     for choice in ("xla", "pallas", "hybrid"):
-        cfg.model.residual.kernel_backward = choice
+        cfg.model.residual.kernel_overrides.backward = choice
         mech = make_mechanism(cfg.model, nnx.Rngs(0))
-        assert {mech._kernel_backward(op) for op in (depth_api.phase1, depth_api.phase2_fused)} == {choice}
+        assert {mech._op(op).keywords["backward"] for op in want} == {choice}
+        assert mech._value_channel() is (choice == "pallas" and mechanism != "msar")
+    # the XLA path takes no kernel options
+    cfg.model.residual.implementation = "xla"
+    mech = make_mechanism(cfg.model, nnx.Rngs(0))
+    assert not {"backward", "gpu_kernels"} & set(mech._op(depth_api.phase1).keywords)
+    assert mech._value_channel() is False
 
 
 # Kernel calls in the lowered gradient of a 4-layer model (block size 2: 2 units of one layer,
@@ -209,7 +218,7 @@ def test_reads_run_their_forward_kernels_once_per_pass(monkeypatch, mechanism, s
 def _lowered_grad_for_h200(monkeypatch, mechanism, overrides):
     """The StableHLO of the loss gradient of a 4-layer smoke model in blocks of 2 sublayers on the
     kernel path, lowered for an H200 through Pallas' Triton lowering on this CPU
-    (``test_triton_lowering``), with the Triton kernels throughout (``gpu_kernels="triton"``)."""
+    (``test_triton_lowering``), with the Triton kernels throughout (``kernel_overrides.gpu_kernels="triton"``)."""
     import types
 
     from jax._src.pallas.triton import gpu_info
@@ -218,8 +227,8 @@ def _lowered_grad_for_h200(monkeypatch, mechanism, overrides):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels leave interpret mode
     cfg = load_config(f"configs/{mechanism}.py:smoke=1,seq_len=32",
                       {"model.n_layers": 4, "model.residual.block_size": 2,
-                       "model.residual.implementation": "pallas_gpu", "model.residual.kernel_backward": "auto",
-                       "model.residual.gpu_kernels": "triton", **overrides})
+                       "model.residual.implementation": "pallas_gpu",
+                       "model.residual.kernel_overrides.gpu_kernels": "triton", **overrides})
     model_def, params = step.init_model(cfg.model, seed=5)
     batch = jax.numpy.zeros((2, 33), jax.numpy.int32)
     grad = jax.jit(jax.grad(lambda p: lm_loss(model_def.merge(p), batch)[0]))

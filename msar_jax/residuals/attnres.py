@@ -25,6 +25,7 @@ from msar_jax import accounting
 from msar_jax import config as config_lib
 from msar_jax.residuals.base import DepthState, Position, ResidualMechanism, register
 from pallas_kernels.depth_attention import api as depth_api
+from pallas_kernels.depth_attention import heuristics as depth_heuristics
 from pallas_kernels.depth_attention import reference as depth_ref
 
 
@@ -54,7 +55,7 @@ def _recomputed(read_fn, *args, batch_axes, out_batch_axis: int, chunks: int = 1
 
     With ``chunks > 1`` the batch is processed in that many sequential slices, each
     rematerialised on its own, which bounds the transient memory of the read to
-    ``1 / chunks`` (``model.residual.read_chunks``; reads are independent per row).
+    ``1 / chunks`` (``model.residual.kernel_overrides.read_chunks``; reads are independent per row).
     """
     remat = lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)  # noqa: E731
     if chunks == 1:
@@ -77,7 +78,7 @@ def _recomputed(read_fn, *args, batch_axes, out_batch_axis: int, chunks: int = 1
         if ax is not None:
             batch = x.shape[ax]
     if batch % chunks:
-        raise ValueError(f"model.residual.read_chunks = {chunks} must divide the batch size {batch}")
+        raise ValueError(f"model.residual.kernel_overrides.read_chunks = {chunks}: must divide the batch size {batch}")
     chunked = [split(x, ax) for x, ax in zip(leaves, axes) if ax is not None]
     seg = None if segment_ids is None else split(segment_ids, 0)
 
@@ -184,37 +185,17 @@ class BlockDepthAttention(ResidualMechanism):
     def _kw(self):
         return dict(stream_kernels=self.stream_kernels, heads=self.heads, eps=self.res_cfg.eps)
 
-    def _kernel_backward(self, op) -> str:
-        """Which backward ``op``'s Pallas kernels use. ``"auto"`` takes the one measured faster on
-        the H200 (docs/kernels.md):
+    def _read_chunks(self) -> int:
+        """Batch slices of each read (``model.residual.kernel_overrides.read_chunks``, 1 unless an
+        experiment sets it)."""
+        return self.res_cfg.kernel_overrides.get("read_chunks") or 1
 
-        * the Pallas backward for the fused phase 2 + stream fusion with several streams
-          (MSAR: 7.1 against 10.4 ms per sublayer, 14x less temporary memory);
-        * the Pallas backward for every op of a single-stream read: AttnRes's `base` step 1110.0
-          against 1173.9 ms with the XLA backward (with reverse-T kernels that do not reduce over
-          rows per tile); MHAR's (4 heads) 1080.6 against 1112.9 ms;
-        * the Pallas backward for phase 1 with several streams (MSAR), in its ``wide`` form:
-          phase 1 fwd + bwd 35.8 ms per block at the bench shape against 57.7 for the closed-form
-          XLA backward and 58.3 for ``"hybrid"``; `base` step 1994.7 ms against 2155.2
-          (``"hybrid"``) and 2212.4 (XLA);
-        * the closed-form XLA backward for MSAR's other ops (the unfused phase 2, the direct read).
-        """
-        choice = self.res_cfg.get("kernel_backward", "xla")
-        if choice != "auto":
-            return choice
-        if len(self.stream_kernels) == 1:
-            return "pallas"
-        return "pallas" if op in (depth_api.phase1, depth_api.phase2_fused) and len(self.stream_kernels) > 1 else "xla"
-
-    def _gpu_kernels(self) -> str:
-        """The ops' ``gpu_kernels``: the config's, except that ``"auto"`` becomes
-        ``"split_forward"`` (phase 2's Mosaic forward as two kernels, the scores and then the
-        rest) under ``model.save_read_outputs``. There the backward's re-run of a read keeps only
-        its scores (the output ``h`` is saved), so XLA drops the second kernel. Triton's scoring
-        pass alone in the re-run cost 118.8 ms per `base` step on the H200 against 103.6 for the
-        one-kernel Mosaic forward run twice (docs/kernels.md §7)."""
-        choice = self.res_cfg.get("gpu_kernels", "auto")
-        return "split_forward" if choice == "auto" and self.save_read_outputs else choice
+    def _config(self, op) -> depth_heuristics.OpConfig:
+        """``op``'s kernel config, chosen from what this mechanism is (``heuristics.choose``)."""
+        return depth_heuristics.choose(
+            op.__name__, stream_kernels=self.stream_kernels, implementation=self.implementation,
+            save_read_outputs=self.save_read_outputs, read_chunks=self._read_chunks(),
+            overrides=self.res_cfg.kernel_overrides)
 
     def _lean_vjp(self, op) -> bool:
         """Run ``op`` without a checkpoint: it runs a Pallas kernel whose backward keeps only its
@@ -227,15 +208,8 @@ class BlockDepthAttention(ResidualMechanism):
 
     def _value_channel(self) -> bool:
         """Pair each target's phase-1 state with a ``ValueChannel`` (``depth_api.phase1``) for its
-        phase-2 read: with one stream and mean fusion (AttnRes, MHAR) the Pallas backward then
-        hands phase 1 the read's bf16 ``dh`` and one scale per token and head instead of the
-        ``[B, T, d]`` float32 ``d acc`` (written once, read twice). Only where it pays: a kernel
-        with the Pallas backward for both phases, each read run as is (one chunk, no checkpoint
-        around it, so the channel's cotangent stays symbolic where no read uses it); figures in
-        docs/kernels.md."""
-        return (self.n_streams == 1 and self.res_cfg.read_chunks == 1 and self._lean_vjp(depth_api.phase1)
-                and self._lean_vjp(depth_api.phase2_fused) and self._kernel_backward(depth_api.phase1) == "pallas"
-                and self._kernel_backward(depth_api.phase2_fused) == "pallas")
+        phase-2 read, where ``heuristics.choose`` says it pays."""
+        return self._config(depth_api.phase1).value_channel
 
     def _target(self, bctx):
         """One target's block context as ``(state, value channel or None)``."""
@@ -243,11 +217,8 @@ class BlockDepthAttention(ResidualMechanism):
 
     def _op(self, op):
         kw = self._kw()
-        if self.implementation != "xla":  # the Pallas kernels' backward (the XLA path has one)
-            kw["backward"] = self._kernel_backward(op)
-            gpu_kernels = self._gpu_kernels()
-            if gpu_kernels != "auto":  # "auto" is the kernels' own choice
-                kw["gpu_kernels"] = gpu_kernels
+        if self.implementation != "xla":  # the kernels' options (the XLA path has none)
+            kw.update(self._config(op).options())
         return functools.partial(op, implementation=self.implementation, **kw)
 
     # ----- banks: a source uses the bank of the newest output it contains (Appendix C) -----
@@ -293,7 +264,7 @@ class BlockDepthAttention(ResidualMechanism):
             functools.partial(self._op(depth_api.phase1), per_target=True, value_channel=self._value_channel(),
                               state_dtype=self.res_cfg.get("state_dtype", "float32")), state.sources,
             self.source_banks(g), p_block["queries"], self._completed_valid(pos), batch_axes=(1, None, None, None),
-            out_batch_axis=1, chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
+            out_batch_axis=1, chunks=self._read_chunks(), segment_ids=ctx.segment_ids,
             lean_vjp=self._lean_vjp(depth_api.phase1),
         )
 
@@ -305,7 +276,7 @@ class BlockDepthAttention(ResidualMechanism):
             z = _recomputed(
                 self._op(depth_api.phase2), self._target(bctx)[0], partial, self.partial_bank(g, pos), p["queries"], include_partial,
                 batch_axes=((1, 1, 1), 0, None, None, None), out_batch_axis=1,
-                chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids, lean_vjp=self._lean_vjp(depth_api.phase2),
+                chunks=self._read_chunks(), segment_ids=ctx.segment_ids, lean_vjp=self._lean_vjp(depth_api.phase2),
             )
             return z, None
         sources = jnp.concatenate([state.sources, partial[None]], axis=0)
@@ -320,7 +291,7 @@ class BlockDepthAttention(ResidualMechanism):
             return z, jnp.mean(alpha, axis=(2, 3, 4))  # [N+2, m]
         z = _recomputed(
             self._op(depth_api.depth_read), sources, banks, p["queries"], valid, batch_axes=(1, None, None, None),
-            out_batch_axis=1, chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
+            out_batch_axis=1, chunks=self._read_chunks(), segment_ids=ctx.segment_ids,
             lean_vjp=self._lean_vjp(depth_api.depth_read),
         )
         return z, None
@@ -350,7 +321,7 @@ class BlockDepthAttention(ResidualMechanism):
                 target_state, state.carry["partial"], self.partial_bank(g, pos), p["queries"],
                 jnp.logical_not(pos.first_in_block), self.gate(p),
                 batch_axes=((1, 1, 1), 0, None, None, None, None), out_batch_axis=0,
-                chunks=self.res_cfg.read_chunks, segment_ids=ctx.segment_ids,
+                chunks=self._read_chunks(), segment_ids=ctx.segment_ids,
                 lean_vjp=self._lean_vjp(depth_api.phase2_fused),
             ).astype(dtype)
             return h, {"h": h, "weights": None}

@@ -2,8 +2,13 @@
 
 ``implementation``: ``"xla"`` (plain jnp, ``reference.py``), ``"pallas_tpu"``,
 ``"pallas_gpu"``, or ``None`` (the best available for the platform, falling back
-to XLA). Kernels register themselves in ``_KERNELS``; until one exists for an
-implementation, asking for it explicitly raises ``NotImplementedError``.
+to XLA; a config's ``implementation="auto"``). Kernels register themselves in ``_KERNELS``;
+until one exists for an implementation, asking for it explicitly raises ``NotImplementedError``.
+
+``config``: a ``heuristics.OpConfig`` (the backward, the GPU lowering, the backward forms, the
+tiles), whose ``options()`` the kernels take as keyword options; ``heuristics.choose`` gives a
+model's op its measured choice, and an op called without one runs the kernels' defaults
+(``OpConfig()``: the XLA backward). The XLA path ignores it.
 """
 
 from __future__ import annotations
@@ -54,14 +59,23 @@ def _load_kernels() -> None:
 _LOADED = False
 
 
+# The kernels' keyword options (``heuristics.OpConfig.options``), which the XLA path has no use for.
+_KERNEL_OPTIONS = ("backward", "gpu_kernels", "phase1_backward_form", "phase2_backward_form", "tiles")
+
+
 def _dispatch(op: str, implementation: Implementation, *args, **kwargs):
     _load_kernels()
+    config = kwargs.pop("config", None)
+    if config is not None:
+        for key, value in config.options().items():
+            if key in kwargs and kwargs[key] != value:
+                raise ValueError(f"{op}: {key}={kwargs[key]!r} and config.{key}={value!r}: give one of them")
+            kwargs[key] = value
     errors = []
     for name in _candidates(implementation):
         if name == "xla":
-            # A kernel option: which backward the Pallas kernels use. The XLA path has one.
-            kwargs.pop("backward", None)
-            kwargs.pop("gpu_kernels", None)  # which GPU lowering the kernels use
+            for key in _KERNEL_OPTIONS:  # the XLA path has one backward and no lowering to pick
+                kwargs.pop(key, None)
             split = reference.split_targets if kwargs.pop("per_target", False) else (lambda out: out)
             if "out_dtype" in kwargs:  # phase 2: the XLA path computes h in float32, then casts it
                 dtype, inner = kwargs.pop("out_dtype"), split

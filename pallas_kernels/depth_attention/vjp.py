@@ -4,7 +4,7 @@ forward's per-token scores; the backward recomputes expansions, key norms and so
 The ``backward`` option picks it: ``"xla"`` (the default here; ``xla_streaming``'s closed form),
 ``"pallas"`` (``fused_bwd_phase1``, ``fused_bwd_phase2``) or ``"hybrid"`` (phase 1's closed form
 with ``conv_transpose``). The unfused ``phase2`` differentiates the reference. Which is faster per
-op, and the configs' ``kernel_backward="auto"``: docs/kernels.md §2-3."""
+op, and so which one a model's op takes (``heuristics.choose``): docs/kernels.md §2-3."""
 
 from __future__ import annotations
 

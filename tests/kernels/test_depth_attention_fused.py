@@ -252,7 +252,7 @@ def test_gpu_triton_matches_reference():
 
 
 # The routing is the same for every case; the MSAR one runs in the slow suite (20 s on 2 cores): the
-# model-level test (test_model_kernel_path.py, kernel_backward="pallas") takes MSAR's phase 1
+# model-level test (test_model_kernel_path.py, kernel_overrides.backward="pallas") takes MSAR's phase 1
 # through this backward, and test_fused_bwd_phase1.py checks the kernels on MSAR shapes.
 @pytest.mark.parametrize("case", [pytest.param(PHASE1_CASES[0], marks=pytest.mark.slow), PHASE1_CASES[1]],
                          ids=lambda c: c[0])
