@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention.fused import (
-    F32, _call_kwargs, _if_live, _lag_masks, _pad_t, _stream_layout, _token_inputs, _Window,
+    F32, call_kwargs, if_live, lag_masks, pad_tokens, stream_layout, token_inputs, TokenWindow,
 )
 from pallas_kernels.depth_attention.tiling import Tiles
 
@@ -27,7 +27,7 @@ def _lead_masks(seg_ref, t0, bt: int, max_lag: int, backend: str, n_rows: int):
     if seg_ref is None:
         return None
     col = 0 if len(seg_ref.shape) == 2 else None
-    win = _Window(seg_ref, (), t0, bt, col, backend, fill=-1, dtype=jnp.int32, n_rows=n_rows)
+    win = TokenWindow(seg_ref, (), t0, bt, col, backend, fill=-1, dtype=jnp.int32, n_rows=n_rows)
     return [None] + [(win.ahead(delta) == win.shift(0)).astype(F32)[:, None] for delta in range(1, max_lag)]
 
 
@@ -40,7 +40,7 @@ def _kernel(*refs, stream_kernels, bt, bd, tiles_per_program, n_rows, has_seg, h
     live_ref = next(it) if has_live else None  # [n] int32
     dx_ref = next(it)  # [rows, bd]: this program's rows
     dbank_ref = next(it)  # [K, bd]: this program's partial
-    layout = _stream_layout(stream_kernels)
+    layout = stream_layout(stream_kernels)
     n_taps = sum(stream_kernels)
     max_lag = max(stream_kernels)
     bank = [bank_ref[k, :].astype(F32)[None, :] for k in range(n_taps)]
@@ -49,12 +49,12 @@ def _kernel(*refs, stream_kernels, bt, bd, tiles_per_program, n_rows, has_seg, h
     def tile_body(j, dbank):
         dbank = list(dbank)
         t0 = pl.multiple_of((first + j) * bt, bt)
-        behind = _lag_masks(seg_ref, t0, bt, max_lag, backend)
+        behind = lag_masks(seg_ref, t0, bt, max_lag, backend)
         ahead = _lead_masks(seg_ref, t0, bt, max_lag, backend, n_rows)
-        x = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
+        x = TokenWindow(x_ref, (), t0, bt, slice(None), backend, width=bd)
         dx = jnp.zeros((bt, bd), F32)
         for r, (kernel, off) in enumerate(layout):
-            de = _Window(de_ref, (r,), t0, bt, slice(None), backend, width=bd, n_rows=n_rows)
+            de = TokenWindow(de_ref, (r,), t0, bt, slice(None), backend, width=bd, n_rows=n_rows)
             if kernel == 0:
                 dx = dx + de.shift(0)
                 continue
@@ -81,7 +81,7 @@ def _kernel(*refs, stream_kernels, bt, bd, tiles_per_program, n_rows, has_seg, h
         for k in range(n_taps):
             dbank_ref[k, :] = jnp.zeros((bd,), F32)
 
-    _if_live(live_ref, pl.program_id(0), work, skipped)
+    if_live(live_ref, pl.program_id(0), work, skipped)
 
 
 def rows_per_program(t_pad: int, bt: int, cap: int = 128) -> int:
@@ -134,8 +134,8 @@ def sources_transpose(d_streams, x, banks, segment_ids=None, valid=None, *, stre
     rows = rows or rows_per_program(t_pad, bt)
     if rows % bt or t_pad % rows:
         raise ValueError(f"rows={rows}: must be a multiple of block_t={bt} dividing the padded length {t_pad}")
-    de = _pad_t(d_streams, 3, t_pad)
-    xp = _pad_t(x, 2, t_pad)
+    de = pad_tokens(d_streams, 3, t_pad)
+    xp = pad_tokens(x, 2, t_pad)
     has_seg = segment_ids is not None
     in_specs = [
         pl.BlockSpec((None, m, None, t_pad, bd), lambda i, b, g, c: (i, 0, b, 0, c)),
@@ -143,8 +143,8 @@ def sources_transpose(d_streams, x, banks, segment_ids=None, valid=None, *, stre
         pl.BlockSpec((None, n_taps, bd), lambda i, b, g, c: (i, 0, c)),
     ]
     args = [de, xp, banks]
-    seg = None if segment_ids is None else _pad_t(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
-    has_live = _token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=1)
+    seg = None if segment_ids is None else pad_tokens(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
+    has_live = token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=1)
     n_groups = t_pad // rows
     kernel = functools.partial(
         _kernel, stream_kernels=stream_kernels, bt=bt, bd=bd, tiles_per_program=rows // bt, n_rows=t_pad,
@@ -163,7 +163,7 @@ def sources_transpose(d_streams, x, banks, segment_ids=None, valid=None, *, stre
             jax.ShapeDtypeStruct((n, batch, n_groups, n_taps, d), F32),
         ],
         name="depth_attention_expansion_transpose",
-        **_call_kwargs(backend, tiles, interpret, ("parallel",) * 4),
+        **call_kwargs(backend, tiles, interpret, ("parallel",) * 4),
     )(*args)
     dx = dx[:, :, :t_len]
     if valid is not None and not has_live:  # Mosaic computed every source: mask the invalid ones

@@ -4,7 +4,7 @@ each stream's sum of squares) and ``mix`` (each source re-expanded and summed in
 accumulators, or merged with phase 2's state, optionally with the stream fusion folded in through
 a ``stats`` and a ``gate`` pass), with a small XLA step between them; no expanded stream is
 written to memory. The causal conv's halo comes from masked loads on Triton and from the previous
-token tile elsewhere (``_Window``). The design: docs/kernels.md §4, "Phase 1 forward" and "Phase 2
+token tile elsewhere (``TokenWindow``). The design: docs/kernels.md §4, "Phase 1 forward" and "Phase 2
 forward"."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ F32 = jnp.float32
 # --------------------------------------------------------------------------- helpers
 
 
-class _Window:
+class TokenWindow:
     """Lag-shifted ``[block_t, width]`` views of rows ``t0 - delta ... t0 + bt - 1 - delta``
     of a ``[T, width]``-indexable ref region, zero before row 0; ``ahead(delta)``: rows
     ``t0 + delta ...`` (needs ``n_rows``, the region's row count; ``fill`` past its end)."""
@@ -92,7 +92,7 @@ class _Window:
         return v
 
 
-def _head_col(ref, idx, head, heads: int, backend: str):
+def head_column(ref, idx, head, heads: int, backend: str):
     """``ref[*idx, head]`` (``[bt]``) of a ``[..., T, H]`` ref (``idx`` ends with the rows):
     this chunk's head column. Mosaic cannot load at a dynamic lane index, so off Triton the
     row of heads is loaded and the head picked by a one-hot sum, as ``fused._mix_kernel`` does
@@ -105,12 +105,12 @@ def _head_col(ref, idx, head, heads: int, backend: str):
     return jnp.sum(jnp.where(onehot, ref[(*idx, slice(None))], 0.0), axis=1)
 
 
-def _lag_masks(seg_ref, t0, bt: int, max_lag: int, backend: str):
+def lag_masks(seg_ref, t0, bt: int, max_lag: int, backend: str):
     """``masks[delta]`` ``[bt, 1]`` float: token ``t - delta`` exists and shares ``t``'s segment."""
     rows = t0 + jax.lax.broadcasted_iota(jnp.int32, (bt,), 0)
     # seg_ref is [Tp] or [Tp, 1] (tokens on sublanes, as Mosaic wants them: see scores_call)
     col = 0 if seg_ref is not None and len(seg_ref.shape) == 2 else None
-    win = _Window(seg_ref, (), t0, bt, col, backend, fill=-1, dtype=jnp.int32) if seg_ref is not None else None
+    win = TokenWindow(seg_ref, (), t0, bt, col, backend, fill=-1, dtype=jnp.int32) if seg_ref is not None else None
     masks = []
     for delta in range(max_lag):
         ok = rows - delta >= 0
@@ -120,7 +120,7 @@ def _lag_masks(seg_ref, t0, bt: int, max_lag: int, backend: str):
     return masks
 
 
-def _stream_layout(stream_kernels: Sequence[int]):
+def stream_layout(stream_kernels: Sequence[int]):
     """(kernel, first tap index in the bank) per stream."""
     out, off = [], 0
     for k in stream_kernels:
@@ -129,7 +129,7 @@ def _stream_layout(stream_kernels: Sequence[int]):
     return out
 
 
-def _expand_chunk(win: _Window, bank_ref, bank_lead: tuple, cs, kernel: int, offset: int, masks):
+def expand_chunk(win: TokenWindow, bank_ref, bank_lead: tuple, cs, kernel: int, offset: int, masks):
     """One stream of one source chunk, ``[bt, bd]`` float32 (Eq. 10)."""
     if kernel == 0:
         return win.shift(0)
@@ -150,7 +150,7 @@ def _skips_sources(backend: str) -> bool:
     buffer with only the completed blocks valid (half of its ``n`` slots over a step), so
     computing them doubled phase 1's work on the H200. Every backend
     skips: Triton and interpret mode read the mask like any input, Mosaic TPU from scalar
-    memory (``_token_inputs``; compiled ahead of time, not yet timed on a TPU)."""
+    memory (``token_inputs``; compiled ahead of time, not yet timed on a TPU)."""
     return backend in ("triton", "interpret", "tpu")
 
 
@@ -161,7 +161,7 @@ def _live_input(valid, n: int, backend: str):
     return jnp.asarray(valid, jnp.int32).reshape(n)
 
 
-def _token_inputs(in_specs: list, args: list, seg, valid, n: int, t_pad: int, backend: str, batch_axis: int) -> bool:
+def token_inputs(in_specs: list, args: list, seg, valid, n: int, t_pad: int, backend: str, batch_axis: int) -> bool:
     """Append the segment ids (``seg[B, Tp]`` as ``[B, Tp, 1]`` blocks: tokens on sublanes and a
     whole trailing dim, as Mosaic's block-shape rule wants them; grid axis ``batch_axis`` picks
     the row) and the source mask (``_live_input``) to a call's inputs, in the order the kernels
@@ -197,7 +197,7 @@ class _Targets:
         self.refs[idx[0]][tuple(idx[1:])] = value
 
 
-def _target_input(in_specs: list, args: list, arrays, block: tuple, index_map) -> int:
+def target_input(in_specs: list, args: list, arrays, block: tuple, index_map) -> int:
     """Append a per-target input: one ``[S, ...]`` array, or a sequence of ``S`` arrays ``[...]``
     (``per_target``), with the block shape and index map of the stacked form. Returns ``S`` when
     it went in as separate arrays (the kernel reads them through ``_Targets``), else 0."""
@@ -211,12 +211,12 @@ def _target_input(in_specs: list, args: list, arrays, block: tuple, index_map) -
     return 0
 
 
-def _next_target_ref(it, n_split: int):
-    """The next kernel ref of an input ``_target_input`` appended."""
+def next_target_ref(it, n_split: int):
+    """The next kernel ref of an input ``target_input`` appended."""
     return _Targets(next(it) for _ in range(n_split)) if n_split else next(it)
 
 
-def _if_live(live_ref, i, work, otherwise=None):
+def if_live(live_ref, i, work, otherwise=None):
     """Run ``work()`` for a valid source ``i`` (always without a mask), else ``otherwise()``."""
     if live_ref is None:
         work()
@@ -268,10 +268,10 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
     dots_ref = next(it)  # [S, n, m, bt, H]
     ss_ref = next(it)  # [n, m, bt]
     m = len(stream_kernels)
-    layout = _stream_layout(stream_kernels)
+    layout = stream_layout(stream_kernels)
     t0 = pl.program_id(1) * bt
     max_lag = max([1, *stream_kernels])
-    masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
+    masks = lag_masks(seg_ref, t0, bt, max_lag, backend)
     dh = d // heads
     zero = jnp.zeros((bt, bd) if whole else (bt,), F32)
     fold = (lambda v: v) if whole else (lambda v: jnp.sum(v, axis=1))  # noqa: E731  (per chunk)
@@ -286,10 +286,10 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
                     ss, dots = carry
                     c0 = h * dh + c * bd
                     cs = pl.ds(pl.multiple_of(c0, bd), bd)
-                    win = _Window(x_ref, (i,), t0, bt, cs, backend, width=bd)
+                    win = TokenWindow(x_ref, (i,), t0, bt, cs, backend, width=bd)
                     ss, dots = list(ss), [list(row) for row in dots]
                     for r, (kernel, off) in enumerate(layout):
-                        e = _expand_chunk(win, bank_ref, (i,), cs, kernel, off, masks)
+                        e = expand_chunk(win, bank_ref, (i,), cs, kernel, off, masks)
                         ss[r] = ss[r] + fold(e * e)
                         for s in range(n_targets):
                             q = q_ref[s, r, cs].astype(F32)[None, :]
@@ -312,7 +312,7 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
                     for h in range(heads):
                         dots_ref[s, i, r, :, h] = empty
 
-        _if_live(live_ref, i, work, skipped)
+        if_live(live_ref, i, work, skipped)
         return carry
 
     jax.lax.fori_loop(0, n, source_body, 0)
@@ -339,7 +339,7 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
     outs = list(it)
     acc_out = (_Targets(outs) if split_targets else outs[0]) if mode == "acc" else None
     m = len(stream_kernels)
-    layout = _stream_layout(stream_kernels)
+    layout = stream_layout(stream_kernels)
     t0 = pl.program_id(1) * bt
     head = (pl.program_id(2) * bd) // (d // heads)
 
@@ -353,7 +353,7 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
         onehot = (jax.lax.broadcasted_iota(jnp.int32, (1, heads), 1) == head).astype(F32)
         return jnp.sum(ref[(*lead, slice(None), slice(None))] * onehot, axis=1)
     max_lag = max([1, *stream_kernels])
-    masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
+    masks = lag_masks(seg_ref, t0, bt, max_lag, backend)
     zero = jnp.zeros((bt, bd), F32)
     h_acc = zero
     sq = jnp.zeros((bt, bd) if whole else (bt,), F32)
@@ -364,8 +364,8 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
 
         def source_body(i, accs, kernel=kernel, off=off, r=r):
             def update(accs):
-                win = _Window(x_ref, (i,), t0, bt, slice(None), backend, width=bd)
-                e = _expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
+                win = TokenWindow(x_ref, (i,), t0, bt, slice(None), backend, width=bd)
+                e = expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
                 return [accs[s] + head_col(p_ref, (s, i, r))[:, None] * e for s in range(n_targets)]
 
             return _live_update(live_ref, i, update, accs)
@@ -397,7 +397,7 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
 # --------------------------------------------------------------------------- calls
 
 
-def _pad_t(x, axis: int, t_pad: int, value=0):
+def pad_tokens(x, axis: int, t_pad: int, value=0):
     extra = t_pad - x.shape[axis]
     if extra == 0:
         return x
@@ -406,7 +406,7 @@ def _pad_t(x, axis: int, t_pad: int, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _call_kwargs(backend: str, tiles: Tiles, interpret, semantics):
+def call_kwargs(backend: str, tiles: Tiles, interpret, semantics):
     if backend == "triton":
         from jax.experimental.pallas import triton as pltriton
 
@@ -434,7 +434,7 @@ def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, 
         args.append(banks)
     in_specs.append(pl.BlockSpec(queries.shape, lambda b, t: (0, 0, 0)))
     args.append(queries)
-    has_live = _token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
+    has_live = token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
     kernel = functools.partial(
         _scores_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d,
         bt=bt, bd=bd, has_bank=has_bank, has_seg=has_seg, has_live=has_live, backend=backend,
@@ -453,7 +453,7 @@ def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, 
             jax.ShapeDtypeStruct((n, m, batch, t_pad, 1), F32),
         ],
         name="depth_attention_scores",
-        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel")),
+        **call_kwargs(backend, tiles, interpret, ("parallel", "parallel")),
     )(*args)
     return dots, sumsq[..., 0]
 
@@ -471,7 +471,7 @@ def phase1_scores(sources, x, banks, queries, seg, segment_ids, *, valid, stream
     dots, sumsq = mosaic_gpu.phase1_scores(sources, banks, queries, segment_ids, valid, stream_kernels=stream_kernels,
                                            heads=heads, interpret=interpret)
     t_pad = x.shape[2]
-    return _pad_t(dots, 4, t_pad), _pad_t(sumsq, 3, t_pad)
+    return pad_tokens(dots, 4, t_pad), pad_tokens(sumsq, 3, t_pad)
 
 
 def gate_rows(w, m: int, d: int):
@@ -523,7 +523,7 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
     if mode == "stats":
         in_specs.append(pl.BlockSpec((m, m, bd), lambda b, t, c: (0, 0, c)))
         args.append(w)
-    has_live = _token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
+    has_live = token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
     if mode == "acc" and split_targets:
         out_specs = [pl.BlockSpec((m, None, bt, bd), lambda b, t, c: (0, b, t, c))] * n_targets
         out_shape = [jax.ShapeDtypeStruct((m, batch, t_pad, d), out_dtype)] * n_targets
@@ -557,7 +557,7 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
         out_specs=out_specs,
         out_shape=out_shape,
         name=f"depth_attention_mix_{mode}",
-        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+        **call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
     if mode == "stats":
         return out[0][..., 0].transpose(0, 2, 1), out[1].transpose(0, 2, 1, 3)
@@ -569,9 +569,9 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
 # --------------------------------------------------------------------------- reads
 
 
-def _prepare(t_len, segment_ids, tiles):
+def prepare_tokens(t_len, segment_ids, tiles):
     t_pad = -(-t_len // tiles.block_t) * tiles.block_t
-    seg = None if segment_ids is None else _pad_t(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
+    seg = None if segment_ids is None else pad_tokens(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
     return t_pad, seg
 
 
@@ -583,8 +583,8 @@ def phase1_forward(sources, banks, queries, valid=None, *, stream_kernels, heads
     weights and sums are float32 either way. ``mosaic_scores`` / ``mosaic_mix``: the scoring /
     mixing pass as the Mosaic GPU kernel (``mosaic_gpu.phase1_scores`` / ``phase1_mix``)."""
     n, _, t_len, d = sources.shape
-    t_pad, seg = _prepare(t_len, segment_ids, tiles)
-    x = _pad_t(sources, 2, t_pad)
+    t_pad, seg = prepare_tokens(t_len, segment_ids, tiles)
+    x = pad_tokens(sources, 2, t_pad)
     kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)
     dots, sumsq = phase1_scores(sources, x, banks, queries, seg, segment_ids, valid=valid, mosaic=mosaic_scores, **kw)
     s = dots * jax.lax.rsqrt(sumsq / d + eps)[None, ..., None]  # [S, n, m, B, Tp, H]
@@ -617,14 +617,14 @@ def phase2_forward(state, partial, bank, query, include_partial=True, gate_param
     backward would otherwise recompute (``fused_bwd_phase2``'s pass 0)."""
     batch, t_len, d = partial.shape
     m = query.shape[0]
-    t_pad, seg = _prepare(t_len, segment_ids, tiles)
-    x = _pad_t(partial, 1, t_pad)[None]
+    t_pad, seg = prepare_tokens(t_len, segment_ids, tiles)
+    x = pad_tokens(partial, 1, t_pad)[None]
     banks = None if bank is None else bank[None]
     kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)
     dots, sumsq = scores_call(x, banks, query[None], seg, **kw)
     s = dots[0, 0] * jax.lax.rsqrt(sumsq[0] / d + eps)[..., None]  # [m, B, Tp, H]
-    pmax = _pad_t(state.max, 2, t_pad)
-    pden = _pad_t(state.denom, 2, t_pad, 1.0)
+    pmax = pad_tokens(state.max, 2, t_pad)
+    pden = pad_tokens(state.denom, 2, t_pad, 1.0)
     include = jnp.asarray(include_partial, bool)
     s = jnp.where(include, s, reference.NEG_LARGE)
     new_max = jnp.maximum(pmax, s)
@@ -633,7 +633,7 @@ def phase2_forward(state, partial, bank, query, include_partial=True, gate_param
     denom = pden * keep + pnew
     a = (keep / denom)[None]
     b = (pnew / denom)[None, None]
-    base = _pad_t(state.acc, 2, t_pad)[None]
+    base = pad_tokens(state.acc, 2, t_pad)[None]
     mix = functools.partial(mix_call, x, banks, b, seg, base=base, a=a, **kw)
     if fuse is None:
         if return_scores:

@@ -20,8 +20,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention import conv_transpose, fused, mosaic_gpu, reference
 from pallas_kernels.depth_attention.fused import (
-    F32, _call_kwargs, _expand_chunk, _head_col, _if_live, _lag_masks, _next_target_ref, _pad_t, _stream_layout,
-    _target_input, _token_inputs, _Window,
+    F32, call_kwargs, expand_chunk, head_column, if_live, lag_masks, next_target_ref, pad_tokens, stream_layout,
+    target_input, token_inputs, TokenWindow,
 )
 from pallas_kernels.depth_attention.row_shift import SHIFTS, scratch_rows, scratch_slots, shift_rows, shift_rows_via_buffer
 from pallas_kernels.depth_attention.tiling import Tiles
@@ -43,20 +43,20 @@ def _gdots_kernel(*refs, stream_kernels, n, n_targets, bt, has_bank, has_seg, ba
     it = iter(refs)
     x_ref = next(it)  # [n, Tp, bd]
     bank_ref = next(it) if has_bank else None  # [n, K, bd]
-    ga_ref = _next_target_ref(it, split_ga)  # [S, m, bt, bd]
+    ga_ref = next_target_ref(it, split_ga)  # [S, m, bt, bd]
     seg_ref = next(it) if has_seg else None  # [Tp, 1]
     live_ref = next(it) if has_live else None  # [n] int32
     out_ref = next(it)  # [S, n, m, bt, 1]
     t0 = pl.program_id(1) * bt
     max_lag = max([1, *stream_kernels])
-    masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
-    for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
+    masks = lag_masks(seg_ref, t0, bt, max_lag, backend)
+    for r, (kernel, off) in enumerate(stream_layout(stream_kernels)):
         ga = [ga_ref[s, r, :, :].astype(F32) for s in range(n_targets)]
 
         def source_body(i, carry, kernel=kernel, off=off, r=r, ga=ga):
             def work():
-                win = _Window(x_ref, (i,), t0, bt, slice(None), backend, width=ga[0].shape[1])
-                e = _expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
+                win = TokenWindow(x_ref, (i,), t0, bt, slice(None), backend, width=ga[0].shape[1])
+                e = expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
                 for s in range(n_targets):
                     out_ref[s, i, r, :, 0] = jnp.sum(ga[s] * e, axis=1)
 
@@ -64,7 +64,7 @@ def _gdots_kernel(*refs, stream_kernels, n, n_targets, bt, has_bank, has_seg, ba
                 for s in range(n_targets):
                     out_ref[s, i, r, :, 0] = jnp.zeros((bt,), F32)
 
-            _if_live(live_ref, i, work, skipped)
+            if_live(live_ref, i, work, skipped)
             return carry
 
         jax.lax.fori_loop(0, n, source_body, 0)
@@ -85,8 +85,8 @@ def gdots_call(x, banks, g_acc, seg, *, stream_kernels, tiles: Tiles, backend, i
     if has_bank:
         in_specs.append(pl.BlockSpec((n, banks.shape[1], bd), lambda b, t, c: (0, 0, c)))
         args.append(banks)
-    split_ga = _target_input(in_specs, args, g_acc, (n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c))
-    has_live = _token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
+    split_ga = target_input(in_specs, args, g_acc, (n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c))
+    has_live = token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
     kernel = functools.partial(
         _gdots_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, bt=bt, has_bank=has_bank,
         has_seg=has_seg, backend=backend, has_live=has_live, split_ga=split_ga,
@@ -100,7 +100,7 @@ def gdots_call(x, banks, g_acc, seg, *, stream_kernels, tiles: Tiles, backend, i
         out_specs=pl.BlockSpec((n_targets, n, m, None, None, bt, 1), lambda b, t, c: (0, 0, 0, b, c, t, 0)),
         out_shape=jax.ShapeDtypeStruct((n_targets, n, m, batch, nc, t_pad, 1), F32),
         name="depth_attention_bwd1_gdots",
-        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+        **call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
     return jnp.swapaxes(out[..., 0], -1, -2)
 
@@ -116,7 +116,7 @@ def _dstreams_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_
     x_ref = next(it)  # [n, Tp, bd]
     bank_ref = next(it) if has_bank else None  # [n, K, bd]
     q_ref = next(it)  # [S, m, bd]
-    ga_ref = _next_target_ref(it, split_ga)  # [S, m, bt, bd]
+    ga_ref = next_target_ref(it, split_ga)  # [S, m, bt, bd]
     p_ref = next(it)  # [S, n, m, bt, H]
     dsr_ref = next(it)  # [S, n, m, bt, H]
     w_ref = next(it)  # [n, m, bt, 1]
@@ -125,16 +125,16 @@ def _dstreams_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_
     out_ref = next(it)  # [n, m, bt, bd]
     t0 = pl.program_id(1) * bt
     head = (pl.program_id(2) * bd) // (d // heads)
-    col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
-    masks = _lag_masks(seg_ref, t0, bt, max([1, *stream_kernels]), backend)
-    for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
+    col = functools.partial(head_column, head=head, heads=heads, backend=backend)
+    masks = lag_masks(seg_ref, t0, bt, max([1, *stream_kernels]), backend)
+    for r, (kernel, off) in enumerate(stream_layout(stream_kernels)):
         ga = [ga_ref[s, r, :, :].astype(F32) for s in range(n_targets)]
         q = [q_ref[s, r, :].astype(F32)[None, :] for s in range(n_targets)]
 
         def source_body(i, carry, kernel=kernel, off=off, r=r, ga=ga, q=q):
             def work():
-                win = _Window(x_ref, (i,), t0, bt, slice(None), backend, width=bd)
-                e = _expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
+                win = TokenWindow(x_ref, (i,), t0, bt, slice(None), backend, width=bd)
+                e = expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
                 de = -w_ref[i, r, :, 0][:, None] * e
                 for s in range(n_targets):
                     de = de + col(p_ref, (s, i, r, slice(None)))[:, None] * ga[s]
@@ -144,7 +144,7 @@ def _dstreams_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_
             def skipped():
                 out_ref[i, r, :, :] = jnp.zeros((bt, bd), out_ref.dtype)
 
-            _if_live(live_ref, i, work, skipped)
+            if_live(live_ref, i, work, skipped)
             return carry
 
         jax.lax.fori_loop(0, n, source_body, 0)
@@ -169,14 +169,14 @@ def dstreams_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, h
         args.append(banks)
     in_specs.append(pl.BlockSpec((n_targets, m, bd), lambda b, t, c: (0, 0, c)))
     args.append(queries)
-    split_ga = _target_input(in_specs, args, g_acc, (n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c))
+    split_ga = target_input(in_specs, args, g_acc, (n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c))
     in_specs += [
         pl.BlockSpec((n_targets, n, m, None, bt, heads), lambda b, t, c: (0, 0, 0, b, t, 0)),
         pl.BlockSpec((n_targets, n, m, None, bt, heads), lambda b, t, c: (0, 0, 0, b, t, 0)),
         pl.BlockSpec((n, m, None, bt, 1), lambda b, t, c: (0, 0, b, t, 0)),
     ]
     args += [p, dsr, w]
-    has_live = _token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
+    has_live = token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
     kernel = functools.partial(
         _dstreams_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d, bt=bt,
         bd=bd, has_bank=has_bank, has_seg=has_seg, has_live=has_live, backend=backend, split_ga=split_ga,
@@ -188,7 +188,7 @@ def dstreams_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, h
         out_specs=pl.BlockSpec((n, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c)),
         out_shape=jax.ShapeDtypeStruct((n, m, batch, t_pad, d), out_dtype),
         name="depth_attention_bwd1_dstreams",
-        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+        **call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
 
 
@@ -240,7 +240,7 @@ def _query_grads(x, banks, dsr, seg, valid, *, stream_kernels, heads, heads_form
     n, batch, t_pad, d = x.shape
     n_targets = dsr.shape[0]
     dh = d // heads
-    masks = reference._lag_masks(seg, t_pad, max([1, *stream_kernels]), batch)  # [delta, B, Tp]
+    masks = reference.segment_lag_masks(seg, t_pad, max([1, *stream_kernels]), batch)  # [delta, B, Tp]
     ok = reference._source_valid(n, valid)
     x = jnp.where(ok[:, None, None, None], x, jnp.zeros((), x.dtype)).reshape(n, batch * t_pad, heads, dh)
     # the sources' axis leads the operand, as the product's batch axis: the matrix-product call
@@ -309,7 +309,7 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
     dq_ref = next(it)  # [S (S_pad with dq_dot), m, bd]
     buf_ref = next(it) if shift == "buffer" else None  # [slots, 4 bt, bd]: row_shift.shift_rows_via_buffer
     m = len(stream_kernels)
-    layout = _stream_layout(stream_kernels)
+    layout = stream_layout(stream_kernels)
     n_taps = sum(stream_kernels)
     max_lag = max([1, *stream_kernels])
     zero_row = jnp.zeros((bd,), F32)
@@ -322,11 +322,11 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
         dbank, dq = list(dbank), (list(dq) if dq_dot else [list(row) for row in dq])
         t0 = pl.multiple_of((n_tiles - 1 - j) * bt, bt)
         rows = pl.ds(t0, bt)
-        masks = _lag_masks(seg_ref, t0, bt, max_lag, backend)
-        win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
+        masks = lag_masks(seg_ref, t0, bt, max_lag, backend)
+        win = TokenWindow(x_ref, (), t0, bt, slice(None), backend, width=bd)
         hs = [zero_tile] * max_lag  # H_delta of this tile
         for r, (kernel, off) in enumerate(layout):
-            e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
+            e = expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
             de = -w_ref[r, rows, 0][:, None] * e
             for s in range(n_targets):
                 dsr = dsr_ref[s, r, rows, 0][:, None]
@@ -394,7 +394,7 @@ def _grads_kernel(*refs, stream_kernels, n_targets, bt, bd, n_tiles, has_bank, h
             for r in range(m):
                 dq_ref[s, r, :] = zero_row
 
-    _if_live(live_ref, pl.program_id(2), work, skipped)
+    if_live(live_ref, pl.program_id(2), work, skipped)
 
 
 def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, heads, tiles: Tiles, backend, interpret,
@@ -445,7 +445,7 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
         dsr = jnp.pad(dsr, ((0, s_pad - n_targets),) + ((0, 0),) * (dsr.ndim - 1))
         in_specs[-2] = pl.BlockSpec((s_pad, None, m, None, None, t_pad, 1), lambda b, c, i: (0, i, 0, b, head(c), 0, 0))
     args += [queries, g_acc, p, dsr, w]
-    has_live = _token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
+    has_live = token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
     out_specs = [pl.BlockSpec((None, None, t_pad, bd), lambda b, c, i: (i, b, 0, c))]
     out_shape = [jax.ShapeDtypeStruct((n, batch, t_pad, d), out_dtype)]
     if has_bank:
@@ -471,7 +471,7 @@ def grads_call(x, banks, queries, g_acc, p, dsr, w, seg, *, stream_kernels, head
         out_specs=out_specs,
         out_shape=out_shape,
         name="depth_attention_bwd1_grads",
-        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+        **call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
     dq = out[2 if has_bank else 1][:, :, :n_targets]
     return out[0], (out[1] if has_bank else None), dq
@@ -512,8 +512,8 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     n, batch, t_len, d = sources.shape
     n_targets, m = queries.shape[:2]
     stream_kernels = tuple(stream_kernels)
-    t_pad, seg = fused._prepare(t_len, segment_ids, tiles)
-    x = _pad_t(sources, 2, t_pad)
+    t_pad, seg = fused.prepare_tokens(t_len, segment_ids, tiles)
+    x = pad_tokens(sources, 2, t_pad)
     conv_banks = banks if (banks is not None and any(stream_kernels)) else None
     kw = dict(stream_kernels=stream_kernels, tiles=tiles, backend=backend, interpret=interpret)
 
@@ -524,27 +524,27 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     s = dots * rho[None, ..., None]  # [S, n, m, B, Tp, H]
     ok = reference._source_valid(n, valid)[None, :, None, None, None, None]
     real = (jnp.arange(t_pad) < t_len)[:, None]  # padded tokens: p = 0 (their s is arbitrary)
-    smax_p = _pad_t(jnp.asarray(smax, F32), 3, t_pad)
+    smax_p = pad_tokens(jnp.asarray(smax, F32), 3, t_pad)
     p = jnp.where(ok & real, jnp.exp(jnp.where(ok & real, s - smax_p[:, None], 0.0)), 0.0)
 
     # pass 2: the value-path dots <g_A, E> (chunk partials summed into heads)
-    g_denom = _pad_t(jnp.asarray(g.denom, F32), 3, t_pad)
+    g_denom = pad_tokens(jnp.asarray(g.denom, F32), 3, t_pad)
     # g_A in the state's dtype (a bf16 state has a bf16 cotangent): the kernels load it as float32.
     if isinstance(g.acc, (list, tuple)):  # per target (``per_target``): the kernels take them apart
-        g_acc = [_pad_t(a, 2, t_pad) for a in g.acc]
+        g_acc = [pad_tokens(a, 2, t_pad) for a in g.acc]
     else:
-        g_acc = _pad_t(g.acc, 3, t_pad)
+        g_acc = pad_tokens(g.acc, 3, t_pad)
     if mosaic_gdots:
         gd = mosaic_gpu.phase1_gdots(sources, conv_banks, g_acc, segment_ids, valid, stream_kernels=stream_kernels,
                                      heads=heads, interpret=interpret)  # [S, n, m, B, T, H]
-        gd = _pad_t(gd, 4, t_pad)
+        gd = pad_tokens(gd, 4, t_pad)
     else:
         gd = gdots_call(x, conv_banks, g_acc, seg, valid=valid, **kw)  # [S, n, m, B, Tp, nc]
         gd = jnp.sum(gd.reshape(*gd.shape[:-1], heads, -1), axis=-1)  # [S, n, m, B, Tp, H]
 
     p_value = p  # the value term's coefficient of g.acc in dE
     if value_scale is not None:
-        scale = _pad_t(jnp.asarray(value_scale, F32), 3, t_pad)[:, None]  # [S, 1, m, B, Tp, H]
+        scale = pad_tokens(jnp.asarray(value_scale, F32), 3, t_pad)[:, None]  # [S, 1, m, B, Tp, H]
         gd, p_value = gd * scale, p * scale
 
     # pass 3 (XLA): the per-token coefficients of dE
@@ -557,7 +557,7 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
             d_streams = mosaic_gpu.phase1_dstreams(
                 sources, conv_banks, queries, g_acc, p_value, dsr, w, segment_ids, valid, stream_kernels=stream_kernels,
                 heads=heads, out_dtype=streams_dtype, interpret=interpret)
-            d_streams = d_streams if mosaic_transpose else _pad_t(d_streams, 3, t_pad)
+            d_streams = d_streams if mosaic_transpose else pad_tokens(d_streams, 3, t_pad)
         else:
             d_streams = dstreams_call(x, conv_banks, queries, g_acc, p_value, dsr, w[..., None], seg, heads=heads,
                                       out_dtype=streams_dtype, valid=valid, **kw)

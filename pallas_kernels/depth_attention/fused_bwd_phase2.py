@@ -21,13 +21,13 @@ from jax.experimental import pallas as pl
 from pallas_kernels.depth_attention import conv_transpose, mosaic_gpu, reference, tiling
 from pallas_kernels.depth_attention.fused import (
     F32,
-    _call_kwargs,
-    _expand_chunk,
-    _head_col,
-    _lag_masks,
-    _pad_t,
-    _stream_layout,
-    _Window,
+    call_kwargs,
+    expand_chunk,
+    head_column,
+    lag_masks,
+    pad_tokens,
+    stream_layout,
+    TokenWindow,
     gate_cols,
     gate_rows,
     scores_call,
@@ -83,19 +83,19 @@ def _stats_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, ba
     seg_ref = next(it) if has_seg else None  # [Tp, 1]
     sq_ref, zw_ref, dg_ref = it  # [bt, 1], [bt, m], [bt, m]
     m = len(stream_kernels)
-    layout = _stream_layout(stream_kernels)
+    layout = stream_layout(stream_kernels)
     t0 = pl.program_id(1) * bt
     head = (pl.program_id(2) * bd) // (d // heads)
-    col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
-    masks = _lag_masks(seg_ref, t0, bt, max([1, *stream_kernels]), backend)
+    col = functools.partial(head_column, head=head, heads=heads, backend=backend)
+    masks = lag_masks(seg_ref, t0, bt, max([1, *stream_kernels]), backend)
     a = [_col(col(a_ref, (r, slice(None)))) for r in range(m)]
     b = [_col(col(b_ref, (r, slice(None)))) for r in range(m)]
-    win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
+    win = TokenWindow(x_ref, (), t0, bt, slice(None), backend, width=bd)
     dh = dh_ref[:, :].astype(F32)
     zero = jnp.zeros((bt, bd), F32)
     sq, zw, dg = zero, [zero] * m, [zero] * m
     for r, (kernel, off) in enumerate(layout):
-        e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
+        e = expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
         z = a[r] * acc_ref[r, :, :].astype(F32) + b[r] * e
         sq = sq + z * z
         for j in range(m):
@@ -126,11 +126,11 @@ def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, h
     dacc_ref = next(it) if write_dacc else None  # [m, bt, bd]
     s1_ref, sm_ref, ss_ref = it  # [m, bt, 1] x3
     m = len(stream_kernels)
-    layout = _stream_layout(stream_kernels)
+    layout = stream_layout(stream_kernels)
     t0 = pl.program_id(1) * bt
     head = (pl.program_id(2) * bd) // (d // heads)
-    col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
-    masks = _lag_masks(seg_ref, t0, bt, max([1, *stream_kernels]), backend)
+    col = functools.partial(head_column, head=head, heads=heads, backend=backend)
+    masks = lag_masks(seg_ref, t0, bt, max([1, *stream_kernels]), backend)
     gate_vals = None
     if has_gate:
         gate_vals = (lambda r: g_ref[:, r], lambda j: dy_ref[:, j], coef_ref[:, 0])
@@ -138,12 +138,12 @@ def _dstate_kernel(*refs, stream_kernels, heads, d, bt, bd, has_bank, has_seg, h
     b = [_col(col(b_ref, (r, slice(None)))) for r in range(m)]
     dold = [_col(col(dold_ref, (r, slice(None)))) for r in range(m)]
 
-    win = _Window(x_ref, (), t0, bt, slice(None), backend, width=bd)
+    win = TokenWindow(x_ref, (), t0, bt, slice(None), backend, width=bd)
     dh = dh_ref[:, :].astype(F32)
     zero = jnp.zeros((bt, bd), F32)
     s1, sm, ss = [zero] * m, [zero] * m, [zero] * m
     for r, (kernel, off) in enumerate(layout):
-        e = _expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
+        e = expand_chunk(win, bank_ref, (), slice(None), kernel, off, masks)
         acc = acc_ref[r, :, :].astype(F32)
         z = a[r] * acc + b[r] * e
         dz = _dz(r, m, dh, z, gate_vals, w_ref, slice(None))
@@ -180,8 +180,8 @@ class _Tile:
     def __init__(self, ins, stream_kernels, rows, t0, bt, bd, backend):
         m = len(stream_kernels)
         self.rows = rows
-        self.masks = _lag_masks(ins.seg, t0, bt, max([1, *stream_kernels]), backend)
-        self.win = _Window(ins.x, (), t0, bt, slice(None), backend, width=bd)
+        self.masks = lag_masks(ins.seg, t0, bt, max([1, *stream_kernels]), backend)
+        self.win = TokenWindow(ins.x, (), t0, bt, slice(None), backend, width=bd)
         self.dh = ins.dh[rows, :].astype(F32)
         self.gate_vals, self.dy_cols = None, None
         if ins.g is not None:
@@ -195,7 +195,7 @@ def _stream_cotangent(ins, tile, q, r, kernel, off, m, col):
     consumed before the next is made: computing all ``m`` first kept them all live and made the
     reverse-T kernel 37% slower on the H200 (`base`, 3.05 -> 4.19 ms per call)."""
     rows = tile.rows
-    e = _expand_chunk(tile.win, ins.bank, (), slice(None), kernel, off, tile.masks)
+    e = expand_chunk(tile.win, ins.bank, (), slice(None), kernel, off, tile.masks)
     b = _col(col(ins.b, (r, rows)))
     z = _col(col(ins.a, (r, rows))) * ins.acc[r, rows, :].astype(F32) + b * e
     dz = _dz(r, m, tile.dh, z, tile.gate_vals, ins.w, slice(None))
@@ -222,11 +222,11 @@ def _dinput_kernel(*refs, stream_kernels, heads, d, bt, bd, n_tiles, has_bank, h
     # [slots, 4 bt, bd]: row_shift.shift_rows_via_buffer (no lags when grouped: no scratch)
     buf_ref = next(it) if shift == "buffer" and not grouped else None
     m = len(stream_kernels)
-    layout = _stream_layout(stream_kernels)
+    layout = stream_layout(stream_kernels)
     n_taps = sum(stream_kernels)
     max_lag = max([1, *stream_kernels])
     head = (pl.program_id(1) * bd) // (d // heads)
-    col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
+    col = functools.partial(head_column, head=head, heads=heads, backend=backend)
     q = [ins.q[r, :].astype(F32)[None, :] for r in range(m)]
 
     first = pl.program_id(2) * n_tiles if grouped else 0
@@ -302,7 +302,7 @@ def _dstreams_kernel(*refs, stream_kernels, heads, d, bt, bd, tiles_per_program,
     dw_ref = next(it) if has_gate else None  # [m, bd, m]
     m = len(stream_kernels)
     head = (pl.program_id(2) * bd) // (d // heads)
-    col = functools.partial(_head_col, head=head, heads=heads, backend=backend)
+    col = functools.partial(head_column, head=head, heads=heads, backend=backend)
     first = pl.program_id(1) * tiles_per_program
     q = [ins.q[r, :].astype(F32)[None, :] for r in range(m)]
 
@@ -310,7 +310,7 @@ def _dstreams_kernel(*refs, stream_kernels, heads, d, bt, bd, tiles_per_program,
         dq, dw = list(carry[0]), [list(row) for row in carry[1]]
         t0 = pl.multiple_of((first + j) * bt, bt)
         tile = _Tile(ins, stream_kernels, pl.ds(t0, bt), t0, bt, bd, backend)
-        for r, (kernel, off) in enumerate(_stream_layout(stream_kernels)):
+        for r, (kernel, off) in enumerate(stream_layout(stream_kernels)):
             e, z, de, u = _stream_cotangent(ins, tile, q[r], r, kernel, off, m, col)
             de_ref[r, pl.ds(pl.multiple_of(j * bt, bt), bt), :] = de.astype(de_ref.dtype)
             dq[r] = dq[r] + u * e
@@ -375,7 +375,7 @@ def _stats_call(x, bank, a, b, acc, dh, w3, seg, *, stream_kernels, heads, tiles
             jax.ShapeDtypeStruct((batch, nc, t_pad, m), F32),
         ],
         name="depth_attention_phase2_bwd_stats",
-        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+        **call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
     return sq[..., 0].transpose(0, 2, 1), zw.transpose(0, 2, 1, 3), dg.transpose(0, 2, 1, 3)
 
@@ -422,7 +422,7 @@ def _dstate_call(x, bank, a, b, dold, acc, dh, gate_in, seg, *, stream_kernels, 
         out_specs=out_specs,
         out_shape=out_shape,
         name="depth_attention_phase2_bwd_state",
-        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+        **call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
     d_acc, reds = (outs[0], outs[1:]) if write_dacc else (None, outs)
     return (d_acc, *(jnp.swapaxes(v[..., 0], 2, 3) for v in reds))
@@ -504,7 +504,7 @@ def _dinput_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_ke
         out_specs=out_specs,
         out_shape=out_shape,
         name="depth_attention_phase2_bwd_inputs",
-        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+        **call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
     flat = lambda w: w.reshape(batch * n_groups, *w.shape[2:])  # noqa: E731 - the callers sum over axis 0
     dx, dq = outs[0], flat(outs[1])
@@ -544,7 +544,7 @@ def _dstreams_call(x, bank, query, a, b, u, v, acc, dh, gate_in, seg, *, stream_
         out_specs=out_specs,
         out_shape=out_shape,
         name="depth_attention_phase2_bwd_dstreams",
-        **_call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+        **call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
     )(*args)
     return outs[0], outs[1], (outs[2] if has_gate else None)
 
@@ -614,14 +614,14 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
         raise NotImplementedError(f"Triton phase-2 backward needs block_t, block_d >= 16 (got {bt}, {bd})")
     t_pad = -(-t_len // bt) * bt
     nc = d // bd
-    seg = None if segment_ids is None else _pad_t(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
+    seg = None if segment_ids is None else pad_tokens(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
     has_bank = bank is not None and any(stream_kernels)
     kbank = bank.astype(F32) if has_bank else None
-    x = _pad_t(partial, 1, t_pad)
+    x = pad_tokens(partial, 1, t_pad)
     # bf16 as it comes (the cotangent of a bf16 h, exact), else float32: every kernel widens its tiles
     dh = jnp.asarray(dh)
     dh = dh if dh.dtype == jnp.bfloat16 else dh.astype(F32)
-    g_h = _pad_t(dh, 1, t_pad)
+    g_h = pad_tokens(dh, 1, t_pad)
     # d_partial in the partial's dtype when that is bf16: each kernel writes every element once, so
     # that is the float32 value rounded once, as the cast at the end would give, in half the bytes
     dx_dtype = partial.dtype if partial.dtype == jnp.bfloat16 else F32
@@ -635,13 +635,13 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
         dots, sumsq = scores_call(x[None], None if kbank is None else kbank[None], q[None], seg, **kw)
         dots, sumsq = dots[0, 0], sumsq[0]  # [m, B, Tp, H], [m, B, Tp]
     else:
-        dots, sumsq = (_pad_t(jnp.asarray(v, F32), 2, t_pad) for v in scores)
+        dots, sumsq = (pad_tokens(jnp.asarray(v, F32), 2, t_pad) for v in scores)
     rk = jax.lax.rsqrt(sumsq / d + eps)
     include = jnp.asarray(include, bool)
     s = jnp.where(include, dots * rk[..., None], reference.NEG_LARGE)
-    pmax = _pad_t(state.max.astype(F32), 2, t_pad)
-    dold = _pad_t(state.denom.astype(F32), 2, t_pad, 1.0)
-    acc = _pad_t(state.acc, 2, t_pad)  # float32 or bf16 (api.phase1's state_dtype); loaded as float32
+    pmax = pad_tokens(state.max.astype(F32), 2, t_pad)
+    dold = pad_tokens(state.denom.astype(F32), 2, t_pad, 1.0)
+    acc = pad_tokens(state.acc, 2, t_pad)  # float32 or bf16 (api.phase1's state_dtype); loaded as float32
     new_max = jnp.maximum(pmax, s)
     keep = jnp.exp(pmax - new_max)
     p = jnp.where(include, jnp.exp(s - new_max), 0.0)
@@ -654,10 +654,10 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
         d_acc, sums, gate_out = mosaic_gpu.phase2_backward_state(
             partial, kbank, cut_t(a), cut_t(b), cut_t(dold), state.acc, dh, gate, segment_ids,
             stream_kernels=stream_kernels, heads=heads, gate_eps=gate_eps, interpret=interpret)
-        s1, sm, ss = (_pad_t(v, 2, t_pad) for v in sums)
+        s1, sm, ss = (pad_tokens(v, 2, t_pad) for v in sums)
         if gate is not None:
             g, dy, coef, d_scale, d_bias = gate_out
-            gate_in = (_pad_t(g, 1, t_pad), _pad_t(dy, 1, t_pad), _pad_t(coef, 1, t_pad), gate_cols(gate[0], m, d))
+            gate_in = (pad_tokens(g, 1, t_pad), pad_tokens(dy, 1, t_pad), pad_tokens(coef, 1, t_pad), gate_cols(gate[0], m, d))
             d_gate = [None, d_scale, d_bias]
     elif gate is not None:
         # Pass 1 + XLA: the gate's statistics and its backward on [B, Tp, m] scalars.

@@ -94,7 +94,7 @@ def key_rms(x: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _lag_masks(segment_ids: jax.Array | None, t_len: int, max_lag: int, batch: int) -> jax.Array:
+def segment_lag_masks(segment_ids: jax.Array | None, t_len: int, max_lag: int, batch: int) -> jax.Array:
     """``masks[delta, b, t]`` (``[max_lag, B, T]`` float32) is 1 where token ``t - delta`` is in
     the same sequence segment as ``t`` (and exists).
 
@@ -128,7 +128,7 @@ def expand(
     x = x.astype(jnp.float32)
     batch, t_len = x.shape[-3], x.shape[-2]
     max_lag = max([0, *stream_kernels])
-    masks = _lag_masks(segment_ids, t_len, max_lag, batch) if max_lag else None
+    masks = segment_lag_masks(segment_ids, t_len, max_lag, batch) if max_lag else None
     streams = []
     offset = 0
     for kernel in stream_kernels:

@@ -64,8 +64,8 @@ def _triton_form(args, heads, backend="interpret"):
                                 n_streams=len(KERNELS))
     if backend == "interpret":
         tiles = tiles.with_min_block_t(16)
-    t_pad, seg_p = fused._prepare(t_len, seg, tiles)
-    pad = fused._pad_t
+    t_pad, seg_p = fused.prepare_tokens(t_len, seg, tiles)
+    pad = fused.pad_tokens
     kw = dict(stream_kernels=KERNELS, tiles=tiles, backend=backend, interpret=backend == "interpret")
     ga = [pad(a, 2, t_pad) for a in g_acc] if isinstance(g_acc, list) else pad(g_acc, 3, t_pad)
     x = pad(sources, 2, t_pad)

@@ -65,7 +65,7 @@ def _pass3(args, kernels, heads, backend):
                                 backend="tpu" if backend == "interpret" else "triton", n_streams=m)
     tiles = dataclasses.replace(tiles, block_t=max(tiles.block_t, tiling._next_pow2(max(kernels) - 1), 8))
     t_pad = -(-t_len // tiles.block_t) * tiles.block_t
-    pad = lambda w, axis: fused._pad_t(w, axis, t_pad)  # noqa: E731
+    pad = lambda w, axis: fused.pad_tokens(w, axis, t_pad)  # noqa: E731
     gate_p = None if gate_in is None else (pad(gate_in[0], 1), pad(gate_in[1], 1), pad(gate_in[2], 1), gate_in[3])
     out = fused_bwd_phase2._dinput_call(
         pad(x, 1), bank, q, pad(a, 2), pad(b, 2), pad(u, 2), pad(v, 2), pad(acc, 2), pad(dh, 1), gate_p,
@@ -142,12 +142,12 @@ def test_rows_per_program_is_the_largest_divisor_of_the_batch():
 
 
 def test_stream_groups_balance_the_carried_sums():
-    layout = fused._stream_layout((0, 4, 8, 12))
+    layout = fused.stream_layout((0, 4, 8, 12))
     assert phase2_inputs._stream_groups(layout, True, 2) == ((0, 3), (1, 2))  # 22 carried sums each
     assert phase2_inputs._stream_groups(layout, True, 1) == ((0, 1, 2, 3),)
     assert phase2_inputs._stream_groups(layout, True, 3) == ((3,), (2,), (0, 1))  # 17, 13 and 14
     assert phase2_inputs._stream_groups(layout, True, 4) == ((3,), (2,), (1,), (0,))
-    assert phase2_inputs._stream_groups(fused._stream_layout((0,)), True, 2) == ((0,),)
+    assert phase2_inputs._stream_groups(fused.stream_layout((0,)), True, 2) == ((0,),)
 
 
 def test_inputs_kernel_refuses_shapes_it_does_not_take():

@@ -37,8 +37,8 @@ def _triton_scores(sources, banks, queries, seg, valid, heads):
     n, batch, t_len, d = sources.shape
     tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=max(KERNELS), n_targets=queries.shape[0],
                                 backend="tpu", n_streams=len(KERNELS)).with_min_block_t(16)
-    t_pad, seg_p = fused._prepare(t_len, seg, tiles)
-    dots, sumsq = fused.scores_call(fused._pad_t(sources, 2, t_pad), banks, queries, seg_p, stream_kernels=KERNELS,
+    t_pad, seg_p = fused.prepare_tokens(t_len, seg, tiles)
+    dots, sumsq = fused.scores_call(fused.pad_tokens(sources, 2, t_pad), banks, queries, seg_p, stream_kernels=KERNELS,
                                     heads=heads, tiles=tiles, backend="interpret", interpret=True, valid=valid)
     return dots[..., :t_len, :], sumsq[..., :t_len]
 
@@ -309,9 +309,9 @@ def test_gpu_phase1_scores_match_triton():
             sources, banks, queries, seg, valid)
         tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=12, n_targets=n_targets, backend="triton",
                                     n_streams=4)
-        t_pad, seg_p = fused._prepare(t_len, seg, tiles)
+        t_pad, seg_p = fused.prepare_tokens(t_len, seg, tiles)
         want = jax.jit(lambda x, b, q, s, v: fused.scores_call(
-            fused._pad_t(x, 2, t_pad), b, q, s, stream_kernels=KERNELS, heads=heads, tiles=tiles, backend="triton",
+            fused.pad_tokens(x, 2, t_pad), b, q, s, stream_kernels=KERNELS, heads=heads, tiles=tiles, backend="triton",
             interpret=False, valid=v))(sources, banks, queries, seg_p, valid)
         _check_tree(got, (want[0][..., :t_len, :], want[1][..., :t_len]), 1e-5)
         (g, g_grads), (w, w_grads) = _op_and_oracle("mosaic", t_len=300, d=256, heads=2)
@@ -338,7 +338,7 @@ def test_gpu_phase1_mix_matches_triton(state_dtype, window_fetch):
     sources, banks, _ = _phase1_inputs(n, batch, t_len, d, n_targets, KERNELS, dtype=jnp.bfloat16)
     seg, valid = _segments(batch, t_len, 77), jnp.asarray([True, True, False, True])
     tiles = tiling.choose_tiles(d=d, heads=heads, max_kernel=12, n_targets=n_targets, backend="triton", n_streams=4)
-    t_pad, seg_p = fused._prepare(t_len, seg, tiles)
+    t_pad, seg_p = fused.prepare_tokens(t_len, seg, tiles)
     p = jax.random.uniform(jax.random.key(7), (n_targets, n, 4, batch, t_pad, heads), minval=0.1)
     p = p * valid[None, :, None, None, None, None]
     mix = lambda fetch: jax.jit(lambda *a: mosaic_gpu.phase1_mix(  # noqa: E731
@@ -348,7 +348,7 @@ def test_gpu_phase1_mix_matches_triton(state_dtype, window_fetch):
         for g, w in zip(got, mix("per_item")(sources, banks, p, seg, valid), strict=True):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     want = jax.jit(lambda x, b, pp, s, v: fused.mix_call(
-        fused._pad_t(x, 2, t_pad), b, pp, s, mode="acc", stream_kernels=KERNELS, heads=heads, tiles=tiles,
+        fused.pad_tokens(x, 2, t_pad), b, pp, s, mode="acc", stream_kernels=KERNELS, heads=heads, tiles=tiles,
         backend="triton", interpret=False, out_dtype=state_dtype, valid=v, split_targets=True))(
         sources, banks, p, seg_p, valid)
     tol = 1e-2 if state_dtype == jnp.bfloat16 else 1e-5

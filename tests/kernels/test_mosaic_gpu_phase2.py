@@ -91,7 +91,7 @@ def test_interpreted_bf16_partial_and_state():
 def test_lag_bits_follow_the_reference_masks():
     seg = _segments(3, 40, 13)
     bits = np.asarray(mosaic_gpu.lag_bits(seg, 40, 12))
-    masks = np.asarray(reference._lag_masks(seg, 40, 12, 3))
+    masks = np.asarray(reference.segment_lag_masks(seg, 40, 12, 3))
     for delta in range(12):
         np.testing.assert_array_equal((bits >> delta) & 1, masks[delta])
 

@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention import reference
-from pallas_kernels.depth_attention.fused import _pad_t
+from pallas_kernels.depth_attention.fused import pad_tokens
 
 F32 = jnp.float32
 BLOCK_T = 64  # one warpgroup's WGMMA register layout: 64 rows
@@ -71,8 +71,8 @@ def choose_block_d(*, d: int, heads: int, stream_kernels: Sequence[int], x_dtype
 
 def lag_bits(segment_ids, t_len: int, max_lag: int):
     """``bits[B, T]`` int32: bit ``delta`` set where token ``t - delta`` exists and lies in
-    ``t``'s segment (``reference._lag_masks``' rule: equal ids). Bit 0 is always set."""
-    masks = reference._lag_masks(segment_ids, t_len, max_lag, segment_ids.shape[0])  # [K, B, T]
+    ``t``'s segment (``reference.segment_lag_masks``' rule: equal ids). Bit 0 is always set."""
+    masks = reference.segment_lag_masks(segment_ids, t_len, max_lag, segment_ids.shape[0])  # [K, B, T]
     weights = (2 ** jnp.arange(max_lag, dtype=jnp.int32))[:, None, None]
     return jnp.sum(masks.astype(jnp.int32) * weights, axis=0)
 
@@ -165,7 +165,7 @@ def state_as_rows(state, t_pad: int):
     squeezed dimension, Mosaic GPU's tiled shared-memory view of the box needs 6 dimensions,
     one more than TMA has.)"""
     m, batch, _, d = state.shape
-    return _pad_t(state, 2, t_pad).reshape(m, batch * t_pad, d)
+    return pad_tokens(state, 2, t_pad).reshape(m, batch * t_pad, d)
 
 
 def copy_state(plgpu, acc_ref, accs, rows, cs, slot, bar):
@@ -320,10 +320,10 @@ def tile_partial(name, partial, segment_ids, *, stream_kernels, heads, block_d, 
     has_seg = segment_ids is not None and max_lag > 1
     t_pad = -(-t_len // BLOCK_T) * BLOCK_T
     front = 8 * -(-(max_lag - 1) // 8) if interpret else 0  # rows a window reaches back: whole 8s
-    x = _pad_t(partial, 1, t_pad)
+    x = pad_tokens(partial, 1, t_pad)
     if interpret:  # rows before token 0 and the "padded" windows' channels past d: zeros, as TMA fills them
         x = jnp.pad(x, ((0, 0), (front, 0), (0, WINDOW_PAD)))
-    bits = _pad_t(lag_bits(segment_ids, t_len, max_lag), 1, t_pad) if has_seg else None
+    bits = pad_tokens(lag_bits(segment_ids, t_len, max_lag), 1, t_pad) if has_seg else None
     return TiledPartial(batch, t_len, d, bd, max_lag, any(stream_kernels), has_seg, t_pad, front, x, bits)
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
+from pallas_kernels.depth_attention.fused import pad_tokens, stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu.common import (
     BLOCK_D_CHOICES, BLOCK_T, F32, KernelConfig, LagWindow, SMEM_BYTES, expand_item, jitted_kernel, lag_masks,
     lane_plgpu, per_col, per_row, smem_sum, store_group, tile_partial, tile_smem, valid_first, window_elems,
@@ -97,7 +97,7 @@ def _acc_rows(g_acc, t_len: int, t_pad: int):
     for a in parts:
         a = a[:, :, :t_len] if a.shape[2] > t_len else a
         m, batch, _, d = a.shape
-        out.append(_pad_t(a, 2, t_pad).reshape(m, batch * t_pad, d))
+        out.append(pad_tokens(a, 2, t_pad).reshape(m, batch * t_pad, d))
     return out
 
 
@@ -196,9 +196,9 @@ def _call(mode, sources, banks, g_acc, segment_ids, valid, *, stream_kernels, he
               *_acc_rows(g_acc, t_len, t_pad)]
     if mode == "dstreams":
         # per (source, stream, head): the rows [P_s (S) | DSR_s (S) | W], one TMA copy per item
-        cut = lambda a: _pad_t(jnp.asarray(a, F32)[..., :t_len, :], 4, t_pad)  # noqa: E731
+        cut = lambda a: pad_tokens(jnp.asarray(a, F32)[..., :t_len, :], 4, t_pad)  # noqa: E731
         per_head = jnp.concatenate([cut(p), cut(dsr)]).transpose(1, 2, 5, 0, 3, 4)  # [n, m, H, 2S, B, Tp]
-        w_rows = _pad_t(jnp.asarray(w, F32)[..., :t_len], 3, t_pad)[:, :, None, None]
+        w_rows = pad_tokens(jnp.asarray(w, F32)[..., :t_len], 3, t_pad)[:, :, None, None]
         rows = jnp.concatenate([per_head, jnp.broadcast_to(w_rows, (n, m, heads, 1, batch, t_pad))], axis=3)
         inputs += [jnp.asarray(queries, F32), rows.reshape(n, m, heads * (2 * n_targets + 1), batch, t_pad)]
     if sh.has_seg:
@@ -243,7 +243,7 @@ def _kernel(cfg: Phase1BackwardConfig):
     n_gslots = cfg.group_slots
     gdots = mode == "gdots"
     m, bt, t_pad = len(stream_kernels), BLOCK_T, cfg.t_pad
-    layout = _stream_layout(stream_kernels)
+    layout = stream_layout(stream_kernels)
     max_lag = max([1, *stream_kernels])
     nch = d // bd // heads  # chunks per head
     n_groups = heads * nch  # the program's stream's (head, chunk) groups

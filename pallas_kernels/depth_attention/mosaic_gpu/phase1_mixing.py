@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
+from pallas_kernels.depth_attention.fused import pad_tokens, stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu.common import (
     BLOCK_T, F32, KernelConfig, LagWindow, SMEM_BYTES, expand_item, jitted_kernel, lag_masks, lane_plgpu, per_row,
     smem_sum, store_group, tile_partial, tile_smem, valid_first, window_elems,
@@ -119,7 +119,7 @@ def phase1_mix(sources, banks, p, segment_ids, valid, *, stream_kernels, heads: 
     has_bank = sh.has_bank and banks is not None
     meta = valid_first(valid, n)  # the kernel loops over the valid sources only
     # [S, n, m, B, T', H] -> [n, m, S H, B, Tp]: one TMA copy per (source, stream) brings a tile's p rows
-    p_rows = _pad_t(jnp.asarray(p, F32)[:, :, :, :, :t_len], 4, sh.t_pad)
+    p_rows = pad_tokens(jnp.asarray(p, F32)[:, :, :, :, :t_len], 4, sh.t_pad)
     p_rows = p_rows.transpose(1, 2, 0, 5, 3, 4).reshape(n, m, n_targets * heads, batch, sh.t_pad)
     inputs = [sh.x, jnp.asarray(banks, F32) if has_bank else jnp.zeros((n, 1, d), F32), p_rows, meta]
     if sh.has_seg:
@@ -156,7 +156,7 @@ def _mix_kernel(cfg: MixConfig):
     stream_kernels, has_bank, has_seg, front, n_slots = (cfg.stream_kernels, cfg.has_bank, cfg.has_seg, cfg.front,
                                                          cfg.n_slots)
     m, bt = len(stream_kernels), BLOCK_T
-    layout = _stream_layout(stream_kernels)
+    layout = stream_layout(stream_kernels)
     max_lag = max([1, *stream_kernels])
     nc, nch = d // bd, d // bd // heads
     row, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA

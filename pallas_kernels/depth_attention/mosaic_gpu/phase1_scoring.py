@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention.fused import _stream_layout
+from pallas_kernels.depth_attention.fused import stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu.common import (
     BLOCK_T, F32, KernelConfig, LagWindow, expand_streams, fetch_partial, jitted_kernel, lag_masks, lane_plgpu,
     per_col, pipeline_chunks, smem_sum, store_group, tile_partial, window_elems,
@@ -103,7 +103,7 @@ def _scores_kernel(cfg: ScoresConfig):
     n, batch, d, heads, bd, n_targets = cfg.n, cfg.batch, cfg.d, cfg.heads, cfg.block_d, cfg.n_targets
     stream_kernels, has_bank, has_seg, front = cfg.stream_kernels, cfg.has_bank, cfg.has_seg, cfg.front
     m, bt = len(stream_kernels), BLOCK_T
-    layout = _stream_layout(stream_kernels)
+    layout = stream_layout(stream_kernels)
     max_lag = max([1, *stream_kernels])
     lags, n_taps = LagWindow.of(max_lag), max(1, sum(stream_kernels))
     nc, smh = d // bd, n_targets * m * heads

@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention import reference
-from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
+from pallas_kernels.depth_attention.fused import pad_tokens, stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu.common import (
     BLOCK_T, F32, KernelConfig, LagWindow, copy_state, expand_streams, fetch_partial, jitted_kernel, lag_masks,
     lane_plgpu, per_col, per_row, pipeline_chunks, smem_sum, state_as_rows, tile_partial, tile_smem, window_elems,
@@ -63,7 +63,7 @@ def phase2_fused_forward(state, partial, bank, query, include_partial, gate_para
     front, has_bank, has_seg, mh = sh.front, sh.has_bank, sh.has_seg, m * heads
 
     def pad_t(a, axis, value=0.0):
-        return _pad_t(a, axis, t_pad, value)
+        return pad_tokens(a, axis, t_pad, value)
 
     banks = (jnp.asarray(bank, F32) if has_bank else jnp.zeros((1, d), F32))
     q = jnp.asarray(query, F32)
@@ -136,7 +136,7 @@ def _kernel(cfg: ForwardConfig):
                                                         cfg.gate, cfg.has_seg, cfg.front)
     eps, gate_eps, stream_kernels = cfg.eps, cfg.gate_eps, cfg.stream_kernels
     m, bt = len(stream_kernels), BLOCK_T
-    layout = _stream_layout(stream_kernels)
+    layout = stream_layout(stream_kernels)
     max_lag = max([1, *stream_kernels])
     has_bank = any(stream_kernels)
     nc = d // bd

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
+from pallas_kernels.depth_attention.fused import pad_tokens, stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu.common import (
     BLOCK_T, F32, KernelConfig, LagWindow, LanePlgpu, MAX_LAG_BITS, dh_operand, lag_bits, named_body, pad_rows4,
     per_col, per_row, rows4, state_as_rows,
@@ -106,10 +106,10 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
     t_pad = -(-t_len // bt) * bt
     lags = LagWindow.of(max_lag, pad=0)
     front = 8 * lags.extra if interpret else 0
-    x = _pad_t(partial, 1, t_pad)
+    x = pad_tokens(partial, 1, t_pad)
     if interpret:  # the rows before token 0: zeros, as TMA fills them on the GPU
         x = jnp.pad(x, ((0, 0), (front, 0), (0, 0)))
-    pad_t = lambda w, axis: _pad_t(jnp.asarray(w, F32), axis, t_pad)  # noqa: E731
+    pad_t = lambda w, axis: pad_tokens(jnp.asarray(w, F32), axis, t_pad)  # noqa: E731
 
     # per-token rows [H, R, B, Tp]: a, b, u, v per stream (v repeated per head), then g, dy, coef
     per_head = [jnp.moveaxis(pad_t(w, 2), -1, 0) for w in (a, b, u)]  # [H, m, B, Tp] each
@@ -121,11 +121,11 @@ def phase2_backward_inputs(partial, bank, query, a, b, u, v, acc, dh, gate_in, s
         per_head.append(jnp.broadcast_to(pad_t(coef, 1)[None, None], (heads, 1, batch, t_pad)))
     rows = jnp.concatenate(per_head, axis=1)
     inputs = [x, pad_rows4(jnp.asarray(bank, F32) if has_bank else jnp.zeros((1, d), F32)),
-              pad_rows4(jnp.asarray(query, F32)), rows, state_as_rows(acc, t_pad), _pad_t(dh_operand(dh), 1, t_pad)]
+              pad_rows4(jnp.asarray(query, F32)), rows, state_as_rows(acc, t_pad), pad_tokens(dh_operand(dh), 1, t_pad)]
     if gate:
         inputs.append(pad_rows4(jnp.asarray(w3, F32).transpose(0, 2, 1).reshape(m * m, d)))  # [(r, j), c]
     if has_seg:  # each tile's window: its rows and the next tile's first ones (zeros past the end)
-        bits = _pad_t(lag_bits(segment_ids, t_len, max_lag), 1, t_pad)
+        bits = pad_tokens(lag_bits(segment_ids, t_len, max_lag), 1, t_pad)
         inputs.append(jnp.pad(bits, ((0, 0), (0, INPUTS_BITS_ROWS - bt))))
     call = _inputs_kernel(InputsConfig(batch=batch, t_pad=t_pad, d=d, stream_kernels=stream_kernels, heads=heads,
                                        block_d=INPUTS_BLOCK_D, gate=gate, has_bank=has_bank, has_seg=has_seg,
@@ -148,7 +148,7 @@ def _inputs_constants(stream_kernels, gate: bool) -> str:
     use (with one warpgroup for all four streams, holding their constants in registers took its
     spills from 404 to 1060 bytes and its loop from 1080 to 1180 instructions, the H200's compile at
     `base`)."""
-    if len(_stream_groups(_stream_layout(stream_kernels), gate, INPUTS_WARPGROUPS)) == 1:
+    if len(_stream_groups(stream_layout(stream_kernels), gate, INPUTS_WARPGROUPS)) == 1:
         return "per_use"
     return "per_program"
 
@@ -199,7 +199,7 @@ def _inputs_kernel(cfg: InputsConfig):
                                                     cfg.front)
     stream_kernels = cfg.stream_kernels
     m, bt, bd = len(stream_kernels), BLOCK_T, INPUTS_BLOCK_D
-    layout = _stream_layout(stream_kernels)
+    layout = stream_layout(stream_kernels)
     max_lag = max([1, *stream_kernels])
     lags = LagWindow.of(max_lag, pad=0)
     has_bank = cfg.has_bank

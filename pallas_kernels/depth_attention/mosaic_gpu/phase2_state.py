@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
+from pallas_kernels.depth_attention.fused import pad_tokens, stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu.common import (
     BLOCK_T, F32, KernelConfig, LagWindow, copy_state, dh_operand, expand_streams, fetch_partial, jitted_kernel,
     lag_masks, lane_plgpu, per_col, per_row, pipeline_chunks, smem_sum, state_as_rows, tile_partial, tile_smem,
@@ -64,7 +64,7 @@ def phase2_backward_state(partial, bank, a, b, dold, acc, dh, gate_params, segme
     front, has_bank, has_seg, mh = sh.front, sh.has_bank, sh.has_seg, m * heads
 
     def pad_t(v, axis, value=0.0):
-        return _pad_t(v, axis, t_pad, value)
+        return pad_tokens(v, axis, t_pad, value)
 
     def head_rows(v, value=0.0):  # [m, B, T, H] -> [m H, B, Tp]
         return pad_t(jnp.moveaxis(jnp.asarray(v, F32), -1, 1).reshape(mh, batch, t_len), 2, value)
@@ -142,7 +142,7 @@ def _state_kernel(cfg: StateConfig):
                                                         cfg.gate, cfg.has_seg, cfg.front)
     stream_kernels = cfg.stream_kernels
     m, bt = len(stream_kernels), BLOCK_T
-    layout = _stream_layout(stream_kernels)
+    layout = stream_layout(stream_kernels)
     max_lag = max([1, *stream_kernels])
     lags = LagWindow.of(max_lag)
     has_bank = any(stream_kernels)

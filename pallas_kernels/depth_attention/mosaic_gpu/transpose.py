@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention.fused import _pad_t, _stream_layout
+from pallas_kernels.depth_attention.fused import pad_tokens, stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu.common import (
     BLOCK_T, F32, KernelConfig, LanePlgpu, MAX_LAG_BITS, lag_bits, named_body, pad_rows4, per_col, per_row, rows4,
     valid_first,
@@ -90,7 +90,7 @@ def sources_transpose(d_streams, x, banks, segment_ids, valid, *, stream_kernels
     bank_rows = pad_rows4(jnp.asarray(banks, F32).transpose(1, 0, 2).reshape(n_taps, n * d))
     inputs = [de, xp, bank_rows, valid_first(valid, n)]
     if has_seg:  # each tile's window: its rows and the next tile's first ones (zeros past the end)
-        bits = _pad_t(lag_bits(segment_ids, t_len, max_lag), 1, t_pad)
+        bits = pad_tokens(lag_bits(segment_ids, t_len, max_lag), 1, t_pad)
         inputs.append(jnp.pad(bits, ((0, 0), (0, _BITS_ROWS - bt))))
     call = _transpose_kernel(TransposeConfig(
         n=n, batch=batch, t_pad=t_pad, d=d, stream_kernels=stream_kernels, heads=1, block_d=TRANSPOSE_BLOCK_D,
@@ -123,7 +123,7 @@ def _transpose_kernel(cfg: TransposeConfig):
     n, batch, t_pad, d, has_seg = cfg.n, cfg.batch, cfg.t_pad, cfg.d, cfg.has_seg
     stream_kernels = cfg.stream_kernels
     m, bt, bd, ahead = len(stream_kernels), BLOCK_T, TRANSPOSE_BLOCK_D, TRANSPOSE_AHEAD
-    layout = _stream_layout(stream_kernels)
+    layout = stream_layout(stream_kernels)
     n_taps, n_tiles = sum(stream_kernels), t_pad // bt
     rows_in = bt + ahead
     row, col, tile = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0), plgpu.Layout.WGMMA
