@@ -14,7 +14,7 @@ CPU smoke (the test suite runs this)::
     python benchmarks/profile_step.py configs/attnres.py:size=tiny --steps 2 --warmup 1
 
 ``--kernel-option MODULE.NAME=VALUE`` (repeatable) sets a default of a
-``pallas_kernels.depth_attention`` module first (e.g. ``_backend.AUTO_INPUTS=False``). With
+``pallas_kernels.depth_attention`` module first (e.g. ``heuristics.AUTO_INPUTS=False``). With
 ``configs/vanilla.py`` among the configs it ends with each config's step over Vanilla's, timed in
 the same process (BENCHMARKS.md's step ratios). On a GPU, command buffers are switched off so the
 trace shows kernels. Method: docs/methods.md §4.
@@ -289,7 +289,7 @@ def profile_config(spec: str, steps: int, warmup: int, trace_root: Path, overrid
 
 def set_kernel_options(options: list[str]) -> dict:
     """``MODULE.NAME=VALUE`` items: sets ``pallas_kernels.depth_attention.MODULE.NAME`` (a module
-    default the kernels read when they are built, e.g. ``_backend.AUTO_INPUTS=False``) to
+    default the kernels read when they are built, e.g. ``heuristics.AUTO_INPUTS=False``) to
     VALUE, a Python literal or else the string. Raises ``ValueError`` (naming the item) for a
     malformed item, an unknown module or a name the module does not have (so a typo cannot time
     the defaults under another label). Returns ``{item's name: value}``."""
@@ -301,7 +301,7 @@ def set_kernel_options(options: list[str]) -> dict:
         name, sep, text = item.partition("=")
         module_name, dot, attr = name.strip().rpartition(".")
         if not sep or not dot or not attr:
-            raise ValueError(f"--kernel-option {item!r}: must be MODULE.NAME=VALUE (e.g. _backend.AUTO_INPUTS=False)")
+            raise ValueError(f"--kernel-option {item!r}: must be MODULE.NAME=VALUE (e.g. heuristics.AUTO_INPUTS=False)")
         try:
             module = importlib.import_module(f"pallas_kernels.depth_attention.{module_name}")
         except ImportError as e:
@@ -379,7 +379,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
     ap.add_argument("--kernel-option", action="append", default=[],
                     help="MODULE.NAME=VALUE: a pallas_kernels.depth_attention module default set before "
-                         "the step is built (repeatable), e.g. _backend.AUTO_INPUTS=False")
+                         "the step is built (repeatable), e.g. heuristics.AUTO_INPUTS=False")
     ap.add_argument("--json", default=None)
     ap.add_argument("--hlo_dir", default=None,
                     help="also write each config's compiled HLO here (<config>.hlo.txt.gz): the report's op names")

@@ -99,17 +99,17 @@ def test_profile_names_pallas_kernels(prof, tmp_path):
 def test_kernel_options_set_module_defaults(prof, monkeypatch):
     """``--kernel-option MODULE.NAME=VALUE`` sets a kernel module's default (a literal or a
     string), and refuses a malformed item, an unknown module or a name the module lacks."""
-    from pallas_kernels.depth_attention import _backend, fused_bwd_phase1
+    from pallas_kernels.depth_attention import fused_bwd_phase1, heuristics
 
     monkeypatch.setattr(fused_bwd_phase1, "DEFAULT_QUERY_GRADS_HEADS", fused_bwd_phase1.DEFAULT_QUERY_GRADS_HEADS)
-    monkeypatch.setattr(_backend, "AUTO_INPUTS", _backend.AUTO_INPUTS)
-    got = prof.set_kernel_options(["fused_bwd_phase1.DEFAULT_QUERY_GRADS_HEADS=all_heads", "_backend.AUTO_INPUTS=False"])
-    assert got == {"fused_bwd_phase1.DEFAULT_QUERY_GRADS_HEADS": "all_heads", "_backend.AUTO_INPUTS": False}
-    assert (fused_bwd_phase1.DEFAULT_QUERY_GRADS_HEADS, _backend.AUTO_INPUTS) == ("all_heads", False)
+    monkeypatch.setattr(heuristics, "AUTO_INPUTS", heuristics.AUTO_INPUTS)
+    got = prof.set_kernel_options(["fused_bwd_phase1.DEFAULT_QUERY_GRADS_HEADS=all_heads", "heuristics.AUTO_INPUTS=False"])
+    assert got == {"fused_bwd_phase1.DEFAULT_QUERY_GRADS_HEADS": "all_heads", "heuristics.AUTO_INPUTS": False}
+    assert (fused_bwd_phase1.DEFAULT_QUERY_GRADS_HEADS, heuristics.AUTO_INPUTS) == ("all_heads", False)
     for bad, match in (("AUTO_INPUTS=False", "must be MODULE.NAME=VALUE"),
-                       ("_backend.AUTO_INPUTS", "must be MODULE.NAME=VALUE"),
+                       ("heuristics.AUTO_INPUTS", "must be MODULE.NAME=VALUE"),
                        ("no_such_module.X=1", "no module"),
-                       ("_backend.AUTO_INPUT=False", "_backend has no AUTO_INPUT")):
+                       ("heuristics.AUTO_INPUT=False", "heuristics has no AUTO_INPUT")):
         with pytest.raises(ValueError, match=match):
             prof.set_kernel_options([bad])
 

@@ -1,7 +1,7 @@
 """GPU implementation: Pallas' Triton lowering (kernels in ``fused.py``, ``fused_bwd_phase*.py``,
 ``conv_transpose.py``) and Mosaic GPU (the ``mosaic_gpu`` package), chosen per
-kernel by ``gpu_kernels`` (``_backend.GPU_KERNELS``; for one stream
-``_backend.SINGLE_STREAM_MOSAIC_PHASE1``). Why Triton first, and where Mosaic GPU is faster:
+kernel by ``gpu_kernels`` (``heuristics.GPU_KERNELS``; the per-kernel rules are
+``heuristics.mosaic_phase1`` and ``mosaic_phase2``). Why Triton first, and where Mosaic GPU is faster:
 docs/kernels.md §3."""
 
 from __future__ import annotations

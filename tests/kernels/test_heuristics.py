@@ -85,3 +85,49 @@ def test_ops_take_a_config_and_the_xla_path_ignores_it():
     with pytest.raises(ValueError, match="backward='xla' and config.backward='pallas': give one of them"):
         api.phase1(sources, None, queries, implementation="pallas_tpu", backward="xla",
                    config=OpConfig(backward="pallas"), **kw)
+
+
+def test_the_lowering_rules_live_in_heuristics_only():
+    """Which kernels run in Mosaic GPU or Triton is decided by ``heuristics.mosaic_phase1`` and
+    ``mosaic_phase2`` alone: ``_backend`` keeps none of the choices or flags, and ``GPU_KERNELS``
+    is defined once."""
+    from pallas_kernels.depth_attention import _backend
+
+    for name in ("GPU_KERNELS", "AUTO_INPUTS", "AUTO_PHASE1_BWD", "AUTO_TRANSPOSE", "SINGLE_STREAM_MOSAIC_PHASE1"):
+        assert hasattr(heuristics, name) and not hasattr(_backend, name), name
+
+
+@pytest.mark.parametrize("choice, kernels, d, interpret, platform_backend, phase1, phase2", [
+    ("auto", MSAR, 1024, False, "triton", set(heuristics.PHASE1_KERNELS), set(heuristics.PHASE2_KERNELS)),
+    ("auto", MSAR, 1024, True, "triton", set(), set()),  # interpret mode (the CPU tests): Triton
+    ("auto", MSAR, 1024, False, "tpu", set(), set()),
+    ("auto", ONE_STREAM, 1024, False, "triton", {"scores", "gdots", "dstreams"}, set()),
+    ("triton", MSAR, 1024, False, "triton", set(), set()),
+    ("auto", MSAR, 1020, False, "triton", set(), set()),  # no Mosaic kernel takes d = 1020: Triton
+])
+def test_lowering_per_kernel_from_shapes_dtypes_platform(choice, kernels, d, interpret, platform_backend, phase1,
+                                                         phase2):
+    """The rules as plain functions of shapes, dtypes and platform, at `base`'s shape (7 bf16
+    sources, 8 targets, a float32 state)."""
+    got1 = {k for k in heuristics.PHASE1_KERNELS
+            if heuristics.mosaic_phase1(choice, k, backend=platform_backend, stream_kernels=kernels, heads=1, d=d,
+                                        n_sources=7, n_targets=8, dtype="bfloat16",
+                                        interpret=interpret)}
+    got2 = {k for k in heuristics.PHASE2_KERNELS
+            if heuristics.mosaic_phase2(choice, k, backend=platform_backend, fuse="gate", stream_kernels=kernels,
+                                        heads=1, d=d, dtype="bfloat16", acc_dtype="float32", out_dtype="bfloat16",
+                                        interpret=interpret)}
+    assert (got1, got2) == (phase1, phase2)
+
+
+def test_bad_gpu_kernels_and_kernel_names_are_errors():
+    with pytest.raises(ValueError, match=r"gpu_kernels='fast': must be one of"):
+        heuristics.check_gpu_kernels("fast", "triton")
+    with pytest.raises(ValueError, match="this is the tpu back end"):
+        heuristics.check_gpu_kernels("mosaic", "tpu")
+    with pytest.raises(ValueError, match="kernel='score': must be one of"):
+        heuristics.mosaic_phase1("auto", "score", backend="triton", stream_kernels=MSAR, heads=1, d=64, n_sources=3,
+                                 n_targets=2, dtype="bfloat16", interpret=False)
+    with pytest.raises(ValueError, match="kernel='state': must be one of"):
+        heuristics.mosaic_phase2("auto", "state", backend="triton", fuse="gate", stream_kernels=MSAR, heads=1, d=64,
+                                 dtype="bfloat16", acc_dtype="float32", out_dtype="float32", interpret=False)

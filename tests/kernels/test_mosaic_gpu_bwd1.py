@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import functools
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.depth_attention import _backend, conv_transpose, fused, fused_bwd_phase1, mosaic_gpu, tiling
+from pallas_kernels.depth_attention import conv_transpose, fused, fused_bwd_phase1, heuristics, mosaic_gpu, tiling
 from pallas_kernels.depth_attention.mosaic_gpu import phase1_backward
 from tests.kernels.test_depth_attention_fused import F32_TOL, _check_tree, _phase1_inputs
 from tests.kernels.test_mosaic_gpu_phase1 import _segments
@@ -262,24 +261,25 @@ def test_transpose_refuses_bad_inputs():
     ("triton", True, False, False),
 ])
 def test_which_choice_takes_the_kernels(monkeypatch, choice, auto_bwd, interpret, want):
-    """``_backend._mosaic_phase1`` for both kernels at `base`'s shape (float32 and bf16 state);
-    ``"mosaic"`` is an error for a shape they do not take."""
-    monkeypatch.setattr(_backend, "AUTO_PHASE1_BWD", auto_bwd)
-    monkeypatch.setattr(_backend, "AUTO_TRANSPOSE", auto_bwd)
-    static = types.SimpleNamespace(stream_kernels=KERNELS, heads=1)
-    src = jax.ShapeDtypeStruct((7, 64, 1024, 1024), jnp.bfloat16)
+    """``heuristics.mosaic_phase1`` for both kernels and the transpose at `base`'s shape (7 bf16
+    sources of d = 1024, 8 targets; float32 and bf16 state); ``"mosaic"`` is an error for a shape
+    they do not take."""
+    monkeypatch.setattr(heuristics, "AUTO_PHASE1_BWD", auto_bwd)
+    monkeypatch.setattr(heuristics, "AUTO_TRANSPOSE", auto_bwd)
+
+    def takes(choice, kernel, backend="triton", stream_kernels=KERNELS, d=1024, interpret=interpret, **kw):
+        return heuristics.mosaic_phase1(choice, kernel, backend=backend, stream_kernels=stream_kernels, heads=1, d=d,
+                                        n_sources=7, n_targets=8, dtype=jnp.bfloat16, interpret=interpret, **kw)
+
     for kernel in (*phase1_backward.MODES, "transpose"):
         for state_dtype in (jnp.float32, jnp.bfloat16):
-            assert _backend._mosaic_phase1(choice, "triton", static, src, 8, interpret, kernel=kernel,
-                                           state_dtype=state_dtype) is want
-        assert not _backend._mosaic_phase1(choice, "tpu", static, src, 8, interpret, kernel=kernel)
+            assert takes(choice, kernel, state_dtype=state_dtype) is want
+        assert not takes(choice, kernel, backend="tpu")
         if choice == "mosaic":
-            odd = jax.ShapeDtypeStruct((7, 64, 1024, 1004), jnp.bfloat16)
             with pytest.raises(ValueError, match="does not take|must be a multiple of 8"):
-                _backend._mosaic_phase1("mosaic", "triton", static, odd, 8, False, kernel=kernel)
+                takes("mosaic", kernel, d=1004, interpret=False)
     # no conv: the transpose is a sum over the streams, no kernel (also under "mosaic")
-    no_conv = types.SimpleNamespace(stream_kernels=(0, 0), heads=1)
-    assert not _backend._mosaic_phase1(choice, "triton", no_conv, src, 8, interpret, kernel="transpose")
+    assert not takes(choice, "transpose", stream_kernels=(0, 0))
 
 
 @pytest.mark.parametrize("mode", phase1_backward.MODES)

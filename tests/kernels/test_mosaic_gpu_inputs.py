@@ -9,14 +9,13 @@ takes this kernel) is ``test_mosaic_gpu_phase2.test_interpreted_forward_and_grad
 from __future__ import annotations
 
 import dataclasses
-import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.depth_attention import _backend, fused, fused_bwd_phase2, mosaic_gpu, reference, tiling
+from pallas_kernels.depth_attention import fused, fused_bwd_phase2, heuristics, mosaic_gpu, reference, tiling
 from pallas_kernels.depth_attention.mosaic_gpu import phase2_inputs
 
 pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
@@ -161,23 +160,25 @@ def test_inputs_kernel_refuses_shapes_it_does_not_take():
 @pytest.mark.parametrize("choice", ["auto", "mosaic", "triton", "split_forward"])
 @pytest.mark.parametrize("auto_inputs", [False, True])
 def test_which_choice_takes_the_inputs_kernel(monkeypatch, choice, auto_inputs):
-    """``_backend._mosaic_phase2(kernel="inputs")`` for a compiled GPU call at `base`'s shape:
-    ``"auto"`` (and ``"split_forward"``) as ``_backend.AUTO_INPUTS`` says, ``"mosaic"`` always
+    """``heuristics.mosaic_phase2(kernel="inputs")`` for a compiled GPU call at `base`'s shape:
+    ``"auto"`` (and ``"split_forward"``) as ``heuristics.AUTO_INPUTS`` says, ``"mosaic"`` always
     (an error for a shape the kernel does not take), never on the TPU back end or interpreted."""
-    monkeypatch.setattr(_backend, "AUTO_INPUTS", auto_inputs)
-    static = types.SimpleNamespace(fuse="gate", stream_kernels=(0, 4, 8, 12), heads=1)
-    partial = jax.ShapeDtypeStruct((64, 1024, 1024), jnp.bfloat16)
-    state = reference.SoftmaxState(None, None, jax.ShapeDtypeStruct((4, 64, 1024, 1024), jnp.float32))
+    monkeypatch.setattr(heuristics, "AUTO_INPUTS", auto_inputs)
+
+    def takes(choice, backend="triton", d=1024, interpret=False):
+        return heuristics.mosaic_phase2(choice, "inputs", backend=backend, fuse="gate", stream_kernels=(0, 4, 8, 12),
+                                        heads=1, d=d, dtype=jnp.bfloat16, acc_dtype=jnp.float32,
+                                        out_dtype=jnp.float32, interpret=interpret)
+
     want = choice == "mosaic" or (choice in ("auto", "split_forward") and auto_inputs)
-    assert _backend._mosaic_phase2(choice, "triton", static, partial, state, jnp.float32, False, kernel="inputs") is want
-    assert not _backend._mosaic_phase2(choice, "tpu", static, partial, state, jnp.float32, False, kernel="inputs")
-    assert not _backend._mosaic_phase2("auto", "triton", static, partial, state, jnp.float32, True, kernel="inputs")
-    odd = jax.ShapeDtypeStruct((64, 1024, 1020), jnp.bfloat16)
+    assert takes(choice) is want
+    assert not takes(choice, backend="tpu")
+    assert not takes("auto", interpret=True)
     if choice == "mosaic":
         with pytest.raises(ValueError, match="multiple of 8"):
-            _backend._mosaic_phase2(choice, "triton", static, odd, state, jnp.float32, False, kernel="inputs")
+            takes(choice, d=1020)
     else:
-        assert not _backend._mosaic_phase2(choice, "triton", static, odd, state, jnp.float32, False, kernel="inputs")
+        assert not takes(choice, d=1020)
 
 
 @pytest.mark.gpu

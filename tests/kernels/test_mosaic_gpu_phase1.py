@@ -267,31 +267,29 @@ def test_phase1_op_with_mosaic_kernels_matches_reference(monkeypatch):
     ("mosaic", (0,), True, True),
 ])
 def test_which_scoring_pass_each_choice_takes(choice, kernels, interpret, want):
-    """``_backend._mosaic_phase1`` (the scoring pass) at `base`'s shape; the TPU back end never
-    takes it and ``"mosaic"`` is an error for a shape it does not take."""
-    import types
+    """``heuristics.mosaic_phase1`` (the scoring pass) at `base`'s shape (7 bf16 sources of d =
+    1024, 8 targets); the TPU back end never takes it and ``"mosaic"`` is an error for a shape it
+    does not take."""
+    import functools
 
-    from pallas_kernels.depth_attention import _backend
+    from pallas_kernels.depth_attention import heuristics
 
-    static = types.SimpleNamespace(stream_kernels=kernels, heads=1)
-    src = jax.ShapeDtypeStruct((7, 64, 1024, 1024), jnp.bfloat16)
-    assert _backend._mosaic_phase1(choice, "triton", static, src, 8, interpret) is want
-    assert not _backend._mosaic_phase1(choice, "tpu", static, src, 8, interpret)
+    takes = functools.partial(heuristics.mosaic_phase1, choice, stream_kernels=kernels, heads=1, n_sources=7,
+                              n_targets=8)
+    base = dict(backend="triton", d=1024, dtype=jnp.bfloat16, interpret=interpret)
+    assert takes(**base) is want
+    assert not takes(**dict(base, backend="tpu"))
     if choice == "auto" and want:  # float32 sources: untimed, Triton
-        f32 = jax.ShapeDtypeStruct(src.shape, jnp.float32)
-        assert not _backend._mosaic_phase1(choice, "triton", static, f32, 8, interpret)
+        assert not takes(**dict(base, dtype=jnp.float32))
     # the mixing pass: as the scoring pass, for a float32 and a bf16 state (with the padded windows
     # Mosaic's is the faster for both on the H200)
-    assert _backend._mosaic_phase1(choice, "triton", static, src, 8, interpret, kernel="mix") is want
-    assert _backend._mosaic_phase1(choice, "triton", static, src, 8, interpret, kernel="mix",
-                                   state_dtype=jnp.bfloat16) is want
+    assert takes("mix", **base) is want
+    assert takes("mix", **base, state_dtype=jnp.bfloat16) is want
     if choice == "mosaic":
         with pytest.raises(ValueError, match="phase-1 mixing pass does not take"):
-            _backend._mosaic_phase1("mosaic", "triton", static, jax.ShapeDtypeStruct((7, 64, 1024, 1000),
-                                                                                   jnp.bfloat16), 8, False, kernel="mix")
+            takes("mix", **dict(base, d=1000, interpret=False))
         with pytest.raises(ValueError, match="phase-1 scoring pass does not take"):
-            _backend._mosaic_phase1("mosaic", "triton", static, jax.ShapeDtypeStruct((7, 64, 1024, 1000),
-                                                                                           jnp.bfloat16), 8, False)
+            takes(**dict(base, d=1000, interpret=False))
 
 
 @pytest.mark.gpu

@@ -155,28 +155,23 @@ def test_option_errors_and_auto_off_the_gpu(monkeypatch):
     ("split_forward", (0,), False, False),
 ])
 def test_which_kernels_each_choice_takes_on_a_gpu(choice, kernels, forward, backward_state):
-    """``_backend._mosaic_phase2``'s choice for a compiled (not interpreted) GPU call at `base`'s
-    shape; the ``"fuse=None"`` phase 2 and the TPU back end never take Mosaic GPU."""
-    import types
+    """``heuristics.mosaic_phase2``'s choice for a compiled (not interpreted) GPU call at `base`'s
+    shape (d = 1024, a bf16 partial, a float32 state); the ``"fuse=None"`` phase 2 and the TPU
+    back end never take Mosaic GPU."""
+    import functools
 
-    from pallas_kernels.depth_attention import _backend
+    from pallas_kernels.depth_attention import heuristics
 
-    static = types.SimpleNamespace(fuse="gate", stream_kernels=kernels, heads=1)
-    partial = jax.ShapeDtypeStruct((64, 1024, 1024), jnp.bfloat16)
-    state = reference.SoftmaxState(None, None, jax.ShapeDtypeStruct((len(kernels), 64, 1024, 1024), jnp.float32))
-    got = [_backend._mosaic_phase2(choice, "triton", static, partial, state, jnp.bfloat16, False, kernel=k)
-           for k in ("forward", "backward_state")]
+    takes = functools.partial(heuristics.mosaic_phase2, choice, stream_kernels=kernels, heads=1, d=1024,
+                              interpret=False)
+    base = dict(backend="triton", fuse="gate", dtype=jnp.bfloat16, acc_dtype=jnp.float32, out_dtype=jnp.bfloat16)
+    got = [takes(k, **base) for k in ("forward", "backward_state")]
     assert got == [forward, backward_state]
     # a float32 partial with a bf16 state fits shared memory but is untimed in Mosaic:
     # "auto" keeps Triton; "mosaic" takes it
-    f32, bf16_state = jax.ShapeDtypeStruct(partial.shape, jnp.float32), state._replace(
-        acc=jax.ShapeDtypeStruct(state.acc.shape, jnp.bfloat16))
-    assert _backend._mosaic_phase2(choice, "triton", static, f32, bf16_state, jnp.bfloat16, False) is (
-        choice == "mosaic")
-    assert not _backend._mosaic_phase2(choice, "tpu", static, partial, state, jnp.bfloat16, False)
-    assert not _backend._mosaic_phase2(choice, "triton", types.SimpleNamespace(fuse=None, stream_kernels=kernels,
-                                                                                 heads=1), partial, state,
-                                       jnp.float32, False)
+    assert takes(**dict(base, dtype=jnp.float32, acc_dtype=jnp.bfloat16)) is (choice == "mosaic")
+    assert not takes(**dict(base, backend="tpu"))
+    assert not takes(**dict(base, fuse=None, out_dtype=jnp.float32))
 
 
 GPU_CASES = [  # each configuration's two Mosaic GPU lowerings take 15-35 s of CPU each

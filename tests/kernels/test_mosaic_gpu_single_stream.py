@@ -39,19 +39,16 @@ def _count_calls(monkeypatch, kernels):
     ("triton", 1, False, set()),
 ])
 def test_which_phase1_kernels_each_choice_takes_for_one_stream(choice, heads, interpret, want):
-    """``_backend._mosaic_phase1`` at AttnRes's `base` shape (bf16 sources, a float32 state): for
+    """``heuristics.mosaic_phase1`` at AttnRes's `base` shape (bf16 sources, a float32 state): for
     one stream ``"auto"`` takes the Mosaic passes that were faster there and keeps Triton's
     mixing pass; no conv, so no transpose kernel under any choice."""
-    import types
+    from pallas_kernels.depth_attention import heuristics
 
-    from pallas_kernels.depth_attention import _backend
-
-    static = types.SimpleNamespace(stream_kernels=ONE_STREAM, heads=heads)
-    src = jax.ShapeDtypeStruct((7, 64, 1024, 1024), jnp.bfloat16)
-    took = {k for k in ("scores", "mix", "gdots", "dstreams", "transpose")
-            if _backend._mosaic_phase1(choice, "triton", static, src, 8, interpret, kernel=k)}
+    took = {k for k in heuristics.PHASE1_KERNELS
+            if heuristics.mosaic_phase1(choice, k, backend="triton", stream_kernels=ONE_STREAM, heads=heads, d=1024,
+                                        n_sources=7, n_targets=8, dtype=jnp.bfloat16, interpret=interpret)}
     assert took == want
-    assert _backend.SINGLE_STREAM_MOSAIC_PHASE1 <= {"scores", "mix", "gdots", "dstreams"}
+    assert heuristics.SINGLE_STREAM_MOSAIC_PHASE1 <= {"scores", "mix", "gdots", "dstreams"}
 
 
 @pytest.mark.parametrize("block_d", [pytest.param(32, marks=pytest.mark.slow), None])

@@ -103,7 +103,7 @@ def test_phase1_mosaic_gpu_scores_lower(h200, gpu_kernels, mosaic, mosaic_mix, m
     """Phase 1 with the Pallas backward for an H200: ``"auto"`` and ``"mosaic"`` take the Mosaic
     GPU scoring pass in the forward and in the backward (the segment bits, a source ruled out,
     two heads), its mixing pass in the forward (a float32 state) and the backward's passes 2
-    and 4 (``mosaic_gpu.phase1_backward``), and its transpose where ``_backend.AUTO_TRANSPOSE`` (always for
+    and 4 (``mosaic_gpu.phase1_backward``), and its transpose where ``heuristics.AUTO_TRANSPOSE`` (always for
     ``"mosaic"``); ``"triton"`` keeps Triton's."""
     kernels, n, batch, t_len, d, n_targets, m = (0, 4, 8, 12), 3, 2, 100, 64, 2, 4
     keys = jax.random.split(jax.random.key(0), 3)
@@ -121,9 +121,9 @@ def test_phase1_mosaic_gpu_scores_lower(h200, gpu_kernels, mosaic, mosaic_mix, m
     text = _lower(jax.value_and_grad(loss, argnums=(0, 1, 2)), sources, banks,
                   jax.random.normal(keys[2], (n_targets, m, d)))
     # the forward's and the backward's scoring calls share one jitted kernel: one function, two calls
-    from pallas_kernels.depth_attention import _backend
+    from pallas_kernels.depth_attention import heuristics
 
-    mosaic_transpose = mosaic_bwd and (gpu_kernels == "mosaic" or _backend.AUTO_TRANSPOSE)
+    mosaic_transpose = mosaic_bwd and (gpu_kernels == "mosaic" or heuristics.AUTO_TRANSPOSE)
     n_mosaic = mosaic + mosaic_mix + 2 * mosaic_bwd + mosaic_transpose
     assert text.count(MOSAIC_GPU_CALL) == n_mosaic
     assert len(re.findall(r"call @run", text)) == n_mosaic + mosaic  # the scoring kernel: two calls
@@ -313,7 +313,7 @@ def test_mosaic_gpu_kernels_lower_in_lane_semantics(h200, monkeypatch):
     (docs/kernels.md), with every explicit load unoptimized."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from pallas_kernels.depth_attention import _backend
+    from pallas_kernels.depth_attention import heuristics
     from pallas_kernels.depth_attention.mosaic_gpu import (
         phase1_backward, phase1_mixing, phase1_scoring, phase2_forward, phase2_state, transpose,
     )
@@ -353,7 +353,7 @@ def test_mosaic_gpu_kernels_lower_in_lane_semantics(h200, monkeypatch):
         return jnp.sum(st.acc) + jnp.sum(st.denom)
 
     # the backward's input kernel (its own test lowers it: test_mosaic_gpu_inputs.py) left out
-    monkeypatch.setattr(_backend, "AUTO_INPUTS", False)
+    monkeypatch.setattr(heuristics, "AUTO_INPUTS", False)
 
     def lower_all():
         for cached in (phase2_forward._kernel, phase2_state._state_kernel, phase1_scoring._scores_kernel,
