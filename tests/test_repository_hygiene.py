@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
-# "session 12", "sessions 16-28", "call 3", "calls 4 and 10", "run 2", "sitting 4"
+# numbered work-log references: session, sitting, call, run or issue (or their plurals) and a number
 WORK_LOG = re.compile(r"\b(session|sitting|call|run|issue)s? #?[0-9]+(?!\.[0-9])", re.IGNORECASE)
 # documents outside the repository: the project's private spec, the seed papers, sibling folders
 OUTSIDE = re.compile(r"\bSPEC(\.md| ?§?[0-9])|\bseed 00[0-9]|\.\./shared")
