@@ -1,6 +1,7 @@
 """Compile for an NVIDIA GPU this machine does not have, and read what XLA holds in memory.
 
-``gpu_devices("h200")`` gives a device of an H200 topology (``GPU_TARGETS``), on which
+``gpu_devices("h200")`` gives a device of an H200 topology (``GPU_TARGETS``; ``"h200x8"``: the eight
+GPUs of one host, for a sharded step), on which
 ``jax.jit(f).lower(...).compile()`` runs XLA:GPU's whole pipeline and the kernels' compilers on
 the CPU; nothing runs. ``compile_with_buffers``, ``read_buffer_assignment`` and ``format_buffers``
 show the largest allocations of the compiled buffer assignment. Needs JAX's CUDA plugin (not a
@@ -54,8 +55,17 @@ GPU_TARGETS = {"h200": H200_TARGET_CONFIG}
 PLUGIN_INSTALL = "python -m pip install --target .aot_site 'jax-cuda13-plugin[with-cuda]==0.11.2'"
 
 
+def parse_gpu_target(name: str) -> tuple[str, int] | None:
+    """``"h200"`` -> ``("h200", 1)``, ``"h200x8"`` -> ``("h200", 8)`` (GPUs of one host); None when
+    ``name`` names no GPU target (a TPU topology, say)."""
+    key, sep, count = name.lower().partition("x")
+    if key not in GPU_TARGETS or (sep and not (count.isdigit() and int(count) >= 1)):
+        return None
+    return key, int(count or 1)
+
+
 def is_gpu_target(name: str) -> bool:
-    return name.lower() in GPU_TARGETS
+    return parse_gpu_target(name) is not None
 
 
 def prepare_gpu_environment() -> None:
@@ -77,17 +87,22 @@ def gpu_mesh(name: str, axis: str = "x"):
 
 
 def gpu_devices(name: str) -> list:
-    """The device of a one-GPU topology of ``name`` (a key of ``GPU_TARGETS``), for
-    ``ShapeDtypeStruct(..., sharding=SingleDeviceSharding(device))``. Raises ``SystemExit`` with
-    the install command when JAX's CUDA plugin is missing."""
-    key = name.lower()
-    if key not in GPU_TARGETS:
-        raise ValueError(f"GPU target {name!r}: must be one of {sorted(GPU_TARGETS)}")
+    """The devices of ``name``: a key of ``GPU_TARGETS`` (one GPU) or ``"<key>x<N>"`` (the ``N``
+    GPUs of one host: one process, so a mesh over them compiles the sharded step as one host of
+    that many GPUs would run it, its collectives included), for ``ShapeDtypeStruct(...,
+    sharding=...)``. Raises ``SystemExit`` with the install command when JAX's CUDA plugin is
+    missing."""
+    parsed = parse_gpu_target(name)
+    if parsed is None:
+        raise ValueError(f"GPU target {name!r}: must be one of {sorted(GPU_TARGETS)}, or one of them "
+                         f"followed by x<GPUs per host> (h200x8)")
+    key, count = parsed
     from jax.experimental import topologies
 
     try:
+        # "1x1xN": one process with N devices ("1x8x1" makes eight processes of one GPU each)
         topo = topologies.get_topology_desc(platform="cuda", topology_name=key, target_config=GPU_TARGETS[key],
-                                            topology="1x1x1")
+                                            topology=f"1x1x{count}")
     except Exception as e:  # noqa: BLE001 - the plugin missing shows up as several error types
         raise SystemExit(f"deviceless compile for {name!r} needs JAX's CUDA plugin on PYTHONPATH "
                          f"({type(e).__name__}: {e}); install it with: {PLUGIN_INSTALL}; "

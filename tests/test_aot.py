@@ -84,6 +84,13 @@ def test_gpu_targets_and_errors():
     assert "core_count: 132" in deviceless_gpu.GPU_TARGETS["h200"]
     with pytest.raises(ValueError, match="'a100'.*h200"):
         deviceless_gpu.gpu_devices("a100")
+    # the GPUs of one host: "h200x8"
+    assert deviceless_gpu.parse_gpu_target("H200x8") == ("h200", 8)
+    assert deviceless_gpu.parse_gpu_target("h200") == ("h200", 1)
+    for bad in ("h200x0", "h200x", "h200xa", "a100x8", "v5e:2x2"):
+        assert deviceless_gpu.parse_gpu_target(bad) is None and not deviceless_gpu.is_gpu_target(bad)
+    with pytest.raises(ValueError, match="x<GPUs per host>"):
+        deviceless_gpu.gpu_devices("h200x0")
 
 
 def test_platform_target_switches_the_ops_choices():
