@@ -28,15 +28,38 @@ F32 = jnp.float32
 class TokenWindow:
     """Lag-shifted ``[block_t, width]`` views of rows ``t0 - delta ... t0 + bt - 1 - delta``
     of a ``[T, width]``-indexable ref region, zero before row 0; ``ahead(delta)``: rows
-    ``t0 + delta ...`` (needs ``n_rows``, the region's row count; ``fill`` past its end)."""
+    ``t0 + delta ...`` (needs ``n_rows``, the region's row count; ``fill`` past its end).
+
+    Two forms. Whole-T (Triton, the generic interpreter): ``ref`` holds every row and the
+    window indexes it at ``t0``; Triton takes the halo by masked loads, the interpreter from the
+    neighbouring tile of the same ref. Tiled (the Mosaic TPU kernels, ``prev`` / ``next`` given):
+    ``ref`` is this program's ``[bt]``-row block only (local row 0 is token ``t0``), ``prev`` the
+    ``halo`` rows just before it and ``next`` the ``halo`` rows just after it, each a second
+    BlockSpec over the same array (``halo_spec``), indexed with the same ``lead`` and ``cs``.
+    ``prev`` reads as ``fill`` on the first tile (``t0 == 0``) and ``next`` from row ``n_rows``
+    on, so their clamped block indices never leak a wrong row. ``shift(delta)`` then needs
+    ``delta <= halo`` and ``ahead(delta)`` ``delta <= halo``: ``tiling.halo_rows`` sizes the
+    halo from the largest conv kernel (Eq. 10). The backward kernels use the same pair: the
+    expansion's transpose reads ``dE`` ahead (``next``) and ``x`` behind (``prev``)."""
 
     def __init__(self, ref, lead: tuple, t0, bt: int, cs, backend: str, fill=0.0, dtype=F32, width=None,
-                 n_rows=None):
+                 n_rows=None, prev=None, next=None):
         self.ref, self.lead, self.t0, self.bt, self.cs, self.width = ref, lead, t0, bt, cs, width
         self.backend, self.fill, self.dtype, self.n_rows = backend, fill, dtype, n_rows
+        self.prev, self.next = prev, next
         self._cat = None
         self._next = None
         self._cache = {}
+
+    @property
+    def tiled(self) -> bool:
+        return self.prev is not None or self.next is not None
+
+    def _halo(self, ref, ok):
+        """The ``halo`` rows of a halo ref, ``fill`` where ``ok`` is false."""
+        rows = ref.shape[len(self.lead)]
+        idx = (*self.lead, pl.ds(0, rows)) if self.cs is None else (*self.lead, pl.ds(0, rows), self.cs)
+        return jnp.where(ok, ref[idx].astype(self.dtype), jnp.asarray(self.fill, self.dtype))
 
     def ahead(self, delta: int):
         """Rows ``t0 + delta ... t0 + bt - 1 + delta`` (``delta <= bt``), ``fill`` from row
@@ -45,7 +68,14 @@ class TokenWindow:
             return self.shift(0)
         if ("ahead", delta) in self._cache:
             return self._cache["ahead", delta]
-        if self.backend == "triton":
+        if self.tiled:
+            if self.next is None:
+                raise ValueError("TokenWindow.ahead of a tiled window needs the next-halo ref (next=)")
+            if self._next is None:
+                nxt = self._halo(self.next, self.t0 + self.bt < self.n_rows)
+                self._next = jnp.concatenate([self.shift(0), nxt], axis=0)
+            v = self._next[delta : self.bt + delta]
+        elif self.backend == "triton":
             from jax.experimental.pallas import triton as pltriton
 
             rows = self.t0 + delta + jax.lax.broadcasted_iota(jnp.int32, (self.bt,), 0)
@@ -72,7 +102,14 @@ class TokenWindow:
         if delta in self._cache:
             return self._cache[delta]
         if delta == 0:
-            v = self.ref[self._idx(self.t0)].astype(self.dtype)
+            v = self.ref[self._idx(0 if self.tiled else self.t0)].astype(self.dtype)
+        elif self.tiled:
+            if self.prev is None:
+                raise ValueError("TokenWindow.shift of a tiled window needs the previous-halo ref (prev=)")
+            if self._cat is None:
+                self._cat = jnp.concatenate([self._halo(self.prev, self.t0 > 0), self.shift(0)], axis=0)
+            rows = self._cat.shape[0] - self.bt
+            v = self._cat[rows - delta : rows - delta + self.bt]
         elif self.backend == "triton":
             from jax.experimental.pallas import triton as pltriton
 
@@ -92,6 +129,35 @@ class TokenWindow:
         return v
 
 
+def halo_spec(block: tuple, index_map, axis: int, bt: int, halo: int, side: str = "prev", n_rows: int | None = None):
+    """The BlockSpec of the ``halo`` rows just before (``side="prev"``) or just after
+    (``side="next"``, needs ``n_rows``, the padded row count) a ``[bt]``-row token block:
+    ``block`` and ``index_map`` are the token block's own, its token axis ``axis`` (counted in
+    ``block``, ``None`` entries included), whose block index ``index_map`` returns at that
+    position. ``halo`` divides ``bt`` (both multiples of the dtype's sublane count,
+    ``tiling.halo_rows``), so the halo is whole blocks of the same array and Pallas pipelines its
+    DMA like any input. The index is clamped into the array (tile 0's ``prev``, the last tile's
+    ``next``); ``TokenWindow`` masks those rows. The ``prev`` / ``next`` refs of ``TokenWindow``."""
+    if bt % halo:
+        raise ValueError(f"halo_spec: the halo of {halo} rows must divide the token block of {bt}")
+    per = bt // halo
+    last = None if n_rows is None else n_rows // halo - 1
+    if side == "next" and last is None:
+        raise ValueError("halo_spec(side='next') needs n_rows")
+
+    def halo_map(*g):
+        idx = list(index_map(*g))
+        if side == "prev":
+            idx[axis] = jnp.maximum(idx[axis] * per - 1, 0)
+        else:
+            idx[axis] = jnp.minimum((idx[axis] + 1) * per, last)
+        return tuple(idx)
+
+    shape = list(block)
+    shape[axis] = halo
+    return pl.BlockSpec(tuple(shape), halo_map)
+
+
 def head_column(ref, idx, head, heads: int, backend: str):
     """``ref[*idx, head]`` (``[bt]``) of a ``[..., T, H]`` ref (``idx`` ends with the rows):
     this chunk's head column. Mosaic cannot load at a dynamic lane index, so off Triton the
@@ -105,12 +171,15 @@ def head_column(ref, idx, head, heads: int, backend: str):
     return jnp.sum(jnp.where(onehot, ref[(*idx, slice(None))], 0.0), axis=1)
 
 
-def lag_masks(seg_ref, t0, bt: int, max_lag: int, backend: str):
-    """``masks[delta]`` ``[bt, 1]`` float: token ``t - delta`` exists and shares ``t``'s segment."""
+def lag_masks(seg_ref, t0, bt: int, max_lag: int, backend: str, seg_prev=None):
+    """``masks[delta]`` ``[bt, 1]`` float: token ``t - delta`` exists and shares ``t``'s segment.
+    ``seg_prev``: the segment ids' previous-halo ref of a tiled window (``TokenWindow``)."""
     rows = t0 + jax.lax.broadcasted_iota(jnp.int32, (bt,), 0)
     # seg_ref is [Tp] or [Tp, 1] (tokens on sublanes, as Mosaic wants them: see scores_call)
     col = 0 if seg_ref is not None and len(seg_ref.shape) == 2 else None
-    win = TokenWindow(seg_ref, (), t0, bt, col, backend, fill=-1, dtype=jnp.int32) if seg_ref is not None else None
+    win = None
+    if seg_ref is not None:
+        win = TokenWindow(seg_ref, (), t0, bt, col, backend, fill=-1, dtype=jnp.int32, prev=seg_prev)
     masks = []
     for delta in range(max_lag):
         ok = rows - delta >= 0
@@ -253,17 +322,22 @@ def _whole_tile_sums(backend: str, n_accumulators: int, bt: int, bd: int) -> boo
 
 
 def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, has_live, backend,
-                   whole):
+                   whole, tiled=False):
     """Raw per-head dots with all queries and the sum of squares of every expanded chunk
     (zeros for a source the ``live`` mask skips).
 
     ``whole``: the dots and squares accumulate as ``[bt, bd]`` tiles, reduced over channels once
-    per head (dots) and per source (squares), instead of once per chunk (``_whole_tile_sums``)."""
+    per head (dots) and per source (squares), instead of once per chunk (``_whole_tile_sums``).
+    ``tiled`` (Mosaic TPU): one source per program (grid axis 2), its ``[bt]``-row block and the
+    halo before it (``TokenWindow``'s tiled form); ``n`` is then 1 and the source mask is read
+    at the program's source."""
     it = iter(refs)
-    x_ref = next(it)  # [n, Tp, d]
+    x_ref = next(it)  # [n, Tp, d]; tiled: [1, bt, d]
+    x_prev = next(it) if tiled else None  # [1, halo, d]
     bank_ref = next(it) if has_bank else None  # [n, K, d]
     q_ref = next(it)  # [S, m, d]
     seg_ref = next(it) if has_seg else None  # [Tp]
+    seg_prev = next(it) if tiled and has_seg else None  # [halo, 1]
     live_ref = next(it) if has_live else None  # [n] int32
     dots_ref = next(it)  # [S, n, m, bt, H]
     ss_ref = next(it)  # [n, m, bt]
@@ -271,7 +345,7 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
     layout = stream_layout(stream_kernels)
     t0 = pl.program_id(1) * bt
     max_lag = max([1, *stream_kernels])
-    masks = lag_masks(seg_ref, t0, bt, max_lag, backend)
+    masks = lag_masks(seg_ref, t0, bt, max_lag, backend, seg_prev=seg_prev)
     dh = d // heads
     zero = jnp.zeros((bt, bd) if whole else (bt,), F32)
     fold = (lambda v: v) if whole else (lambda v: jnp.sum(v, axis=1))  # noqa: E731  (per chunk)
@@ -286,7 +360,7 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
                     ss, dots = carry
                     c0 = h * dh + c * bd
                     cs = pl.ds(pl.multiple_of(c0, bd), bd)
-                    win = TokenWindow(x_ref, (i,), t0, bt, cs, backend, width=bd)
+                    win = TokenWindow(x_ref, (i,), t0, bt, cs, backend, width=bd, prev=x_prev)
                     ss, dots = list(ss), [list(row) for row in dots]
                     for r, (kernel, off) in enumerate(layout):
                         e = expand_chunk(win, bank_ref, (i,), cs, kernel, off, masks)
@@ -312,22 +386,35 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
                     for h in range(heads):
                         dots_ref[s, i, r, :, h] = empty
 
+        if tiled:  # the program's source: block row 0, mask entry program_id(2)
+            if live_ref is None:
+                work()
+            else:
+                live = live_ref[pl.program_id(2)] != 0
+                pl.when(live)(work)
+                pl.when(jnp.logical_not(live))(skipped)
+            return carry
         if_live(live_ref, i, work, skipped)
         return carry
 
-    jax.lax.fori_loop(0, n, source_body, 0)
+    if tiled:
+        source_body(0, 0)
+    else:
+        jax.lax.fori_loop(0, n, source_body, 0)
 
 
 def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, has_base, mode, backend,
-                whole=False, has_live=False, split_targets=False):
+                whole=False, has_live=False, split_targets=False, tiled=False):
     """``z[s, r] = a * base + sum_i p[s, i, r] * E_r[x_i]`` on one chunk, then by ``mode``:
     ``acc`` writes z; ``mean``/``gate`` write ``h = sum_r g_r z_r``; ``stats`` writes the
     chunk's ``sum z^2`` and ``z @ W`` partials (the gate's inputs). ``whole`` (stats): those
     ``1 + m`` sums accumulate over the streams as ``[bt, bd]`` tiles and are reduced over
     channels once, not once per stream (``_whole_tile_sums``). ``split_targets`` (acc): one
-    output per target (``_Targets``)."""
+    output per target (``_Targets``). ``tiled`` (Mosaic TPU): ``x`` is this program's
+    ``[n, bt, bd]`` block, followed by the ``[n, halo, bd]`` block before it (``TokenWindow``)."""
     it = iter(refs)
-    x_ref = next(it)  # [n, Tp, bd]
+    x_ref = next(it)  # [n, Tp, bd]; tiled: [n, bt, bd]
+    x_prev = next(it) if tiled else None  # [n, halo, bd]
     bank_ref = next(it) if has_bank else None  # [n, K, bd]
     p_ref = next(it)  # [S, n, m, bt, H]
     base_ref = next(it) if has_base else None  # [S, m, bt, bd]
@@ -335,6 +422,7 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
     g_ref = next(it) if mode == "gate" else None  # [bt, m]
     w_ref = next(it) if mode == "stats" else None  # [m, m, bd]: wt[r, j, channel]
     seg_ref = next(it) if has_seg else None  # [Tp]
+    seg_prev = next(it) if tiled and has_seg else None  # [halo, 1]
     live_ref = next(it) if has_live else None  # [n] int32: skip the invalid sources (p = 0 there)
     outs = list(it)
     acc_out = (_Targets(outs) if split_targets else outs[0]) if mode == "acc" else None
@@ -353,7 +441,7 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
         onehot = (jax.lax.broadcasted_iota(jnp.int32, (1, heads), 1) == head).astype(F32)
         return jnp.sum(ref[(*lead, slice(None), slice(None))] * onehot, axis=1)
     max_lag = max([1, *stream_kernels])
-    masks = lag_masks(seg_ref, t0, bt, max_lag, backend)
+    masks = lag_masks(seg_ref, t0, bt, max_lag, backend, seg_prev=seg_prev)
     zero = jnp.zeros((bt, bd), F32)
     h_acc = zero
     sq = jnp.zeros((bt, bd) if whole else (bt,), F32)
@@ -364,7 +452,7 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
 
         def source_body(i, accs, kernel=kernel, off=off, r=r):
             def update(accs):
-                win = TokenWindow(x_ref, (i,), t0, bt, slice(None), backend, width=bd)
+                win = TokenWindow(x_ref, (i,), t0, bt, slice(None), backend, width=bd, prev=x_prev)
                 e = expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
                 return [accs[s] + head_col(p_ref, (s, i, r))[:, None] * e for s in range(n_targets)]
 
