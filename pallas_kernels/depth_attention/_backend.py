@@ -29,12 +29,23 @@ def _mosaic_phase1(choice: str, backend: str, static, sources, n_targets: int, i
                                     state_dtype=state_dtype)
 
 
+def _is_tpu_interpret(interpret) -> bool:
+    """Whether ``interpret`` is a ``pltpu.InterpretParams``: Pallas' TPU interpret mode, which runs
+    the Mosaic TPU code path on the CPU (VMEM, SMEM and DMAs simulated, races detectable)."""
+    if isinstance(interpret, bool):
+        return False
+    from jax.experimental.pallas import tpu as pltpu
+
+    return isinstance(interpret, pltpu.InterpretParams)
+
+
 def build(backend: str, native_platform: str):
     """``backend``: ``"triton"`` or ``"tpu"`` (tile heuristics and the halo load).
 
     Off ``native_platform`` the kernels run in Pallas interpret mode (CPU tests);
     then the halo is always built from the previous tile (see ``fused.py``).
-    Keyword options accepted by every op: ``interpret`` (bool), ``tiles`` (a
+    Keyword options accepted by every op: ``interpret`` (bool, or for ``"tpu"`` a
+    ``pltpu.InterpretParams``: TPU interpret mode, the kernels' TPU path on the CPU), ``tiles`` (a
     ``tiling.Tiles``) and ``backward`` (``"xla"``, the default, ``"pallas"`` or ``"hybrid"``: see
     ``vjp.py``), ``phase1_backward_form`` (``fused_bwd_phase1.FORMS``) and
     ``phase2_backward_form`` (``fused_bwd_phase2.FORMS``), ``gpu_kernels`` (``heuristics.GPU_KERNELS``:
@@ -52,11 +63,16 @@ def build(backend: str, native_platform: str):
         gpu_kernels = opts.pop("gpu_kernels", "auto")
         heuristics.check_gpu_kernels(gpu_kernels, backend)
         interpret = opts.pop("interpret", platform.current() != native_platform)
+        tpu_interpret = _is_tpu_interpret(interpret)
+        if tpu_interpret and backend != "tpu":
+            raise TypeError(f"interpret=pltpu.InterpretParams(...): TPU interpret mode runs only the TPU kernels; "
+                            f"the {backend} kernels take interpret=True")
         tiles = opts.pop("tiles", None) or tiling.choose_tiles(
             d=d, heads=heads, max_kernel=max([1, *stream_kernels]), n_targets=n_targets, backend=backend,
             n_streams=len(stream_kernels),
         )
-        window = backend if not interpret else "interpret"
+        # TPU interpret mode simulates the chip's memories, so the kernels take their TPU code path
+        window = backend if tpu_interpret or not interpret else "interpret"
         if window != "triton":  # the TPU / interpret halo comes from the previous tile only
             tiles = tiles.with_min_block_t(tiling._next_pow2(max([1, *stream_kernels]) - 1))
         return dict(tiles=tiles, backend=window, interpret=interpret), dict(opts, gpu_kernels=gpu_kernels)
