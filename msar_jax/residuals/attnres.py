@@ -23,6 +23,7 @@ from flax import nnx
 
 from msar_jax import accounting
 from msar_jax import config as config_lib
+from msar_jax.parallel import kernel_sharding
 from msar_jax.residuals.base import DepthState, Position, ResidualMechanism, register
 from pallas_kernels.depth_attention import api as depth_api
 from pallas_kernels.depth_attention import heuristics as depth_heuristics
@@ -42,11 +43,19 @@ def attnres_read(sources, query, valid=None, *, heads=1, eps=1e-6, return_weight
     return (h, alpha[:, 0]) if return_weights else h
 
 
-def _recomputed(read_fn, *args, batch_axes, out_batch_axis: int, chunks: int = 1, segment_ids=None,
-                lean_vjp: bool = False):
+def _recomputed(read_fn, *args, batch_axes, out_batch_axis, chunks: int = 1, segment_ids=None,
+                lean_vjp: bool = False, kernel: bool = False):
     """Run a depth read so the backward pass recomputes it instead of storing its
     expanded streams and normalised keys (m times the sources): the XLA path's
     counterpart of the kernels' recomputing backward (§3.4 of the MSAR paper).
+
+    ``batch_axes``: each argument's batch axis (an ``int``, ``None`` or one per leaf;
+    ``kernel_sharding.leaf_batch_axes``); ``out_batch_axis``: the output's, an ``int`` or a
+    pytree prefix of the output; ``segment_ids`` (``[B, T]``) has it first.
+
+    ``kernel``: ``read_fn`` runs a Pallas kernel (``depth_api.runs_a_kernel``). Under a mesh the
+    read then runs inside a ``shard_map`` over the batch axes (``kernel_sharding.over_batch``):
+    XLA cannot partition a kernel. The chunks below are then slices of each device's rows.
 
     ``lean_vjp``: ``read_fn``'s own ``custom_vjp`` already keeps only its inputs (and a few
     floats per token; ``depth_api.keeps_only_inputs``), so with one chunk it runs as is: a
@@ -57,28 +66,29 @@ def _recomputed(read_fn, *args, batch_axes, out_batch_axis: int, chunks: int = 1
     rematerialised on its own, which bounds the transient memory of the read to
     ``1 / chunks`` (``model.residual.kernel_overrides.read_chunks``; reads are independent per row).
     """
+    if kernel and kernel_sharding.needs_shard_map():
+        local = functools.partial(_recomputed, read_fn, batch_axes=batch_axes, out_batch_axis=out_batch_axis,
+                                  chunks=chunks, lean_vjp=lean_vjp)
+        return kernel_sharding.over_batch(lambda seg, *a: local(*a, segment_ids=seg), (segment_ids, *args),
+                                          (0, *batch_axes), out_batch_axis)
     remat = lambda f: jax.checkpoint(f, policy=jax.checkpoint_policies.nothing_saveable)  # noqa: E731
     if chunks == 1:
         if lean_vjp:
             return read_fn(*args, segment_ids=segment_ids)
         return remat(lambda *a: read_fn(*a, segment_ids=segment_ids))(*args)
-    batch = segment_ids.shape[0] if segment_ids is not None else None
+    if not isinstance(out_batch_axis, int):
+        raise ValueError(f"read_chunks = {chunks} needs one output batch axis, not {out_batch_axis!r}")
     leaves, treedef = jax.tree.flatten(args)
-    axes = []  # one batch axis (or None) per leaf: an int applies to every leaf of its argument
-    for arg, ax in zip(args, batch_axes):
-        n_leaves = len(jax.tree.leaves(arg))
-        axes += list(ax) if isinstance(ax, tuple) else [ax] * n_leaves
-    assert len(axes) == len(leaves), (len(axes), len(leaves))
+    axes = kernel_sharding.leaf_batch_axes(args, batch_axes)
+    batch = next(x.shape[ax] for x, ax in zip(leaves, axes) if ax is not None)
+    if batch % chunks:
+        raise ValueError(f"model.residual.kernel_overrides.read_chunks = {chunks}: must divide the batch rows "
+                         f"each device reads, {batch}")
 
     def split(x, ax):
         x = jnp.moveaxis(x, ax, 0)
         return x.reshape(chunks, x.shape[0] // chunks, *x.shape[1:])
 
-    for x, ax in zip(leaves, axes):
-        if ax is not None:
-            batch = x.shape[ax]
-    if batch % chunks:
-        raise ValueError(f"model.residual.kernel_overrides.read_chunks = {chunks}: must divide the batch size {batch}")
     chunked = [split(x, ax) for x, ax in zip(leaves, axes) if ax is not None]
     seg = None if segment_ids is None else split(segment_ids, 0)
 
@@ -206,6 +216,11 @@ class BlockDepthAttention(ResidualMechanism):
         return depth_api.runs_a_kernel(self.implementation) and depth_api.keeps_only_inputs(
             op.__name__, self.implementation)
 
+    def _runs_a_kernel(self) -> bool:
+        """Whether this mechanism's reads run Pallas kernels here (under a mesh they then run in a
+        ``shard_map``, ``kernel_sharding``); the XLA path is partitioned by XLA itself."""
+        return depth_api.runs_a_kernel(self.implementation)
+
     def _value_channel(self) -> bool:
         """Pair each target's phase-1 state with a ``ValueChannel`` (``depth_api.phase1``) for its
         phase-2 read, where ``heuristics.choose`` says it pays."""
@@ -260,12 +275,15 @@ class BlockDepthAttention(ResidualMechanism):
         # per-target mixing and stream-cotangent kernels need the 64-channel chunks of
         # ``tiling.choose_tiles``: at 128 they ran up to 71% slower).
         # ``state_dtype="bfloat16"`` stores the weighted sums in half the bytes (``api.phase1``).
+        channel = self._value_channel()
+        # Per target: the state's leaves [m, B, T, ...], the value channel's values [B, T, d] and scale [m, B, T, H].
+        out_axes = tuple((1, depth_ref.ValueChannel(0, 1)) for _ in range(p_block["queries"].shape[0])) if channel else 1
         return _recomputed(
-            functools.partial(self._op(depth_api.phase1), per_target=True, value_channel=self._value_channel(),
+            functools.partial(self._op(depth_api.phase1), per_target=True, value_channel=channel,
                               state_dtype=self.res_cfg.get("state_dtype", "float32")), state.sources,
             self.source_banks(g), p_block["queries"], self._completed_valid(pos), batch_axes=(1, None, None, None),
-            out_batch_axis=1, chunks=self._read_chunks(), segment_ids=ctx.segment_ids,
-            lean_vjp=self._lean_vjp(depth_api.phase1),
+            out_batch_axis=out_axes, chunks=self._read_chunks(), segment_ids=ctx.segment_ids,
+            lean_vjp=self._lean_vjp(depth_api.phase1), kernel=self._runs_a_kernel(),
         )
 
     def retrieve(self, g, p, state, bctx, pos, ctx, want_weights=False):
@@ -277,6 +295,7 @@ class BlockDepthAttention(ResidualMechanism):
                 self._op(depth_api.phase2), self._target(bctx)[0], partial, self.partial_bank(g, pos), p["queries"], include_partial,
                 batch_axes=((1, 1, 1), 0, None, None, None), out_batch_axis=1,
                 chunks=self._read_chunks(), segment_ids=ctx.segment_ids, lean_vjp=self._lean_vjp(depth_api.phase2),
+                kernel=self._runs_a_kernel(),
             )
             return z, None
         sources = jnp.concatenate([state.sources, partial[None]], axis=0)
@@ -293,6 +312,9 @@ class BlockDepthAttention(ResidualMechanism):
             self._op(depth_api.depth_read), sources, banks, p["queries"], valid, batch_axes=(1, None, None, None),
             out_batch_axis=1, chunks=self._read_chunks(), segment_ids=ctx.segment_ids,
             lean_vjp=self._lean_vjp(depth_api.depth_read),
+            # No kernel implements the direct read (``depth_api`` registers phase 1 and phase 2):
+            # it is the XLA path on every platform, which XLA partitions itself.
+            kernel=False,
         )
         return z, None
 
@@ -315,14 +337,17 @@ class BlockDepthAttention(ResidualMechanism):
             # out in the activations' dtype (computed in float32, rounded once, as the cast below
             # would): the kernels then write bf16 ``h`` and read a bf16 cotangent, not float32.
             target_state, channel = self._target(bctx)
+            fused = functools.partial(self._op(depth_api.phase2_fused), gate_eps=self.res_cfg.eps, out_dtype=dtype)
+            # The channel is an argument (not bound in the partial): its values [B, T, d] and
+            # scale [m, B, T, H] are split over the batch with the state under a mesh.
             h = _recomputed(
-                functools.partial(self._op(depth_api.phase2_fused), gate_eps=self.res_cfg.eps, out_dtype=dtype,
-                                  value_channel=channel),
+                lambda st, pa, bank, q, inc, gate, chan, segment_ids: fused(
+                    st, pa, bank, q, inc, gate, value_channel=chan, segment_ids=segment_ids),
                 target_state, state.carry["partial"], self.partial_bank(g, pos), p["queries"],
-                jnp.logical_not(pos.first_in_block), self.gate(p),
-                batch_axes=((1, 1, 1), 0, None, None, None, None), out_batch_axis=0,
-                chunks=self._read_chunks(), segment_ids=ctx.segment_ids,
-                lean_vjp=self._lean_vjp(depth_api.phase2_fused),
+                jnp.logical_not(pos.first_in_block), self.gate(p), channel,
+                batch_axes=((1, 1, 1), 0, None, None, None, None, None if channel is None else (0, 1)),
+                out_batch_axis=0, chunks=self._read_chunks(), segment_ids=ctx.segment_ids,
+                lean_vjp=self._lean_vjp(depth_api.phase2_fused), kernel=self._runs_a_kernel(),
             ).astype(dtype)
             return h, {"h": h, "weights": None}
         z, weights = self.retrieve(g, p, state, bctx, pos, ctx, want_weights)
