@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -230,7 +230,7 @@ class DepthStack:
         return mech.finish(g, state, ctx), per_sublayer
 
     # ----- one homogeneous group of units -----
-    def _run_group(self, group, g, per_layer, layer_params, state, ctx, collect_weights):
+    def _run_group(self, group, g, per_layer, layer_params, state, ctx, collect_weights, record=None):
         mech = self.mechanism
         kinds = group[0].kinds
         segments = _segments(kinds)
@@ -249,14 +249,16 @@ class DepthStack:
         S = mech.block_size
         blocks_per_unit = 2 if S == 1 else 1
         unit_fn = _UnitFn(functools.partial(self._unit, segments=segments, collect_weights=collect_weights,
-                                            keep=self.save_read_outputs), mech)
+                                            keep=self.save_read_outputs and record is None, record=record), mech)
+        if record is not None:  # a prefill: the forward alone, no backward to prepare for
+            return jax.lax.scan(lambda st, inp: unit_fn(st, inp[0], g, ctx, inp[1])[:2], state, (xs, unit_ids))
         if state.sources is None or not self.memory_lean:
             policy = jax.checkpoint_policies.save_only_these_names("sublayer_input") if self.save_read_outputs else None
             return _remat_scan(unit_fn, state, xs, g, ctx, unit_ids, policy)
         valid_count = lambda u: 1 + u * blocks_per_unit  # noqa: E731  (buffer entries filled at unit start)
         return _append_only_scan(unit_fn, valid_count, state, xs, g, ctx, unit_ids)
 
-    def _unit(self, state, x, g, ctx, u, known=None, *, segments, collect_weights, keep):
+    def _unit(self, state, x, g, ctx, u, known=None, *, segments, collect_weights, keep, record=None):
         """One unit: phase 1 for the block (S even), then its layers, unrolled.
 
         Returns ``(state, ys, kept)``: ``kept`` is the unit's read outputs ``[2P, B, T, d]``
@@ -291,7 +293,8 @@ class DepthStack:
             # (layer j of the unit reads targets 2j and 2j + 1), each its own array.
             layer_ys = []
             for i in range(cnt):
-                step = functools.partial(self._layer, g=g, ctx=ctx, kind=kind, collect_weights=collect_weights, row=i)
+                step = functools.partial(self._layer, g=g, ctx=ctx, kind=kind, collect_weights=collect_weights, row=i,
+                                         record=record)
                 if self.remat_policy != "none":
                     step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat_policy])
                 j = 2 * (off + i)
@@ -307,15 +310,15 @@ class DepthStack:
         ys = jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *ys)
         return state, ys, jnp.stack(kept) if keep else None
 
-    def _layer(self, state, inp, bctx, known_hs, *, g, ctx, kind, collect_weights, row):
+    def _layer(self, state, inp, bctx, known_hs, *, g, ctx, kind, collect_weights, row, record=None):
         """One transformer layer (row ``row`` of the stacked ``inp``): the attention sublayer,
         then the MLP sublayer; ``bctx``: the block contexts of its two targets, or None;
-        ``known_hs``: its two sublayer inputs from the forward pass, or None. Returns
-        ``(state, y, (h_attn, h_mlp))``."""
+        ``known_hs``: its two sublayer inputs from the forward pass, or None; ``record``: a
+        prefill's ``PrefillRecord``, or None. Returns ``(state, y, (h_attn, h_mlp))``."""
         attn_p, mlp_p, mech_p, layer = jax.tree.map(lambda a: a[row], inp)
         mech = self.mechanism
         S = mech.block_size
-        aux_losses, weights, hs = [], [], []
+        aux_losses, weights, hs, cached, history = [], [], [], [], []
         for sub, (sub_kind, params) in enumerate((("attn", attn_p), (kind, mlp_p))):
             pos = position(2 * layer + sub + 1, S)
             p = jax.tree.map(lambda a: a[sub], mech_p)
@@ -330,8 +333,16 @@ class DepthStack:
                     h = _reuse_saved(h, known_hs[sub])
             hs.append(h)
             h = jax.ad_checkpoint.checkpoint_name(h, "sublayer_input")
+            if record is not None:
+                source = mech.history_source(g, state, pos)
+                if source is not None:
+                    history.append(record.window(source))
             with jax.named_scope(f"sublayer_{sub_kind}"):
-                v, aux_loss = self.sublayer_fn(sub_kind, params, h, ctx)
+                if record is None:
+                    v, aux_loss = self.sublayer_fn(sub_kind, params, h, ctx)
+                else:
+                    v, aux_loss, entry = record.sublayer_fn(sub_kind, params, h, ctx)
+                    cached.append(entry)
             with jax.named_scope("depth_write"):
                 state = mech.write(g, p, state, v, aux, pos, ctx)
                 if S == 1:
@@ -342,4 +353,81 @@ class DepthStack:
         y = {"aux_loss": jnp.stack(aux_losses)}
         if weights:
             y["depth_weights"] = jnp.stack(weights)
+        if record is not None:
+            y["layer_cache"] = cached[0]  # the attention sublayer's; the MLP caches nothing
+            if history:
+                y["history"] = jnp.stack(history)  # [2, B, W, d]
         return state, y, tuple(hs)
+
+    # ----- inference: a prefill, and one-token decoding steps (docs/design.md §10) -----
+    def prefill(self, mech_params: dict, layer_params: dict, e: jax.Array, ctx: SequenceContext,
+                record: "PrefillRecord"):
+        """The forward pass of ``__call__`` (the same units, block reads and kernels) that also
+        returns what decoding keeps: ``(final_hidden, layer_cache, history)``. ``layer_cache`` is
+        each layer's ``record.sublayer_fn`` entry of its attention sublayer, stacked ``[n_layers,
+        ...]``; ``history`` is ``[L, B, W, d]``, slot ``l - 1`` the window ``record.window`` cuts
+        from the source ``mechanism.history_source`` names at sublayer ``l`` (None when the
+        mechanism keeps no history)."""
+        mech = self.mechanism
+        g, per_sub = mech.split_params(mech_params)
+        n_layers = len(self.layer_kinds)
+        per_layer = jax.tree.map(lambda a: a.reshape(n_layers, 2, *a.shape[1:]), per_sub)
+        state = mech.start(g, e, ctx)
+        caches, histories = [], []
+        for group in group_units(plan_units(self.layer_kinds, mech.block_size)):
+            state, ys = self._run_group(group, g, per_layer, layer_params, state, ctx, False, record)
+            caches.append(jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), ys["layer_cache"]))  # [U*P, ...]
+            if "history" in ys:
+                histories.append(ys["history"].reshape(-1, *ys["history"].shape[3:]))  # [U*P*2, B, W, d]
+        layer_cache = jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *caches)
+        history = jnp.concatenate(histories, axis=0) if histories else None
+        return mech.finish(g, state, ctx), layer_cache, history
+
+    def decode(self, mech_params: dict, layer_params: dict, e: jax.Array, ctx: SequenceContext, sublayer_fn,
+               layer_cache, history):
+        """One decoding step: ``e[B, 1, d]`` the new tokens' embeddings, ``ctx`` their positions.
+
+        ``sublayer_fn(kind, params, h, ctx, layer_cache_of_the_layer) -> (v, aux_loss, entry)``;
+        ``layer_cache`` has a leading ``[n_layers]`` axis; ``history`` is the mechanism's
+        ``[L, B, W, d]`` (or None), read only. Returns ``(final_hidden, entries, new_values)``:
+        each layer's attention entry stacked ``[n_layers, ...]``, and ``[L, B, 1, d]`` the new
+        token's value of each history slot's source (None without history). The reads take no
+        block context: with one token, phase 1 would save nothing (docs/design.md §10). The
+        layers are unrolled: a step is small, and static slices of the cache need no copy."""
+        mech = self.mechanism
+        g, per_sub = mech.split_params(mech_params)
+        S, n_sub = mech.block_size, 2 * len(self.layer_kinds)
+        kind_offset = {k: self.layer_kinds.index(k) for k in set(self.layer_kinds)}
+        state = mech.start(g, e, ctx)
+        entries, new_values = [], []
+        for layer, kind in enumerate(self.layer_kinds):
+            mlp_p = jax.tree.map(lambda a: a[layer - kind_offset[kind]], layer_params[kind])
+            attn_p = jax.tree.map(lambda a: a[layer], layer_params["attn"])
+            cache_l = jax.tree.map(lambda a: a[layer], layer_cache)
+            for sub, (sub_kind, params) in enumerate((("attn", attn_p), (kind, mlp_p))):
+                l = 2 * layer + sub + 1
+                pos = position(l, S)
+                p = jax.tree.map(lambda a: a[l - 1], per_sub)
+                source = mech.history_source(g, state, pos)
+                if source is not None:
+                    new_values.append(source)
+                h, aux = mech.decode_read(g, p, state, pos, ctx, history)
+                v, _, entry = sublayer_fn(sub_kind, params, h, ctx, cache_l if sub == 0 else None)
+                if sub == 0:
+                    entries.append(entry)
+                state = mech.write(g, p, state, v, aux, pos, ctx)
+                if l % S == 0 or l == n_sub:  # the block's last sublayer (every sublayer when S = 1)
+                    state = mech.end_block(g, state, pos)
+        entries = jax.tree.map(lambda *a: jnp.stack(a), *entries)
+        return mech.finish(g, state, ctx), entries, jnp.stack(new_values) if new_values else None
+
+
+class PrefillRecord(NamedTuple):
+    """What ``DepthStack.prefill`` records besides the forward pass.
+
+    ``sublayer_fn(kind, params, h, ctx) -> (v, aux_loss, entry)``: the sublayer, and what a
+    decoding cache keeps of it; ``window(source[B, T, d]) -> [B, W, d]``: the history a decoding
+    step needs of one source (each row's last ``W`` real tokens)."""
+
+    sublayer_fn: Callable
+    window: Callable

@@ -47,8 +47,11 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention(p: dict, h: jax.Array, ctx: SequenceContext, cfg) -> jax.Array:
-    """Grouped-query causal self-attention with RoPE; packed segments never attend across."""
+def attention(p: dict, h: jax.Array, ctx: SequenceContext, cfg, return_kv: bool = False):
+    """Grouped-query causal self-attention with RoPE; packed segments never attend across.
+
+    With ``return_kv`` also the rotated keys and the values ``[B, T, kv_heads, head_dim]`` (a
+    prefill fills the decoding cache with them, ``msar_jax.inference.decode``)."""
     dtype = h.dtype
     x = rms_norm(h, p["norm"], cfg.norm_eps)
     q = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, p["wq"].astype(dtype)), "attn_q")
@@ -63,7 +66,46 @@ def attention(p: dict, h: jax.Array, ctx: SequenceContext, cfg) -> jax.Array:
     out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]))
     out = checkpoint_name(out, "attn_context")
     y = jnp.einsum("btnh,nhd->btd", out, p["wo"].astype(dtype))
-    return constrain(checkpoint_name(y, "attn_out"), ACT)
+    y = constrain(checkpoint_name(y, "attn_out"), ACT)
+    return (y, (k, v)) if return_kv else y
+
+
+def decode_attention(p: dict, h: jax.Array, ctx: SequenceContext, keys: jax.Array, values: jax.Array,
+                     segment_start: jax.Array, cfg):
+    """``attention`` of one new token per row against a cache.
+
+    ``h[B, 1, d]``; ``ctx.positions[B, 1]`` the new token's position, which is also the number of
+    cached tokens before it; ``keys``/``values[B, M, kv_heads, head_dim]`` the cache (rotated keys),
+    of which the new token sees positions ``segment_start[b] <= s < positions[b]`` (its own
+    document: the segment mask of ``attention``) and itself. Query head ``n`` reads kv head
+    ``n // (heads / kv_heads)``, as ``jax.nn.dot_product_attention`` groups them. Returns the
+    output ``[B, 1, d]`` and the new token's ``(k, v)`` ``[B, 1, kv_heads, head_dim]``; the
+    caller writes them into the cache.
+    """
+    dtype = h.dtype
+    x = rms_norm(h, p["norm"], cfg.norm_eps)
+    q = jnp.einsum("btd,dnh->btnh", x, p["wq"].astype(dtype))
+    k = jnp.einsum("btd,dkh->btkh", x, p["wk"].astype(dtype))
+    v = jnp.einsum("btd,dkh->btkh", x, p["wv"].astype(dtype))
+    q = rope(q, ctx.positions, cfg.rope_theta)
+    k = rope(k, ctx.positions, cfg.rope_theta)
+    b, _, n_heads, head_dim = q.shape
+    n_kv, max_len = keys.shape[2], keys.shape[1]
+    q = q.reshape(b, n_kv, n_heads // n_kv, head_dim)
+    scale = 1.0 / math.sqrt(head_dim)
+    # Scores in float32, probabilities rounded to the activations' dtype before the value
+    # product: what jax.nn.dot_product_attention's XLA path does in the full forward.
+    s_cache = jnp.einsum("bkgh,bskh->bkgs", q, keys.astype(dtype), preferred_element_type=jnp.float32) * scale
+    s_self = jnp.einsum("bkgh,bkh->bkg", q, k[:, 0], preferred_element_type=jnp.float32)[..., None] * scale
+    slot = jnp.arange(max_len)[None, :]
+    seen = (slot >= segment_start[:, None]) & (slot < ctx.positions[:, :1])  # [B, M]
+    logits = jnp.concatenate([jnp.where(seen[:, None, None, :], s_cache, -jnp.inf), s_self], axis=-1)
+    probs = jax.nn.softmax(logits, axis=-1).astype(dtype)
+    out = jnp.einsum("bkgs,bskh->bkgh", probs[..., :max_len], values.astype(dtype),
+                     preferred_element_type=jnp.float32)
+    out = (out + probs[..., max_len:].astype(jnp.float32) * v[:, 0, :, None, :].astype(jnp.float32)).astype(dtype)
+    y = jnp.einsum("btnh,nhd->btd", out.reshape(b, 1, n_heads, head_dim), p["wo"].astype(dtype))
+    return y, (k, v)
 
 
 def _swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:

@@ -62,6 +62,29 @@ class Transformer(nnx.Module):
             return layers.dense_mlp(params, h, cfg), jnp.zeros((), jnp.float32)
         return layers.moe_mlp(params, h, cfg)
 
+    def _sublayer_prefill(self, kind, params, h, ctx):
+        """``_sublayer`` that also returns what a decoding cache keeps of it: the attention's
+        rotated keys and values ``[B, T, kv_heads, head_dim]``; None for an MLP."""
+        if kind == "attn":
+            y, kv = layers.attention(params, h, ctx, self.cfg, return_kv=True)
+            return y, jnp.zeros((), jnp.float32), kv
+        v, aux = self._sublayer(kind, params, h, ctx)
+        return v, aux, None
+
+    def decode_sublayer(self, segment_start):
+        """The sublayer function of a one-token decoding step, ``(kind, params, h, ctx, kv) ->
+        (v, aux_loss, new_kv)``: attention reads its layer's cache ``kv = (keys, values)``
+        (``layers.decode_attention``, the new token seeing positions from ``segment_start[B]``)
+        and returns the new token's ``(k, v)``; an MLP returns None."""
+        def sublayer(kind, params, h, ctx, kv):
+            if kind == "attn":
+                y, new_kv = layers.decode_attention(params, h, ctx, *kv, segment_start, self.cfg)
+                return y, jnp.zeros((), jnp.float32), new_kv
+            v, aux = self._sublayer(kind, params, h, ctx)
+            return v, aux, None
+
+        return sublayer
+
     def stack(self) -> DepthStack:
         return DepthStack(self.residual, self._sublayer, layer_kinds(self.cfg), self.cfg.remat_policy,
                           save_read_outputs=self.cfg.save_read_outputs)
@@ -70,7 +93,6 @@ class Transformer(nnx.Module):
         """Logits ``[B, T, V]`` (float32) and a dict with ``aux_loss`` (MoE load balance,
         already weighted) and, with ``collect_weights``, per-sublayer depth weights."""
         cfg = self.cfg
-        dtype = jnp.dtype(cfg.dtype)
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, sequence length]; got shape {tokens.shape}")
         b, t = tokens.shape
@@ -83,22 +105,36 @@ class Transformer(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         ctx = SequenceContext(positions=positions, segment_ids=segment_ids)
-        with jax.named_scope("embed"):  # scopes label profiles (benchmarks/profile_step.py)
-            e = constrain(jnp.take(self.embedding[...], tokens, axis=0).astype(dtype), layers.ACT)
-        layer_params = {"attn": pure(self.attn)}
-        if self.dense is not None:
-            layer_params["dense"] = pure(self.dense)
-        if self.moe is not None:
-            layer_params["moe"] = pure(self.moe)
-        hidden, per_sublayer = self.stack()(pure(self.residual), layer_params, e, ctx, collect_weights)
-        with jax.named_scope("lm_head"):
-            x = layers.rms_norm(hidden, self.final_norm[...], cfg.norm_eps)
-            head = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
-            logits = jnp.einsum("btd,dv->btv", x, head.astype(dtype), preferred_element_type=jnp.float32)
+        hidden, per_sublayer = self.stack()(pure(self.residual), self.layer_params(), self.embed(tokens), ctx,
+                                            collect_weights)
+        logits = self.head(hidden)
         aux = {"aux_loss": cfg.moe.aux_loss_weight * jnp.sum(per_sublayer["aux_loss"]) if cfg.moe.enabled else 0.0}
         if collect_weights and "depth_weights" in per_sublayer:
             aux["depth_weights"] = per_sublayer["depth_weights"]
         return logits, aux
+
+
+    def embed(self, tokens) -> jax.Array:
+        """The embedding ``e = v_0`` of ``tokens[B, T]``, ``[B, T, d]`` in the activations' dtype."""
+        with jax.named_scope("embed"):  # scopes label profiles (benchmarks/profile_step.py)
+            e = jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.dtype(self.cfg.dtype))
+            return constrain(e, layers.ACT)
+
+    def layer_params(self) -> dict:
+        """The backbone's stacked sublayer parameters as pure arrays: ``attn``, ``dense``, ``moe``."""
+        out = {"attn": pure(self.attn)}
+        if self.dense is not None:
+            out["dense"] = pure(self.dense)
+        if self.moe is not None:
+            out["moe"] = pure(self.moe)
+        return out
+
+    def head(self, hidden) -> jax.Array:
+        """Final RMSNorm and LM head: float32 logits ``[..., V]`` of ``hidden[..., d]``."""
+        with jax.named_scope("lm_head"):
+            x = layers.rms_norm(hidden, self.final_norm[...], self.cfg.norm_eps)
+            head = self.embedding[...].T if self.lm_head is None else self.lm_head[...]
+            return jnp.einsum("...d,dv->...v", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None = None) -> jax.Array:

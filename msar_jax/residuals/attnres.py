@@ -370,6 +370,66 @@ class BlockDepthAttention(ResidualMechanism):
     def weights_shape(self):
         return (self.n_blocks + 2, self.n_streams)
 
+    # ----- decoding (docs/design.md §10) -----
+    def history_source(self, g, state, pos):
+        """Slot ``l - 1`` keeps the source bank ``l - 1`` expands (§4.1): at a block's first
+        sublayer the newest summary ``b_n`` (bank ``nS``; ``b_0 = e``, bank 0), else the partial
+        ``b_n^{<l}``. Only a mechanism with conv streams keeps history."""
+        if max(self.stream_kernels) <= 1:  # no stream looks back a token
+            return None
+        summary = jax.lax.dynamic_index_in_dim(state.sources, pos.block, keepdims=False)
+        return jnp.where(pos.first_in_block, summary, state.carry["partial"])
+
+    def decode_read(self, g, p, state, pos, ctx, history):
+        """The direct read (Eq. 11-12, 17) of one token over ``b_0..b_n`` and the partial, each
+        source expanded at the new token from its history window (Eq. 10), then fused.
+
+        A one-token read runs in XLA: ``T = 1`` leaves nothing for a tiled kernel to reuse."""
+        partial = state.carry["partial"]
+        dtype = partial.dtype
+        sources = jnp.concatenate([state.sources, partial[None]], axis=0)  # [N+2, B, 1, d]
+        valid = jnp.concatenate([self._completed_valid(pos), jnp.logical_not(pos.first_in_block)[None]])
+        banks = self.source_banks(g)
+        if banks is None:
+            expanded = depth_ref.expand(sources, None, self.stream_kernels)  # [N+2, m, B, 1, d]
+        else:
+            banks = jnp.concatenate([banks, self.partial_bank(g, pos)[None]], axis=0)
+            window = sources
+            if history is not None:
+                # Summary b_j's window is slot jS; b_N is never expanded (its bank is zero); the
+                # partial's is slot l - 1.
+                past = history[:: self.block_size][: self.n_blocks]
+                past = jnp.concatenate([past, jnp.zeros_like(past[:1]),
+                                        jax.lax.dynamic_index_in_dim(history, pos.sublayer - 1)], axis=0)
+                window = jnp.concatenate([past.astype(dtype), sources], axis=2)
+            expanded = expand_newest(window, banks, self.stream_kernels)
+        s = depth_ref.scores(expanded, p["queries"], self.heads, self.res_cfg.eps)  # [N+2, m, B, 1, H]
+        ok = valid[:, None, None, None, None]
+        alpha = jnp.where(ok, jax.nn.softmax(jnp.where(ok, s, depth_ref.NEG_LARGE), axis=0), 0.0)
+        heads = expanded.reshape(*expanded.shape[:-1], self.heads, -1)
+        z = jnp.einsum("nmbth,nmbthe->mbthe", alpha, heads).reshape(expanded.shape[1:])
+        h = self.fuse(p, z).astype(dtype)
+        return h, {"h": h, "weights": None}
+
+
+def expand_newest(window, banks, stream_kernels):
+    """Eq. 10 at the newest token only: ``window[n, B, W + 1, d]`` holds each source's last
+    ``W + 1`` token values, oldest first (zero before the sequence or document start),
+    ``banks[n, K, d]``. Returns ``[n, m, B, 1, d]`` float32, what ``depth_ref.expand`` gives at
+    the last token. Products and sums elementwise in float32 (no matmul: its precision would
+    depend on the platform)."""
+    x = window.astype(jnp.float32)
+    lagged = x[..., ::-1, :]  # [n, B, W + 1, d], lag delta first
+    streams, offset = [], 0
+    for kernel in stream_kernels:
+        if kernel == 0:
+            streams.append(x[..., -1, :])
+            continue
+        taps = banks[:, offset : offset + kernel, :].astype(jnp.float32)  # [n, k, d], lag-indexed
+        offset += kernel
+        streams.append(jnp.sum(taps[:, None] * lagged[..., :kernel, :], axis=-2))
+    return jnp.stack(streams, axis=1)[..., None, :]
+
 
 @register("attnres")
 class AttnRes(BlockDepthAttention):

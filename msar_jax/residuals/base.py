@@ -138,6 +138,25 @@ class ResidualMechanism(nnx.Module):
         """Shape of the token-averaged depth weights ``read`` returns with ``want_weights``."""
         return None
 
+    # ----- decoding: one new token per sequence (docs/design.md §10) -----
+    @classmethod
+    def history_tokens(cls, model_cfg) -> int:
+        """Past token values of one source that each of the L history slots keeps between
+        decoding steps; 0 when every depth source is a per-token vector (no depth cache)."""
+        return 0
+
+    def history_source(self, g, state: DepthState, pos: Position) -> jax.Array | None:
+        """The source ``[B, T, d]`` whose token values history slot ``pos.sublayer - 1`` keeps,
+        as it stands at sublayer ``pos.sublayer``'s read; ``None`` when ``history_tokens`` is 0."""
+        return None
+
+    def decode_read(self, g, p, state: DepthState, pos: Position, ctx: SequenceContext, history):
+        """``read`` of one new token (``T = 1``) without a block context: ``history`` is
+        ``[L, B, W, d]``, slot ``i`` the last ``W = history_tokens`` values of the source
+        ``history_source`` names at sublayer ``i + 1`` (None when ``W = 0``). The default suits
+        mechanisms whose reads never look along tokens."""
+        return self.read(g, p, state, None, pos, ctx)
+
     # ----- what the rest of the library asks of a mechanism (from its config) -----
     @classmethod
     def validate_config(cls, model_cfg, prefix: str = "model") -> None:

@@ -55,6 +55,12 @@ class AttnResMHC(ResidualMechanism):
         h_m, aux_m = self.mhc.read(g["mhc"], p["mhc"], m, None, pos, ctx)
         return h_a + h_m, {"attnres": aux_a, "mhc": aux_m, "weights": aux_a["weights"]}
 
+    def decode_read(self, g, p, state, pos, ctx, history):
+        a, m = self._parts(state)
+        h_a, aux_a = self.attnres.decode_read(g["attnres"], p["attnres"], a, pos, ctx, history)
+        h_m, aux_m = self.mhc.decode_read(g["mhc"], p["mhc"], m, pos, ctx, history)
+        return h_a + h_m, {"attnres": aux_a, "mhc": aux_m, "weights": aux_a["weights"]}
+
     def write(self, g, p, state, v, aux, pos, ctx):
         a, m = self._parts(state)
         a = self.attnres.write(g["attnres"], p["attnres"], a, v, aux["attnres"], pos, ctx)

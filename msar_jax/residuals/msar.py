@@ -97,6 +97,14 @@ class MSAR(BlockDepthAttention):
         return state.carry["last"]
 
     @classmethod
+    def history_tokens(cls, model_cfg):
+        """A conv stream of kernel kappa reads kappa - 1 earlier tokens of its source (Eq. 10),
+        so a decoding step keeps, per bank, the last kappa_max - 1 values of the one source the
+        bank expands (docs/design.md §10)."""
+        res = model_cfg.residual
+        return max(res.kernel_sizes) - 1 if res.conv and res.kernel_sizes else 0
+
+    @classmethod
     def validate_config(cls, model_cfg, prefix="model"):
         res, field = model_cfg.residual, f"{prefix}.residual.kernel_sizes"
         kernels = tuple(res.kernel_sizes)
