@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.depth_attention import tpu_blocks
 from pallas_kernels.depth_attention.fused import (
     F32, call_kwargs, if_live, lag_masks, pad_tokens, stream_layout, token_inputs, TokenWindow,
 )
@@ -125,6 +126,12 @@ def sources_transpose(d_streams, x, banks, segment_ids=None, valid=None, *, stre
         return dx.astype(out_dtype or x.dtype), jnp.zeros((n, 0, d), F32)
     if banks is None or banks.shape != (n, n_taps, d):
         raise ValueError(f"banks {None if banks is None else banks.shape}: expected ({n}, {n_taps}, {d})")
+    if backend == "tpu":  # token-tiled, channels padded to whole 128-lane vregs (exact: zero channels)
+        dp = tpu_blocks.padded_head_width(d)
+        pad_d = lambda a: a if dp == d else jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, dp - d)])  # noqa: E731
+        dx, dbank = sources_transpose_tpu(pad_d(d_streams), pad_d(x), pad_d(banks), segment_ids, valid,
+                                          stream_kernels=stream_kernels, interpret=interpret, out_dtype=out_dtype)
+        return dx[..., :d], dbank[..., :d]
     bt, bd = tiles.bt_transpose, tiles.block_d_grads
     if bt < max(stream_kernels) - 1:
         raise ValueError(f"block_t={bt} < max_kernel - 1 = {max(stream_kernels) - 1}: the halo reaches one tile")
@@ -171,3 +178,126 @@ def sources_transpose(d_streams, x, banks, segment_ids=None, valid=None, *, stre
         dx = jnp.where(ok[:, None, None, None], dx, jnp.zeros((), dx.dtype))
         return dx, jnp.where(ok[:, None, None], jnp.sum(dbank, axis=(1, 2)), 0.0)
     return dx, jnp.sum(dbank, axis=(1, 2))
+
+
+# --------------------------------------------------------------------------- Mosaic TPU, token-tiled
+
+
+def _kernel_tpu(*refs, stream_kernels, bt, n_tiles, has_mask, has_live):
+    """One (source, batch row, chunk, token tile): ``d x`` of the tile from ``dE`` of the tile and
+    the ``halo`` rows after it, and the tile's bank-gradient rows added into the output block,
+    which stays in VMEM over the token axis (``"arbitrary"``, the last grid axis)."""
+    it = iter(refs)
+    de_ref, de_ahead = next(it), next(it)  # [m, bt, bd], [m, halo, bd]
+    x_ref, x_behind = next(it), next(it)  # [bt, bd], [halo, bd]
+    bank_ref = next(it)  # [K, bd]
+    behind_ref, ahead_ref = (next(it), next(it)) if has_mask else (None, None)  # [bt, L] each
+    live_ref = next(it) if has_live else None  # [n] int32
+    dx_ref = next(it)  # [bt, bd]
+    dbank_ref = next(it)  # [K, bd]
+    max_lag = max(stream_kernels)
+    t = pl.program_id(3)
+    t0 = t * bt
+
+    @pl.when(t == 0)
+    def _():
+        dbank_ref[...] = jnp.zeros(dbank_ref.shape, F32)
+
+    def work():
+        behind = tpu_blocks.tile_masks(behind_ref, t0, bt, max_lag)
+        ahead = tpu_blocks.tile_masks(ahead_ref, t0, bt, max_lag, ahead=True)
+        x = tpu_blocks.HaloWindow(lambda: x_ref[...], lambda: x_behind[...], first=t == 0)
+        dx = jnp.zeros(dx_ref.shape, F32)
+        for r, (kernel, off) in enumerate(stream_layout(stream_kernels)):
+            de = tpu_blocks.HaloWindow(lambda r=r: de_ref[r], ahead=lambda r=r: de_ahead[r], last=t == n_tiles - 1)
+            if kernel == 0:
+                dx = dx + de.shift(0)
+                continue
+            for delta in range(kernel):
+                lead = de.ahead(delta)
+                if delta and ahead is not None:
+                    lead = lead * ahead[delta]
+                dx = dx + bank_ref[off + delta, :].astype(F32)[None, :] * lead
+                tap = de.shift(0) * x.shift(delta)
+                tap = tap * behind[delta] if delta else tap
+                rows = pl.ds(off + delta, 1)
+                dbank_ref[rows, :] = dbank_ref[rows, :] + jnp.sum(tap, axis=0, keepdims=True)
+        dx_ref[...] = dx.astype(dx_ref.dtype)
+
+    def skipped():  # an invalid source: zero gradients (its bank rows stay as zeroed above)
+        dx_ref[...] = jnp.zeros(dx_ref.shape, dx_ref.dtype)
+
+    if_live(live_ref, pl.program_id(0), work, skipped)
+
+
+def transpose_vmem_bytes(*, m: int, n_taps: int, max_lag: int, de_itemsize: int, x_itemsize: int, out_itemsize: int,
+                         has_mask: bool):
+    """``bytes_of(bt, bd)`` for ``tpu_blocks.choose``: the transpose's double-buffered blocks and its
+    live float32 temporaries (the ``dE`` and ``x`` windows, ``d x``, one tap product)."""
+    halo = tpu_blocks.halo_rows(max_lag)
+    lp = tpu_blocks.lane_padded
+
+    def bytes_of(bt, bd):
+        blocks = (lp((m, bt + halo, bd)) * de_itemsize + lp((bt + halo, bd)) * x_itemsize
+                  + lp((n_taps, bd)) * 4 + (2 * lp((bt, max_lag)) * 4 if has_mask else 0)
+                  + lp((bt, bd)) * out_itemsize + lp((n_taps, bd)) * 4)
+        temps = ((m + 1) * (bt + halo) + 4 * bt) * bd * 4
+        return 2 * blocks + temps
+
+    return bytes_of
+
+
+def sources_transpose_tpu(d_streams, x, banks, segment_ids=None, valid=None, *, stream_kernels: Sequence[int],
+                          interpret, out_dtype=None):
+    """``sources_transpose`` as the token-tiled Mosaic TPU kernel (``tpu_blocks``): ``d_streams[n,
+    m, B, T, d]`` with ``d`` padded per head as ``tpu_blocks.pad_heads`` pads it (a multiple of 128),
+    ``x[n, B, T, d]``, ``banks[n, K, d]``, ``segment_ids[B, T]`` (padded with -1 past the real
+    tokens, or None)."""
+    stream_kernels = tuple(stream_kernels)
+    n, m, batch, t_len, d = d_streams.shape
+    n_taps, max_lag = sum(stream_kernels), max(stream_kernels)
+    if d % tpu_blocks.LANES:
+        raise ValueError(f"sources_transpose_tpu: d={d} must be padded to a multiple of {tpu_blocks.LANES}")
+    has_mask = segment_ids is not None
+    tiles = tpu_blocks.choose(
+        transpose_vmem_bytes(m=m, n_taps=n_taps, max_lag=max_lag, de_itemsize=d_streams.dtype.itemsize,
+                             x_itemsize=x.dtype.itemsize, out_itemsize=jnp.dtype(out_dtype or x.dtype).itemsize,
+                             has_mask=has_mask),
+        dhp=d, t_len=t_len, max_kernel=max_lag, name="sources_transpose")
+    bt, bd, halo = tiles.block_t, tiles.block_d, tiles.halo
+    t_pad = -(-t_len // bt) * bt
+    n_tiles = t_pad // bt
+    de = pad_tokens(d_streams, 3, t_pad)
+    xp = pad_tokens(x, 2, t_pad)
+    tok = functools.partial(tpu_blocks.token_specs, token_axis=None, bt=bt, halo=halo, n_rows=t_pad,
+                            tile=lambda i, b, c, t: t)
+    in_specs = tok((None, m, None, bt, bd), lambda i, b, c, t, tile: (i, 0, b, tile, c), token_axis=3, behind=False,
+                   ahead=True)
+    in_specs += tok((None, None, bt, bd), lambda i, b, c, t, tile: (i, b, tile, c), token_axis=2)
+    in_specs.append(pl.BlockSpec((None, n_taps, bd), lambda i, b, c, t: (i, 0, c)))
+    args = [de, de, xp, xp, banks]
+    if has_mask:
+        seg = pad_tokens(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
+        mask_spec = pl.BlockSpec((None, bt, max_lag), lambda i, b, c, t: (b, t, 0))
+        in_specs += [mask_spec, mask_spec]
+        args += [tpu_blocks.segment_masks(seg, max_lag), tpu_blocks.segment_masks(seg, max_lag, ahead=True)]
+    has_live = token_inputs(in_specs, args, None, valid, n, t_pad, "tpu", batch_axis=1)
+    kernel = functools.partial(_kernel_tpu, stream_kernels=stream_kernels, bt=bt, n_tiles=n_tiles,
+                               has_mask=has_mask, has_live=has_live)
+    dx, dbank = pl.pallas_call(
+        kernel,
+        grid=(n, batch, d // bd, n_tiles),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((None, None, bt, bd), lambda i, b, c, t: (i, b, t, c)),
+            pl.BlockSpec((None, None, n_taps, bd), lambda i, b, c, t: (i, b, 0, c)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((n, batch, t_pad, d), out_dtype or x.dtype),
+            jax.ShapeDtypeStruct((n, batch, n_taps, d), F32),
+        ],
+        name="depth_attention_expansion_transpose",
+        compiler_params=tpu_blocks.compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+    )(*args)
+    return dx[:, :, :t_len], jnp.sum(dbank, axis=1)

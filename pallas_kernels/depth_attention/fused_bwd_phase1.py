@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention import conv_transpose, fused, mosaic_gpu, reference
+from pallas_kernels.depth_attention import conv_transpose, fused, mosaic_gpu, reference, tpu_blocks
 from pallas_kernels.depth_attention.fused import (
     F32, call_kwargs, expand_chunk, head_column, if_live, lag_masks, next_target_ref, pad_tokens, stream_layout,
     target_input, token_inputs, TokenWindow,
@@ -509,6 +509,10 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     after) and ``P g_A = (P scale) g.acc`` (pass 4's value term, ``P`` scaled before)."""
     if form not in FORMS:
         raise ValueError(f"form={form!r}: must be one of {FORMS}")
+    if backend == "tpu" and form == "wide":
+        return _phase1_backward_tpu(sources, banks, queries, valid, segment_ids, smax, g,
+                                    stream_kernels=tuple(stream_kernels), heads=heads, eps=eps, tiles=tiles,
+                                    interpret=interpret, value_scale=value_scale)
     n, batch, t_len, d = sources.shape
     n_targets, m = queries.shape[:2]
     stream_kernels = tuple(stream_kernels)
@@ -591,3 +595,267 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
     else:
         d_banks = jnp.sum(dbank, axis=1).astype(banks.dtype)
     return d_sources, d_banks, d_queries
+
+
+# --------------------------------------------------------------------------- Mosaic TPU, token-tiled
+#
+# The wide form's passes 2 and 4 as token-tiled kernels (``tpu_blocks``): each program maps one
+# ``[block_t, block_d]`` tile of every source, ``g_A`` and the per-token scalars into VMEM, and
+# the conv's halo from a ``halo``-row block of the previous tile of the same sources. The
+# per-token scalars come with the tokens on sublanes and the (target, stream) pairs on lanes,
+# ``[n, B, H, Tp, S m]``, their head picked by the block index: one ``[block_t, S m]`` block per
+# source rather than ``S m`` blocks with a single lane each (128x the VMEM).
+
+
+def _source_window(x_ref, behind_ref, i, t):
+    return tpu_blocks.HaloWindow(lambda: x_ref[i], None if behind_ref is None else (lambda: behind_ref[i]),
+                                 first=t == 0)
+
+
+def _gdots_kernel_tpu(*refs, stream_kernels, n, n_targets, bt, halo, has_bank, has_mask, has_live, split_ga):
+    """``out[i, t, s m + r] = <g_A[s, r, t, chunk], E_r[x_i][t, chunk]>`` on one token tile and chunk."""
+    it = iter(refs)
+    x_ref = next(it)  # [n, bt, bd]
+    behind_ref = next(it) if halo else None  # [n, halo, bd]
+    bank_ref = next(it) if has_bank else None  # [n, K, bd]
+    ga_ref = next_target_ref(it, split_ga)  # [S, m, bt, bd]
+    mask_ref = next(it) if has_mask else None  # [bt, L]
+    live_ref = next(it) if has_live else None  # [n] int32
+    out_ref = next(it)  # [n, bt, S m]
+    m = len(stream_kernels)
+    t = pl.program_id(1)
+    masks = tpu_blocks.tile_masks(mask_ref, t * bt, bt, max([1, *stream_kernels]))
+    for r, (kernel, off) in enumerate(stream_layout(stream_kernels)):
+        ga = [ga_ref[s, r, :, :].astype(F32) for s in range(n_targets)]
+
+        def source_body(i, carry, kernel=kernel, off=off, r=r, ga=ga):
+            def work():
+                e = expand_chunk(_source_window(x_ref, behind_ref, i, t), bank_ref, (i,), slice(None), kernel, off,
+                                 masks)
+                for s in range(n_targets):
+                    out_ref[i, :, pl.ds(s * m + r, 1)] = jnp.sum(ga[s] * e, axis=1, keepdims=True)
+
+            def skipped():
+                for s in range(n_targets):
+                    out_ref[i, :, pl.ds(s * m + r, 1)] = jnp.zeros((bt, 1), F32)
+
+            if_live(live_ref, i, work, skipped)
+            return carry
+
+        jax.lax.fori_loop(0, n, source_body, 0)
+
+
+def _dstreams_kernel_tpu(*refs, stream_kernels, n, n_targets, bt, halo, has_bank, has_mask, has_live, split_ga):
+    """``dE[i, r] = sum_s (P g_A{s,r} + DSR q_{s,r}) - W E_r[x_i]`` on one token tile and chunk."""
+    it = iter(refs)
+    x_ref = next(it)  # [n, bt, bd]
+    behind_ref = next(it) if halo else None  # [n, halo, bd]
+    bank_ref = next(it) if has_bank else None  # [n, K, bd]
+    q_ref = next(it)  # [S, m, bd]
+    ga_ref = next_target_ref(it, split_ga)  # [S, m, bt, bd]
+    p_ref, dsr_ref = next(it), next(it)  # [n, bt, S m] (this chunk's head)
+    w_ref = next(it)  # [n, bt, m]
+    mask_ref = next(it) if has_mask else None  # [bt, L]
+    live_ref = next(it) if has_live else None  # [n] int32
+    out_ref = next(it)  # [n, m, bt, bd]
+    m = len(stream_kernels)
+    t = pl.program_id(1)
+    masks = tpu_blocks.tile_masks(mask_ref, t * bt, bt, max([1, *stream_kernels]))
+    for r, (kernel, off) in enumerate(stream_layout(stream_kernels)):
+        ga = [ga_ref[s, r, :, :].astype(F32) for s in range(n_targets)]
+        q = [q_ref[s, r, :].astype(F32)[None, :] for s in range(n_targets)]
+
+        def source_body(i, carry, kernel=kernel, off=off, r=r, ga=ga, q=q):
+            def work():
+                e = expand_chunk(_source_window(x_ref, behind_ref, i, t), bank_ref, (i,), slice(None), kernel, off,
+                                 masks)
+                de = -w_ref[i, :, pl.ds(r, 1)] * e
+                for s in range(n_targets):
+                    col = pl.ds(s * m + r, 1)
+                    de = de + p_ref[i, :, col] * ga[s] + dsr_ref[i, :, col] * q[s]
+                out_ref[i, r, :, :] = de.astype(out_ref.dtype)
+
+            def skipped():
+                out_ref[i, r, :, :] = jnp.zeros(out_ref.shape[2:], out_ref.dtype)
+
+            if_live(live_ref, i, work, skipped)
+            return carry
+
+        jax.lax.fori_loop(0, n, source_body, 0)
+
+
+def _wide_vmem_bytes(kernel: str, *, n, n_targets, m, n_taps, max_lag, x_itemsize, ga_itemsize, out_itemsize,
+                     has_mask):
+    """``bytes_of(bt, bd)`` (``tpu_blocks.choose``) of ``"gdots"`` or ``"dstreams"``: double-buffered
+    blocks and the live float32 temporaries (every target's ``g_A`` tile of a stream, the source
+    window, the expansion and the sum being built)."""
+    halo = tpu_blocks.halo_rows(max_lag)
+    lp = tpu_blocks.lane_padded
+
+    def bytes_of(bt, bd):
+        blocks = (lp((n, bt + halo, bd)) * x_itemsize + (lp((n, n_taps, bd)) * 4 if n_taps else 0)
+                  + lp((n_targets * m, bt, bd)) * ga_itemsize + (lp((bt, max_lag)) * 4 if has_mask else 0))
+        if kernel == "gdots":
+            blocks += lp((n, bt, n_targets * m)) * 4
+        else:
+            blocks += (lp((n_targets * m, bd)) * 4 + 2 * lp((n, bt, n_targets * m)) * 4 + lp((n, bt, m)) * 4
+                       + lp((n, m, bt, bd)) * out_itemsize)
+        temps = (n_targets * bt + (bt + halo) + 4 * bt) * bd * 4
+        return 2 * blocks + temps
+
+    return bytes_of
+
+
+def tpu_tiles(*, n, n_targets, stream_kernels, heads, d, t_len, acc_itemsize=4, x_itemsize=2, has_mask=True) -> dict:
+    """``{kernel: tpu_blocks.TpuTiles}`` of the TPU wide form's passes 2 and 4 (this trace's VMEM
+    limit, ``tpu_blocks.vmem_limit``), and of its transpose."""
+    m, n_taps, max_lag = len(stream_kernels), sum(stream_kernels), max([1, *stream_kernels])
+    dhp = tpu_blocks.padded_head_width(d // heads)
+    streams_itemsize = max(x_itemsize, 2)
+    sizes = dict(n=n, n_targets=n_targets, m=m, n_taps=n_taps, max_lag=max_lag, x_itemsize=x_itemsize,
+                 ga_itemsize=acc_itemsize, has_mask=has_mask)
+    choose = functools.partial(tpu_blocks.choose, dhp=dhp, t_len=t_len, max_kernel=max_lag)
+    out = {"phase 1 gdots": choose(_wide_vmem_bytes("gdots", **sizes, out_itemsize=4), name="phase 1 <g_A, E>"),
+           "phase 1 dstreams": choose(_wide_vmem_bytes("dstreams", **sizes, out_itemsize=streams_itemsize),
+                                      name="phase 1 stream cotangents")}
+    if n_taps:
+        out["phase 1 transpose"] = choose(
+            conv_transpose.transpose_vmem_bytes(m=m, n_taps=n_taps, max_lag=max_lag, de_itemsize=streams_itemsize,
+                                                x_itemsize=x_itemsize, out_itemsize=x_itemsize, has_mask=has_mask),
+            name="phase 1 transpose")
+    return out
+
+
+def _to_lanes(a, n_targets, m):
+    """``[S, n, m, B, Tp, H]`` -> ``[n, B, H, Tp, S m]`` (tokens on sublanes, (target, stream) on lanes)."""
+    _, n, _, batch, t_pad, heads = a.shape
+    return jnp.transpose(a, (1, 3, 5, 4, 0, 2)).reshape(n, batch, heads, t_pad, n_targets * m)
+
+
+def _phase1_backward_tpu(sources, banks, queries, valid, segment_ids, smax, g, *, stream_kernels, heads, eps, tiles,
+                         interpret, value_scale):
+    """The ``wide`` form on the TPU: pass 1 (``fused.phase1_scores``), the token-tiled passes 2 and 4
+    and the transpose (``conv_transpose.sources_transpose_tpu``) on sources whose heads are padded
+    to whole 128-lane vregs (``tpu_blocks.pad_heads``; every mean keeps the real ``d``)."""
+    n, batch, t_len, d = sources.shape
+    n_targets, m = queries.shape[:2]
+    conv_banks = banks if (banks is not None and any(stream_kernels)) else None
+    n_taps, max_lag = sum(stream_kernels), max([1, *stream_kernels])
+    dhp = tpu_blocks.padded_head_width(d // heads)
+    split = isinstance(g.acc, (list, tuple))
+    acc_dtype = (g.acc[0] if split else g.acc).dtype
+    streams_dtype = jnp.promote_types(sources.dtype, jnp.bfloat16)
+    has_mask = segment_ids is not None and max_lag > 1
+    chosen = tpu_tiles(n=n, n_targets=n_targets, stream_kernels=stream_kernels, heads=heads, d=d, t_len=t_len,
+                       acc_itemsize=acc_dtype.itemsize, x_itemsize=sources.dtype.itemsize, has_mask=has_mask)
+    t_gdots, t_streams = chosen["phase 1 gdots"], chosen["phase 1 dstreams"]
+    unit = max(t_gdots.block_t, t_streams.block_t, tiles.block_t)
+    t_pad = -(-t_len // unit) * unit
+    seg = None if segment_ids is None else pad_tokens(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
+    pad = lambda a, axis: pad_tokens(tpu_blocks.pad_heads(a, heads), axis, t_pad)  # noqa: E731
+    x = pad(sources, 2)
+    kbanks = None if conv_banks is None else tpu_blocks.pad_heads(conv_banks, heads)
+    q = tpu_blocks.pad_heads(queries, heads)
+    g_acc = [pad(a, 2) for a in g.acc] if split else pad(g.acc, 3)
+
+    # pass 1: per-head dots and sums of squares (the forward's scoring kernel) -> rho, s, p
+    dots, sumsq = fused.phase1_scores(sources, x, kbanks, q, seg, segment_ids, heads=heads, valid=valid,
+                                      stream_kernels=stream_kernels, tiles=tiles, backend="tpu", interpret=interpret)
+    rho = jax.lax.rsqrt(sumsq / d + eps)  # [n, m, B, Tp]: the real d
+    s = dots * rho[None, ..., None]
+    ok = reference._source_valid(n, valid)[None, :, None, None, None, None]
+    real = (jnp.arange(t_pad) < t_len)[:, None]
+    smax_p = pad_tokens(jnp.asarray(smax, F32), 3, t_pad)
+    p = jnp.where(ok & real, jnp.exp(jnp.where(ok & real, s - smax_p[:, None], 0.0)), 0.0)
+
+    masks = None if not has_mask else tpu_blocks.segment_masks(seg, max_lag)
+    live = None if valid is None else jnp.asarray(valid, jnp.int32).reshape(n)  # read from SMEM
+
+    def common_inputs(tt, grid_tile):
+        """Sources (tile and halo), banks: specs and arguments, grid (b, t, c)."""
+        specs = tpu_blocks.token_specs((n, None, tt.block_t, tt.block_d), lambda b, t, c, tile: (0, b, tile, c),
+                                       token_axis=2, bt=tt.block_t, halo=tt.halo, n_rows=t_pad, tile=grid_tile)
+        args = [x] * len(specs)
+        if kbanks is not None:
+            specs.append(pl.BlockSpec((n, n_taps, tt.block_d), lambda b, t, c: (0, 0, c)))
+            args.append(kbanks)
+        return specs, args
+
+    def tail_inputs(specs, args, tt):
+        if masks is not None:
+            specs.append(pl.BlockSpec((None, tt.block_t, max_lag), lambda b, t, c: (b, t, 0)))
+            args.append(masks)
+        if live is not None:
+            from jax.experimental.pallas import tpu as pltpu
+
+            specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+            args.append(live)
+
+    static = dict(stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, has_bank=kbanks is not None,
+                  has_mask=masks is not None, has_live=live is not None)
+
+    # pass 2: the value-path dots <g_A, E> per chunk, summed into heads
+    tt = t_gdots
+    bt, bd = tt.block_t, tt.block_d
+    specs, args = common_inputs(tt, lambda b, t, c: t)
+    split_ga = target_input(specs, args, g_acc, (n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c))
+    tail_inputs(specs, args, tt)
+    nc = heads * dhp // bd
+    gd = pl.pallas_call(
+        functools.partial(_gdots_kernel_tpu, bt=bt, halo=tt.halo, split_ga=split_ga, **static),
+        grid=(batch, t_pad // bt, nc),
+        in_specs=specs,
+        out_specs=pl.BlockSpec((n, None, None, bt, n_targets * m), lambda b, t, c: (0, b, c, t, 0)),
+        out_shape=jax.ShapeDtypeStruct((n, batch, nc, t_pad, n_targets * m), F32),
+        name="depth_attention_bwd1_gdots",
+        compiler_params=tpu_blocks.compiler_params(("parallel", "parallel", "parallel")),
+        interpret=interpret,
+    )(*args)
+    gd = jnp.sum(gd.reshape(n, batch, heads, nc // heads, t_pad, n_targets, m), axis=3)  # [n, B, H, Tp, S, m]
+    gd = jnp.transpose(gd, (4, 0, 5, 1, 3, 2))  # [S, n, m, B, Tp, H]
+
+    p_value = p
+    if value_scale is not None:
+        scale = pad_tokens(jnp.asarray(value_scale, F32), 3, t_pad)[:, None]
+        gd, p_value = gd * scale, p * scale
+
+    # pass 3 (XLA): the per-token coefficients of dE
+    ds = p * (pad_tokens(jnp.asarray(g.denom, F32), 3, t_pad)[:, None] + gd)
+    dsr = ds * rho[None, ..., None]
+    w = rho * rho * jnp.sum(ds * s, axis=(0, 5)) / d  # [n, m, B, Tp]
+
+    # pass 4: every source's stream cotangents, then the transpose and the query products
+    tt = t_streams
+    bt, bd = tt.block_t, tt.block_d
+    specs, args = common_inputs(tt, lambda b, t, c: t)
+    specs.append(pl.BlockSpec((n_targets, m, bd), lambda b, t, c: (0, 0, c)))
+    args.append(q)
+    split_ga = target_input(specs, args, g_acc, (n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c))
+    head = lambda c: (c * bd) // dhp  # noqa: E731
+    scal = pl.BlockSpec((n, None, None, bt, n_targets * m), lambda b, t, c: (0, b, head(c), t, 0))
+    specs += [scal, scal, pl.BlockSpec((n, None, bt, m), lambda b, t, c: (0, b, t, 0))]
+    args += [_to_lanes(p_value, n_targets, m), _to_lanes(dsr, n_targets, m), jnp.moveaxis(w, 1, -1)]
+    tail_inputs(specs, args, tt)
+    d_streams = pl.pallas_call(
+        functools.partial(_dstreams_kernel_tpu, bt=bt, halo=tt.halo, split_ga=split_ga, **static),
+        grid=(batch, t_pad // bt, heads * dhp // bd),
+        in_specs=specs,
+        out_specs=pl.BlockSpec((n, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c)),
+        out_shape=jax.ShapeDtypeStruct((n, m, batch, t_pad, heads * dhp), streams_dtype),
+        name="depth_attention_bwd1_dstreams",
+        compiler_params=tpu_blocks.compiler_params(("parallel", "parallel", "parallel")),
+        interpret=interpret,
+    )(*args)
+    if n_taps:
+        dx, dbank = conv_transpose.sources_transpose_tpu(d_streams, x, kbanks, seg, valid,
+                                                         stream_kernels=tuple(stream_kernels), interpret=interpret,
+                                                         out_dtype=sources.dtype)
+    else:
+        dx, dbank = conv_transpose.sources_transpose(d_streams, x, None, seg, valid, stream_kernels=stream_kernels,
+                                                     tiles=tiles, backend="tpu", interpret=interpret,
+                                                     out_dtype=sources.dtype)
+    d_queries = _query_grads(x, kbanks, dsr, seg, valid, stream_kernels=stream_kernels, heads=heads)
+    d_banks = None if banks is None else (jnp.zeros_like(banks) if conv_banks is None else
+                                          tpu_blocks.unpad_heads(dbank, heads, d).astype(banks.dtype))
+    d_sources = tpu_blocks.unpad_heads(dx[:, :, :t_len], heads, d)
+    return d_sources, d_banks, tpu_blocks.unpad_heads(d_queries, heads, d).astype(queries.dtype)

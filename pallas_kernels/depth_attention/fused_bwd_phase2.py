@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention import conv_transpose, mosaic_gpu, reference, tiling
+from pallas_kernels.depth_attention import conv_transpose, mosaic_gpu, reference, tiling, tpu_blocks
 from pallas_kernels.depth_attention.fused import (
     F32,
     call_kwargs,
@@ -600,6 +600,10 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
         raise ValueError(f"shift={shift!r}: must be one of {SHIFTS}")
     if form not in FORMS:
         raise ValueError(f"form={form!r}: must be one of {FORMS}")
+    if backend == "tpu" and form == "reverse_t" and not (mosaic_state or mosaic_inputs):
+        return _backward_tpu(state, partial, bank, query, include, gate, segment_ids, dh,
+                             stream_kernels=tuple(stream_kernels), heads=heads, eps=eps, gate_eps=gate_eps,
+                             tiles=tiles, interpret=interpret, scores=scores, value_channel=value_channel)
     stream_kernels = tuple(stream_kernels)
     batch, t_len, d = partial.shape
     m = len(stream_kernels)
@@ -717,3 +721,393 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
         d_gate[0] = jnp.sum(dw, axis=0).reshape(m * d, m)
         d_gate = tuple(d_gate)
     return (d_state, dx[:, :t_len].astype(partial.dtype), d_bank, jnp.sum(dq, axis=0).astype(query.dtype), d_gate)
+
+
+# --------------------------------------------------------------------------- Mosaic TPU, token-tiled
+#
+# The reverse-T form as token-tiled kernels (``tpu_blocks``): passes 1 and 2 map one ``[block_t,
+# block_d]`` tile of each input per program, the conv's halo from a ``halo``-row block of the
+# previous tile; pass 3 walks the token tiles in reverse as its last grid axis (``"arbitrary"``),
+# the transposed conv's spill carried in VMEM scratch and the query, bank and gate-weight
+# gradients accumulated in output blocks that stay in VMEM over that axis. Per-token scalars come
+# with tokens on sublanes and streams on lanes (``[B, H, Tp, m]``, the head picked by the block
+# index); the gate's ``W`` as ``gate_rows`` (a ``[block_d]`` lane row per (r, j)).
+
+
+def _dz_rows(r, m, dh, z, gate_vals, w_ref):
+    """``_dz`` with ``W`` as ``wt[r, j, chunk]`` rows (``gate_rows``)."""
+    if gate_vals is None:
+        return dh * (1.0 / m)
+    g_of, dy_of, coef = gate_vals
+    dz = g_of(r) * dh + coef * z
+    for j in range(m):
+        dz = dz + w_ref[r, j, :].astype(F32)[None, :] * dy_of(j)
+    return dz
+
+
+class _TpuInputs:
+    """Refs of the TPU passes, in ``_tpu_inputs``'s order; ``names``: which are present."""
+
+    def __init__(self, it, names):
+        for name in ("x", "behind", "bank", "q", "a", "b", "dold", "u", "v", "acc", "dh", "g", "dy", "coef", "w",
+                     "masks"):
+            setattr(self, name, next(it) if name in names else None)
+
+    def col(self, name, j):
+        return getattr(self, name)[:, pl.ds(j, 1)]  # [bt, 1]
+
+
+def _tpu_inputs(arrays: dict, names, *, bt, bd, halo, dhp, t_pad, tile):
+    """Specs and arguments of the named inputs of a TPU pass; grid ids ``(i, c, t)`` with
+    ``tile(i, c, t)`` the token tile."""
+    head = lambda c: (c * bd) // dhp  # noqa: E731
+    tok = functools.partial(tpu_blocks.token_specs, bt=bt, halo=halo, n_rows=t_pad, tile=lambda i, c, t: tile(i, c, t))
+    specs, args = [], []
+
+    def add(name, new_specs):
+        specs.extend(new_specs)
+        args.extend([arrays[name]] * len(new_specs))
+
+    for name in names:
+        m = arrays["a"].shape[-1]
+        if name == "x":
+            add(name, tok((None, bt, bd), lambda i, c, t, tile: (i, tile, c), token_axis=1))
+        elif name == "behind":
+            continue  # the x spec's second block
+        elif name == "bank":
+            add(name, [pl.BlockSpec((arrays[name].shape[0], bd), lambda i, c, t: (0, c))])
+        elif name == "q":
+            add(name, [pl.BlockSpec((m, bd), lambda i, c, t: (0, c))])
+        elif name in ("a", "b", "dold", "u"):
+            add(name, [pl.BlockSpec((None, None, bt, m), lambda i, c, t: (i, head(c), tile(i, c, t), 0))])
+        elif name in ("v", "g", "dy", "coef", "masks"):
+            add(name, [pl.BlockSpec((None, bt, arrays[name].shape[-1]), lambda i, c, t: (i, tile(i, c, t), 0))])
+        elif name == "acc":
+            add(name, [pl.BlockSpec((m, None, bt, bd), lambda i, c, t: (0, i, tile(i, c, t), c))])
+        elif name == "dh":
+            add(name, [pl.BlockSpec((None, bt, bd), lambda i, c, t: (i, tile(i, c, t), c))])
+        elif name == "w":
+            add(name, [pl.BlockSpec((m, m, bd), lambda i, c, t: (0, 0, c))])
+    return specs, args
+
+
+def _tpu_gate_vals(ins, m):
+    if ins.g is None:
+        return None
+    return (lambda r: ins.col("g", r), lambda j: ins.col("dy", j), ins.coef[:, :])
+
+
+def _tpu_tile_z(ins, r, kernel, off, win, masks):
+    e = expand_chunk(win, ins.bank, (), slice(None), kernel, off, masks)
+    return e, ins.col("a", r) * ins.acc[r, :, :].astype(F32) + ins.col("b", r) * e
+
+
+def _stats_kernel_tpu(*refs, names, stream_kernels, bt):
+    """Pass 1 on one token tile and chunk (``_stats_kernel``)."""
+    it = iter(refs)
+    ins = _TpuInputs(it, names)
+    sq_ref, zw_ref, dg_ref = it  # [bt, 1], [bt, m], [bt, m]
+    m = len(stream_kernels)
+    t = pl.program_id(2)
+    masks = tpu_blocks.tile_masks(ins.masks, t * bt, bt, max([1, *stream_kernels]))
+    win = tpu_blocks.HaloWindow(lambda: ins.x[...], None if ins.behind is None else (lambda: ins.behind[...]),
+                                first=t == 0)
+    dh = ins.dh[:, :].astype(F32)
+    sq, zw, dg = None, [None] * m, [None] * m
+    add = lambda acc, v: v if acc is None else acc + v  # noqa: E731
+    for r, (kernel, off) in enumerate(stream_layout(stream_kernels)):
+        _, z = _tpu_tile_z(ins, r, kernel, off, win, masks)
+        sq = add(sq, z * z)
+        for j in range(m):
+            zw[j] = add(zw[j], z * ins.w[r, j, :].astype(F32)[None, :])
+        dg[r] = dh * z
+    sq_ref[...] = jnp.sum(sq, axis=1, keepdims=True)
+    for j in range(m):
+        zw_ref[:, pl.ds(j, 1)] = jnp.sum(zw[j], axis=1, keepdims=True)
+        dg_ref[:, pl.ds(j, 1)] = jnp.sum(dg[j], axis=1, keepdims=True)
+
+
+def _dstate_kernel_tpu(*refs, names, stream_kernels, bt, write_dacc):
+    """Pass 2 on one token tile and chunk (``_dstate_kernel``)."""
+    it = iter(refs)
+    ins = _TpuInputs(it, names)
+    dacc_ref = next(it) if write_dacc else None  # [m, bt, bd]
+    s1_ref, sm_ref, ss_ref = it  # [bt, m] each
+    m = len(stream_kernels)
+    t = pl.program_id(2)
+    masks = tpu_blocks.tile_masks(ins.masks, t * bt, bt, max([1, *stream_kernels]))
+    win = tpu_blocks.HaloWindow(lambda: ins.x[...], None if ins.behind is None else (lambda: ins.behind[...]),
+                                first=t == 0)
+    dh = ins.dh[:, :].astype(F32)
+    gate_vals = _tpu_gate_vals(ins, m)
+    for r, (kernel, off) in enumerate(stream_layout(stream_kernels)):
+        e, z = _tpu_tile_z(ins, r, kernel, off, win, masks)
+        acc = ins.acc[r, :, :].astype(F32)
+        dz = _dz_rows(r, m, dh, z, gate_vals, ins.w)
+        if write_dacc:
+            dacc_ref[r, :, :] = (ins.col("a", r) * dz).astype(dacc_ref.dtype)
+        col = pl.ds(r, 1)
+        s1_ref[:, col] = jnp.sum(dz * z, axis=1, keepdims=True)
+        sm_ref[:, col] = jnp.sum(dz * (acc - e * ins.col("dold", r)), axis=1, keepdims=True)
+        ss_ref[:, col] = jnp.sum(dz * (e - z), axis=1, keepdims=True)
+
+
+def _dinput_kernel_tpu(*refs, names, stream_kernels, bt, n_tiles):
+    """Pass 3 (``_dinput_kernel``) on one token tile, the tiles taken in reverse along the last grid
+    axis: ``d_x`` of the tile plus the spill of the tile after it (scratch), the gradients' row sums
+    added into their resident output blocks."""
+    it = iter(refs)
+    ins = _TpuInputs(it, names)
+    dx_ref, dq_ref = next(it), next(it)  # [bt, bd], [m, bd]
+    dbank_ref = next(it) if ins.bank is not None else None  # [K, bd]
+    dw_ref = next(it) if ins.g is not None else None  # [m, m, bd]: dw[r, j, chunk]
+    spill_ref = next(it)  # [bt, bd] scratch: rows of this tile's d_x from the tile after it
+    m = len(stream_kernels)
+    max_lag = max([1, *stream_kernels])
+    step = pl.program_id(2)
+    tile = n_tiles - 1 - step
+    t0 = tile * bt
+
+    @pl.when(step == 0)
+    def _():
+        spill_ref[...] = jnp.zeros(spill_ref.shape, F32)
+        for ref in (dq_ref, dbank_ref, dw_ref):
+            if ref is not None:
+                ref[...] = jnp.zeros(ref.shape, F32)
+
+    def accumulate(ref, idx, v):
+        ref[idx] = ref[idx] + jnp.sum(v, axis=0, keepdims=True)
+
+    masks = tpu_blocks.tile_masks(ins.masks, t0, bt, max_lag)
+    win = tpu_blocks.HaloWindow(lambda: ins.x[...], None if ins.behind is None else (lambda: ins.behind[...]),
+                                first=tile == 0)
+    dh = ins.dh[:, :].astype(F32)
+    gate_vals = _tpu_gate_vals(ins, m)
+    taps_d = [None] * max_lag  # sum_r c_r[delta] d_E_r, before the lag mask
+    for r, (kernel, off) in enumerate(stream_layout(stream_kernels)):
+        e, z = _tpu_tile_z(ins, r, kernel, off, win, masks)
+        dz = _dz_rows(r, m, dh, z, gate_vals, ins.w)
+        u = ins.col("u", r)
+        de = ins.col("b", r) * dz + u * ins.q[r, :].astype(F32)[None, :] + ins.col("v", r) * e
+        accumulate(dq_ref, (pl.ds(r, 1), slice(None)), u * e)
+        if dw_ref is not None:
+            for j in range(m):
+                accumulate(dw_ref, (r, pl.ds(j, 1), slice(None)), z * ins.col("dy", j))
+        if kernel == 0:
+            taps_d[0] = de if taps_d[0] is None else taps_d[0] + de
+            continue
+        for delta in range(kernel):
+            masked = de * masks[delta] if delta else de
+            accumulate(dbank_ref, (pl.ds(off + delta, 1), slice(None)), masked * win.shift(delta))
+            term = ins.bank[off + delta, :].astype(F32)[None, :] * de
+            taps_d[delta] = term if taps_d[delta] is None else taps_d[delta] + term
+    # transposed conv: d_x[t] = sum_delta mask_delta[t + delta] taps_d[delta][t + delta]
+    dx = spill_ref[...] if taps_d[0] is None else spill_ref[...] + taps_d[0]
+    new_spill = jnp.zeros(spill_ref.shape, F32)
+    for delta in range(1, max_lag):
+        if taps_d[delta] is not None:
+            within, back = shift_rows(taps_d[delta] * masks[delta], delta, bt, "concat")
+            dx, new_spill = dx + within, new_spill + back
+    dx_ref[...] = dx.astype(dx_ref.dtype)
+    spill_ref[...] = new_spill
+
+
+def _tpu_vmem_bytes(kernel: str, *, m, n_taps, max_lag, has_gate, has_mask, x_itemsize, acc_itemsize, dh_itemsize):
+    """``bytes_of(bt, bd)`` (``tpu_blocks.choose``) of a TPU pass: double-buffered blocks and the
+    live float32 temporaries (the window, ``m`` streams' tiles, the sums being built)."""
+    halo = tpu_blocks.halo_rows(max_lag)
+    lp = tpu_blocks.lane_padded
+
+    def bytes_of(bt, bd):
+        blocks = (lp((bt + halo, bd)) * x_itemsize + (lp((n_taps, bd)) * 4 if n_taps else 0)
+                  + 4 * lp((bt, m)) * 4 + lp((m, bt, bd)) * acc_itemsize + lp((bt, bd)) * dh_itemsize
+                  + (lp((bt, max_lag)) * 4 if has_mask else 0))
+        if has_gate:
+            blocks += 3 * lp((bt, m)) * 4 + lp((m * m, bd)) * 4
+        temps = ((bt + halo) + 6 * bt) * bd * 4
+        if kernel == "stats":
+            blocks += 3 * lp((bt, m)) * 4
+            temps += 2 * m * bt * bd * 4
+        elif kernel == "state":
+            blocks += lp((m, bt, bd)) * acc_itemsize + 3 * lp((bt, m)) * 4
+        else:  # inputs
+            blocks += lp((bt, bd)) * x_itemsize + lp((m + n_taps, bd)) * 4 + (lp((m * m, bd)) * 4 if has_gate else 0)
+            temps += (max_lag + 1) * bt * bd * 4  # the taps' sums and the spill scratch
+        return 2 * blocks + temps
+
+    return bytes_of
+
+
+def tpu_tiles(*, stream_kernels, heads, d, t_len, gate, x_itemsize=2, acc_itemsize=4, dh_itemsize=2,
+              has_mask=True) -> dict:
+    """``{kernel: tpu_blocks.TpuTiles}`` of the TPU reverse-T backward's passes (this trace's VMEM
+    limit)."""
+    m, n_taps, max_lag = len(stream_kernels), sum(stream_kernels), max([1, *stream_kernels])
+    sizes = dict(m=m, n_taps=n_taps, max_lag=max_lag, has_gate=gate, has_mask=has_mask and max_lag > 1,
+                 x_itemsize=x_itemsize, acc_itemsize=acc_itemsize, dh_itemsize=dh_itemsize)
+    choose = functools.partial(tpu_blocks.choose, dhp=tpu_blocks.padded_head_width(d // heads), t_len=t_len,
+                               max_kernel=max_lag)
+    kernels = (("stats",) if gate else ()) + ("state", "inputs")
+    return {f"phase 2 {k}": choose(_tpu_vmem_bytes(k, **sizes), name=f"phase 2 backward {k}") for k in kernels}
+
+
+def _backward_tpu(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps,
+                  gate_eps, tiles, interpret, scores, value_channel):
+    """``_backward``'s reverse-T form on the TPU: the passes above on inputs whose heads are padded to
+    whole 128-lane vregs (``tpu_blocks.pad_heads``; every mean keeps the real ``d``)."""
+    batch, t_len, d = partial.shape
+    m, n_taps, max_lag = len(stream_kernels), sum(stream_kernels), max([1, *stream_kernels])
+    dhp = tpu_blocks.padded_head_width(d // heads)
+    dp = heads * dhp
+    has_bank, has_gate = bank is not None and n_taps > 0, gate is not None
+    has_mask = segment_ids is not None and max_lag > 1
+    dh = jnp.asarray(dh)
+    dh = dh if dh.dtype == jnp.bfloat16 else dh.astype(F32)
+    chosen = tpu_tiles(stream_kernels=stream_kernels, heads=heads, d=d, t_len=t_len, gate=has_gate,
+                       x_itemsize=partial.dtype.itemsize, acc_itemsize=state.acc.dtype.itemsize,
+                       dh_itemsize=dh.dtype.itemsize, has_mask=has_mask)
+    unit = max([tt.block_t for tt in chosen.values()] + [tiles.block_t])
+    t_pad = -(-t_len // unit) * unit
+    pad = lambda a, axis: pad_tokens(tpu_blocks.pad_heads(a, heads), axis, t_pad)  # noqa: E731
+    x = pad(partial, 1)
+    kbank = tpu_blocks.pad_heads(bank.astype(F32), heads) if has_bank else None
+    q = tpu_blocks.pad_heads(query.astype(F32), heads)
+    acc = pad(state.acc, 2)
+    g_h = pad(dh, 1)
+    seg = None if segment_ids is None else pad_tokens(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
+    dx_dtype = partial.dtype if partial.dtype == jnp.bfloat16 else F32
+    valid = (jnp.arange(t_pad) < t_len).astype(F32)
+
+    # Pass 0: the forward's per-token scalars
+    if scores is None:
+        dots, sumsq = scores_call(x[None], None if kbank is None else kbank[None], q[None], seg,
+                                  stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend="tpu",
+                                  interpret=interpret)
+        dots, sumsq = dots[0, 0], sumsq[0]
+    else:
+        dots, sumsq = (pad_tokens(jnp.asarray(v, F32), 2, t_pad) for v in scores)
+    rk = jax.lax.rsqrt(sumsq / d + eps)
+    include = jnp.asarray(include, bool)
+    s = jnp.where(include, dots * rk[..., None], reference.NEG_LARGE)
+    pmax = pad_tokens(state.max.astype(F32), 2, t_pad)
+    dold = pad_tokens(state.denom.astype(F32), 2, t_pad, 1.0)
+    new_max = jnp.maximum(pmax, s)
+    keep = jnp.exp(pmax - new_max)
+    p = jnp.where(include, jnp.exp(s - new_max), 0.0)
+    denom = dold * keep + p
+    a, b = keep / denom, p / denom
+
+    lanes = lambda v: jnp.transpose(v, (1, 3, 2, 0))  # noqa: E731  [m, B, Tp, H] -> [B, H, Tp, m]
+    arrays = dict(x=x, bank=kbank, q=q, a=lanes(a), b=lanes(b), dold=lanes(dold), acc=acc, dh=g_h)
+    if has_mask:
+        arrays["masks"] = tpu_blocks.segment_masks(seg, max_lag)
+    base = ["x"] + (["behind"] if max_lag > 1 else []) + (["bank"] if has_bank else [])
+    tail = ["masks"] if has_mask else []
+
+    def call(kernel_name, kernel, names, out_specs, out_shape, *, reverse=False, scratch=(), **static):
+        tt = chosen[f"phase 2 {kernel_name}"]
+        bt, bd = tt.block_t, tt.block_d
+        n_tiles = t_pad // bt
+        tile = (lambda i, c, t: n_tiles - 1 - t) if reverse else (lambda i, c, t: t)
+        specs, args = _tpu_inputs(arrays, names, bt=bt, bd=bd, halo=tt.halo, dhp=dhp, t_pad=t_pad, tile=tile)
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pl.pallas_call(
+            functools.partial(kernel, names=tuple(names), stream_kernels=tuple(stream_kernels), bt=bt, **static),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=0, grid=(batch, dp // bd, n_tiles), in_specs=specs,
+                out_specs=out_specs(bt, bd, tile), scratch_shapes=[pltpu.VMEM(s(bt, bd), F32) for s in scratch]),
+            out_shape=out_shape(bt, bd),
+            name=f"depth_attention_phase2_bwd_{kernel_name}",
+            compiler_params=tpu_blocks.compiler_params(
+                ("parallel", "parallel", "arbitrary" if reverse else "parallel")),
+            interpret=interpret,
+        )(*args)
+
+    def per_chunk(cols):
+        return (lambda bt, bd, tile: [pl.BlockSpec((None, None, bt, c), lambda i, ch, t: (i, ch, tile(i, ch, t), 0))
+                                      for c in cols],
+                lambda bt, bd: [jax.ShapeDtypeStruct((batch, dp // bd, t_pad, c), F32) for c in cols])
+
+    def per_head(v, bd):  # [B, nc, Tp, m] chunk partials -> [m, B, Tp, H]
+        nc = dp // bd
+        return jnp.transpose(jnp.sum(v.reshape(batch, heads, nc // heads, t_pad, m), axis=2), (3, 0, 2, 1))
+
+    gate_in, d_gate = None, None
+    if has_gate:
+        w, scale, bias = gate
+        arrays["w"] = tpu_blocks.pad_heads(gate_rows(w, m, d), heads)  # [m, m, dp]
+        sq, zw, dg = call("stats", _stats_kernel_tpu, base + ["a", "b", "acc", "dh", "w"] + tail, *per_chunk((1, m, m)))
+        scale_f, bias_f = jnp.asarray(scale, F32), jnp.asarray(bias, F32)
+        rz = jax.lax.rsqrt(jnp.sum(sq[..., 0], axis=1) / (m * d) + gate_eps)  # [B, Tp]
+        y = jnp.sum(zw, axis=1)  # [B, Tp, m]
+        g = jax.nn.sigmoid(scale_f * rz[..., None] * y + bias_f)
+        dlogit = jnp.sum(dg, axis=1) * g * (1.0 - g) * valid[None, :, None]
+        d_bias = jnp.sum(dlogit, axis=(0, 1))
+        d_scale = jnp.sum(dlogit * rz[..., None] * y)
+        arrays.update(g=g * valid[None, :, None], dy=scale_f * rz[..., None] * dlogit,
+                      coef=(-scale_f * jnp.sum(dlogit * y, axis=-1) * rz**3 / (m * d))[..., None])
+        gate_in = ["g", "dy", "coef", "w"]
+        d_gate = [None, d_scale.reshape(jnp.shape(scale)), d_bias]
+
+    # Pass 2: d_acc and the per-head reductions
+    factored = value_channel and not has_gate
+    specs2, shapes2 = per_chunk((m, m, m))
+    if not factored:
+        specs2 = (lambda f: lambda bt, bd, tile: [
+            pl.BlockSpec((m, None, bt, bd), lambda i, c, t: (0, i, tile(i, c, t), c)), *f(bt, bd, tile)])(specs2)
+        shapes2 = (lambda f: lambda bt, bd: [jax.ShapeDtypeStruct((m, batch, t_pad, dp), acc.dtype), *f(bt, bd)])(shapes2)
+    outs = call("state", _dstate_kernel_tpu, base + ["a", "b", "dold", "acc", "dh"] + (gate_in or []) + tail,
+                specs2, shapes2, write_dacc=not factored)
+    d_acc, reds = (None, outs) if factored else (outs[0], outs[1:])
+    bd_state = chosen["phase 2 state"].block_d
+    s1, sm, ss = (per_head(v, bd_state) for v in reds)
+    d_denom = -keep * s1 / denom
+    d_max = keep * p * sm / (denom * denom)
+    ds = b * ss
+    u = rk[..., None] * ds
+    v = -(rk**3) / d * jnp.sum(ds * dots, axis=-1)  # [m, B, Tp]
+    arrays.update(u=lanes(u), v=jnp.moveaxis(v, 0, -1))
+
+    # Pass 3: d_partial (reverse T), d_bank, d_query, d_W
+    def specs3(bt, bd, tile):
+        out = [pl.BlockSpec((None, bt, bd), lambda i, c, t: (i, tile(i, c, t), c)),
+               pl.BlockSpec((None, m, bd), lambda i, c, t: (i, 0, c))]
+        if has_bank:
+            out.append(pl.BlockSpec((None, n_taps, bd), lambda i, c, t: (i, 0, c)))
+        if has_gate:
+            out.append(pl.BlockSpec((None, m, m, bd), lambda i, c, t: (i, 0, 0, c)))
+        return out
+
+    def shapes3(bt, bd):
+        out = [jax.ShapeDtypeStruct((batch, t_pad, dp), dx_dtype), jax.ShapeDtypeStruct((batch, m, dp), F32)]
+        if has_bank:
+            out.append(jax.ShapeDtypeStruct((batch, n_taps, dp), F32))
+        if has_gate:
+            out.append(jax.ShapeDtypeStruct((batch, m, m, dp), F32))
+        return out
+
+    outs = call("inputs", _dinput_kernel_tpu,
+                base + ["q", "a", "b", "u", "v", "acc", "dh"] + (gate_in or []) + tail, specs3, shapes3,
+                reverse=True, scratch=[lambda bt, bd: (bt, bd)], n_tiles=t_pad // chosen["phase 2 inputs"].block_t)
+    outs = list(outs)
+    dx, dq = outs.pop(0), outs.pop(0)
+    dbank = outs.pop(0) if has_bank else None
+    dw = outs.pop(0) if has_gate else None
+
+    cut = lambda t: t[..., :t_len, :]  # noqa: E731
+    if factored:
+        d_acc = reference.ValueChannel(dh, cut(a) / m)
+    else:
+        d_acc = tpu_blocks.unpad_heads(cut(d_acc), heads, d)
+    d_state = reference.SoftmaxState(cut(d_max), cut(d_denom), d_acc)
+    d_bank = None
+    if bank is not None:
+        d_bank = (tpu_blocks.unpad_heads(jnp.sum(dbank, axis=0), heads, d) if has_bank
+                  else jnp.zeros(bank.shape, F32)).astype(bank.dtype)
+    if d_gate is not None:
+        dw = tpu_blocks.unpad_heads(jnp.sum(dw, axis=0), heads, d)  # [r, j, c]
+        d_gate[0] = jnp.transpose(dw, (0, 2, 1)).reshape(m * d, m)
+        d_gate = tuple(d_gate)
+    d_partial = tpu_blocks.unpad_heads(dx[:, :t_len], heads, d).astype(partial.dtype)
+    return d_state, d_partial, d_bank, tpu_blocks.unpad_heads(jnp.sum(dq, axis=0), heads, d).astype(query.dtype), d_gate
