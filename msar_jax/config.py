@@ -82,12 +82,12 @@ def residual_config() -> ml_collections.ConfigDict:
             # directly over all its sources (the reference form, the same values)
             two_phase=True,
             final_merge="residual",  # MSAR final: "residual" (h_L + v_L) or "sum" (all sources)
-            # which code runs the depth reads: "xla" (plain jnp, any platform, the default: the
-            # paper's runs and every CPU test), "pallas_gpu" / "pallas_tpu" (the Pallas kernels: MSAR's
-            # `base` step on the H200 1332.5 ms against 4494.0 on the XLA path, BENCHMARKS.md; off
-            # their platform they run in interpret mode, for tests only) or "auto" (the platform's
-            # kernels where there are some, else XLA; the ops' implementation=None)
-            implementation="xla",
+            # which code runs the depth reads: "auto" (the default: the platform's Pallas kernels on
+            # GPU and TPU, under any mesh, and the XLA path elsewhere, the CPU included; the ops'
+            # implementation=None), "xla" (plain jnp on any platform), "pallas_gpu" / "pallas_tpu"
+            # (the kernels: MSAR's `base` step on the H200 1332.5 ms against 4494.0 on the XLA path,
+            # BENCHMARKS.md; off their platform they run in interpret mode, for tests only)
+            implementation="auto",
             # dtype of the phase-1 state's weighted sums: "float32" (exact to float32 rounding,
             # docs/design.md §5) or "bfloat16" (rounded once when stored, relative error about 2^-9;
             # half the bytes of a block read's largest arrays: MSAR 0.985 / 3.401 ms per sublayer

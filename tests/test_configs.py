@@ -125,3 +125,23 @@ def test_parse_overrides():
     with pytest.raises(ConfigError, match="wrong type") as err:
         load_config("configs/msar.py:smoke=1", {"model.save_read_outputs": "yes"})
     assert err.value.field == "model.save_read_outputs" and err.value.value == "yes"
+
+
+@pytest.mark.parametrize("path", ["configs/msar.py", "configs/attnres.py", "configs/mhar.py"])
+def test_default_implementation_is_the_platforms_kernels(path):
+    """``auto`` by default: the Pallas kernels on GPU and TPU, the XLA path on the CPU."""
+    import jax
+    from flax import nnx
+
+    from msar_jax.model.transformer import Transformer
+    from pallas_kernels.depth_attention import api, platform
+
+    cfg = load_config(path)
+    assert cfg.model.residual.implementation == "auto"
+
+    mechanism = nnx.eval_shape(lambda: Transformer(cfg.model, nnx.Rngs(0))).residual
+    assert mechanism.implementation is None  # the ops' "best available"
+    assert not api.runs_a_kernel(mechanism.implementation) and jax.default_backend() == "cpu"
+    for device in ("gpu", "tpu"):
+        with platform.target(device):
+            assert api.runs_a_kernel(mechanism.implementation)
