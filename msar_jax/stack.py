@@ -5,7 +5,8 @@
 or one layer in Full mode), whose layers are unrolled; ``_append_only_scan`` keeps one copy of the
 append-only summary buffer for the backward, so memory is linear in depth, and
 ``save_read_outputs`` lets the backward's re-run reuse each read's output (``_reuse_saved``).
-Design and reasons: docs/design.md §12.
+``prefill`` (the same forward, recording what decoding keeps) and ``decode`` (one token against a
+cache) serve inference (docs/design.md §10). Design and reasons: docs/design.md §12.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ stack (``msar_jax.stack``) drives it through pure functions of explicit arrays, 
     state = write(g, p, state, v, aux, pos, ctx)
     state = end_block(g, state, pos)              # after the last sublayer of each block
 
-then ``finish(g, state, ctx)`` gives the final hidden state. ``DepthState`` holds the append-only
+then ``finish(g, state, ctx)`` gives the final hidden state. A decoding step reads one token with
+``decode_read``; ``history_tokens`` and ``history_source`` say what it keeps across tokens
+(docs/design.md §10). ``DepthState`` holds the append-only
 ``[N+1, B, T, d]`` summary buffer ``sources`` and the mechanism's ``carry``. A class also states, with
 nothing allocated, its config rules (``validate_config``), what crosses a pipeline stage
 (``sublayers_per_block``, ``uses_sources``, ``carry_vectors``, ``block_carry``, ``stage_local_carry``;
