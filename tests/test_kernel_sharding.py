@@ -157,7 +157,6 @@ CASES = [
     ("msar", "fsdp4", 4, True),
     ("msar", "stage2_data2", 4, True),
     ("msar", "data8", 8, True),
-    ("msar", "data2_fsdp2_tensor2", 2, True),  # fsdp does not divide 2 rows: the reads take it whole
     ("mhar", "data2_fsdp2_tensor2", 4, True),
     ("mhar", "fsdp4", 4, True),
 ]
