@@ -117,18 +117,7 @@ def spec_for(names: Sequence[str | None], shape: Sequence[int], mesh: jax.shardi
     """
     if len(names) != len(shape):
         raise ValueError(f"logical axes {tuple(names)} do not match shape {tuple(shape)}")
-    raw = sharding_lib.logical_to_spec(names, rules)
-    out = []
-    for dim, axes in zip(shape, raw):
-        flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        keep, prod = [], 1
-        for a in flat:
-            size = mesh.shape.get(a, 1)
-            if size > 1 and dim % (prod * size) == 0:
-                keep.append(a)
-                prod *= size
-        out.append(None if not keep else keep[0] if len(keep) == 1 else tuple(keep))
-    return PartitionSpec(*out)
+    return sharding_lib.fit_spec(sharding_lib.logical_to_spec(names, rules), shape, dict(mesh.shape))
 
 
 def logical_sharding(names, shape, mesh, rules=RULES) -> NamedSharding:
