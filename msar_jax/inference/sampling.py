@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +152,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, te
     prompts = check_prompts(prompts, int(model.cfg.vocab_size), context)
     longest = max(map(len, prompts))
     if max_len is None:
-        max_len = longest + max(int(max_new_tokens), 1)
+        max_len = min(context, longest + max(int(max_new_tokens), 1))
     if not 0 < max_len <= context:
         raise ValueError(f"max_len = {max_len}: must be in [1, model.max_seq_len = {context}]")
     if longest + max_new_tokens > max_len:
@@ -168,7 +169,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, te
         tokens[r, :len(ids)] = ids
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     draw = _jitted_sampler(cfg)
-    step_fn = decode.jit_decode_step(model)
+    graphdef, state = nnx.split(model)
     base_key = jax.random.key(seed)
 
     logits, cache = decode.prefill(model, jnp.asarray(tokens), jnp.asarray(lengths), max_len=max_len)
@@ -188,5 +189,18 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, te
                 on_token(r, t)
         if done.all() or i == max_new_tokens - 1:
             break
-        logits, cache = step_fn(cache, new)
+        logits, cache = _decode_step(graphdef, state, cache, new)
     return result
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=2)
+def _decode_step(graphdef, state, cache, tokens):
+    """``decode.decode_step`` compiled once per model structure and cache shape, the cache donated.
+
+    ``decode.jit_decode_step(model)`` compiles a new function for every model object (a notebook
+    or a test that generates several times would compile each time); keyed on the static graphdef
+    with the params passed in, one compile serves every call. ``generate`` never feeds a full
+    cache (the prompt plus the new tokens fit in ``max_len``), the check that wrapper adds."""
+    from msar_jax.inference import decode
+
+    return decode.decode_step(nnx.merge(graphdef, state), cache, tokens)
