@@ -437,3 +437,16 @@ def test_evaluate_cli_subprocess_error_is_one_line(tmp_path):
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.strip() == f"error: --workdir={tmp_path}: no config.json, so not a training run folder " \
                                  "(python -m msar_jax.train --workdir=... writes one)"
+
+
+def test_demo_ends_with_a_sample_of_its_checkpoint(trained, capsys):
+    from msar_jax import demo
+
+    text = demo.sample_from(trained, "The whale", max_new_tokens=12)
+    assert text == demo.sample_from(trained, "The whale", max_new_tokens=12)  # seeded
+    assert isinstance(text, str) and text
+    # Prompt errors stop the demo before it trains.
+    assert cli_error(demo.main, ["--prompt="], capsys) == (
+        "flag '--prompt' = '': must not be empty (or leave the flag out)")
+    assert cli_error(demo.main, ["--prompt=" + "x" * 128], capsys).startswith(
+        "flag '--prompt' = 'xxxx")
