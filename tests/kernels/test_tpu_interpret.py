@@ -119,17 +119,21 @@ def _phase1_inputs(kernels, seed=0):
     return sources, banks, queries
 
 
+# 8-token tiles: T = 16 spans two, so the TPU halo crosses a tile edge
+TILED = tiling.Tiles(8, 128, 128, tpu_block_t=8)
+SLOW = (pytest.mark.slow,)  # 20-50 s each on two busy cores; the default suite keeps one case per kernel
 PHASE1_CASES = [
     # id, read, options, segments, marks
-    ("msar_pallas_bwd", MSAR, dict(backward="pallas"), True, ()),
-    ("msar_per_target_pallas_bwd", MSAR, dict(backward="pallas", per_target=True), False, ()),
+    ("msar_tiled_pallas_bwd", MSAR, dict(backward="pallas", tiles=TILED), True, ()),
+    ("msar_pallas_bwd", MSAR, dict(backward="pallas"), True, SLOW),
+    ("msar_reverse_t_bwd", MSAR, dict(backward="pallas", phase1_backward_form="reverse_t"), True, SLOW),
+    ("msar_per_target_pallas_bwd", MSAR, dict(backward="pallas", per_target=True), False, SLOW),
     ("msar_per_target_default_bwd", MSAR, dict(per_target=True), True, ()),
-    ("msar_hybrid_bwd", MSAR, dict(backward="hybrid"), True, ()),
-    ("msar_tiles8_pallas_bwd", MSAR, dict(backward="pallas", tiles=tiling.Tiles(8, 128, 128)), True, ()),
+    ("msar_hybrid_bwd", MSAR, dict(backward="hybrid"), True, SLOW),
     ("attnres_pallas_bwd", ATTNRES, dict(backward="pallas"), True, ()),
-    ("attnres_default_bwd", ATTNRES, dict(), False, ()),
+    ("attnres_default_bwd", ATTNRES, dict(), False, SLOW),
     ("mhar_pallas_bwd", MHAR, dict(backward="pallas"), True, ()),
-    ("mhar_per_target_default_bwd", MHAR, dict(per_target=True), True, ()),
+    ("mhar_per_target_default_bwd", MHAR, dict(per_target=True), True, SLOW),
 ]
 
 
@@ -174,19 +178,22 @@ def _phase2_inputs(kernels, heads, seed=10):
 
 
 PHASE2_CASES = [
-    # id, read, fuse (None: phase2's streams), options, segments
-    ("msar_streams", MSAR, None, dict(), True),
-    ("msar_mean_pallas_bwd", MSAR, "mean", dict(backward="pallas"), False),
-    ("msar_gate_pallas_bwd", MSAR, "gate", dict(backward="pallas"), True),
-    ("msar_gate_default_bwd", MSAR, "gate", dict(), True),
-    ("attnres_gate_pallas_bwd", ATTNRES, "gate", dict(backward="pallas"), True),
-    ("mhar_streams", MHAR, None, dict(), False),
-    ("mhar_gate_pallas_bwd", MHAR, "gate", dict(backward="pallas"), True),
-    ("mhar_mean_default_bwd", MHAR, "mean", dict(), True),
+    # id, read, fuse (None: phase2's streams), options, segments, marks
+    ("msar_streams", MSAR, None, dict(), True, SLOW),
+    ("msar_mean_pallas_bwd", MSAR, "mean", dict(backward="pallas"), False, ()),
+    ("msar_gate_pallas_bwd", MSAR, "gate", dict(backward="pallas"), True, ()),
+    ("msar_gate_tiled_pallas_bwd", MSAR, "gate", dict(backward="pallas", tiles=TILED), True, SLOW),
+    ("msar_gate_wide_bwd", MSAR, "gate", dict(backward="pallas", phase2_backward_form="wide"), True, SLOW),
+    ("msar_gate_default_bwd", MSAR, "gate", dict(), True, SLOW),
+    ("attnres_gate_pallas_bwd", ATTNRES, "gate", dict(backward="pallas"), True, SLOW),
+    ("mhar_streams", MHAR, None, dict(), False, ()),
+    ("mhar_gate_pallas_bwd", MHAR, "gate", dict(backward="pallas"), True, ()),
+    ("mhar_mean_default_bwd", MHAR, "mean", dict(), True, ()),
 ]
 
 
-@pytest.mark.parametrize("read,fuse,opts,segments", [pytest.param(*c[1:], id=c[0]) for c in PHASE2_CASES])
+@pytest.mark.parametrize("read,fuse,opts,segments", [pytest.param(*c[1:5], id=c[0], marks=c[5])
+                                                     for c in PHASE2_CASES])
 def test_phase2(read, fuse, opts, segments, pallas_calls):
     state, partial, bank, query, gate = _phase2_inputs(read["stream_kernels"], read["heads"])
     kw = dict(read, segment_ids=_segments(11) if segments else None)
