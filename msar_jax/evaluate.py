@@ -90,6 +90,12 @@ def _prepared_tokens(folder: Path, run) -> np.ndarray:
     try:
         meta = data.read_meta(folder)
         check_data_tokenizer(folder, meta, run.config)
+        recorded = (run.data_used.get("files_sha256") or {}).get("val")
+        now = (meta.get("files", {}).get("val.bin") or {}).get("sha256")
+        if recorded and now and recorded != now and Path(run.data_used.get("dir", "")) == folder:
+            print(f"warning: the val split in {folder} is not the one the run evaluated on (val.bin sha256 "
+                  f"{now[:12]}..., config.json data_used records {recorded[:12]}...): the folder was prepared "
+                  "again since", file=sys.stderr)
         return np.asarray(data.open_tokens(folder, "val"), np.int64)
     except (OSError, ValueError) as e:
         if isinstance(e, RunError):

@@ -450,3 +450,14 @@ def test_demo_ends_with_a_sample_of_its_checkpoint(trained, capsys):
         "flag '--prompt' = '': must not be empty (or leave the flag out)")
     assert cli_error(demo.main, ["--prompt=" + "x" * 128], capsys).startswith(
         "flag '--prompt' = 'xxxx")
+
+
+def test_evaluate_warns_when_the_runs_val_split_changed(trained, tmp_path, capsys):
+    def other_val(record):
+        record["data_used"]["files_sha256"]["val"] = "cd" * 32
+
+    result = evaluate_cli.main([f"--workdir={_copy_run(trained, tmp_path, other_val)}", "--batches=1"],
+                               out=io.StringIO())
+    err = capsys.readouterr().err
+    assert "warning: the val split in" in err and "config.json data_used records cdcdcdcdcdcd..." in err
+    assert result["batches"] == 1
