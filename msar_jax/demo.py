@@ -26,17 +26,20 @@ from msar_jax.train.introspection import load as load_weights
 
 
 SAMPLE_PROMPT = "Call me Ishmael. "
-SAMPLE_TOKENS = 80  # bytes; a fraction of a second of decoding on the CPU once compiled
+SAMPLE_TOKENS = 80  # about a line of text with the byte tokenizer
 
 
 def sample_from(workdir, prompt: str, max_new_tokens: int = SAMPLE_TOKENS, temperature: float = 0.8,
                 seed: int = 0) -> str:
-    """The trained checkpoint's continuation of ``prompt`` (what ``python -m msar_jax.sample`` prints)."""
+    """The trained checkpoint's continuation of ``prompt`` (what ``python -m msar_jax.sample`` prints).
+
+    Drawn from the 40 most likely tokens: a briefly trained byte model still gives the rare bytes
+    (control characters) some probability, and the cut keeps them out of the printed text."""
     run = loading.load_run(workdir)
     ids = run.tokenizer.encode(prompt)
     room = int(run.config.model.max_seq_len) - len(ids)
     out = sampling.generate(run.model(), [ids], max_new_tokens=min(max_new_tokens, room), temperature=temperature,
-                            top_p=0.95, seed=seed, stop_tokens=sample.stop_token_ids([], run.tokenizer))
+                            top_k=40, seed=seed, stop_tokens=sample.stop_token_ids([], run.tokenizer))
     return run.tokenizer.decode(out.tokens[0])
 
 
@@ -95,7 +98,7 @@ def main(argv=None):
     print()
     t_sample = time.perf_counter()
     text = sample_from(workdir, args.prompt)
-    print(f"sample from checkpoint {result['step']} (temperature 0.8, top_p 0.95, seed 0; "
+    print(f"sample from checkpoint {result['step']} (temperature 0.8, top_k 40, seed 0; "
           f"{time.perf_counter() - t_sample:.1f}s, compiles included):")
     print(f"{args.prompt}{text}")
     print(f"(more: python -m msar_jax.sample --workdir={workdir} --prompt=\"...\"; "
