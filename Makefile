@@ -3,8 +3,12 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+LIBTPU_VERSION := 0.0.48.1
+LIBTPU := libtpu==$(LIBTPU_VERSION)
+TPU_SITE := .tpu_site
+LIBTPU_STAMP := $(TPU_SITE)/libtpu-$(LIBTPU_VERSION).dist-info
 
-.PHONY: test test-slow demo venv clean-venv accounting bench-memory notebooks notebook-archive
+.PHONY: test test-slow demo venv clean-venv accounting bench-memory notebooks notebook-archive tpu-site tpu-estimate
 
 venv: $(STAMP)
 
@@ -17,9 +21,22 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
-# the long-running cases (pytest -m slow); CI runs them after `make test`
-test-slow: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m slow
+# the long-running cases (pytest -m slow); CI runs them after `make test`. They include the
+# TPU compiles of tests/test_tpu_compile.py, hence libtpu (MSAR_TPU_CHECKS=0 skips those).
+test-slow: $(STAMP) $(LIBTPU_STAMP)
+	MSAR_TPU_SITE=$(TPU_SITE) $(PY) -m pytest -q -n 2 --dist loadfile -m slow
+
+# libtpu for compile-only TPU checks on any machine (compile_check --topology, the TPU compile
+# tests, benchmarks/tpu_estimate.py): the version jax[tpu]==0.11.2 pins, 689 MB, kept out of
+# .venv so that CPU-only runs never load it; use it with PYTHONPATH=.tpu_site.
+tpu-site: $(LIBTPU_STAMP)
+
+$(LIBTPU_STAMP): | $(STAMP)
+	$(PY) -m pip install -q --progress-bar off --upgrade --target $(TPU_SITE) $(LIBTPU)
+
+# the TPU estimate table of BENCHMARKS.md: bytes per kernel over each chip's HBM bandwidth
+tpu-estimate: $(STAMP) $(LIBTPU_STAMP)
+	PYTHONPATH=$(TPU_SITE) $(PY) benchmarks/tpu_estimate.py --json results/tpu_estimate.json
 
 demo: $(STAMP)
 	$(PY) -m msar_jax.demo

@@ -1,28 +1,48 @@
 """Compile-only check of a config on a mesh: lower and compile the train step, print memory.
 
     python -m msar_jax.compile_check --config=configs/msar.py:size=paper_28b --mesh=data=2,fsdp=4
-    python -m msar_jax.compile_check --config=configs/msar.py:size=paper_28b --topology=v5e:4x4 --mesh=fsdp=16
+    PYTHONPATH=.tpu_site python -m msar_jax.compile_check --config=configs/msar.py:size=base --topology=v5e:1x1
+    PYTHONPATH=.tpu_site python -m msar_jax.compile_check --config=configs/msar.py:size=paper_28b \
+        --topology=v5p:4x4x4 --mesh=fsdp=64
 
 Nothing is allocated or run: the state and batch are sharded ``ShapeDtypeStruct``s and the bytes
 per device come from ``compiled.memory_analysis()``, on fake CPU devices, a TPU topology (needs
-libtpu) or one H200 (``--topology=h200``, JAX's CUDA plugin; ``msar_jax.deviceless_gpu``).
-Flags, targets and what the 28B config needs: docs/parallelism.md section 3.
+libtpu: ``make tpu-site``) or one H200 (``--topology=h200``, JAX's CUDA plugin;
+``msar_jax.deviceless_gpu``). A TPU topology is ``GEN:AxB[xC][,slices=N]``: one chip
+(``v5e:1x1``), one host (up to 4 chips) or several hosts (``v5p:4x4x4``: 64 chips, 16 hosts),
+and ``slices=N`` copies of it joined over the data-centre network. Flags, targets and what the
+28B config needs: docs/parallelism.md section 3.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
+import re
 import sys
 import time
 
 from msar_jax import deviceless_gpu
+from msar_jax import config as config_lib
 from msar_jax.config import parse_overrides  # no jax: XLA_FLAGS are set first
 from msar_jax.cli import exit_with_error, run_cli
 
 GIB = 1024**3
+LIBTPU_INSTALL = "make tpu-site (pip install --target .tpu_site libtpu==0.0.48.1), then PYTHONPATH=.tpu_site"
+# The generations libtpu 0.0.48.1 names, with the number of torus dimensions each topology has.
+TPU_GENERATIONS = {"v4": 3, "v5e": 2, "v5p": 3, "v6e": 2}
+TOPOLOGY_RULE = ("must be GEN:AxB[xC][,slices=N] with GEN one of v4, v5e, v5p, v6e (2 dimensions for v5e and v6e, "
+                 "3 for v4 and v5p), e.g. v5e:1x1, v5e:2x2, v5p:4x4x4, v5p:2x2x4,slices=2")
+# libtpu's default host is 2x2x1 chips; a smaller topology is one host of exactly its chips
+# (chips_per_host_bounds), else libtpu refuses it as "not divisible" by 2x2x1.
+HOST_CHIPS = 4
+# A Pallas kernel's call in the lowered StableHLO: Mosaic TPU, Mosaic GPU, Triton.
+KERNEL_CALL = re.compile(r"stablehlo\.custom_call @(?:tpu_custom_call|mosaic_gpu_v2|__gpu\$xla\.gpu\.triton)\b")
+MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+                 "generated_code_size_in_bytes")
 
 
 def _parse_kv(text: str | None, flag: str) -> dict:
@@ -38,6 +58,62 @@ def _parse_kv(text: str | None, flag: str) -> dict:
             sep = ""
         if not sep or not k:
             exit_with_error(f"flag {flag!r} = {text!r}: item {item!r} must be name=integer", 2)
+    return out
+
+
+def parse_tpu_topology(text: str) -> tuple[str, dict]:
+    """``"v5p:4x4x4"`` -> (the name libtpu takes, keyword arguments of ``get_topology_desc``).
+
+    ``,slices=N`` becomes ``num_slices=N``; a topology of at most ``HOST_CHIPS`` chips is one
+    host (``chips_per_host_bounds`` = its dimensions), so ``v5e:1x1`` is one chip. Raises
+    ``ValueError`` with the rule for anything else."""
+    match = re.fullmatch(r"([a-z0-9]+):([0-9]+(?:x[0-9]+)*)(?:,slices=([0-9]+))?", text)
+    dims = tuple(int(x) for x in match.group(2).split("x")) if match else ()
+    if (not match or match.group(1) not in TPU_GENERATIONS or len(dims) != TPU_GENERATIONS[match.group(1)]
+            or min(dims) < 1 or (match.group(3) is not None and int(match.group(3)) < 1)):
+        raise ValueError(f"flag '--topology' = {text!r}: {TOPOLOGY_RULE}")
+    kwargs: dict = {}
+    if match.group(3) is not None:
+        kwargs["num_slices"] = int(match.group(3))
+    if math.prod(dims) <= HOST_CHIPS:
+        kwargs["chips_per_host_bounds"] = (dims + (1, 1))[:3]
+    return f"{match.group(1)}:{match.group(2)}", kwargs
+
+
+def libtpu_available() -> bool:
+    """Whether JAX can load libtpu: the ``libtpu`` package on the path or ``TPU_LIBRARY_PATH``."""
+    return importlib.util.find_spec("libtpu") is not None or bool(os.environ.get("TPU_LIBRARY_PATH"))
+
+
+def tpu_devices(text: str) -> list:
+    """The compile-only devices of the TPU topology ``text`` (``parse_tpu_topology``); a malformed
+    name, a missing libtpu or libtpu's refusal exits with one line."""
+    try:
+        name, kwargs = parse_tpu_topology(text)
+    except ValueError as e:
+        exit_with_error(str(e), 2)
+    if not libtpu_available():
+        exit_with_error(f"flag '--topology' = {text!r}: compiling for a TPU needs libtpu, which is not importable; "
+                        f"install it with: {LIBTPU_INSTALL}", 2)
+    from jax.experimental import topologies
+
+    try:
+        return list(topologies.get_topology_desc(name, platform="tpu", **kwargs).devices)
+    except Exception as e:  # libtpu refuses the shape: its first line says why
+        first = (str(e).strip().splitlines() or [""])[0]
+        exit_with_error(f"flag '--topology' = {text!r}: libtpu refused it ({type(e).__name__}: {first})", 2)
+
+
+def memory_report(compiled) -> dict | None:
+    """``compiled.memory_analysis()`` per device as a dict of ``MEMORY_FIELDS`` plus
+    ``total_bytes`` = arguments + outputs - aliased + temporaries + generated code (what the
+    program holds at its peak: XLA's buffer assignment already overlaps the temporaries)."""
+    mem = compiled.memory_analysis()
+    if mem is None:
+        return None
+    out = {f: int(getattr(mem, f, 0) or 0) for f in MEMORY_FIELDS}
+    out["total_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"] - out["alias_size_in_bytes"]
+                          + out["temp_size_in_bytes"] + out["generated_code_size_in_bytes"])
     return out
 
 
@@ -62,8 +138,10 @@ def parse_args(argv):
     ap.add_argument("--seq_len", type=_count, default=0)
     ap.add_argument("--devices", type=_count, default=0)
     ap.add_argument("--topology", default="",
-                    help="AOT target: a TPU topology (needs libtpu), e.g. v5e:2x4, or a GPU: h200 (needs JAX's CUDA "
-                         "plugin, see msar_jax.deviceless_gpu)")
+                    help="AOT target: a TPU topology GEN:AxB[xC][,slices=N] (needs libtpu: make tpu-site, then "
+                         "PYTHONPATH=.tpu_site), e.g. v5e:1x1 (one chip), v5e:2x2 (one host), v5p:4x4x4 (64 chips, "
+                         "16 hosts), v5p:2x2x4,slices=2; or a GPU: h200 (needs JAX's CUDA plugin, see "
+                         "msar_jax.deviceless_gpu)")
     ap.add_argument("--buffers", type=_count, default=0,
                     help="print the N largest allocations of XLA's buffer assignment and what they hold")
     ap.add_argument("--hlo", default="", help="write the compiled HLO text here")
@@ -96,51 +174,112 @@ def main(argv=None) -> dict:
     mesh_cfg = mesh_dict(args.mesh)
     n_dev = args.devices or (math.prod(mesh_cfg.values()) if -1 not in mesh_cfg.values() else 8)
     gpu_target = deviceless_gpu.is_gpu_target(args.topology)
+    if not gpu_target and args.topology:
+        try:
+            parse_tpu_topology(args.topology)  # a malformed name says so before jax loads
+        except ValueError as e:
+            exit_with_error(str(e), 2)
     if "jax" not in sys.modules:
         if not args.topology:
             flags = os.environ.get("XLA_FLAGS", "")
             os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n_dev}".strip()
-            os.environ.setdefault("JAX_PLATFORMS", "cpu")
         if gpu_target:
             deviceless_gpu.prepare_gpu_environment()
+        else:  # a TPU topology loads libtpu itself; JAX's default backend stays the CPU
+            os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
     from msar_jax.config import load_config
+
+    config = load_config(args.config, overrides)
+    if gpu_target:
+        devices = deviceless_gpu.gpu_devices(args.topology)
+    elif args.topology:
+        devices = tpu_devices(args.topology)
+    else:
+        devices = jax.devices()[:n_dev]
+    pipeline = _parse_kv(args.pipeline, "--pipeline")
+    t0 = time.time()
+    try:
+        report, compiled, allocs = compile_train_step(
+            config, devices, mesh_cfg, pipeline, batch_size=args.batch_size, full_batch=args.full_batch,
+            seq_len=args.seq_len, buffers=args.buffers)
+    except (SystemExit, config_lib.ConfigError):
+        raise
+    except Exception as e:  # e.g. RESOURCE_EXHAUSTED against a TPU chip's memory: the answer we came for
+        print(f"compile failed after {time.time() - t0:.1f} s: {type(e).__name__}: {e}")
+        raise SystemExit(3)
+    report = {"config": args.config, "topology": args.topology or None, **report}
+    if args.hlo:
+        with open(args.hlo, "w") as f:
+            f.write(compiled.as_text())
+    buffers = None
+    if args.buffers:
+        buffers = deviceless_gpu.format_buffers(allocs, args.buffers, deviceless_gpu.op_names(compiled.as_text()))
+        report["largest_allocations"] = [dict(size=a.size, kind=a.kind, values=[v._asdict() for v in a.values[:3]])
+                                         for a in allocs[:args.buffers]]
+    if args.json:
+        print(json.dumps(report))
+        return report
+    mem, unit = report["memory_per_device"], "chip" if report["platform"] == "tpu" else "device"
+    hosts = f" over {report['hosts']} hosts" if report["hosts"] > 1 else ""
+    print(f"config   {args.config}  ({report['params'] / 1e9:.3f} B params)")
+    print(f"mesh     {report['mesh_text']} on {len(devices)} {report['device_kind']} {unit}s{hosts}; "
+          f"pipeline {report['pipeline']}")
+    print(f"batch    {report['batch_size']} x {report['seq_len']} tokens; lower {report['lower_s']:.1f} s, "
+          f"compile {report['compile_s']:.1f} s; {report['kernel_calls']} Pallas kernel calls in the lowered program "
+          f"(implementation={report['implementation']!r})")
+    if mem is None:
+        print("memory_analysis() returned None on this backend")
+    else:
+        print(format_memory(mem, unit))
+    if buffers:
+        print("XLA's buffer assignment, largest allocations:")
+        print(buffers)
+    return report
+
+
+def format_memory(mem: dict, unit: str = "device") -> str:
+    """``memory_report``'s dict as the table ``main`` prints, in GiB."""
+    names = {"argument_size_in_bytes": "arguments", "output_size_in_bytes": "outputs",
+             "alias_size_in_bytes": "aliased (outputs in arguments)", "temp_size_in_bytes": "temporaries",
+             "generated_code_size_in_bytes": "generated code",
+             "total_bytes": "total (args + out - aliased + temp + code)"}
+    lines = [f"memory per {unit} (compiled.memory_analysis()):"]
+    lines += [f"  {names[f]:42s} {mem[f] / GIB:10.3f} GiB" for f in names]
+    return "\n".join(lines)
+
+
+def compile_train_step(config, devices, mesh_cfg: dict, pipeline: dict | None = None, *, batch_size: int = 0,
+                       full_batch: bool = False, seq_len: int = 0, buffers: int = 0):
+    """Lower and compile ``config``'s train step (AdamW, donated state) for ``devices`` under the
+    mesh degrees ``mesh_cfg`` and the ``parallel.pipeline`` fields ``pipeline``, from sharded
+    ``ShapeDtypeStruct``s; the model is traced for the devices' platform, so a TPU topology's
+    program holds the Mosaic kernels ``implementation="auto"`` picks there. Returns (report dict,
+    the compiled executable, XLA's buffer allocations when ``buffers``); lowering and compile
+    errors propagate."""
+    import jax
+
     from msar_jax.parallel import mesh as mesh_lib
     from msar_jax.parallel import pipeline as pipeline_lib
     from msar_jax.train import step as step_lib
     from msar_jax.train.optim import make_optimizer
     from pallas_kernels.depth_attention import platform
 
-    config = load_config(args.config, overrides)
     model_cfg = config.model
     pcfg = mesh_lib.parallel_config()
     pcfg.mesh.update(mesh_cfg)
-    pipeline = _parse_kv(args.pipeline, "--pipeline")
+    pipeline = dict(pipeline or {})
     unknown = sorted(set(pipeline) - set(pcfg.pipeline))
     if unknown:
-        exit_with_error(f"flag '--pipeline' = {args.pipeline!r}: unknown keys {unknown}; keys are {sorted(pcfg.pipeline)}", 2)
+        exit_with_error(f"flag '--pipeline' = {pipeline}: unknown keys {unknown}; keys are {sorted(pcfg.pipeline)}", 2)
     pcfg.pipeline.update(pipeline)
-
-    if gpu_target:
-        devices = deviceless_gpu.gpu_devices(args.topology)
-    elif args.topology:
-        from jax.experimental import topologies
-
-        try:
-            topo = topologies.get_topology_desc(args.topology, platform="tpu")
-        except Exception as e:  # libtpu missing or the name unknown: say what happened
-            print(f"--topology={args.topology}: get_topology_desc failed: {type(e).__name__}: {e}")
-            raise SystemExit(2)
-        devices = topo.devices
-    else:
-        devices = jax.devices()[:n_dev]
     mesh = mesh_lib.make_mesh(pcfg.mesh, devices)
     rules = mesh_lib.rules_for(pcfg)
-    seq_len = args.seq_len or config.seq_len
+    seq_len = seq_len or config.seq_len
     batch_axes = mesh.shape["data"] * mesh.shape["fsdp"] * (1 if pcfg.pipeline.stages > 1 else mesh.shape["stage"])
     min_batch = batch_axes * max(1, pcfg.pipeline.microbatches)
-    batch = args.batch_size or (config.train.batch_size if args.full_batch else min_batch)
+    batch = batch_size or (config.train.batch_size if full_batch else min_batch)
     pipeline_lib.validate(pcfg, model_cfg, batch, mesh)
 
     tx, schedule = make_optimizer(config.optim, config.train.steps)
@@ -159,60 +298,30 @@ def main(argv=None) -> dict:
     with mesh_lib.use_mesh(mesh, rules), platform.target(devices[0].platform):
         lowered = step.lower(state_in, batch_in)
     t1 = time.time()
-    try:
-        if args.buffers:
-            compiled, allocs = deviceless_gpu.compile_with_buffers(lowered)
-        else:
-            compiled = lowered.compile()
-    except Exception as e:  # e.g. RESOURCE_EXHAUSTED from a TPU topology: the answer we came for
-        print(f"compile failed after {time.time() - t1:.1f} s: {type(e).__name__}: {e}")
-        raise SystemExit(3)
+    allocs = None
+    if buffers:
+        compiled, allocs = deviceless_gpu.compile_with_buffers(lowered)
+    else:
+        compiled = lowered.compile()
     t2 = time.time()
-    mem = compiled.memory_analysis()
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-              "generated_code_size_in_bytes")
     report = {
-        "config": args.config,
         "mesh": dict(mesh.shape),
+        "mesh_text": mesh_lib.describe(mesh),
         "pipeline": dict(pcfg.pipeline),
         "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
         "devices": len(devices),
+        "hosts": len({getattr(d, "process_index", 0) for d in devices}),
         "batch_size": batch,
         "seq_len": seq_len,
         "params": n_params,
+        "implementation": model_cfg.residual.implementation,
         "lower_s": round(t1 - t0, 2),
         "compile_s": round(t2 - t1, 2),
-        "memory_per_device": {f: getattr(mem, f, None) for f in fields} if mem is not None else None,
+        "memory_per_device": memory_report(compiled),
+        "kernel_calls": len(KERNEL_CALL.findall(lowered.as_text())),
     }
-    if mem is not None:
-        peak = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
-        report["memory_per_device"]["peak_estimate_bytes"] = peak
-    if args.hlo:
-        with open(args.hlo, "w") as f:
-            f.write(compiled.as_text())
-    buffers = None
-    if args.buffers:
-        buffers = deviceless_gpu.format_buffers(allocs, args.buffers, deviceless_gpu.op_names(compiled.as_text()))
-        report["largest_allocations"] = [dict(size=a.size, kind=a.kind, values=[v._asdict() for v in a.values[:3]])
-                                         for a in allocs[:args.buffers]]
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print(f"config   {args.config}  ({n_params / 1e9:.3f} B params)")
-        print(f"mesh     {mesh_lib.describe(mesh)} on {len(devices)} {devices[0].platform} devices; "
-              f"pipeline {dict(pcfg.pipeline)}")
-        print(f"batch    {batch} x {seq_len} tokens; lower {t1 - t0:.1f} s, compile {t2 - t1:.1f} s")
-        if mem is None:
-            print("memory_analysis() returned None on this backend")
-        else:
-            print("per-device memory (compiled.memory_analysis()):")
-            for f in fields:
-                print(f"  {f:32s} {getattr(mem, f, 0) / GIB:10.3f} GiB")
-            print(f"  {'peak estimate (args+out-alias+temp)':32s} {peak / GIB:10.3f} GiB")
-        if buffers:
-            print("XLA's buffer assignment, largest allocations:")
-            print(buffers)
-    return report
+    return report, compiled, allocs
 
 
 def hop_table(args, overrides) -> list[dict]:
