@@ -1,14 +1,26 @@
-"""Compile the TPU depth-attention kernels for a TPU v5p ahead of time, on a CPU machine.
+"""Compile the Mosaic TPU depth-read kernels (forward) ahead of time for a TPU generation, on a CPU
+machine, at the shapes users train, and print each compile's status, the tiles and VMEM the kernels
+chose (``tiling.tpu_scores_tile`` / ``tpu_mix_tile``) and the compiled module's HBM figures.
 
-Needs libtpu (not a project dependency)::
+Needs libtpu (not a project dependency; ``jax[tpu]`` pins the version)::
 
     pip install --target /tmp/libtpu libtpu==0.0.48.1
-    PYTHONPATH=/tmp/libtpu python benchmarks/tpu_kernels_aot.py
+    PYTHONPATH=/tmp/libtpu python benchmarks/tpu_kernels_aot.py --generation v5e --generation v5p
 
-Prints ``ok`` or the compiler's error for each of 55 compiles (5 mechanism cases x 11 forward and
-backward variants) and exits 1 if any fails. The variants: docs/parallelism.md section 7.
+``--filter SUBSTR`` (repeatable) keeps the cases whose name contains one (e.g. ``msar/base/``). Exits 1 if
+any compile fails. A test target imports ``KERNEL_CASES`` and ``compile_case(case, generation)``
+(which returns a ``Result``). The tiling: docs/kernels.md §4, "Mosaic TPU tiling".
+
+Shapes (configs/common.py, msar_jax/config.py): ``n = blocks + 1`` sources and ``S = block_size``
+targets in phase 1, one target in phase 2; bfloat16 sources, float32 state (the defaults), one
+sequence per chip (the tiles do not depend on the batch; HBM bytes scale with it).
 """
 
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
 import sys
 import time
 from pathlib import Path
@@ -17,98 +29,192 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from pallas_kernels.depth_attention import api, reference  # noqa: E402
+from pallas_kernels.depth_attention import api, fused, reference, tiling  # noqa: E402
 
-topo = topologies.get_topology_desc("v5p:2x2x1", platform="tpu")
-mesh = jax.sharding.Mesh([topo.devices[0]], ("x",))
-rep = NamedSharding(mesh, P())
-failures = 0
+# (d, transformer layers, block size) per size: configs/common.py
+SIZES = {
+    "small": (512, 8, 4),
+    "base": (1024, 28, 8),
+    "paper_10b": (2080, 15, 4),
+    "paper_18b": (2112, 28, 8),
+    "paper_28b": (2560, 32, 8),
+}
+# stream kernels per stream count: m = 4 is the model's default (kernel_sizes (4, 8, 12)); m = 2 and
+# 8 the ends of the streams ablation (the largest lag, 13, still fits one 16-row halo)
+STREAM_KERNELS = {1: (0,), 2: (0, 4), 4: (0, 4, 8, 12), 8: (0, 2, 4, 6, 8, 10, 12, 14)}
+T_LENS = (2048, 4096, 8192)
+TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
 
 
-def sds(shape, dt=jnp.float32):
-    return jax.ShapeDtypeStruct(shape, dt, sharding=rep)
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One kernel compile: ``phase`` 1 (scores + mixing, per-target state) or 2 (scores + mixing
+    with the fusion ``fuse``: ``"gate"`` (H_pre: statistics and gate passes) or ``"mean"``)."""
+
+    mechanism: str  # msar, mhar, attnres
+    size: str
+    t_len: int
+    streams: int
+    heads: int
+    phase: int
+    fuse: str | None = None
+
+    @property
+    def name(self) -> str:
+        fuse = f" {self.fuse}" if self.phase == 2 else ""
+        return f"{self.mechanism}/{self.size}/T={self.t_len}/m={self.streams}/H={self.heads}/phase {self.phase}{fuse}"
+
+    @property
+    def d(self) -> int:
+        return SIZES[self.size][0]
+
+    @property
+    def n_sources(self) -> int:
+        _, layers, block = SIZES[self.size]
+        return -(-2 * layers // block) + 1
+
+    @property
+    def n_targets(self) -> int:
+        return SIZES[self.size][2] if self.phase == 1 else 1
+
+    @property
+    def stream_kernels(self) -> tuple[int, ...]:
+        return STREAM_KERNELS[self.streams]
 
 
-def comp(name, fn, *args):
-    global failures
+def _cases() -> list[Case]:
+    out = []
+    for size in SIZES:
+        for t_len in T_LENS:
+            out += [Case("msar", size, t_len, 4, 1, 1), Case("msar", size, t_len, 4, 1, 2, "gate")]
+        for m in (2, 8):
+            out += [Case("msar", size, 8192, m, 1, 1), Case("msar", size, 8192, m, 1, 2, "gate")]
+        out += [Case("msar", size, 8192, 4, 1, 2, "mean"), Case("attnres", size, 8192, 1, 1, 1),
+                Case("attnres", size, 8192, 1, 1, 2, "mean")]
+    for size, heads in (("small", 8), ("base", 16)):  # MHAR: 64-wide heads
+        for t_len in T_LENS:
+            out += [Case("mhar", size, t_len, 1, heads, 1), Case("mhar", size, t_len, 1, heads, 2, "mean")]
+    return out
+
+
+KERNEL_CASES: list[Case] = _cases()
+
+
+@dataclasses.dataclass
+class Result:
+    """``ok``; ``error`` (one line) when not; ``tiles``: kernel -> (block_t, block_d, VMEM need,
+    vmem_limit_bytes); ``hbm``: the compiled module's argument / output / temporary bytes
+    (``memory_analysis``) and ``bytes_accessed`` (``cost_analysis``); ``seconds`` to compile."""
+
+    case: Case
+    generation: str
+    ok: bool
+    seconds: float
+    tiles: dict
+    hbm: dict
+    error: str = ""
+
+
+@functools.cache
+def _device(generation: str):
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(TOPOLOGIES[generation], platform="tpu")
+    return topo.devices[0]
+
+
+def _tiles(case: Case, vmem: tuple[str, int]) -> dict:
+    """The tiles ``fused.phase1_forward`` / ``phase2_forward`` choose for this case."""
+    lanes = fused.TpuLanes(case.d, case.heads)
+    shape = dict(t_len=case.t_len, d_pad=lanes.d_pad, dh_pad=lanes.dh_pad, heads=case.heads,
+                 n_targets=case.n_targets, n_streams=case.streams, max_kernel=max([1, *case.stream_kernels]),
+                 n_taps=sum(case.stream_kernels), x_itemsize=2, vmem=vmem)
+    tiles = {"scores": tiling.tpu_scores_tile(**shape)}
+    if case.phase == 1:
+        tiles["mix acc"] = tiling.tpu_mix_tile("acc", n_sources=case.n_sources, out_itemsize=4, **shape)
+    else:
+        for mode in ("stats", "gate") if case.fuse == "gate" else ("mean",):
+            tiles[f"mix {mode}"] = tiling.tpu_mix_tile(mode, n_sources=1, out_itemsize=4 if mode == "stats" else 2,
+                                                       base_itemsize=4, **shape)
+    return {k: (t.block_t, t.block_d, t.vmem_need, t.vmem_limit) for k, t in tiles.items()}
+
+
+def _function(case: Case):
+    """The forward read and its abstract arguments."""
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    d, m, kernels, b = case.d, case.streams, case.stream_kernels, 1
+    k = sum(kernels)
+    kw = dict(stream_kernels=kernels, heads=case.heads, implementation="pallas_tpu", interpret=False)
+    sds = jax.ShapeDtypeStruct
+    if case.phase == 1:
+        n, s = case.n_sources, case.n_targets
+        args = (sds((n, b, case.t_len, d), bf16), sds((n, k, d), f32) if k else None, sds((s, m, d), f32),
+                sds((n,), jnp.bool_))
+        return (lambda x, bank, q, valid: api.phase1(x, bank, q, valid, per_target=True, **kw)), args
+    state = reference.SoftmaxState(sds((m, b, case.t_len, case.heads), f32), sds((m, b, case.t_len, case.heads), f32),
+                                   sds((m, b, case.t_len, d), f32))
+    gate = (sds((m * d, m), f32), sds((), f32), sds((m,), f32)) if case.fuse == "gate" else None
+    args = (state, sds((b, case.t_len, d), bf16), sds((k, d), f32) if k else None, sds((m, d), f32), gate)
+    return (lambda st, x, bank, q, g: api.phase2_fused(st, x, bank, q, True, g, out_dtype=bf16, **kw)), args
+
+
+def compile_case(case: Case, generation: str) -> Result:
+    """Compile ``case``'s forward for one chip of ``generation`` (``TOPOLOGIES``) with libtpu."""
+    device = _device(generation)
+    mesh = jax.sharding.Mesh([device], ("x",))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    fn, args = _function(case)
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), args)
     t0 = time.time()
     try:
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            low = jax.jit(fn).trace(*args).lower()
-        low.compile()
-        print(f"    {name}: ok ({time.time() - t0:.1f} s)")
+            from jax.experimental.pallas import tpu as pltpu
+
+            info = pltpu.get_tpu_info()
+            tiles = _tiles(case, (str(info.chip_version.value), int(info.vmem_capacity_bytes)))
+            compiled = jax.jit(fn).trace(*args).lower().compile()
     except Exception as e:  # noqa: BLE001 - report every case
-        failures += 1
-        print(f"    {name}: FAIL {type(e).__name__}: {str(e)[:700]}")
+        msg = " ".join(str(e).split())
+        return Result(case, generation, False, time.time() - t0, {}, {}, f"{type(e).__name__}: {msg[:400]}")
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    hbm = dict(arguments=mem.argument_size_in_bytes, outputs=mem.output_size_in_bytes,
+               temporaries=mem.temp_size_in_bytes, bytes_accessed=float((cost or {}).get("bytes accessed", 0.0)))
+    return Result(case, generation, True, time.time() - t0, tiles, hbm)
 
 
-def run(kernels, heads, segments, fuse, t_len=64, d=256, with_valid=False):
-    """``with_valid``: phase 1 gets a source mask, as the model's always does (the kernels skip
-    invalid sources, reading the mask from scalar memory on the TPU)."""
-    n, batch, n_targets, m, k = 3, 2, 2, len(kernels), sum(kernels)
-    print(f"{topo.devices[0].device_kind}: kernels={kernels} heads={heads} segments={segments} fusion={fuse} "
-          f"source mask={with_valid}")
-    seg = sds((batch, t_len), jnp.int32) if segments else None
-    valid = sds((n,), jnp.bool_) if with_valid else None
-    kw = dict(stream_kernels=kernels, heads=heads, implementation="pallas_tpu", interpret=False)
-    kw_pallas = dict(kw, backward="pallas")
-    banks = sds((n, k, d)) if k else None
-
-    def loss1(x, b, q, v, sg, kw=kw):
-        st = api.phase1(x, b, q, v, segment_ids=sg, **kw)
-        return jnp.sum(st.acc) + jnp.sum(st.denom)
-
-    args1 = (sds((n, batch, t_len, d)), banks, sds((n_targets, m, d)), valid, seg)
-    comp("phase 1 forward", lambda x, b, q, v, sg: api.phase1(x, b, q, v, segment_ids=sg, **kw), *args1)
-    comp("phase 1 forward+backward (XLA backward)", jax.grad(loss1, argnums=(0, 2)), *args1)
-    comp("phase 1 forward+backward (Pallas backward, wide form)",
-         jax.grad(lambda *a: loss1(*a, kw=kw_pallas), argnums=(0, 2)), *args1)
-    comp("phase 1 forward+backward (Pallas backward, reverse-T form)",
-         jax.grad(lambda *a: loss1(*a, kw=dict(kw_pallas, phase1_backward_form="reverse_t")), argnums=(0, 2)),
-         *args1)
-    comp("phase 1 forward+backward (hybrid backward)",
-         jax.grad(lambda *a: loss1(*a, kw=dict(kw, backward="hybrid")), argnums=(0, 2)), *args1)
-
-    def loss1_per_target(x, b, q, v, sg):  # one state per target: the kernels' separate outputs and inputs
-        states = api.phase1(x, b, q, v, segment_ids=sg, per_target=True, **kw_pallas)
-        return sum(jnp.sum(st.acc) + jnp.sum(st.denom) for st in states)
-
-    comp("phase 1 forward+backward per target (Pallas backward)", jax.grad(loss1_per_target, argnums=(0, 2)),
-         *args1)
-    state = reference.SoftmaxState(sds((m, batch, t_len, heads)), sds((m, batch, t_len, heads)),
-                                   sds((m, batch, t_len, d)))
-    gate = (sds((m * d, m)), sds(()), sds((m,))) if fuse == "gate" else None
-    bank = sds((k, d)) if k else None
-
-    def fwd2(st, x, b, q, g, sg, kw=kw):
-        return api.phase2_fused(st, x, b, q, True, g, segment_ids=sg, **kw)
-
-    args2 = (state, sds((batch, t_len, d)), bank, sds((m, d)), gate, seg)
-    comp("phase 2 forward", fwd2, *args2)
-    comp("phase 2 forward+backward (XLA backward)",
-         jax.grad(lambda *a: jnp.sum(fwd2(*a)), argnums=(0, 1, 3)), *args2)
-    comp("phase 2 forward+backward (Pallas backward)",
-         jax.grad(lambda *a: jnp.sum(fwd2(*a, kw=kw_pallas)), argnums=(0, 1, 3)), *args2)
-    comp("phase 2 forward+backward (Pallas backward, wide form)",
-         jax.grad(lambda *a: jnp.sum(fwd2(*a, kw=dict(kw_pallas, phase2_backward_form="wide"))), argnums=(0, 1, 3)),
-         *args2)
-
-    def block_read_bf16_state(x, b, q, v, x2, b2, q2, g, sg):  # phase 1 -> phase 2 + fusion, bf16 acc
-        states = api.phase1(x, b, q, v, segment_ids=sg, per_target=True, state_dtype="bfloat16", **kw_pallas)
-        return sum(jnp.sum(fwd2(st, x2, b2, q2, g, sg, kw=kw_pallas)) for st in states)
-
-    comp("phase 1 + phase 2 forward+backward, bf16 state (Pallas backward)",
-         jax.grad(block_read_bf16_state, argnums=(0, 2, 4, 6)), *args1[:4], *args2[1:5], seg)
+def _mib(x) -> str:
+    return f"{x / 2**20:.1f}"
 
 
-run((0, 4, 8, 12), 1, True, "gate", with_valid=True)
-run((0, 4, 8, 12), 1, False, "gate")
-run((0,), 1, False, "mean", with_valid=True)
-run((0,), 2, True, "mean")
-run((0, 0, 0), 2, False, "gate")
-print(f"{failures} failure(s)")
-sys.exit(1 if failures else 0)
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--generation", action="append", choices=sorted(TOPOLOGIES),
+                        help="TPU generation to compile for (repeatable; default v5e and v5p)")
+    parser.add_argument("--filter", action="append", default=[],
+                        help="keep the cases whose name contains this (repeatable: any of them)")
+    opts = parser.parse_args(argv)
+    failures = 0
+    for generation in opts.generation or ["v5e", "v5p"]:
+        print(f"# {generation} ({_device(generation).device_kind}); VMEM in MiB: need / limit per kernel; "
+              "HBM in MiB: arguments + outputs + temporaries, bytes accessed")
+        for case in KERNEL_CASES:
+            if opts.filter and not any(f in case.name for f in opts.filter):
+                continue
+            r = compile_case(case, generation)
+            if not r.ok:
+                failures += 1
+                print(f"{generation} {case.name}: FAIL ({r.seconds:.1f} s) {r.error}", flush=True)
+                continue
+            tiles = "; ".join(f"{k} {bt}x{bd} {_mib(need)}/{_mib(limit)}" for k, (bt, bd, need, limit) in r.tiles.items())
+            h = r.hbm
+            print(f"{generation} {case.name}: ok ({r.seconds:.1f} s) | {tiles} | HBM {_mib(h['arguments'])} + "
+                  f"{_mib(h['outputs'])} + {_mib(h['temporaries'])}, accessed {_mib(h['bytes_accessed'])}", flush=True)
+    print(f"{failures} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention import reference
+from pallas_kernels.depth_attention import tiling
 from pallas_kernels.depth_attention.tiling import Tiles
 
 F32 = jnp.float32
@@ -494,7 +495,7 @@ def pad_tokens(x, axis: int, t_pad: int, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def call_kwargs(backend: str, tiles: Tiles, interpret, semantics):
+def call_kwargs(backend: str, tiles: Tiles, interpret, semantics, vmem_limit_bytes: int | None = None):
     if backend == "triton":
         from jax.experimental.pallas import triton as pltriton
 
@@ -504,12 +505,31 @@ def call_kwargs(backend: str, tiles: Tiles, interpret, semantics):
         )
     from jax.experimental.pallas import tpu as pltpu
 
-    return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics), interpret=interpret)
+    if vmem_limit_bytes is None:
+        return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics), interpret=interpret)
+    # the tiled TPU kernels: the scoped-VMEM limit their tiles were chosen for (tiling.TpuTile)
+    return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_limit_bytes),
+                interpret=interpret)
 
 
-def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, backend, interpret, valid=None):
+def _tpu_token_inputs(in_specs: list, args: list, seg, valid, n: int, bt: int, halo: int, backend: str) -> bool:
+    """``token_inputs`` of the tiled TPU kernels: the segment ids as ``[bt, 1]`` blocks of
+    token tile ``g[1]`` plus their halo block before it (``halo_spec``), and the source mask."""
+    if seg is not None:
+        spec = pl.BlockSpec((None, bt, 1), lambda *g: (g[0], g[1], 0))
+        in_specs += [spec, halo_spec(spec.block_shape, spec.index_map, 1, bt, halo)]
+        args += [seg[:, :, None]] * 2
+    return token_inputs(in_specs, args, None, valid, n, 0, backend, batch_axis=0)
+
+
+def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, backend, interpret, valid=None,
+                tpu=None):
     """``x[n, B, Tp, d]`` -> ``dots[S, n, m, B, Tp, H]``, ``sumsq[n, m, B, Tp]`` (float32);
-    ``valid[n]``: sources to compute (the others may be skipped, their outputs zero)."""
+    ``valid[n]``: sources to compute (the others may be skipped, their outputs zero).
+    ``tpu`` (a ``tiling.TpuTile``, Mosaic TPU): the tiled form, ``_scores_tiled``."""
+    if tpu is not None:
+        return _scores_tiled(x, banks, queries, seg, stream_kernels=stream_kernels, heads=heads, tiles=tiles,
+                             backend=backend, interpret=interpret, valid=valid, tpu=tpu)
     n, batch, t_pad, d = x.shape
     n_targets, m = queries.shape[:2]
     bt, bd = tiles.bt_scores, tiles.block_d_scores
@@ -542,6 +562,46 @@ def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, 
         ],
         name="depth_attention_scores",
         **call_kwargs(backend, tiles, interpret, ("parallel", "parallel")),
+    )(*args)
+    return dots, sumsq[..., 0]
+
+
+def _scores_tiled(x, banks, queries, seg, *, stream_kernels, heads, tiles, backend, interpret, valid, tpu):
+    """``scores_call`` on the Mosaic TPU: grid ``(B, Tp / bt, n)``, one source's ``[bt, d]``
+    block and its conv halo per program (``d`` padded to whole 128-lane heads by the caller),
+    its bank row, all queries; VMEM limit from ``tpu`` (docs/kernels.md §4, "Mosaic TPU tiling")."""
+    n, batch, t_pad, d = x.shape
+    n_targets, m = queries.shape[:2]
+    bt, bd, halo = tpu.block_t, tpu.block_d, tpu.halo
+    has_bank = banks is not None and any(stream_kernels)
+    x_spec = pl.BlockSpec((1, None, bt, d), lambda b, t, i: (i, b, t, 0))
+    in_specs = [x_spec, halo_spec(x_spec.block_shape, x_spec.index_map, 2, bt, halo)]
+    args = [x, x]
+    if has_bank:
+        in_specs.append(pl.BlockSpec((1, banks.shape[1], d), lambda b, t, i: (i, 0, 0)))
+        args.append(banks)
+    in_specs.append(pl.BlockSpec(queries.shape, lambda b, t, i: (0, 0, 0)))
+    args.append(queries)
+    has_live = _tpu_token_inputs(in_specs, args, seg, valid, n, bt, halo, backend)
+    kernel = functools.partial(
+        _scores_kernel, stream_kernels=tuple(stream_kernels), n=1, n_targets=n_targets, heads=heads, d=d,
+        bt=bt, bd=bd, has_bank=has_bank, has_seg=seg is not None, has_live=has_live, backend=backend,
+        whole=False, tiled=True,
+    )
+    dots, sumsq = pl.pallas_call(
+        kernel,
+        grid=(batch, t_pad // bt, n),
+        in_specs=in_specs,
+        out_specs=[
+            pl.BlockSpec((n_targets, 1, m, None, bt, heads), lambda b, t, i: (0, i, 0, b, t, 0)),
+            pl.BlockSpec((1, m, None, bt, 1), lambda b, t, i: (i, 0, b, t, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((n_targets, n, m, batch, t_pad, heads), F32),
+            jax.ShapeDtypeStruct((n, m, batch, t_pad, 1), F32),
+        ],
+        name="depth_attention_scores",
+        **call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel"), tpu.vmem_limit),
     )(*args)
     return dots, sumsq[..., 0]
 
@@ -579,14 +639,16 @@ def gate_cols(w, m: int, d: int):
 
 
 def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, stream_kernels, heads, tiles: Tiles,
-             backend, interpret, out_dtype=F32, valid=None, split_targets=False):
+             backend, interpret, out_dtype=F32, valid=None, split_targets=False, tpu=None):
     """See ``_mix_kernel``. ``p[S, n, m, B, Tp, H]``; ``base[S, m, B, Tp, d]``; ``a`` like ``p``
     without ``n``; ``gate[B, Tp, m]``; ``w[m, m, d]`` (``gate_rows``); ``valid[n]``: sources that
     may have ``p != 0`` (the others may be skipped). ``split_targets`` (``mode="acc"``): return a list of
-    ``S`` arrays ``[m, B, Tp, d]``, written by the kernel as separate outputs."""
+    ``S`` arrays ``[m, B, Tp, d]``, written by the kernel as separate outputs. ``tpu`` (a
+    ``tiling.TpuTile``, Mosaic TPU): its ``[bt, bd]`` tile, ``x`` mapped as ``[n, bt, bd]`` token
+    blocks plus the conv halo before them (``halo_spec``), and its VMEM limit."""
     n, batch, t_pad, d = x.shape
     n_targets, m = p.shape[0], p.shape[2]
-    bt, bd = tiles.mix_tile(mode)
+    bt, bd = (tpu.block_t, tpu.block_d) if tpu is not None else tiles.mix_tile(mode)
     if (d // heads) % bd or t_pad % bt:
         raise ValueError(f"mix_call: a {bt} x {bd} tile must divide the padded tokens {t_pad} and the head width "
                          f"{d // heads}")
@@ -594,8 +656,13 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
     has_seg = seg is not None
     has_base = base is not None
     nc = d // bd
-    in_specs = [pl.BlockSpec((n, None, t_pad, bd), lambda b, t, c: (0, b, 0, c))]
-    args = [x]
+    if tpu is not None:
+        x_spec = pl.BlockSpec((n, None, bt, bd), lambda b, t, c: (0, b, t, c))
+        in_specs = [x_spec, halo_spec(x_spec.block_shape, x_spec.index_map, 2, bt, tpu.halo)]
+        args = [x, x]
+    else:
+        in_specs = [pl.BlockSpec((n, None, t_pad, bd), lambda b, t, c: (0, b, 0, c))]
+        args = [x]
     if has_bank:
         in_specs.append(pl.BlockSpec((n, banks.shape[1], bd), lambda b, t, c: (0, 0, c)))
         args.append(banks)
@@ -611,7 +678,10 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
     if mode == "stats":
         in_specs.append(pl.BlockSpec((m, m, bd), lambda b, t, c: (0, 0, c)))
         args.append(w)
-    has_live = token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
+    if tpu is not None:
+        has_live = _tpu_token_inputs(in_specs, args, seg, valid, n, bt, tpu.halo, backend)
+    else:
+        has_live = token_inputs(in_specs, args, seg, valid, n, t_pad, backend, batch_axis=0)
     if mode == "acc" and split_targets:
         out_specs = [pl.BlockSpec((m, None, bt, bd), lambda b, t, c: (0, b, t, c))] * n_targets
         out_shape = [jax.ShapeDtypeStruct((m, batch, t_pad, d), out_dtype)] * n_targets
@@ -636,7 +706,7 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
         _mix_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d, bt=bt,
         bd=bd, has_bank=has_bank, has_seg=has_seg, has_base=has_base, mode=mode, backend=backend,
         whole=mode == "stats" and _whole_tile_sums(backend, 1 + m, bt, bd), has_live=has_live,
-        split_targets=mode == "acc" and split_targets,
+        split_targets=mode == "acc" and split_targets, **({"tiled": True} if tpu is not None else {}),
     )
     out = pl.pallas_call(
         kernel,
@@ -645,7 +715,8 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
         out_specs=out_specs,
         out_shape=out_shape,
         name=f"depth_attention_mix_{mode}",
-        **call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")),
+        **call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel"),
+                      None if tpu is None else tpu.vmem_limit),
     )(*args)
     if mode == "stats":
         return out[0][..., 0].transpose(0, 2, 1), out[1].transpose(0, 2, 1, 3)
@@ -657,8 +728,42 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
 # --------------------------------------------------------------------------- reads
 
 
-def prepare_tokens(t_len, segment_ids, tiles):
-    t_pad = -(-t_len // tiles.block_t) * tiles.block_t
+class TpuLanes:
+    """The TPU kernels' channel layout: each of the ``heads`` heads padded with zero channels to
+    ``tiling.padded_head_width`` (a multiple of 128 lanes), so every block is lane-aligned
+    (``d = 2080`` -> 2176, MHAR's 64-wide heads -> 128). Exact: a zero channel adds nothing to a
+    dot, a sum of squares, a mixed stream or the gate's ``z @ W``; the means (the keys' RMS norm,
+    the gate's) keep the real ``d``."""
+
+    def __init__(self, d: int, heads: int):
+        self.d, self.heads, self.dh = d, heads, d // heads
+        self.dh_pad = tiling.padded_head_width(d, heads)
+        self.d_pad = self.dh_pad * heads
+
+    def pad(self, a):
+        if a is None or self.dh_pad == self.dh:
+            return a
+        lead = a.shape[:-1]
+        a = a.reshape(*lead, self.heads, self.dh)
+        a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, self.dh_pad - self.dh)])
+        return a.reshape(*lead, self.d_pad)
+
+    def unpad(self, a):
+        if self.dh_pad == self.dh:
+            return a
+        lead = a.shape[:-1]
+        return a.reshape(*lead, self.heads, self.dh_pad)[..., : self.dh].reshape(*lead, self.d)
+
+
+def tpu_token_unit(*tiles) -> int:
+    """The token padding unit of tiled TPU calls: their largest ``block_t`` (each a power-of-two
+    multiple of one halo, so the others divide it)."""
+    return max(t.block_t for t in tiles)
+
+
+def prepare_tokens(t_len, segment_ids, tiles, unit=None):
+    unit = tiles.block_t if unit is None else unit
+    t_pad = -(-t_len // unit) * unit
     seg = None if segment_ids is None else pad_tokens(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
     return t_pad, seg
 
@@ -671,10 +776,24 @@ def phase1_forward(sources, banks, queries, valid=None, *, stream_kernels, heads
     weights and sums are float32 either way. ``mosaic_scores`` / ``mosaic_mix``: the scoring /
     mixing pass as the Mosaic GPU kernel (``mosaic_gpu.phase1_scores`` / ``phase1_mix``)."""
     n, _, t_len, d = sources.shape
-    t_pad, seg = prepare_tokens(t_len, segment_ids, tiles)
-    x = pad_tokens(sources, 2, t_pad)
     kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)
-    dots, sumsq = phase1_scores(sources, x, banks, queries, seg, segment_ids, valid=valid, mosaic=mosaic_scores, **kw)
+    if backend == "tpu":  # tiled T, lane-padded heads, tiles from the chip's VMEM (docs/kernels.md §4)
+        lanes = TpuLanes(d, heads)
+        shape = dict(t_len=t_len, d_pad=lanes.d_pad, dh_pad=lanes.dh_pad, heads=heads, n_targets=queries.shape[0],
+                     n_streams=len(stream_kernels), max_kernel=max([1, *stream_kernels]),
+                     n_taps=sum(stream_kernels), x_itemsize=sources.dtype.itemsize, cap_t=tiles.tpu_block_t)
+        score_tile = tiling.tpu_scores_tile(**shape)
+        mix_tile = tiling.tpu_mix_tile("acc", n_sources=n, out_itemsize=jnp.dtype(state_dtype).itemsize, **shape)
+        t_pad, seg = prepare_tokens(t_len, segment_ids, tiles, tpu_token_unit(score_tile, mix_tile))
+        x = pad_tokens(lanes.pad(sources), 2, t_pad)
+        banks, queries = lanes.pad(banks), lanes.pad(queries)
+        dots, sumsq = scores_call(x, banks, queries, seg, valid=valid, tpu=score_tile, **kw)
+    else:
+        lanes = mix_tile = None
+        t_pad, seg = prepare_tokens(t_len, segment_ids, tiles)
+        x = pad_tokens(sources, 2, t_pad)
+        dots, sumsq = phase1_scores(sources, x, banks, queries, seg, segment_ids, valid=valid, mosaic=mosaic_scores,
+                                    **kw)
     s = dots * jax.lax.rsqrt(sumsq / d + eps)[None, ..., None]  # [S, n, m, B, Tp, H]
     ok = reference._source_valid(n, valid)[None, :, None, None, None, None]
     s = jnp.where(ok, s, reference.NEG_LARGE)
@@ -688,7 +807,9 @@ def phase1_forward(sources, banks, queries, valid=None, *, stream_kernels, heads
                                     out_dtype=state_dtype, per_target=per_target, interpret=interpret)
     else:
         acc = mix_call(x, banks, p, seg, mode="acc", valid=valid, split_targets=per_target, out_dtype=state_dtype,
-                       **kw)
+                       tpu=mix_tile, **kw)
+        if lanes is not None:
+            acc = [lanes.unpad(a) for a in acc] if per_target else lanes.unpad(acc)
     cut = lambda a: a[..., :t_len, :]  # noqa: E731
     if per_target:
         return tuple(reference.SoftmaxState(max=cut(smax[i]), denom=cut(denom[i]), acc=cut(acc[i]))
@@ -705,11 +826,27 @@ def phase2_forward(state, partial, bank, query, include_partial=True, gate_param
     backward would otherwise recompute (``fused_bwd_phase2``'s pass 0)."""
     batch, t_len, d = partial.shape
     m = query.shape[0]
-    t_pad, seg = prepare_tokens(t_len, segment_ids, tiles)
+    kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)
+    lanes, mix_tiles, score_tile = None, {}, None
+    if backend == "tpu":  # tiled T, lane-padded heads, tiles from the chip's VMEM (docs/kernels.md §4)
+        lanes = TpuLanes(d, heads)
+        shape = dict(t_len=t_len, d_pad=lanes.d_pad, dh_pad=lanes.dh_pad, heads=heads, n_targets=1, n_streams=m,
+                     max_kernel=max([1, *stream_kernels]), n_taps=sum(stream_kernels),
+                     x_itemsize=partial.dtype.itemsize, cap_t=tiles.tpu_block_t)
+        score_tile = tiling.tpu_scores_tile(**shape)
+        modes = ["acc"] if fuse is None else ["mean"] if fuse == "mean" else ["stats", "gate"]
+        for mode in modes:
+            mix_tiles[mode] = tiling.tpu_mix_tile(
+                mode, n_sources=1, out_itemsize=4 if mode == "stats" else jnp.dtype(out_dtype).itemsize,
+                base_itemsize=state.acc.dtype.itemsize, **shape)
+        t_pad, seg = prepare_tokens(t_len, segment_ids, tiles, tpu_token_unit(score_tile, *mix_tiles.values()))
+        partial, bank, query = lanes.pad(partial), lanes.pad(bank), lanes.pad(query)
+        state = state._replace(acc=lanes.pad(state.acc))
+    else:
+        t_pad, seg = prepare_tokens(t_len, segment_ids, tiles)
     x = pad_tokens(partial, 1, t_pad)[None]
     banks = None if bank is None else bank[None]
-    kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)
-    dots, sumsq = scores_call(x, banks, query[None], seg, **kw)
+    dots, sumsq = scores_call(x, banks, query[None], seg, tpu=score_tile, **kw)
     s = dots[0, 0] * jax.lax.rsqrt(sumsq[0] / d + eps)[..., None]  # [m, B, Tp, H]
     pmax = pad_tokens(state.max, 2, t_pad)
     pden = pad_tokens(state.denom, 2, t_pad, 1.0)
@@ -722,20 +859,25 @@ def phase2_forward(state, partial, bank, query, include_partial=True, gate_param
     a = (keep / denom)[None]
     b = (pnew / denom)[None, None]
     base = pad_tokens(state.acc, 2, t_pad)[None]
-    mix = functools.partial(mix_call, x, banks, b, seg, base=base, a=a, **kw)
+    unpad = (lambda v: v) if lanes is None else lanes.unpad  # noqa: E731
+
+    def mix(mode, **more):
+        return mix_call(x, banks, b, seg, base=base, a=a, mode=mode, tpu=mix_tiles.get(mode), **kw, **more)
+
     if fuse is None:
         if return_scores:
             raise ValueError("return_scores needs a fused phase 2 (fuse='mean' or 'gate')")
-        return mix(mode="acc", out_dtype=out_dtype)[0, :, :, :t_len]
+        return unpad(mix("acc", out_dtype=out_dtype)[0, :, :, :t_len])
     if fuse == "mean":
-        out = mix(mode="mean", out_dtype=out_dtype)[:, :t_len]
+        out = unpad(mix("mean", out_dtype=out_dtype)[:, :t_len])
     else:
         w, scale, bias = gate_params
-        # W as wt[r, j, c]: each (r, j) channel run contiguous (gate_rows)
-        sq, zw = mix(mode="stats", w=gate_rows(w, m, d))
-        inv = jax.lax.rsqrt(jnp.sum(sq, axis=-1) / (m * d) + gate_eps)  # [B, Tp]
+        # W as wt[r, j, c]: each (r, j) channel run contiguous (gate_rows); zero rows on padded lanes
+        wt = gate_rows(w, m, d) if lanes is None else lanes.pad(gate_rows(w, m, d))
+        sq, zw = mix("stats", w=wt)
+        inv = jax.lax.rsqrt(jnp.sum(sq, axis=-1) / (m * d) + gate_eps)  # [B, Tp]: the real d
         g = jax.nn.sigmoid(scale * (inv[..., None] * jnp.sum(zw, axis=2)) + bias)  # [B, Tp, m]
-        out = mix(mode="gate", gate=g, out_dtype=out_dtype)[:, :t_len]
+        out = unpad(mix("gate", gate=g, out_dtype=out_dtype)[:, :t_len])
     if return_scores:
         return out, (dots[0, 0, :, :, :t_len], sumsq[0, :, :, :t_len])
     return out

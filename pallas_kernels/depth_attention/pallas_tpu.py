@@ -3,8 +3,9 @@
 ``fused_bwd_phase1.py`` and ``fused_bwd_phase2.py``. Run here in interpret mode; the forward and
 backward kernels also compile for a TPU v5p with libtpu's ahead-of-time compiler on a CPU
 machine (``benchmarks/tpu_kernels_aot.py``), and nothing has run on a TPU. The block-shape rules
-this meets and its known limit (whole-T blocks in VMEM): docs/kernels.md §4, "Techniques the
-kernels share", and §6."""
+this meets and the forward kernels' tiling (T in ``block_t`` blocks with a conv halo block, heads
+padded to 128 lanes, tiles and ``vmem_limit_bytes`` from the chip's VMEM): docs/kernels.md §4,
+"Techniques the kernels share" and "Mosaic TPU tiling"."""
 
 from __future__ import annotations
 

@@ -225,7 +225,8 @@ class TpuTile:
 
 def _choose(need, *, halo: int, t_len: int, dh_pad: int, cap_t, capacity: int, chip: str, kernel: str) -> TpuTile:
     """Largest ``block_t * block_d`` tile (larger ``block_d`` first) whose ``need(bt, bd)`` fits
-    the budget; ``ValueError`` naming the kernel when even ``halo x 128`` does not."""
+    the budget, else ``halo x 128`` if it fits 75% of VMEM; ``ValueError`` naming the kernel when
+    not even that does."""
     budget = vmem_budget(capacity)
     top = halo * _next_pow2(-(-t_len // halo))
     top = min(top, max(MAX_BLOCK_T, halo), *([max(cap_t, halo)] if cap_t else []))
@@ -238,6 +239,8 @@ def _choose(need, *, halo: int, t_len: int, dh_pad: int, cap_t, capacity: int, c
         for bd in bds:
             if need(bt, bd) <= budget and (best is None or (bt * bd, bd) > (best[0] * best[1], best[1])):
                 best = (bt, bd)
+    if best is None and need(halo, LANES) <= int(capacity * 0.75):
+        best = (halo, LANES)  # the smallest tile over the budget: still well inside the chip (v4's 16 MiB)
     if best is None:
         raise ValueError(f"{kernel}: no TPU tile fits the VMEM budget of {budget >> 20} MiB ({chip}): "
                          f"{halo} x 128 needs {need(halo, LANES) >> 20} MiB")
