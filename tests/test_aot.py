@@ -179,3 +179,29 @@ def test_compile_check_h200_deviceless():
     calls = text.count('custom_call_target="__gpu$xla.gpu.triton"') + text.count('custom_call_target="mosaic_gpu_v2"')
     assert calls >= 10, calls
     assert len(report["largest_allocations"]) == 3
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("mesh", ["data=8", "fsdp=8"])
+def test_compile_check_eight_h200_host_sharded_kernels(mesh):
+    """The ``smoke`` MSAR step with the kernels compiled for one host of eight H200s under data
+    parallelism and FSDP (``--topology=h200x8``): the kernels run inside the reads' ``shard_map``
+    (``msar_jax.parallel.kernel_sharding``), and memory is reported per GPU."""
+    pytest.importorskip("jax_plugins.xla_cuda13", reason="JAX's CUDA plugin (msar_jax.deviceless_gpu) is not installed")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("XLA_FLAGS", None)
+    env.pop("JAX_PLATFORMS", None)
+    hlo = ROOT / f".pytest_aot_h200x8_{mesh.replace('=', '')}.hlo.txt"
+    try:
+        out = subprocess.run([sys.executable, "-m", "msar_jax.compile_check", "--config=configs/msar.py:smoke=1",
+                              "--topology=h200x8", f"--mesh={mesh}", "--batch_size=8", "--json", f"--hlo={hlo}"],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        assert out.returncode == 0, out.stderr[-3000:]
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+        text = hlo.read_text()
+    finally:
+        hlo.unlink(missing_ok=True)
+    assert report["platform"] == "gpu" and report["memory_per_device"]["temp_size_in_bytes"] > 0
+    assert "num_partitions=8" in text
+    calls = text.count('custom_call_target="__gpu$xla.gpu.triton"') + text.count('custom_call_target="mosaic_gpu_v2"')
+    assert calls >= 10, calls
