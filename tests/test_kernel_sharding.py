@@ -21,6 +21,7 @@ from msar_jax.config import load_config
 from msar_jax.model.transformer import lm_loss
 from msar_jax.parallel import kernel_sharding
 from msar_jax.parallel import mesh as mesh_lib
+from msar_jax.parallel import pipeline as pl
 from msar_jax.train import step as step_lib
 from pallas_kernels.depth_attention import api as depth_api
 
@@ -32,9 +33,15 @@ MODELS = {  # mechanism -> (kernel implementation, overrides)
 }
 
 
-def _config(mechanism, implementation, mesh=None):
+PIPELINE = {"parallel.pipeline.stages": 2, "parallel.pipeline.microbatches": 2}
+
+
+def _config(mechanism, implementation, mesh=None, pipeline=False):
+    """``pipeline``: the depth stack runs as a 2-stage pipeline of 2 microbatches (one layer a
+    stage; ``msar_jax.parallel.pipeline``)."""
     overrides = {"model.dtype": "float32", "model.n_layers": 2, "model.residual.implementation": implementation,
-                 **MODELS[mechanism][1], **{f"parallel.mesh.{k}": v for k, v in (mesh or ONE).items()}}
+                 **MODELS[mechanism][1], **{f"parallel.mesh.{k}": v for k, v in (mesh or ONE).items()},
+                 **(PIPELINE if pipeline else {})}
     if implementation != "xla":  # the kernels' own backward, whose kernels need the shard_map too
         overrides["model.residual.kernel_overrides.backward"] = "pallas"
     return load_config(f"configs/{mechanism}.py:smoke=1,seq_len={T},block_size=2", overrides)
@@ -53,19 +60,24 @@ def _inputs(cfg, rows):
 
 def _sharded_loss(cfg, rows):
     """``(value_and_grad of the loss, params, batch, mesh, rules)`` on ``cfg``'s mesh, the
-    parameters and batch in the layout training gives them (``param_shardings``, ``batch_sharding``)."""
+    parameters and batch in the layout training gives them (``param_shardings``, ``batch_sharding``);
+    the pipelined loss where ``cfg`` has pipeline stages (as ``pipeline.train_step_fn`` picks it)."""
     model_def, params, batch = _inputs(cfg, rows)
     degrees = [cfg.parallel.mesh[a] for a in mesh_lib.MESH_AXES]
     mesh = mesh_lib.make_mesh(cfg.parallel.mesh, jax.devices()[: int(np.prod(degrees))])
     rules = mesh_lib.rules_for(cfg.parallel)
+    loss = lm_loss
+    if cfg.parallel.pipeline.stages > 1:
+        pl.validate(cfg.parallel, cfg.model, rows, mesh)
+        loss = pl.pipelined_lm_loss(pl.make_plan(cfg.parallel, cfg.model), mesh)
     in_shardings = (mesh_lib.param_shardings(cfg.model, mesh, rules), mesh_lib.batch_sharding(mesh, rows, rules))
-    fn = jax.jit(jax.value_and_grad(lambda p, b: lm_loss(model_def.merge(p), b)[0]), in_shardings=in_shardings)
+    fn = jax.jit(jax.value_and_grad(lambda p, b: loss(model_def.merge(p), b)[0]), in_shardings=in_shardings)
     return fn, params, batch, mesh, rules
 
 
 @functools.lru_cache(maxsize=None)
-def _loss_and_grads(mechanism, implementation, layout=None, rows=4):
-    cfg = _config(mechanism, implementation, dict(layout) if layout else None)
+def _loss_and_grads(mechanism, implementation, layout=None, rows=4, pipeline=False):
+    cfg = _config(mechanism, implementation, dict(layout) if layout else None, pipeline)
     fn, params, batch, mesh, rules = _sharded_loss(cfg, rows)
     with mesh_lib.use_mesh(mesh, rules):
         return jax.device_get(fn.lower(params, batch).compile(step_lib.FAST_COMPILE)(params, batch))
@@ -103,8 +115,8 @@ def kernel_placements(jaxpr, manual=frozenset()) -> list[frozenset]:
     return out
 
 
-def _placements(layout, mechanism="msar"):
-    cfg = _config(mechanism, MODELS[mechanism][0], layout)
+def _placements(layout, mechanism="msar", pipeline=False):
+    cfg = _config(mechanism, MODELS[mechanism][0], layout, pipeline)
     fn, params, batch, mesh, rules = _sharded_loss(cfg, 4)
     with mesh_lib.use_mesh(mesh, rules):
         return kernel_placements(jax.make_jaxpr(fn)(params, batch).jaxpr), set(mesh.axis_names)
@@ -123,6 +135,16 @@ def test_every_kernel_runs_inside_a_shard_map_over_every_axis(monkeypatch):
     assert len(unwrapped) == len(placements) and not any(unwrapped), unwrapped
 
 
+def test_pipelined_kernels_run_inside_the_pipeline_and_a_shard_map_over_the_other_axes():
+    """A 2-stage pipeline under fsdp = 2: each sublayer reads as a one-target block (phase 1, then
+    phase 2 with the gate), so its forward and backward kernels run inside the pipeline's
+    ``shard_map`` (manual over ``stage``) and ``kernel_sharding``'s (manual over the rest). With
+    direct reads (``depth_read``, no kernel) the pipeline ran none."""
+    placements, axes = _placements(dict(ONE, stage=2, fsdp=2), pipeline=True)
+    assert len(placements) >= 8, placements  # 4 sublayers: phase 1 and phase 2 + gate, forward and backward
+    assert all(p == axes for p in placements), placements
+
+
 def test_batch_mesh_axes_follow_the_rules_and_leave_out_what_does_not_divide():
     mesh = mesh_lib.make_mesh(dict(data=2, stage=2, fsdp=2, tensor=1))
     with mesh_lib.use_mesh(mesh, mesh_lib.RULES):
@@ -138,7 +160,8 @@ def test_batch_mesh_axes_follow_the_rules_and_leave_out_what_does_not_divide():
 
 def test_the_direct_read_has_no_kernel():
     """``BlockDepthAttention.retrieve`` passes ``kernel=False`` for ``depth_read`` because no
-    back end registers one: a kernel registered for it must be wrapped like phase 1 and 2."""
+    back end registers one: a kernel registered for it must be wrapped like phase 1 and 2. (The
+    pipeline's sublayers read as one-target blocks, phase 1 then phase 2, not directly.)"""
     for implementation in ("pallas_tpu", "pallas_gpu"):
         with pytest.raises(ExceptionGroup, match="no implementation could run"):
             depth_api.depth_read(None, None, None, implementation=implementation)
@@ -168,5 +191,26 @@ CASES = [
 def test_sharded_kernel_path_equals_one_device_and_xla(mechanism, layout, rows):
     implementation = MODELS[mechanism][0]
     got = _loss_and_grads(mechanism, implementation, tuple(LAYOUTS[layout].items()), rows)
+    _assert_close(got, _loss_and_grads(mechanism, implementation, rows=rows))
+    _assert_close(got, _loss_and_grads(mechanism, "xla", rows=rows))
+
+
+# ----- the pipeline: the kernels inside its shard_map equal one device and the XLA path -----
+
+PIPELINE_LAYOUTS = {
+    "pp2_fsdp2": dict(ONE, stage=2, fsdp=2),  # each microbatch of 2 rows split over fsdp
+    "pp2_data2_fsdp2": dict(ONE, stage=2, data=2, fsdp=2),
+}
+
+
+@pytest.mark.slow  # about 60 s of CPU each: three compiles
+@pytest.mark.parametrize("mechanism, layout, rows", [
+    pytest.param("msar", "pp2_fsdp2", 4, id="msar-pp2_fsdp2"),
+    pytest.param("msar", "pp2_data2_fsdp2", 8, id="msar-pp2_data2_fsdp2"),
+    pytest.param("mhar", "pp2_fsdp2", 4, id="mhar-pp2_fsdp2"),
+])
+def test_pipelined_kernel_path_equals_one_device_and_xla(mechanism, layout, rows):
+    implementation = MODELS[mechanism][0]
+    got = _loss_and_grads(mechanism, implementation, tuple(PIPELINE_LAYOUTS[layout].items()), rows, pipeline=True)
     _assert_close(got, _loss_and_grads(mechanism, implementation, rows=rows))
     _assert_close(got, _loss_and_grads(mechanism, "xla", rows=rows))

@@ -17,7 +17,8 @@ that is manual over every axis the active mesh still leaves automatic:
   summed over the batch axes by the ``shard_map``'s transpose;
 - inside the pipeline's own ``shard_map`` (``msar_jax.parallel.pipeline``, manual over ``stage``)
   only the axes still automatic there are made manual: Mosaic TPU lowers a kernel only where
-  every mesh axis is manual.
+  every mesh axis is manual. That ``shard_map`` is unchecked (``check_vma=False``): the kernels'
+  outputs and ``custom_vjp`` cotangents carry no varying type, which a checked body refuses.
 
 Outside a mesh, on one device, or where every axis is already manual, the read runs as is.
 docs/parallelism.md, "The kernels under a mesh".

@@ -305,7 +305,12 @@ class _Stage:
                 l = 2 * layer_id + sub + 1
                 pos = position(l, S)
                 p = jax.tree.map(lambda a: a[sub], mech_p)
-                h, aux = mech.read(g, p, state, None, pos, ctx)
+                # Each sublayer is its own one-target block (as the depth stack's Full mode):
+                # phase 1 of its one query over the completed summaries, then phase 2 with the
+                # partial (docs/design.md §5), which equals the direct read and runs the Pallas
+                # kernels where the implementation has them (``depth_read`` has none).
+                b = mech.begin_block(g, jax.tree.map(lambda a: a[None], p), state, pos, ctx)
+                h, aux = mech.read(g, p, state, None if b is None else b[0], pos, ctx)
                 h = jax.ad_checkpoint.checkpoint_name(h, "sublayer_input")
                 v, aux_loss = self.sublayer_fn(kind, sp, h, ctx)
                 state = mech.write(g, p, state, v, aux, pos, ctx)
@@ -393,10 +398,6 @@ def plan_hi(plan: Plan, v):
     return (2 * (plan.first_layer + plan.layers_per_stage * v)) // plan.block_size
 
 
-def _varying(tree):
-    return jax.tree.map(lambda x: jax.lax.pcast(x, (AXIS,), to="varying"), tree)
-
-
 def run_pipeline(plan: Plan, mech, sublayer_fn, kind, g, stage_params, e_mb, ctx_mb, mesh, prefix=None):
     """The pipelined depth stack: ``e_mb[M, mb, T, d]`` -> (final hidden ``[M, mb, T, d]``,
     summed aux loss). ``stage_params`` leaves are ``[repeats, stages, Lps, ...]``. ``prefix``
@@ -421,9 +422,6 @@ def run_pipeline(plan: Plan, mech, sublayer_fn, kind, g, stage_params, e_mb, ctx
         bufs0 = {"circ": zeros(template, (local, plan.microbatches * (plan.repeats - 1))) if plan.repeats > 1 else None,
                  "cache": (jnp.zeros((local, plan.microbatches, plan.n_sources, *e_mb.shape[1:]), e_mb.dtype)
                            if plan.caching else None)}
-        # Everything differentiable is made varying over ``stage`` once here, so the backward
-        # accumulates its cotangents locally and reduces them once (at this cast's transpose).
-        hop0, bufs0, g, e_mb, prefix = _varying((hop0, bufs0, g, e_mb, prefix))
 
         def iteration(hop, bufs, consts, _, i, statics):
             stage_params, g, e_mb, prefix = consts
@@ -442,16 +440,25 @@ def run_pipeline(plan: Plan, mech, sublayer_fn, kind, g, stage_params, e_mb, ctx
         _, _, (finals, aux) = buffered_scan(iteration, restore, hop0, bufs0, (stage_params, g, e_mb, prefix), None,
                                             jnp.arange(plan.iterations, dtype=jnp.int32), (ctx_mb, s_ids))
         finals = finals[(plan.repeats - 1) * plan.microbatches + plan.stages - 1:]
-        # Only the last stage's entries are non-zero, so a float32 sum is exact; it also avoids
-        # an XLA CPU compiler crash on bfloat16 all-reduces here ("Invalid binary opcode copy").
-        finals = jax.lax.psum(finals.astype(jnp.float32), AXIS).astype(finals.dtype)
-        return finals, jax.lax.psum(jnp.sum(aux), AXIS)
+        # One row per device, summed over ``stage`` outside (below): the sum's transpose hands
+        # each device its cotangent with no collective (a ``psum`` here, unchecked, would
+        # transpose to a second all-reduce of the final hidden).
+        return finals[None], jnp.sum(aux)[None]
 
     stage_spec = jax.tree.map(lambda _: P(None, AXIS), stage_params)
     rep = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    # ``check_vma=False``: the Pallas depth-read kernels (``kernel_sharding``) type their outputs
+    # and their ``custom_vjp`` cotangents as varying over no axis, which a checked body refuses
+    # (docs/parallelism.md, "The depth-read kernels under a mesh"). Unchecked is exact here:
+    # every replicated input (``P()``) gets its cotangent summed over ``stage`` once, by the
+    # transpose of this ``shard_map``; ``ppermute`` transposes to the reverse permutation; the
+    # outputs are per device (``P(stage)``) and reduced outside.
     fn = jax.shard_map(body, mesh=mesh, in_specs=(stage_spec, rep(g), P(), rep(tuple(ctx_mb)), rep(prefix)),
-                       out_specs=(P(), P()), axis_names={AXIS}, check_vma=True)
-    return fn(stage_params, g, e_mb, tuple(ctx_mb), prefix)
+                       out_specs=(P(AXIS), P(AXIS)), axis_names={AXIS}, check_vma=False)
+    finals, aux = fn(stage_params, g, e_mb, tuple(ctx_mb), prefix)
+    # Only the last stage's rows are non-zero, so a float32 sum is exact; it also avoids an XLA
+    # CPU compiler crash on bfloat16 all-reduces ("Invalid binary opcode copy").
+    return jnp.sum(finals.astype(jnp.float32), axis=0).astype(finals.dtype), jnp.sum(aux)
 
 
 def stage_hop_template(plan, mech, g, e, ctx):
