@@ -26,7 +26,9 @@ CPU smoke (the test suite runs this)::
 
 The model's context (``model.max_seq_len``, 1024 at ``base``) is raised to ``prompt + steps`` when
 shorter: attention uses RoPE, so no parameter depends on it. ``--prefill_batch P`` prefills (and
-times) ``P`` rows at a time and concatenates the caches for decoding; the table says when it did.
+times) ``P`` rows at a time and concatenates the caches for decoding; a prefill or forward that runs
+out of device memory is retried with fewer rows (the next divisor of the batch). The table's
+"prefill rows" column says how many rows the prefill and forward times are for.
 Parameters are cast to the activations' dtype (``model.dtype``, bfloat16 at ``base``);
 ``--param_dtype float32`` keeps them as training stores them.
 """
@@ -125,6 +127,7 @@ def measure(spec: str, batch: int, prompt: int, steps: int, repeats: int, prefil
     if config.model.max_seq_len < max_len:
         raised = {"model.max_seq_len": max_len}
         config = load_config(spec, {**overrides, **raised})
+        print(f"  {spec}: model.max_seq_len raised to {max_len} (prompt + steps)", flush=True)
     cfg = config.model
     dtype = cfg.dtype if param_dtype == "activations" else param_dtype
     rows = min(prefill_batch or batch, batch)
@@ -141,7 +144,18 @@ def measure(spec: str, batch: int, prompt: int, steps: int, repeats: int, prefil
     forward = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x)[0])
     run_forward = lambda: forward(state, chunk).block_until_ready()  # noqa: E731
     run_prefill = lambda: jax.block_until_ready(decode.prefill(model, chunk, chunk_lengths, max_len=max_len))  # noqa: E731
-    run_forward(), run_prefill()  # compile and warm up
+    while True:  # compile and warm up; a prefill or forward that does not fit goes in fewer rows
+        try:
+            run_forward(), run_prefill()
+            break
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e) or rows == 1:
+                raise
+            smaller = max(r for r in range(1, rows) if batch % r == 0)
+            print(f"  {spec} B={batch}: prefill of {rows} rows is out of device memory; {smaller} rows at a time",
+                  flush=True)
+            rows = smaller
+            chunk, chunk_lengths = tokens[:rows], lengths[:rows]
     forward_s = statistics.median(timed(run_forward, repeats))
     prefill_s = statistics.median(timed(run_prefill, repeats))
 

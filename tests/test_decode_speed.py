@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import jax
 import pytest
 
 from msar_jax.config import ConfigError
@@ -59,3 +60,18 @@ def test_prefill_batch_must_divide_the_batch(bench):
     with pytest.raises(ConfigError, match="--prefill_batch.*must divide the batch size 3"):
         bench.main(["--configs", "configs/vanilla.py:smoke=1", "--batch", "3", "--prompt", "4", "--steps", "1",
                     "--prefill_batch", "2"])
+
+
+def test_prefill_out_of_memory_goes_in_fewer_rows(bench, monkeypatch, capsys):
+    real_prefill = bench.decode.prefill
+
+    def prefill_of_two_rows_at_most(model, tokens, lengths, **kwargs):
+        if tokens.shape[0] > 2:  # what XLA raises when the buffers do not fit
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+        return real_prefill(model, tokens, lengths, **kwargs)
+
+    monkeypatch.setattr(bench.decode, "prefill", prefill_of_two_rows_at_most)
+    (row,) = bench.main(["--configs", "configs/vanilla.py:smoke=1", "--batch", "6", "--prompt", "4", "--steps", "1",
+                         "--repeats", "1"])
+    assert row["prefill_rows"] == 2 and row["cache_matches_formula"]
+    assert "prefill of 6 rows is out of device memory; 3 rows at a time" in capsys.readouterr().out
