@@ -198,7 +198,7 @@ rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 for case in table.KERNEL_CASES:
     if case.name not in names:
         continue
-    fn, args = table._function(case)  # the forward as the model calls it, abstract arguments
+    fn, args = table.kernel_function(case)  # the forward as the model calls it, abstract arguments
     op = "phase1" if case.phase == 1 else "phase2_fused"
     config = heuristics.choose(op, stream_kernels=case.stream_kernels, implementation="pallas_tpu")
     diff = (0, 2) if case.phase == 1 else (0, 1, 3)

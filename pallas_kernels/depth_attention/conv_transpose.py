@@ -127,10 +127,10 @@ def sources_transpose(d_streams, x, banks, segment_ids=None, valid=None, *, stre
     if banks is None or banks.shape != (n, n_taps, d):
         raise ValueError(f"banks {None if banks is None else banks.shape}: expected ({n}, {n_taps}, {d})")
     if backend == "tpu":  # token-tiled, channels padded to whole 128-lane vregs (exact: zero channels)
-        dp = tpu_blocks.padded_head_width(d)
-        pad_d = lambda a: a if dp == d else jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, dp - d)])  # noqa: E731
-        dx, dbank = sources_transpose_tpu(pad_d(d_streams), pad_d(x), pad_d(banks), segment_ids, valid,
-                                          stream_kernels=stream_kernels, interpret=interpret, out_dtype=out_dtype)
+        pad = lambda a: tpu_blocks.pad_heads(a, 1)  # noqa: E731
+        dx, dbank = sources_transpose_tpu(pad(d_streams), pad(x), pad(banks), segment_ids, valid,
+                                          stream_kernels=stream_kernels, interpret=interpret, out_dtype=out_dtype,
+                                          cap_t=tiles.tpu_block_t, cap_d=tiles.tpu_block_d)
         return dx[..., :d], dbank[..., :d]
     bt, bd = tiles.bt_transpose, tiles.block_d_grads
     if bt < max(stream_kernels) - 1:
@@ -206,10 +206,10 @@ def _kernel_tpu(*refs, stream_kernels, bt, n_tiles, has_mask, has_live):
     def work():
         behind = tpu_blocks.tile_masks(behind_ref, t0, bt, max_lag)
         ahead = tpu_blocks.tile_masks(ahead_ref, t0, bt, max_lag, ahead=True)
-        x = tpu_blocks.HaloWindow(lambda: x_ref[...], lambda: x_behind[...], first=t == 0)
+        x = TokenWindow(x_ref, (), t0, bt, slice(None), "tpu", prev=x_behind)
         dx = jnp.zeros(dx_ref.shape, F32)
         for r, (kernel, off) in enumerate(stream_layout(stream_kernels)):
-            de = tpu_blocks.HaloWindow(lambda r=r: de_ref[r], ahead=lambda r=r: de_ahead[r], last=t == n_tiles - 1)
+            de = TokenWindow(de_ref, (r,), t0, bt, slice(None), "tpu", next=de_ahead, n_rows=n_tiles * bt)
             if kernel == 0:
                 dx = dx + de.shift(0)
                 continue
@@ -232,15 +232,15 @@ def _kernel_tpu(*refs, stream_kernels, bt, n_tiles, has_mask, has_live):
 
 def transpose_vmem_bytes(*, m: int, n_taps: int, max_lag: int, de_itemsize: int, x_itemsize: int, out_itemsize: int,
                          has_mask: bool):
-    """``bytes_of(bt, bd)`` for ``tpu_blocks.choose``: the transpose's double-buffered blocks and its
+    """``need(bt, bd)`` for ``tpu_blocks.choose``: the transpose's double-buffered blocks and its
     live float32 temporaries (the ``dE`` and ``x`` windows, ``d x``, one tap product)."""
     halo = tpu_blocks.halo_rows(max_lag)
-    lp = tpu_blocks.lane_padded
+    size = tpu_blocks.block_bytes
 
     def bytes_of(bt, bd):
-        blocks = (lp((m, bt + halo, bd)) * de_itemsize + lp((bt + halo, bd)) * x_itemsize
-                  + lp((n_taps, bd)) * 4 + (2 * lp((bt, max_lag)) * 4 if has_mask else 0)
-                  + lp((bt, bd)) * out_itemsize + lp((n_taps, bd)) * 4)
+        blocks = (size((m, bt + halo, bd), de_itemsize) + size((bt + halo, bd), x_itemsize)
+                  + size((n_taps, bd), 4) + (2 * size((bt, max_lag), 4) if has_mask else 0)
+                  + size((bt, bd), out_itemsize) + size((n_taps, bd), 4))
         temps = ((m + 1) * (bt + halo) + 4 * bt) * bd * 4
         return 2 * blocks + temps
 
@@ -248,32 +248,32 @@ def transpose_vmem_bytes(*, m: int, n_taps: int, max_lag: int, de_itemsize: int,
 
 
 def sources_transpose_tpu(d_streams, x, banks, segment_ids=None, valid=None, *, stream_kernels: Sequence[int],
-                          interpret, out_dtype=None):
+                          interpret, out_dtype=None, tile=None, cap_t=None, cap_d=None):
     """``sources_transpose`` as the token-tiled Mosaic TPU kernel (``tpu_blocks``): ``d_streams[n,
     m, B, T, d]`` with ``d`` padded per head as ``tpu_blocks.pad_heads`` pads it (a multiple of 128),
     ``x[n, B, T, d]``, ``banks[n, K, d]``, ``segment_ids[B, T]`` (padded with -1 past the real
-    tokens, or None)."""
+    tokens, or None). ``tile``: a ``tpu_blocks.TpuTile`` (default: chosen here, capped by
+    ``cap_t`` / ``cap_d``)."""
     stream_kernels = tuple(stream_kernels)
     n, m, batch, t_len, d = d_streams.shape
     n_taps, max_lag = sum(stream_kernels), max(stream_kernels)
     if d % tpu_blocks.LANES:
         raise ValueError(f"sources_transpose_tpu: d={d} must be padded to a multiple of {tpu_blocks.LANES}")
     has_mask = segment_ids is not None
-    tiles = tpu_blocks.choose(
+    tile = tile or tpu_blocks.choose(
         transpose_vmem_bytes(m=m, n_taps=n_taps, max_lag=max_lag, de_itemsize=d_streams.dtype.itemsize,
                              x_itemsize=x.dtype.itemsize, out_itemsize=jnp.dtype(out_dtype or x.dtype).itemsize,
                              has_mask=has_mask),
-        dhp=d, t_len=t_len, max_kernel=max_lag, name="sources_transpose")
-    bt, bd, halo = tiles.block_t, tiles.block_d, tiles.halo
+        name="sources_transpose", dhp=d, t_len=t_len, max_kernel=max_lag, cap_t=cap_t, cap_d=cap_d)
+    bt, bd, halo = tile.block_t, tile.block_d, tile.halo
     t_pad = -(-t_len // bt) * bt
     n_tiles = t_pad // bt
     de = pad_tokens(d_streams, 3, t_pad)
     xp = pad_tokens(x, 2, t_pad)
-    tok = functools.partial(tpu_blocks.token_specs, token_axis=None, bt=bt, halo=halo, n_rows=t_pad,
-                            tile=lambda i, b, c, t: t)
-    in_specs = tok((None, m, None, bt, bd), lambda i, b, c, t, tile: (i, 0, b, tile, c), token_axis=3, behind=False,
-                   ahead=True)
-    in_specs += tok((None, None, bt, bd), lambda i, b, c, t, tile: (i, b, tile, c), token_axis=2)
+    in_specs = tpu_blocks.token_specs(pl.BlockSpec((None, m, None, bt, bd), lambda i, b, c, t: (i, 0, b, t, c)), 3,
+                                      bt, halo, prev=False, next=True, n_rows=t_pad)
+    in_specs += tpu_blocks.token_specs(pl.BlockSpec((None, None, bt, bd), lambda i, b, c, t: (i, b, t, c)), 2, bt,
+                                       halo)
     in_specs.append(pl.BlockSpec((None, n_taps, bd), lambda i, b, c, t: (i, 0, c)))
     args = [de, de, xp, xp, banks]
     if has_mask:
@@ -297,7 +297,7 @@ def sources_transpose_tpu(d_streams, x, banks, segment_ids=None, valid=None, *, 
             jax.ShapeDtypeStruct((n, batch, n_taps, d), F32),
         ],
         name="depth_attention_expansion_transpose",
-        compiler_params=tpu_blocks.compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
+        compiler_params=tpu_blocks.compiler_params(("parallel", "parallel", "parallel", "arbitrary"), tile),
         interpret=interpret,
     )(*args)
     return dx[:, :, :t_len], jnp.sum(dbank, axis=1)

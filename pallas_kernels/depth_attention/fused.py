@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention import reference
-from pallas_kernels.depth_attention import tiling
+from pallas_kernels.depth_attention import tpu_blocks
 from pallas_kernels.depth_attention.tiling import Tiles
 
 F32 = jnp.float32
@@ -33,28 +33,26 @@ class TokenWindow:
 
     Two forms. Whole-T (Triton, the generic interpreter): ``ref`` holds every row and the
     window indexes it at ``t0``; Triton takes the halo by masked loads, the interpreter from the
-    neighbouring tile of the same ref. Tiled (the Mosaic TPU kernels, ``prev`` / ``next`` given):
-    ``ref`` is this program's ``[bt]``-row block only (local row 0 is token ``t0``), ``prev`` the
-    ``halo`` rows just before it and ``next`` the ``halo`` rows just after it, each a second
-    BlockSpec over the same array (``halo_spec``), indexed with the same ``lead`` and ``cs``.
-    ``prev`` reads as ``fill`` on the first tile (``t0 == 0``) and ``next`` from row ``n_rows``
-    on, so their clamped block indices never leak a wrong row. ``shift(delta)`` then needs
-    ``delta <= halo`` and ``ahead(delta)`` ``delta <= halo``: ``tiling.halo_rows`` sizes the
-    halo from the largest conv kernel (Eq. 10). The backward kernels use the same pair: the
-    expansion's transpose reads ``dE`` ahead (``next``) and ``x`` behind (``prev``)."""
+    neighbouring tile of the same ref. Tiled (the Mosaic TPU kernels, forward and backward:
+    ``tiled``, or ``prev`` / ``next`` given): ``ref`` is this program's ``[bt]``-row block only
+    (local row 0 is token ``t0``), ``prev`` the ``halo`` rows just before it and ``next`` the
+    ``halo`` rows just after it, each a second BlockSpec over the same array
+    (``tpu_blocks.halo_spec``), indexed with the same ``lead`` and ``cs``. ``prev`` reads as
+    ``fill`` on the first tile (``t0 == 0``) and ``next`` from row ``n_rows`` on, so their clamped
+    block indices never leak a wrong row. ``shift(delta)`` and ``ahead(delta)`` then need
+    ``delta <= halo``: ``tpu_blocks.halo_rows`` sizes the halo from the largest conv kernel
+    (Eq. 10). The expansion's transpose reads ``dE`` ahead (``next``) and ``x`` behind
+    (``prev``)."""
 
     def __init__(self, ref, lead: tuple, t0, bt: int, cs, backend: str, fill=0.0, dtype=F32, width=None,
-                 n_rows=None, prev=None, next=None):
+                 n_rows=None, prev=None, next=None, tiled=False):
         self.ref, self.lead, self.t0, self.bt, self.cs, self.width = ref, lead, t0, bt, cs, width
         self.backend, self.fill, self.dtype, self.n_rows = backend, fill, dtype, n_rows
         self.prev, self.next = prev, next
+        self.tiled = tiled or prev is not None or next is not None
         self._cat = None
         self._next = None
         self._cache = {}
-
-    @property
-    def tiled(self) -> bool:
-        return self.prev is not None or self.next is not None
 
     def _halo(self, ref, ok):
         """The ``halo`` rows of a halo ref, ``fill`` where ``ok`` is false."""
@@ -130,35 +128,6 @@ class TokenWindow:
         return v
 
 
-def halo_spec(block: tuple, index_map, axis: int, bt: int, halo: int, side: str = "prev", n_rows: int | None = None):
-    """The BlockSpec of the ``halo`` rows just before (``side="prev"``) or just after
-    (``side="next"``, needs ``n_rows``, the padded row count) a ``[bt]``-row token block:
-    ``block`` and ``index_map`` are the token block's own, its token axis ``axis`` (counted in
-    ``block``, ``None`` entries included), whose block index ``index_map`` returns at that
-    position. ``halo`` divides ``bt`` (both multiples of the dtype's sublane count,
-    ``tiling.halo_rows``), so the halo is whole blocks of the same array and Pallas pipelines its
-    DMA like any input. The index is clamped into the array (tile 0's ``prev``, the last tile's
-    ``next``); ``TokenWindow`` masks those rows. The ``prev`` / ``next`` refs of ``TokenWindow``."""
-    if bt % halo:
-        raise ValueError(f"halo_spec: the halo of {halo} rows must divide the token block of {bt}")
-    per = bt // halo
-    last = None if n_rows is None else n_rows // halo - 1
-    if side == "next" and last is None:
-        raise ValueError("halo_spec(side='next') needs n_rows")
-
-    def halo_map(*g):
-        idx = list(index_map(*g))
-        if side == "prev":
-            idx[axis] = jnp.maximum(idx[axis] * per - 1, 0)
-        else:
-            idx[axis] = jnp.minimum((idx[axis] + 1) * per, last)
-        return tuple(idx)
-
-    shape = list(block)
-    shape[axis] = halo
-    return pl.BlockSpec(tuple(shape), halo_map)
-
-
 def head_column(ref, idx, head, heads: int, backend: str):
     """``ref[*idx, head]`` (``[bt]``) of a ``[..., T, H]`` ref (``idx`` ends with the rows):
     this chunk's head column. Mosaic cannot load at a dynamic lane index, so off Triton the
@@ -174,7 +143,8 @@ def head_column(ref, idx, head, heads: int, backend: str):
 
 def lag_masks(seg_ref, t0, bt: int, max_lag: int, backend: str, seg_prev=None):
     """``masks[delta]`` ``[bt, 1]`` float: token ``t - delta`` exists and shares ``t``'s segment.
-    ``seg_prev``: the segment ids' previous-halo ref of a tiled window (``TokenWindow``)."""
+    ``seg_prev``: the segment ids' previous-halo ref of a tiled window (``TokenWindow``; needed
+    only with a conv, ``max_lag > 1``)."""
     rows = t0 + jax.lax.broadcasted_iota(jnp.int32, (bt,), 0)
     # seg_ref is [Tp] or [Tp, 1] (tokens on sublanes, as Mosaic wants them: see scores_call)
     col = 0 if seg_ref is not None and len(seg_ref.shape) == 2 else None
@@ -323,22 +293,22 @@ def _whole_tile_sums(backend: str, n_accumulators: int, bt: int, bd: int) -> boo
 
 
 def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, has_live, backend,
-                   whole, tiled=False):
+                   whole, tiled=False, has_halo=False):
     """Raw per-head dots with all queries and the sum of squares of every expanded chunk
     (zeros for a source the ``live`` mask skips).
 
     ``whole``: the dots and squares accumulate as ``[bt, bd]`` tiles, reduced over channels once
     per head (dots) and per source (squares), instead of once per chunk (``_whole_tile_sums``).
     ``tiled`` (Mosaic TPU): one source per program (grid axis 2), its ``[bt]``-row block and the
-    halo before it (``TokenWindow``'s tiled form); ``n`` is then 1 and the source mask is read
-    at the program's source."""
+    halo before it if ``has_halo`` (``TokenWindow``'s tiled form); ``n`` is then 1 and the
+    source mask is read at the program's source."""
     it = iter(refs)
     x_ref = next(it)  # [n, Tp, d]; tiled: [1, bt, d]
-    x_prev = next(it) if tiled else None  # [1, halo, d]
+    x_prev = next(it) if has_halo else None  # [1, halo, d]
     bank_ref = next(it) if has_bank else None  # [n, K, d]
     q_ref = next(it)  # [S, m, d]
     seg_ref = next(it) if has_seg else None  # [Tp]
-    seg_prev = next(it) if tiled and has_seg else None  # [halo, 1]
+    seg_prev = next(it) if has_halo and has_seg else None  # [halo, 1]
     live_ref = next(it) if has_live else None  # [n] int32
     dots_ref = next(it)  # [S, n, m, bt, H]
     ss_ref = next(it)  # [n, m, bt]
@@ -361,7 +331,7 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
                     ss, dots = carry
                     c0 = h * dh + c * bd
                     cs = pl.ds(pl.multiple_of(c0, bd), bd)
-                    win = TokenWindow(x_ref, (i,), t0, bt, cs, backend, width=bd, prev=x_prev)
+                    win = TokenWindow(x_ref, (i,), t0, bt, cs, backend, width=bd, prev=x_prev, tiled=tiled)
                     ss, dots = list(ss), [list(row) for row in dots]
                     for r, (kernel, off) in enumerate(layout):
                         e = expand_chunk(win, bank_ref, (i,), cs, kernel, off, masks)
@@ -405,17 +375,18 @@ def _scores_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_ba
 
 
 def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank, has_seg, has_base, mode, backend,
-                whole=False, has_live=False, split_targets=False, tiled=False):
+                whole=False, has_live=False, split_targets=False, tiled=False, has_halo=False):
     """``z[s, r] = a * base + sum_i p[s, i, r] * E_r[x_i]`` on one chunk, then by ``mode``:
     ``acc`` writes z; ``mean``/``gate`` write ``h = sum_r g_r z_r``; ``stats`` writes the
     chunk's ``sum z^2`` and ``z @ W`` partials (the gate's inputs). ``whole`` (stats): those
     ``1 + m`` sums accumulate over the streams as ``[bt, bd]`` tiles and are reduced over
     channels once, not once per stream (``_whole_tile_sums``). ``split_targets`` (acc): one
     output per target (``_Targets``). ``tiled`` (Mosaic TPU): ``x`` is this program's
-    ``[n, bt, bd]`` block, followed by the ``[n, halo, bd]`` block before it (``TokenWindow``)."""
+    ``[n, bt, bd]`` block, followed (``has_halo``) by the ``[n, halo, bd]`` block before it
+    (``TokenWindow``)."""
     it = iter(refs)
     x_ref = next(it)  # [n, Tp, bd]; tiled: [n, bt, bd]
-    x_prev = next(it) if tiled else None  # [n, halo, bd]
+    x_prev = next(it) if has_halo else None  # [n, halo, bd]
     bank_ref = next(it) if has_bank else None  # [n, K, bd]
     p_ref = next(it)  # [S, n, m, bt, H]
     base_ref = next(it) if has_base else None  # [S, m, bt, bd]
@@ -423,7 +394,7 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
     g_ref = next(it) if mode == "gate" else None  # [bt, m]
     w_ref = next(it) if mode == "stats" else None  # [m, m, bd]: wt[r, j, channel]
     seg_ref = next(it) if has_seg else None  # [Tp]
-    seg_prev = next(it) if tiled and has_seg else None  # [halo, 1]
+    seg_prev = next(it) if has_halo and has_seg else None  # [halo, 1]
     live_ref = next(it) if has_live else None  # [n] int32: skip the invalid sources (p = 0 there)
     outs = list(it)
     acc_out = (_Targets(outs) if split_targets else outs[0]) if mode == "acc" else None
@@ -453,7 +424,7 @@ def _mix_kernel(*refs, stream_kernels, n, n_targets, heads, d, bt, bd, has_bank,
 
         def source_body(i, accs, kernel=kernel, off=off, r=r):
             def update(accs):
-                win = TokenWindow(x_ref, (i,), t0, bt, slice(None), backend, width=bd, prev=x_prev)
+                win = TokenWindow(x_ref, (i,), t0, bt, slice(None), backend, width=bd, prev=x_prev, tiled=tiled)
                 e = expand_chunk(win, bank_ref, (i,), slice(None), kernel, off, masks)
                 return [accs[s] + head_col(p_ref, (s, i, r))[:, None] * e for s in range(n_targets)]
 
@@ -495,7 +466,7 @@ def pad_tokens(x, axis: int, t_pad: int, value=0):
     return jnp.pad(x, pad, constant_values=value)
 
 
-def call_kwargs(backend: str, tiles: Tiles, interpret, semantics, vmem_limit_bytes: int | None = None):
+def call_kwargs(backend: str, tiles: Tiles, interpret, semantics):
     if backend == "triton":
         from jax.experimental.pallas import triton as pltriton
 
@@ -505,20 +476,16 @@ def call_kwargs(backend: str, tiles: Tiles, interpret, semantics, vmem_limit_byt
         )
     from jax.experimental.pallas import tpu as pltpu
 
-    if vmem_limit_bytes is None:
-        return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics), interpret=interpret)
-    # the tiled TPU kernels: the scoped-VMEM limit their tiles were chosen for (tiling.TpuTile)
-    return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_limit_bytes),
-                interpret=interpret)
+    return dict(compiler_params=pltpu.CompilerParams(dimension_semantics=semantics), interpret=interpret)
 
 
 def _tpu_token_inputs(in_specs: list, args: list, seg, valid, n: int, bt: int, halo: int, backend: str) -> bool:
     """``token_inputs`` of the tiled TPU kernels: the segment ids as ``[bt, 1]`` blocks of
-    token tile ``g[1]`` plus their halo block before it (``halo_spec``), and the source mask."""
+    token tile ``g[1]`` plus (``halo``) their halo block before it, and the source mask."""
     if seg is not None:
-        spec = pl.BlockSpec((None, bt, 1), lambda *g: (g[0], g[1], 0))
-        in_specs += [spec, halo_spec(spec.block_shape, spec.index_map, 1, bt, halo)]
-        args += [seg[:, :, None]] * 2
+        specs = tpu_blocks.token_specs(pl.BlockSpec((None, bt, 1), lambda *g: (g[0], g[1], 0)), 1, bt, halo)
+        in_specs += specs
+        args += [seg[:, :, None]] * len(specs)
     return token_inputs(in_specs, args, None, valid, n, 0, backend, batch_axis=0)
 
 
@@ -526,7 +493,7 @@ def scores_call(x, banks, queries, seg, *, stream_kernels, heads, tiles: Tiles, 
                 tpu=None):
     """``x[n, B, Tp, d]`` -> ``dots[S, n, m, B, Tp, H]``, ``sumsq[n, m, B, Tp]`` (float32);
     ``valid[n]``: sources to compute (the others may be skipped, their outputs zero).
-    ``tpu`` (a ``tiling.TpuTile``, Mosaic TPU): the tiled form, ``_scores_tiled``."""
+    ``tpu`` (a ``tpu_blocks.TpuTile``, Mosaic TPU): the tiled form, ``_scores_tiled``."""
     if tpu is not None:
         return _scores_tiled(x, banks, queries, seg, stream_kernels=stream_kernels, heads=heads, tiles=tiles,
                              backend=backend, interpret=interpret, valid=valid, tpu=tpu)
@@ -574,9 +541,8 @@ def _scores_tiled(x, banks, queries, seg, *, stream_kernels, heads, tiles, backe
     n_targets, m = queries.shape[:2]
     bt, bd, halo = tpu.block_t, tpu.block_d, tpu.halo
     has_bank = banks is not None and any(stream_kernels)
-    x_spec = pl.BlockSpec((1, None, bt, d), lambda b, t, i: (i, b, t, 0))
-    in_specs = [x_spec, halo_spec(x_spec.block_shape, x_spec.index_map, 2, bt, halo)]
-    args = [x, x]
+    in_specs = tpu_blocks.token_specs(pl.BlockSpec((1, None, bt, d), lambda b, t, i: (i, b, t, 0)), 2, bt, halo)
+    args = [x] * len(in_specs)
     if has_bank:
         in_specs.append(pl.BlockSpec((1, banks.shape[1], d), lambda b, t, i: (i, 0, 0)))
         args.append(banks)
@@ -586,7 +552,7 @@ def _scores_tiled(x, banks, queries, seg, *, stream_kernels, heads, tiles, backe
     kernel = functools.partial(
         _scores_kernel, stream_kernels=tuple(stream_kernels), n=1, n_targets=n_targets, heads=heads, d=d,
         bt=bt, bd=bd, has_bank=has_bank, has_seg=seg is not None, has_live=has_live, backend=backend,
-        whole=False, tiled=True,
+        whole=False, tiled=True, has_halo=halo > 0,
     )
     dots, sumsq = pl.pallas_call(
         kernel,
@@ -601,7 +567,8 @@ def _scores_tiled(x, banks, queries, seg, *, stream_kernels, heads, tiles, backe
             jax.ShapeDtypeStruct((n, m, batch, t_pad, 1), F32),
         ],
         name="depth_attention_scores",
-        **call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel"), tpu.vmem_limit),
+        compiler_params=tpu_blocks.compiler_params(("parallel", "parallel", "parallel"), tpu),
+        interpret=interpret,
     )(*args)
     return dots, sumsq[..., 0]
 
@@ -644,8 +611,8 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
     without ``n``; ``gate[B, Tp, m]``; ``w[m, m, d]`` (``gate_rows``); ``valid[n]``: sources that
     may have ``p != 0`` (the others may be skipped). ``split_targets`` (``mode="acc"``): return a list of
     ``S`` arrays ``[m, B, Tp, d]``, written by the kernel as separate outputs. ``tpu`` (a
-    ``tiling.TpuTile``, Mosaic TPU): its ``[bt, bd]`` tile, ``x`` mapped as ``[n, bt, bd]`` token
-    blocks plus the conv halo before them (``halo_spec``), and its VMEM limit."""
+    ``tpu_blocks.TpuTile``, Mosaic TPU): its ``[bt, bd]`` tile, ``x`` mapped as ``[n, bt, bd]``
+    token blocks plus the conv halo before them (``tpu_blocks.halo_spec``), and its VMEM limit."""
     n, batch, t_pad, d = x.shape
     n_targets, m = p.shape[0], p.shape[2]
     bt, bd = (tpu.block_t, tpu.block_d) if tpu is not None else tiles.mix_tile(mode)
@@ -657,9 +624,9 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
     has_base = base is not None
     nc = d // bd
     if tpu is not None:
-        x_spec = pl.BlockSpec((n, None, bt, bd), lambda b, t, c: (0, b, t, c))
-        in_specs = [x_spec, halo_spec(x_spec.block_shape, x_spec.index_map, 2, bt, tpu.halo)]
-        args = [x, x]
+        in_specs = tpu_blocks.token_specs(pl.BlockSpec((n, None, bt, bd), lambda b, t, c: (0, b, t, c)), 2, bt,
+                                          tpu.halo)
+        args = [x] * len(in_specs)
     else:
         in_specs = [pl.BlockSpec((n, None, t_pad, bd), lambda b, t, c: (0, b, 0, c))]
         args = [x]
@@ -706,7 +673,8 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
         _mix_kernel, stream_kernels=tuple(stream_kernels), n=n, n_targets=n_targets, heads=heads, d=d, bt=bt,
         bd=bd, has_bank=has_bank, has_seg=has_seg, has_base=has_base, mode=mode, backend=backend,
         whole=mode == "stats" and _whole_tile_sums(backend, 1 + m, bt, bd), has_live=has_live,
-        split_targets=mode == "acc" and split_targets, **({"tiled": True} if tpu is not None else {}),
+        split_targets=mode == "acc" and split_targets,
+        **({"tiled": True, "has_halo": tpu.halo > 0} if tpu is not None else {}),
     )
     out = pl.pallas_call(
         kernel,
@@ -715,8 +683,9 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
         out_specs=out_specs,
         out_shape=out_shape,
         name=f"depth_attention_mix_{mode}",
-        **call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel"),
-                      None if tpu is None else tpu.vmem_limit),
+        **(call_kwargs(backend, tiles, interpret, ("parallel", "parallel", "parallel")) if tpu is None else
+           dict(compiler_params=tpu_blocks.compiler_params(("parallel", "parallel", "parallel"), tpu),
+                interpret=interpret)),
     )(*args)
     if mode == "stats":
         return out[0][..., 0].transpose(0, 2, 1), out[1].transpose(0, 2, 1, 3)
@@ -728,31 +697,57 @@ def mix_call(x, banks, p, seg, *, base=None, a=None, gate=None, w=None, mode, st
 # --------------------------------------------------------------------------- reads
 
 
-class TpuLanes:
-    """The TPU kernels' channel layout: each of the ``heads`` heads padded with zero channels to
-    ``tiling.padded_head_width`` (a multiple of 128 lanes), so every block is lane-aligned
-    (``d = 2080`` -> 2176, MHAR's 64-wide heads -> 128). Exact: a zero channel adds nothing to a
-    dot, a sum of squares, a mixed stream or the gate's ``z @ W``; the means (the keys' RMS norm,
-    the gate's) keep the real ``d``."""
+def tpu_scores_tile(*, t_len: int, d: int, heads: int, n_targets: int, n_streams: int, max_kernel: int, n_taps: int,
+                    x_itemsize: int, cap_t=None, cap_d=None, vmem=None, name="scores") -> tpu_blocks.TpuTile:
+    """The scoring kernel's tile (``scores_call``, one source per program): its ``[block_t, d]``
+    source block and halo, the bank and queries, the dots (``[S, m, block_t, H]``, H padded to 128
+    lanes) and sums of squares, all double-buffered, plus the window's live ``[block_t, block_d]``
+    shifts (one per lag). ``d``: the real width (heads padded here)."""
+    dh_pad = tpu_blocks.padded_head_width(d // heads)
+    d_pad = dh_pad * heads
+    halo = tpu_blocks.halo_rows(max_kernel, x_itemsize)
+    size = tpu_blocks.block_bytes
 
-    def __init__(self, d: int, heads: int):
-        self.d, self.heads, self.dh = d, heads, d // heads
-        self.dh_pad = tiling.padded_head_width(d, heads)
-        self.d_pad = self.dh_pad * heads
+    def need(bt, bd):
+        blocks = (size((bt + halo, d_pad), x_itemsize) + size((max(n_taps, 1), d_pad), 4)
+                  + size((n_targets * n_streams, d_pad), 4) + 2 * size((bt, 1), 4)  # segment ids, halo (bound)
+                  + size((n_targets * n_streams * bt, heads), 4) + size((n_streams * bt, 1), 4))
+        return 2 * blocks + (max_kernel + 3) * size((bt + halo, bd), 4)
 
-    def pad(self, a):
-        if a is None or self.dh_pad == self.dh:
-            return a
-        lead = a.shape[:-1]
-        a = a.reshape(*lead, self.heads, self.dh)
-        a = jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, self.dh_pad - self.dh)])
-        return a.reshape(*lead, self.d_pad)
+    return tpu_blocks.choose(need, name=name, dhp=dh_pad, t_len=t_len, max_kernel=max_kernel,
+                             itemsize=x_itemsize, cap_t=cap_t, cap_d=cap_d, vmem=vmem)
 
-    def unpad(self, a):
-        if self.dh_pad == self.dh:
-            return a
-        lead = a.shape[:-1]
-        return a.reshape(*lead, self.heads, self.dh_pad)[..., : self.dh].reshape(*lead, self.d)
+
+def tpu_mix_tile(mode: str, *, t_len: int, d: int, heads: int, n_sources: int, n_targets: int, n_streams: int,
+                 max_kernel: int, n_taps: int, x_itemsize: int, out_itemsize: int, base_itemsize: int | None = None,
+                 cap_t=None, cap_d=None, vmem=None) -> tpu_blocks.TpuTile:
+    """The mixing kernel's tile (``mix_call`` in ``mode``): all ``n`` sources' ``[block_t,
+    block_d]`` blocks and halos, the weights ``p`` (``[S, n, m, block_t, H]``, H padded to 128
+    lanes: the largest block at phase 1's sizes), phase 2's base state and its weight, the gate
+    or its ``W`` chunk, the outputs, all double-buffered, plus ``S`` float32 accumulators and the
+    window's shifts."""
+    item = min(x_itemsize, out_itemsize, base_itemsize or 4)
+    halo = tpu_blocks.halo_rows(max_kernel, item)
+    s, n, m = n_targets, n_sources, n_streams
+    size = tpu_blocks.block_bytes
+
+    def need(bt, bd):
+        blocks = (size((n * (bt + halo), bd), x_itemsize) + size((n * max(n_taps, 1), bd), 4)
+                  + size((s * n * m * bt, heads), 4) + 2 * size((bt, 1), 4))
+        if base_itemsize is not None:
+            blocks += size((s * m * bt, bd), base_itemsize) + size((s * m * bt, heads), 4)
+        if mode == "gate":
+            blocks += size((bt, m), 4)
+        if mode == "stats":
+            blocks += size((m * m, bd), 4) + size((bt, 1), 4) + size((bt, m), 4)
+        elif mode == "acc":
+            blocks += size((s * m * bt, bd), out_itemsize)
+        else:
+            blocks += size((bt, bd), out_itemsize)
+        return 2 * blocks + (s + max_kernel + 4) * size((bt + halo, bd), 4)
+
+    return tpu_blocks.choose(need, name=f"mix ({mode})", dhp=tpu_blocks.padded_head_width(d // heads), t_len=t_len,
+                             max_kernel=max_kernel, itemsize=item, cap_t=cap_t, cap_d=cap_d, vmem=vmem)
 
 
 def tpu_token_unit(*tiles) -> int:
@@ -777,19 +772,19 @@ def phase1_forward(sources, banks, queries, valid=None, *, stream_kernels, heads
     mixing pass as the Mosaic GPU kernel (``mosaic_gpu.phase1_scores`` / ``phase1_mix``)."""
     n, _, t_len, d = sources.shape
     kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)
-    if backend == "tpu":  # tiled T, lane-padded heads, tiles from the chip's VMEM (docs/kernels.md §4)
-        lanes = TpuLanes(d, heads)
-        shape = dict(t_len=t_len, d_pad=lanes.d_pad, dh_pad=lanes.dh_pad, heads=heads, n_targets=queries.shape[0],
-                     n_streams=len(stream_kernels), max_kernel=max([1, *stream_kernels]),
-                     n_taps=sum(stream_kernels), x_itemsize=sources.dtype.itemsize, cap_t=tiles.tpu_block_t)
-        score_tile = tiling.tpu_scores_tile(**shape)
-        mix_tile = tiling.tpu_mix_tile("acc", n_sources=n, out_itemsize=jnp.dtype(state_dtype).itemsize, **shape)
+    tpu = backend == "tpu"
+    if tpu:  # tiled T, lane-padded heads, tiles from the chip's VMEM (docs/kernels.md §4)
+        shape = dict(t_len=t_len, d=d, heads=heads, n_targets=queries.shape[0], n_streams=len(stream_kernels),
+                     max_kernel=max([1, *stream_kernels]), n_taps=sum(stream_kernels),
+                     x_itemsize=sources.dtype.itemsize, cap_t=tiles.tpu_block_t, cap_d=tiles.tpu_block_d)
+        score_tile = tpu_scores_tile(**shape)
+        mix_tile = tpu_mix_tile("acc", n_sources=n, out_itemsize=jnp.dtype(state_dtype).itemsize, **shape)
         t_pad, seg = prepare_tokens(t_len, segment_ids, tiles, tpu_token_unit(score_tile, mix_tile))
-        x = pad_tokens(lanes.pad(sources), 2, t_pad)
-        banks, queries = lanes.pad(banks), lanes.pad(queries)
+        x = pad_tokens(tpu_blocks.pad_heads(sources, heads), 2, t_pad)
+        banks, queries = tpu_blocks.pad_heads(banks, heads), tpu_blocks.pad_heads(queries, heads)
         dots, sumsq = scores_call(x, banks, queries, seg, valid=valid, tpu=score_tile, **kw)
     else:
-        lanes = mix_tile = None
+        mix_tile = None
         t_pad, seg = prepare_tokens(t_len, segment_ids, tiles)
         x = pad_tokens(sources, 2, t_pad)
         dots, sumsq = phase1_scores(sources, x, banks, queries, seg, segment_ids, valid=valid, mosaic=mosaic_scores,
@@ -808,8 +803,9 @@ def phase1_forward(sources, banks, queries, valid=None, *, stream_kernels, heads
     else:
         acc = mix_call(x, banks, p, seg, mode="acc", valid=valid, split_targets=per_target, out_dtype=state_dtype,
                        tpu=mix_tile, **kw)
-        if lanes is not None:
-            acc = [lanes.unpad(a) for a in acc] if per_target else lanes.unpad(acc)
+        if tpu:
+            unpad = lambda a: tpu_blocks.unpad_heads(a, heads, d)  # noqa: E731
+            acc = [unpad(a) for a in acc] if per_target else unpad(acc)
     cut = lambda a: a[..., :t_len, :]  # noqa: E731
     if per_target:
         return tuple(reference.SoftmaxState(max=cut(smax[i]), denom=cut(denom[i]), acc=cut(acc[i]))
@@ -827,21 +823,20 @@ def phase2_forward(state, partial, bank, query, include_partial=True, gate_param
     batch, t_len, d = partial.shape
     m = query.shape[0]
     kw = dict(stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend=backend, interpret=interpret)
-    lanes, mix_tiles, score_tile = None, {}, None
-    if backend == "tpu":  # tiled T, lane-padded heads, tiles from the chip's VMEM (docs/kernels.md §4)
-        lanes = TpuLanes(d, heads)
-        shape = dict(t_len=t_len, d_pad=lanes.d_pad, dh_pad=lanes.dh_pad, heads=heads, n_targets=1, n_streams=m,
-                     max_kernel=max([1, *stream_kernels]), n_taps=sum(stream_kernels),
-                     x_itemsize=partial.dtype.itemsize, cap_t=tiles.tpu_block_t)
-        score_tile = tiling.tpu_scores_tile(**shape)
+    tpu, mix_tiles, score_tile = backend == "tpu", {}, None
+    if tpu:  # tiled T, lane-padded heads, tiles from the chip's VMEM (docs/kernels.md §4)
+        shape = dict(t_len=t_len, d=d, heads=heads, n_targets=1, n_streams=m, max_kernel=max([1, *stream_kernels]),
+                     n_taps=sum(stream_kernels), x_itemsize=partial.dtype.itemsize, cap_t=tiles.tpu_block_t,
+                     cap_d=tiles.tpu_block_d)
+        score_tile = tpu_scores_tile(**shape)
         modes = ["acc"] if fuse is None else ["mean"] if fuse == "mean" else ["stats", "gate"]
         for mode in modes:
-            mix_tiles[mode] = tiling.tpu_mix_tile(
+            mix_tiles[mode] = tpu_mix_tile(
                 mode, n_sources=1, out_itemsize=4 if mode == "stats" else jnp.dtype(out_dtype).itemsize,
                 base_itemsize=state.acc.dtype.itemsize, **shape)
         t_pad, seg = prepare_tokens(t_len, segment_ids, tiles, tpu_token_unit(score_tile, *mix_tiles.values()))
-        partial, bank, query = lanes.pad(partial), lanes.pad(bank), lanes.pad(query)
-        state = state._replace(acc=lanes.pad(state.acc))
+        partial, bank, query = (tpu_blocks.pad_heads(a, heads) for a in (partial, bank, query))
+        state = state._replace(acc=tpu_blocks.pad_heads(state.acc, heads))
     else:
         t_pad, seg = prepare_tokens(t_len, segment_ids, tiles)
     x = pad_tokens(partial, 1, t_pad)[None]
@@ -859,7 +854,7 @@ def phase2_forward(state, partial, bank, query, include_partial=True, gate_param
     a = (keep / denom)[None]
     b = (pnew / denom)[None, None]
     base = pad_tokens(state.acc, 2, t_pad)[None]
-    unpad = (lambda v: v) if lanes is None else lanes.unpad  # noqa: E731
+    unpad = (lambda v: tpu_blocks.unpad_heads(v, heads, d)) if tpu else (lambda v: v)  # noqa: E731
 
     def mix(mode, **more):
         return mix_call(x, banks, b, seg, base=base, a=a, mode=mode, tpu=mix_tiles.get(mode), **kw, **more)
@@ -873,7 +868,7 @@ def phase2_forward(state, partial, bank, query, include_partial=True, gate_param
     else:
         w, scale, bias = gate_params
         # W as wt[r, j, c]: each (r, j) channel run contiguous (gate_rows); zero rows on padded lanes
-        wt = gate_rows(w, m, d) if lanes is None else lanes.pad(gate_rows(w, m, d))
+        wt = tpu_blocks.pad_heads(gate_rows(w, m, d), heads) if tpu else gate_rows(w, m, d)
         sq, zw = mix("stats", w=wt)
         inv = jax.lax.rsqrt(jnp.sum(sq, axis=-1) / (m * d) + gate_eps)  # [B, Tp]: the real d
         g = jax.nn.sigmoid(scale * (inv[..., None] * jnp.sum(zw, axis=2)) + bias)  # [B, Tp, m]

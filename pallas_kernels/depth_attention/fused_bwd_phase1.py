@@ -601,15 +601,15 @@ def phase1_backward(sources, banks, queries, valid, segment_ids, smax, g, *, str
 #
 # The wide form's passes 2 and 4 as token-tiled kernels (``tpu_blocks``): each program maps one
 # ``[block_t, block_d]`` tile of every source, ``g_A`` and the per-token scalars into VMEM, and
-# the conv's halo from a ``halo``-row block of the previous tile of the same sources. The
-# per-token scalars come with the tokens on sublanes and the (target, stream) pairs on lanes,
-# ``[n, B, H, Tp, S m]``, their head picked by the block index: one ``[block_t, S m]`` block per
-# source rather than ``S m`` blocks with a single lane each (128x the VMEM).
+# the conv's halo from a ``halo``-row block of the previous tile of the same sources
+# (``TokenWindow``'s tiled form). The per-token scalars come with the tokens on sublanes and the
+# (target, stream) pairs on lanes, ``[n, B, H, Tp, S m]``, their head picked by the block index:
+# one ``[block_t, S m]`` block per source rather than ``S m`` blocks with a single lane each (128x
+# the VMEM).
 
 
-def _source_window(x_ref, behind_ref, i, t):
-    return tpu_blocks.HaloWindow(lambda: x_ref[i], None if behind_ref is None else (lambda: behind_ref[i]),
-                                 first=t == 0)
+def _source_window(x_ref, behind_ref, i, t, bt):
+    return TokenWindow(x_ref, (i,), t * bt, bt, slice(None), "tpu", prev=behind_ref, tiled=True)
 
 
 def _gdots_kernel_tpu(*refs, stream_kernels, n, n_targets, bt, halo, has_bank, has_mask, has_live, split_ga):
@@ -630,7 +630,7 @@ def _gdots_kernel_tpu(*refs, stream_kernels, n, n_targets, bt, halo, has_bank, h
 
         def source_body(i, carry, kernel=kernel, off=off, r=r, ga=ga):
             def work():
-                e = expand_chunk(_source_window(x_ref, behind_ref, i, t), bank_ref, (i,), slice(None), kernel, off,
+                e = expand_chunk(_source_window(x_ref, behind_ref, i, t, bt), bank_ref, (i,), slice(None), kernel, off,
                                  masks)
                 for s in range(n_targets):
                     out_ref[i, :, pl.ds(s * m + r, 1)] = jnp.sum(ga[s] * e, axis=1, keepdims=True)
@@ -667,7 +667,7 @@ def _dstreams_kernel_tpu(*refs, stream_kernels, n, n_targets, bt, halo, has_bank
 
         def source_body(i, carry, kernel=kernel, off=off, r=r, ga=ga, q=q):
             def work():
-                e = expand_chunk(_source_window(x_ref, behind_ref, i, t), bank_ref, (i,), slice(None), kernel, off,
+                e = expand_chunk(_source_window(x_ref, behind_ref, i, t, bt), bank_ref, (i,), slice(None), kernel, off,
                                  masks)
                 de = -w_ref[i, :, pl.ds(r, 1)] * e
                 for s in range(n_targets):
@@ -686,43 +686,50 @@ def _dstreams_kernel_tpu(*refs, stream_kernels, n, n_targets, bt, halo, has_bank
 
 def _wide_vmem_bytes(kernel: str, *, n, n_targets, m, n_taps, max_lag, x_itemsize, ga_itemsize, out_itemsize,
                      has_mask):
-    """``bytes_of(bt, bd)`` (``tpu_blocks.choose``) of ``"gdots"`` or ``"dstreams"``: double-buffered
+    """``need(bt, bd)`` (``tpu_blocks.choose``) of ``"gdots"`` or ``"dstreams"``: double-buffered
     blocks and the live float32 temporaries (every target's ``g_A`` tile of a stream, the source
     window, the expansion and the sum being built)."""
     halo = tpu_blocks.halo_rows(max_lag)
-    lp = tpu_blocks.lane_padded
+    size = tpu_blocks.block_bytes
 
     def bytes_of(bt, bd):
-        blocks = (lp((n, bt + halo, bd)) * x_itemsize + (lp((n, n_taps, bd)) * 4 if n_taps else 0)
-                  + lp((n_targets * m, bt, bd)) * ga_itemsize + (lp((bt, max_lag)) * 4 if has_mask else 0))
+        blocks = (size((n, bt + halo, bd), x_itemsize) + (size((n, n_taps, bd), 4) if n_taps else 0)
+                  + size((n_targets * m, bt, bd), ga_itemsize) + (size((bt, max_lag), 4) if has_mask else 0))
         if kernel == "gdots":
-            blocks += lp((n, bt, n_targets * m)) * 4
+            blocks += size((n, bt, n_targets * m), 4)
         else:
-            blocks += (lp((n_targets * m, bd)) * 4 + 2 * lp((n, bt, n_targets * m)) * 4 + lp((n, bt, m)) * 4
-                       + lp((n, m, bt, bd)) * out_itemsize)
+            blocks += (size((n_targets * m, bd), 4) + 2 * size((n, bt, n_targets * m), 4) + size((n, bt, m), 4)
+                       + size((n, m, bt, bd), out_itemsize))
         temps = (n_targets * bt + (bt + halo) + 4 * bt) * bd * 4
         return 2 * blocks + temps
 
     return bytes_of
 
 
-def tpu_tiles(*, n, n_targets, stream_kernels, heads, d, t_len, acc_itemsize=4, x_itemsize=2, has_mask=True) -> dict:
-    """``{kernel: tpu_blocks.TpuTiles}`` of the TPU wide form's passes 2 and 4 (this trace's VMEM
-    limit, ``tpu_blocks.vmem_limit``), and of its transpose."""
+def tpu_tiles(*, n, n_targets, stream_kernels, heads, d, t_len, acc_itemsize=4, x_itemsize=2, has_mask=True,
+              cap_t=None, cap_d=None, vmem=None) -> dict:
+    """``{kernel: tpu_blocks.TpuTile}`` of the TPU wide form's passes 1 (the forward's scoring
+    kernel), 2 and 4 and of its transpose (``tpu_blocks.choose``: caps ``Tiles.tpu_block_t`` /
+    ``tpu_block_d``, ``vmem`` the chip)."""
     m, n_taps, max_lag = len(stream_kernels), sum(stream_kernels), max([1, *stream_kernels])
     dhp = tpu_blocks.padded_head_width(d // heads)
     streams_itemsize = max(x_itemsize, 2)
     sizes = dict(n=n, n_targets=n_targets, m=m, n_taps=n_taps, max_lag=max_lag, x_itemsize=x_itemsize,
                  ga_itemsize=acc_itemsize, has_mask=has_mask)
-    choose = functools.partial(tpu_blocks.choose, dhp=dhp, t_len=t_len, max_kernel=max_lag)
-    out = {"phase 1 gdots": choose(_wide_vmem_bytes("gdots", **sizes, out_itemsize=4), name="phase 1 <g_A, E>"),
+    choose = lambda need, name: tpu_blocks.choose(need, name=name, dhp=dhp, t_len=t_len,  # noqa: E731
+                                                  max_kernel=max_lag, cap_t=cap_t, cap_d=cap_d, vmem=vmem)
+    out = {"phase 1 scores": fused.tpu_scores_tile(t_len=t_len, d=d, heads=heads, n_targets=n_targets, n_streams=m,
+                                                   max_kernel=max_lag, n_taps=n_taps, x_itemsize=x_itemsize,
+                                                   cap_t=cap_t, cap_d=cap_d, vmem=vmem,
+                                                   name="phase 1 backward scores"),
+           "phase 1 gdots": choose(_wide_vmem_bytes("gdots", **sizes, out_itemsize=4), "phase 1 <g_A, E>"),
            "phase 1 dstreams": choose(_wide_vmem_bytes("dstreams", **sizes, out_itemsize=streams_itemsize),
-                                      name="phase 1 stream cotangents")}
+                                      "phase 1 stream cotangents")}
     if n_taps:
         out["phase 1 transpose"] = choose(
             conv_transpose.transpose_vmem_bytes(m=m, n_taps=n_taps, max_lag=max_lag, de_itemsize=streams_itemsize,
                                                 x_itemsize=x_itemsize, out_itemsize=x_itemsize, has_mask=has_mask),
-            name="phase 1 transpose")
+            "phase 1 transpose")
     return out
 
 
@@ -734,7 +741,7 @@ def _to_lanes(a, n_targets, m):
 
 def _phase1_backward_tpu(sources, banks, queries, valid, segment_ids, smax, g, *, stream_kernels, heads, eps, tiles,
                          interpret, value_scale):
-    """The ``wide`` form on the TPU: pass 1 (``fused.phase1_scores``), the token-tiled passes 2 and 4
+    """The ``wide`` form on the TPU: pass 1 (the forward's tiled scoring kernel), the token-tiled passes 2 and 4
     and the transpose (``conv_transpose.sources_transpose_tpu``) on sources whose heads are padded
     to whole 128-lane vregs (``tpu_blocks.pad_heads``; every mean keeps the real ``d``)."""
     n, batch, t_len, d = sources.shape
@@ -747,9 +754,10 @@ def _phase1_backward_tpu(sources, banks, queries, valid, segment_ids, smax, g, *
     streams_dtype = jnp.promote_types(sources.dtype, jnp.bfloat16)
     has_mask = segment_ids is not None and max_lag > 1
     chosen = tpu_tiles(n=n, n_targets=n_targets, stream_kernels=stream_kernels, heads=heads, d=d, t_len=t_len,
-                       acc_itemsize=acc_dtype.itemsize, x_itemsize=sources.dtype.itemsize, has_mask=has_mask)
+                       acc_itemsize=acc_dtype.itemsize, x_itemsize=sources.dtype.itemsize, has_mask=has_mask,
+                       cap_t=tiles.tpu_block_t, cap_d=tiles.tpu_block_d)
     t_gdots, t_streams = chosen["phase 1 gdots"], chosen["phase 1 dstreams"]
-    unit = max(t_gdots.block_t, t_streams.block_t, tiles.block_t)
+    unit = max([tt.block_t for tt in chosen.values()] + [tiles.block_t])  # powers of two: the others divide it
     t_pad = -(-t_len // unit) * unit
     seg = None if segment_ids is None else pad_tokens(jnp.asarray(segment_ids, jnp.int32), 1, t_pad, -1)
     pad = lambda a, axis: pad_tokens(tpu_blocks.pad_heads(a, heads), axis, t_pad)  # noqa: E731
@@ -759,8 +767,8 @@ def _phase1_backward_tpu(sources, banks, queries, valid, segment_ids, smax, g, *
     g_acc = [pad(a, 2) for a in g.acc] if split else pad(g.acc, 3)
 
     # pass 1: per-head dots and sums of squares (the forward's scoring kernel) -> rho, s, p
-    dots, sumsq = fused.phase1_scores(sources, x, kbanks, q, seg, segment_ids, heads=heads, valid=valid,
-                                      stream_kernels=stream_kernels, tiles=tiles, backend="tpu", interpret=interpret)
+    dots, sumsq = fused.scores_call(x, kbanks, q, seg, valid=valid, stream_kernels=stream_kernels, heads=heads,
+                                    tiles=tiles, backend="tpu", interpret=interpret, tpu=chosen["phase 1 scores"])
     rho = jax.lax.rsqrt(sumsq / d + eps)  # [n, m, B, Tp]: the real d
     s = dots * rho[None, ..., None]
     ok = reference._source_valid(n, valid)[None, :, None, None, None, None]
@@ -771,10 +779,10 @@ def _phase1_backward_tpu(sources, banks, queries, valid, segment_ids, smax, g, *
     masks = None if not has_mask else tpu_blocks.segment_masks(seg, max_lag)
     live = None if valid is None else jnp.asarray(valid, jnp.int32).reshape(n)  # read from SMEM
 
-    def common_inputs(tt, grid_tile):
+    def common_inputs(tt):
         """Sources (tile and halo), banks: specs and arguments, grid (b, t, c)."""
-        specs = tpu_blocks.token_specs((n, None, tt.block_t, tt.block_d), lambda b, t, c, tile: (0, b, tile, c),
-                                       token_axis=2, bt=tt.block_t, halo=tt.halo, n_rows=t_pad, tile=grid_tile)
+        specs = tpu_blocks.token_specs(pl.BlockSpec((n, None, tt.block_t, tt.block_d), lambda b, t, c: (0, b, t, c)),
+                                       2, tt.block_t, tt.halo)
         args = [x] * len(specs)
         if kbanks is not None:
             specs.append(pl.BlockSpec((n, n_taps, tt.block_d), lambda b, t, c: (0, 0, c)))
@@ -797,7 +805,7 @@ def _phase1_backward_tpu(sources, banks, queries, valid, segment_ids, smax, g, *
     # pass 2: the value-path dots <g_A, E> per chunk, summed into heads
     tt = t_gdots
     bt, bd = tt.block_t, tt.block_d
-    specs, args = common_inputs(tt, lambda b, t, c: t)
+    specs, args = common_inputs(tt)
     split_ga = target_input(specs, args, g_acc, (n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c))
     tail_inputs(specs, args, tt)
     nc = heads * dhp // bd
@@ -808,7 +816,7 @@ def _phase1_backward_tpu(sources, banks, queries, valid, segment_ids, smax, g, *
         out_specs=pl.BlockSpec((n, None, None, bt, n_targets * m), lambda b, t, c: (0, b, c, t, 0)),
         out_shape=jax.ShapeDtypeStruct((n, batch, nc, t_pad, n_targets * m), F32),
         name="depth_attention_bwd1_gdots",
-        compiler_params=tpu_blocks.compiler_params(("parallel", "parallel", "parallel")),
+        compiler_params=tpu_blocks.compiler_params(("parallel", "parallel", "parallel"), tt),
         interpret=interpret,
     )(*args)
     gd = jnp.sum(gd.reshape(n, batch, heads, nc // heads, t_pad, n_targets, m), axis=3)  # [n, B, H, Tp, S, m]
@@ -827,7 +835,7 @@ def _phase1_backward_tpu(sources, banks, queries, valid, segment_ids, smax, g, *
     # pass 4: every source's stream cotangents, then the transpose and the query products
     tt = t_streams
     bt, bd = tt.block_t, tt.block_d
-    specs, args = common_inputs(tt, lambda b, t, c: t)
+    specs, args = common_inputs(tt)
     specs.append(pl.BlockSpec((n_targets, m, bd), lambda b, t, c: (0, 0, c)))
     args.append(q)
     split_ga = target_input(specs, args, g_acc, (n_targets, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c))
@@ -843,13 +851,13 @@ def _phase1_backward_tpu(sources, banks, queries, valid, segment_ids, smax, g, *
         out_specs=pl.BlockSpec((n, m, None, bt, bd), lambda b, t, c: (0, 0, b, t, c)),
         out_shape=jax.ShapeDtypeStruct((n, m, batch, t_pad, heads * dhp), streams_dtype),
         name="depth_attention_bwd1_dstreams",
-        compiler_params=tpu_blocks.compiler_params(("parallel", "parallel", "parallel")),
+        compiler_params=tpu_blocks.compiler_params(("parallel", "parallel", "parallel"), tt),
         interpret=interpret,
     )(*args)
     if n_taps:
         dx, dbank = conv_transpose.sources_transpose_tpu(d_streams, x, kbanks, seg, valid,
                                                          stream_kernels=tuple(stream_kernels), interpret=interpret,
-                                                         out_dtype=sources.dtype)
+                                                         out_dtype=sources.dtype, tile=chosen["phase 1 transpose"])
     else:
         dx, dbank = conv_transpose.sources_transpose(d_streams, x, None, seg, valid, stream_kernels=stream_kernels,
                                                      tiles=tiles, backend="tpu", interpret=interpret,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention import conv_transpose, mosaic_gpu, reference, tiling, tpu_blocks
+from pallas_kernels.depth_attention import conv_transpose, fused, mosaic_gpu, reference, tiling, tpu_blocks
 from pallas_kernels.depth_attention.fused import (
     F32,
     call_kwargs,
@@ -727,7 +727,7 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
 #
 # The reverse-T form as token-tiled kernels (``tpu_blocks``): passes 1 and 2 map one ``[block_t,
 # block_d]`` tile of each input per program, the conv's halo from a ``halo``-row block of the
-# previous tile; pass 3 walks the token tiles in reverse as its last grid axis (``"arbitrary"``),
+# previous tile (``TokenWindow``'s tiled form); pass 3 walks the token tiles in reverse as its last grid axis (``"arbitrary"``),
 # the transposed conv's spill carried in VMEM scratch and the query, bank and gate-weight
 # gradients accumulated in output blocks that stay in VMEM over that axis. Per-token scalars come
 # with tokens on sublanes and streams on lanes (``[B, H, Tp, m]``, the head picked by the block
@@ -761,7 +761,6 @@ def _tpu_inputs(arrays: dict, names, *, bt, bd, halo, dhp, t_pad, tile):
     """Specs and arguments of the named inputs of a TPU pass; grid ids ``(i, c, t)`` with
     ``tile(i, c, t)`` the token tile."""
     head = lambda c: (c * bd) // dhp  # noqa: E731
-    tok = functools.partial(tpu_blocks.token_specs, bt=bt, halo=halo, n_rows=t_pad, tile=lambda i, c, t: tile(i, c, t))
     specs, args = [], []
 
     def add(name, new_specs):
@@ -771,7 +770,8 @@ def _tpu_inputs(arrays: dict, names, *, bt, bd, halo, dhp, t_pad, tile):
     for name in names:
         m = arrays["a"].shape[-1]
         if name == "x":
-            add(name, tok((None, bt, bd), lambda i, c, t, tile: (i, tile, c), token_axis=1))
+            add(name, tpu_blocks.token_specs(pl.BlockSpec((None, bt, bd), lambda i, c, t: (i, tile(i, c, t), c)), 1,
+                                             bt, halo))
         elif name == "behind":
             continue  # the x spec's second block
         elif name == "bank":
@@ -810,8 +810,7 @@ def _stats_kernel_tpu(*refs, names, stream_kernels, bt):
     m = len(stream_kernels)
     t = pl.program_id(2)
     masks = tpu_blocks.tile_masks(ins.masks, t * bt, bt, max([1, *stream_kernels]))
-    win = tpu_blocks.HaloWindow(lambda: ins.x[...], None if ins.behind is None else (lambda: ins.behind[...]),
-                                first=t == 0)
+    win = TokenWindow(ins.x, (), t * bt, bt, slice(None), "tpu", prev=ins.behind, tiled=True)
     dh = ins.dh[:, :].astype(F32)
     sq, zw, dg = None, [None] * m, [None] * m
     add = lambda acc, v: v if acc is None else acc + v  # noqa: E731
@@ -836,8 +835,7 @@ def _dstate_kernel_tpu(*refs, names, stream_kernels, bt, write_dacc):
     m = len(stream_kernels)
     t = pl.program_id(2)
     masks = tpu_blocks.tile_masks(ins.masks, t * bt, bt, max([1, *stream_kernels]))
-    win = tpu_blocks.HaloWindow(lambda: ins.x[...], None if ins.behind is None else (lambda: ins.behind[...]),
-                                first=t == 0)
+    win = TokenWindow(ins.x, (), t * bt, bt, slice(None), "tpu", prev=ins.behind, tiled=True)
     dh = ins.dh[:, :].astype(F32)
     gate_vals = _tpu_gate_vals(ins, m)
     for r, (kernel, off) in enumerate(stream_layout(stream_kernels)):
@@ -879,8 +877,7 @@ def _dinput_kernel_tpu(*refs, names, stream_kernels, bt, n_tiles):
         ref[idx] = ref[idx] + jnp.sum(v, axis=0, keepdims=True)
 
     masks = tpu_blocks.tile_masks(ins.masks, t0, bt, max_lag)
-    win = tpu_blocks.HaloWindow(lambda: ins.x[...], None if ins.behind is None else (lambda: ins.behind[...]),
-                                first=tile == 0)
+    win = TokenWindow(ins.x, (), t0, bt, slice(None), "tpu", prev=ins.behind, tiled=True)
     dh = ins.dh[:, :].astype(F32)
     gate_vals = _tpu_gate_vals(ins, m)
     taps_d = [None] * max_lag  # sum_r c_r[delta] d_E_r, before the lag mask
@@ -913,25 +910,26 @@ def _dinput_kernel_tpu(*refs, names, stream_kernels, bt, n_tiles):
 
 
 def _tpu_vmem_bytes(kernel: str, *, m, n_taps, max_lag, has_gate, has_mask, x_itemsize, acc_itemsize, dh_itemsize):
-    """``bytes_of(bt, bd)`` (``tpu_blocks.choose``) of a TPU pass: double-buffered blocks and the
+    """``need(bt, bd)`` (``tpu_blocks.choose``) of a TPU pass: double-buffered blocks and the
     live float32 temporaries (the window, ``m`` streams' tiles, the sums being built)."""
     halo = tpu_blocks.halo_rows(max_lag)
-    lp = tpu_blocks.lane_padded
+    size = tpu_blocks.block_bytes
 
     def bytes_of(bt, bd):
-        blocks = (lp((bt + halo, bd)) * x_itemsize + (lp((n_taps, bd)) * 4 if n_taps else 0)
-                  + 4 * lp((bt, m)) * 4 + lp((m, bt, bd)) * acc_itemsize + lp((bt, bd)) * dh_itemsize
-                  + (lp((bt, max_lag)) * 4 if has_mask else 0))
+        blocks = (size((bt + halo, bd), x_itemsize) + (size((n_taps, bd), 4) if n_taps else 0)
+                  + 4 * size((bt, m), 4) + size((m, bt, bd), acc_itemsize) + size((bt, bd), dh_itemsize)
+                  + (size((bt, max_lag), 4) if has_mask else 0))
         if has_gate:
-            blocks += 3 * lp((bt, m)) * 4 + lp((m * m, bd)) * 4
+            blocks += 3 * size((bt, m), 4) + size((m * m, bd), 4)
         temps = ((bt + halo) + 6 * bt) * bd * 4
         if kernel == "stats":
-            blocks += 3 * lp((bt, m)) * 4
+            blocks += 3 * size((bt, m), 4)
             temps += 2 * m * bt * bd * 4
         elif kernel == "state":
-            blocks += lp((m, bt, bd)) * acc_itemsize + 3 * lp((bt, m)) * 4
+            blocks += size((m, bt, bd), acc_itemsize) + 3 * size((bt, m), 4)
         else:  # inputs
-            blocks += lp((bt, bd)) * x_itemsize + lp((m + n_taps, bd)) * 4 + (lp((m * m, bd)) * 4 if has_gate else 0)
+            blocks += (size((bt, bd), x_itemsize) + size((m + n_taps, bd), 4)
+                       + (size((m * m, bd), 4) if has_gate else 0))
             temps += (max_lag + 1) * bt * bd * 4  # the taps' sums and the spill scratch
         return 2 * blocks + temps
 
@@ -939,16 +937,21 @@ def _tpu_vmem_bytes(kernel: str, *, m, n_taps, max_lag, has_gate, has_mask, x_it
 
 
 def tpu_tiles(*, stream_kernels, heads, d, t_len, gate, x_itemsize=2, acc_itemsize=4, dh_itemsize=2,
-              has_mask=True) -> dict:
-    """``{kernel: tpu_blocks.TpuTiles}`` of the TPU reverse-T backward's passes (this trace's VMEM
-    limit)."""
+              has_mask=True, cap_t=None, cap_d=None, vmem=None) -> dict:
+    """``{kernel: tpu_blocks.TpuTile}`` of the TPU reverse-T backward's passes, pass 0 (the forward's
+    scoring kernel, run when the forward's scores are not given) included (``tpu_blocks.choose``:
+    caps ``Tiles.tpu_block_t`` / ``tpu_block_d``, ``vmem`` the chip)."""
     m, n_taps, max_lag = len(stream_kernels), sum(stream_kernels), max([1, *stream_kernels])
     sizes = dict(m=m, n_taps=n_taps, max_lag=max_lag, has_gate=gate, has_mask=has_mask and max_lag > 1,
                  x_itemsize=x_itemsize, acc_itemsize=acc_itemsize, dh_itemsize=dh_itemsize)
     choose = functools.partial(tpu_blocks.choose, dhp=tpu_blocks.padded_head_width(d // heads), t_len=t_len,
-                               max_kernel=max_lag)
+                               max_kernel=max_lag, cap_t=cap_t, cap_d=cap_d, vmem=vmem)
     kernels = (("stats",) if gate else ()) + ("state", "inputs")
-    return {f"phase 2 {k}": choose(_tpu_vmem_bytes(k, **sizes), name=f"phase 2 backward {k}") for k in kernels}
+    out = {"phase 2 scores": fused.tpu_scores_tile(t_len=t_len, d=d, heads=heads, n_targets=1, n_streams=m,
+                                                   max_kernel=max_lag, n_taps=n_taps, x_itemsize=x_itemsize,
+                                                   cap_t=cap_t, cap_d=cap_d, vmem=vmem,
+                                                   name="phase 2 backward scores")}
+    return out | {f"phase 2 {k}": choose(_tpu_vmem_bytes(k, **sizes), name=f"phase 2 backward {k}") for k in kernels}
 
 
 def _backward_tpu(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps,
@@ -965,7 +968,8 @@ def _backward_tpu(state, partial, bank, query, include, gate, segment_ids, dh, *
     dh = dh if dh.dtype == jnp.bfloat16 else dh.astype(F32)
     chosen = tpu_tiles(stream_kernels=stream_kernels, heads=heads, d=d, t_len=t_len, gate=has_gate,
                        x_itemsize=partial.dtype.itemsize, acc_itemsize=state.acc.dtype.itemsize,
-                       dh_itemsize=dh.dtype.itemsize, has_mask=has_mask)
+                       dh_itemsize=dh.dtype.itemsize, has_mask=has_mask, cap_t=tiles.tpu_block_t,
+                       cap_d=tiles.tpu_block_d)
     unit = max([tt.block_t for tt in chosen.values()] + [tiles.block_t])
     t_pad = -(-t_len // unit) * unit
     pad = lambda a, axis: pad_tokens(tpu_blocks.pad_heads(a, heads), axis, t_pad)  # noqa: E731
@@ -982,7 +986,7 @@ def _backward_tpu(state, partial, bank, query, include, gate, segment_ids, dh, *
     if scores is None:
         dots, sumsq = scores_call(x[None], None if kbank is None else kbank[None], q[None], seg,
                                   stream_kernels=stream_kernels, heads=heads, tiles=tiles, backend="tpu",
-                                  interpret=interpret)
+                                  interpret=interpret, tpu=chosen["phase 2 scores"])
         dots, sumsq = dots[0, 0], sumsq[0]
     else:
         dots, sumsq = (pad_tokens(jnp.asarray(v, F32), 2, t_pad) for v in scores)
@@ -1020,7 +1024,7 @@ def _backward_tpu(state, partial, bank, query, include, gate, segment_ids, dh, *
             out_shape=out_shape(bt, bd),
             name=f"depth_attention_phase2_bwd_{kernel_name}",
             compiler_params=tpu_blocks.compiler_params(
-                ("parallel", "parallel", "arbitrary" if reverse else "parallel")),
+                ("parallel", "parallel", "arbitrary" if reverse else "parallel"), tt),
             interpret=interpret,
         )(*args)
 

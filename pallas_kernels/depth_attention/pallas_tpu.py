@@ -1,11 +1,11 @@
 """Mosaic TPU implementation: ``pl.pallas_call`` with BlockSpecs and
-``pltpu.CompilerParams(dimension_semantics=...)``, for the kernels of ``fused.py``,
-``fused_bwd_phase1.py`` and ``fused_bwd_phase2.py``. Run here in interpret mode; the forward and
-backward kernels also compile for a TPU v5p with libtpu's ahead-of-time compiler on a CPU
-machine (``benchmarks/tpu_kernels_aot.py``), and nothing has run on a TPU. The block-shape rules
-this meets and the forward kernels' tiling (T in ``block_t`` blocks with a conv halo block, heads
-padded to 128 lanes, tiles and ``vmem_limit_bytes`` from the chip's VMEM): docs/kernels.md §4,
-"Techniques the kernels share" and "Mosaic TPU tiling"."""
+``pltpu.CompilerParams(dimension_semantics=..., vmem_limit_bytes=...)``, for the kernels of
+``fused.py``, ``fused_bwd_phase1.py``, ``fused_bwd_phase2.py`` and ``conv_transpose.py``. Run here in
+interpret mode; forward and backward compile for TPU v5e and v5p with libtpu's ahead-of-time
+compiler on a CPU machine (``benchmarks/tpu_kernels_aot.py``), and nothing has run on a TPU. T
+tiled with a conv halo block, heads padded to 128 lanes, tiles and ``vmem_limit_bytes`` from the
+chip's VMEM (``tpu_blocks``): docs/kernels.md §4, "Techniques the kernels share" and "Mosaic TPU
+tiling"."""
 
 from __future__ import annotations
 

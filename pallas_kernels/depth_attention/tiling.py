@@ -1,7 +1,8 @@
 """Block-size heuristics of the fused depth-attention kernels (``fused.py``): ``block_t``, tokens per
-program (the TPU / interpret halo comes from the previous tile, so ``block_t >= max_kernel - 1``
+program (the interpret halo comes from the previous tile, so ``block_t >= max_kernel - 1``
 there), and ``block_d``, channels per chunk (it divides the head width, a power of two on Triton;
-wide scoring chunks spill). The reasons and figures: docs/kernels.md §4, "Techniques the kernels
+wide scoring chunks spill). The Mosaic TPU kernels' tiles come from a VMEM budget
+(``tpu_blocks.choose``). The reasons and figures: docs/kernels.md §4, "Techniques the kernels
 share"."""
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ class Tiles:
     # phase 1's mixing pass; ``"mean"``: phase 2's output without a gate); a mode not listed takes
     # ``(block_t, block_d_mix)``. Its own so that it can differ from the kernels sharing those.
     mix_tiles: tuple[tuple[str, int, int], ...] = ()
-    # Cap on the token block of the Mosaic TPU forward kernels (``tpu_tile``); None: the VMEM
-    # budget and T decide. Small caps make tests span several tiles.
+    # Caps on the token / channel block of the Mosaic TPU kernels, forward and backward
+    # (``tpu_blocks.choose``); None: the VMEM budget, T and the head width decide. Small caps make
+    # tests span several tiles and the conv halo cross their edges.
     tpu_block_t: int | None = None
+    tpu_block_d: int | None = None
 
     def __post_init__(self):
         for name in ("block_t_scores", "block_t_transpose"):
@@ -77,20 +80,6 @@ class Tiles:
         up = lambda bt: bt if bt is None or bt >= rows else rows  # noqa: E731
         return dataclasses.replace(self, block_t=up(self.block_t), block_t_scores=up(self.block_t_scores),
                                    block_t_transpose=up(self.block_t_transpose))
-
-
-def sublanes(itemsize: int) -> int:
-    """Rows of one TPU vreg tile for a dtype of ``itemsize`` bytes: 8 (32-bit), 16 (16-bit),
-    32 (8-bit). Token blocks of the Mosaic TPU kernels are multiples of it."""
-    return 8 * max(1, 4 // itemsize)
-
-
-def halo_rows(max_kernel: int, itemsize: int = 4) -> int:
-    """Rows of the conv halo block of the tiled TPU kernels (``fused.halo_spec``): the largest
-    lag ``max_kernel - 1`` (at least 1) rounded up to the sublane tile of the widest-packed dtype
-    read through a halo (``itemsize`` bytes), e.g. 16 rows for kernels up to 12 (Eq. 10)."""
-    unit = sublanes(itemsize)
-    return -(-max(max_kernel - 1, 1) // unit) * unit
 
 
 def _next_pow2(x: int) -> int:
@@ -155,150 +144,3 @@ def choose_tiles(*, d: int, heads: int, max_kernel: int, n_targets: int, backend
         block_d_scores=_pow2_divisor(dh, 512),
         block_d_mix=_pow2_divisor(dh, 512),
     )
-
-
-# --------------------------------------------------------------------------- Mosaic TPU tiles
-#
-# The TPU forward kernels (``fused.scores_call`` / ``mix_call`` with ``backend="tpu"``) map
-# ``[block_t, ...]`` token blocks plus a ``halo_rows`` block before them (``fused.halo_spec``),
-# never whole T. Their tiles are chosen here from a VMEM budget of the target chip, and the call's
-# ``vmem_limit_bytes`` is set from the same estimate. docs/kernels.md §4, "Mosaic TPU tiling".
-
-LANES = 128
-# VMEM per TensorCore by generation, as jax._src.tpu_info lists it (pltpu.get_tpu_info): v4 16 MiB,
-# v5e 128 MiB, v5p 64 MiB, v6e 128 MiB.
-DEFAULT_VMEM_BYTES = 16 << 20  # unknown chip (CPU interpret, no TPU in the mesh): the smallest of those
-MAX_BLOCK_T = 256  # tokens per program: past this the per-step overhead (~0.35 us) is already amortised
-MAX_BLOCK_D = 512  # channels per chunk
-
-
-def tpu_vmem_bytes() -> tuple[str, int]:
-    """``(chip, VMEM bytes per core)`` of the TPU being traced for: the abstract mesh's device kind
-    (ahead-of-time compiles under ``jax.sharding.use_abstract_mesh``) or the default device's;
-    ``("unknown", DEFAULT_VMEM_BYTES)`` off TPU."""
-    try:
-        from jax.experimental.pallas import tpu as pltpu
-
-        info = pltpu.get_tpu_info()
-        return str(info.chip_version.value), int(info.vmem_capacity_bytes)
-    except Exception:  # noqa: BLE001 - no TPU in this trace: CPU interpret mode, tests
-        return "unknown", DEFAULT_VMEM_BYTES
-
-
-def vmem_budget(capacity: int) -> int:
-    """Bytes the tiles of one TPU kernel may take: 40% of VMEM (double-buffered blocks plus the
-    kernel's live values), leaving room for Mosaic's own scratch and the limit's margin."""
-    return int(capacity * 0.4)
-
-
-def padded_head_width(d: int, heads: int) -> int:
-    """Channels per head in the TPU kernels: the head width rounded up to 128 lanes (the op
-    wrappers pad each head with zero channels, which add nothing to a dot, a sum of squares or a
-    mixed stream, and slice the outputs back). ``d = 2080`` -> 2176; MHAR's 64 -> 128."""
-    dh = d // heads
-    return -(-dh // LANES) * LANES
-
-
-def _block_bytes(shape: tuple, itemsize: int) -> int:
-    """VMEM bytes of one block: the last two dims padded to the (sublane, lane) tile."""
-    *lead, rows, cols = (1, *shape) if len(shape) == 1 else shape
-    count = 1
-    for s in lead:
-        count *= s
-    unit = sublanes(itemsize)
-    return count * (-(-rows // unit) * unit) * (-(-cols // LANES) * LANES) * itemsize
-
-
-@dataclasses.dataclass(frozen=True)
-class TpuTile:
-    """One TPU forward kernel's tile: ``block_t`` tokens (a power-of-two multiple of ``halo``),
-    ``block_d`` channels (a multiple of 128 dividing the padded head width), the conv halo's
-    rows, the estimated VMEM need and the ``vmem_limit_bytes`` the call sets."""
-
-    block_t: int
-    block_d: int
-    halo: int
-    vmem_need: int
-    vmem_limit: int
-    chip: str
-
-
-def _choose(need, *, halo: int, t_len: int, dh_pad: int, cap_t, capacity: int, chip: str, kernel: str) -> TpuTile:
-    """Largest ``block_t * block_d`` tile (larger ``block_d`` first) whose ``need(bt, bd)`` fits
-    the budget, else ``halo x 128`` if it fits 75% of VMEM; ``ValueError`` naming the kernel when
-    not even that does."""
-    budget = vmem_budget(capacity)
-    top = halo * _next_pow2(-(-t_len // halo))
-    top = min(top, max(MAX_BLOCK_T, halo), *([max(cap_t, halo)] if cap_t else []))
-    bts = [halo]
-    while bts[-1] * 2 <= top:
-        bts.append(bts[-1] * 2)
-    bds = [bd for bd in range(LANES, min(dh_pad, MAX_BLOCK_D) + 1, LANES) if dh_pad % bd == 0]
-    best = None
-    for bt in bts:
-        for bd in bds:
-            if need(bt, bd) <= budget and (best is None or (bt * bd, bd) > (best[0] * best[1], best[1])):
-                best = (bt, bd)
-    if best is None and need(halo, LANES) <= int(capacity * 0.75):
-        best = (halo, LANES)  # the smallest tile over the budget: still well inside the chip (v4's 16 MiB)
-    if best is None:
-        raise ValueError(f"{kernel}: no TPU tile fits the VMEM budget of {budget >> 20} MiB ({chip}): "
-                         f"{halo} x 128 needs {need(halo, LANES) >> 20} MiB")
-    got = need(*best)
-    limit = min(int(got * 1.5) + (4 << 20), int(capacity * 0.9))
-    return TpuTile(best[0], best[1], halo, got, max(limit, min(16 << 20, int(capacity * 0.9))), chip)
-
-
-def tpu_scores_tile(*, t_len: int, d_pad: int, dh_pad: int, heads: int, n_targets: int, n_streams: int,
-                    max_kernel: int, n_taps: int, x_itemsize: int, cap_t: int | None = None, vmem=None) -> TpuTile:
-    """The scoring kernel's tile (``fused.scores_call``, one source per program): its
-    ``[block_t, d]`` source block and halo, the bank and queries, the dots (``[S, m, block_t,
-    H]``, H padded to 128 lanes) and sums of squares, all double-buffered, plus the window's live
-    ``[block_t, block_d]`` shifts (one per lag)."""
-    chip, capacity = vmem or tpu_vmem_bytes()
-    halo = halo_rows(max_kernel, x_itemsize)
-
-    def need(bt, bd):
-        blocks = (_block_bytes((bt, d_pad), x_itemsize) + _block_bytes((halo, d_pad), x_itemsize)
-                  + _block_bytes((max(n_taps, 1), d_pad), 4) + _block_bytes((n_targets * n_streams, d_pad), 4)
-                  + 2 * _block_bytes((bt, 1), 4)  # segment ids and their halo (bound)
-                  + _block_bytes((n_targets * n_streams * bt, heads), 4) + _block_bytes((n_streams * bt, 1), 4))
-        live = (max_kernel + 3) * _block_bytes((bt + halo, bd), 4)
-        return 2 * blocks + live
-
-    return _choose(need, halo=halo, t_len=t_len, dh_pad=dh_pad, cap_t=cap_t, capacity=capacity, chip=chip,
-                   kernel="scores")
-
-
-def tpu_mix_tile(mode: str, *, t_len: int, d_pad: int, dh_pad: int, heads: int, n_sources: int, n_targets: int,
-                 n_streams: int, max_kernel: int, n_taps: int, x_itemsize: int, out_itemsize: int,
-                 base_itemsize: int | None = None, cap_t: int | None = None, vmem=None) -> TpuTile:
-    """The mixing kernel's tile (``fused.mix_call`` in ``mode``): all ``n`` sources' ``[block_t,
-    block_d]`` blocks and halos, the weights ``p`` (``[S, n, m, block_t, H]``, H padded to 128
-    lanes: the largest block at phase 1's sizes), phase 2's base state and its weight, the gate
-    or its ``W`` chunk, the outputs, all double-buffered, plus ``S`` float32 accumulators and the
-    window's shifts."""
-    chip, capacity = vmem or tpu_vmem_bytes()
-    item = min(x_itemsize, out_itemsize, base_itemsize or 4)
-    halo = halo_rows(max_kernel, item)
-    s, n, m = n_targets, n_sources, n_streams
-
-    def need(bt, bd):
-        blocks = (_block_bytes((n * bt, bd), x_itemsize) + _block_bytes((n * halo, bd), x_itemsize)
-                  + _block_bytes((n * max(n_taps, 1), bd), 4) + _block_bytes((s * n * m * bt, heads), 4)
-                  + 2 * _block_bytes((bt, 1), 4))
-        if base_itemsize is not None:
-            blocks += _block_bytes((s * m * bt, bd), base_itemsize) + _block_bytes((s * m * bt, heads), 4)
-        if mode == "gate":
-            blocks += _block_bytes((bt, m), 4)
-        if mode == "stats":
-            blocks += _block_bytes((m * m, bd), 4) + _block_bytes((bt, 1), 4) + _block_bytes((bt, m), 4)
-        elif mode == "acc":
-            blocks += _block_bytes((s * m * bt, bd), out_itemsize)
-        else:
-            blocks += _block_bytes((bt, bd), out_itemsize)
-        live = (s + max_kernel + 4) * _block_bytes((bt + halo, bd), 4)
-        return 2 * blocks + live
-
-    return _choose(need, halo=halo, t_len=t_len, dh_pad=dh_pad, cap_t=cap_t, capacity=capacity, chip=chip,
-                   kernel=f"mix ({mode})")

@@ -1,99 +1,142 @@
-"""Token-tiled blocks of the Mosaic TPU backward kernels (``fused_bwd_phase1``, ``fused_bwd_phase2``,
-``conv_transpose`` with ``backend="tpu"``): every array is mapped into VMEM one ``[block_t,
-block_d]`` tile at a time, the causal conv's halo (and the transposed conv's look-ahead) comes
-from a ``halo``-row block of the previous (next) tile of the same array, channels are padded per
-head to a multiple of 128 lanes, and the tiles are the largest whose double-buffered blocks and
-live temporaries fit a VMEM budget per TPU generation, which each call also sets as its
-``vmem_limit_bytes``. docs/kernels.md §4, "Mosaic TPU backward tiles"."""
+"""Mosaic TPU tiling of the depth-read kernels, forward (``fused``) and backward
+(``fused_bwd_phase1``, ``fused_bwd_phase2``, ``conv_transpose``), with ``backend="tpu"``: every
+token-indexed array goes into VMEM one ``[block_t, block_d]`` tile at a time, never whole T; the
+causal conv's halo (the transposed conv's look-ahead) is a ``halo``-row block of the previous
+(next) tile of the same array (``halo_spec``, read through ``fused.TokenWindow``'s tiled form);
+heads are zero-padded to whole 128-lane vregs (``pad_heads``); each kernel's tile is the largest
+whose VMEM estimate fits half of the call's ``vmem_limit_bytes``, 3/4 of the chip's VMEM
+(``choose``). docs/kernels.md §4, "Mosaic TPU tiling"."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.depth_attention import reference, tiling
+from pallas_kernels.depth_attention import reference
 
 F32 = jnp.float32
 LANES = 128
-# Rows of a halo block: a whole bf16 sublane tile (16 rows; float32 tiles are 8), at least the
-# conv's reach ``max_kernel - 1`` (11 for MSAR's kernels (0, 4, 8, 12)).
-HALO_ALIGN = 16
-BLOCK_T_CHOICES = (512, 256, 128, 64, 32, 16)
-BLOCK_D_CHOICES = (512, 384, 256, 128)
+# VMEM per TensorCore (pltpu.get_tpu_info): v4 16 MiB, v5e 128 MiB, v5p 64 MiB, v6e 128 MiB. A trace
+# with no TPU (CPU interpret mode) assumes the smallest.
+DEFAULT_VMEM_BYTES = 16 << 20
+MAX_BLOCK_T = 512  # tokens per program: past 256 the per-step overhead (~0.35 us) is already amortised
+MAX_BLOCK_D = 512  # channels per chunk
 
-# VMEM per TensorCore by ``device_kind`` prefix, as ``pltpu.get_tpu_info`` lists it (and
-# ``tiling.tpu_vmem_bytes`` reads it): v4 16 MiB, v5e and v6e 128 MiB, v5p 64 MiB. A call asks for
-# 3/4 of it (Mosaic's default scoped limit is 16 MiB, which `base`'s phase 1 already exceeded) and
-# its tiles take half of that, the rest left to Mosaic's own temporaries. Off a TPU the generation
-# is unknown: 48 MiB fits v5e, v5p and v6e.
-VMEM_BYTES = {"TPU v4": 16 << 20, "TPU v5 lite": 128 << 20, "TPU v5e": 128 << 20, "TPU v5p": 64 << 20,
-              "TPU v5": 64 << 20, "TPU v6": 128 << 20}
-UNKNOWN_LIMIT = 48 << 20
+
+# --------------------------------------------------------------------------- chip and budget
+
+
+def tpu_vmem_bytes() -> tuple[str, int]:
+    """``(chip, VMEM bytes per core)`` of the TPU being traced for: the abstract mesh's device kind
+    (ahead-of-time compiles under ``jax.sharding.use_abstract_mesh``) or the default device's;
+    ``("unknown", DEFAULT_VMEM_BYTES)`` off TPU."""
+    try:
+        from jax.experimental.pallas import tpu as pltpu
+
+        info = pltpu.get_tpu_info()
+        return str(info.chip_version.value), int(info.vmem_capacity_bytes)
+    except Exception:  # noqa: BLE001 - no TPU in this trace: CPU interpret mode, tests
+        return "unknown", DEFAULT_VMEM_BYTES
+
+
+def vmem_limit(capacity: int) -> int:
+    """The ``vmem_limit_bytes`` every tiled call sets: 3/4 of the chip's VMEM (v5e 96 MiB, v5p 48
+    MiB; Mosaic's default scoped limit, 16 MiB, is below `base` phase 1's 21.4 MB). A tile's
+    estimate may take half of it; the rest is Mosaic's own scratch and the estimate's error."""
+    return capacity * 3 // 4
+
+
+def sublanes(itemsize: int) -> int:
+    """Rows of one vreg tile for a dtype of ``itemsize`` bytes: 8 (32-bit), 16 (16-bit), 32 (8-bit)."""
+    return 8 * max(1, 4 // itemsize)
+
+
+def halo_rows(max_kernel: int, itemsize: int = 2) -> int:
+    """Rows of the conv halo block: the largest lag ``max_kernel - 1`` rounded up to the sublane
+    tile of the narrowest dtype (``itemsize`` bytes) read through it, 16 rows for MSAR's kernels
+    (0, 4, 8, 12) in bf16 (Eq. 10); 0 without a conv (no halo block)."""
+    unit = sublanes(itemsize)
+    return 0 if max_kernel <= 1 else -(-(max_kernel - 1) // unit) * unit
+
+
+def block_bytes(shape: tuple, itemsize: int) -> int:
+    """VMEM bytes of one block: the last two dims padded to the (sublane, 128-lane) tile."""
+    *lead, rows, cols = (1, *shape) if len(shape) == 1 else shape
+    count = 1
+    for s in lead:
+        count *= s
+    unit = sublanes(itemsize)
+    return count * (-(-rows // unit) * unit) * (-(-cols // LANES) * LANES) * itemsize
 
 
 @dataclasses.dataclass(frozen=True)
-class _Limits:
-    block_t: int | None = None
-    block_d: int | None = None
-    vmem_limit: int | None = None
+class TpuTile:
+    """One kernel's tile: ``block_t`` tokens (a power-of-two multiple of the sublane / halo unit),
+    ``block_d`` channels (a multiple of 128 dividing the padded head width), the halo's rows, the
+    estimated VMEM need and the ``vmem_limit_bytes`` the call sets."""
+
+    block_t: int
+    block_d: int
+    halo: int
+    vmem_need: int
+    vmem_limit: int
+    chip: str
 
 
-_limits = _Limits()
+def choose(need: Callable[[int, int], int], *, name: str, dhp: int, t_len: int, max_kernel: int, itemsize: int = 2,
+           cap_t: int | None = None, cap_d: int | None = None, vmem: tuple[str, int] | None = None) -> TpuTile:
+    """The largest ``block_t x block_d`` tile (ties: the wider chunk) whose ``need(bt, bd)`` fits
+    half of ``vmem_limit``. ``block_t``: powers of two times ``max(halo, sublanes(itemsize))`` up to
+    ``MAX_BLOCK_T``, T and ``cap_t``; ``block_d``: multiples of 128 dividing ``dhp`` up to
+    ``MAX_BLOCK_D`` and ``cap_d``. ``cap_t`` / ``cap_d`` (``Tiles.tpu_block_t`` / ``tpu_block_d``) let
+    tests span several tiles; ``vmem``: ``(chip, bytes)``, default the traced-for chip's.
+    ``ValueError`` naming the kernel when no tile fits."""
+    chip, capacity = vmem or tpu_vmem_bytes()
+    limit = vmem_limit(capacity)
+    budget = limit // 2
+    halo = halo_rows(max_kernel, itemsize)
+    unit = max(halo, sublanes(itemsize))
+    top = min(MAX_BLOCK_T, unit * (1 << max(0, (-(-t_len // unit) - 1).bit_length())), *([cap_t] if cap_t else []))
+    bts = [unit]
+    while bts[-1] * 2 <= top:
+        bts.append(bts[-1] * 2)
+    bds = [bd for bd in range(LANES, min(dhp, MAX_BLOCK_D, cap_d or dhp) + 1, LANES) if dhp % bd == 0] or [LANES]
+    best = None
+    for bt in bts:
+        for bd in bds:
+            if need(bt, bd) <= budget and (best is None or (bt * bd, bd) > (best[0] * best[1], best[1])):
+                best = (bt, bd)
+    if best is None:
+        raise ValueError(f"{name}: no TPU tile fits the VMEM budget of {budget / 2**20:.1f} MiB ({chip}, half the "
+                         f"{limit / 2**20:.0f} MiB limit): {unit} x {LANES} needs {need(unit, LANES) / 2**20:.1f} MiB")
+    return TpuTile(best[0], best[1], halo, need(*best), limit, chip)
 
 
-@contextlib.contextmanager
-def limits(*, block_t: int | None = None, block_d: int | None = None, vmem_limit: int | None = None) -> Iterator[None]:
-    """Cap the TPU backward's tiles (``block_t`` rows, ``block_d`` lanes) or set the VMEM limit
-    while tracing inside this block: the tests make T span several tiles and the halo cross
-    their edges; an ahead-of-time compile names the chip's limit (``vmem_limit_for``)."""
-    global _limits
-    old, _limits = _limits, _Limits(block_t, block_d, vmem_limit)
-    try:
-        yield
-    finally:
-        _limits = old
-
-
-def vmem_limit_for(device_kind: str | None) -> int:
-    """The ``vmem_limit_bytes`` a call asks for on ``device_kind`` (None: ``UNKNOWN_LIMIT``)."""
-    for prefix in sorted(VMEM_BYTES, key=len, reverse=True):
-        if device_kind and device_kind.startswith(prefix):
-            return VMEM_BYTES[prefix] * 3 // 4
-    return UNKNOWN_LIMIT
-
-
-def vmem_limit() -> int:
-    """This trace's VMEM limit: ``limits(vmem_limit=)``, else 3/4 of the traced-for TPU's VMEM
-    (``tiling.tpu_vmem_bytes``: the abstract mesh's chip or the local one), else ``UNKNOWN_LIMIT``."""
-    if _limits.vmem_limit:
-        return _limits.vmem_limit
-    chip, capacity = tiling.tpu_vmem_bytes()
-    return UNKNOWN_LIMIT if chip == "unknown" else capacity * 3 // 4
-
-
-def compiler_params(semantics: tuple[str, ...]):
+def compiler_params(semantics: tuple[str, ...], tile: TpuTile):
     from jax.experimental.pallas import tpu as pltpu
 
-    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=vmem_limit())
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=tile.vmem_limit)
 
 
 # --------------------------------------------------------------------------- lanes
 
 
 def padded_head_width(dh: int) -> int:
-    """A head's channels rounded up to whole 128-lane vregs."""
+    """A head's channels rounded up to whole 128-lane vregs: d = 2080 and 2112 -> 2176, 1040 -> 1152,
+    MHAR's 64 -> 128."""
     return -(-dh // LANES) * LANES
 
 
 def pad_heads(a, heads: int, axis: int = -1):
     """``a[..., d, ...]`` with each head's ``d / heads`` channels zero-padded to
-    ``padded_head_width``: exact for every sum over channels (the pads hold zeros), and the means
-    keep the real ``d``."""
+    ``padded_head_width``: exact for every dot, sum of squares, mixed stream and ``z @ W`` (the
+    pads hold zeros); the means (the keys' RMS norm, the gate's) keep the real ``d``."""
+    if a is None:
+        return a
     axis = axis % a.ndim
     d = a.shape[axis]
     dh = d // heads
@@ -118,121 +161,46 @@ def unpad_heads(a, heads: int, d: int, axis: int = -1):
     return split.reshape(*a.shape[:axis], d, *a.shape[axis + 1:])
 
 
-# --------------------------------------------------------------------------- tiles
-
-
-def halo_rows(max_kernel: int) -> int:
-    """Rows of the halo block (0: no conv, no halo)."""
-    reach = max_kernel - 1
-    return 0 if reach <= 0 else -(-reach // HALO_ALIGN) * HALO_ALIGN
-
-
-def lane_padded(shape) -> int:
-    """Elements of a VMEM block of ``shape``: the last dim padded to 128 lanes, the one before to 8
-    sublanes (float32 tiles; a bf16 block is counted at float32 size, an upper bound)."""
-    *lead, rows, cols = (1, *shape) if len(shape) == 1 else shape
-    n = 1
-    for s in lead:
-        n *= s
-    return n * (-(-rows // 8) * 8) * (-(-cols // LANES) * LANES)
-
-
-@dataclasses.dataclass(frozen=True)
-class TpuTiles:
-    """One TPU backward kernel's tile: ``block_t`` tokens, ``block_d`` channels, ``halo`` rows."""
-
-    block_t: int
-    block_d: int
-    halo: int
-    vmem_bytes: int  # the budget estimate of the chosen tile (double-buffered blocks + temporaries)
-
-
-def choose(bytes_of: Callable[[int, int], int], *, dhp: int, t_len: int, max_kernel: int,
-           name: str = "kernel") -> TpuTiles:
-    """The largest ``block_t x block_d`` tile (``block_t`` from ``BLOCK_T_CHOICES``, ``block_d`` a
-    multiple of 128 dividing the padded head width ``dhp``) whose ``bytes_of(block_t, block_d)``
-    fits half the VMEM limit; ties go to the wider chunk (fewer programs re-expanding the halo)."""
-    halo = halo_rows(max_kernel)
-    budget = vmem_limit() // 2
-    cap_t = min(_limits.block_t or BLOCK_T_CHOICES[0], max(HALO_ALIGN, 1 << max(0, (t_len - 1).bit_length())))
-    cap_d = _limits.block_d or BLOCK_D_CHOICES[0]
-    best = None
-    for bt in BLOCK_T_CHOICES:
-        if bt > cap_t or bt < max(halo, HALO_ALIGN):
-            continue
-        for bd in BLOCK_D_CHOICES:
-            if bd > cap_d or dhp % bd:
-                continue
-            need = bytes_of(bt, bd)
-            if need <= budget and (best is None or bt * bd > best.block_t * best.block_d):
-                best = TpuTiles(bt, bd, halo, need)
-    if best is None:
-        raise ValueError(f"{name}: no {min(BLOCK_T_CHOICES)} x 128 tile fits the VMEM budget of {budget} bytes "
-                         f"(head width {dhp}); raise the limit (tpu_blocks.limits(vmem_limit=...))")
-    return best
-
-
 # --------------------------------------------------------------------------- halo blocks
 
 
-def behind_index(t, bt: int, halo: int):
-    """Block index (in ``halo``-row blocks) of the ``halo`` rows before token tile ``t`` (tile 0:
-    its own first rows, masked out by ``HaloWindow``)."""
-    return jnp.maximum(t * (bt // halo) - 1, 0)
+def halo_spec(block: tuple, index_map, axis: int, bt: int, halo: int, side: str = "prev", n_rows: int | None = None):
+    """The BlockSpec of the ``halo`` rows just before (``side="prev"``) or just after
+    (``side="next"``, needs ``n_rows``, the padded row count) a ``[bt]``-row token block:
+    ``block`` and ``index_map`` are the token block's own, its token axis ``axis`` (counted in
+    ``block``, ``None`` entries included). ``halo`` divides ``bt``, so the halo is whole blocks of
+    the same array and Pallas pipelines its DMA like any input. The index is clamped into the
+    array (tile 0's ``prev``, the last tile's ``next``); ``fused.TokenWindow`` masks those rows."""
+    if bt % halo:
+        raise ValueError(f"halo_spec: the halo of {halo} rows must divide the token block of {bt}")
+    per = bt // halo
+    last = None if n_rows is None else n_rows // halo - 1
+    if side == "next" and last is None:
+        raise ValueError("halo_spec(side='next') needs n_rows")
+
+    def halo_map(*g):
+        idx = list(index_map(*g))
+        if side == "prev":
+            idx[axis] = jnp.maximum(idx[axis] * per - 1, 0)
+        else:
+            idx[axis] = jnp.minimum((idx[axis] + 1) * per, last)
+        return tuple(idx)
+
+    shape = list(block)
+    shape[axis] = halo
+    return pl.BlockSpec(tuple(shape), halo_map)
 
 
-def ahead_index(t, bt: int, halo: int, n_rows: int):
-    """Block index of the ``halo`` rows after token tile ``t`` (the last tile: its own last rows,
-    masked out)."""
-    return jnp.minimum((t + 1) * (bt // halo), n_rows // halo - 1)
-
-
-class HaloWindow:
-    """Lag-shifted ``[bt, w]`` float32 views of one token tile: ``shift(delta)`` rows ``t0 - delta
-    ...`` (the ``behind`` block's last rows for the first ``delta``; ``fill`` before row 0),
-    ``ahead(delta)`` rows ``t0 + delta ...`` (the ``ahead`` block's first rows; ``fill`` past
-    the padded end). ``cur``, ``behind``, ``ahead``: loaders of ``[bt, w]`` / ``[halo, w]``
-    values; ``first`` / ``last``: whether this is the first / last tile (traced)."""
-
-    def __init__(self, cur, behind=None, ahead=None, *, first=None, last=None, fill=0.0, dtype=F32):
-        self._cur_load, self._behind_load, self._ahead_load = cur, behind, ahead
-        self.first, self.last, self.fill, self.dtype = first, last, fill, dtype
-        self._cache = {}
-
-    def _get(self, key, make):
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
-
-    def _cur(self):
-        return self._get("cur", lambda: self._cur_load().astype(self.dtype))
-
-    def shift(self, delta: int):
-        if delta == 0:
-            return self._cur()
-
-        def cat():
-            behind = self._behind_load().astype(self.dtype)
-            behind = jnp.where(self.first, jnp.asarray(self.fill, self.dtype), behind)
-            return jnp.concatenate([behind, self._cur()], axis=0)
-
-        rows = self._cur().shape[0]
-        both = self._get("behind", cat)
-        halo = both.shape[0] - rows
-        return self._get(("shift", delta), lambda: both[halo - delta: halo - delta + rows])
-
-    def ahead(self, delta: int):
-        if delta == 0:
-            return self._cur()
-
-        def cat():
-            ahead = self._ahead_load().astype(self.dtype)
-            ahead = jnp.where(self.last, jnp.asarray(self.fill, self.dtype), ahead)
-            return jnp.concatenate([self._cur(), ahead], axis=0)
-
-        rows = self._cur().shape[0]
-        both = self._get("ahead", cat)
-        return self._get(("ahead", delta), lambda: both[delta: delta + rows])
+def token_specs(spec, axis: int, bt: int, halo: int, *, prev: bool = True, next: bool = False,
+                n_rows: int | None = None) -> list:
+    """``spec`` (a token block) followed by its ``prev`` and / or ``next`` halo specs (none
+    when ``halo`` is 0): the BlockSpecs of one token-tiled array read through a window."""
+    out = [spec]
+    if halo and prev:
+        out.append(halo_spec(spec.block_shape, spec.index_map, axis, bt, halo))
+    if halo and next:
+        out.append(halo_spec(spec.block_shape, spec.index_map, axis, bt, halo, "next", n_rows))
+    return out
 
 
 def segment_masks(segment_ids, max_lag: int, *, ahead: bool = False):
@@ -259,20 +227,3 @@ def tile_masks(mask_ref, t0, bt: int, max_lag: int, *, ahead: bool = False):
         return None
     rows = t0 + jax.lax.broadcasted_iota(jnp.int32, (bt, 1), 0)
     return [(rows >= delta).astype(F32) for delta in range(max_lag)]
-
-
-def token_specs(block: tuple, index: Callable, *, token_axis: int, bt: int, halo: int, n_rows: int,
-                tile: Callable, behind: bool = True, ahead: bool = False) -> list:
-    """BlockSpecs of one token-tiled array: its tile, then (with ``halo``) the ``halo`` rows
-    behind and / or ahead of it. ``block``: the tile's block shape (``bt`` at ``token_axis``);
-    ``index(*grid ids, tile=block index along tokens)`` the block indices; ``tile(*grid ids)``
-    the token tile a program works on."""
-    specs = [pl.BlockSpec(block, lambda *g: index(*g, tile=tile(*g)))]
-    if not halo:
-        return specs
-    hblock = tuple(halo if k == token_axis else s for k, s in enumerate(block))
-    if behind:
-        specs.append(pl.BlockSpec(hblock, lambda *g: index(*g, tile=behind_index(tile(*g), bt, halo))))
-    if ahead:
-        specs.append(pl.BlockSpec(hblock, lambda *g: index(*g, tile=ahead_index(tile(*g), bt, halo, n_rows))))
-    return specs

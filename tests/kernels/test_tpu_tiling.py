@@ -1,7 +1,7 @@
 """The Mosaic TPU forward kernels' tiling (docs/kernels.md §4, "Mosaic TPU tiling"): T in
-``[block_t]`` blocks with the conv halo from a second BlockSpec (``fused.halo_spec``), heads padded
-to 128 lanes (``fused.TpuLanes``), tiles and ``vmem_limit_bytes`` from a VMEM budget per chip
-(``tiling.tpu_scores_tile`` / ``tpu_mix_tile``). Numbers against ``reference`` at float32 with T
+``[block_t]`` blocks with the conv halo from a second BlockSpec (``tpu_blocks.halo_spec``), heads
+padded to 128 lanes (``tpu_blocks.pad_heads``), tiles and ``vmem_limit_bytes`` from a VMEM budget
+per chip (``fused.tpu_scores_tile`` / ``tpu_mix_tile``). Numbers against ``reference`` at float32 with T
 over several tiles, the halo crossing tile edges and segment boundaries, d not a multiple of 128
 and MHAR's 64-wide heads; under the generic interpreter (quick) and under TPU interpret mode
 (``pltpu.InterpretParams``, the Mosaic code path with VMEM, SMEM and DMAs simulated; slow).
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.depth_attention import fused, reference, tiling
+from pallas_kernels.depth_attention import fused, reference, tiling, tpu_blocks
 
 TOL = 1e-5
 # 40 tokens in 16-row tiles: three tiles, the 11-token lag of kernel 12 crosses both tile edges
@@ -117,38 +117,36 @@ def test_tpu_blocks_tile_tokens_and_lanes():
         x_block, halo_block = eqn.params["grid_mapping"].block_mappings[:2]
         sizes = [getattr(b, "block_size", None) for b in x_block.block_shape]
         assert sizes[2] == BLOCK_T and sizes[3] % 128 == 0
-        assert [getattr(b, "block_size", None) for b in halo_block.block_shape][2] == tiling.halo_rows(12)
+        assert [getattr(b, "block_size", None) for b in halo_block.block_shape][2] == tpu_blocks.halo_rows(12)
 
 
 def test_tile_choice_fits_the_chip():
-    """The chosen tiles fit the budget of each generation's VMEM, the limit sits below the chip's
-    VMEM, and a bigger VMEM never gives a smaller tile."""
-    shape = dict(t_len=8192, d_pad=2560, dh_pad=2560, heads=1, n_targets=8, n_streams=8, max_kernel=14, n_taps=56,
-                 x_itemsize=2)
+    """The chosen tiles fit half the limit, the limit is 3/4 of each generation's VMEM, and a
+    bigger VMEM never gives a smaller tile (paper_28b, m = 8, T = 8192)."""
+    shape = dict(t_len=8192, d=2560, heads=1, n_targets=8, n_streams=8, max_kernel=14, n_taps=56, x_itemsize=2)
     last = 0
-    for capacity in (16 << 20, 64 << 20, 128 << 20):
-        mix = tiling.tpu_mix_tile("acc", n_sources=9, out_itemsize=4, vmem=("chip", capacity), **shape)
-        scores = tiling.tpu_scores_tile(vmem=("chip", capacity), **shape)
+    for capacity in (64 << 20, 128 << 20):
+        mix = fused.tpu_mix_tile("acc", n_sources=9, out_itemsize=4, vmem=("chip", capacity), **shape)
+        scores = fused.tpu_scores_tile(vmem=("chip", capacity), **shape)
         for tile in (mix, scores):
-            assert tile.vmem_need <= max(tiling.vmem_budget(capacity), int(capacity * 0.75))
-            assert tile.vmem_need < tile.vmem_limit <= int(capacity * 0.9)
+            assert tile.vmem_need <= tile.vmem_limit // 2 and tile.vmem_limit == capacity * 3 // 4
             assert tile.block_t % tile.halo == 0 and tile.block_d % 128 == 0 and 2560 % tile.block_d == 0
         assert mix.block_t * mix.block_d >= last
         last = mix.block_t * mix.block_d
 
 
 def test_lane_and_halo_sizes():
-    assert [tiling.padded_head_width(d, h) for d, h in ((2080, 1), (2112, 1), (1040, 1), (512, 8), (2560, 20))] == [
-        2176, 2176, 1152, 128, 128]
-    assert [tiling.halo_rows(k, size) for k, size in ((12, 4), (12, 2), (4, 4), (4, 2), (1, 4))] == [16, 16, 8, 16, 8]
-    lanes = fused.TpuLanes(128, 2)
+    assert [tpu_blocks.padded_head_width(d // h) for d, h in ((2080, 1), (2112, 1), (1040, 1), (512, 8), (2560, 20))
+            ] == [2176, 2176, 1152, 128, 128]
+    halos = [tpu_blocks.halo_rows(k, size) for k, size in ((12, 4), (12, 2), (4, 4), (4, 2), (1, 4))]
+    assert halos == [16, 16, 8, 16, 0]  # no conv, no halo block
     a = _rnd(0, (3, 128))
-    padded = lanes.pad(a)
+    padded = tpu_blocks.pad_heads(a, 2)
     assert padded.shape == (3, 256) and not np.any(np.asarray(padded[:, 64:128]))
-    np.testing.assert_array_equal(np.asarray(lanes.unpad(padded)), np.asarray(a))
+    np.testing.assert_array_equal(np.asarray(tpu_blocks.unpad_heads(padded, 2, 128)), np.asarray(a))
 
 
 def test_no_tile_fits_names_the_kernel():
     with pytest.raises(ValueError, match=r"mix \(acc\): no TPU tile fits the VMEM budget"):
-        tiling.tpu_mix_tile("acc", t_len=8192, d_pad=128, dh_pad=128, heads=1, n_sources=64, n_targets=64,
-                            n_streams=8, max_kernel=12, n_taps=24, x_itemsize=2, out_itemsize=4, vmem=("chip", 1 << 20))
+        fused.tpu_mix_tile("acc", t_len=8192, d=128, heads=1, n_sources=64, n_targets=64, n_streams=8, max_kernel=12,
+                           n_taps=24, x_itemsize=2, out_itemsize=4, vmem=("chip", 1 << 20))
