@@ -145,6 +145,33 @@ def test_pipelined_kernels_run_inside_the_pipeline_and_a_shard_map_over_the_othe
     assert all(p == axes for p in placements), placements
 
 
+def _shard_map_operand_shapes(jaxpr) -> list[tuple[int, ...]]:
+    """The shapes of every ``shard_map``'s operands and results in ``jaxpr`` (nested ones too)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "shard_map":
+            out += [tuple(v.aval.shape) for v in (*eqn.invars, *eqn.outvars)]
+        for sub in _sub_jaxprs(eqn.params):
+            out += _shard_map_operand_shapes(sub)
+    return out
+
+
+def test_phase1_banks_enter_and_leave_the_shard_map_without_the_zero_bank():
+    """The phase-1 read's conv banks cross the ``shard_map`` as ``[N, K, d]`` (``b_0..b_{N-1}``),
+    the zero bank of ``b_N`` appended inside. Appended outside, the summed ``[N + 1, K, d]``
+    cotangent is cut to N rows after the sum, and under FSDP the TPU compiler (libtpu 0.0.48) fuses
+    that cut with the FSDP slice into a reduce-scatter of the wrong shape (``RET_CHECK ...
+    CompatibleIgnoringFpPrecision``; ``tests/test_tpu_compile.py``'s `small` step on v5e:2x2)."""
+    cfg = _config("msar", MODELS["msar"][0], dict(data=1, stage=1, fsdp=4, tensor=1))
+    fn, params, batch, mesh, rules = _sharded_loss(cfg, 4)
+    sublayers, taps, d = params["residual"]["conv_banks"].shape
+    n_blocks = sublayers // cfg.model.residual.block_size
+    with mesh_lib.use_mesh(mesh, rules):
+        shapes = _shard_map_operand_shapes(jax.make_jaxpr(fn)(params, batch).jaxpr)
+    assert (n_blocks, taps, d) in shapes, shapes
+    assert (n_blocks + 1, taps, d) not in shapes, shapes
+
+
 def test_batch_mesh_axes_follow_the_rules_and_leave_out_what_does_not_divide():
     mesh = mesh_lib.make_mesh(dict(data=2, stage=2, fsdp=2, tensor=1))
     with mesh_lib.use_mesh(mesh, mesh_lib.RULES):

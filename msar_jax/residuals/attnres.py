@@ -43,6 +43,11 @@ def attnres_read(sources, query, valid=None, *, heads=1, eps=1e-6, return_weight
     return (h, alpha[:, 0]) if return_weights else h
 
 
+def _with_zero_bank(banks: jax.Array | None) -> jax.Array | None:
+    """``banks[N, K, d]`` with a zero bank appended for ``b_N`` (never expanded); ``None`` stays ``None``."""
+    return None if banks is None else jnp.concatenate([banks, jnp.zeros_like(banks[:1])], axis=0)
+
+
 def _recomputed(read_fn, *args, batch_axes, out_batch_axis, chunks: int = 1, segment_ids=None,
                 lean_vjp: bool = False, kernel: bool = False):
     """Run a depth read so the backward pass recomputes it instead of storing its
@@ -239,10 +244,13 @@ class BlockDepthAttention(ResidualMechanism):
     # ----- banks: a source uses the bank of the newest output it contains (Appendix C) -----
     def source_banks(self, g) -> jax.Array | None:
         """Bank of every buffer entry: ``b_j`` uses bank ``j*S`` (``b_0`` bank 0); ``b_N`` is never expanded."""
+        return _with_zero_bank(self.summary_banks(g))
+
+    def summary_banks(self, g) -> jax.Array | None:
+        """The banks of ``b_0..b_{N-1}``: ``source_banks`` less the zero bank of ``b_N``."""
         if "conv_banks" not in g:
             return None
-        banks = g["conv_banks"][:: self.block_size][: self.n_blocks]
-        return jnp.concatenate([banks, jnp.zeros_like(banks[:1])], axis=0)
+        return g["conv_banks"][:: self.block_size][: self.n_blocks]
 
     def partial_bank(self, g, pos: Position) -> jax.Array | None:
         """The partial ``p_l`` uses bank ``l - 1``."""
@@ -278,10 +286,17 @@ class BlockDepthAttention(ResidualMechanism):
         channel = self._value_channel()
         # Per target: the state's leaves [m, B, T, ...], the value channel's values [B, T, d] and scale [m, B, T, H].
         out_axes = tuple((1, depth_ref.ValueChannel(0, 1)) for _ in range(p_block["queries"].shape[0])) if channel else 1
+        phase1 = functools.partial(self._op(depth_api.phase1), per_target=True, value_channel=channel,
+                                   state_dtype=self.res_cfg.get("state_dtype", "float32"))
+        # ``b_N``'s zero bank is appended inside the read (inside the kernels' ``shard_map`` under
+        # a mesh), so the banks' cotangent that leaves it (summed over the batch devices) is
+        # ``[N, K, d]``, not ``[N + 1, K, d]`` cut to its first N rows after the sum. Under FSDP
+        # the TPU compiler (libtpu 0.0.48) fuses that cut with the FSDP slice of the summed
+        # cotangent into a reduce-scatter of the wrong shape and fails (``RET_CHECK ...
+        # CompatibleIgnoringFpPrecision``, `small` on v5e:2x2 with fsdp=4).
         return _recomputed(
-            functools.partial(self._op(depth_api.phase1), per_target=True, value_channel=channel,
-                              state_dtype=self.res_cfg.get("state_dtype", "float32")), state.sources,
-            self.source_banks(g), p_block["queries"], self._completed_valid(pos), batch_axes=(1, None, None, None),
+            lambda sources, banks, *rest, **kw: phase1(sources, _with_zero_bank(banks), *rest, **kw), state.sources,
+            self.summary_banks(g), p_block["queries"], self._completed_valid(pos), batch_axes=(1, None, None, None),
             out_batch_axis=out_axes, chunks=self._read_chunks(), segment_ids=ctx.segment_ids,
             lean_vjp=self._lean_vjp(depth_api.phase1), kernel=self._runs_a_kernel(),
         )
