@@ -2,10 +2,9 @@
 generation, on a CPU machine, at the shapes users train, and print each compile's status, the tiles
 and VMEM the kernels chose (``tpu_blocks.choose``) and the compiled module's HBM figures.
 
-Needs libtpu (not a project dependency; ``jax[tpu]`` pins the version)::
+Needs libtpu (``make tpu-site`` installs the version ``jax[tpu]`` pins into ``.tpu_site``)::
 
-    pip install --target /tmp/libtpu libtpu==0.0.48.1
-    PYTHONPATH=/tmp/libtpu python benchmarks/tpu_kernels_aot.py --generation v5e --generation v5p
+    PYTHONPATH=.tpu_site python benchmarks/tpu_kernels_aot.py --generation v5e --generation v5p
 
 Each case is one phase of one read; ``--direction`` compiles its forward (the read as the model
 calls it, ``api.phase1`` / ``phase2_fused``), its backward (the Pallas backward the model runs with
