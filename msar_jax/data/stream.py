@@ -604,9 +604,12 @@ def default_work_dir(out: str) -> Path:
     return local.with_name(local.name + ".parts")
 
 
-def options_of(args: argparse.Namespace, files: Sequence[InputFile], tokenizer_sha: str | None) -> dict[str, Any]:
-    """What the output depends on (not --workers, not paths of the work folder)."""
-    listing = hashlib.sha256("".join(f"{f.name}\t{f.size}\n" for f in files).encode("utf-8")).hexdigest()
+def part_options(args: argparse.Namespace, tokenizer_sha: str | None) -> dict[str, Any]:
+    """What a part's tokens depend on: a work folder holds parts made with these options only.
+
+    Not --workers, --skip_bad (a part of a good file is the same either way; a file skipped as
+    bad is read again by a run without it) or --chunk_tokens (the store's chunking only).
+    """
     return {
         "stream_version": STREAM_VERSION,
         "tokenizer": args.tokenizer,
@@ -614,10 +617,14 @@ def options_of(args: argparse.Namespace, files: Sequence[InputFile], tokenizer_s
         "tokenizer_file_sha256": tokenizer_sha,
         "bpe_sample_bytes": args.bpe_sample_bytes if args.tokenizer == "bpe" and not args.tokenizer_file else None,
         "text_field": args.text_field,
-        "skip_bad": bool(args.skip_bad),
-        "chunk_tokens": args.chunk_tokens,
-        "inputs": {"files": len(files), "bytes": sum(f.size for f in files), "listing_sha256": listing},
     }
+
+
+def store_options(parts: dict[str, Any], args: argparse.Namespace, files: Sequence[InputFile]) -> dict[str, Any]:
+    """What the store depends on: the part options, the input listing, --skip_bad, --chunk_tokens."""
+    listing = hashlib.sha256("".join(f"{f.name}\t{f.size}\n" for f in files).encode("utf-8")).hexdigest()
+    return {**parts, "skip_bad": bool(args.skip_bad), "chunk_tokens": args.chunk_tokens,
+            "inputs": {"files": len(files), "bytes": sum(f.size for f in files), "listing_sha256": listing}}
 
 
 def _fingerprint(options: dict[str, Any]) -> str:
@@ -635,7 +642,7 @@ def _check_state(work: Path, options: dict[str, Any]) -> None:
         if old != options:
             diff = ", ".join(f"{k}={old.get(k)!r} then, {options.get(k)!r} now"
                              for k in sorted(set(old) | set(options)) if old.get(k) != options.get(k))
-            raise StreamError(f"work folder {work} was started with other options or inputs ({diff}); "
+            raise StreamError(f"work folder {work} was started with other options ({diff}); "
                               "rerun the first command, or pass another --work_dir (or delete it)")
         return
     _atomic_write_json(state_path, {"options": options, "fingerprint": _fingerprint(options)})
@@ -742,7 +749,7 @@ def _run_parts(jobs: list[_Job], workers: int, progress: _Progress, parts_dir: P
 
 
 def _assemble(out: str, files: list[InputFile], manifests: dict[str, dict[str, Any]], parts_dir: Path,
-              dtype: np.dtype, chunk_tokens: int, block_tokens: int = 1 << 24) -> dict[str, dict[str, int]]:
+              dtype: np.dtype, chunk_tokens: int, block_tokens: int = 1 << 21) -> dict[str, dict[str, int]]:
     """Write the store's splits from the parts in sorted input order, checking each part's hashes."""
     splits = {}
     for split in SPLITS:
@@ -824,8 +831,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     files = list_inputs(args.inputs)
     work = Path(args.work_dir).expanduser() if args.work_dir else default_work_dir(args.out)
     tok_sha = _sha256_file(Path(args.tokenizer_file)) if args.tokenizer_file else None
-    options = options_of(args, files, tok_sha)
-    fingerprint = _fingerprint(options)
+    options = part_options(args, tok_sha)
+    store_opts = store_options(options, args, files)
+    fingerprint = _fingerprint(store_opts)
     if _check_out(args.out, fingerprint):
         meta = _store.read_store_meta(args.out)
         print(f"{args.out}: already holds this store (options fingerprint {fingerprint}); nothing to do")
@@ -872,7 +880,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         todo = []
         for f in files:
             m = _finished_manifest(parts_dir, f)
-            if m is not None:
+            if m is not None and (args.skip_bad or not m.get("skipped")):  # else: read again, and stop on it
                 manifests[f.name] = m
             else:
                 todo.append(_Job(f, str(parts_dir), args.text_field, args.tokenizer, tok_path, dtype.name,
@@ -898,12 +906,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "tokenizer": tok_info,
             "splits": splits,
             "created_by": "msar_jax.data.stream",
-            "source": {"inputs": list(args.inputs), "text_field": args.text_field, **options["inputs"],
+            "source": {"inputs": list(args.inputs), "text_field": args.text_field, **store_opts["inputs"],
                        "listing_rule": "sha256 over lines '<relative path>\\t<size>\\n' in sorted order"},
             "split": {"rule": SPLIT_RULE, "modulus": SPLIT_MODULUS},
             "stream": {
                 "options_fingerprint": fingerprint,
-                "options": options,
+                "options": store_opts,
                 "files_used": len(files) - len(skipped),
                 "skipped_files": skipped,
                 "empty_documents": sum(m.get("empty_documents", 0) for m in manifests.values()),
