@@ -110,12 +110,16 @@ def optim_config() -> ml_collections.ConfigDict:
 
 
 def data_config() -> ml_collections.ConfigDict:
-    """Where tokens come from (msar_jax.data.ensure_prepared)."""
+    """Where tokens come from (msar_jax.data.ensure_prepared, or a token store) and how they are batched."""
     return ml_collections.ConfigDict(dict(
-        dir="",  # a prepared folder; "" = the cache folder of source/tokenizer (built if missing)
+        dir="",  # a prepared folder or a token store (path or URL, gs://...); "" = the cache folder
+        # of source/tokenizer (built if missing)
         source="bundled",  # "bundled", "stdlib" or a folder of *.txt
         tokenizer="bytes",  # "bytes" (vocab 256) or "bpe"
         vocab_size=0,  # BPE vocabulary size; 0 = the tokenizer's default
+        # True: attention stays within documents and the convolution restarts at each document
+        # start (segment ids from the data's document starts, docs/training.md §6)
+        document_mask=False,
     ))
 
 

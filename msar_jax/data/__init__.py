@@ -1,4 +1,4 @@
-"""Data for the training stack: bundled corpus, ``prepare``, tokenizers, grain pipeline.
+"""Data for the training stack: bundled corpus, ``prepare``, tokenizers, token stores, grain pipeline.
 
     from msar_jax import data
     meta = data.ensure_prepared()                 # bundled byte-level data in data_cache/
@@ -54,10 +54,13 @@ _PIPELINE_NAMES = (
     "make_train_iterator",
     "num_eval_batches",
     "num_windows",
+    "open_source",
     "open_tokens",
     "restore_iterator_state",
     "save_iterator_state",
+    "segment_ids",
 )
+_STORE_NAMES = ("TokenStoreWriter", "is_store", "open_split", "write_meta")
 
 __all__ = [
     "BUNDLED_PATH",
@@ -80,14 +83,17 @@ __all__ = [
     "source_fingerprint",
     "tokenizers_available",
     *_PIPELINE_NAMES,
+    *_STORE_NAMES,
 ]
 
 
 def __getattr__(name: str) -> Any:
     if name in _PIPELINE_NAMES:
         return getattr(importlib.import_module("msar_jax.data.pipeline"), name)
+    if name in _STORE_NAMES:
+        return getattr(importlib.import_module("msar_jax.data.token_store"), name)
     raise AttributeError(f"module 'msar_jax.data' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PIPELINE_NAMES))
+    return sorted(set(globals()) | set(_PIPELINE_NAMES) | set(_STORE_NAMES))

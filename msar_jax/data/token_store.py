@@ -318,6 +318,20 @@ def open_split(root: str | Path, split: str, *, cache_bytes: int = DEFAULT_CACHE
     return TokenSplit(root, split, meta, cache_bytes)
 
 
+def provenance(root: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """What a run trains on when it reads a store, for its ``config.json``."""
+    tok = meta["tokenizer"]
+    return {
+        "store": str(root),
+        "format_version": meta["format_version"],
+        "tokenizer": tok["kind"],
+        "vocab_size": tok["vocab_size"],
+        "dtype": meta["dtype"],
+        "tokens": {split: int(s["tokens"]) for split, s in meta["splits"].items()},
+        "documents": {split: int(s["documents"]) for split, s in meta["splits"].items()},
+    }
+
+
 # --------------------------------------------------------------------------- #
 # conversion of prepared .bin folders
 # --------------------------------------------------------------------------- #

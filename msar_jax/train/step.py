@@ -4,7 +4,9 @@ The state is a plain dict of arrays (``step``, ``params``, ``opt_state``); the m
 inside the jitted functions from its static ``graphdef``, so each step is a pure function of
 arrays. ``train_step(state, batch) -> (state, metrics)`` is jitted with the state donated, keeps
 the old state when the loss or an update is not finite, and accumulates gradients over
-``train.grad_accum`` microbatches. Details: docs/training.md sections 2 and 5.
+``train.grad_accum`` microbatches. A batch is a ``[B, T+1]`` token array, or with
+``data.document_mask`` a dict of ``tokens`` and ``segment_ids`` (the model then attends within
+documents only). Details: docs/training.md sections 2, 5 and 6.
 """
 
 from __future__ import annotations
@@ -77,16 +79,22 @@ def make_train_step(model_def: ModelDef, tx: optax.GradientTransformation,
         raise ValueError(f"grad_accum = {grad_accum!r}: must be a positive integer")
 
     def loss_fn(params, batch):
-        loss, parts = model_loss(model_def.merge(params), batch)
-        return loss, parts
+        model = model_def.merge(params)
+        if isinstance(batch, dict):  # data.document_mask: {"tokens", "segment_ids"}, both [B, T+1]
+            if loss is not None:
+                raise ValueError("a custom loss (the pipelined loss) takes [B, T+1] token batches only; "
+                                 "data.document_mask needs parallel.pipeline.stages = 1")
+            return lm_loss(model, batch["tokens"], segment_ids=batch["segment_ids"])
+        return model_loss(model, batch)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def accumulated_grad(params, batch):
-        rows = batch.shape[0]
+        rows = jax.tree.leaves(batch)[0].shape[0]
         if rows % grad_accum:
             raise ValueError(f"batch of {rows} rows does not split into grad_accum = {grad_accum} microbatches")
-        micro = batch.reshape(rows // grad_accum, grad_accum, *batch.shape[1:]).swapaxes(0, 1)
+        micro = jax.tree.map(lambda x: x.reshape(rows // grad_accum, grad_accum, *x.shape[1:]).swapaxes(0, 1),
+                             batch)
 
         def body(acc, mb):
             (loss, parts), grads = grad_fn(params, mb)
@@ -95,7 +103,7 @@ def make_train_step(model_def: ModelDef, tx: optax.GradientTransformation,
 
         zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
             lambda: (lambda o: (o[0][0], o[0][1], jax.tree.map(lambda g: g.astype(jnp.float32), o[1])))(
-                grad_fn(params, micro[0]))))
+                grad_fn(params, jax.tree.map(lambda x: x[0], micro)))))
         (loss, parts, grads), _ = jax.lax.scan(body, zeros, micro)
         mean = lambda x: x / grad_accum  # noqa: E731
         grads = jax.tree.map(lambda g, p: mean(g).astype(p.dtype), grads, params)
@@ -131,10 +139,14 @@ def make_train_step(model_def: ModelDef, tx: optax.GradientTransformation,
 
 
 def make_eval_step(model_def: ModelDef) -> Callable:
-    """Jitted ``(params, batch[B, T+1]) -> mean next-token cross entropy`` (nats)."""
+    """Jitted ``(params, batch[B, T+1]) -> mean next-token cross entropy`` (nats); a dict batch
+    (``data.document_mask``) passes its ``segment_ids`` to the model."""
 
     def eval_step(params, batch):
-        logits, _ = model_def.merge(params)(batch[:, :-1])
+        seg = None
+        if isinstance(batch, dict):
+            batch, seg = batch["tokens"], batch["segment_ids"][:, :-1]
+        logits, _ = model_def.merge(params)(batch[:, :-1], segment_ids=seg)
         return cross_entropy(logits, batch[:, 1:])
 
     return jax.jit(eval_step, compiler_options=COMPILER_OPTIONS)

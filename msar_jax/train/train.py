@@ -28,6 +28,7 @@ import numpy as np
 from msar_jax import accounting, data
 from msar_jax import config as config_lib
 from msar_jax.config import ConfigError
+from msar_jax.data import token_store
 from msar_jax.parallel import layout as layout_lib
 from msar_jax.parallel import multihost
 from msar_jax.parallel.config import parallel_config
@@ -83,6 +84,14 @@ def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     if config.data.tokenizer not in TOKENIZERS:
         raise ConfigError("data.tokenizer", config.data.tokenizer, f"must be one of {TOKENIZERS}")
     _nonneg_int("data.vocab_size", config.data.vocab_size)
+    document_mask = config.data.get("document_mask", False)
+    if not isinstance(document_mask, bool):
+        raise ConfigError("data.document_mask", document_mask, "must be True or False")
+    stages = parallel_section(config).pipeline.stages
+    if document_mask and stages > 1:
+        raise ConfigError("data.document_mask", document_mask,
+                          f"cannot be combined with parallel.pipeline.stages = {stages}: the pipelined loss "
+                          "takes token batches only (set one of them off)")
     _nonneg_int("checkpoint.every", config.checkpoint.every)
     _pos_int("checkpoint.keep", config.checkpoint.keep)
     # The parallel section without devices (mesh degrees, pipeline vs layers / batch); the
@@ -105,8 +114,11 @@ def make_layout(config) -> layout_lib.Layout:
                                   grad_accum=t.get("grad_accum", 1))
 
 
-def prepare_data(config) -> tuple[Path, dict]:
+def prepare_data(config) -> tuple[Path | str, dict]:
     """The prepared data folder of ``config.data`` (built if missing) and its meta.
+
+    ``data.dir`` a token store (a path or a URL, ``msar_jax.data.token_store``): used as is,
+    with the store's meta (the root is returned as given, a string).
 
     ``data.dir`` empty: the cache folder of ``data.source`` (``data.default_out_dir``), prepared
     again whenever the source's content fingerprint changes. ``data.dir`` named: used as is when
@@ -115,6 +127,15 @@ def prepare_data(config) -> tuple[Path, dict]:
     """
     d = config.data
     vocab = d.vocab_size or None
+    if d.dir and ("://" in d.dir or token_store.is_store(d.dir) or (Path(d.dir) / "train" / "tokens").exists()):
+        try:
+            meta = token_store.read_store_meta(d.dir)
+        except token_store.StoreError as e:
+            raise ConfigError("data.dir", d.dir, str(e)) from None
+        if meta["tokenizer"]["vocab_size"] > config.model.vocab_size:
+            raise ConfigError("model.vocab_size", config.model.vocab_size,
+                              f"must be >= the data's vocabulary ({meta['tokenizer']['vocab_size']}, {d.dir})")
+        return d.dir, meta
     out = Path(d.dir) if d.dir else data.default_out_dir(d.source, d.tokenizer, vocab)
     try:
         meta = data.ensure_prepared(out, source=d.source, tokenizer=d.tokenizer, vocab_size=vocab)
@@ -138,8 +159,9 @@ def evaluate(eval_step, params, data_dir, config, meta, put: Callable = jax.devi
     ``put`` turns this process's rows of a batch into the step's input (``Layout.global_eval_batch``
     under a mesh); every process reads its share of each global batch."""
     bs = config.train.eval_batch_size or config.train.batch_size
-    losses = [float(eval_step(params, put(b)))
-              for b in data.make_eval_batches(data_dir, bs, config.seq_len, max_batches=config.train.eval_batches)]
+    batches = data.make_eval_batches(data_dir, bs, config.seq_len, max_batches=config.train.eval_batches,
+                                     document_mask=config.data.get("document_mask", False))
+    losses = [float(eval_step(params, jax.tree.map(put, b))) for b in batches]
     loss = float(np.mean(losses))
     bytes_per_token = meta.get("bytes_per_token", {}).get("val")
     bpb = loss / math.log(2) / bytes_per_token if bytes_per_token else None
@@ -286,13 +308,16 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
         ckpt.close()
         raise
     if primary:
-        record = json.loads(config.to_json_best_effort()) | {"data_used": data.provenance(data_dir, meta)}
+        used = (token_store.provenance(data_dir, meta) if meta.get("format") == token_store.FORMAT
+                else data.provenance(data_dir, meta))
+        record = json.loads(config.to_json_best_effort()) | {"data_used": used}
         (workdir / "config.json").write_text(json.dumps(record, indent=2), encoding="utf-8")
     total = t.steps
     end = total if max_steps is None else min(max_steps, total)
 
     # This process's rows of every global batch (all of them on a single process).
-    iterator = multihost.train_iterator(data_dir, t.batch_size, config.seq_len, t.seed)
+    iterator = multihost.train_iterator(data_dir, t.batch_size, config.seq_len, t.seed,
+                                        document_mask=config.data.get("document_mask", False))
     resume = resume_step is not None
     if layout.single_device:  # the plain path: arrays on the default device
         model_def, params = init_model(config.model, t.seed)
@@ -323,7 +348,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
         else:  # every checkpoint was broken (each one named and moved aside): start afresh
             print(f"warning: no checkpoint in {ckpt.directory} restores; training from step 0",
                   file=sys.stderr, flush=True)
-            iterator = multihost.train_iterator(data_dir, t.batch_size, config.seq_len, t.seed)  # unread
+            iterator = multihost.train_iterator(data_dir, t.batch_size, config.seq_len, t.seed,
+                                        document_mask=config.data.get("document_mask", False))  # unread
             if not layout.single_device:  # ``state`` is the restore target there, not a state
                 model_def, state, _ = layout.init_state(config.model, tx, t.seed)
     start = int(state["step"])
@@ -373,7 +399,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, max_
             batch = next(iterator)
             if batch_hook is not None:
                 batch = batch_hook(step + 1, batch)
-            state, m = train_step(state, put_batch(batch))
+            state, m = train_step(state, jax.tree.map(put_batch, batch))  # a dict with document_mask
             m = jax.device_get(m)
             speed = throughput.tick()
             if not bool(m["finite"]):
