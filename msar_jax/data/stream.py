@@ -893,6 +893,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             progress.close()
 
         # the store, meta.json last
+        t_parts = time.monotonic()
         splits = _assemble(args.out, files, manifests, parts_dir, dtype, args.chunk_tokens)
         if tok_path:
             kv = _store.ts.KvStore.open(_store.kvstore_spec(args.out)).result()
@@ -925,7 +926,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             (work / name).unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             work.rmdir()
-    dt = max(1e-9, time.monotonic() - t0)
+    t_end = time.monotonic()
+    dt = max(1e-9, t_end - t0)
     n_tok = sum(s["tokens"] for s in splits.values())
     n_text = sum(text_bytes.values())
     if not splits["val"]["documents"]:
@@ -934,7 +936,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(f"wrote {args.out}: {len(files)} files ({len(files) - len(todo)} parts reused, {len(skipped)} skipped), "
           f"documents train/val = {splits['train']['documents']}/{splits['val']['documents']}, "
           f"tokens train/val = {splits['train']['tokens']}/{splits['val']['tokens']} ({dtype.name}); "
-          f"{dt:.1f} s, {n_text / dt / 1e6:.1f} MB/s text, {n_tok / dt / 1e6:.2f} M tokens/s")
+          f"{dt:.1f} s ({t_parts - t0:.1f} s parts, {t_end - t_parts:.1f} s store), "
+          f"{n_text / dt / 1e6:.1f} MB/s text, {n_tok / dt / 1e6:.2f} M tokens/s")
     return {"format": _store.FORMAT, "format_version": _store.FORMAT_VERSION, **meta}
 
 
@@ -946,6 +949,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = "; pass --skip_bad to leave such files out" if isinstance(e, BadInput) else ""
         print(f"error: {e}{hint}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted: finished parts are kept; rerun the same command to resume", file=sys.stderr)
+        return 130
     return 0
 
 
