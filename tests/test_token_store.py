@@ -27,17 +27,20 @@ def _docs(seed: int, n_docs: int, max_len: int, vocab: int, dtype) -> tuple[np.n
     return rng.integers(0, vocab, size=int(lengths.sum())).astype(dtype), lengths
 
 
-def _write_store(root, splits: dict, dtype, chunk_tokens=64, appends=7, tokenizer=TOKENIZER):
+def _write_store(root, splits: dict, dtype, chunk_tokens=64, appends=7, tokenizer=TOKENIZER,
+                 max_in_flight=tsx.MAX_WRITES_IN_FLIGHT):
     """Write ``{split: (tokens, lengths)}`` in ``appends`` uneven pieces of whole documents."""
     counts = {}
     for split, (tokens, lengths) in splits.items():
-        w = tsx.TokenStoreWriter(root, split, dtype=dtype, chunk_tokens=chunk_tokens)
+        w = tsx.TokenStoreWriter(root, split, dtype=dtype, chunk_tokens=chunk_tokens,
+                                 max_in_flight=max_in_flight)
         cuts = np.linspace(0, lengths.size, appends + 1).astype(int)
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         for a, b in zip(cuts[:-1], cuts[1:]):
             w.append(tokens[offsets[a]:offsets[b]], lengths[a:b])
             assert w._tokens.pending_size < chunk_tokens  # never more than one chunk held
             assert w._tokens.written % chunk_tokens == 0  # only full chunks written before close
+            assert len(w._tokens.in_flight) <= max_in_flight  # memory: a bounded number of chunks
         counts[split] = w.close()
     tsx.write_meta(root, {"dtype": np.dtype(dtype).name, "tokenizer": tokenizer, "splits": counts})
     return counts
@@ -87,6 +90,64 @@ def test_rewriting_a_store_makes_it_incomplete_until_meta(tmp_path):
     assert not tsx.is_store(tmp_path)
 
 
+def _store_files(root) -> dict[str, bytes]:
+    root = Path(root)
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _synchronous_store(root, split, tokens, lengths, dtype, chunk_tokens):
+    """The store as a writer that awaits every step writes it: per full chunk (then the last
+    partial one) grow the array to the chunk's end and write the chunk, each awaited."""
+    for name, values, dt, chunk in (("tokens", tokens, np.dtype(dtype), chunk_tokens),
+                                    ("doc_starts", _starts(lengths), np.dtype(np.int64), tsx.DOC_STARTS_CHUNK)):
+        metadata = {"shape": [0], "data_type": dt.name,
+                    "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [chunk]}},
+                    "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                               {"name": "zstd", "configuration": {"level": 3, "checksum": False}}],
+                    "fill_value": 0}
+        arr = tsx.ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{root}/{split}/{name}/"},
+                           "metadata": metadata}, create=True).result()
+        for lo in range(0, values.size, chunk):
+            hi = min(lo + chunk, values.size)
+            arr = arr.resize(exclusive_max=[hi], expand_only=True).result()
+            arr[lo:hi].write(values[lo:hi].astype(dt)).result()
+
+
+@pytest.mark.parametrize("n_docs,max_in_flight", [(150, 1), (150, 3), (150, 64), (1, 4), (2000, 2)])
+def test_writes_in_flight_give_the_files_of_synchronous_writes(tmp_path, n_docs, max_in_flight):
+    """The store's files do not depend on how many chunk writes were in flight: byte for byte
+    those of growing the array chunk by chunk and awaiting each write."""
+    tokens, lengths = _docs(11, n_docs, 40, 50_000, np.uint16)
+    want_root, got_root = tmp_path / "sync", tmp_path / "in_flight"
+    _synchronous_store(want_root, "train", tokens, lengths, np.uint16, 64)
+    _write_store(got_root, {"train": (tokens, lengths)}, np.uint16, max_in_flight=max_in_flight)
+    (got_root / "meta.json").unlink()
+    want, got = _store_files(want_root), _store_files(got_root)
+    assert sorted(got) == sorted(want) and all(got[k] == want[k] for k in want)
+    assert json.loads(want["train/tokens/zarr.json"])["shape"] == [tokens.size]
+
+
+def test_a_failed_chunk_write_raises_and_leaves_the_store_incomplete(tmp_path):
+    tokens, lengths = _docs(12, 400, 40, 1000, np.uint16)
+    root = tmp_path / "s"
+    w = tsx.TokenStoreWriter(root, "train", dtype=np.uint16, chunk_tokens=64, max_in_flight=4)
+    (root / "train" / "tokens" / "c").write_text("a file where the chunk folder goes")  # every chunk write fails
+    with pytest.raises(tsx.StoreError, match=f"{root}/train/tokens: writing elements \\[0, 64\\) failed") as err:
+        w.append(tokens, lengths)
+        w.close()
+    assert "\n" not in str(err.value)
+    with pytest.raises(tsx.StoreError, match="is closed"):
+        w.append(tokens, lengths)
+    assert not tsx.is_store(root)
+    # the same inside a with block: the error surfaces by the end of it, nothing is left pending
+    w = tsx.TokenStoreWriter(root, "train", dtype=np.uint16, chunk_tokens=64, max_in_flight=64)
+    (root / "train" / "tokens" / "c").write_text("x")
+    with pytest.raises(tsx.StoreError, match="train/tokens: writing elements"):
+        with w:
+            w.append(tokens[:int(lengths[:50].sum())], lengths[:50])  # a few chunks, all in flight
+    assert not w._tokens.in_flight and not tsx.is_store(root)
+
+
 def test_writer_rejects_bad_input(tmp_path):
     w = tsx.TokenStoreWriter(tmp_path, "train", dtype=np.uint8)
     with pytest.raises(tsx.StoreError, match="sum\\(doc_lengths\\) = 3 != tokens.size = 4"):
@@ -95,6 +156,8 @@ def test_writer_rejects_bad_input(tmp_path):
         w.append(np.array([300]), np.array([1]))
     with pytest.raises(tsx.StoreError, match="dtype must be one of"):
         tsx.TokenStoreWriter(tmp_path, "train", dtype=np.int32)
+    with pytest.raises(tsx.StoreError, match="max_in_flight must be a positive integer, got 0"):
+        tsx.TokenStoreWriter(tmp_path, "train", dtype=np.uint8, max_in_flight=0)
 
 
 def test_store_errors_name_the_path(tmp_path):

@@ -8,8 +8,9 @@ A store is a root (a local path or a tensorstore kvstore URL: ``gs://bucket/pref
     <root>/meta.json            written last; the store is complete only once it exists
 
 Documents lie back to back; the store inserts no separator (a preparer that wants one appends it
-to each document itself). Writing is streaming: ``TokenStoreWriter.append`` takes whole documents,
-writes every full chunk as soon as it has one and keeps at most one chunk of tokens in memory.
+to each document itself). Writing is streaming: ``TokenStoreWriter.append`` takes whole documents
+and issues every full chunk's write as soon as it has one, with a few writes in flight at once
+(``MAX_WRITES_IN_FLIGHT``), so memory stays a few chunks whatever the corpus size.
 ``python -m msar_jax.data.token_store convert --src=DIR --dst=ROOT`` turns a prepared ``.bin``
 folder into a store. Layout, URLs and the loader: docs/training.md §6.
 """
@@ -17,6 +18,7 @@ folder into a store. Layout, URLs and the loader: docs/training.md §6.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 from pathlib import Path
@@ -35,6 +37,9 @@ DEFAULT_CHUNK_TOKENS = 1 << 20
 DOC_STARTS_CHUNK = 1 << 16
 # Chunk cache of a reader: 256 MiB holds 128 uint16 chunks of 1<<20 tokens (2 MiB each).
 DEFAULT_CACHE_BYTES = 256 << 20
+# Chunk writes a writer keeps in flight per array: 4 uint16 chunks of 1<<20 tokens are 8 MiB held.
+# On 2 CPUs the encoding of 4 chunks overlaps the reading of the next (results/prepare_throughput.json).
+MAX_WRITES_IN_FLIGHT = 4
 
 # One base context: memory:// stores are shared between the writer and readers of this process
 # (a memory kvstore lives in its context); readers add their own bounded chunk cache on top.
@@ -43,6 +48,11 @@ _BASE_CONTEXT = ts.Context()
 
 class StoreError(ValueError):
     """A store that is missing, incomplete or does not hold what was asked for."""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
 
 
 # --------------------------------------------------------------------------- #
@@ -90,10 +100,20 @@ def _check_split(split: str) -> None:
 # writing
 # --------------------------------------------------------------------------- #
 class _ChunkedAppender:
-    """A growing 1-D zarr v3 array written one full chunk at a time (at most one chunk held)."""
+    """A growing 1-D zarr v3 array written a full chunk at a time, up to ``max_in_flight`` at once.
 
-    def __init__(self, spec: dict[str, Any], dtype: np.dtype, chunk: int):
-        self.dtype, self.chunk = np.dtype(dtype), int(chunk)
+    Each chunk write is issued without waiting for it (its zstd encoding and file write run on
+    tensorstore's threads while the caller reads and hashes the next tokens); the oldest write is
+    awaited once ``max_in_flight`` are pending, so at most ``max_in_flight`` chunks plus one partial
+    chunk are held. The array's shape grows ahead of the data geometrically (a zarr.json rewrite
+    per doubling, issued with no write pending) and ``close`` trims it to the elements written.
+    A failed write raises ``StoreError`` at the next ``append`` or at ``close``.
+    """
+
+    def __init__(self, spec: dict[str, Any], dtype: np.dtype, chunk: int, where: str,
+                 max_in_flight: int = MAX_WRITES_IN_FLIGHT):
+        self.dtype, self.chunk, self.where = np.dtype(dtype), int(chunk), where
+        self.max_in_flight = int(max_in_flight)
         metadata = {
             "shape": [0],
             "data_type": self.dtype.name,
@@ -104,7 +124,9 @@ class _ChunkedAppender:
         }
         self.array = ts.open({**spec, "metadata": metadata}, create=True, delete_existing=True,
                              context=_BASE_CONTEXT).result()
-        self.written = 0  # elements already in the array (a multiple of chunk until close)
+        self.written = 0  # elements issued to the array (a multiple of chunk until close)
+        self.capacity = 0  # the array's shape: >= written, trimmed to it by close
+        self.in_flight: collections.deque[tuple[int, int, Any]] = collections.deque()
         self.pending: list[np.ndarray] = []
         self.pending_size = 0
 
@@ -120,16 +142,57 @@ class _ChunkedAppender:
             rest = buf[n_full:]
             self.pending, self.pending_size = ([rest] if rest.size else []), rest.size
 
+    def _await(self, lo: int, hi: int, future) -> None:
+        try:
+            future.result()
+        except Exception as e:
+            self.abort()
+            raise StoreError(f"{self.where}: writing elements [{lo}, {hi}) failed: "
+                             f"{_first_line(e)}") from None
+
     def _write(self, values: np.ndarray) -> None:
-        stop = self.written + values.size
-        self.array = self.array.resize(exclusive_max=[stop], expand_only=True).result()
-        self.array[self.written:stop].write(values.astype(self.dtype, copy=False)).result()
-        self.written = stop
+        """Issue one write per chunk of ``values`` (whole chunks, or the last partial one)."""
+        values = values.astype(self.dtype, copy=False)
+        for lo in range(0, values.size, self.chunk):
+            part = values[lo:lo + self.chunk]
+            start, stop = self.written, self.written + part.size
+            if stop > self.capacity:
+                self.drain()  # the zarr.json rewrite never races a chunk write
+                self.capacity = max(stop, 2 * self.capacity, self.max_in_flight * self.chunk)
+                self.array = self.array.resize(exclusive_max=[self.capacity], expand_only=True).result()
+            while len(self.in_flight) >= self.max_in_flight:
+                self._await(*self.in_flight.popleft())
+            self.in_flight.append((start, stop, self.array[start:stop].write(part)))
+            self.written = stop
+        while self.in_flight and self.in_flight[0][2].done():  # report failures early
+            self._await(*self.in_flight.popleft())
+
+    def drain(self) -> None:
+        """Wait for every pending write; ``StoreError`` for the first that failed."""
+        while self.in_flight:
+            self._await(*self.in_flight.popleft())
+
+    def abort(self) -> None:
+        """Wait for the pending writes without reporting their errors (the writer failed)."""
+        while self.in_flight:
+            _, _, future = self.in_flight.popleft()
+            try:
+                future.result()
+            except Exception:
+                pass
+        self.pending, self.pending_size = [], 0
 
     def close(self) -> int:
         if self.pending_size:
             self._write(np.concatenate(self.pending))
             self.pending, self.pending_size = [], 0
+        self.drain()
+        if self.capacity != self.written:
+            # Nothing was written past `written` (the out-of-bounds part of the last chunk holds
+            # the fill value), so only zarr.json changes: the same files as a write at final size.
+            self.array = self.array.resize(exclusive_max=[self.written], shrink_only=True,
+                                           resize_metadata_only=True).result()
+            self.capacity = self.written
         return self.written
 
 
@@ -143,10 +206,17 @@ class TokenStoreWriter:
       root: local path or kvstore URL.
       split: ``"train"`` or ``"val"``.
       dtype: token dtype, ``uint8`` / ``uint16`` / ``uint32`` (from the vocabulary size).
-      chunk_tokens: tokens per zarr chunk (and the most the writer holds in memory).
+      chunk_tokens: tokens per zarr chunk.
+      max_in_flight: chunk writes pending at once per array (at least 1; 1 awaits each write);
+        the writer holds at most ``max_in_flight + 1`` chunks of tokens.
+
+    A write that fails raises ``StoreError`` (naming the array) at the next ``append`` or at
+    ``close``; leaving a ``with`` block by an exception waits for the pending writes and writes
+    nothing more, so no ``meta.json`` ever marks a short store complete.
     """
 
-    def __init__(self, root: str | Path, split: str, *, dtype, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+    def __init__(self, root: str | Path, split: str, *, dtype, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 max_in_flight: int = MAX_WRITES_IN_FLIGHT):
         _check_split(split)
         self.dtype = np.dtype(dtype)
         if self.dtype.name not in TOKEN_DTYPES:
@@ -154,11 +224,15 @@ class TokenStoreWriter:
         if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, (int, np.integer)) \
                 or chunk_tokens <= 0:
             raise StoreError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, (int, np.integer)) \
+                or max_in_flight <= 0:
+            raise StoreError(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
         self.root, self.split = root, split
         _root_kvstore(root).delete_range(ts.KvStore.KeyRange(META_FILE, META_FILE + "\x00")).result()
-        self._tokens = _ChunkedAppender(_zarr_spec(root, split, "tokens"), self.dtype, chunk_tokens)
+        self._tokens = _ChunkedAppender(_zarr_spec(root, split, "tokens"), self.dtype, chunk_tokens,
+                                        f"{root}/{split}/tokens", max_in_flight)
         self._starts = _ChunkedAppender(_zarr_spec(root, split, "doc_starts"), np.int64,
-                                        DOC_STARTS_CHUNK)
+                                        DOC_STARTS_CHUNK, f"{root}/{split}/doc_starts", max_in_flight)
         self.num_tokens = 0
         self.num_documents = 0
         self._closed = False
@@ -179,25 +253,41 @@ class TokenStoreWriter:
                              f"dtype {self.dtype.name}")
         starts = self.num_tokens + np.concatenate([[0], np.cumsum(lengths)[:-1]]) if lengths.size \
             else lengths
-        self._starts.append(starts.astype(np.int64))
-        self._tokens.append(tokens)
+        try:
+            self._starts.append(starts.astype(np.int64))
+            self._tokens.append(tokens)
+        except BaseException:  # a failed write (or an interrupt): this writer writes nothing more
+            self.abort()
+            raise
         self.num_tokens += tokens.size
         self.num_documents += lengths.size
 
     def close(self) -> dict[str, int]:
         """Write the last partial chunks; returns ``{"tokens": n, "documents": d}``."""
         if not self._closed:
-            self._tokens.close()
-            self._starts.close()
-            self._closed = True
+            self._closed = True  # a failed close leaves the writer closed (the store stays incomplete)
+            try:
+                self._tokens.close()
+                self._starts.close()
+            except BaseException:
+                self.abort()
+                raise
         return {"tokens": int(self.num_tokens), "documents": int(self.num_documents)}
 
     def __enter__(self) -> "TokenStoreWriter":
         return self
 
+    def abort(self) -> None:
+        """Wait for the pending writes, report none of their errors, and accept no more."""
+        self._closed = True
+        self._tokens.abort()
+        self._starts.abort()
+
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             self.close()
+        else:
+            self.abort()
 
 
 def write_meta(root: str | Path, meta: dict[str, Any]) -> None:
