@@ -32,6 +32,29 @@ def _lead_masks(seg_ref, t0, bt: int, max_lag: int, backend: str, n_rows: int):
     return [None] + [(win.ahead(delta) == win.shift(0)).astype(F32)[:, None] for delta in range(1, max_lag)]
 
 
+def _transpose_tile(layout, de_window, x, ahead, behind, dx, bank_row, add_tap):
+    """One token tile of the expansion's transpose, shared by the Triton / generic kernel and the
+    Mosaic TPU one (they differ only in how the tiles are windowed and where the bank gradient
+    accumulates): returns ``dx`` plus every stream's ``dE`` read ahead through the bank taps, and
+    hands each tap's bank gradient ``[bt, bd]`` (``dE * x`` lagged, masked at segment starts) to
+    ``add_tap(k, tap)``. ``de_window(r)`` is stream ``r``'s ``dE`` window, ``bank_row(k)`` tap
+    ``k``'s ``[1, bd]`` float32 row; ``ahead[delta]`` / ``behind[delta]`` are zero where token
+    ``t + delta`` / ``t - delta`` lies outside ``t``'s segment (``ahead`` None: no segments)."""
+    for r, (kernel, off) in enumerate(layout):
+        de = de_window(r)
+        if kernel == 0:
+            dx = dx + de.shift(0)
+            continue
+        for delta in range(kernel):
+            lead = de.ahead(delta)
+            if delta and ahead is not None:
+                lead = lead * ahead[delta]
+            dx = dx + bank_row(off + delta) * lead
+            tap = de.shift(0) * x.shift(delta)
+            add_tap(off + delta, tap * behind[delta] if delta else tap)
+    return dx
+
+
 def _kernel(*refs, stream_kernels, bt, bd, tiles_per_program, n_rows, has_seg, has_live, backend):
     it = iter(refs)
     de_ref = next(it)  # [m, Tp, bd]
@@ -53,19 +76,14 @@ def _kernel(*refs, stream_kernels, bt, bd, tiles_per_program, n_rows, has_seg, h
         behind = lag_masks(seg_ref, t0, bt, max_lag, backend)
         ahead = _lead_masks(seg_ref, t0, bt, max_lag, backend, n_rows)
         x = TokenWindow(x_ref, (), t0, bt, slice(None), backend, width=bd)
-        dx = jnp.zeros((bt, bd), F32)
-        for r, (kernel, off) in enumerate(layout):
-            de = TokenWindow(de_ref, (r,), t0, bt, slice(None), backend, width=bd, n_rows=n_rows)
-            if kernel == 0:
-                dx = dx + de.shift(0)
-                continue
-            for delta in range(kernel):
-                lead = de.ahead(delta)
-                if delta and ahead is not None:
-                    lead = lead * ahead[delta]
-                dx = dx + bank[off + delta] * lead
-                tap = de.shift(0) * x.shift(delta)
-                dbank[off + delta] = dbank[off + delta] + (tap * behind[delta] if delta else tap)
+
+        def add_tap(k, tap):  # the bank gradient rides the loop carry, reduced over rows once at the end
+            dbank[k] = dbank[k] + tap
+
+        def de(r):
+            return TokenWindow(de_ref, (r,), t0, bt, slice(None), backend, width=bd, n_rows=n_rows)
+
+        dx = _transpose_tile(layout, de, x, ahead, behind, jnp.zeros((bt, bd), F32), bank.__getitem__, add_tap)
         dx_ref[pl.ds(pl.multiple_of(j * bt, bt), bt), :] = dx.astype(dx_ref.dtype)
         return dbank
 
@@ -207,21 +225,17 @@ def _kernel_tpu(*refs, stream_kernels, bt, n_tiles, has_mask, has_live):
         behind = tpu_blocks.tile_masks(behind_ref, t0, bt, max_lag)
         ahead = tpu_blocks.tile_masks(ahead_ref, t0, bt, max_lag, ahead=True)
         x = TokenWindow(x_ref, (), t0, bt, slice(None), "tpu", prev=x_behind)
-        dx = jnp.zeros(dx_ref.shape, F32)
-        for r, (kernel, off) in enumerate(stream_layout(stream_kernels)):
-            de = TokenWindow(de_ref, (r,), t0, bt, slice(None), "tpu", next=de_ahead, n_rows=n_tiles * bt)
-            if kernel == 0:
-                dx = dx + de.shift(0)
-                continue
-            for delta in range(kernel):
-                lead = de.ahead(delta)
-                if delta and ahead is not None:
-                    lead = lead * ahead[delta]
-                dx = dx + bank_ref[off + delta, :].astype(F32)[None, :] * lead
-                tap = de.shift(0) * x.shift(delta)
-                tap = tap * behind[delta] if delta else tap
-                rows = pl.ds(off + delta, 1)
-                dbank_ref[rows, :] = dbank_ref[rows, :] + jnp.sum(tap, axis=0, keepdims=True)
+
+        def add_tap(k, tap):  # the bank gradient accumulates in its resident output block
+            rows = pl.ds(k, 1)
+            dbank_ref[rows, :] = dbank_ref[rows, :] + jnp.sum(tap, axis=0, keepdims=True)
+
+        def de(r):
+            return TokenWindow(de_ref, (r,), t0, bt, slice(None), "tpu", next=de_ahead, n_rows=n_tiles * bt)
+
+        bank_row = lambda k: bank_ref[k, :].astype(F32)[None, :]  # noqa: E731
+        dx = _transpose_tile(stream_layout(stream_kernels), de, x, ahead, behind, jnp.zeros(dx_ref.shape, F32),
+                             bank_row, add_tap)
         dx_ref[...] = dx.astype(dx_ref.dtype)
 
     def skipped():  # an invalid source: zero gradients (its bank rows stay as zeroed above)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -590,6 +591,47 @@ def phase2_fused_backward(state, partial, bank, query, include, gate, segment_id
                      mosaic_state=mosaic_state, mosaic_inputs=mosaic_inputs, value_channel=value_channel)
 
 
+class _ScoreMerge(NamedTuple):
+    """The forward's online-softmax merge of the partial's scores into phase 1's state, recomputed
+    for the backward (Eq. 11-12; the names of docs/kernels.md §4, "Phase 2 backward"): ``keep = c =
+    e^{M - M'}``, ``p = e^{s - M'}`` (0 for an excluded partial), ``denom = D' = c D + p``, the
+    weights ``a = c / D'``, ``b = p / D'`` and ``dold = D``, each ``[m, B, Tp, H]``; ``dots`` the
+    partial's scores and ``rk`` its key's inverse rms. The Triton / Mosaic GPU and Mosaic TPU
+    backwards share it, so the two cannot drift apart."""
+
+    dots: jax.Array
+    rk: jax.Array
+    keep: jax.Array
+    p: jax.Array
+    denom: jax.Array
+    dold: jax.Array
+    a: jax.Array
+    b: jax.Array
+
+    @classmethod
+    def recompute(cls, dots, sumsq, include, state, *, d, eps, t_pad):
+        rk = jax.lax.rsqrt(sumsq / d + eps)
+        include = jnp.asarray(include, bool)
+        s = jnp.where(include, dots * rk[..., None], reference.NEG_LARGE)
+        pmax = pad_tokens(state.max.astype(F32), 2, t_pad)
+        dold = pad_tokens(state.denom.astype(F32), 2, t_pad, 1.0)
+        new_max = jnp.maximum(pmax, s)
+        keep = jnp.exp(pmax - new_max)
+        p = jnp.where(include, jnp.exp(s - new_max), 0.0)
+        denom = dold * keep + p
+        return cls(dots, rk, keep, p, denom, dold, keep / denom, p / denom)
+
+    def cotangents(self, s1, sm, ss, d):
+        """``d_denom``, ``d_max`` and the key-norm coefficients ``u`` ``[m, B, Tp, H]``, ``v`` ``[m, B,
+        Tp]`` from pass 2's per-head sums ``S1, Sm, Ss``."""
+        d_denom = -self.keep * s1 / self.denom
+        d_max = self.keep * self.p * sm / (self.denom * self.denom)
+        ds = self.b * ss
+        u = self.rk[..., None] * ds
+        v = -(self.rk**3) / d * jnp.sum(ds * self.dots, axis=-1)
+        return d_denom, d_max, u, v
+
+
 def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, stream_kernels, heads, eps, gate_eps,
               tiles, backend, interpret, shift, scores=None, form=DEFAULT_FORM, mosaic_state=False,
               mosaic_inputs=False, value_channel=False):
@@ -640,17 +682,9 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
         dots, sumsq = dots[0, 0], sumsq[0]  # [m, B, Tp, H], [m, B, Tp]
     else:
         dots, sumsq = (pad_tokens(jnp.asarray(v, F32), 2, t_pad) for v in scores)
-    rk = jax.lax.rsqrt(sumsq / d + eps)
-    include = jnp.asarray(include, bool)
-    s = jnp.where(include, dots * rk[..., None], reference.NEG_LARGE)
-    pmax = pad_tokens(state.max.astype(F32), 2, t_pad)
-    dold = pad_tokens(state.denom.astype(F32), 2, t_pad, 1.0)
+    merge = _ScoreMerge.recompute(dots, sumsq, include, state, d=d, eps=eps, t_pad=t_pad)
+    a, b, dold = merge.a, merge.b, merge.dold
     acc = pad_tokens(state.acc, 2, t_pad)  # float32 or bf16 (api.phase1's state_dtype); loaded as float32
-    new_max = jnp.maximum(pmax, s)
-    keep = jnp.exp(pmax - new_max)
-    p = jnp.where(include, jnp.exp(s - new_max), 0.0)
-    denom = dold * keep + p
-    a, b = keep / denom, p / denom
 
     gate_in, d_gate = None, None
     if mosaic_state:  # passes 1 and 2 and the gate's backward in one Mosaic GPU kernel
@@ -686,11 +720,7 @@ def _backward(state, partial, bank, query, include, gate, segment_ids, dh, *, st
         d_acc, s1, sm, ss = _dstate_call(x, kbank, a, b, dold, acc, g_h, gate_in, seg, write_dacc=not factored, **kw)
         per_head = lambda v: jnp.sum(v.reshape(m, batch, t_pad, heads, nc // heads), axis=-1)  # noqa: E731
         s1, sm, ss = per_head(s1), per_head(sm), per_head(ss)
-    d_denom = -keep * s1 / denom
-    d_max = keep * p * sm / (denom * denom)
-    ds = b * ss  # [m, B, Tp, H]
-    u = rk[..., None] * ds
-    v = -(rk**3) / d * jnp.sum(ds * dots, axis=-1)  # [m, B, Tp]
+    d_denom, d_max, u, v = merge.cotangents(s1, sm, ss, d)
 
     # Pass 3: d_partial (transposed conv, reverse T loop), d_bank, d_query, d_W.
     if form == "wide":
@@ -990,16 +1020,8 @@ def _backward_tpu(state, partial, bank, query, include, gate, segment_ids, dh, *
         dots, sumsq = dots[0, 0], sumsq[0]
     else:
         dots, sumsq = (pad_tokens(jnp.asarray(v, F32), 2, t_pad) for v in scores)
-    rk = jax.lax.rsqrt(sumsq / d + eps)
-    include = jnp.asarray(include, bool)
-    s = jnp.where(include, dots * rk[..., None], reference.NEG_LARGE)
-    pmax = pad_tokens(state.max.astype(F32), 2, t_pad)
-    dold = pad_tokens(state.denom.astype(F32), 2, t_pad, 1.0)
-    new_max = jnp.maximum(pmax, s)
-    keep = jnp.exp(pmax - new_max)
-    p = jnp.where(include, jnp.exp(s - new_max), 0.0)
-    denom = dold * keep + p
-    a, b = keep / denom, p / denom
+    merge = _ScoreMerge.recompute(dots, sumsq, include, state, d=d, eps=eps, t_pad=t_pad)
+    a, b, dold = merge.a, merge.b, merge.dold
 
     lanes = lambda v: jnp.transpose(v, (1, 3, 2, 0))  # noqa: E731  [m, B, Tp, H] -> [B, H, Tp, m]
     arrays = dict(x=x, bank=kbank, q=q, a=lanes(a), b=lanes(b), dold=lanes(dold), acc=acc, dh=g_h)
@@ -1066,11 +1088,7 @@ def _backward_tpu(state, partial, bank, query, include, gate, segment_ids, dh, *
     d_acc, reds = (None, outs) if factored else (outs[0], outs[1:])
     bd_state = chosen["phase 2 state"].block_d
     s1, sm, ss = (per_head(v, bd_state) for v in reds)
-    d_denom = -keep * s1 / denom
-    d_max = keep * p * sm / (denom * denom)
-    ds = b * ss
-    u = rk[..., None] * ds
-    v = -(rk**3) / d * jnp.sum(ds * dots, axis=-1)  # [m, B, Tp]
+    d_denom, d_max, u, v = merge.cotangents(s1, sm, ss, d)
     arrays.update(u=lanes(u), v=jnp.moveaxis(v, 0, -1))
 
     # Pass 3: d_partial (reverse T), d_bank, d_query, d_W

@@ -240,6 +240,18 @@ def lag_masks(plgpu, bits_s, max_lag, bt, bd):
     return [None] + [per_row(((bits >> delta) & 1).astype(F32), bt, bd) for delta in range(1, max_lag)]
 
 
+def stage_table_and_masks(plgpu, table_ref, table_s, bits_ref, bits_s, bar, b, t0, max_lag, bt, bd):
+    """A program's prologue: copy its table of live sources (``table_ref``, whole) and, with
+    segments (``bits_ref`` not None), tile ``t0``'s lag bits of batch row ``b`` into shared memory
+    on the one barrier ``bar`` (so it counts ``1 + has_seg`` arrivals), wait, and return the
+    tile's ``lag_masks``."""
+    plgpu.copy_gmem_to_smem(table_ref, table_s, bar)
+    if bits_ref is not None:
+        plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t0, bt)], bits_s, bar)
+    plgpu.barrier_wait(bar)
+    return lag_masks(plgpu, bits_s, max_lag, bt, bd)
+
+
 def expand_streams(plgpu, xs, bs, slot, layout, masks, bt, bd, lags: LagWindow):
     """``[E_r for every stream]`` of the chunk in ``slot`` (Eq. 10): each lag window is loaded
     (and masked) once and feeds every stream whose kernel reaches it (12 window loads for kernels

@@ -19,8 +19,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention.fused import pad_tokens, stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu.common import (
-    BLOCK_D_CHOICES, BLOCK_T, F32, KernelConfig, LagWindow, SMEM_BYTES, expand_item, jitted_kernel, lag_masks,
-    lane_plgpu, per_col, per_row, smem_sum, store_group, tile_partial, tile_smem, valid_first, window_elems,
+    BLOCK_D_CHOICES, BLOCK_T, F32, KernelConfig, LagWindow, SMEM_BYTES, expand_item, jitted_kernel, lane_plgpu,
+    per_col, per_row, smem_sum, stage_table_and_masks, store_group, tile_partial, tile_smem, valid_first, window_elems,
 )
 
 MODES = ("gdots", "dstreams")
@@ -289,11 +289,7 @@ def _kernel(cfg: Phase1BackwardConfig):
         b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
         program_stream = lax.axis_index("r")
         rows = pl.ds(t0, bt)
-        plgpu.copy_gmem_to_smem(meta_ref, meta_s, bar_in.at[0])
-        if has_seg:
-            plgpu.copy_gmem_to_smem(bits_ref.at[b, rows], bits_s, bar_in.at[0])
-        plgpu.barrier_wait(bar_in.at[0])
-        masks = lag_masks(plgpu, bits_s, max_lag, bt, bd)
+        masks = stage_table_and_masks(plgpu, meta_ref, meta_s, bits_ref, bits_s, bar_in.at[0], b, t0, max_lag, bt, bd)
         n_live = meta_s[n, 0]
         total = n_groups * n_live
 

@@ -14,8 +14,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention.fused import pad_tokens, stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu.common import (
-    BLOCK_T, F32, KernelConfig, LagWindow, SMEM_BYTES, expand_item, jitted_kernel, lag_masks, lane_plgpu, per_row,
-    smem_sum, store_group, tile_partial, tile_smem, valid_first, window_elems,
+    BLOCK_T, F32, KernelConfig, LagWindow, SMEM_BYTES, expand_item, jitted_kernel, lane_plgpu, per_row, smem_sum,
+    stage_table_and_masks, store_group, tile_partial, tile_smem, valid_first, window_elems,
 )
 
 # Items in flight in ``phase1_mix``'s TMA pipeline (``mix_smem_bytes`` counts them): 5.18 against
@@ -193,11 +193,7 @@ def _mix_kernel(cfg: MixConfig):
         bar_in, bar_win = sc["bar_in"], sc.get("bar_win")
         b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
         rows = pl.ds(t0, bt)
-        plgpu.copy_gmem_to_smem(meta_ref, meta_s, bar_in.at[0])
-        if has_seg:
-            plgpu.copy_gmem_to_smem(bits_ref.at[b, rows], bits_s, bar_in.at[0])
-        plgpu.barrier_wait(bar_in.at[0])
-        masks = lag_masks(plgpu, bits_s, max_lag, bt, bd)
+        masks = stage_table_and_masks(plgpu, meta_ref, meta_s, bits_ref, bits_s, bar_in.at[0], b, t0, max_lag, bt, bd)
         n_live = meta_s[n, 0]
         per_chunk = m * n_live
         total = nc * per_chunk

@@ -15,8 +15,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.depth_attention.fused import stream_layout
 from pallas_kernels.depth_attention.mosaic_gpu.common import (
-    BLOCK_T, F32, KernelConfig, LagWindow, expand_streams, fetch_partial, jitted_kernel, lag_masks, lane_plgpu,
-    per_col, pipeline_chunks, smem_sum, store_group, tile_partial, window_elems,
+    BLOCK_T, F32, KernelConfig, LagWindow, expand_streams, fetch_partial, jitted_kernel, lane_plgpu, per_col,
+    pipeline_chunks, smem_sum, stage_table_and_masks, store_group, tile_partial, window_elems,
 )
 
 def scores_smem_bytes(*, block_d: int, stream_kernels: Sequence[int], heads: int, x_dtype, n_targets: int,
@@ -132,11 +132,7 @@ def _scores_kernel(cfg: ScoresConfig):
                                                                         "dots_s", "ss_s"))
         bar, bar_in = sc["bar"], sc["bar_in"]
         b, t0 = lax.axis_index("b"), lax.axis_index("t") * bt
-        plgpu.copy_gmem_to_smem(live_ref, live_s, bar_in.at[0])
-        if has_seg:
-            plgpu.copy_gmem_to_smem(bits_ref.at[b, pl.ds(t0, bt)], bits_s, bar_in.at[0])
-        plgpu.barrier_wait(bar_in.at[0])
-        masks = lag_masks(plgpu, bits_s, max_lag, bt, bd)
+        masks = stage_table_and_masks(plgpu, live_ref, live_s, bits_ref, bits_s, bar_in.at[0], b, t0, max_lag, bt, bd)
         zero = plgpu.layout_cast(jnp.zeros((bt,), F32), row)
 
         def staging_free():  # the last source's stores have read the staging buffers
