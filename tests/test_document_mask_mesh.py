@@ -5,8 +5,8 @@ and under data = 8, with the segment ids placed and consumed in the tokens' shar
 The step is the training loop's (``Layout.train_step`` on batches placed by
 ``Layout.global_batch``, as ``msar_jax.train.train`` does) with plain SGD at learning rate 1, so
 ``params - new_params`` is the gradient itself. The vanilla model runs by default, MSAR (its
-depth-wise attention over block summaries sharded too) with ``-m slow``. Mesh layouts: docs/parallelism.md section 1;
-the document mask: docs/training.md §6.
+depth-wise attention over block summaries sharded too) with ``-m slow``. Mesh layouts:
+docs/parallelism.md section 1; the document mask: docs/training.md §6.
 """
 
 from __future__ import annotations
