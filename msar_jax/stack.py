@@ -3,8 +3,8 @@
 ``DepthStack`` runs the L sublayers under any residual mechanism through its protocol
 (``msar_jax.residuals.base``). The outer ``lax.scan`` runs over units (one block of ``S/2`` layers,
 or one layer in Full mode), whose layers are unrolled; ``_append_only_scan`` keeps one copy of the
-append-only summary buffer for the backward, so memory is linear in depth, and
-``save_read_outputs`` lets the backward's re-run reuse each read's output (``_reuse_saved``).
+append-only summary buffer for the backward, so memory is linear in depth, and re-runs one layer
+at a time there (``_UnitFn.backward``), so it holds one layer's residuals; ``save_read_outputs`` lets the backward's re-run reuse each read's output (``_reuse_saved``).
 ``prefill`` (the same forward, recording what decoding keeps) and ``decode`` (one token against a
 cache) serve inference (docs/design.md §10). Design and reasons: docs/design.md §12.
 """
@@ -98,44 +98,43 @@ def _append_only_scan(unit_fn, valid_count, state0, xs, consts, ctx, unit_ids):
 
 
 def _append_only_fwd(unit_fn, valid_count, state0, xs, consts, ctx, unit_ids):
-    start_carry = getattr(unit_fn, "block_start_carry", None)
+    start_carry = unit_fn.block_start_carry
 
     def body(state, inp):
         x, u = inp
-        new_state, y, kept = unit_fn(state, x, consts, ctx, u)
-        return new_state, (y, None if start_carry is not None else state.carry, kept)
+        new_state, y, kept, layer_carries = unit_fn(state, x, consts, ctx, u, layer_carries=True)
+        return new_state, (y, None if start_carry is not None else state.carry, kept, layer_carries)
 
-    final, (ys, carries_in, kept) = jax.lax.scan(body, state0, (xs, unit_ids))
+    final, (ys, carries_in, kept, layer_carries) = jax.lax.scan(body, state0, (xs, unit_ids))
     # Only the final buffer is kept: every earlier buffer is a masked prefix of it. The
     # carry entering each unit is kept only when it is not known in advance; ``kept`` holds
-    # the read outputs (``DepthStack.save_read_outputs``), None otherwise.
-    return (final, ys), (final.sources, carries_in, xs, consts, ctx, unit_ids, state0.carry, kept)
+    # the read outputs (``DepthStack.save_read_outputs``), None otherwise; ``layer_carries``
+    # the carry entering each of a unit's later layers, for the backward's walk layer by layer.
+    return (final, ys), (final.sources, carries_in, layer_carries, xs, consts, ctx, unit_ids, state0.carry, kept)
 
 
 def _append_only_bwd(unit_fn, valid_count, res, cotangents):
-    sources_final, carries_in, xs, consts, ctx, unit_ids, carry0, kept = res
-    start_carry = getattr(unit_fn, "block_start_carry", None)
-    if start_carry is not None:
+    sources_final, carries_in, layer_carries, xs, consts, ctx, unit_ids, carry0, kept = res
+    if unit_fn.block_start_carry is not None:
         n_units = unit_ids.shape[0]
-        known = start_carry(carry0)
+        known = unit_fn.block_start_carry(carry0)
         carries_in = jax.tree.map(lambda a: jnp.broadcast_to(a, (n_units, *a.shape)), known)
     d_final, d_ys = cotangents
     rows = jnp.arange(sources_final.shape[0]).reshape(-1, *([1] * (sources_final.ndim - 1)))
 
     def body(acc, inp):
         d_sources, d_carry, d_consts = acc
-        carry_in, x, u, d_y, kept_u = inp
+        carry_in, carries_u, x, u, d_y, kept_u = inp
         # The buffer as it was when unit u started: entries written later are zeroed.
         sources_in = jnp.where(rows < valid_count(u), sources_final, jnp.zeros_like(sources_final))
-        state_in = DepthState(sources_in, carry_in)
-        _, vjp = jax.vjp(lambda st, xx, cc: unit_fn(st, xx, cc, ctx, u, known=kept_u)[:2], state_in, x, consts)
-        d_state, d_x, d_c = vjp((DepthState(d_sources, d_carry), d_y))
+        d_state, d_x, d_c = unit_fn.backward(DepthState(sources_in, carry_in), carries_u, x, consts, ctx, u, kept_u,
+                                             DepthState(d_sources, d_carry), d_y)
         d_consts = jax.tree.map(jnp.add, d_consts, d_c)
         return (d_state.sources, d_state.carry, d_consts), d_x
 
     init = (d_final.sources, d_final.carry, jax.tree.map(jnp.zeros_like, consts))
     (d_sources0, d_carry0, d_consts), d_xs = jax.lax.scan(
-        body, init, (carries_in, xs, unit_ids, d_ys, kept), reverse=True
+        body, init, (carries_in, layer_carries, xs, unit_ids, d_ys, kept), reverse=True
     )
     return DepthState(d_sources0, d_carry0), d_xs, d_consts, None, None
 
@@ -143,16 +142,110 @@ def _append_only_bwd(unit_fn, valid_count, res, cotangents):
 _append_only_scan.defvjp(_append_only_fwd, _append_only_bwd)
 
 
-class _UnitFn:
-    """A unit function plus, when the mechanism knows it, the carry every unit starts from."""
+def _float0_like(a):
+    return np.zeros(a.shape, jax.dtypes.float0)
 
-    def __init__(self, fn, mechanism):
-        self.fn = fn
+
+class _UnitFn:
+    """One unit of the depth stack (``DepthStack._unit``), callable as a whole, plus the
+    backward of the append-only scan: a walk over the unit's layers in reverse.
+
+    The walk re-runs one layer at a time under ``jax.vjp``, from the carry that entered it in
+    the forward pass (``layer_carries``), so the backward holds one layer's residuals (at
+    `base`, the attention's [B, H, T, T] scores and weights, about 8 GiB) instead of the whole
+    unit's, and still runs each sublayer's forward once more, as a re-run of the whole unit
+    did (docs/design.md §12)."""
+
+    def __init__(self, stack: "DepthStack", segments, *, collect_weights: bool, keep: bool, record=None):
+        self.stack, self.segments = stack, segments
+        self.collect_weights, self.keep, self.record = collect_weights, keep, record
+        mechanism = stack.mechanism
         probe = mechanism.block_start_carry
         self.block_start_carry = None if type(mechanism).block_start_carry is ResidualMechanism.block_start_carry else probe
+        self.n_layers = sum(cnt for _, _, cnt in segments)
 
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
+    def __call__(self, state, x, g, ctx, u, known=None, layer_carries=False):
+        return self.stack._unit(state, x, g, ctx, u, known, segments=self.segments, collect_weights=self.collect_weights,
+                                keep=self.keep, record=self.record, layer_carries=layer_carries)
+
+    def restored_carry(self, stored, template):
+        """A carry ``_stored_carry`` kept, with the leaves it left out as zeros (``template``'s)."""
+        drop = self.stack.mechanism.sublayer_written_carry
+        if drop and isinstance(template, dict):
+            return {k: stored[k] if k in stored else jnp.zeros_like(template[k]) for k in template}
+        return stored
+
+    def backward(self, state_in, carries_u, x, g, ctx, u, kept_u, d_state_out, d_y):
+        """Cotangents ``(d_state_in, d_x, d_g)`` of one unit, given those of its outputs."""
+        stack, segments, P = self.stack, self.segments, self.n_layers
+        full_mode = stack.mechanism.block_size == 1
+        bctx = None
+        if not full_mode:
+            bctx, pull_begin = jax.vjp(lambda st, mech_x, cc: stack.mechanism.cut_rerouted_cotangents(
+                stack._unit_begin(st, x["layer"], mech_x, cc, ctx)), state_in, x["mech"], g)
+        d_state = d_state_out
+        d_g = jax.tree.map(jnp.zeros_like, g)
+        d_rows = [None] * P
+        d_bctx = [None] * (2 * P)
+        for k in reversed(range(P)):
+            carry_k = state_in.carry if k == 0 else self.restored_carry(
+                jax.tree.map(lambda a: a[k - 1], carries_u), state_in.carry)
+            kind, row_x = _layer_row(x, segments, k)
+            b_k = None if bctx is None else tuple(bctx[2 * k : 2 * k + 2])
+            known_k = None if kept_u is None else kept_u[2 * k : 2 * k + 2]
+
+            def layer(st, xk, cc, b, k=k, kind=kind):
+                st, y, _ = stack._unit_layer(st, (*xk, x["layer"][k : k + 1]), cc, ctx, b, known_k, kind=kind, row=0,
+                                             collect_weights=self.collect_weights, record=None)
+                if k == P - 1 and not full_mode:
+                    st = stack._unit_end(st, x["layer"], cc)
+                return st, y
+
+            # Tie the layer's inputs to the cotangent the layer above produced: the re-run
+            # depends on nothing computed in this backward otherwise, and XLA's scheduler then
+            # ran every layer's re-run first and held all their residuals at once (`base`
+            # AttnRes: 44.5 GiB of temporaries against 42.2 for a re-run of the whole unit).
+            (carry_k, row_x, b_k), d_state = jax.lax.optimization_barrier(((carry_k, row_x, b_k), d_state))
+            _, pull = jax.vjp(layer, DepthState(state_in.sources, carry_k), row_x, g, b_k)
+            d_state, d_rows[k], d_gk, d_b = pull((d_state, jax.tree.map(lambda a: a[k], d_y)))
+            d_g = jax.tree.map(jnp.add, d_g, d_gk)
+            if b_k is not None:
+                d_bctx[2 * k : 2 * k + 2] = d_b
+        d_mech = jax.tree.map(lambda *a: jnp.concatenate(a), *[r[2] for r in d_rows])
+        if bctx is not None:
+            d_st_b, d_mech_b, d_g_b = pull_begin(d_bctx if isinstance(bctx, list) else type(bctx)(d_bctx))
+            d_state = DepthState(d_state.sources + d_st_b.sources, jax.tree.map(jnp.add, d_state.carry, d_st_b.carry))
+            d_mech = jax.tree.map(jnp.add, d_mech, d_mech_b)
+            d_g = jax.tree.map(jnp.add, d_g, d_g_b)
+        d_x = {
+            "mech": d_mech,
+            "attn": jax.tree.map(lambda *a: jnp.concatenate(a), *[r[0] for r in d_rows]),
+            "mlp": tuple(jax.tree.map(lambda *a: jnp.concatenate(a), *[d_rows[k][1] for k in range(off, off + cnt)])
+                         for _, off, cnt in segments),
+            "layer": _float0_like(x["layer"]),
+        }
+        return d_state, d_x, d_g
+
+
+def _stored_carry(mechanism, carry):
+    """``carry`` without the leaves every sublayer writes before reading them
+    (``ResidualMechanism.sublayer_written_carry``): their incoming value never matters."""
+    drop = mechanism.sublayer_written_carry
+    if drop and isinstance(carry, dict):
+        return {k: v for k, v in carry.items() if k not in drop}
+    return carry
+
+
+def _layer_row(x, segments, k):
+    """Layer ``k`` of a unit's stacked inputs ``x``: its MLP kind and ``(attention, MLP,
+    mechanism)`` parameters, each with a leading axis of 1."""
+    for seg_i, (kind, off, cnt) in enumerate(segments):
+        if off <= k < off + cnt:
+            one = lambda a, r: a[r : r + 1]  # noqa: E731
+            return kind, (jax.tree.map(lambda a: one(a, k), x["attn"]),
+                          jax.tree.map(lambda a: one(a, k - off), x["mlp"][seg_i]),
+                          jax.tree.map(lambda a: one(a, k), x["mech"]))
+    raise ValueError(f"layer {k} is in no segment of {segments}")
 
 
 def _remat_scan(unit_fn, state0, xs, consts, ctx, unit_ids, policy=None):
@@ -249,8 +342,8 @@ class DepthStack:
         unit_ids = jnp.asarray([u.index for u in group], jnp.int32)
         S = mech.block_size
         blocks_per_unit = 2 if S == 1 else 1
-        unit_fn = _UnitFn(functools.partial(self._unit, segments=segments, collect_weights=collect_weights,
-                                            keep=self.save_read_outputs and record is None, record=record), mech)
+        unit_fn = _UnitFn(self, segments, collect_weights=collect_weights,
+                          keep=self.save_read_outputs and record is None, record=record)
         if record is not None:  # a prefill: the forward alone, no backward to prepare for
             return jax.lax.scan(lambda st, inp: unit_fn(st, inp[0], g, ctx, inp[1])[:2], state, (xs, unit_ids))
         if state.sources is None or not self.memory_lean:
@@ -259,22 +352,18 @@ class DepthStack:
         valid_count = lambda u: 1 + u * blocks_per_unit  # noqa: E731  (buffer entries filled at unit start)
         return _append_only_scan(unit_fn, valid_count, state, xs, g, ctx, unit_ids)
 
-    def _unit(self, state, x, g, ctx, u, known=None, *, segments, collect_weights, keep, record=None):
+    def _unit(self, state, x, g, ctx, u, known=None, *, segments, collect_weights, keep, record=None,
+              layer_carries=False):
         """One unit: phase 1 for the block (S even), then its layers, unrolled.
 
         Returns ``(state, ys, kept)``: ``kept`` is the unit's read outputs ``[2P, B, T, d]``
         with ``keep`` (else None); ``known``, the same array from the forward pass, makes
-        the reads' outputs come from it (``_reuse_saved``)."""
-        mech = self.mechanism
-        S = mech.block_size
-        full_mode = S == 1
-        bctx = None
-        if not full_mode:
-            first_l = 2 * x["layer"][0] + 1
-            p_block = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), x["mech"])  # [2P, ...]
-            with jax.named_scope("depth_begin_block"):
-                bctx = mech.begin_block(g, p_block, state, position(first_l, S), ctx)
-        ys, kept = [], []
+        the reads' outputs come from it (``_reuse_saved``). With ``layer_carries``, also the
+        carry entering each layer after the first (``_UnitFn.stored_carry``, stacked ``[P - 1,
+        ...]``, None for one layer), which the backward's walk starts each layer from."""
+        full_mode = self.mechanism.block_size == 1
+        bctx = None if full_mode else self._unit_begin(state, x["layer"], x["mech"], g, ctx)
+        ys, kept, carries = [], [], []
         for seg_i, (kind, off, cnt) in enumerate(segments):
             sl = lambda a: a[off : off + cnt]  # noqa: E731
             inner_xs = (
@@ -292,24 +381,43 @@ class DepthStack:
             # inside (``row``), so a rematerialised layer keeps a reference to the shared
             # arrays, not a sliced copy of its own; the block context comes per target
             # (layer j of the unit reads targets 2j and 2j + 1), each its own array.
-            layer_ys = []
             for i in range(cnt):
-                step = functools.partial(self._layer, g=g, ctx=ctx, kind=kind, collect_weights=collect_weights, row=i,
-                                         record=record)
-                if self.remat_policy != "none":
-                    step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat_policy])
                 j = 2 * (off + i)
+                if off + i > 0:
+                    carries.append(state.carry)
                 known_hs = None if known is None else known[j : j + 2]
-                state, y, hs = step(state, inner_xs, None if bctx is None else tuple(bctx[j : j + 2]), known_hs)
-                layer_ys.append(y)
+                state, y, hs = self._unit_layer(state, inner_xs, g, ctx, None if bctx is None else tuple(bctx[j : j + 2]),
+                                                known_hs, kind=kind, row=i, collect_weights=collect_weights, record=record)
+                ys.append(y)
                 kept.extend(hs)
-            ys.append(jax.tree.map(lambda *a: jnp.stack(a), *layer_ys))
         if not full_mode:
-            last_l = 2 * x["layer"][-1] + 2
-            with jax.named_scope("depth_end_block"):
-                state = mech.end_block(g, state, position(last_l, S))
-        ys = jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *ys)
-        return state, ys, jnp.stack(kept) if keep else None
+            state = self._unit_end(state, x["layer"], g)
+        ys = jax.tree.map(lambda *a: jnp.stack(a), *ys)
+        out = (state, ys, jnp.stack(kept) if keep else None)
+        if layer_carries:
+            stored = [_stored_carry(self.mechanism, c) for c in carries]
+            out += (jax.tree.map(lambda *a: jnp.stack(a), *stored) if stored else None,)
+        return out
+
+    def _unit_begin(self, state, layer_ids, mech_x, g, ctx):
+        """Phase 1 of the unit's block (``mechanism.begin_block``): one context per target."""
+        first_l = 2 * layer_ids[0] + 1
+        p_block = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), mech_x)  # [2P, ...]
+        with jax.named_scope("depth_begin_block"):
+            return self.mechanism.begin_block(g, p_block, state, position(first_l, self.mechanism.block_size), ctx)
+
+    def _unit_end(self, state, layer_ids, g):
+        last_l = 2 * layer_ids[-1] + 2
+        with jax.named_scope("depth_end_block"):
+            return self.mechanism.end_block(g, state, position(last_l, self.mechanism.block_size))
+
+    def _unit_layer(self, state, inner_xs, g, ctx, bctx, known_hs, *, kind, row, collect_weights, record):
+        """Layer ``row`` of the stacked ``inner_xs`` (``_layer``), under the remat policy."""
+        step = functools.partial(self._layer, g=g, ctx=ctx, kind=kind, collect_weights=collect_weights, row=row,
+                                 record=record)
+        if self.remat_policy != "none":
+            step = jax.checkpoint(step, policy=REMAT_POLICIES[self.remat_policy])
+        return step(state, inner_xs, bctx, known_hs)
 
     def _layer(self, state, inp, bctx, known_hs, *, g, ctx, kind, collect_weights, row, record=None):
         """One transformer layer (row ``row`` of the stacked ``inp``): the attention sublayer,

@@ -74,10 +74,11 @@ CASES = [
     Case("msar_final_sum", "msar", block_size=2, final_merge="sum"),
     # A dense leading layer then "moe" layers (same toy sublayer): the stack splits units
     # by MLP kind and slices each kind's parameter stack from its first layer.
-    Case("msar_S4_mixed_kinds", "msar", n_layers=4, kinds=("dense", "moe", "moe", "moe"), block_size=4),
+    Case("msar_S4_mixed_kinds", "msar", n_layers=4, kinds=("dense", "moe", "moe", "moe"), block_size=4,
+         lean_check=True),
     # AttnRes + mHC hybrid.
     Case("attnres_mhc_S2", "attnres_mhc", grad=True, block_size=2, streams=4),
-    Case("attnres_mhc_S4_direct", "attnres_mhc", block_size=4, streams=4, two_phase=False),
+    Case("attnres_mhc_S4_direct", "attnres_mhc", block_size=4, streams=4, two_phase=False, lean_check=True),
     Case("attnres_mhc_S1_full", "attnres_mhc", block_size=1, streams=4),
 ]
 
@@ -239,7 +240,8 @@ def test_memory_lean_scan_equals_plain_scan(case):
     """The append-only custom-vjp scan must give the plain scan's values and gradients."""
     out_lean, g_lean = lean_vjp(case, True)
     out_plain, g_plain = lean_vjp(case, False)
-    np.testing.assert_allclose(out_lean, out_plain, rtol=1e-6, atol=1e-6)
+    # float32 rounding: the two scans fuse differently (the hybrid's Sinkhorn steps: 3.6e-6)
+    np.testing.assert_allclose(out_lean, out_plain, rtol=1e-5, atol=1e-6)
     flat_lean = dict(_leaves_with_paths({"g": g_lean[0], "l": g_lean[1], "e": g_lean[2]}))
     flat_plain = dict(_leaves_with_paths({"g": g_plain[0], "l": g_plain[1], "e": g_plain[2]}))
     assert flat_lean.keys() == flat_plain.keys()

@@ -231,6 +231,17 @@ class BlockDepthAttention(ResidualMechanism):
         phase-2 read, where ``heuristics.choose`` says it pays."""
         return self._config(depth_api.phase1).value_channel
 
+    def cut_rerouted_cotangents(self, bctx):
+        # With the value channel, phase 2's Pallas backward returns each state's value cotangent
+        # through the channel and none to ``acc`` (one stream, mean fusion, ``h`` in the
+        # channel's dtype: ``heuristics.choose`` turns the channel on only then). Phase 1's
+        # backward takes the channel's factored form only when ``acc``'s cotangent is a symbolic
+        # zero (``vjp._merge_channel_cotangents``), which a cotangent that crossed the stack's
+        # per-layer ``jax.vjp`` no longer is.
+        if bctx is None or not self._value_channel():
+            return bctx
+        return tuple((state._replace(acc=jax.lax.stop_gradient(state.acc)), channel) for state, channel in bctx)
+
     def _target(self, bctx):
         """One target's block context as ``(state, value channel or None)``."""
         return bctx if self._value_channel() else (bctx, None)

@@ -76,6 +76,10 @@ class ResidualMechanism(nnx.Module):
     # Carry leaves that never cross a pipeline stage: written before they are read in every
     # stage, or read only by ``finish`` on the last stage.
     stage_local_carry: tuple[str, ...] = ()
+    # Carry leaves that every sublayer's ``write`` sets without ``read`` or ``write`` using their
+    # earlier value (MSAR's ``last``, h_l + v_l): the depth stack's backward restarts each layer
+    # from its incoming carry and keeps these out of it (docs/design.md §12).
+    sublayer_written_carry: tuple[str, ...] = ()
     # Which of the mechanism's parameter names take weight decay (msar_jax.train.optim says why
     # matrices do and queries, scales and biases do not); every parameter must be in one.
     decayed_params: frozenset[str] = frozenset()
@@ -120,6 +124,14 @@ class ResidualMechanism(nnx.Module):
 
     def read(self, g, p, state: DepthState, bctx, pos: Position, ctx: SequenceContext, want_weights: bool = False):
         raise NotImplementedError
+
+    def cut_rerouted_cotangents(self, bctx):
+        """``begin_block``'s output as the depth stack's backward hands it to its layers one at a
+        time (docs/design.md §12): leaves whose cotangent reaches ``begin_block`` by another route
+        wrapped in ``lax.stop_gradient``, so that its backward sees their cotangents as symbolic
+        zeros, as it does when the whole block is differentiated at once. The default cuts
+        nothing."""
+        return bctx
 
     def write(self, g, p, state: DepthState, v: jax.Array, aux, pos: Position, ctx: SequenceContext) -> DepthState:
         raise NotImplementedError

@@ -49,6 +49,9 @@ class AttnResMHC(ResidualMechanism):
         a, _ = self._parts(state)
         return self.attnres.begin_block(g["attnres"], p_block["attnres"], a, pos, ctx)
 
+    def cut_rerouted_cotangents(self, bctx):
+        return self.attnres.cut_rerouted_cotangents(bctx)
+
     def read(self, g, p, state, bctx, pos, ctx, want_weights=False):
         a, m = self._parts(state)
         h_a, aux_a = self.attnres.read(g["attnres"], p["attnres"], a, bctx, pos, ctx, want_weights)

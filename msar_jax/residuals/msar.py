@@ -54,6 +54,7 @@ class MSAR(BlockDepthAttention):
     # never crosses a stage: the m expanded streams are never formed outside a read either,
     # and a hop carries only single-stream summaries and the partial.
     stage_local_carry = ("last",)
+    sublayer_written_carry = ("last",)
     decayed_params = frozenset({"gate_w", "conv_banks"})
     undecayed_params = frozenset({"queries", "gate_a", "gate_b"})
 
