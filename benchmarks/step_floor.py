@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flax import nnx  # noqa: E402
 
+from msar_jax import config as config_lib  # noqa: E402
 from msar_jax.config import load_config, parse_overrides  # noqa: E402
 
 from msar_jax.cli import run_cli
@@ -60,7 +61,7 @@ def read_shape(config) -> ReadShape:
     size = {"bfloat16": 2, "float16": 2, "float32": 4}
     return ReadShape(batch=config.train.batch_size, t_len=config.seq_len, d=model.d_model,
                      n_sublayers=2 * model.n_layers, block_size=mech.block_size, streams=len(kernels),
-                     act_bytes=size[model.dtype], state_bytes=size[model.residual.get("state_dtype", "float32")],
+                     act_bytes=size[model.dtype], state_bytes=size[config_lib.state_dtype(model)],
                      save_read_outputs=bool(model.get("save_read_outputs", False)))
 
 

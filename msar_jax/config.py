@@ -88,12 +88,13 @@ def residual_config() -> ml_collections.ConfigDict:
             # (the kernels: MSAR's `base` step on the H200 1332.5 ms against 4494.0 on the XLA path,
             # BENCHMARKS.md; off their platform they run in interpret mode, for tests only)
             implementation="auto",
-            # dtype of the phase-1 state's weighted sums: "float32" (exact to float32 rounding,
-            # docs/design.md §5) or "bfloat16" (rounded once when stored, relative error about 2^-9;
-            # half the bytes of a block read's largest arrays: MSAR 0.985 / 3.401 ms per sublayer
-            # forward / backward against 1.046 / 3.543, AttnRes's `base` step 1003.0 against 1011.6
-            # ms on the H200)
-            state_dtype="float32",
+            # dtype of the phase-1 state's weighted sums: "auto" (the activations' dtype,
+            # model.dtype), "float32" (exact to float32 rounding, docs/design.md §5) or "bfloat16"
+            # (rounded once when stored, relative error about 2^-9; half the bytes of a block
+            # read's largest arrays: MSAR's `base` step peak 33.19 -> 28.5 GiB on an H100,
+            # BENCHMARKS.md "Training memory at `base`"; with bf16 activations the gradients'
+            # error against a float32 model is the same with either state, docs/design.md §5)
+            state_dtype="auto",
             # Experiments only: fields of the kernels' per-op config that pallas_kernels'
             # heuristics otherwise choose (pallas_kernels/depth_attention/heuristics.py,
             # docs/kernels.md §3): None = the heuristics' choice
@@ -217,10 +218,23 @@ def validate(model: ml_collections.ConfigDict, prefix: str = "model") -> ml_coll
     for key, value in (res.get("kernel_overrides") or {}).items():
         if (why := heuristics.override_error(key, value)) is not None:
             raise ConfigError(r(f"kernel_overrides.{key}"), value, why)
-    if res.get("state_dtype", "float32") not in ("float32", "bfloat16"):
-        raise ConfigError(r("state_dtype"), res.state_dtype, "must be 'float32' or 'bfloat16'")
+    if res.get("state_dtype", "auto") not in STATE_DTYPES:
+        raise ConfigError(r("state_dtype"), res.state_dtype, f"must be one of {STATE_DTYPES}")
     mechanism.validate_config(model, prefix)  # the mechanism's own rules
     return model
+
+
+STATE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def state_dtype(model) -> str:
+    """The phase-1 state's dtype ``model.residual.state_dtype`` names: ``"auto"`` is bfloat16 with
+    bfloat16 activations (``model.dtype``), float32 otherwise (float16's range is too narrow for
+    the weighted sums)."""
+    dtype = model.residual.get("state_dtype", "auto")
+    if dtype == "auto":
+        return "bfloat16" if model.dtype == "bfloat16" else "float32"
+    return dtype
 
 
 def n_sublayers(model) -> int:

@@ -34,7 +34,7 @@ CASES = [
     ({"residual.eps": 0.0}, "model.residual.eps", "> 0"),
     ({"residual.fusion": "max"}, "model.residual.fusion", "one of"),
     ({"dtype": "int8"}, "model.dtype", "one of"),
-    ({"residual.state_dtype": "float16"}, "model.residual.state_dtype", "must be 'float32' or 'bfloat16'"),
+    ({"residual.state_dtype": "float16"}, "model.residual.state_dtype", "must be one of ('auto', 'float32', 'bfloat16')"),
     ({"residual.kernel_overrides.read_chunks": 0}, "model.residual.kernel_overrides.read_chunks",
      "must be None (choose) or a positive integer"),
     ({"residual.kernel_overrides.backward": "triton"}, "model.residual.kernel_overrides.backward",

@@ -293,12 +293,13 @@ class BlockDepthAttention(ResidualMechanism):
         # 2093.9 per target (same tiles), AttnRes 1075.1 against 1051.7 (docs/kernels.md; the
         # per-target mixing and stream-cotangent kernels need the 64-channel chunks of
         # ``tiling.choose_tiles``: at 128 they ran up to 71% slower).
-        # ``state_dtype="bfloat16"`` stores the weighted sums in half the bytes (``api.phase1``).
+        # A bf16 state (``model.residual.state_dtype``; "auto" with bf16 activations) stores the
+        # weighted sums in half the bytes (``api.phase1``).
         channel = self._value_channel()
         # Per target: the state's leaves [m, B, T, ...], the value channel's values [B, T, d] and scale [m, B, T, H].
         out_axes = tuple((1, depth_ref.ValueChannel(0, 1)) for _ in range(p_block["queries"].shape[0])) if channel else 1
         phase1 = functools.partial(self._op(depth_api.phase1), per_target=True, value_channel=channel,
-                                   state_dtype=self.res_cfg.get("state_dtype", "float32"))
+                                   state_dtype=self.state_dtype)
         # ``b_N``'s zero bank is appended inside the read (inside the kernels' ``shard_map`` under
         # a mesh), so the banks' cotangent that leaves it (summed over the batch devices) is
         # ``[N, K, d]``, not ``[N + 1, K, d]`` cut to its first N rows after the sum. Under FSDP

@@ -90,6 +90,7 @@ class ResidualMechanism(nnx.Module):
         self.n_sublayers = config_lib.n_sublayers(model_cfg)
         self.dtype = jnp.dtype(model_cfg.dtype)
         self.res_cfg = model_cfg.residual
+        self.state_dtype = config_lib.state_dtype(model_cfg)  # phase 1's weighted sums (docs/design.md §5)
         # the depth stack keeps each read's output across the backward's re-run (DepthStack)
         self.save_read_outputs = bool(model_cfg.get("save_read_outputs", False))
 
