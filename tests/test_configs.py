@@ -145,3 +145,15 @@ def test_default_implementation_is_the_platforms_kernels(path):
     for device in ("gpu", "tpu"):
         with platform.target(device):
             assert api.runs_a_kernel(mechanism.implementation)
+
+
+def test_state_dtype_auto_follows_the_activations():
+    """``model.residual.state_dtype="auto"`` (the default): a bf16 phase-1 state with bf16
+    activations, float32 with float32 or float16 ones; an explicit dtype is kept."""
+    from msar_jax.config import state_dtype
+
+    for dtype, want in (("bfloat16", "bfloat16"), ("float32", "float32"), ("float16", "float32")):
+        cfg = load_config("configs/msar.py:smoke=1", {"model.dtype": dtype})
+        assert cfg.model.residual.state_dtype == "auto" and state_dtype(cfg.model) == want
+    cfg = load_config("configs/msar.py:smoke=1", {"model.dtype": "bfloat16", "model.residual.state_dtype": "float32"})
+    assert state_dtype(cfg.model) == "float32"
