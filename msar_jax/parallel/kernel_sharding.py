@@ -83,13 +83,18 @@ def _spec(axis: int | None, mesh_axes: tuple[str, ...]) -> PartitionSpec:
     return PartitionSpec(*([None] * axis), mesh_axes[0] if len(mesh_axes) == 1 else mesh_axes)
 
 
-def over_batch(fn: Callable, args: Sequence[Any], batch_axes: Sequence[Any], out_batch_axes: Any) -> Any:
+def over_batch(fn: Callable, args: Sequence[Any], batch_axes: Sequence[Any], out_batch_axes: Any,
+               manual_batch_axes_only: bool = False) -> Any:
     """``fn(*args)``, inside a ``shard_map`` over the active mesh's automatic axes when
     ``needs_shard_map()``, else called as is.
 
     ``batch_axes``: per argument, its batch axis (``leaf_batch_axes``); at least one leaf has
     one. ``out_batch_axes``: the batch axis of the output's leaves, an ``int`` for all of them or
     a pytree prefix of the output of ``int``s (``None``: no batch dimension, replicated).
+    ``manual_batch_axes_only``: make only the batch's mesh axes manual (and call ``fn`` as is
+    where there are none), leaving the others (``tensor``) to XLA inside ``fn``: for plain XLA
+    code that is exact per row but whose global gathers XLA would replicate on every device
+    (the MoE dispatch, ``layers.moe_mlp``).
     """
     if not needs_shard_map():
         return fn(*args)
@@ -100,10 +105,13 @@ def over_batch(fn: Callable, args: Sequence[Any], batch_axes: Sequence[Any], out
     if len(rows) != 1:
         raise ValueError(f"over_batch: the arguments' batch dimensions disagree or are missing: {sorted(rows)}")
     mesh_axes = batch_mesh_axes(mesh, rows.pop())
+    if manual_batch_axes_only and not mesh_axes:
+        return fn(*args)
     in_specs = jax.tree.unflatten(treedef, [_spec(ax, mesh_axes) for ax in axes])
     out_specs = jax.tree.map(lambda ax: _spec(ax, mesh_axes), out_batch_axes, is_leaf=lambda ax: ax is None)
     # ``check_vma=False``: the kernels' ``out_shape``s carry no varying-axes type (under
     # ``check_vma=True`` ``pallas_call`` refuses them), and the kernels stay free of mesh code.
     # The transpose then sums the replicated parameters' cotangents over the batch axes itself.
     return jax.shard_map(fn, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
-                         axis_names=set(_free_axes(mesh)), check_vma=False)(*args)
+                         axis_names=set(mesh_axes if manual_batch_axes_only else _free_axes(mesh)),
+                         check_vma=False)(*args)
