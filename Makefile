@@ -48,8 +48,7 @@ accounting: $(STAMP)
 # plugin in .aot_site, msar_jax/deviceless_gpu.py) and paper_28b's per-chip shard on a v5p slice
 bench-memory: $(STAMP) $(LIBTPU_STAMP)
 	PYTHONPATH=.aot_site $(PY) benchmarks/bench_memory.py --topology h200 --full_batch --json results/memory_base_h200.json
-	PYTHONPATH=$(TPU_SITE) $(PY) benchmarks/bench_memory.py --size paper_28b --topology v5p:4x4x4 --mesh fsdp=64 \
-		--json results/memory_paper_28b_v5p.json
+	PYTHONPATH=$(TPU_SITE) $(PY) benchmarks/bench_memory.py --size paper_28b --topology v5p:4x4x4 --mesh fsdp=64
 
 # Execute the notebooks at tiny size and store their outputs, so a code host shows the figures
 # (about 2 minutes on 2 CPU cores; tools/execute_notebooks.py). Commit the notebooks after it.
